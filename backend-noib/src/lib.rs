@@ -1,0 +1,1 @@
+//! IB-less stub (being written).

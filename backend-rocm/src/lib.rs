@@ -1,0 +1,1 @@
+//! ROCm backend (being written).

@@ -1,0 +1,111 @@
+//! The `Algorithm` trait: one way of running one collective, native or from an execution plan.
+//!
+//! Native kernels and MSCCL++ JSON execution plans implement the same trait so that one selector
+//! serves both. Names follow MSCCL++ (`default_allreduce_packet`, ...), so users' selector tables
+//! and tuning files carry over.
+//!
+//! # Contract
+//! - An algorithm is constructed ready to run for one communicator (the builder that makes it
+//!   registers memory and sets up channels); `execute` only enqueues work on the given stream.
+//! - `execute` never synchronises the host with the device, so it is legal during CUDA-graph capture,
+//!   and it stays correct when the same buffers are used by repeated calls or graph replays.
+//! - An unsupported (dtype, op, size) combination is reported by `check` and by `execute` as
+//!   [`Error::Unsupported`] naming the combination, never computed wrongly.
+//!
+//! # Thread safety
+//! `Send + Sync`; concurrent `execute` calls on one algorithm object need distinct streams and
+//! buffers, since algorithms keep per-buffer device state (flags, scratch).
+
+use crate::dtype::{AccumType, DataType, ReduceOp};
+use crate::error::{Error, Result};
+use crate::gpu::{DevicePtr, Stream};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// The collective operations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Collective {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    Broadcast,
+    AllToAll,
+    SendRecv,
+}
+
+impl Collective {
+    /// MSCCL++ spelling (`allreduce`, ...), used in plan files and tuning tables.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Collective::AllReduce => "allreduce",
+            Collective::AllGather => "allgather",
+            Collective::ReduceScatter => "reducescatter",
+            Collective::Broadcast => "broadcast",
+            Collective::AllToAll => "alltoall",
+            Collective::SendRecv => "sendrecv",
+        }
+    }
+
+    /// Whether the collective combines values (so `op` and the accumulation type matter).
+    pub const fn reduces(self) -> bool {
+        matches!(self, Collective::AllReduce | Collective::ReduceScatter)
+    }
+}
+
+impl fmt::Display for Collective {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Arguments of one collective call, in bytes as MSCCL++'s `execute` takes them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ExecuteArgs {
+    pub input: DevicePtr,
+    pub output: DevicePtr,
+    pub input_bytes: usize,
+    pub output_bytes: usize,
+    pub dtype: DataType,
+    pub op: ReduceOp,
+    pub accum: AccumType,
+    /// Root rank for rooted collectives (broadcast); ignored otherwise.
+    pub root: usize,
+    pub stream: Stream,
+    /// Launch geometry; `None` lets the algorithm choose.
+    pub nblocks: Option<u32>,
+    pub nthreads: Option<u32>,
+}
+
+impl ExecuteArgs {
+    /// Element count of the input buffer; an input size that is not a whole number of elements is
+    /// an error naming both numbers.
+    pub fn input_count(&self) -> Result<usize> {
+        let size = self.dtype.size();
+        if self.input_bytes % size != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "input size {} bytes is not a multiple of the {} element size {size}",
+                self.input_bytes, self.dtype
+            )));
+        }
+        Ok(self.input_bytes / size)
+    }
+
+    pub fn in_place(&self) -> bool {
+        self.input == self.output
+    }
+}
+
+/// One algorithm for one collective. See the module docs for the contract.
+pub trait Algorithm: Send + Sync {
+    /// MSCCL++-compatible name, e.g. `default_allreduce_packet`.
+    fn name(&self) -> &str;
+
+    fn collective(&self) -> Collective;
+
+    /// Whether this algorithm can run `args`; the error says which part is not supported.
+    fn check(&self, args: &ExecuteArgs) -> Result<()>;
+
+    /// Enqueues the collective on `args.stream`. Calls `check` first.
+    fn execute(&self, args: &ExecuteArgs) -> Result<()>;
+}

@@ -1,0 +1,1 @@
+//! Typed `MSCCLPP_*` environment (being written).

@@ -1,0 +1,269 @@
+//! The `Gpu` trait: what the runtime needs from a GPU driver, in vendor-neutral terms.
+//!
+//! Backends (CUDA through cudarc, HIP loaded at run time) implement it; the facade crate picks one at
+//! run time. Handles are plain integers (the driver's own pointer or handle value), so the trait is
+//! object-safe, cheap to copy, and the same on every backend.
+//!
+//! # Thread safety
+//! Implementations are `Send + Sync`. Every method may be called from any thread: a backend makes
+//! the device's primary context current on the calling thread itself (driver APIs bind contexts per
+//! thread), so callers never manage contexts. Streams and events may be used from several threads,
+//! with the usual stream-ordering semantics; the caller orders conflicting operations.
+//!
+//! # Errors
+//! Driver failures are [`Error::Driver`](crate::Error::Driver) naming the call. Anything a backend
+//! cannot do (e.g. VMM on an old driver) is [`Error::Unsupported`](crate::Error::Unsupported); the
+//! default method bodies return that, so a backend that lacks a capability says so instead of lying.
+
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::ffi::c_void;
+
+/// A device address (CUdeviceptr / hipDeviceptr_t).
+pub type DevicePtr = u64;
+
+/// A driver stream handle; `Stream::DEFAULT` (0) is the legacy default stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Stream(pub u64);
+
+impl Stream {
+    pub const DEFAULT: Stream = Stream(0);
+}
+
+/// A driver event handle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Event(pub u64);
+
+/// A loaded module (CUmodule / hipModule_t).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Module(pub u64);
+
+/// A kernel entry point inside a [`Module`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Function(pub u64);
+
+/// Which vendor's GPU this is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum GpuVendor {
+    Nvidia,
+    Amd,
+}
+
+/// What the runtime needs to know about a device to choose algorithms and compile kernels.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceProperties {
+    pub vendor: GpuVendor,
+    pub name: String,
+    /// Architecture name the run-time compiler targets: `sm_90`, `sm_100`, `gfx942`...
+    pub arch: String,
+    /// Compute capability (NVIDIA) or gfx major/minor (AMD).
+    pub compute_major: u32,
+    pub compute_minor: u32,
+    pub multiprocessors: u32,
+    pub warp_size: u32,
+    pub total_memory: u64,
+    /// PCI bus id, `0000:19:00.0`: identifies the physical GPU across processes.
+    pub pci_bus_id: String,
+    /// Virtual memory management (cuMemCreate/cuMemMap) with shareable handles is available.
+    pub supports_vmm: bool,
+    /// The hardware and driver could do NVLink multicast. This does not mean it may be used: that is
+    /// also gated by the environment (see `Env::nvls_allowed`).
+    pub supports_multicast: bool,
+}
+
+/// How device memory is allocated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MemoryKind {
+    /// cuMemAlloc / hipMalloc. Shared with peers through legacy IPC handles.
+    Plain,
+    /// Physical allocation mapped into a reserved VA range (cuMemCreate + cuMemMap), granularity
+    /// aligned, exportable as a POSIX file descriptor: MSCCL++'s GpuBuffer. Needed for symmetric
+    /// memory and NVLS.
+    Vmm,
+}
+
+/// Device memory owned by this process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Allocation {
+    pub ptr: DevicePtr,
+    /// Bytes the caller asked for.
+    pub size: usize,
+    /// Bytes actually reserved (rounded up to the allocation granularity for VMM).
+    pub reserved: usize,
+    pub kind: MemoryKind,
+    pub device: usize,
+    /// Backend-private handle (the CUmemGenericAllocationHandle for VMM, else 0).
+    pub handle: u64,
+}
+
+/// Host memory that is pinned and mapped into the device's address space (FIFOs, semaphores,
+/// host-visible error words).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostMapped {
+    pub host_ptr: *mut u8,
+    pub device_ptr: DevicePtr,
+    pub size: usize,
+}
+
+// SAFETY: the pointer refers to pinned memory valid until `free_host_mapped`; sharing its address
+// between threads is the point (a proxy thread reads what a kernel writes). Accesses are made by
+// callers with atomics.
+unsafe impl Send for HostMapped {}
+unsafe impl Sync for HostMapped {}
+
+/// A description of local device memory that another process on the same host can map.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum IpcMemHandle {
+    /// Legacy IPC handle bytes (cuIpcGetMemHandle / hipIpcGetMemHandle), plus the offset of the
+    /// shared pointer inside the allocation the handle names.
+    Legacy {
+        bytes: Vec<u8>,
+        offset: u64,
+        size: u64,
+    },
+    /// A VMM allocation exported as a POSIX file descriptor. The descriptor itself travels out of
+    /// band (SCM_RIGHTS or pidfd_getfd); here we carry who owns it and the mapping parameters.
+    PosixFd {
+        pid: u32,
+        fd: i32,
+        size: u64,
+        reserved: u64,
+        offset: u64,
+    },
+}
+
+/// A peer's memory mapped into this process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImportedMemory {
+    pub ptr: DevicePtr,
+    pub size: usize,
+    /// Backend-private bookkeeping needed to unmap (base pointer, handle, reserved size).
+    pub base: DevicePtr,
+    pub handle: u64,
+    pub reserved: usize,
+    pub legacy: bool,
+}
+
+/// Launch geometry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchConfig {
+    pub grid: (u32, u32, u32),
+    pub block: (u32, u32, u32),
+    pub shared_mem_bytes: u32,
+}
+
+impl LaunchConfig {
+    pub fn linear(blocks: u32, threads: u32) -> Self {
+        LaunchConfig {
+            grid: (blocks, 1, 1),
+            block: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+}
+
+fn unsupported<T>(what: &str) -> Result<T> {
+    Err(Error::Unsupported(format!(
+        "{what} is not implemented by this GPU backend"
+    )))
+}
+
+/// A GPU driver. See the module docs for the thread-safety and error contracts.
+pub trait Gpu: Send + Sync {
+    /// Short backend name: `cuda` or `rocm`.
+    fn backend_name(&self) -> &'static str;
+
+    /// Number of visible devices. Never fails for "zero devices": that is `Ok(0)`.
+    fn device_count(&self) -> Result<usize>;
+
+    /// Makes `device` the current device of the calling thread (retaining its primary context).
+    fn set_device(&self, device: usize) -> Result<()>;
+
+    /// The device the calling thread works on (0 until `set_device`).
+    fn current_device(&self) -> Result<usize>;
+
+    fn properties(&self, device: usize) -> Result<DeviceProperties>;
+
+    /// Allocates `size` bytes (size > 0) on the current device.
+    fn alloc(&self, size: usize, kind: MemoryKind) -> Result<Allocation>;
+
+    /// Frees an allocation made by `alloc` in this process. Freeing twice is undefined.
+    fn free(&self, alloc: &Allocation) -> Result<()>;
+
+    /// Pinned host memory mapped into the device address space, zero-filled.
+    fn alloc_host_mapped(&self, _size: usize) -> Result<HostMapped> {
+        unsupported("host-mapped memory")
+    }
+    fn free_host_mapped(&self, _mem: &HostMapped) -> Result<()> {
+        unsupported("host-mapped memory")
+    }
+
+    /// Asynchronous copy on `stream` (any direction; unified addressing).
+    fn memcpy_async(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+        stream: Stream,
+    ) -> Result<()>;
+    /// Synchronous host-to-device copy.
+    fn copy_to_device(&self, dst: DevicePtr, src: &[u8]) -> Result<()>;
+    /// Synchronous device-to-host copy.
+    fn copy_from_device(&self, dst: &mut [u8], src: DevicePtr) -> Result<()>;
+    /// Asynchronous byte fill on `stream`.
+    fn memset_async(&self, dst: DevicePtr, value: u8, bytes: usize, stream: Stream) -> Result<()>;
+
+    fn create_stream(&self) -> Result<Stream>;
+    fn destroy_stream(&self, stream: Stream) -> Result<()>;
+    fn synchronize_stream(&self, stream: Stream) -> Result<()>;
+    fn synchronize_device(&self) -> Result<()>;
+
+    fn create_event(&self) -> Result<Event>;
+    fn destroy_event(&self, event: Event) -> Result<()>;
+    fn record_event(&self, event: Event, stream: Stream) -> Result<()>;
+    /// Milliseconds between two recorded events (blocks until `end` completes).
+    fn elapsed_ms(&self, start: Event, end: Event) -> Result<f32>;
+
+    /// Describes `[ptr, ptr+size)` (inside `alloc`) for a peer process on this host.
+    fn export_memory(
+        &self,
+        _alloc: &Allocation,
+        _ptr: DevicePtr,
+        _size: usize,
+    ) -> Result<IpcMemHandle> {
+        unsupported("memory export")
+    }
+    /// Maps a peer's memory. For `PosixFd` the caller passes the descriptor it received.
+    fn import_memory(&self, _handle: &IpcMemHandle, _fd: Option<i32>) -> Result<ImportedMemory> {
+        unsupported("memory import")
+    }
+    fn close_imported(&self, _mem: &ImportedMemory) -> Result<()> {
+        unsupported("memory import")
+    }
+    /// Lets this device read/write `peer`'s memory directly (NVLink/PCIe P2P).
+    fn enable_peer_access(&self, _peer: usize) -> Result<()> {
+        unsupported("peer access")
+    }
+
+    /// Loads a compiled image (cubin, PTX, or code object).
+    fn load_module(&self, image: &[u8]) -> Result<Module>;
+    fn get_function(&self, module: Module, name: &str) -> Result<Function>;
+    /// Launches `function` with `params`: one pointer per kernel parameter, pointing at its value.
+    ///
+    /// # Safety
+    /// `params` must match the kernel's signature exactly, and every pointer the kernel dereferences
+    /// must be valid for the launch's lifetime.
+    unsafe fn launch(
+        &self,
+        function: Function,
+        config: LaunchConfig,
+        stream: Stream,
+        params: &mut [*mut c_void],
+    ) -> Result<()>;
+
+    /// Stream capture state: true while `stream` is being captured into a graph. Collectives use this
+    /// to avoid host synchronisation during capture.
+    fn is_capturing(&self, _stream: Stream) -> Result<bool> {
+        Ok(false)
+    }
+}

@@ -1,0 +1,20 @@
+//! Vendor-neutral core of mscclpp-rs.
+//!
+//! Everything here builds and is tested without any GPU driver: the traits that backends implement
+//! ([`Gpu`], [`Transport`], [`Algorithm`]), the element and reduction types, the one error type, the
+//! typed `MSCCLPP_*` environment, logging, and the TCP bootstrap that ranks use to find each other.
+
+pub mod algorithm;
+pub mod dtype;
+pub mod error;
+pub mod gpu;
+pub mod transport;
+
+pub use algorithm::{Algorithm, Collective, ExecuteArgs};
+pub use dtype::{AccumType, DataType, ReduceOp};
+pub use error::{Error, Result};
+pub use gpu::{DeviceProperties, Gpu, GpuVendor};
+pub use transport::{Transport, TransportKind};
+pub mod bootstrap;
+pub mod env;
+pub mod log;

@@ -1,0 +1,1 @@
+//! Logging through `tracing` (being written).

@@ -1,0 +1,1 @@
+//! HIP device pieces (being written).
