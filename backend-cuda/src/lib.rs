@@ -1,1 +1,22 @@
-//! CUDA backend (being written).
+//! CUDA backend of mscclpp-rs.
+//!
+//! - [`CudaGpu`]: the [`mscclpp_core::Gpu`] trait over the CUDA driver API (cudarc's raw bindings,
+//!   loaded at run time; a missing driver is a clear error, never a panic).
+//! - [`Nvrtc`]: run-time compilation with whichever NVRTC (CUDA 12 or 13) is installed, including
+//!   PyPI's `nvidia-cuda-nvrtc`; [`KernelCache`] keeps its output on disk.
+//! - Memory sharing between processes on one host: legacy IPC handles and VMM file descriptors
+//!   (see [`ipc`]).
+//!
+//! Environment: `MSCCLPP_NVRTC_LIB` (NVRTC library file or folder), `CUDA_HOME` / `CUDA_PATH`
+//! (toolkit roots for NVRTC and its headers).
+
+pub mod cache;
+pub mod driver;
+pub mod gpu;
+pub mod ipc;
+pub mod nvrtc;
+pub mod toolkit;
+
+pub use cache::{CacheOutcome, CacheStats, CachedKernel, KernelCache};
+pub use gpu::CudaGpu;
+pub use nvrtc::{cuda_include_dirs, CompileRequest, CompiledKernel, Nvrtc};

@@ -1,0 +1,366 @@
+//! On-disk cache of compiled kernels, so a rank compiles each (source, options, arch, compiler)
+//! combination once per machine instead of on every start.
+//!
+//! # Key
+//! SHA-256 over, each length-prefixed so no two inputs can collide by concatenation: a format tag,
+//! the source, every (include name, text) header pair, the full NVRTC option list (ours and the
+//! caller's, include folders included), the target architecture and the NVRTC version.
+//!
+//! # Entry file (`<name>-<arch>-<key>.kbin` under the cache folder)
+//! ```text
+//! magic "MSCLKRN1" (8) | key (32) | image_len u64 LE | log_len u64 LE | sha256(image ++ log) (32)
+//! | image | log
+//! ```
+//! An entry whose magic, key, lengths or checksum do not match is never trusted: it is logged,
+//! recompiled and replaced. Writes go to a unique temp file in the same folder and are renamed into
+//! place, so ranks compiling the same kernel at once each publish a complete file and readers never
+//! see a partial one.
+
+use crate::nvrtc::{CompileRequest, CompiledKernel, Nvrtc};
+use mscclpp_core::error::IoContext;
+use mscclpp_core::{Error, Result};
+use sha2::{Digest, Sha256};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+const MAGIC: &[u8; 8] = b"MSCLKRN1";
+const HEADER_LEN: usize = 8 + 32 + 8 + 8 + 32;
+/// Bumped when anything about how we compile changes in a way the key does not capture.
+const KEY_FORMAT: &str = "mscclpp-rs kernel cache v1";
+
+/// How a [`KernelCache::get_or_compile`] call got its image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheOutcome {
+    /// No entry existed: compiled and stored.
+    Compiled,
+    /// A valid entry was loaded from disk.
+    Hit,
+    /// An entry existed but was corrupt or truncated: recompiled and replaced.
+    Rebuilt,
+}
+
+/// A kernel image from the cache, with how it was obtained and how long that took.
+#[derive(Debug, Clone)]
+pub struct CachedKernel {
+    pub kernel: CompiledKernel,
+    pub outcome: CacheOutcome,
+    /// Wall time of this call (compile + store, or read + verify).
+    pub elapsed: Duration,
+    /// Hex SHA-256 key of the entry.
+    pub key: String,
+}
+
+/// Totals since the cache was created, for reporting first-use compile time against cached loads.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    pub compiles: u64,
+    pub hits: u64,
+    /// Entries found corrupt and rebuilt (also counted in `compiles`).
+    pub rebuilt: u64,
+    pub compile_time: Duration,
+    pub load_time: Duration,
+}
+
+/// Compile-or-load cache of NVRTC output under one folder (normally `Env.cache_dir`).
+#[derive(Debug)]
+pub struct KernelCache {
+    dir: PathBuf,
+    nvrtc: Nvrtc,
+    stats: Mutex<CacheStats>,
+}
+
+impl KernelCache {
+    /// A cache in `dir` (created if missing) that compiles with `nvrtc`.
+    pub fn new(dir: impl Into<PathBuf>, nvrtc: Nvrtc) -> Result<KernelCache> {
+        let dir = dir.into();
+        std::fs::create_dir_all(&dir)
+            .io_context(|| format!("creating kernel cache folder {}", dir.display()))?;
+        Ok(KernelCache {
+            dir,
+            nvrtc,
+            stats: Mutex::new(CacheStats::default()),
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn nvrtc(&self) -> &Nvrtc {
+        &self.nvrtc
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        match self.stats.lock() {
+            Ok(s) => *s,
+            Err(poisoned) => *poisoned.into_inner(),
+        }
+    }
+
+    /// The 32-byte key of `req` (see the module docs).
+    pub fn key(&self, req: &CompileRequest) -> [u8; 32] {
+        let mut h = Sha256::new();
+        let mut field = |bytes: &[u8]| {
+            h.update((bytes.len() as u64).to_le_bytes());
+            h.update(bytes);
+        };
+        field(KEY_FORMAT.as_bytes());
+        field(req.source.as_bytes());
+        field(&(req.headers.len() as u64).to_le_bytes());
+        for (name, text) in req.headers {
+            field(name.as_bytes());
+            field(text.as_bytes());
+        }
+        let options = self.nvrtc.options_for(req);
+        field(&(options.len() as u64).to_le_bytes());
+        for o in &options {
+            field(o.as_bytes());
+        }
+        field(req.arch.as_bytes());
+        let (major, minor) = self.nvrtc.version();
+        field(&major.to_le_bytes());
+        field(&minor.to_le_bytes());
+        h.finalize().into()
+    }
+
+    /// Where `req`'s entry lives.
+    pub fn entry_path(&self, req: &CompileRequest) -> PathBuf {
+        self.path_for(req, &hex::encode(self.key(req)))
+    }
+
+    fn path_for(&self, req: &CompileRequest, key_hex: &str) -> PathBuf {
+        let safe: String = req
+            .name
+            .chars()
+            .take(48)
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        self.dir.join(format!("{safe}-{}-{key_hex}.kbin", req.arch))
+    }
+
+    /// Returns the compiled image of `req`, from disk when a valid entry exists, else by compiling
+    /// and storing it. A failure to store is logged, not returned: the image is still good.
+    pub fn get_or_compile(&self, req: &CompileRequest) -> Result<CachedKernel> {
+        let start = Instant::now();
+        let key = self.key(req);
+        let key_hex = hex::encode(key);
+        let path = self.path_for(req, &key_hex);
+
+        let mut outcome = CacheOutcome::Compiled;
+        match std::fs::read(&path) {
+            Ok(bytes) => match decode_entry(&bytes, &key) {
+                Ok(kernel) => {
+                    let elapsed = start.elapsed();
+                    self.record(|s| {
+                        s.hits += 1;
+                        s.load_time += elapsed;
+                    });
+                    tracing::debug!("kernel {} loaded from cache in {elapsed:?}", req.name);
+                    return Ok(CachedKernel {
+                        kernel,
+                        outcome: CacheOutcome::Hit,
+                        elapsed,
+                        key: key_hex,
+                    });
+                }
+                Err(why) => {
+                    tracing::warn!(
+                        "kernel cache entry {} is unusable ({why}); recompiling {}",
+                        path.display(),
+                        req.name
+                    );
+                    outcome = CacheOutcome::Rebuilt;
+                }
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                tracing::warn!(
+                    "cannot read kernel cache entry {}: {e}; recompiling",
+                    path.display()
+                );
+                outcome = CacheOutcome::Rebuilt;
+            }
+        }
+
+        let kernel = self.nvrtc.compile(req)?;
+        if let Err(e) = write_atomically(&path, &encode_entry(&key, &kernel)) {
+            tracing::warn!("could not store kernel {} in the cache: {e}", req.name);
+        }
+        let elapsed = start.elapsed();
+        self.record(|s| {
+            s.compiles += 1;
+            s.compile_time += elapsed;
+            if outcome == CacheOutcome::Rebuilt {
+                s.rebuilt += 1;
+            }
+        });
+        tracing::debug!(
+            "kernel {} compiled for {} in {elapsed:?}",
+            req.name,
+            req.arch
+        );
+        Ok(CachedKernel {
+            kernel,
+            outcome,
+            elapsed,
+            key: key_hex,
+        })
+    }
+
+    fn record(&self, f: impl FnOnce(&mut CacheStats)) {
+        match self.stats.lock() {
+            Ok(mut s) => f(&mut s),
+            Err(poisoned) => f(&mut poisoned.into_inner()),
+        }
+    }
+}
+
+fn checksum(image: &[u8], log: &[u8]) -> [u8; 32] {
+    let mut h = Sha256::new();
+    h.update(image);
+    h.update(log);
+    h.finalize().into()
+}
+
+fn encode_entry(key: &[u8; 32], k: &CompiledKernel) -> Vec<u8> {
+    let log = k.log.as_bytes();
+    let mut out = Vec::with_capacity(HEADER_LEN + k.image.len() + log.len());
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(key);
+    out.extend_from_slice(&(k.image.len() as u64).to_le_bytes());
+    out.extend_from_slice(&(log.len() as u64).to_le_bytes());
+    out.extend_from_slice(&checksum(&k.image, log));
+    out.extend_from_slice(&k.image);
+    out.extend_from_slice(log);
+    out
+}
+
+/// Parses and verifies an entry; the error says what was wrong (for the log).
+fn decode_entry(bytes: &[u8], key: &[u8; 32]) -> std::result::Result<CompiledKernel, String> {
+    if bytes.len() < HEADER_LEN {
+        return Err(format!("truncated header ({} bytes)", bytes.len()));
+    }
+    let (header, body) = bytes.split_at(HEADER_LEN);
+    if &header[0..8] != MAGIC {
+        return Err("bad magic".into());
+    }
+    if &header[8..40] != key {
+        return Err("key mismatch".into());
+    }
+    let u64_at = |off: usize| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&header[off..off + 8]);
+        u64::from_le_bytes(b)
+    };
+    let (image_len, log_len) = (u64_at(40), u64_at(48));
+    let expected = image_len.checked_add(log_len);
+    if expected != Some(body.len() as u64) {
+        return Err(format!(
+            "length mismatch: header says {image_len}+{log_len} bytes, file has {}",
+            body.len()
+        ));
+    }
+    // Fits: equals body.len().
+    let (image, log) = body.split_at(image_len as usize);
+    if checksum(image, log)[..] != header[56..88] {
+        return Err("checksum mismatch".into());
+    }
+    if image.is_empty() {
+        return Err("empty image".into());
+    }
+    Ok(CompiledKernel {
+        image: image.to_vec(),
+        log: String::from_utf8_lossy(log).into_owned(),
+    })
+}
+
+/// Writes `data` to a temp file beside `path` and renames it over `path`.
+fn write_atomically(path: &Path, data: &[u8]) -> Result<()> {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let dir = path
+        .parent()
+        .ok_or_else(|| Error::Internal(format!("cache path {} has no folder", path.display())))?;
+    let file_name = path.file_name().and_then(|n| n.to_str()).ok_or_else(|| {
+        Error::Internal(format!("cache path {} has no file name", path.display()))
+    })?;
+    let tmp = dir.join(format!(
+        ".{file_name}.{}.{}.tmp",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    ));
+    let result = (|| -> Result<()> {
+        let mut f =
+            std::fs::File::create(&tmp).io_context(|| format!("creating {}", tmp.display()))?;
+        f.write_all(data)
+            .io_context(|| format!("writing {}", tmp.display()))?;
+        f.sync_data()
+            .io_context(|| format!("flushing {}", tmp.display()))?;
+        std::fs::rename(&tmp, path)
+            .io_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+    })();
+    if result.is_err() {
+        // Leave no temp files behind; the original error is what matters.
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rstest::rstest;
+
+    fn sample() -> CompiledKernel {
+        CompiledKernel {
+            image: b"\x7fELF fake cubin".to_vec(),
+            log: "warning: x".into(),
+        }
+    }
+
+    #[test]
+    fn entry_round_trips() {
+        let key = [7u8; 32];
+        let enc = encode_entry(&key, &sample());
+        assert_eq!(decode_entry(&enc, &key), Ok(sample()));
+    }
+
+    #[rstest]
+    #[case::truncated_header(|e: &mut Vec<u8>| e.truncate(10), "truncated")]
+    #[case::truncated_body(|e: &mut Vec<u8>| { e.pop(); }, "length mismatch")]
+    #[case::flipped_image_byte(|e: &mut Vec<u8>| e[HEADER_LEN] ^= 1, "checksum")]
+    #[case::bad_magic(|e: &mut Vec<u8>| e[0] = b'X', "magic")]
+    #[case::other_key(|e: &mut Vec<u8>| e[8] ^= 1, "key")]
+    #[case::huge_length(|e: &mut Vec<u8>| e[40..48].copy_from_slice(&u64::MAX.to_le_bytes()), "length")]
+    fn corrupt_entries_are_rejected(#[case] damage: fn(&mut Vec<u8>), #[case] why: &str) {
+        let key = [7u8; 32];
+        let mut enc = encode_entry(&key, &sample());
+        damage(&mut enc);
+        let err = decode_entry(&enc, &key).unwrap_err();
+        assert!(err.contains(why), "{err}");
+    }
+
+    #[test]
+    fn atomic_write_replaces_and_leaves_no_temp() {
+        let dir = std::env::temp_dir().join(format!("mscclpp-cache-unit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("x.kbin");
+        write_atomically(&p, b"one").unwrap();
+        write_atomically(&p, b"two").unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"two");
+        let names: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names.len(), 1, "{names:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,863 @@
+//! [`CudaGpu`]: the [`Gpu`] trait over the CUDA driver API (cudarc's raw `sys` bindings).
+//!
+//! # Contexts
+//! Every device is used through its primary context (the one the CUDA runtime and PyTorch use too),
+//! retained once per `CudaGpu` and released on drop. The device a thread works on is a thread-local
+//! (0 until [`Gpu::set_device`]). Each call compares the driver's current context with the device's
+//! primary context (`cuCtxGetCurrent` is a thread-local read in the driver) and calls
+//! `cuCtxSetCurrent` only when they differ, so the hot path costs one cheap call and code that
+//! switched the thread's context behind our back (another library) is corrected rather than trusted.
+//!
+//! # Waits
+//! Stream/device/event synchronisation uses the driver's blocking calls. They cannot take a
+//! timeout, but they cannot hang forever either: every device-side wait in our kernels is bounded
+//! (see docs/device-abi.md, the error word), so kernels always finish.
+//!
+//! # Memory
+//! `Plain` is `cuMemAlloc`, shared through legacy IPC handles. `Vmm` is `cuMemCreate` (POSIX file
+//! descriptor handle type, recommended granularity) mapped into a reserved range and made accessible
+//! to this device and every device that can reach it peer-to-peer; it is shared as a descriptor that
+//! the importer copies with `pidfd_getfd` (see [`crate::ipc`]).
+
+use crate::driver::{self, cu};
+use crate::ipc::{fetch_peer_fd, ImportCache, ImportKey, Mapping};
+use cudarc::driver::sys;
+use mscclpp_core::gpu::{
+    Allocation, DevicePtr, Event, Function, HostMapped, ImportedMemory, IpcMemHandle, LaunchConfig,
+    MemoryKind, Module, Stream,
+};
+use mscclpp_core::{DeviceProperties, Error, Gpu, GpuVendor, Result};
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+thread_local! {
+    /// The device this thread works on (see the module docs).
+    static CURRENT_DEVICE: Cell<usize> = const { Cell::new(0) };
+}
+
+const POSIX_FD: sys::CUmemAllocationHandleType =
+    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+
+/// The CUDA implementation of [`Gpu`].
+#[derive(Debug)]
+pub struct CudaGpu {
+    devices: Vec<sys::CUdevice>,
+    /// Retained primary contexts (`CUcontext` as an address), filled on first use of each device.
+    contexts: Vec<OnceLock<usize>>,
+    imports: Mutex<ImportCache>,
+    /// Descriptors exported for VMM allocations, by allocation handle: kept open (peers copy them
+    /// with pidfd_getfd) until the allocation is freed, and reused by repeated exports.
+    exported_fds: Mutex<HashMap<u64, OwnedFd>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // The protected maps stay consistent across a panic in another thread (each update is a single
+    // insert/remove), so a poisoned lock is still usable.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn cu_stream(s: Stream) -> sys::CUstream {
+    s.0 as usize as sys::CUstream
+}
+
+fn cu_event(e: Event) -> sys::CUevent {
+    e.0 as usize as sys::CUevent
+}
+
+impl CudaGpu {
+    /// Loads the driver (a clear [`Error::BackendUnavailable`] when libcuda.so.1 is missing, never a
+    /// panic), initialises it and enumerates devices. Zero devices is not an error.
+    pub fn new() -> Result<CudaGpu> {
+        driver::probe_libcuda()?;
+        // SAFETY: cuInit has no preconditions.
+        let r = unsafe { sys::cuInit(0) };
+        let count = match r {
+            sys::CUresult::CUDA_SUCCESS => {
+                let mut n: c_int = 0;
+                // SAFETY: writes one int.
+                unsafe { cu!(cuDeviceGetCount(&mut n)) }?;
+                usize::try_from(n).unwrap_or(0)
+            }
+            sys::CUresult::CUDA_ERROR_NO_DEVICE => 0,
+            other => driver::check("cuInit", other).map(|_| 0)?,
+        };
+        let mut devices = Vec::with_capacity(count);
+        for ordinal in 0..count {
+            let mut dev: sys::CUdevice = 0;
+            // SAFETY: writes one CUdevice; ordinal < count.
+            unsafe { cu!(cuDeviceGet(&mut dev, ordinal as c_int)) }?;
+            devices.push(dev);
+        }
+        tracing::debug!("CUDA driver initialised with {count} device(s)");
+        Ok(CudaGpu {
+            contexts: (0..count).map(|_| OnceLock::new()).collect(),
+            devices,
+            imports: Mutex::new(ImportCache::default()),
+            exported_fds: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn device(&self, ordinal: usize) -> Result<sys::CUdevice> {
+        self.devices.get(ordinal).copied().ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "CUDA device {ordinal} does not exist ({} visible)",
+                self.devices.len()
+            ))
+        })
+    }
+
+    /// The retained primary context of `ordinal`.
+    fn context(&self, ordinal: usize) -> Result<sys::CUcontext> {
+        let dev = self.device(ordinal)?;
+        let cell = &self.contexts[ordinal];
+        if let Some(&ctx) = cell.get() {
+            return Ok(ctx as sys::CUcontext);
+        }
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: writes one CUcontext.
+        unsafe { cu!(cuDevicePrimaryCtxRetain(&mut ctx, dev)) }?;
+        if cell.set(ctx as usize).is_err() {
+            // Another thread retained it first; drop our extra reference.
+            // SAFETY: balances the retain above.
+            unsafe { sys::cuDevicePrimaryCtxRelease_v2(dev) };
+        }
+        Ok(ctx)
+    }
+
+    /// Makes the thread's device context current if it is not; returns the device ordinal.
+    fn bind(&self) -> Result<usize> {
+        let ordinal = CURRENT_DEVICE.get();
+        let want = self.context(ordinal)?;
+        let mut cur: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: writes one CUcontext.
+        unsafe { cu!(cuCtxGetCurrent(&mut cur)) }?;
+        if cur != want {
+            // SAFETY: `want` is a retained primary context.
+            unsafe { cu!(cuCtxSetCurrent(want)) }?;
+        }
+        Ok(ordinal)
+    }
+
+    fn attribute(&self, dev: sys::CUdevice, attr: sys::CUdevice_attribute) -> Result<i32> {
+        let mut v: c_int = 0;
+        // SAFETY: writes one int.
+        unsafe { cu!(cuDeviceGetAttribute(&mut v, attr, dev)) }?;
+        Ok(v)
+    }
+
+    fn vmm_prop(&self, dev: sys::CUdevice) -> Result<sys::CUmemAllocationProp> {
+        let rdma = self.attribute(
+            dev,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+        )?;
+        // SAFETY: a plain C struct for which all-zero is the documented "unset" value.
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.requestedHandleTypes = POSIX_FD;
+        prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        prop.location.id = dev;
+        // Lets an IB transport register this memory later (GPUDirect RDMA).
+        prop.allocFlags.gpuDirectRDMACapable = u8::from(rdma != 0);
+        Ok(prop)
+    }
+
+    fn granularity(&self, prop: &sys::CUmemAllocationProp) -> Result<usize> {
+        let mut g: usize = 0;
+        // SAFETY: reads `prop`, writes one size_t.
+        unsafe {
+            cu!(cuMemGetAllocationGranularity(
+                &mut g,
+                prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+            ))
+        }?;
+        if g == 0 {
+            return Err(Error::Internal(
+                "cuMemGetAllocationGranularity returned 0".into(),
+            ));
+        }
+        Ok(g)
+    }
+
+    /// Grants read/write on `[ptr, ptr+size)` to `ordinal` and every device that can reach it P2P.
+    fn set_access(&self, ptr: u64, size: usize, ordinal: usize) -> Result<()> {
+        let owner = self.device(ordinal)?;
+        let mut descs = Vec::with_capacity(self.devices.len());
+        for &dev in &self.devices {
+            let reachable = dev == owner || {
+                let mut can: c_int = 0;
+                // SAFETY: writes one int.
+                unsafe { cu!(cuDeviceCanAccessPeer(&mut can, dev, owner)) }?;
+                can != 0
+            };
+            if reachable {
+                // SAFETY: plain C struct; every field is set below.
+                let mut d: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+                d.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+                d.location.id = dev;
+                d.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+                descs.push(d);
+            }
+        }
+        // SAFETY: `descs` is a live array of `descs.len()` descriptors.
+        unsafe { cu!(cuMemSetAccess(ptr, size, descs.as_ptr(), descs.len())) }
+    }
+
+    /// Reserves `reserved` bytes of address space, maps `handle` there and sets access. Undoes its
+    /// own steps on failure; the caller still owns `handle`.
+    fn map_vmm(&self, handle: u64, reserved: usize, align: usize, ordinal: usize) -> Result<u64> {
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: writes one address.
+        unsafe { cu!(cuMemAddressReserve(&mut ptr, reserved, align, 0, 0)) }?;
+        // SAFETY: `ptr` is a fresh reservation of `reserved` bytes.
+        if let Err(e) = unsafe { cu!(cuMemMap(ptr, reserved, 0, handle, 0)) } {
+            // SAFETY: frees the reservation made above (best effort: the map error is what counts).
+            unsafe { sys::cuMemAddressFree(ptr, reserved) };
+            return Err(e);
+        }
+        if let Err(e) = self.set_access(ptr, reserved, ordinal) {
+            // SAFETY: undoes the map and reservation above.
+            unsafe {
+                sys::cuMemUnmap(ptr, reserved);
+                sys::cuMemAddressFree(ptr, reserved);
+            }
+            return Err(e);
+        }
+        Ok(ptr)
+    }
+
+    /// Unmaps, frees the range and releases the handle; all three are attempted, the first error is
+    /// returned.
+    fn unmap_vmm(&self, ptr: u64, reserved: usize, handle: u64) -> Result<()> {
+        // SAFETY: the caller passes a mapping made by `map_vmm` with this handle.
+        let results = unsafe {
+            [
+                cu!(cuMemUnmap(ptr, reserved)),
+                cu!(cuMemAddressFree(ptr, reserved)),
+                cu!(cuMemRelease(handle)),
+            ]
+        };
+        results.into_iter().collect()
+    }
+
+    fn alloc_vmm(&self, size: usize, ordinal: usize) -> Result<Allocation> {
+        let prop = self.vmm_prop(self.device(ordinal)?)?;
+        let gran = self.granularity(&prop)?;
+        let reserved = size.div_ceil(gran).checked_mul(gran).ok_or_else(|| {
+            Error::InvalidArgument(format!("allocation size {size} overflows when rounded"))
+        })?;
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: writes one handle; `prop` is fully initialised.
+        unsafe { cu!(cuMemCreate(&mut handle, reserved, &prop, 0)) }?;
+        let ptr = match self.map_vmm(handle, reserved, gran, ordinal) {
+            Ok(p) => p,
+            Err(e) => {
+                // SAFETY: releases the handle created above.
+                unsafe { sys::cuMemRelease(handle) };
+                return Err(e);
+            }
+        };
+        Ok(Allocation {
+            ptr,
+            size,
+            reserved,
+            kind: MemoryKind::Vmm,
+            device: ordinal,
+            handle,
+        })
+    }
+
+    /// Describes the allocation containing `ptr`, which may come from elsewhere (e.g. a PyTorch
+    /// tensor from `cudaMalloc`), so it can be exported. The result covers the whole allocation
+    /// (`ptr` field = its base); it is not ours to free.
+    pub fn allocation_of(&self, ptr: DevicePtr) -> Result<Allocation> {
+        self.bind()?;
+        let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: writes an address and a size.
+        unsafe { cu!(cuMemGetAddressRange_v2(&mut base, &mut size, ptr)) }?;
+        let mut ordinal: c_int = 0;
+        // SAFETY: the attribute is an int.
+        unsafe {
+            cu!(cuPointerGetAttribute(
+                (&mut ordinal as *mut c_int).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                ptr,
+            ))
+        }?;
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: asks whether `base` is VMM-mapped; succeeds only then.
+        let r =
+            unsafe { sys::cuMemRetainAllocationHandle(&mut handle, base as usize as *mut c_void) };
+        let kind = if r == sys::CUresult::CUDA_SUCCESS {
+            // The mapping keeps its own reference, so the handle stays valid while the memory is
+            // mapped; drop the one retain just added.
+            // SAFETY: balances the retain above.
+            unsafe { cu!(cuMemRelease(handle)) }?;
+            MemoryKind::Vmm
+        } else {
+            handle = 0;
+            MemoryKind::Plain
+        };
+        Ok(Allocation {
+            ptr: base,
+            size,
+            reserved: size,
+            kind,
+            device: usize::try_from(ordinal).unwrap_or(0),
+            handle,
+        })
+    }
+
+    /// Unloads a module from [`Gpu::load_module`].
+    pub fn unload_module(&self, module: Module) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller passes a module we loaded and no longer uses its functions.
+        unsafe { cu!(cuModuleUnload(module.0 as usize as sys::CUmodule)) }
+    }
+
+    /// Number of peer imports currently mapped (for tests and diagnostics).
+    pub fn imported_mappings(&self) -> usize {
+        lock(&self.imports).len()
+    }
+
+    fn import_mapping(&self, handle: &IpcMemHandle, fd: Option<i32>) -> Result<Mapping> {
+        match handle {
+            IpcMemHandle::Legacy { bytes, .. } => {
+                // SAFETY: plain C struct of 64 bytes.
+                let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+                if bytes.len() != h.reserved.len() {
+                    return Err(Error::InvalidArgument(format!(
+                        "legacy IPC handle has {} bytes, expected {}",
+                        bytes.len(),
+                        h.reserved.len()
+                    )));
+                }
+                for (d, s) in h.reserved.iter_mut().zip(bytes) {
+                    *d = *s as c_char;
+                }
+                let mut base: sys::CUdeviceptr = 0;
+                // SAFETY: writes one address.
+                unsafe {
+                    cu!(cuIpcOpenMemHandle_v2(
+                        &mut base,
+                        h,
+                        sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+                    ))
+                }?;
+                Ok(Mapping {
+                    base,
+                    handle: 0,
+                    reserved: 0,
+                    legacy: true,
+                })
+            }
+            IpcMemHandle::PosixFd {
+                pid,
+                fd: peer_fd,
+                reserved,
+                ..
+            } => {
+                let ordinal = CURRENT_DEVICE.get();
+                let reserved = usize::try_from(*reserved).map_err(|_| {
+                    Error::InvalidArgument(format!("peer buffer size {reserved} is too large"))
+                })?;
+                // A descriptor we fetched ourselves is closed when `owned` drops (after import the
+                // driver holds its own reference); one the caller passed stays the caller's.
+                let owned;
+                let raw = match fd {
+                    Some(f) => f,
+                    None => {
+                        owned = fetch_peer_fd(*pid, *peer_fd)?;
+                        owned.as_raw_fd()
+                    }
+                };
+                let mut h: sys::CUmemGenericAllocationHandle = 0;
+                // SAFETY: for POSIX descriptors the OS handle is the fd value cast to a pointer.
+                unsafe {
+                    cu!(cuMemImportFromShareableHandle(
+                        &mut h,
+                        raw as isize as *mut c_void,
+                        POSIX_FD,
+                    ))
+                }?;
+                let prop = self.vmm_prop(self.device(ordinal)?)?;
+                let align = self.granularity(&prop)?;
+                match self.map_vmm(h, reserved, align, ordinal) {
+                    Ok(base) => Ok(Mapping {
+                        base,
+                        handle: h,
+                        reserved,
+                        legacy: false,
+                    }),
+                    Err(e) => {
+                        // SAFETY: releases the imported handle.
+                        unsafe { sys::cuMemRelease(h) };
+                        Err(e)
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Drop for CudaGpu {
+    fn drop(&mut self) {
+        for (cell, &dev) in self.contexts.iter().zip(&self.devices) {
+            if cell.get().is_some() {
+                // SAFETY: balances the retain made in `context`.
+                let r = unsafe { sys::cuDevicePrimaryCtxRelease_v2(dev) };
+                if let Err(e) = driver::check("cuDevicePrimaryCtxRelease", r) {
+                    tracing::warn!("releasing the primary context of device {dev}: {e}");
+                }
+            }
+        }
+    }
+}
+
+impl Gpu for CudaGpu {
+    fn backend_name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn device_count(&self) -> Result<usize> {
+        Ok(self.devices.len())
+    }
+
+    fn set_device(&self, device: usize) -> Result<()> {
+        self.device(device)?;
+        CURRENT_DEVICE.set(device);
+        self.bind().map(|_| ())
+    }
+
+    fn current_device(&self) -> Result<usize> {
+        Ok(CURRENT_DEVICE.get())
+    }
+
+    fn properties(&self, device: usize) -> Result<DeviceProperties> {
+        use sys::CUdevice_attribute as A;
+        let dev = self.device(device)?;
+        let mut name = [0 as c_char; 256];
+        // SAFETY: the buffer holds `len` bytes; the driver NUL-terminates.
+        unsafe { cu!(cuDeviceGetName(name.as_mut_ptr(), name.len() as c_int, dev)) }?;
+        let mut bus = [0 as c_char; 32];
+        // SAFETY: as above.
+        unsafe {
+            cu!(cuDeviceGetPCIBusId(
+                bus.as_mut_ptr(),
+                bus.len() as c_int,
+                dev
+            ))
+        }?;
+        let mut total: usize = 0;
+        // SAFETY: writes one size_t.
+        unsafe { cu!(cuDeviceTotalMem_v2(&mut total, dev)) }?;
+        let text = |buf: &[c_char]| {
+            // SAFETY: the driver NUL-terminated the buffer, which we zeroed anyway.
+            unsafe { CStr::from_ptr(buf.as_ptr()) }
+                .to_string_lossy()
+                .into_owned()
+        };
+        let attr = |a| self.attribute(dev, a);
+        let major = attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+        let minor = attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        let vmm = attr(A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)? != 0
+            && attr(A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED)? != 0;
+        let to_u32 = |v: i32| u32::try_from(v).unwrap_or(0);
+        Ok(DeviceProperties {
+            vendor: GpuVendor::Nvidia,
+            name: text(&name),
+            arch: format!("sm_{major}{minor}"),
+            compute_major: to_u32(major),
+            compute_minor: to_u32(minor),
+            multiprocessors: to_u32(attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?),
+            warp_size: to_u32(attr(A::CU_DEVICE_ATTRIBUTE_WARP_SIZE)?),
+            total_memory: total as u64,
+            // Lower case, as in /sys/bus/pci/devices, so it compares with other sources.
+            pci_bus_id: text(&bus).to_ascii_lowercase(),
+            supports_vmm: vmm,
+            supports_multicast: attr(A::CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED)? != 0,
+        })
+    }
+
+    fn alloc(&self, size: usize, kind: MemoryKind) -> Result<Allocation> {
+        if size == 0 {
+            return Err(Error::InvalidArgument(
+                "device allocation of 0 bytes".into(),
+            ));
+        }
+        let ordinal = self.bind()?;
+        match kind {
+            MemoryKind::Plain => {
+                let mut ptr: sys::CUdeviceptr = 0;
+                // SAFETY: writes one address.
+                unsafe { cu!(cuMemAlloc_v2(&mut ptr, size)) }?;
+                Ok(Allocation {
+                    ptr,
+                    size,
+                    reserved: size,
+                    kind,
+                    device: ordinal,
+                    handle: 0,
+                })
+            }
+            MemoryKind::Vmm => self.alloc_vmm(size, ordinal),
+        }
+    }
+
+    fn free(&self, alloc: &Allocation) -> Result<()> {
+        self.bind()?;
+        match alloc.kind {
+            // SAFETY: the caller passes an allocation made by `alloc` and frees it once.
+            MemoryKind::Plain => unsafe { cu!(cuMemFree_v2(alloc.ptr)) },
+            MemoryKind::Vmm => {
+                // Peers that already imported hold their own references; new imports are over.
+                lock(&self.exported_fds).remove(&alloc.handle);
+                self.unmap_vmm(alloc.ptr, alloc.reserved, alloc.handle)
+            }
+        }
+    }
+
+    fn alloc_host_mapped(&self, size: usize) -> Result<HostMapped> {
+        if size == 0 {
+            return Err(Error::InvalidArgument(
+                "host-mapped allocation of 0 bytes".into(),
+            ));
+        }
+        self.bind()?;
+        let mut host: *mut c_void = std::ptr::null_mut();
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: writes one pointer.
+        unsafe { cu!(cuMemHostAlloc(&mut host, size, flags)) }?;
+        // SAFETY: `host` points at `size` writable pinned bytes.
+        unsafe { std::ptr::write_bytes(host.cast::<u8>(), 0, size) };
+        let mut dptr: sys::CUdeviceptr = 0;
+        // SAFETY: `host` was allocated with DEVICEMAP.
+        if let Err(e) = unsafe { cu!(cuMemHostGetDevicePointer_v2(&mut dptr, host, 0)) } {
+            // SAFETY: frees what we just allocated.
+            unsafe { sys::cuMemFreeHost(host) };
+            return Err(e);
+        }
+        Ok(HostMapped {
+            host_ptr: host.cast(),
+            device_ptr: dptr,
+            size,
+        })
+    }
+
+    fn free_host_mapped(&self, mem: &HostMapped) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller passes memory from `alloc_host_mapped` and frees it once.
+        unsafe { cu!(cuMemFreeHost(mem.host_ptr.cast())) }
+    }
+
+    fn memcpy_async(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        self.bind()?;
+        // SAFETY: unified addressing; the caller guarantees both ranges are valid.
+        unsafe { cu!(cuMemcpyAsync(dst, src, bytes, cu_stream(stream))) }
+    }
+
+    fn copy_to_device(&self, dst: DevicePtr, src: &[u8]) -> Result<()> {
+        self.bind()?;
+        // SAFETY: `src` is a live slice; the caller guarantees `dst` holds `src.len()` bytes.
+        unsafe { cu!(cuMemcpyHtoD_v2(dst, src.as_ptr().cast(), src.len())) }
+    }
+
+    fn copy_from_device(&self, dst: &mut [u8], src: DevicePtr) -> Result<()> {
+        self.bind()?;
+        // SAFETY: `dst` is a live slice; the caller guarantees `src` holds `dst.len()` bytes.
+        unsafe { cu!(cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), src, dst.len())) }
+    }
+
+    fn memset_async(&self, dst: DevicePtr, value: u8, bytes: usize, stream: Stream) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller guarantees `dst` holds `bytes` bytes.
+        unsafe { cu!(cuMemsetD8Async(dst, value, bytes, cu_stream(stream))) }
+    }
+
+    fn create_stream(&self) -> Result<Stream> {
+        self.bind()?;
+        let mut s: sys::CUstream = std::ptr::null_mut();
+        // Non-blocking: our streams must not serialise with the legacy default stream other
+        // libraries use.
+        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+        // SAFETY: writes one stream.
+        unsafe { cu!(cuStreamCreate(&mut s, flags)) }?;
+        Ok(Stream(s as usize as u64))
+    }
+
+    fn destroy_stream(&self, stream: Stream) -> Result<()> {
+        if stream == Stream::DEFAULT {
+            return Err(Error::InvalidArgument(
+                "the default stream cannot be destroyed".into(),
+            ));
+        }
+        self.bind()?;
+        // SAFETY: the caller passes a stream from `create_stream`.
+        unsafe { cu!(cuStreamDestroy_v2(cu_stream(stream))) }
+    }
+
+    fn synchronize_stream(&self, stream: Stream) -> Result<()> {
+        self.bind()?;
+        // SAFETY: any valid stream, or the default stream.
+        unsafe { cu!(cuStreamSynchronize(cu_stream(stream))) }
+    }
+
+    fn synchronize_device(&self) -> Result<()> {
+        self.bind()?;
+        // SAFETY: no arguments.
+        unsafe { cu!(cuCtxSynchronize()) }
+    }
+
+    fn create_event(&self) -> Result<Event> {
+        self.bind()?;
+        let mut e: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: writes one event.
+        unsafe {
+            cu!(cuEventCreate(
+                &mut e,
+                sys::CUevent_flags::CU_EVENT_DEFAULT as u32
+            ))
+        }?;
+        Ok(Event(e as usize as u64))
+    }
+
+    fn destroy_event(&self, event: Event) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller passes an event from `create_event`.
+        unsafe { cu!(cuEventDestroy_v2(cu_event(event))) }
+    }
+
+    fn record_event(&self, event: Event, stream: Stream) -> Result<()> {
+        self.bind()?;
+        // SAFETY: valid event and stream.
+        unsafe { cu!(cuEventRecord(cu_event(event), cu_stream(stream))) }
+    }
+
+    fn elapsed_ms(&self, start: Event, end: Event) -> Result<f32> {
+        self.bind()?;
+        let mut ms: f32 = 0.0;
+        // SAFETY: valid events; elapsed time needs `end` complete, so wait for it first.
+        unsafe {
+            cu!(cuEventSynchronize(cu_event(end)))?;
+            cu!(cuEventElapsedTime(&mut ms, cu_event(start), cu_event(end)))?;
+        }
+        Ok(ms)
+    }
+
+    fn export_memory(
+        &self,
+        alloc: &Allocation,
+        ptr: DevicePtr,
+        size: usize,
+    ) -> Result<IpcMemHandle> {
+        let end = alloc.ptr + alloc.reserved.max(alloc.size) as u64;
+        if ptr < alloc.ptr || ptr.checked_add(size as u64).map_or(true, |e| e > end) {
+            return Err(Error::InvalidArgument(format!(
+                "export of [{ptr:#x}, +{size}) is outside the allocation [{:#x}, {end:#x})",
+                alloc.ptr
+            )));
+        }
+        self.bind()?;
+        match alloc.kind {
+            MemoryKind::Plain => {
+                // The handle names the whole cudaMalloc block; the offset locates `ptr` in it.
+                let (mut base, mut len): (sys::CUdeviceptr, usize) = (0, 0);
+                // SAFETY: writes an address and a size.
+                unsafe { cu!(cuMemGetAddressRange_v2(&mut base, &mut len, ptr)) }?;
+                // SAFETY: plain C struct.
+                let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+                // SAFETY: `base` is the start of a cuMemAlloc block.
+                unsafe { cu!(cuIpcGetMemHandle(&mut h, base)) }?;
+                Ok(IpcMemHandle::Legacy {
+                    bytes: h.reserved.iter().map(|&b| b as u8).collect(),
+                    offset: ptr - base,
+                    size: size as u64,
+                })
+            }
+            MemoryKind::Vmm => {
+                let mut fds = lock(&self.exported_fds);
+                let fd = match fds.get(&alloc.handle) {
+                    Some(fd) => fd.as_raw_fd(),
+                    None => {
+                        let mut raw: c_int = -1;
+                        // SAFETY: for POSIX descriptors the driver writes an int.
+                        unsafe {
+                            cu!(cuMemExportToShareableHandle(
+                                (&mut raw as *mut c_int).cast(),
+                                alloc.handle,
+                                POSIX_FD,
+                                0,
+                            ))
+                        }?;
+                        // SAFETY: the driver handed us a new descriptor.
+                        fds.insert(alloc.handle, unsafe { OwnedFd::from_raw_fd(raw) });
+                        raw
+                    }
+                };
+                Ok(IpcMemHandle::PosixFd {
+                    pid: std::process::id(),
+                    fd,
+                    size: size as u64,
+                    reserved: alloc.reserved as u64,
+                    offset: ptr - alloc.ptr,
+                })
+            }
+        }
+    }
+
+    fn import_memory(&self, handle: &IpcMemHandle, fd: Option<i32>) -> Result<ImportedMemory> {
+        let (offset, size, limit) = match handle {
+            IpcMemHandle::Legacy { offset, size, .. } => (*offset, *size, None),
+            IpcMemHandle::PosixFd {
+                offset,
+                size,
+                reserved,
+                ..
+            } => (*offset, *size, Some(*reserved)),
+        };
+        if let Some(limit) = limit {
+            if offset.checked_add(size).map_or(true, |e| e > limit) {
+                return Err(Error::InvalidArgument(format!(
+                    "peer buffer [offset {offset}, +{size}) exceeds its allocation of {limit} bytes"
+                )));
+            }
+        }
+        let size = usize::try_from(size)
+            .map_err(|_| Error::InvalidArgument(format!("peer buffer size {size} is too large")))?;
+        self.bind()?;
+        let key = ImportKey::of(handle);
+        // Held across the driver calls so two threads cannot open the same handle at once.
+        let mut imports = lock(&self.imports);
+        let mapping = match imports.acquire(&key) {
+            Some(m) => m,
+            None => {
+                let m = self.import_mapping(handle, fd)?;
+                imports.insert(key, m);
+                m
+            }
+        };
+        Ok(ImportedMemory {
+            ptr: mapping.base + offset,
+            size,
+            base: mapping.base,
+            handle: mapping.handle,
+            reserved: mapping.reserved,
+            legacy: mapping.legacy,
+        })
+    }
+
+    fn close_imported(&self, mem: &ImportedMemory) -> Result<()> {
+        self.bind()?;
+        let mut imports = lock(&self.imports);
+        match imports.release(mem.base)? {
+            None => Ok(()),
+            // SAFETY: the last user is gone; `base` came from cuIpcOpenMemHandle.
+            Some(m) if m.legacy => unsafe { cu!(cuIpcCloseMemHandle(m.base)) },
+            Some(m) => self.unmap_vmm(m.base, m.reserved, m.handle),
+        }
+    }
+
+    fn enable_peer_access(&self, peer: usize) -> Result<()> {
+        let ordinal = self.bind()?;
+        if peer == ordinal {
+            return Ok(());
+        }
+        let peer_ctx = self.context(peer)?;
+        // SAFETY: `peer_ctx` is a retained primary context; flags must be 0.
+        let r = unsafe { sys::cuCtxEnablePeerAccess(peer_ctx, 0) };
+        match r {
+            sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(()),
+            other => driver::check("cuCtxEnablePeerAccess", other),
+        }
+    }
+
+    fn load_module(&self, image: &[u8]) -> Result<Module> {
+        if image.is_empty() {
+            return Err(Error::InvalidArgument("empty module image".into()));
+        }
+        self.bind()?;
+        // cuModuleLoadData reads PTX as a C string: make sure text images end in NUL. Binary
+        // images (ELF cubin, fatbin) carry their own length.
+        let is_binary =
+            image.starts_with(b"\x7fELF") || image.starts_with(&0xBA55_ED50u32.to_le_bytes());
+        let owned;
+        let data = if !is_binary && image.last() != Some(&0) {
+            owned = [image, &[0]].concat();
+            &owned[..]
+        } else {
+            image
+        };
+        let mut m: sys::CUmodule = std::ptr::null_mut();
+        // SAFETY: `data` is a complete image that outlives the call.
+        unsafe { cu!(cuModuleLoadData(&mut m, data.as_ptr().cast())) }?;
+        Ok(Module(m as usize as u64))
+    }
+
+    fn get_function(&self, module: Module, name: &str) -> Result<Function> {
+        let cname = CString::new(name)
+            .map_err(|_| Error::InvalidArgument(format!("kernel name {name:?} contains NUL")))?;
+        self.bind()?;
+        let mut f: sys::CUfunction = std::ptr::null_mut();
+        // SAFETY: valid module and NUL-terminated name.
+        let r = unsafe {
+            sys::cuModuleGetFunction(&mut f, module.0 as usize as sys::CUmodule, cname.as_ptr())
+        };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(Error::Driver {
+                call: "cuModuleGetFunction",
+                code: r as i64,
+                message: format!("{} (kernel {name:?})", driver::error_message(r)),
+            });
+        }
+        Ok(Function(f as usize as u64))
+    }
+
+    unsafe fn launch(
+        &self,
+        function: Function,
+        config: LaunchConfig,
+        stream: Stream,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        self.bind()?;
+        let (g, b) = (config.grid, config.block);
+        let params_ptr = if params.is_empty() {
+            std::ptr::null_mut()
+        } else {
+            params.as_mut_ptr()
+        };
+        // SAFETY: the caller guarantees `params` matches the kernel (see the trait docs).
+        unsafe {
+            cu!(cuLaunchKernel(
+                function.0 as usize as sys::CUfunction,
+                g.0,
+                g.1,
+                g.2,
+                b.0,
+                b.1,
+                b.2,
+                config.shared_mem_bytes,
+                cu_stream(stream),
+                params_ptr,
+                std::ptr::null_mut(),
+            ))
+        }
+    }
+
+    fn is_capturing(&self, stream: Stream) -> Result<bool> {
+        self.bind()?;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: writes one status.
+        unsafe { cu!(cuStreamIsCapturing(cu_stream(stream), &mut status)) }?;
+        Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+}
