@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The CI matrix: {CUDA 12, CUDA 13, ROCm 6} x {with IB, without IB}. Each row builds the workspace with
+# that row's features and runs the CPU suite; the CUDA rows compile every kernel with that CUDA major's
+# NVRTC (from PyPI). Rows without IB set MSCCLPP_DISABLE_IB_TESTS=1 and build without the `ib` feature,
+# so the IB-less stub is what answers. On GPU hosts (the docker images) the same rows run the GPU suite.
+# Usage: ci/matrix.sh [row ...]   rows: cuda12-ib cuda12-noib cuda13-ib cuda13-noib rocm6-ib rocm6-noib
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rows=("$@")
+[ ${#rows[@]} -gt 0 ] || rows=(cuda12-ib cuda12-noib cuda13-ib cuda13-noib rocm6-ib rocm6-noib)
+for row in "${rows[@]}"; do
+  platform=${row%-*}; ib=${row#*-}
+  case "$platform" in
+    cuda12) features=cuda; flavour=cu12 ;;
+    cuda13) features=cuda; flavour=cu13 ;;
+    rocm6) features=rocm; flavour= ;;
+    *) echo "unknown row $row" >&2; exit 2 ;;
+  esac
+  if [ "$ib" = ib ]; then features="$features,ib"; unset MSCCLPP_DISABLE_IB_TESTS; else export MSCCLPP_DISABLE_IB_TESTS=1; fi
+  echo "== $row (features: $features)"
+  (
+    if [ -n "$flavour" ]; then export MSCCLPP_NVRTC_FLAVOUR=$flavour; source scripts/nvrtc-env.sh; fi
+    cargo test -p mscclpp --no-default-features --features "$features"
+    cargo test -p mscclpp-core -p mscclpp-noib
+    if [ -n "$flavour" ]; then cargo test -p mscclpp-cuda; fi
+    if [ "$platform" = rocm6 ]; then cargo test -p mscclpp-rocm -p mscclpp-kernels-hip; fi
+  )
+done

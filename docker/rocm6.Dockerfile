@@ -1,0 +1,17 @@
+# mscclpp-rs on ROCm 6: HIP and hiprtc are loaded at run time; the ROCm backend is selected with
+# MSCCLPP_GPU_BACKEND=rocm or by detection.
+FROM rocm/dev-ubuntu-22.04:6.2
+ENV DEBIAN_FRONTEND=noninteractive
+RUN apt-get update && apt-get install -y --no-install-recommends \
+        curl ca-certificates build-essential pkg-config python3 python3-venv git \
+        libibverbs-dev rdma-core \
+    && rm -rf /var/lib/apt/lists/*
+RUN curl -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal --component clippy,rustfmt
+ENV PATH=/root/.cargo/bin:$PATH \
+    ROCM_PATH=/opt/rocm \
+    MSCCLPP_GPU_BACKEND=rocm \
+    MSCCLPP_CACHE_DIR=/var/cache/mscclpp
+WORKDIR /opt/mscclpp-rs
+COPY . .
+RUN cargo build --release --workspace --no-default-features --features rocm,ib
+CMD ["target/release/mscclpp-bench"]

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Runs the GPU suite and the benchmark on the device machine (from the repository root there).
+# Usage: bash .gpu/gpu-run.sh [suite|bench|all] [extra args for the binary]
+# Writes logs into $OUT (or ./gpu-out when $OUT is unset).
+set -uo pipefail
+# SAFETY: NVLink multicast can take shared GPUs out of service; it stays off for us and for NCCL.
+export NCCL_NVLS_ENABLE=0 MSCCLPP_FORCE_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+unset MSCCLPP_ENABLE_NVLS
+export MSCCLPP_CACHE_DIR="${MSCCLPP_CACHE_DIR:-/tmp/mscclpp-cache}"
+out="${OUT:-./gpu-out}"; mkdir -p "$out"
+what="${1:-all}"; shift || true
+ngpu=$(nvidia-smi -L | wc -l)
+echo "device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n 1) x $ngpu"
+nvidia-smi topo -m 2>/dev/null | head -n 4
+# NCCL for the same-run baseline: PyTorch's copy.
+nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(nvidia.nccl.__path__[0], "lib", "libnccl.so.2"))' 2>/dev/null)
+[ -n "$nccl" ] && export MSCCLPP_NCCL_LIB_PATH="$nccl"
+launch() { torchrun --no-python --nproc_per_node="$ngpu" --master_port="${PORT:-29511}" "$@"; }
+rc=0
+if [ "$what" = suite ] || [ "$what" = all ]; then
+  launch .gpu/bin/mscclpp-gpu-suite "$@" 2>&1 | tee "$out/suite.log"; rc=$((rc | PIPESTATUS[0]))
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  launch .gpu/bin/mscclpp-bench "$@" 2>&1 | tee "$out/bench.log"; rc=$((rc | PIPESTATUS[0]))
+fi
+exit $rc

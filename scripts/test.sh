@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The test command of the README: every CPU test of the workspace, with every kernel compiled through
+# NVRTC (installed from PyPI, no GPU needed). GPU tests print why they skip on a machine without GPUs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=scripts/nvrtc-env.sh
+source scripts/nvrtc-env.sh
+export MSCCLPP_DISABLE_IB_TESTS="${MSCCLPP_DISABLE_IB_TESTS:-1}"
+cargo test --workspace --all-targets "$@"
+# The CUDA 12 NVRTC must compile the same kernels (users run CUDA 12 and CUDA 13).
+if [ "${MSCCLPP_SKIP_CU12:-0}" != 1 ]; then
+  MSCCLPP_NVRTC_FLAVOUR=cu12 bash -c 'source scripts/nvrtc-env.sh && cargo test -p mscclpp-cuda --test kernels_compile'
+fi
