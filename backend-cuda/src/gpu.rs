@@ -21,9 +21,11 @@
 
 use crate::driver::{self, cu};
 use crate::ipc::{fetch_peer_fd, ImportCache, ImportKey, Mapping};
+use crate::cache::KernelCache;
+use crate::nvrtc::{CompileRequest, Nvrtc};
 use cudarc::driver::sys;
 use mscclpp_core::gpu::{
-    Allocation, DevicePtr, Event, Function, HostMapped, ImportedMemory, IpcMemHandle, LaunchConfig,
+    Allocation, DevicePtr, Event, Function, Graph, HostMapped, ImportedMemory, IpcMemHandle, LaunchConfig,
     MemoryKind, Module, Stream,
 };
 use mscclpp_core::{DeviceProperties, Error, Gpu, GpuVendor, Result};
@@ -51,6 +53,9 @@ pub struct CudaGpu {
     /// Descriptors exported for VMM allocations, by allocation handle: kept open (peers copy them
     /// with pidfd_getfd) until the allocation is freed, and reused by repeated exports.
     exported_fds: Mutex<HashMap<u64, OwnedFd>>,
+    /// NVRTC + on-disk cache, created on the first `build_module` (NVRTC is only needed by callers
+    /// that compile kernels, so a missing NVRTC must not stop `CudaGpu::new`).
+    kernel_cache: OnceLock<KernelCache>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -97,6 +102,7 @@ impl CudaGpu {
             devices,
             imports: Mutex::new(ImportCache::default()),
             exported_fds: Mutex::new(HashMap::new()),
+            kernel_cache: OnceLock::new(),
         })
     }
 
@@ -851,6 +857,83 @@ impl Gpu for CudaGpu {
                 std::ptr::null_mut(),
             ))
         }
+    }
+
+    fn allocation_of(&self, ptr: DevicePtr) -> Result<Allocation> {
+        CudaGpu::allocation_of(self, ptr)
+    }
+
+    fn build_module(&self, name: &str, source: &str) -> Result<Module> {
+        let cache = match self.kernel_cache.get() {
+            Some(cache) => cache,
+            None => {
+                let dir = mscclpp_core::env::Env::get()?.cache_dir.clone();
+                let cache = KernelCache::new(dir, Nvrtc::load()?)?;
+                // A racing thread may have set it first; either cache is equivalent.
+                let _ = self.kernel_cache.set(cache);
+                self.kernel_cache
+                    .get()
+                    .ok_or_else(|| Error::Internal("kernel cache vanished".into()))?
+            }
+        };
+        let props = self.properties(CURRENT_DEVICE.get())?;
+        let request = CompileRequest {
+            name,
+            source,
+            arch: &props.arch,
+            headers: mscclpp_kernels_cu::HEADERS,
+            options: &[],
+        };
+        let built = cache.get_or_compile(&request)?;
+        tracing::debug!(target: "mscclpp::gpu", "{name} for {}: {:?} in {:?}", props.arch, built.outcome, built.elapsed);
+        self.load_module(&built.kernel.image)
+    }
+
+    fn begin_capture(&self, stream: Stream) -> Result<()> {
+        self.bind()?;
+        // SAFETY: a valid stream handle of this context.
+        unsafe {
+            cu!(cuStreamBeginCapture_v2(
+                cu_stream(stream),
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED
+            ))
+        }
+    }
+
+    fn end_capture(&self, stream: Stream) -> Result<Graph> {
+        self.bind()?;
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: writes one graph handle.
+        unsafe { cu!(cuStreamEndCapture(cu_stream(stream), &mut graph)) }?;
+        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+        // SAFETY: `graph` was just captured; writes one executable graph handle.
+        if let Err(e) = unsafe { cu!(cuGraphInstantiateWithFlags(&mut exec, graph, 0)) } {
+            // SAFETY: the graph is ours and not used again.
+            let _ = unsafe { cu!(cuGraphDestroy(graph)) };
+            return Err(e);
+        }
+        Ok(Graph {
+            exec: exec as usize as u64,
+            graph: graph as usize as u64,
+        })
+    }
+
+    fn launch_graph(&self, graph: Graph, stream: Stream) -> Result<()> {
+        self.bind()?;
+        // SAFETY: an instantiated graph of this context.
+        unsafe {
+            cu!(cuGraphLaunch(
+                graph.exec as usize as sys::CUgraphExec,
+                cu_stream(stream)
+            ))
+        }
+    }
+
+    fn destroy_graph(&self, graph: Graph) -> Result<()> {
+        self.bind()?;
+        // SAFETY: both handles come from end_capture and are destroyed once.
+        unsafe { cu!(cuGraphExecDestroy(graph.exec as usize as sys::CUgraphExec)) }?;
+        unsafe { cu!(cuGraphDestroy(graph.graph as usize as sys::CUgraph)) }
     }
 
     fn is_capturing(&self, stream: Stream) -> Result<bool> {

@@ -34,6 +34,13 @@ impl Stream {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Event(pub u64);
 
+/// An instantiated, launchable graph (CUgraphExec) and the graph it came from (CUgraph).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Graph {
+    pub exec: u64,
+    pub graph: u64,
+}
+
 /// A loaded module (CUmodule / hipModule_t).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Module(pub u64);
@@ -240,6 +247,11 @@ pub trait Gpu: Send + Sync {
     fn close_imported(&self, _mem: &ImportedMemory) -> Result<()> {
         unsupported("memory import")
     }
+    /// The allocation that contains `ptr` (e.g. a PyTorch tensor's storage), so that user buffers
+    /// can be registered and exported without knowing how they were allocated.
+    fn allocation_of(&self, _ptr: DevicePtr) -> Result<Allocation> {
+        unsupported("looking up the allocation of a user pointer")
+    }
     /// Lets this device read/write `peer`'s memory directly (NVLink/PCIe P2P).
     fn enable_peer_access(&self, _peer: usize) -> Result<()> {
         unsupported("peer access")
@@ -260,6 +272,30 @@ pub trait Gpu: Send + Sync {
         stream: Stream,
         params: &mut [*mut c_void],
     ) -> Result<()>;
+
+    /// Compiles (or loads from the on-disk cache) the translation unit `source` with the backend's
+    /// run-time compiler for the current device's exact architecture, with the device library's
+    /// headers available, and loads it. `name` identifies it in logs and errors.
+    fn build_module(&self, _name: &str, _source: &str) -> Result<Module> {
+        unsupported("run-time kernel compilation")
+    }
+
+    /// Starts capturing the work enqueued on `stream` into a graph (relaxed mode, so other threads
+    /// may keep using the driver meanwhile).
+    fn begin_capture(&self, _stream: Stream) -> Result<()> {
+        unsupported("stream capture")
+    }
+    /// Ends the capture begun on `stream` and instantiates the graph.
+    fn end_capture(&self, _stream: Stream) -> Result<Graph> {
+        unsupported("stream capture")
+    }
+    /// Replays an instantiated graph on `stream`.
+    fn launch_graph(&self, _graph: Graph, _stream: Stream) -> Result<()> {
+        unsupported("graph launch")
+    }
+    fn destroy_graph(&self, _graph: Graph) -> Result<()> {
+        unsupported("graph launch")
+    }
 
     /// Stream capture state: true while `stream` is being captured into a graph. Collectives use this
     /// to avoid host synchronisation during capture.

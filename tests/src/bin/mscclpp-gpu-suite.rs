@@ -1,0 +1,549 @@
+//! The GPU suite of the channel primitives: one process per GPU, started by a launcher
+//! (`torchrun --no-python --nproc_per_node=N mscclpp-gpu-suite`). Ranks are paired (0-1, 2-3, ...)
+//! for the point-to-point checks; the all-reduce checks use every rank.
+//!
+//! Each check prints one line (`PASS`/`FAIL` with numbers); rank 0 prints the measurements as a
+//! table at the end and the closing line `N passed, M failed`. Without a GPU it prints why and
+//! exits 0.
+
+use mscclpp::core::communicator::RegisteredMemory;
+use mscclpp::core::device::{D2DSemaphoreHandle, MemoryChannelHandle};
+use mscclpp::core::gpu::{Function, LaunchConfig, MemoryKind, Module, Stream};
+use mscclpp::core::{DataType, Error, ReduceOp, Result};
+use mscclpp_tests::*;
+use std::time::Instant;
+
+const MIB: usize = 1 << 20;
+
+/// Device-side kernels of the suite itself (measurement kernels; the checked kernels live in
+/// kernels-cu).
+const SUITE_KERNELS: &str = r#"
+#include "mscclpp/memory_channel.cuh"
+using namespace mscclpp;
+// MemoryChannel put by every thread of the grid: the bandwidth a collective gets from put().
+extern "C" __global__ void put_bandwidth(MemoryChannelHandle chan, u64 bytes) {
+  chan.put(0, bytes, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
+}
+// The plain SM store copy the put is measured against: 16-byte loads and stores, grid-stride.
+extern "C" __global__ void plain_copy(uint4* dst, const uint4* src, u64 n) {
+  for (u64 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) dst[i] = src[i];
+}
+"#;
+
+struct Suite {
+    ctx: RankContext,
+    run_seed: u64,
+    passed: usize,
+    failed: usize,
+    measurements: Vec<(String, String)>,
+    stream: Stream,
+}
+
+impl Suite {
+    fn record(&mut self, name: &str, result: Result<String>) {
+        let rank = self.ctx.rank();
+        match result {
+            Ok(detail) => {
+                self.passed += 1;
+                println!("[rank {rank}] PASS {name}: {detail}");
+            }
+            Err(e) => {
+                self.failed += 1;
+                println!("[rank {rank}] FAIL {name}: {e}");
+            }
+        }
+    }
+
+    fn measure(&mut self, name: &str, value: String) {
+        self.measurements.push((name.to_string(), value));
+    }
+
+    fn peer(&self) -> Option<usize> {
+        let p = self.ctx.rank() ^ 1;
+        (p < self.ctx.size()).then_some(p)
+    }
+
+    fn function(&self, module: Module, name: &str) -> Result<Function> {
+        self.ctx.gpu.get_function(module, name)
+    }
+
+    fn launch(&self, f: Function, cfg: LaunchConfig, args: &mut KernelArgs) -> Result<()> {
+        let mut ptrs = args.pointers();
+        // SAFETY: each caller passes exactly the kernel's parameters, by value, in order; every
+        // pointer argument refers to live device memory owned by the caller.
+        unsafe { self.ctx.gpu.launch(f, cfg, self.stream, &mut ptrs) }
+    }
+
+    fn sync_and_check(&self) -> Result<()> {
+        self.ctx.gpu.synchronize_stream(self.stream)?;
+        self.ctx.comm.check_device_errors()
+    }
+
+    /// Registers `buf` and maps every rank's copy; returns the peer's (or our own when alone).
+    fn exchange(&self, buf: &DeviceBuffer) -> Result<Vec<RegisteredMemory>> {
+        let local = self.ctx.comm.register(&buf.alloc, buf.ptr(), buf.alloc.size)?;
+        self.ctx.comm.exchange(local)
+    }
+
+    fn time<F: FnMut() -> Result<()>>(&self, mut body: F) -> Result<f64> {
+        let gpu = &self.ctx.gpu;
+        let (a, b) = (gpu.create_event()?, gpu.create_event()?);
+        gpu.record_event(a, self.stream)?;
+        body()?;
+        gpu.record_event(b, self.stream)?;
+        gpu.synchronize_stream(self.stream)?;
+        let ms = gpu.elapsed_ms(a, b)? as f64;
+        gpu.destroy_event(a)?;
+        gpu.destroy_event(b)?;
+        Ok(ms)
+    }
+}
+
+fn main() {
+    match run() {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("mscclpp-gpu-suite: {e}");
+            std::process::exit(2);
+        }
+    }
+}
+
+fn run() -> Result<i32> {
+    let Some(ctx) = RankContext::from_launcher()? else {
+        println!("0 passed, 0 failed, 1 skipped");
+        return Ok(0);
+    };
+    let props = ctx.gpu.properties(ctx.local_rank)?;
+    let stream = ctx.gpu.create_stream()?;
+    let run_seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(1);
+    // Every rank must use the same run seed to regenerate its peers' inputs.
+    let run_seed = u64::from_le_bytes(
+        ctx.bootstrap.broadcast(0, &run_seed.to_le_bytes())?[..8]
+            .try_into()
+            .map_err(|_| Error::Internal("seed broadcast".into()))?,
+    );
+    if ctx.rank() == 0 {
+        println!(
+            "device: {} ({}, {} SMs), {} ranks, backend {}",
+            props.name,
+            props.arch,
+            props.multiprocessors,
+            ctx.size(),
+            ctx.gpu.backend_name()
+        );
+    }
+    let mut suite = Suite {
+        ctx,
+        run_seed,
+        passed: 0,
+        failed: 0,
+        measurements: Vec::new(),
+        stream,
+    };
+
+    let modules = compile_modules(&mut suite);
+    if let Ok((primitives, measure)) = modules {
+        if suite.peer().is_some() {
+            let r = ping_pong(&mut suite, primitives);
+            suite.record("memory_channel ping-pong", r);
+            let r = put_bandwidth(&mut suite, measure);
+            suite.record("memory_channel put bandwidth", r);
+            let r = packet_exchange(&mut suite, primitives);
+            suite.record("LL packet exchange", r);
+            let r = semaphore_stress(&mut suite, primitives);
+            suite.record("semaphore stress 10^6", r);
+            let r = peer_stops(&mut suite, primitives);
+            suite.record("peer stops -> timeout error", r);
+        }
+        for dtype in [DataType::F32, DataType::Bf16] {
+            let r = simple_allreduce(&mut suite, dtype);
+            suite.record(&format!("simple allreduce {dtype}"), r);
+        }
+    }
+
+    suite.ctx.bootstrap.barrier()?;
+    if suite.ctx.rank() == 0 {
+        println!("\n| measurement | value |\n|---|---|");
+        for (k, v) in &suite.measurements {
+            println!("| {k} | {v} |");
+        }
+    }
+    println!("{} passed, {} failed", suite.passed, suite.failed);
+    Ok(if suite.failed == 0 { 0 } else { 1 })
+}
+
+fn compile_modules(s: &mut Suite) -> Result<(Module, Module)> {
+    let gpu = s.ctx.gpu.clone();
+    let primitives = mscclpp_kernels_cu::kernel("primitives")
+        .ok_or_else(|| Error::Internal("no primitives kernel unit".into()))?;
+    // First use compiles (or loads what an earlier run cached); the second call is a cache load.
+    let t0 = Instant::now();
+    let first = gpu.build_module(primitives.name, primitives.source);
+    let first_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let t1 = Instant::now();
+    let second = gpu.build_module(primitives.name, primitives.source);
+    let second_ms = t1.elapsed().as_secs_f64() * 1e3;
+    let measure = gpu.build_module("gpu_suite_measure", SUITE_KERNELS);
+    let result = match (first, second, measure) {
+        (Ok(p), Ok(_), Ok(m)) => {
+            s.measure(
+                "primitives module: first build_module (compile or disk cache)",
+                format!("{first_ms:.1} ms"),
+            );
+            s.measure(
+                "primitives module: second build_module (disk cache)",
+                format!("{second_ms:.2} ms"),
+            );
+            Ok((p, m))
+        }
+        (Err(e), ..) | (_, Err(e), _) | (.., Err(e)) => Err(e),
+    };
+    let record = result
+        .as_ref()
+        .map(|_| format!("first {first_ms:.1} ms, cached {second_ms:.2} ms"))
+        .map_err(|e| Error::Internal(e.to_string()));
+    s.record("kernel build (NVRTC + cache)", record);
+    result
+}
+
+/// A MemoryChannel to the pair peer over `buf` (ours) and the peer's mapping of its `buf`.
+fn pair_channel(
+    s: &Suite,
+    mems: &[RegisteredMemory],
+    src: u64,
+    packet_buffer: u64,
+    sem: D2DSemaphoreHandle,
+) -> Result<MemoryChannelHandle> {
+    let peer = s.peer().ok_or_else(|| Error::Internal("no pair peer".into()))?;
+    Ok(s.ctx.comm.memory_channel(sem, &mems[peer], src, packet_buffer))
+}
+
+/// Semaphores towards the pair peer. Every rank calls `d2d_semaphores` for the same peers in the
+/// same order, so slot reservations stay aligned.
+fn pair_semaphores(s: &Suite, count: usize) -> Result<Vec<D2DSemaphoreHandle>> {
+    let peer = s.peer().ok_or_else(|| Error::Internal("no pair peer".into()))?;
+    s.ctx.comm.d2d_semaphores(peer, count)
+}
+
+fn ping_pong(s: &mut Suite, primitives: Module) -> Result<String> {
+    let gpu = s.ctx.gpu.clone();
+    let buf = DeviceBuffer::new(&gpu, MIB, MemoryKind::Plain)?;
+    let mems = s.exchange(&buf)?;
+    let sem = pair_semaphores(s, 1)?[0];
+    let chan = pair_channel(s, &mems, buf.ptr(), 0, sem)?;
+    let f = s.function(primitives, "memory_channel_ping_pong")?;
+    let initiator = (s.ctx.rank() % 2 == 0) as u32;
+    let iters: u32 = 20_000;
+    // Warm-up, then a timed run of `iters` round trips with no payload: signal + wait latency.
+    for (n, timed) in [(100u32, false), (iters, true)] {
+        s.ctx.bootstrap.barrier()?;
+        let ms = s.time(|| {
+            let mut args = KernelArgs::new();
+            args.push(chan).push(0u64).push(n).push(initiator);
+            s.launch(f, LaunchConfig::linear(1, 32), &mut args)
+        })?;
+        s.ctx.comm.check_device_errors()?;
+        if timed {
+            let rtt_us = ms * 1e3 / n as f64;
+            s.measure(
+                "semaphore signal+wait round trip (ping-pong, 0 B)",
+                format!("{rtt_us:.2} µs"),
+            );
+            return Ok(format!("{n} round trips, {rtt_us:.2} µs each"));
+        }
+    }
+    Err(Error::Internal("unreachable".into()))
+}
+
+fn put_bandwidth(s: &mut Suite, measure: Module) -> Result<String> {
+    const BYTES: usize = 1 << 30;
+    let gpu = s.ctx.gpu.clone();
+    let src = DeviceBuffer::new(&gpu, BYTES, MemoryKind::Plain)?;
+    let dst = DeviceBuffer::new(&gpu, BYTES, MemoryKind::Plain)?;
+    gpu.memset_async(src.ptr(), 0x5a, BYTES, s.stream)?;
+    gpu.synchronize_stream(s.stream)?;
+    let mems = s.exchange(&dst)?;
+    let sem = pair_semaphores(s, 1)?[0];
+    let chan = pair_channel(s, &mems, src.ptr(), 0, sem)?;
+    let peer = s.peer().ok_or_else(|| Error::Internal("no peer".into()))?;
+    let peer_dst = mems[peer].ptr();
+    let put = s.function(measure, "put_bandwidth")?;
+    let copy = s.function(measure, "plain_copy")?;
+    let sms = gpu.properties(s.ctx.local_rank)?.multiprocessors;
+    let cfg = LaunchConfig::linear(sms * 2, 1024);
+    let mut line = String::new();
+    // Only the even rank of each pair sends (one direction: GPU r -> GPU r+1).
+    if s.ctx.rank() % 2 == 0 {
+        let reps = 5;
+        let mut best = [f64::MAX; 3];
+        for _ in 0..reps {
+            let ms = [
+                s.time(|| {
+                    let mut a = KernelArgs::new();
+                    a.push(chan).push(BYTES as u64);
+                    s.launch(put, cfg, &mut a)
+                })?,
+                s.time(|| {
+                    let mut a = KernelArgs::new();
+                    a.push(peer_dst)
+                        .push(src.ptr())
+                        .push((BYTES / 16) as u64);
+                    s.launch(copy, cfg, &mut a)
+                })?,
+                s.time(|| gpu.memcpy_async(peer_dst, src.ptr(), BYTES, s.stream))?,
+            ];
+            for (b, m) in best.iter_mut().zip(ms) {
+                *b = b.min(m);
+            }
+        }
+        s.ctx.comm.check_device_errors()?;
+        let gbs = best.map(|ms| BYTES as f64 / (ms * 1e-3) / 1e9);
+        line = format!(
+            "put {:.1} GB/s, plain SM copy {:.1} GB/s ({:.1}%), copy engine {:.1} GB/s",
+            gbs[0],
+            gbs[1],
+            100.0 * gbs[0] / gbs[1],
+            gbs[2]
+        );
+        s.measure("MemoryChannel put 1 GiB, one way", format!("{:.1} GB/s", gbs[0]));
+        s.measure("plain SM store copy 1 GiB, one way", format!("{:.1} GB/s", gbs[1]));
+        s.measure("copy engine (cuMemcpyAsync) 1 GiB, one way", format!("{:.1} GB/s", gbs[2]));
+    }
+    s.ctx.bootstrap.barrier()?;
+    // The receiver checks that the put landed (a sample of the buffer, every 4 KiB).
+    if s.ctx.rank() % 2 == 1 {
+        let got = dst.download(BYTES)?;
+        let bad = got.iter().step_by(4096).filter(|&&b| b != 0x5a).count();
+        if bad != 0 {
+            return Err(Error::Internal(format!("{bad} sampled bytes wrong after put")));
+        }
+        line = "received data verified".into();
+    }
+    Ok(line)
+}
+
+fn packet_exchange(s: &mut Suite, primitives: Module) -> Result<String> {
+    let gpu = s.ctx.gpu.clone();
+    let max_bytes = MIB;
+    let src = DeviceBuffer::new(&gpu, max_bytes, MemoryKind::Plain)?;
+    // LL16 doubles the bytes; keep room for either packet kind.
+    let scratch = DeviceBuffer::new(&gpu, 2 * max_bytes + 64, MemoryKind::Plain)?;
+    scratch.poison(0)?;
+    let out = DeviceBuffer::new(&gpu, max_bytes, MemoryKind::Plain)?;
+    let mems = s.exchange(&scratch)?;
+    let sem = pair_semaphores(s, 1)?[0];
+    let chan = pair_channel(s, &mems, src.ptr(), scratch.ptr(), sem)?;
+    let peer = s.peer().ok_or_else(|| Error::Internal("no peer".into()))?;
+    let mut flag = 0u32;
+    let mut checked = 0;
+    for kernel in ["ll_packet_exchange_ll16", "ll_packet_exchange_ll8"] {
+        let f = s.function(primitives, kernel)?;
+        for (case, bytes) in [1usize, 3, 8, 1023, 4104, 65_536 + 4, max_bytes]
+            .into_iter()
+            .enumerate()
+        {
+            flag += 1;
+            let mine = seed(s.run_seed, 100 + case as u64, s.ctx.rank());
+            let theirs = seed(s.run_seed, 100 + case as u64, peer);
+            let data = |sd: u64| {
+                let mut r = SplitMix64(sd);
+                (0..bytes).map(|_| r.next_u64() as u8).collect::<Vec<u8>>()
+            };
+            src.upload(&data(mine))?;
+            out.poison(0xee)?;
+            s.ctx.bootstrap.barrier()?;
+            let mut a = KernelArgs::new();
+            a.push(chan).push(out.ptr()).push(bytes as u64).push(flag);
+            s.launch(f, LaunchConfig::linear(4, 256), &mut a)?;
+            s.sync_and_check()?;
+            let got = out.download(bytes)?;
+            if got != data(theirs) {
+                let i = got.iter().zip(data(theirs)).position(|(a, b)| *a != b);
+                return Err(Error::Internal(format!(
+                    "{kernel}, {bytes} B: first wrong byte at {i:?}"
+                )));
+            }
+            checked += 1;
+            // Both ranks must be done reading before the next round's packets overwrite scratch.
+            s.ctx.bootstrap.barrier()?;
+        }
+    }
+    Ok(format!("{checked} exchanges (LL16 and LL8, 1 B to 1 MiB) exact"))
+}
+
+fn semaphore_stress(s: &mut Suite, primitives: Module) -> Result<String> {
+    let gpu = s.ctx.gpu.clone();
+    let iters: u32 = 1_000_000;
+    let f = s.function(primitives, "semaphore_stress")?;
+    let completed = DeviceBuffer::new(&gpu, 4, MemoryKind::Plain)?;
+    let chans_dev = DeviceBuffer::new(&gpu, std::mem::size_of::<MemoryChannelHandle>(), MemoryKind::Plain)?;
+    let mut lines = Vec::new();
+    for mode in 0u32..3 {
+        let sem = pair_semaphores(s, 1)?[0];
+        let chan = MemoryChannelHandle {
+            semaphore: sem,
+            ..Default::default()
+        };
+        // SAFETY: MemoryChannelHandle is plain old data (repr(C), integers only).
+        let bytes = unsafe {
+            std::slice::from_raw_parts(
+                &chan as *const MemoryChannelHandle as *const u8,
+                std::mem::size_of::<MemoryChannelHandle>(),
+            )
+        };
+        chans_dev.upload(bytes)?;
+        completed.poison(0)?;
+        s.ctx.bootstrap.barrier()?;
+        let ms = s.time(|| {
+            let mut a = KernelArgs::new();
+            a.push(chans_dev.ptr()).push(1u32).push(iters).push(mode).push(completed.ptr());
+            s.launch(f, LaunchConfig::linear(1, 32), &mut a)
+        })?;
+        s.ctx.comm.check_device_errors()?;
+        let done = u32::from_le_bytes(completed.download(4)?[..4].try_into().map_err(|_| Error::Internal("4 bytes".into()))?);
+        if done != iters {
+            return Err(Error::Internal(format!("mode {mode}: {done} of {iters} waits completed")));
+        }
+        lines.push(format!("mode {mode}: {iters} in {ms:.0} ms"));
+    }
+    Ok(lines.join(", "))
+}
+
+fn peer_stops(s: &mut Suite, primitives: Module) -> Result<String> {
+    let gpu = s.ctx.gpu.clone();
+    let f = s.function(primitives, "semaphore_stress")?;
+    let completed = DeviceBuffer::new(&gpu, 4, MemoryKind::Plain)?;
+    let chans_dev = DeviceBuffer::new(&gpu, std::mem::size_of::<MemoryChannelHandle>(), MemoryKind::Plain)?;
+    let mut sem = pair_semaphores(s, 1)?[0];
+    // About a million polls: long enough for a live peer, short enough for a test.
+    sem.max_spin = 1 << 20;
+    let chan = MemoryChannelHandle {
+        semaphore: sem,
+        ..Default::default()
+    };
+    // SAFETY: plain old data, as above.
+    let bytes = unsafe {
+        std::slice::from_raw_parts(
+            &chan as *const MemoryChannelHandle as *const u8,
+            std::mem::size_of::<MemoryChannelHandle>(),
+        )
+    };
+    chans_dev.upload(bytes)?;
+    s.ctx.bootstrap.barrier()?;
+    let mut detail = "peer idled".to_string();
+    // The even rank waits for a signal its peer never sends.
+    if s.ctx.rank() % 2 == 0 {
+        let t = Instant::now();
+        let mut a = KernelArgs::new();
+        a.push(chans_dev.ptr()).push(1u32).push(1u32).push(0u32).push(completed.ptr());
+        s.launch(f, LaunchConfig::linear(1, 32), &mut a)?;
+        match s.sync_and_check() {
+            Err(Error::DeviceTimeout(msg)) => {
+                detail = format!("timeout reported after {:.0} ms: {msg}", t.elapsed().as_secs_f64() * 1e3)
+            }
+            Err(e) => return Err(e),
+            Ok(()) => return Err(Error::Internal("a wait without a signal did not time out".into())),
+        }
+    }
+    s.ctx.bootstrap.barrier()?;
+    Ok(detail)
+}
+
+fn simple_allreduce(s: &mut Suite, dtype: DataType) -> Result<String> {
+    use mscclpp_kernels_cu::{allreduce_entry_point, AllreduceKernel};
+    let gpu = s.ctx.gpu.clone();
+    let (rank, nranks) = (s.ctx.rank(), s.ctx.size());
+    let esize = dtype.size();
+    let max_count = 256 * MIB / esize;
+    let nblocks = 32u32;
+    let (unit, put_name) = allreduce_entry_point(AllreduceKernel::Put, dtype, Default::default())?;
+    let (_, packet_name) = allreduce_entry_point(AllreduceKernel::Packet, dtype, Default::default())?;
+    let module = gpu.build_module(unit.name, unit.source)?;
+    let put = gpu.get_function(module, &put_name)?;
+    let packet = gpu.get_function(module, &packet_name)?;
+    // Scratch: the put kernel needs nranks slots of the message; the packet kernel twice nranks
+    // slots of LL16 packets (2x the payload) for messages up to 1 MiB.
+    let scratch_bytes = (nranks * (max_count * esize + 16)).max(2 * nranks * 2 * MIB + 4096);
+    let scratch = DeviceBuffer::new(&gpu, scratch_bytes, MemoryKind::Plain)?;
+    scratch.poison(0)?;
+    let mems = s.exchange(&scratch)?;
+    // nblocks x (nranks-1) channels, block-major: block b's channel to the i-th peer.
+    let mut chans = Vec::new();
+    let peers: Vec<usize> = (0..nranks).filter(|&p| p != rank).collect();
+    let mut sems = Vec::new();
+    for &p in &peers {
+        sems.push(s.ctx.comm.d2d_semaphores(p, nblocks as usize)?);
+    }
+    for b in 0..nblocks as usize {
+        for (i, &p) in peers.iter().enumerate() {
+            chans.push(s.ctx.comm.memory_channel(sems[i][b], &mems[p], 0, scratch.ptr()));
+        }
+    }
+    let chan_bytes: Vec<u8> = chans
+        .iter()
+        .flat_map(|c| {
+            // SAFETY: plain old data.
+            unsafe {
+                std::slice::from_raw_parts(
+                    c as *const MemoryChannelHandle as *const u8,
+                    std::mem::size_of::<MemoryChannelHandle>(),
+                )
+            }
+            .to_vec()
+        })
+        .collect();
+    let chans_dev = DeviceBuffer::new(&gpu, chan_bytes.len(), MemoryKind::Plain)?;
+    chans_dev.upload(&chan_bytes)?;
+    let input = DeviceBuffer::new(&gpu, max_count * esize, MemoryKind::Plain)?;
+    let output = DeviceBuffer::new(&gpu, max_count * esize, MemoryKind::Plain)?;
+    let counts = [1usize, 3, 1023, (4096 + 8) / esize, MIB / esize - 1, 64 * MIB / esize, max_count];
+    let mut flag = 0u32;
+    let mut checks = 0;
+    for (case, &count) in counts.iter().enumerate() {
+        for in_place in [false, true] {
+            for kernel in [AllreduceKernel::Packet, AllreduceKernel::Put] {
+                if kernel == AllreduceKernel::Packet && count * esize > MIB {
+                    continue;
+                }
+                let case_id = 1000 + (case * 4) as u64 + in_place as u64 * 2 + (kernel == AllreduceKernel::Put) as u64;
+                let inputs: Vec<Vec<f64>> = (0..nranks)
+                    .map(|r| random_elements(dtype, count, seed(s.run_seed, case_id, r)).map(|x| x.1))
+                    .collect::<Result<_>>()?;
+                let (mine, _) = random_elements(dtype, count, seed(s.run_seed, case_id, rank))?;
+                input.upload(&mine)?;
+                let out = if in_place { &input } else { output.poison(0xff)?; &output };
+                s.ctx.bootstrap.barrier()?;
+                let mut a = KernelArgs::new();
+                a.push(chans_dev.ptr()).push(input.ptr()).push(out.ptr()).push(count as u64);
+                a.push(rank as u32).push(nranks as u32);
+                let (f, cfg) = if kernel == AllreduceKernel::Packet {
+                    flag += 1;
+                    a.push(flag);
+                    (packet, LaunchConfig::linear(8, 512))
+                } else {
+                    (put, LaunchConfig::linear(nblocks, 512))
+                };
+                a.push(ReduceOp::Sum.to_nccl());
+                s.launch(f, cfg, &mut a)?;
+                s.sync_and_check()?;
+                let got = decode_elements(dtype, &out.download(count * esize)?)?;
+                let (wrong, first) = check_sum(dtype, &got, &inputs, (nranks - 1).max(1) as f64);
+                if wrong != 0 {
+                    return Err(Error::Internal(format!(
+                        "{kernel:?} count {count} in_place {in_place}: {wrong} wrong; {}",
+                        first.unwrap_or_default()
+                    )));
+                }
+                checks += 1;
+                s.ctx.bootstrap.barrier()?;
+            }
+        }
+    }
+    Ok(format!(
+        "{checks} checks (1 to {max_count} elements, in/out of place, packet and put), every element within 1 ulp of the float64 sum"
+    ))
+}
