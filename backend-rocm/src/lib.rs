@@ -1,1 +1,14 @@
-//! ROCm backend (being written).
+//! ROCm backend of mscclpp-rs: the `Gpu` trait over HIP, and hiprtc, both loaded at run time.
+//!
+//! Nothing links against ROCm at build time, so this crate builds and its CPU tests run on any
+//! machine; [`RocmGpu::new`] and [`Hiprtc::load`] say which library they looked for, and where,
+//! when ROCm is absent.
+
+pub mod gpu;
+pub mod hiprtc;
+pub mod ipc_cache;
+pub mod loader;
+pub mod sys;
+
+pub use gpu::RocmGpu;
+pub use hiprtc::{CompileRequest, CompiledCodeObject, Hiprtc};
