@@ -83,3 +83,9 @@ pub trait Transport: Send + Sync {
     /// Waits until every operation issued so far has completed at the destination, or `timeout`.
     fn flush(&self, timeout: Duration) -> Result<()>;
 }
+
+pub mod ethernet;
+pub mod host_memory;
+
+pub use ethernet::{EthernetConfig, EthernetListener, EthernetTransport};
+pub use host_memory::{HostMemoryRegistry, MemoryResolver};
