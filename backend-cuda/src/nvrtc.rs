@@ -71,6 +71,37 @@ pub struct Nvrtc {
     _lib: libloading::Library,
 }
 
+/// NVRTC opens `libnvrtc-builtins.so.<major>.<minor>` by name at its first compile. Copies that do
+/// not carry a run path to their own folder (PyPI's wheels, for one) then fail with "failed to open
+/// libnvrtc-builtins". Loading the builtins that sit next to the chosen library first, with
+/// RTLD_GLOBAL, makes that later lookup find them. The handle is leaked on purpose: NVRTC keeps
+/// using the builtins for the life of the process.
+fn preload_builtins(nvrtc_path: &str) {
+    let Some(dir) = std::path::Path::new(nvrtc_path).parent() else {
+        return;
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with("libnvrtc-builtins.so.") && !name.contains("alt") {
+            // SAFETY: the builtins library has no initialisers with preconditions.
+            let lib = unsafe {
+                libloading::os::unix::Library::open(
+                    Some(entry.path()),
+                    libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL,
+                )
+            };
+            match lib {
+                Ok(lib) => std::mem::forget(lib),
+                Err(e) => tracing::debug!(target: "mscclpp::gpu", "preloading {name}: {e}"),
+            }
+        }
+    }
+}
+
 impl std::fmt::Debug for Nvrtc {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Nvrtc")
@@ -178,6 +209,7 @@ impl Nvrtc {
         let candidates = library_candidates()?;
         let mut failures: Vec<String> = Vec::new();
         for cand in &candidates {
+            preload_builtins(cand);
             // SAFETY: loading NVRTC runs its initialisers, which have no preconditions.
             match unsafe { libloading::Library::new(cand) } {
                 Ok(lib) => return Self::from_library(lib, cand),
