@@ -5,6 +5,22 @@
 
 use crate::error::Result;
 
+mod collectives;
+pub mod config;
+pub mod iface;
+mod mailbox;
+mod root;
+mod sock;
+pub mod tcp;
+pub mod unique_id;
+mod wire;
+
+pub use config::BootstrapConfig;
+pub use iface::{list_interfaces, InterfaceAddr};
+pub use tcp::{root_address_from_env, TcpBootstrap};
+pub use unique_id::UniqueId;
+pub use wire::{Secret, SECRET_LEN};
+
 /// Out-of-band messaging between the ranks of one job.
 ///
 /// Every blocking call has a timeout (from the environment or the constructor) and, when it

@@ -1,0 +1,174 @@
+//! `mscclpp-bench`: the mscclpp-rs benchmark binary.
+//!
+//! Modes (first argument, optional):
+//! - `auto` (default): the collective benchmark where GPUs are present; with no GPU it says so and
+//!   runs the bootstrap self-check instead.
+//! - `bootstrap`: the bootstrap self-check (8-byte all_gather and barrier latency).
+//!
+//! Under a launcher (RANK/WORLD_SIZE, OMPI_COMM_WORLD_*, PMI_*, SLURM_*) the process is one rank.
+//! Launched plainly it spawns `-n` local ranks of itself on loopback (default: one per local GPU,
+//! or 8 without GPUs).
+
+mod collective;
+mod gpu_probe;
+mod nccl;
+mod selfcheck;
+
+use mscclpp_core::env::Env;
+use mscclpp_core::{Error, Result};
+use selfcheck::SelfCheckArgs;
+use std::process::ExitCode;
+
+const USAGE: &str = "\
+usage: mscclpp-bench [auto|bootstrap] [-n RANKS] [--iters N] [--warmup N]
+
+  auto        collective benchmark on GPUs; bootstrap self-check when no GPU is found (default)
+  bootstrap   bootstrap self-check: 8-byte all_gather and barrier latency, median and p99
+  -n RANKS    local ranks to spawn when not started by a launcher (default: local GPUs, or 8)
+  --iters N   timed iterations (default 1000)
+  --warmup N  untimed iterations first (default 100)
+
+Bootstrap settings come from MSCCLPP_* variables (MSCCLPP_SOCKET_IFNAME, MSCCLPP_BOOTSTRAP_TIMEOUT...).";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Auto,
+    Bootstrap,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Args {
+    mode: Mode,
+    ranks: Option<usize>,
+    check: SelfCheckArgs,
+    help: bool,
+}
+
+fn parse_args(argv: &[String]) -> Result<Args> {
+    let mut args = Args {
+        mode: Mode::Auto,
+        ranks: None,
+        check: SelfCheckArgs {
+            iters: 1000,
+            warmup: 100,
+        },
+        help: false,
+    };
+    let mut it = argv.iter();
+    let number = |flag: &str, v: Option<&String>| -> Result<usize> {
+        let v = v.ok_or_else(|| Error::InvalidArgument(format!("{flag} needs a value")))?;
+        v.parse().map_err(|_| {
+            Error::InvalidArgument(format!("{flag} {v:?} is not a non-negative integer"))
+        })
+    };
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "auto" => args.mode = Mode::Auto,
+            "bootstrap" => args.mode = Mode::Bootstrap,
+            "-n" | "--ranks" => args.ranks = Some(number(a, it.next())?),
+            "--iters" => args.check.iters = number(a, it.next())?,
+            "--warmup" => args.check.warmup = number(a, it.next())?,
+            "-h" | "--help" => args.help = true,
+            other => {
+                return Err(Error::InvalidArgument(format!(
+                    "unknown argument {other:?}\n{USAGE}"
+                )))
+            }
+        }
+    }
+    if args.ranks == Some(0) {
+        return Err(Error::InvalidArgument("-n must be at least 1".into()));
+    }
+    if args.check.iters == 0 {
+        return Err(Error::InvalidArgument("--iters must be at least 1".into()));
+    }
+    Ok(args)
+}
+
+fn run(argv: &[String]) -> Result<()> {
+    let args = parse_args(argv)?;
+    if args.help {
+        println!("{USAGE}");
+        return Ok(());
+    }
+    let env = Env::get()?;
+    let gpus = gpu_probe::probe();
+    let launched = env.launcher.is_some();
+    // Only the spawning parent (or rank 0 under a launcher) explains the mode choice.
+    let speaks = !launched || env.launcher.as_ref().is_some_and(|l| l.rank == 0);
+    if args.mode == Mode::Auto && speaks {
+        if gpus.total() == 0 {
+            println!(
+                "# no GPU found (no /dev/nvidiaN device, no AMD KFD GPU node): running the \
+                 bootstrap self-check instead"
+            );
+        } else {
+            println!(
+                "# {} GPU(s) found ({} NVIDIA, {} AMD); the collective benchmark is not part of \
+                 this build yet: running the bootstrap self-check",
+                gpus.total(),
+                gpus.nvidia,
+                gpus.amd
+            );
+        }
+    }
+    if launched {
+        return selfcheck::run_rank(env, &args.check);
+    }
+    let n = args
+        .ranks
+        .unwrap_or(if gpus.total() > 0 { gpus.total() } else { 8 });
+    // Children get the mode spelled out, so they run the self-check without repeating the note.
+    let mut child_argv: Vec<String> = argv
+        .iter()
+        .filter(|a| a.as_str() != "auto" && a.as_str() != "bootstrap")
+        .cloned()
+        .collect();
+    child_argv.insert(0, "bootstrap".into());
+    selfcheck::spawn_local(n, &child_argv, env)
+}
+
+fn main() -> ExitCode {
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    match run(&argv) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let who = std::env::var("RANK")
+                .map(|r| format!(" (rank {r})"))
+                .unwrap_or_default();
+            eprintln!("mscclpp-bench{who}: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn argv(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn parses_modes_and_flags() {
+        let a = parse_args(&argv("bootstrap -n 4 --iters 10 --warmup 2")).unwrap();
+        assert_eq!(a.mode, Mode::Bootstrap);
+        assert_eq!(a.ranks, Some(4));
+        assert_eq!(
+            a.check,
+            SelfCheckArgs {
+                iters: 10,
+                warmup: 2
+            }
+        );
+        assert_eq!(parse_args(&[]).unwrap().mode, Mode::Auto);
+    }
+
+    #[test]
+    fn rejects_bad_arguments() {
+        for bad in ["-n", "-n x", "-n 0", "--iters 0", "--frobnicate"] {
+            assert!(parse_args(&argv(bad)).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,185 @@
+//! Per-(peer, kind, tag) receive queues: reader threads push, receivers wait with a deadline.
+//!
+//! Reader threads never block on a receiver: they append to an in-memory queue and wake waiters.
+//! That keeps every socket drained, so a large blocking send can never deadlock against a send
+//! in the other direction. Waiters learn promptly when a peer's connection closes or when the job
+//! was aborted, instead of sleeping until their timeout.
+
+use super::wire::FrameKind;
+use crate::error::{Error, Result};
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// Queue key: sender rank, traffic kind (user or collective), tag.
+pub(crate) type Key = (usize, FrameKind, u64);
+
+#[derive(Default)]
+struct State {
+    queues: HashMap<Key, VecDeque<Vec<u8>>>,
+    /// Peers whose incoming connection ended, with the reason given to waiters.
+    closed: HashMap<usize, String>,
+    /// Set once a collective failed anywhere: (rank blamed, reason). Poisons every later wait
+    /// that finds its queue empty, since the job cannot make progress any more.
+    aborted: Option<(usize, String)>,
+    /// The owning bootstrap is being dropped.
+    shutdown: bool,
+}
+
+pub(crate) struct Mailbox {
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+impl Mailbox {
+    pub fn new() -> Self {
+        Mailbox {
+            state: Mutex::new(State::default()),
+            cv: Condvar::new(),
+        }
+    }
+
+    /// A panic elsewhere while holding the lock leaves the maps consistent (every update is a
+    /// single insert/remove), so poisoning is ignored rather than turned into a panic here.
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn push(&self, key: Key, data: Vec<u8>) {
+        self.lock().queues.entry(key).or_default().push_back(data);
+        self.cv.notify_all();
+    }
+
+    /// Marks `peer`'s incoming connection as ended; waiters on it get `Error::Peer{peer, reason}`
+    /// once its queued messages are consumed.
+    pub fn close_peer(&self, peer: usize, reason: String) {
+        self.lock().closed.entry(peer).or_insert(reason);
+        self.cv.notify_all();
+    }
+
+    /// Records a job-wide failure. Returns true the first time, so the caller forwards it once.
+    pub fn abort(&self, rank: usize, reason: String) -> bool {
+        let mut st = self.lock();
+        if st.aborted.is_some() {
+            return false;
+        }
+        st.aborted = Some((rank, reason));
+        drop(st);
+        self.cv.notify_all();
+        true
+    }
+
+    pub fn aborted(&self) -> Option<(usize, String)> {
+        self.lock().aborted.clone()
+    }
+
+    pub fn shutdown(&self) {
+        self.lock().shutdown = true;
+        self.cv.notify_all();
+    }
+
+    /// Takes the next message under `key`, waiting until `deadline`. `what` names the awaited
+    /// message for the timeout error (it includes the peer rank).
+    pub fn wait(
+        &self,
+        key: Key,
+        deadline: Instant,
+        timeout: Duration,
+        what: impl Fn() -> String,
+    ) -> Result<Vec<u8>> {
+        let peer = key.0;
+        let mut st = self.lock();
+        loop {
+            if let Some(q) = st.queues.get_mut(&key) {
+                if let Some(msg) = q.pop_front() {
+                    if q.is_empty() {
+                        // Collective tags are sequence numbers: drop empty queues so the map
+                        // does not grow with every call.
+                        st.queues.remove(&key);
+                    }
+                    return Ok(msg);
+                }
+            }
+            if let Some((rank, reason)) = &st.aborted {
+                return Err(Error::Peer {
+                    rank: *rank,
+                    message: format!("job aborted: {reason}"),
+                });
+            }
+            if let Some(reason) = st.closed.get(&peer) {
+                return Err(Error::Peer {
+                    rank: peer,
+                    message: reason.clone(),
+                });
+            }
+            if st.shutdown {
+                return Err(Error::Bootstrap(format!(
+                    "bootstrap shut down while waiting for {}",
+                    what()
+                )));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::Timeout {
+                    what: what(),
+                    timeout,
+                });
+            }
+            st = self
+                .cv
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    const T: Duration = Duration::from_secs(5);
+
+    #[test]
+    fn delivers_in_order_then_reports_close() {
+        let m = Mailbox::new();
+        let k = (1, FrameKind::User, 9);
+        m.push(k, vec![1]);
+        m.push(k, vec![2]);
+        m.close_peer(1, "connection closed".into());
+        let dl = Instant::now() + T;
+        assert_eq!(m.wait(k, dl, T, String::new).unwrap(), vec![1]);
+        assert_eq!(m.wait(k, dl, T, String::new).unwrap(), vec![2]);
+        match m.wait(k, dl, T, String::new) {
+            Err(Error::Peer { rank: 1, message }) => assert_eq!(message, "connection closed"),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn times_out_with_name() {
+        let m = Mailbox::new();
+        let t = Duration::from_millis(30);
+        let e = m
+            .wait((2, FrameKind::User, 0), Instant::now() + t, t, || {
+                "rank 2".into()
+            })
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::Timeout { ref what, .. } if what == "rank 2"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn wakes_blocked_waiter_on_push() {
+        let m = Arc::new(Mailbox::new());
+        let k = (0, FrameKind::Collective, 3);
+        let m2 = Arc::clone(&m);
+        let h = std::thread::spawn(move || m2.wait(k, Instant::now() + T, T, String::new));
+        std::thread::sleep(Duration::from_millis(20));
+        m.push(k, vec![5]);
+        assert_eq!(h.join().unwrap().unwrap(), vec![5]);
+    }
+}

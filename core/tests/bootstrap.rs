@@ -1,0 +1,460 @@
+//! TcpBootstrap integration tests: ranks as threads and as processes, failure paths, IPv6.
+//!
+//! The process tests re-invoke this test binary with `BOOTSTRAP_TEST_ROLE` set; the child runs
+//! [`child_rank_entry`] as one rank and reports on stdout.
+
+use mscclpp_core::bootstrap::{Bootstrap, BootstrapConfig, TcpBootstrap, UniqueId};
+use mscclpp_core::Error;
+use rstest::rstest;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const ROLE_VAR: &str = "BOOTSTRAP_TEST_ROLE";
+
+fn config(timeout_s: u64) -> BootstrapConfig {
+    BootstrapConfig::default().with_timeout(Duration::from_secs(timeout_s))
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("an ephemeral port on loopback")
+}
+
+/// Runs `f` as every rank of a job joined through a fresh UniqueId, one thread per rank.
+fn run_threads<T: Send + 'static>(
+    n: usize,
+    cfg: BootstrapConfig,
+    f: impl Fn(TcpBootstrap) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let id = TcpBootstrap::create_unique_id(&cfg).expect("unique id");
+    let f = Arc::new(f);
+    let handles: Vec<_> = (0..n)
+        .map(|rank| {
+            let (id, cfg, f) = (id.clone(), cfg.clone(), Arc::clone(&f));
+            std::thread::spawn(move || {
+                let b = TcpBootstrap::new(rank, n, &id, &cfg)
+                    .unwrap_or_else(|e| panic!("rank {rank} failed to join: {e}"));
+                f(b)
+            })
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("rank thread"))
+        .collect()
+}
+
+fn pattern(rank: usize, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i.wrapping_mul(31) ^ rank.wrapping_mul(131)) as u8)
+        .collect()
+}
+
+#[rstest]
+#[case(2)]
+#[case(8)]
+#[case(64)]
+fn collectives_and_tags_over_threads(#[case] n: usize) {
+    run_threads(n, config(30), move |b| {
+        let r = b.rank();
+        // all_gather with sizes that differ per rank.
+        let all = b.all_gather(&pattern(r, r % 5 * 3)).unwrap();
+        assert_eq!(all.len(), n);
+        for (p, got) in all.iter().enumerate() {
+            assert_eq!(got, &pattern(p, p % 5 * 3), "rank {r} block {p}");
+        }
+        b.barrier().unwrap();
+        for root in [0, n - 1, n / 2] {
+            let got = b.broadcast(root, &pattern(r, 100)).unwrap();
+            assert_eq!(got, pattern(root, 100));
+        }
+        // Tagged messages to the next rank, several tags interleaved, in order per tag.
+        let next = (r + 1) % n;
+        let prev = (r + n - 1) % n;
+        for i in 0..5u8 {
+            b.send(next, 7, &[i, r as u8]).unwrap();
+            b.send(next, 9, &[100 + i]).unwrap();
+        }
+        for i in 0..5u8 {
+            assert_eq!(b.recv(prev, 9).unwrap(), vec![100 + i]);
+        }
+        for i in 0..5u8 {
+            assert_eq!(b.recv(prev, 7).unwrap(), vec![i, prev as u8]);
+        }
+        b.barrier().unwrap();
+    });
+}
+
+#[test]
+fn send_recv_from_several_threads_at_once() {
+    const THREADS: u64 = 4;
+    const MSGS: u32 = 50;
+    run_threads(4, config(30), |b| {
+        let b = Arc::new(b);
+        let (r, n) = (b.rank(), b.size());
+        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        let mut hs = Vec::new();
+        for t in 0..THREADS {
+            let s = Arc::clone(&b);
+            hs.push(std::thread::spawn(move || {
+                for i in 0..MSGS {
+                    s.send(next, t, &i.to_le_bytes()).unwrap();
+                }
+            }));
+            let rcv = Arc::clone(&b);
+            hs.push(std::thread::spawn(move || {
+                for i in 0..MSGS {
+                    let m = rcv.recv(prev, t).unwrap();
+                    assert_eq!(m, i.to_le_bytes(), "tag {t} out of order");
+                }
+            }));
+        }
+        for h in hs {
+            h.join().unwrap();
+        }
+        b.barrier().unwrap();
+    });
+}
+
+#[rstest]
+fn all_gather_sizes_exact(#[values(0, 1, 7, 4096, 1 << 20, 16 << 20)] len: usize) {
+    run_threads(4, config(60), move |b| {
+        let all = b.all_gather(&pattern(b.rank(), len)).unwrap();
+        for (p, got) in all.iter().enumerate() {
+            assert!(got == &pattern(p, len), "block {p} of {len} bytes differs");
+        }
+    });
+}
+
+#[test]
+fn missing_rank_times_out_everywhere() {
+    let timeout = Duration::from_secs(2);
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let hs: Vec<_> = (0..3)
+        .map(|rank| {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                let t0 = Instant::now();
+                let e = TcpBootstrap::from_address(rank, 4, &addr, &config(2))
+                    .err()
+                    .expect("rank 3 never joins, so joining must fail");
+                (t0.elapsed(), e)
+            })
+        })
+        .collect();
+    for h in hs {
+        let (took, e) = h.join().unwrap();
+        assert!(took < timeout + Duration::from_millis(500), "took {took:?}");
+        match e {
+            Error::Timeout { what, .. } => assert!(what.contains('3'), "{what}"),
+            other => panic!("expected a timeout naming rank 3, got {other}"),
+        }
+    }
+}
+
+#[test]
+fn missing_root_times_out() {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let t0 = Instant::now();
+    let e = TcpBootstrap::from_address(1, 2, &addr, &config(1))
+        .err()
+        .unwrap();
+    assert!(t0.elapsed() < Duration::from_millis(1500));
+    assert!(
+        matches!(&e, Error::Timeout { what, .. } if what.contains("rank 0")),
+        "{e}"
+    );
+}
+
+#[test]
+fn closed_peer_wakes_blocked_receiver() {
+    let out = run_threads(2, config(20), |b| {
+        b.barrier().unwrap();
+        if b.rank() == 0 {
+            std::thread::sleep(Duration::from_millis(200));
+            drop(b);
+            None
+        } else {
+            let t0 = Instant::now();
+            let e = b.recv(0, 1).unwrap_err();
+            Some((t0.elapsed(), e))
+        }
+    });
+    let (took, e) = out.into_iter().flatten().next().unwrap();
+    assert!(took < Duration::from_secs(2), "receiver waited {took:?}");
+    assert!(matches!(e, Error::Peer { rank: 0, .. }), "{e}");
+}
+
+#[test]
+fn connections_without_the_secret_are_refused() {
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    // A stray client on the root port before anyone joins: wrong secret, and one sending nothing.
+    let silent = std::thread::spawn(move || {
+        let mut s = loop {
+            if let Ok(s) = TcpStream::connect(("127.0.0.1", port)) {
+                break s;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        let mut junk = b"MSCLPPRS".to_vec();
+        junk.resize(60, 0xee);
+        let _ = s.write_all(&junk);
+        let mut buf = [0u8; 1];
+        // Refused connections are closed by the root: EOF (or reset), never data.
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        matches!(s.read(&mut buf), Ok(0) | Err(_))
+    });
+    let hs: Vec<_> = (0..4)
+        .map(|rank| {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                let b = TcpBootstrap::from_address(rank, 4, &addr, &config(10)).unwrap();
+                // And a stray client on a rank's own listener, mid-job.
+                let target = b.peer_addrs()[(rank + 1) % 4];
+                let mut s = TcpStream::connect(target).unwrap();
+                s.write_all(&[0u8; 60]).unwrap();
+                let mut buf = [0u8; 1];
+                s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+                assert!(
+                    matches!(s.read(&mut buf), Ok(0) | Err(_)),
+                    "stray peer got data"
+                );
+                let all = b.all_gather(&[rank as u8]).unwrap();
+                assert_eq!(all, (0..4u8).map(|r| vec![r]).collect::<Vec<_>>());
+                b.barrier().unwrap();
+            })
+        })
+        .collect();
+    for h in hs {
+        h.join().unwrap();
+    }
+    assert!(silent.join().unwrap(), "stray root client received data");
+}
+
+#[rstest]
+#[case::short(&[0u8; 100][..], "100 bytes, expected 128")]
+#[case::magic(&[0u8; 128][..], "bad magic")]
+fn malformed_unique_id(#[case] bytes: &[u8], #[case] want: &str) {
+    let e = UniqueId::from_bytes(bytes).unwrap_err();
+    assert!(matches!(&e, Error::Bootstrap(m) if m.contains(want)), "{e}");
+}
+
+#[test]
+fn unique_id_round_trips_and_detects_corruption() {
+    let id = TcpBootstrap::create_unique_id(&config(5)).unwrap();
+    let mut bytes = id.to_bytes();
+    assert_eq!(UniqueId::from_bytes(&bytes).unwrap(), id);
+    assert_eq!(id.to_hex().parse::<UniqueId>().unwrap(), id);
+    bytes[20] ^= 0x40;
+    let e = UniqueId::from_bytes(&bytes).unwrap_err().to_string();
+    assert!(e.contains("checksum"), "{e}");
+    assert!("zz".parse::<UniqueId>().is_err());
+}
+
+#[test]
+fn port_in_use_names_the_address() {
+    let busy = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = busy.local_addr().unwrap().to_string();
+    let e = TcpBootstrap::from_address(0, 1, &addr, &config(2))
+        .err()
+        .unwrap();
+    let msg = e.to_string();
+    assert!(
+        msg.contains(&addr) && msg.contains("already in use"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn unknown_interface_lists_the_real_ones() {
+    let cfg = BootstrapConfig {
+        interface: Some("=nosuchif0".into()),
+        ..config(2)
+    };
+    let msg = TcpBootstrap::create_unique_id(&cfg)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("nosuchif0") && msg.contains("lo ("), "{msg}");
+}
+
+#[test]
+fn ipv6_loopback() {
+    let port = match TcpListener::bind("[::1]:0").and_then(|l| l.local_addr()) {
+        Ok(a) => a.port(),
+        Err(e) => {
+            eprintln!("skipping ipv6_loopback: no IPv6 loopback here ({e})");
+            return;
+        }
+    };
+    let addr = format!("[::1]:{port}");
+    let hs: Vec<_> = (0..4)
+        .map(|rank| {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                let b = TcpBootstrap::from_address(rank, 4, &addr, &config(10)).unwrap();
+                assert!(b.listen_addr().is_ipv6());
+                let all = b.all_gather(&pattern(rank, 9)).unwrap();
+                for (p, got) in all.iter().enumerate() {
+                    assert_eq!(got, &pattern(p, 9));
+                }
+                b.send((rank + 1) % 4, 3, b"v6").unwrap();
+                assert_eq!(b.recv((rank + 3) % 4, 3).unwrap(), b"v6");
+                b.barrier().unwrap();
+            })
+        })
+        .collect();
+    for h in hs {
+        h.join().unwrap();
+    }
+}
+
+// ---- ranks as processes ----
+
+fn median_us(mut v: Vec<Duration>) -> f64 {
+    v.sort();
+    v[v.len() / 2].as_secs_f64() * 1e6
+}
+
+/// The child side: does nothing unless this binary was re-invoked with `BOOTSTRAP_TEST_ROLE`.
+#[test]
+fn child_rank_entry() {
+    let Ok(role) = std::env::var(ROLE_VAR) else {
+        return;
+    };
+    let var = |k: &str| std::env::var(k).unwrap().parse::<usize>().unwrap();
+    let (rank, size) = (var("BT_RANK"), var("BT_SIZE"));
+    let addr = std::env::var("BT_ADDR").unwrap();
+    let b = TcpBootstrap::from_address(rank, size, &addr, &config(2)).unwrap();
+    match role.as_str() {
+        "ok" => {
+            let (mut ag, mut bar) = (Vec::new(), Vec::new());
+            for i in 0..300u64 {
+                let t = Instant::now();
+                let all = b
+                    .all_gather(&(i * 1000 + rank as u64).to_le_bytes())
+                    .unwrap();
+                ag.push(t.elapsed());
+                for (p, got) in all.iter().enumerate() {
+                    assert_eq!(got[..], (i * 1000 + p as u64).to_le_bytes());
+                }
+                let t = Instant::now();
+                b.barrier().unwrap();
+                bar.push(t.elapsed());
+            }
+            let got = b.broadcast(size - 1, &[rank as u8; 3]).unwrap();
+            assert_eq!(got, vec![(size - 1) as u8; 3]);
+            println!(
+                "RESULT ok all_gather_median_us={:.1} barrier_median_us={:.1}",
+                median_us(ag[50..].to_vec()),
+                median_us(bar[50..].to_vec())
+            );
+        }
+        "crash" => {
+            for i in 0u64.. {
+                if let Err(e) = b.all_gather(&i.to_le_bytes()) {
+                    println!("RESULT error {e}");
+                    std::io::stdout().flush().unwrap();
+                    drop(b);
+                    std::process::exit(3);
+                }
+                if i == 20 {
+                    println!("RUNNING");
+                    std::io::stdout().flush().unwrap();
+                }
+            }
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+fn spawn_rank(role: &str, rank: usize, size: usize, addr: &str) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args([
+            "child_rank_entry",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(ROLE_VAR, role)
+        .env("BT_RANK", rank.to_string())
+        .env("BT_SIZE", size.to_string())
+        .env("BT_ADDR", addr)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap()
+}
+
+fn wait_with_deadline(c: &mut Child, deadline: Instant) -> std::process::ExitStatus {
+    loop {
+        if let Some(st) = c.try_wait().unwrap() {
+            return st;
+        }
+        if Instant::now() > deadline {
+            let _ = c.kill();
+            panic!("rank process {} hung", c.id());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn result_line(c: &mut Child) -> String {
+    let mut s = String::new();
+    c.stdout.take().unwrap().read_to_string(&mut s).unwrap();
+    // libtest prints "test child_rank_entry ... " before the child's own output on that line.
+    s.lines()
+        .find_map(|l| l.find("RESULT").map(|at| l[at..].to_string()))
+        .unwrap_or_default()
+}
+
+#[test]
+fn eight_processes() {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut kids: Vec<Child> = (0..8).map(|r| spawn_rank("ok", r, 8, &addr)).collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for (r, c) in kids.iter_mut().enumerate() {
+        let st = wait_with_deadline(c, deadline);
+        let line = result_line(c);
+        assert!(
+            st.success() && line.starts_with("RESULT ok"),
+            "rank {r}: {st} {line}"
+        );
+        if r == 0 {
+            eprintln!("8 processes, rank 0: {line}");
+        }
+    }
+}
+
+#[test]
+fn killed_process_fails_the_others() {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut kids: Vec<Child> = (0..8).map(|r| spawn_rank("crash", r, 8, &addr)).collect();
+    // Wait until rank 3 is mid-run, then SIGKILL it.
+    let mut out = BufReader::new(kids[3].stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("RUNNING") {
+        line.clear();
+        assert!(out.read_line(&mut line).unwrap() > 0, "rank 3 ended early");
+    }
+    kids[3].kill().unwrap();
+    let _ = kids[3].wait();
+    let t0 = Instant::now();
+    let deadline = t0 + Duration::from_secs(10);
+    for (r, c) in kids.iter_mut().enumerate() {
+        if r == 3 {
+            continue;
+        }
+        let st = wait_with_deadline(c, deadline);
+        let line = result_line(c);
+        assert_eq!(st.code(), Some(3), "rank {r}: {st} {line}");
+        assert!(line.starts_with("RESULT error"), "rank {r}: {line}");
+    }
+    eprintln!("all surviving ranks failed within {:?}", t0.elapsed());
+}
