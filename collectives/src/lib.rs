@@ -1,0 +1,61 @@
+//! Native collective algorithms of mscclpp-rs over NVLink (one host, 1..=8 ranks): all-reduce
+//! (all-pair packets, two-phase packets, zero-copy reduce-scatter + all-gather), zero-copy
+//! all-gather, reduce-scatter and broadcast. Kernels are in `mscclpp-kernels-cu` (collectives.rs).
+//!
+//! [`build_default_algorithms`] builds them all for a communicator, with the default selector of
+//! `mscclpp_core::algorithm_collection`.
+
+pub mod geometry;
+pub mod native;
+pub mod resources;
+pub mod testing;
+
+pub use native::{check_shape, NativeAlgorithm, NativeKind};
+
+use mscclpp_core::algorithm_collection::{
+    default_native_selector, AlgorithmCollection, AlgorithmCollectionBuilder, NativeLimits,
+};
+use mscclpp_core::communicator::Communicator;
+use mscclpp_core::Result;
+use mscclpp_kernels_cu::collectives::MAX_RANKS;
+use std::sync::Arc;
+
+/// Default per-rank scratch of the packet all-reduces: 1 MiB messages at 2 ranks for both.
+pub const DEFAULT_SCRATCH_BYTES: usize = 8 << 20;
+
+/// Collective: builds every native algorithm for `comm` (each packet algorithm gets its own
+/// `scratch_bytes` of scratch) into `builder`, and installs the default selector with the limits
+/// those scratches give. Returns the builder so callers can add plan algorithms or their own
+/// selector before `build()`.
+pub fn build_default_algorithms(
+    comm: &Arc<Communicator>,
+    scratch_bytes: usize,
+    mut builder: AlgorithmCollectionBuilder,
+) -> Result<AlgorithmCollectionBuilder> {
+    let mut limits = NativeLimits {
+        allpair_packet_max_bytes: 0,
+        packet_max_bytes: 0,
+        max_ranks: MAX_RANKS,
+    };
+    for kind in NativeKind::ALL {
+        let algo = NativeAlgorithm::new(kind, comm.clone(), scratch_bytes)?;
+        match kind {
+            NativeKind::AllreduceAllpairPacket => {
+                limits.allpair_packet_max_bytes = algo.max_bytes()
+            }
+            NativeKind::AllreducePacket => limits.packet_max_bytes = algo.max_bytes(),
+            _ => {}
+        }
+        builder.add_algorithm(Arc::new(algo))?;
+    }
+    builder.set_selector(default_native_selector(limits));
+    Ok(builder)
+}
+
+/// [`build_default_algorithms`] into a fresh collection.
+pub fn default_algorithm_collection(
+    comm: &Arc<Communicator>,
+    scratch_bytes: usize,
+) -> Result<AlgorithmCollection> {
+    Ok(build_default_algorithms(comm, scratch_bytes, AlgorithmCollection::builder())?.build())
+}

@@ -1,0 +1,552 @@
+//! The native algorithms: one [`NativeAlgorithm`] per (kind, communicator), implementing the core
+//! [`Algorithm`] trait. Construction is collective (every rank builds the same kinds in the same
+//! order); `execute` only enqueues one kernel on `args.stream`, with no host synchronisation, so it
+//! is legal during CUDA-graph capture.
+
+use crate::geometry::{self, resident_blocks};
+use crate::resources::{
+    BlockSemaphores, DeviceBuffer, KernelTable, RegistrationCache, SharedScratch,
+};
+use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
+use mscclpp_core::algorithm_collection::native_names as names;
+use mscclpp_core::communicator::Communicator;
+use mscclpp_core::gpu::{DevicePtr, Function, LaunchConfig};
+use mscclpp_core::{Error, Result};
+use mscclpp_kernels_cu::collectives::{
+    resolve_accumulator, CallState, CollectiveFile, PeerPtrs, ReduceSpec, MAX_RANKS,
+};
+use std::ffi::c_void;
+use std::sync::Arc;
+
+/// The native algorithms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NativeKind {
+    AllreduceAllpairPacket,
+    AllreducePacket,
+    AllreduceRsagZeroCopy,
+    AllgatherFullmesh2,
+    ReducescatterZeroCopy,
+    BroadcastZeroCopy,
+}
+
+impl NativeKind {
+    pub const ALL: [NativeKind; 6] = [
+        NativeKind::AllreduceAllpairPacket,
+        NativeKind::AllreducePacket,
+        NativeKind::AllreduceRsagZeroCopy,
+        NativeKind::AllgatherFullmesh2,
+        NativeKind::ReducescatterZeroCopy,
+        NativeKind::BroadcastZeroCopy,
+    ];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            NativeKind::AllreduceAllpairPacket => names::ALLREDUCE_ALLPAIR_PACKET,
+            NativeKind::AllreducePacket => names::ALLREDUCE_PACKET,
+            NativeKind::AllreduceRsagZeroCopy => names::ALLREDUCE_RSAG_ZERO_COPY,
+            NativeKind::AllgatherFullmesh2 => names::ALLGATHER_FULLMESH2,
+            NativeKind::ReducescatterZeroCopy => names::REDUCESCATTER_ZERO_COPY,
+            NativeKind::BroadcastZeroCopy => names::BROADCAST_ZERO_COPY,
+        }
+    }
+
+    pub const fn collective(self) -> Collective {
+        match self {
+            NativeKind::AllreduceAllpairPacket
+            | NativeKind::AllreducePacket
+            | NativeKind::AllreduceRsagZeroCopy => Collective::AllReduce,
+            NativeKind::AllgatherFullmesh2 => Collective::AllGather,
+            NativeKind::ReducescatterZeroCopy => Collective::ReduceScatter,
+            NativeKind::BroadcastZeroCopy => Collective::Broadcast,
+        }
+    }
+
+    const fn file_and_entry(self) -> (CollectiveFile, &'static str) {
+        match self {
+            NativeKind::AllreduceAllpairPacket => {
+                (CollectiveFile::AllReduce, "allreduce_allpair_packet")
+            }
+            NativeKind::AllreducePacket => (CollectiveFile::AllReduce, "allreduce_packet"),
+            NativeKind::AllreduceRsagZeroCopy => {
+                (CollectiveFile::AllReduce, "allreduce_rsag_zero_copy")
+            }
+            NativeKind::AllgatherFullmesh2 => (CollectiveFile::AllGather, "allgather_fullmesh2"),
+            NativeKind::ReducescatterZeroCopy => {
+                (CollectiveFile::ReduceScatter, "reducescatter_zero_copy")
+            }
+            NativeKind::BroadcastZeroCopy => (CollectiveFile::Broadcast, "broadcast_zero_copy"),
+        }
+    }
+
+    const fn uses_packets(self) -> bool {
+        matches!(
+            self,
+            NativeKind::AllreduceAllpairPacket | NativeKind::AllreducePacket
+        )
+    }
+
+    /// Semaphore blocks to reserve per peer (0 for the packet kinds, which need none). The
+    /// all-reduce gets the most: it is the one tuned for bandwidth with 2 blocks per SM.
+    fn semaphore_blocks(self, sm: u32) -> u32 {
+        match self {
+            NativeKind::AllreduceAllpairPacket | NativeKind::AllreducePacket => 0,
+            NativeKind::AllreduceRsagZeroCopy => (2 * sm).min(256),
+            _ => sm.min(128),
+        }
+    }
+}
+
+/// Default threads per block of the native kernels.
+const DEFAULT_THREADS: u32 = 512;
+
+/// Validates the shape of `args` for `kind` on `nranks` ranks (no device access): the element
+/// count (0 is a no-op), and for reductions the (dtype, accumulator) pair. Pure, so it is
+/// unit-tested on the CPU.
+pub fn check_shape(
+    kind: NativeKind,
+    args: &ExecuteArgs,
+    rank: usize,
+    nranks: usize,
+) -> Result<usize> {
+    let name = kind.name();
+    if nranks == 0 || nranks > MAX_RANKS {
+        return Err(Error::Unsupported(format!(
+            "{name} on {nranks} ranks: the native collectives support 1..={MAX_RANKS} ranks"
+        )));
+    }
+    let count = args.input_count()?;
+    if kind.collective().reduces() {
+        resolve_accumulator(args.dtype, args.accum)
+            .map_err(|e| Error::Unsupported(format!("{name}: {e}")))?;
+    }
+    let need = |what: &str, have: usize, want: usize| -> Result<()> {
+        if have < want {
+            return Err(Error::InvalidArgument(format!(
+                "{name}: {what} holds {have} bytes, the call needs {want}"
+            )));
+        }
+        Ok(())
+    };
+    match kind.collective() {
+        Collective::AllReduce => need("the output", args.output_bytes, args.input_bytes)?,
+        Collective::AllGather => need("the output", args.output_bytes, nranks * args.input_bytes)?,
+        Collective::ReduceScatter => {
+            if args.input_bytes % (nranks * args.dtype.size()) != 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "{name}: input of {} bytes does not split into {nranks} chunks of whole {} elements",
+                    args.input_bytes, args.dtype
+                )));
+            }
+            need("the output", args.output_bytes, args.input_bytes / nranks)?
+        }
+        Collective::Broadcast => {
+            if args.root >= nranks {
+                return Err(Error::InvalidArgument(format!(
+                    "{name}: root {} is not a rank of {nranks}",
+                    args.root
+                )));
+            }
+            need("the output", args.output_bytes, args.input_bytes)?
+        }
+        other => {
+            return Err(Error::Internal(format!(
+                "{name} is not a {other} algorithm"
+            )));
+        }
+    }
+    if count > 0 && args.output == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{name}: null output pointer"
+        )));
+    }
+    let input_needed = kind.collective() != Collective::Broadcast || rank == args.root;
+    if count > 0 && input_needed && args.input == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{name}: null input pointer"
+        )));
+    }
+    Ok(count)
+}
+
+/// One native algorithm bound to one communicator. See the module docs.
+pub struct NativeAlgorithm {
+    kind: NativeKind,
+    // Field order is drop order: device resources go before the communicator they came from.
+    kernels: KernelTable,
+    registrations: RegistrationCache,
+    semaphores: Option<BlockSemaphores>,
+    scratch: Option<SharedScratch>,
+    state: Option<DeviceBuffer>,
+    scratch_bytes: usize,
+    sm: u32,
+    comm: Arc<Communicator>,
+}
+
+impl NativeAlgorithm {
+    /// Collective: sets up `kind` for `comm`. `scratch_bytes` is the per-rank scratch of the packet
+    /// kinds (ignored by the zero-copy kinds).
+    pub fn new(kind: NativeKind, comm: Arc<Communicator>, scratch_bytes: usize) -> Result<Self> {
+        let gpu = comm.gpu().clone();
+        let sm = gpu.properties(comm.device())?.multiprocessors.max(1);
+        let (scratch, state) = if kind.uses_packets() {
+            if scratch_bytes < 2 * 4 * comm.size() * geometry::PACKET_BYTES {
+                return Err(Error::InvalidArgument(format!(
+                    "{}: scratch of {scratch_bytes} bytes holds no packet slot for {} ranks",
+                    kind.name(),
+                    comm.size()
+                )));
+            }
+            (
+                Some(SharedScratch::new(&comm, scratch_bytes)?),
+                Some(DeviceBuffer::upload(&gpu, &[CallState::default()])?),
+            )
+        } else {
+            (None, None)
+        };
+        let semaphores = match kind.semaphore_blocks(sm) {
+            0 => None,
+            n => Some(BlockSemaphores::new(&comm, n)?),
+        };
+        Ok(NativeAlgorithm {
+            kind,
+            kernels: KernelTable::default(),
+            registrations: RegistrationCache::default(),
+            semaphores,
+            scratch,
+            state,
+            scratch_bytes,
+            sm,
+            comm,
+        })
+    }
+
+    pub fn kind(&self) -> NativeKind {
+        self.kind
+    }
+
+    /// Largest message (input bytes per rank) this algorithm takes; `usize::MAX` for zero-copy.
+    pub fn max_bytes(&self) -> usize {
+        let n = self.comm.size();
+        match self.kind {
+            NativeKind::AllreduceAllpairPacket => {
+                geometry::allpair_max_bytes(self.scratch_bytes, n)
+            }
+            NativeKind::AllreducePacket => geometry::packet_max_bytes(self.scratch_bytes, n),
+            _ => usize::MAX,
+        }
+    }
+
+    fn slot_bytes(&self) -> usize {
+        let n = self.comm.size();
+        match self.kind {
+            NativeKind::AllreduceAllpairPacket => {
+                geometry::allpair_slot_bytes(self.scratch_bytes, n)
+            }
+            _ => geometry::packet_slot_bytes(self.scratch_bytes, n),
+        }
+    }
+
+    fn function(&self, args: &ExecuteArgs) -> Result<Function> {
+        let (file, entry) = self.kind.file_and_entry();
+        let spec = if file.reduces() {
+            Some(ReduceSpec {
+                dtype: args.dtype,
+                acc: resolve_accumulator(args.dtype, args.accum)?,
+                op: args.op,
+            })
+        } else {
+            None
+        };
+        self.kernels
+            .function(self.comm.gpu().as_ref(), file, spec, entry)
+    }
+
+    fn missing(&self, what: &str) -> Error {
+        Error::Internal(format!("{} was built without its {what}", self.kind.name()))
+    }
+
+    fn launch(
+        &self,
+        f: Function,
+        cfg: LaunchConfig,
+        args: &ExecuteArgs,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        // SAFETY: every launch site builds `params` to match its kernel's signature in
+        // kernels-cu/src/kernels/*.cu, pointing at locals that outlive this call; the device
+        // addresses are the caller's buffers (checked non-null) and our own live resources.
+        unsafe { self.comm.gpu().launch(f, cfg, args.stream, params) }
+    }
+}
+
+fn ptr_of<T>(v: &mut T) -> *mut c_void {
+    v as *mut T as *mut c_void
+}
+
+impl Algorithm for NativeAlgorithm {
+    fn name(&self) -> &str {
+        self.kind.name()
+    }
+
+    fn collective(&self) -> Collective {
+        self.kind.collective()
+    }
+
+    fn check(&self, args: &ExecuteArgs) -> Result<()> {
+        check_shape(self.kind, args, self.comm.rank(), self.comm.size())?;
+        if args.input_bytes > self.max_bytes() {
+            return Err(Error::Unsupported(format!(
+                "{}: {} bytes exceed its scratch capacity of {} bytes per rank",
+                self.kind.name(),
+                args.input_bytes,
+                self.max_bytes()
+            )));
+        }
+        Ok(())
+    }
+
+    fn execute(&self, args: &ExecuteArgs) -> Result<()> {
+        self.check(args)?;
+        let count = args.input_count()?;
+        if count == 0 {
+            return Ok(());
+        }
+        let f = self.function(args)?;
+        let mut rank = self.comm.rank() as u32;
+        let mut nranks = self.comm.size() as u32;
+        let threads = args.nthreads.unwrap_or(DEFAULT_THREADS);
+        let resident = resident_blocks(self.sm, threads);
+        let mut input = args.input;
+        let mut output = args.output;
+        match self.kind {
+            NativeKind::AllreduceAllpairPacket | NativeKind::AllreducePacket => {
+                let scratch = self
+                    .scratch
+                    .as_ref()
+                    .ok_or_else(|| self.missing("scratch"))?;
+                let state = self
+                    .state
+                    .as_ref()
+                    .ok_or_else(|| self.missing("call state"))?;
+                let max_blocks = self.sm.min(resident);
+                let cfg = geometry::launch_config(
+                    args.nblocks,
+                    args.nthreads,
+                    geometry::packet_blocks(args.input_bytes, threads, self.sm),
+                    DEFAULT_THREADS,
+                    max_blocks,
+                )?;
+                let mut count = count as u64;
+                let mut peers = PeerPtrs::from_slice(&scratch.rank_ptrs())?;
+                let mut local: DevicePtr = scratch.local_ptr();
+                let mut slot = self.slot_bytes() as u64;
+                let mut state_ptr: DevicePtr = state.ptr();
+                let mut error_word: DevicePtr = self.comm.error_word_device_ptr();
+                let mut max_spin: u64 = 0;
+                let mut params = [
+                    ptr_of(&mut input),
+                    ptr_of(&mut output),
+                    ptr_of(&mut count),
+                    ptr_of(&mut peers),
+                    ptr_of(&mut local),
+                    ptr_of(&mut slot),
+                    ptr_of(&mut rank),
+                    ptr_of(&mut nranks),
+                    ptr_of(&mut state_ptr),
+                    ptr_of(&mut error_word),
+                    ptr_of(&mut max_spin),
+                ];
+                self.launch(f, cfg, args, &mut params)
+            }
+            NativeKind::AllreduceRsagZeroCopy
+            | NativeKind::AllgatherFullmesh2
+            | NativeKind::ReducescatterZeroCopy
+            | NativeKind::BroadcastZeroCopy => {
+                let sems = self
+                    .semaphores
+                    .as_ref()
+                    .ok_or_else(|| self.missing("semaphores"))?;
+                let max_blocks = sems.max_blocks().min(resident);
+                let cfg = geometry::launch_config(
+                    args.nblocks,
+                    args.nthreads,
+                    geometry::bandwidth_blocks(args.input_bytes, max_blocks),
+                    DEFAULT_THREADS,
+                    max_blocks,
+                )?;
+                let mut sem_ptr: DevicePtr = sems.ptr();
+                let n = self.comm.size();
+                let reg = |ptr: DevicePtr, bytes: usize| {
+                    self.registrations
+                        .rank_ptrs(&self.comm, ptr, bytes)
+                        .and_then(|v| PeerPtrs::from_slice(&v))
+                };
+                match self.kind {
+                    NativeKind::AllreduceRsagZeroCopy => {
+                        let mut inputs = reg(args.input, args.input_bytes)?;
+                        let mut outputs = if args.in_place() {
+                            inputs
+                        } else {
+                            reg(args.output, args.input_bytes)?
+                        };
+                        let mut count = count as u64;
+                        let mut params = [
+                            ptr_of(&mut inputs),
+                            ptr_of(&mut outputs),
+                            ptr_of(&mut count),
+                            ptr_of(&mut rank),
+                            ptr_of(&mut nranks),
+                            ptr_of(&mut sem_ptr),
+                        ];
+                        self.launch(f, cfg, args, &mut params)
+                    }
+                    NativeKind::AllgatherFullmesh2 => {
+                        let mut outputs = reg(args.output, n * args.input_bytes)?;
+                        let mut bytes = args.input_bytes as u64;
+                        let mut params = [
+                            ptr_of(&mut input),
+                            ptr_of(&mut outputs),
+                            ptr_of(&mut bytes),
+                            ptr_of(&mut rank),
+                            ptr_of(&mut nranks),
+                            ptr_of(&mut sem_ptr),
+                        ];
+                        self.launch(f, cfg, args, &mut params)
+                    }
+                    NativeKind::ReducescatterZeroCopy => {
+                        let mut inputs = reg(args.input, args.input_bytes)?;
+                        let mut chunk = (count / n) as u64;
+                        let mut params = [
+                            ptr_of(&mut inputs),
+                            ptr_of(&mut output),
+                            ptr_of(&mut chunk),
+                            ptr_of(&mut rank),
+                            ptr_of(&mut nranks),
+                            ptr_of(&mut sem_ptr),
+                        ];
+                        self.launch(f, cfg, args, &mut params)
+                    }
+                    _ => {
+                        let mut outputs = reg(args.output, args.input_bytes)?;
+                        let mut bytes = args.input_bytes as u64;
+                        let mut root = args.root as u32;
+                        let mut params = [
+                            ptr_of(&mut input),
+                            ptr_of(&mut outputs),
+                            ptr_of(&mut bytes),
+                            ptr_of(&mut rank),
+                            ptr_of(&mut root),
+                            ptr_of(&mut nranks),
+                            ptr_of(&mut sem_ptr),
+                        ];
+                        self.launch(f, cfg, args, &mut params)
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mscclpp_core::gpu::Stream;
+    use mscclpp_core::{AccumType, DataType, ReduceOp};
+    use rstest::rstest;
+
+    fn args(input_bytes: usize, output_bytes: usize) -> ExecuteArgs {
+        ExecuteArgs {
+            input: 0x1000,
+            output: 0x2000,
+            input_bytes,
+            output_bytes,
+            dtype: DataType::F32,
+            op: ReduceOp::Sum,
+            accum: AccumType::Auto,
+            root: 0,
+            stream: Stream::DEFAULT,
+            nblocks: None,
+            nthreads: None,
+        }
+    }
+
+    #[rstest]
+    #[case(NativeKind::AllreduceRsagZeroCopy, 64, 64, 4, true)]
+    #[case(NativeKind::AllreduceRsagZeroCopy, 64, 60, 4, false)]
+    #[case(NativeKind::AllgatherFullmesh2, 64, 256, 4, true)]
+    #[case(NativeKind::AllgatherFullmesh2, 64, 255, 4, false)]
+    #[case(NativeKind::ReducescatterZeroCopy, 64, 16, 4, true)]
+    #[case(NativeKind::ReducescatterZeroCopy, 60, 16, 4, false)]
+    #[case(NativeKind::BroadcastZeroCopy, 64, 64, 2, true)]
+    #[case(NativeKind::AllreducePacket, 6, 8, 2, false)]
+    #[case(NativeKind::AllreducePacket, 64, 64, 9, false)]
+    fn shapes(
+        #[case] kind: NativeKind,
+        #[case] inb: usize,
+        #[case] outb: usize,
+        #[case] n: usize,
+        #[case] ok: bool,
+    ) {
+        let r = check_shape(kind, &args(inb, outb), 0, n);
+        assert_eq!(r.is_ok(), ok, "{kind:?} {inb} {outb} {n}: {r:?}");
+        if let Err(e) = r {
+            assert!(
+                e.to_string().contains(kind.name()) || e.to_string().contains("element size"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn unsupported_accumulation_is_refused_by_name() {
+        let mut a = args(64, 64);
+        a.accum = AccumType::F16;
+        let e = check_shape(NativeKind::AllreduceAllpairPacket, &a, 0, 2).unwrap_err();
+        assert!(matches!(e, Error::Unsupported(_)), "{e}");
+        assert!(e.to_string().contains("f32"), "{e}");
+        // Byte-moving collectives ignore the accumulator.
+        check_shape(
+            NativeKind::AllgatherFullmesh2,
+            &{
+                let mut b = a;
+                b.output_bytes = 128;
+                b
+            },
+            0,
+            2,
+        )
+        .expect("allgather ignores accum");
+    }
+
+    #[test]
+    fn broadcast_roots_and_null_inputs() {
+        let mut a = args(64, 64);
+        a.root = 2;
+        assert!(check_shape(NativeKind::BroadcastZeroCopy, &a, 0, 2).is_err());
+        a.root = 1;
+        a.input = 0;
+        check_shape(NativeKind::BroadcastZeroCopy, &a, 0, 2).expect("non-root input may be null");
+        assert!(check_shape(NativeKind::BroadcastZeroCopy, &a, 1, 2).is_err());
+        assert!(check_shape(NativeKind::AllreduceRsagZeroCopy, &a, 0, 2).is_err());
+        let empty = ExecuteArgs {
+            input: 0,
+            output: 0,
+            ..args(0, 0)
+        };
+        assert_eq!(
+            check_shape(NativeKind::AllreducePacket, &empty, 0, 2).expect("no-op"),
+            0
+        );
+    }
+
+    #[test]
+    fn names_and_kernels_match() {
+        for k in NativeKind::ALL {
+            let (file, entry) = k.file_and_entry();
+            assert!(file.entry_points().contains(&entry), "{k:?}");
+            assert!(k
+                .name()
+                .starts_with(&format!("default_{}", k.collective().name())));
+        }
+    }
+}

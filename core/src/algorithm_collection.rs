@@ -1,0 +1,408 @@
+//! A set of [`Algorithm`]s per collective plus the selector that picks one for each call.
+//!
+//! MSCCL++ keeps native and execution-plan algorithms in one collection and asks a selector, per
+//! call, which to run; we do the same, so a user's selector (or tuning table) sees every algorithm
+//! by its MSCCL++ name. [`default_native_selector`] is the built-in policy for the native
+//! algorithms of `mscclpp-collectives`; it is plain data in, a name out, so it is tested on the CPU.
+//!
+//! Safety rule (DESIGN.md, "Safety on shared GPUs"): an algorithm whose name contains `nvls` is
+//! never returned by [`AlgorithmCollection::select`] unless [`SelectionContext::nvls_allowed`],
+//! whatever the selector says.
+
+use crate::algorithm::{Algorithm, Collective};
+use crate::dtype::DataType;
+use crate::error::{Error, Result};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+/// What a selector knows about one call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SelectionContext {
+    pub collective: Collective,
+    /// Bytes of the call's input buffer (per rank).
+    pub message_bytes: usize,
+    pub dtype: DataType,
+    pub world_size: usize,
+    /// Ranks sharing this host (and its NVLink domain).
+    pub local_world_size: usize,
+    /// The buffers are already registered with the communicator (symmetric memory), so zero-copy
+    /// algorithms cost no registration.
+    pub symmetric_memory: bool,
+    /// The stream is being captured into a CUDA graph (`Gpu::is_capturing`).
+    pub capturing: bool,
+    /// Compiler architecture of the device: `sm_90`, `gfx942`...
+    pub arch: String,
+    /// NVLink multicast may be used (`Env::nvls_allowed` and the hardware supports it).
+    pub nvls_allowed: bool,
+}
+
+/// A selector: the name of the algorithm to run, or `None` when it has no answer.
+pub type Selector = Box<dyn Fn(&SelectionContext) -> Option<String> + Send + Sync>;
+
+/// Algorithms by collective and name, and the selector. Built by [`AlgorithmCollectionBuilder`].
+pub struct AlgorithmCollection {
+    algorithms: HashMap<Collective, BTreeMap<String, Arc<dyn Algorithm>>>,
+    selector: Option<Selector>,
+}
+
+impl std::fmt::Debug for AlgorithmCollection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: BTreeMap<&str, Vec<&str>> = self
+            .algorithms
+            .iter()
+            .map(|(c, m)| (c.name(), m.keys().map(String::as_str).collect()))
+            .collect();
+        f.debug_struct("AlgorithmCollection")
+            .field("algorithms", &names)
+            .field("selector", &self.selector.is_some())
+            .finish()
+    }
+}
+
+impl AlgorithmCollection {
+    pub fn builder() -> AlgorithmCollectionBuilder {
+        AlgorithmCollectionBuilder::default()
+    }
+
+    /// The algorithm `name` of `collective`.
+    pub fn get(&self, collective: Collective, name: &str) -> Option<Arc<dyn Algorithm>> {
+        self.algorithms.get(&collective)?.get(name).cloned()
+    }
+
+    /// Names registered for `collective`, sorted.
+    pub fn names(&self, collective: Collective) -> Vec<String> {
+        self.algorithms
+            .get(&collective)
+            .map(|m| m.keys().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// Runs the selector for `ctx`. Errors name the call when the selector has no answer, names an
+    /// algorithm that is not registered, or picks an NVLS algorithm while NVLS is not allowed.
+    pub fn select(&self, ctx: &SelectionContext) -> Result<Arc<dyn Algorithm>> {
+        let selector = self.selector.as_ref().ok_or_else(|| {
+            Error::InvalidArgument("the algorithm collection has no selector".into())
+        })?;
+        let describe = || {
+            format!(
+                "{} of {} bytes of {} on {} ranks (arch {}, symmetric memory {}, capturing {})",
+                ctx.collective,
+                ctx.message_bytes,
+                ctx.dtype,
+                ctx.world_size,
+                ctx.arch,
+                ctx.symmetric_memory,
+                ctx.capturing
+            )
+        };
+        let name = selector(ctx)
+            .ok_or_else(|| Error::Unsupported(format!("no algorithm for {}", describe())))?;
+        if is_nvls_name(&name) && !ctx.nvls_allowed {
+            return Err(Error::Unsupported(format!(
+                "the selector chose {name} for {}, but NVLink multicast is not allowed \
+                 (set MSCCLPP_ENABLE_NVLS=1 on a machine that supports it)",
+                describe()
+            )));
+        }
+        self.get(ctx.collective, &name).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "the selector chose {name} for {}, but no such {} algorithm is registered \
+                 (registered: {})",
+                describe(),
+                ctx.collective,
+                self.names(ctx.collective).join(", ")
+            ))
+        })
+    }
+}
+
+fn is_nvls_name(name: &str) -> bool {
+    name.to_ascii_lowercase().contains("nvls")
+}
+
+/// Builds an [`AlgorithmCollection`].
+#[derive(Default)]
+pub struct AlgorithmCollectionBuilder {
+    algorithms: HashMap<Collective, BTreeMap<String, Arc<dyn Algorithm>>>,
+    selector: Option<Selector>,
+}
+
+impl AlgorithmCollectionBuilder {
+    /// Adds `algorithm` under its name and collective; a second algorithm of the same name for the
+    /// same collective is an error naming it.
+    pub fn add_algorithm(&mut self, algorithm: Arc<dyn Algorithm>) -> Result<&mut Self> {
+        let by_name = self.algorithms.entry(algorithm.collective()).or_default();
+        let name = algorithm.name().to_string();
+        if by_name.contains_key(&name) {
+            return Err(Error::InvalidArgument(format!(
+                "{} algorithm {name} is registered twice",
+                algorithm.collective()
+            )));
+        }
+        by_name.insert(name, algorithm);
+        Ok(self)
+    }
+
+    /// Replaces the selector.
+    pub fn set_selector(&mut self, selector: Selector) -> &mut Self {
+        self.selector = Some(selector);
+        self
+    }
+
+    pub fn build(self) -> AlgorithmCollection {
+        AlgorithmCollection {
+            algorithms: self.algorithms,
+            selector: self.selector,
+        }
+    }
+}
+
+/// Names of the native algorithms (MSCCL++ spelling where MSCCL++ has the algorithm).
+pub mod native_names {
+    pub const ALLREDUCE_ALLPAIR_PACKET: &str = "default_allreduce_allpair_packet";
+    pub const ALLREDUCE_PACKET: &str = "default_allreduce_packet";
+    pub const ALLREDUCE_RSAG_ZERO_COPY: &str = "default_allreduce_rsag_zero_copy";
+    pub const ALLGATHER_FULLMESH2: &str = "default_allgather_fullmesh2";
+    pub const REDUCESCATTER_ZERO_COPY: &str = "default_reducescatter_zero_copy";
+    pub const BROADCAST_ZERO_COPY: &str = "default_broadcast_zero_copy";
+}
+
+/// Limits the default selector needs from the algorithms as built (their scratch capacity).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NativeLimits {
+    /// Largest message (bytes per rank) `default_allreduce_allpair_packet` can take.
+    pub allpair_packet_max_bytes: usize,
+    /// Largest message (bytes per rank) `default_allreduce_packet` can take.
+    pub packet_max_bytes: usize,
+    /// Largest world size of the native kernels.
+    pub max_ranks: usize,
+}
+
+/// Message size (bytes) up to which the all-pair packet all-reduce is preferred, by world size.
+/// All-pair sends the whole message to every peer in 16-byte packets carrying 8 bytes, so its
+/// traffic grows with the world size; the two-phase packet algorithm takes over earlier at 8 ranks.
+pub fn allpair_threshold(world_size: usize) -> usize {
+    match world_size {
+        0..=2 => 1 << 20,
+        3..=4 => 256 << 10,
+        _ => 32 << 10,
+    }
+}
+
+/// Message size (bytes) up to which packets beat the zero-copy kernel (whose two barrier rounds
+/// cost a few microseconds).
+pub const PACKET_THRESHOLD: usize = 1 << 20;
+
+/// The built-in policy for the native algorithms (see the module docs for the NVLS rule). Native
+/// kernels are CUDA, sm_70 or newer, on one host of at most `limits.max_ranks` ranks.
+pub fn default_native_selector(limits: NativeLimits) -> Selector {
+    Box::new(move |ctx: &SelectionContext| native_choice(&limits, ctx).map(str::to_string))
+}
+
+fn cuda_arch_ok(arch: &str) -> bool {
+    arch.strip_prefix("sm_")
+        .and_then(|v| {
+            v.trim_end_matches(|c: char| c.is_ascii_alphabetic())
+                .parse::<u32>()
+                .ok()
+        })
+        .is_some_and(|v| v >= 70)
+}
+
+fn native_choice(limits: &NativeLimits, ctx: &SelectionContext) -> Option<&'static str> {
+    use native_names::*;
+    if !cuda_arch_ok(&ctx.arch)
+        || ctx.world_size == 0
+        || ctx.world_size > limits.max_ranks
+        || ctx.local_world_size != ctx.world_size
+    {
+        return None;
+    }
+    let bytes = ctx.message_bytes;
+    match ctx.collective {
+        Collective::AllReduce => {
+            if bytes <= allpair_threshold(ctx.world_size).min(limits.allpair_packet_max_bytes) {
+                Some(ALLREDUCE_ALLPAIR_PACKET)
+            } else if bytes <= PACKET_THRESHOLD.min(limits.packet_max_bytes) {
+                Some(ALLREDUCE_PACKET)
+            } else {
+                // Registration of unregistered buffers is host-only and cached per buffer, so the
+                // zero-copy kernel also serves non-symmetric memory (the first call pays for it).
+                Some(ALLREDUCE_RSAG_ZERO_COPY)
+            }
+        }
+        Collective::AllGather => Some(ALLGATHER_FULLMESH2),
+        Collective::ReduceScatter => Some(REDUCESCATTER_ZERO_COPY),
+        Collective::Broadcast => Some(BROADCAST_ZERO_COPY),
+        Collective::AllToAll | Collective::SendRecv => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::native_names::*;
+    use super::*;
+    use crate::algorithm::ExecuteArgs;
+    use rstest::rstest;
+
+    struct Fake(&'static str, Collective);
+    impl Algorithm for Fake {
+        fn name(&self) -> &str {
+            self.0
+        }
+        fn collective(&self) -> Collective {
+            self.1
+        }
+        fn check(&self, _args: &ExecuteArgs) -> Result<()> {
+            Ok(())
+        }
+        fn execute(&self, _args: &ExecuteArgs) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    const LIMITS: NativeLimits = NativeLimits {
+        allpair_packet_max_bytes: 2 << 20,
+        packet_max_bytes: 4 << 20,
+        max_ranks: 8,
+    };
+
+    fn ctx(collective: Collective, bytes: usize, world: usize) -> SelectionContext {
+        SelectionContext {
+            collective,
+            message_bytes: bytes,
+            dtype: DataType::Bf16,
+            world_size: world,
+            local_world_size: world,
+            symmetric_memory: false,
+            capturing: true,
+            arch: "sm_90".into(),
+            nvls_allowed: false,
+        }
+    }
+
+    fn native_collection() -> AlgorithmCollection {
+        let mut b = AlgorithmCollection::builder();
+        for (n, c) in [
+            (ALLREDUCE_ALLPAIR_PACKET, Collective::AllReduce),
+            (ALLREDUCE_PACKET, Collective::AllReduce),
+            (ALLREDUCE_RSAG_ZERO_COPY, Collective::AllReduce),
+            (ALLGATHER_FULLMESH2, Collective::AllGather),
+            (REDUCESCATTER_ZERO_COPY, Collective::ReduceScatter),
+            (BROADCAST_ZERO_COPY, Collective::Broadcast),
+        ] {
+            b.add_algorithm(Arc::new(Fake(n, c))).expect("add");
+        }
+        b.set_selector(default_native_selector(LIMITS));
+        b.build()
+    }
+
+    #[rstest]
+    #[case(Collective::AllReduce, 1024, 2, ALLREDUCE_ALLPAIR_PACKET)]
+    #[case(Collective::AllReduce, 1 << 20, 2, ALLREDUCE_ALLPAIR_PACKET)]
+    #[case(Collective::AllReduce, (1 << 20) + 2, 2, ALLREDUCE_RSAG_ZERO_COPY)]
+    #[case(Collective::AllReduce, 1 << 30, 2, ALLREDUCE_RSAG_ZERO_COPY)]
+    #[case(Collective::AllReduce, 16 << 10, 8, ALLREDUCE_ALLPAIR_PACKET)]
+    #[case(Collective::AllReduce, 256 << 10, 8, ALLREDUCE_PACKET)]
+    #[case(Collective::AllReduce, 128 << 10, 4, ALLREDUCE_ALLPAIR_PACKET)]
+    #[case(Collective::AllReduce, 512 << 10, 4, ALLREDUCE_PACKET)]
+    #[case(Collective::AllGather, 1 << 20, 8, ALLGATHER_FULLMESH2)]
+    #[case(Collective::ReduceScatter, 1 << 20, 3, REDUCESCATTER_ZERO_COPY)]
+    #[case(Collective::Broadcast, 1, 2, BROADCAST_ZERO_COPY)]
+    fn default_policy(
+        #[case] c: Collective,
+        #[case] bytes: usize,
+        #[case] world: usize,
+        #[case] want: &str,
+    ) {
+        let coll = native_collection();
+        let algo = coll.select(&ctx(c, bytes, world)).expect("selected");
+        assert_eq!(algo.name(), want);
+    }
+
+    #[test]
+    fn scratch_limits_are_respected() {
+        let small = NativeLimits {
+            allpair_packet_max_bytes: 4096,
+            packet_max_bytes: 64 << 10,
+            max_ranks: 8,
+        };
+        let sel = default_native_selector(small);
+        let c = |b| sel(&ctx(Collective::AllReduce, b, 2));
+        assert_eq!(c(4096).as_deref(), Some(ALLREDUCE_ALLPAIR_PACKET));
+        assert_eq!(c(4097).as_deref(), Some(ALLREDUCE_PACKET));
+        assert_eq!(c((64 << 10) + 1).as_deref(), Some(ALLREDUCE_RSAG_ZERO_COPY));
+    }
+
+    #[rstest]
+    #[case("gfx942", 2, 2)]
+    #[case("sm_60", 2, 2)]
+    #[case("sm_90", 9, 9)]
+    #[case("sm_90", 4, 2)]
+    fn outside_the_native_domain_nothing_is_chosen(
+        #[case] arch: &str,
+        #[case] world: usize,
+        #[case] local: usize,
+    ) {
+        let mut c = ctx(Collective::AllReduce, 1024, world);
+        c.arch = arch.into();
+        c.local_world_size = local;
+        assert_eq!(default_native_selector(LIMITS)(&c), None);
+        let err = native_collection().select(&c).err().expect("no algorithm");
+        assert!(err.to_string().contains("allreduce of 1024 bytes"), "{err}");
+        for a in ["sm_90a", "sm_100", "sm_70"] {
+            c.arch = a.into();
+            c.world_size = 2;
+            c.local_world_size = 2;
+            assert!(default_native_selector(LIMITS)(&c).is_some(), "{a}");
+        }
+    }
+
+    #[test]
+    fn nvls_is_refused_unless_allowed() {
+        let mut b = AlgorithmCollection::builder();
+        b.add_algorithm(Arc::new(Fake(
+            "default_allreduce_nvls",
+            Collective::AllReduce,
+        )))
+        .expect("add");
+        b.set_selector(Box::new(|_| Some("default_allreduce_nvls".into())));
+        let coll = b.build();
+        let mut c = ctx(Collective::AllReduce, 1 << 20, 2);
+        let err = coll.select(&c).err().expect("refused");
+        assert!(err.to_string().contains("NVLink multicast"), "{err}");
+        c.nvls_allowed = true;
+        assert_eq!(
+            coll.select(&c).expect("allowed").name(),
+            "default_allreduce_nvls"
+        );
+    }
+
+    #[test]
+    fn builder_errors_name_the_problem() {
+        let mut b = AlgorithmCollection::builder();
+        b.add_algorithm(Arc::new(Fake("x", Collective::AllGather)))
+            .expect("first");
+        let err = b
+            .add_algorithm(Arc::new(Fake("x", Collective::AllGather)))
+            .err()
+            .expect("duplicate");
+        assert!(err.to_string().contains("x is registered twice"), "{err}");
+        // The same name for another collective is fine.
+        b.add_algorithm(Arc::new(Fake("x", Collective::Broadcast)))
+            .expect("other collective");
+        b.set_selector(Box::new(|_| Some("missing".into())));
+        let coll = b.build();
+        assert_eq!(coll.names(Collective::AllGather), vec!["x".to_string()]);
+        let err = coll
+            .select(&ctx(Collective::AllGather, 8, 2))
+            .err()
+            .expect("missing");
+        assert!(err.to_string().contains("missing"), "{err}");
+        assert!(err.to_string().contains("registered: x"), "{err}");
+        let no_selector = AlgorithmCollection::builder().build();
+        assert!(no_selector
+            .select(&ctx(Collective::AllGather, 8, 2))
+            .is_err());
+    }
+}

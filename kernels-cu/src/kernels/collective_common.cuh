@@ -1,0 +1,168 @@
+// mscclpp-rs native collectives: pieces shared by allreduce.cu, allgather.cu, reduce_scatter.cu and
+// broadcast.cu. kernels-cu/src/collectives.rs prepends this text (after the per-unit #defines of
+// MSCCLPP_COLL_T / MSCCLPP_COLL_ACC / MSCCLPP_COLL_OP where the unit reduces) to each kernel file, so
+// every translation unit is self-contained and only the device library's headers are #included.
+//
+// Conventions of every native collective kernel:
+//   - Grids are co-resident (the host caps blocks so that all of them fit on the GPU at once): blocks
+//     wait for peers' blocks, and a peer's block that could never be scheduled would dead-lock them.
+//   - Every block runs to the end (to finish_call) even when a wait gave up, so the call counter
+//     advances exactly once per call on every rank and the next call stays in step.
+//   - Peers are numbered by "peer index" i in [0, nranks-1): i -> rank (i < rank ? i : i + 1).
+#pragma once
+#include "mscclpp/common.cuh"
+#include "mscclpp/copy.cuh"
+#include "mscclpp/packet.cuh"
+#include "mscclpp/reduce.cuh"
+#include "mscclpp/semaphore.cuh"
+
+namespace mscclpp {
+namespace coll {
+
+// Largest world size the native collectives support (one NVLink domain of one host). Mirrored by
+// mscclpp_kernels_cu::collectives::MAX_RANKS.
+constexpr u32 kMaxRanks = 8;
+
+// Per-rank addresses, indexed by rank, passed by value as a kernel parameter (so nothing has to be
+// uploaded per call). Mirrored by mscclpp_kernels_cu::collectives::PeerPtrs (64 bytes).
+struct PeerPtrs {
+  void* p[kMaxRanks];
+};
+
+// Device-resident state of one algorithm object. `calls` counts completed calls; the kernel itself
+// advances it, so CUDA-graph replays keep packet flags fresh with no host involvement. Mirrored by
+// mscclpp_kernels_cu::collectives::CallState (16 bytes, zero-initialised by the host).
+struct CallState {
+  u64 calls;
+  u32 arrivals;  // blocks of the current call that reached finish_call
+  u32 pad;
+};
+
+MSCCLPP_DEVICE_INLINE u32 peer_rank(u32 index, u32 rank) { return index < rank ? index : index + 1; }
+
+// The packet flag of call number `calls`: never 0 (fresh scratch is zero) and different from the
+// previous call's flag, also across the wrap-around.
+MSCCLPP_DEVICE_INLINE u32 call_flag(u64 calls) { return static_cast<u32>(calls % 0xFFFFFFFFull) + 1u; }
+
+// Reads the call counter once per block. The previous call's update is visible because kernels on
+// one stream are ordered and a kernel boundary publishes all of its writes.
+MSCCLPP_DEVICE_INLINE u64 load_call_count(const CallState* state) {
+  __shared__ u64 calls;
+  if (threadIdx.x == 0) calls = *reinterpret_cast<const volatile u64*>(&state->calls);
+  __syncthreads();
+  return calls;
+}
+
+// Every block calls this last. The last block to arrive advances the counter; all blocks have read
+// it by then (each reads it before arriving), so no block of this call can see the new value.
+MSCCLPP_DEVICE_INLINE void finish_call(CallState* state) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(&state->arrivals, 1u) == gridDim.x - 1) {
+      state->arrivals = 0;
+      state->calls = state->calls + 1;
+      __threadfence();
+    }
+  }
+}
+
+// Barrier of this block with the same-numbered block of every peer, through the block's own
+// semaphores sems[blockIdx.x * npeers + i]. `publish`: every thread first fences its earlier writes
+// (remote stores into peers' buffers) at system scope, so the peers see them once they pass the
+// barrier. Returns false (error word set) if a peer did not arrive within the spin bound.
+// Requires blockDim.x >= npeers.
+MSCCLPP_DEVICE_INLINE bool block_barrier(const D2DSemaphoreHandle* sems, u32 npeers, bool publish) {
+  __shared__ int ok;
+  if (publish) fence_acq_rel_sys();
+  __syncthreads();
+  if (threadIdx.x == 0) ok = 1;
+  __syncthreads();
+  if (threadIdx.x < npeers) {
+    const D2DSemaphoreHandle& s = sems[static_cast<u64>(blockIdx.x) * npeers + threadIdx.x];
+    s.signal();
+    if (!s.wait()) ok = 0;
+  }
+  __syncthreads();
+  return ok != 0;
+}
+
+// Splits `n` items over the grid's blocks in contiguous ranges of whole `align`-item groups; the
+// last block also takes the remainder. Used by the copy kernels, whose per-block copies use the
+// block's threads.
+MSCCLPP_DEVICE_INLINE void block_range(u64 n, u64 align, u64& begin, u64& end) {
+  const u64 groups = (n + align - 1) / align;
+  const u64 per = (groups + gridDim.x - 1) / gridDim.x;
+  begin = min(static_cast<u64>(blockIdx.x) * per * align, n);
+  end = min(begin + per * align, n);
+}
+
+// Grid-cooperative reduction of `n` elements: for each element e,
+//   dsts.p[d][dst_off + e] = reduce over k in [0, nsrc) of srcs.p[k][src_off + e]   for d < ndst.
+// Sources are combined in rank order, so the result does not depend on which rank computes it.
+// Uses 16-byte loads/stores when every address involved is 16-byte aligned, else element accesses.
+template <typename T, typename AccT, int Op>
+MSCCLPP_DEVICE_INLINE void reduce_to_all(const PeerPtrs& srcs, u32 nsrc, u64 src_off, const PeerPtrs& dsts,
+                                         u32 ndst, u64 dst_off, u64 n, u32 nranks) {
+  constexpr u64 kVec = sizeof(uint4) / sizeof(T);
+  // Vectors each thread keeps in flight per source: NVLink reads need many outstanding loads.
+  constexpr u32 kReduceUnroll = 4;
+  const u64 tid = global_thread_id();
+  const u64 stride = global_num_threads();
+  bool aligned = true;
+  for (u32 k = 0; k < nsrc; ++k) {
+    aligned = aligned && (reinterpret_cast<u64>(static_cast<const T*>(srcs.p[k]) + src_off) % 16 == 0);
+  }
+  for (u32 d = 0; d < ndst; ++d) {
+    aligned = aligned && (reinterpret_cast<u64>(static_cast<T*>(dsts.p[d]) + dst_off) % 16 == 0);
+  }
+  u64 scalar_begin = 0;
+  if (aligned) {
+    const u64 nv = n / kVec;
+    u64 v = tid;
+    for (; v + (kReduceUnroll - 1) * stride < nv; v += kReduceUnroll * stride) {
+      VecAccumulator<T, AccT, Op, uint4> acc[kReduceUnroll];
+      uint4 w[kReduceUnroll];
+#pragma unroll
+      for (u32 u = 0; u < kReduceUnroll; ++u) {
+        w[u] = reinterpret_cast<const uint4*>(static_cast<const T*>(srcs.p[0]) + src_off)[v + u * stride];
+      }
+#pragma unroll
+      for (u32 u = 0; u < kReduceUnroll; ++u) acc[u].init(w[u]);
+      for (u32 k = 1; k < nsrc; ++k) {
+        const uint4* s = reinterpret_cast<const uint4*>(static_cast<const T*>(srcs.p[k]) + src_off);
+#pragma unroll
+        for (u32 u = 0; u < kReduceUnroll; ++u) w[u] = s[v + u * stride];
+#pragma unroll
+        for (u32 u = 0; u < kReduceUnroll; ++u) acc[u].add(w[u]);
+      }
+#pragma unroll
+      for (u32 u = 0; u < kReduceUnroll; ++u) w[u] = acc[u].finish(nranks);
+      for (u32 d = 0; d < ndst; ++d) {
+        uint4* o = reinterpret_cast<uint4*>(static_cast<T*>(dsts.p[d]) + dst_off);
+#pragma unroll
+        for (u32 u = 0; u < kReduceUnroll; ++u) o[v + u * stride] = w[u];
+      }
+    }
+    for (; v < nv; v += stride) {
+      VecAccumulator<T, AccT, Op, uint4> acc;
+      acc.init(reinterpret_cast<const uint4*>(static_cast<const T*>(srcs.p[0]) + src_off)[v]);
+      for (u32 k = 1; k < nsrc; ++k) {
+        acc.add(reinterpret_cast<const uint4*>(static_cast<const T*>(srcs.p[k]) + src_off)[v]);
+      }
+      const uint4 r = acc.finish(nranks);
+      for (u32 d = 0; d < ndst; ++d) reinterpret_cast<uint4*>(static_cast<T*>(dsts.p[d]) + dst_off)[v] = r;
+    }
+    scalar_begin = nv * kVec;
+  }
+  for (u64 e = scalar_begin + tid; e < n; e += stride) {
+    VecAccumulator<T, AccT, Op, T> acc;
+    acc.init(static_cast<const T*>(srcs.p[0])[src_off + e]);
+    for (u32 k = 1; k < nsrc; ++k) acc.add(static_cast<const T*>(srcs.p[k])[src_off + e]);
+    const T r = acc.finish(nranks);
+    for (u32 d = 0; d < ndst; ++d) static_cast<T*>(dsts.p[d])[dst_off + e] = r;
+  }
+}
+
+}  // namespace coll
+}  // namespace mscclpp
