@@ -5,10 +5,16 @@
 //! typed `MSCCLPP_*` environment, logging, and the TCP bootstrap that ranks use to find each other.
 
 pub mod algorithm;
+pub mod algorithm_collection;
+pub mod communicator;
+pub mod device;
 pub mod dtype;
 pub mod error;
 pub mod gpu;
 pub mod transport;
+pub mod fifo;
+pub mod host_semaphore;
+pub mod proxy;
 
 pub use algorithm::{Algorithm, Collective, ExecuteArgs};
 pub use dtype::{AccumType, DataType, ReduceOp};
@@ -18,3 +24,4 @@ pub use transport::{Transport, TransportKind};
 pub mod bootstrap;
 pub mod env;
 pub mod log;
+pub mod fp8;

@@ -1,0 +1,202 @@
+// mscclpp-rs device library: LL ("low latency") packets.
+//
+// A packet carries data and a flag in one store that the hardware performs as a unit, so a reader
+// that sees the expected flag also sees the data written with it: no separate semaphore, no fence.
+// Callers pass a flag that is non-zero and different on every call (monotonically increasing), so
+// packet buffers never need to be reset.
+//
+//   LL16Packet: {data1, flag1, data2, flag2}, 8 payload bytes per 16-byte packet.
+//   LL8Packet:  {data, flag},                 4 payload bytes per 8-byte packet.
+//
+// On CUDA, LL16 is one 16-byte volatile vector store; on HIP (where only 8-byte single-copy
+// atomicity is guaranteed) it is two 8-byte stores, which is still correct because each 8-byte half
+// carries its own flag.
+#pragma once
+#include "mscclpp/common.cuh"
+#include "mscclpp/error.cuh"
+
+namespace mscclpp {
+
+struct __align__(16) LL16Packet {
+  u32 data1;
+  u32 flag1;
+  u32 data2;
+  u32 flag2;
+
+  static constexpr u32 kPayloadBytes = 8;
+  typedef u64 Payload;
+
+  MSCCLPP_DEVICE_INLINE void write(u32 v1, u32 v2, u32 flag) {
+#if defined(MSCCLPP_CUDA)
+    asm volatile("st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(this), "r"(v1), "r"(flag),
+                 "r"(v2), "r"(flag)
+                 : "memory");
+#else
+    volatile u64* p = reinterpret_cast<volatile u64*>(this);
+    p[0] = (static_cast<u64>(flag) << 32) | v1;
+    p[1] = (static_cast<u64>(flag) << 32) | v2;
+#endif
+  }
+  MSCCLPP_DEVICE_INLINE void write(u64 payload, u32 flag) {
+    write(static_cast<u32>(payload), static_cast<u32>(payload >> 32), flag);
+  }
+
+  // One non-blocking attempt: true and `payload` set when both halves carry `flag`.
+  MSCCLPP_DEVICE_INLINE bool try_read(u32 flag, u64& payload) const {
+    u32 d1, f1, d2, f2;
+#if defined(MSCCLPP_CUDA)
+    asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(d1), "=r"(f1), "=r"(d2), "=r"(f2)
+                 : "l"(this)
+                 : "memory");
+#else
+    const volatile u64* p = reinterpret_cast<const volatile u64*>(this);
+    const u64 lo = p[0];
+    const u64 hi = p[1];
+    d1 = static_cast<u32>(lo);
+    f1 = static_cast<u32>(lo >> 32);
+    d2 = static_cast<u32>(hi);
+    f2 = static_cast<u32>(hi >> 32);
+#endif
+    payload = (static_cast<u64>(d2) << 32) | d1;
+    return f1 == flag && f2 == flag;
+  }
+
+  // Bounded wait for `flag`; on timeout records kErrorPacketReadTimeout and returns false.
+  MSCCLPP_DEVICE_INLINE bool read(u32 flag, u64& payload, u64 max_spin, u32* error_word) const {
+    return spin_until([&] { return try_read(flag, payload); }, max_spin, error_word,
+                      kErrorPacketReadTimeout);
+  }
+};
+
+struct __align__(8) LL8Packet {
+  u32 data;
+  u32 flag;
+
+  static constexpr u32 kPayloadBytes = 4;
+  typedef u32 Payload;
+
+  MSCCLPP_DEVICE_INLINE void write(u32 v, u32 flag_value) {
+#if defined(MSCCLPP_CUDA)
+    asm volatile("st.volatile.global.v2.u32 [%0], {%1,%2};" ::"l"(this), "r"(v), "r"(flag_value)
+                 : "memory");
+#else
+    *reinterpret_cast<volatile u64*>(this) = (static_cast<u64>(flag_value) << 32) | v;
+#endif
+  }
+
+  MSCCLPP_DEVICE_INLINE bool try_read(u32 flag_value, u32& payload) const {
+    u32 d, f;
+#if defined(MSCCLPP_CUDA)
+    asm volatile("ld.volatile.global.v2.u32 {%0,%1}, [%2];"
+                 : "=r"(d), "=r"(f)
+                 : "l"(this)
+                 : "memory");
+#else
+    const u64 w = *reinterpret_cast<const volatile u64*>(this);
+    d = static_cast<u32>(w);
+    f = static_cast<u32>(w >> 32);
+#endif
+    payload = d;
+    return f == flag_value;
+  }
+
+  MSCCLPP_DEVICE_INLINE bool read(u32 flag_value, u32& payload, u64 max_spin,
+                                  u32* error_word) const {
+    return spin_until([&] { return try_read(flag_value, payload); }, max_spin, error_word,
+                      kErrorPacketReadTimeout);
+  }
+};
+
+static_assert(sizeof(LL16Packet) == 16, "LL16Packet must be 16 bytes");
+static_assert(sizeof(LL8Packet) == 8, "LL8Packet must be 8 bytes");
+
+// Number of packets (and bytes of packet buffer) needed to carry `data_bytes`.
+template <typename Pkt>
+MSCCLPP_HOST_DEVICE_INLINE u64 packet_count(u64 data_bytes) {
+  return (data_bytes + Pkt::kPayloadBytes - 1) / Pkt::kPayloadBytes;
+}
+template <typename Pkt>
+MSCCLPP_HOST_DEVICE_INLINE u64 packet_buffer_bytes(u64 data_bytes) {
+  return packet_count<Pkt>(data_bytes) * sizeof(Pkt);
+}
+
+// Loads/stores the `n` (< sizeof(Word)) valid bytes of a partial payload; the rest reads as zero.
+// Only the last packet of a transfer takes this path.
+template <typename Word>
+MSCCLPP_DEVICE_INLINE Word load_partial(const u8* p, u32 n) {
+  Word w = 0;
+  for (u32 i = 0; i < n; ++i) w |= static_cast<Word>(p[i]) << (8 * i);
+  return w;
+}
+template <typename Word>
+MSCCLPP_DEVICE_INLINE void store_partial(u8* p, Word w, u32 n) {
+  for (u32 i = 0; i < n; ++i) p[i] = static_cast<u8>(w >> (8 * i));
+}
+
+// Loads payload `index` of `src` (bytes long). Full payloads use one aligned load when `src` is
+// payload-aligned, else byte loads.
+template <typename Pkt>
+MSCCLPP_DEVICE_INLINE typename Pkt::Payload load_payload(const u8* src, u64 bytes, u64 index,
+                                                        bool aligned) {
+  typedef typename Pkt::Payload Word;
+  const u64 off = index * Pkt::kPayloadBytes;
+  const u64 left = bytes - off;
+  if (left >= Pkt::kPayloadBytes) {
+    if (aligned) return *reinterpret_cast<const Word*>(src + off);
+    return load_partial<Word>(src + off, Pkt::kPayloadBytes);
+  }
+  return load_partial<Word>(src + off, static_cast<u32>(left));
+}
+
+template <typename Pkt>
+MSCCLPP_DEVICE_INLINE void store_payload(u8* dst, u64 bytes, u64 index,
+                                         typename Pkt::Payload value, bool aligned) {
+  typedef typename Pkt::Payload Word;
+  const u64 off = index * Pkt::kPayloadBytes;
+  const u64 left = bytes - off;
+  if (left >= Pkt::kPayloadBytes) {
+    if (aligned) {
+      *reinterpret_cast<Word*>(dst + off) = value;
+    } else {
+      store_partial<Word>(dst + off, value, Pkt::kPayloadBytes);
+    }
+    return;
+  }
+  store_partial<Word>(dst + off, value, static_cast<u32>(left));
+}
+
+// Cooperative pack: threads (tid of num_threads) turn `bytes` of `src` into packets at `dst`
+// (typically a peer's packet buffer mapped here).
+template <typename Pkt>
+MSCCLPP_DEVICE_INLINE void put_packets(Pkt* dst, const void* src, u64 bytes, u32 tid, u32 num_threads,
+                                       u32 flag) {
+  const u8* s = static_cast<const u8*>(src);
+  const bool aligned = (reinterpret_cast<u64>(s) % Pkt::kPayloadBytes) == 0;
+  const u64 n = packet_count<Pkt>(bytes);
+  for (u64 i = tid; i < n; i += num_threads) {
+    dst[i].write(load_payload<Pkt>(s, bytes, i, aligned), flag);
+  }
+}
+
+// Cooperative unpack: waits (bounded) for each packet of `src` to carry `flag` and writes its
+// payload to `dst`. Returns false if any packet timed out (the error word says so).
+template <typename Pkt>
+MSCCLPP_DEVICE_INLINE bool get_packets(void* dst, const Pkt* src, u64 bytes, u32 tid, u32 num_threads,
+                                       u32 flag, u64 max_spin, u32* error_word) {
+  u8* d = static_cast<u8*>(dst);
+  const bool aligned = (reinterpret_cast<u64>(d) % Pkt::kPayloadBytes) == 0;
+  const u64 n = packet_count<Pkt>(bytes);
+  bool ok = true;
+  for (u64 i = tid; i < n; i += num_threads) {
+    typename Pkt::Payload v;
+    if (!src[i].read(flag, v, max_spin, error_word)) {
+      ok = false;
+      break;  // the error is recorded; waiting on the next packets would only multiply the delay
+    }
+    store_payload<Pkt>(d, bytes, i, v, aligned);
+  }
+  return ok;
+}
+
+}  // namespace mscclpp
