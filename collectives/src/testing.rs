@@ -6,12 +6,12 @@
 //! representable in every float type, so sums stay exact in f32/f64 and the tolerance only has to
 //! cover f16/bf16 rounding: |got - want| <= 1e-3 + rtol * |want|, rtol = 2^-10 (f16) or 2^-7
 //! (bf16) times the world size, 1e-6 (f32), 1e-12 (f64). Integers must match exactly (wrapping).
-//! fp8 inputs are refused (Error::Unsupported) until `mscclpp_core::fp8` is available here.
+//! fp8 values are quarter steps kept in range for every rank count, decoded with `mscclpp_core::fp8`.
 
-use mscclpp_core::algorithm::{Algorithm, ExecuteArgs};
+use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::communicator::Communicator;
 use mscclpp_core::gpu::MemoryKind;
-use mscclpp_core::{AccumType, DataType, Error, ReduceOp, Result};
+use mscclpp_core::{AccumType, DataType, ReduceOp, Result};
 use rand::{Rng, SeedableRng};
 
 /// Outcome of one check.
@@ -51,14 +51,45 @@ fn f16_value(h: u16) -> f64 {
     }
 }
 
-/// The generated value of element `i` of `rank`'s input, as f64 (exact in `dtype`).
-fn gen_values(seed: u64, rank: usize, count: usize, dtype: DataType, op: ReduceOp) -> Vec<f64> {
+/// The fp8 format of an fp8 `DataType` (None for other types).
+fn fp8_format(dtype: DataType) -> Option<mscclpp_core::fp8::Fp8Format> {
+    use mscclpp_core::fp8;
+    match dtype {
+        DataType::Fp8E4M3 => Some(fp8::E4M3),
+        DataType::Fp8E4M3Fnuz => Some(fp8::E4M3_FNUZ),
+        DataType::Fp8E5M2 => Some(fp8::E5M2),
+        DataType::Fp8E4M3B15 => Some(fp8::E4M3B15),
+        _ => None,
+    }
+}
+
+/// `rank`'s generated input, as f64 values exactly representable in `dtype`.
+fn gen_values(
+    seed: u64,
+    rank: usize,
+    count: usize,
+    nranks: usize,
+    dtype: DataType,
+    op: ReduceOp,
+) -> Vec<f64> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(
         seed ^ (rank as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15),
     );
+    // fp8: quarter steps small enough that sums over every rank stay in range (e4m3b15 tops out at
+    // 1.875); products stay near 1.
+    let fp8_limit = fp8_format(dtype).map(|f| {
+        let max = f.max_value() as f64;
+        ((0.9 * max / (nranks as f64 * 0.25)) as i32).clamp(1, 8)
+    });
     (0..count)
         .map(|_| {
-            if dtype.is_float() {
+            if let Some(limit) = fp8_limit {
+                if op == ReduceOp::Prod {
+                    [0.75, 1.0, 1.25][rng.random_range(0..3usize)]
+                } else {
+                    rng.random_range(-limit..=limit) as f64 * 0.25
+                }
+            } else if dtype.is_float() {
                 // Products stay near 1 so they neither vanish nor overflow.
                 let k: i32 = if op == ReduceOp::Prod {
                     rng.random_range(6..=10)
@@ -77,7 +108,7 @@ fn gen_values(seed: u64, rank: usize, count: usize, dtype: DataType, op: ReduceO
         .collect()
 }
 
-fn encode(values: &[f64], dtype: DataType) -> Result<Vec<u8>> {
+fn encode(values: &[f64], dtype: DataType) -> Vec<u8> {
     let mut out = Vec::with_capacity(values.len() * dtype.size());
     for &v in values {
         match dtype {
@@ -93,14 +124,13 @@ fn encode(values: &[f64], dtype: DataType) -> Result<Vec<u8>> {
             DataType::U32 => out.extend_from_slice(&(v as u32).to_le_bytes()),
             DataType::I64 => out.extend_from_slice(&(v as i64).to_le_bytes()),
             DataType::U64 => out.extend_from_slice(&(v as u64).to_le_bytes()),
-            fp8 => {
-                return Err(Error::Unsupported(format!(
-                    "run_allreduce_check for {fp8}: needs mscclpp_core::fp8"
-                )))
+            DataType::Fp8E4M3 | DataType::Fp8E4M3Fnuz | DataType::Fp8E5M2 | DataType::Fp8E4M3B15 => {
+                let f = fp8_format(dtype).unwrap_or(mscclpp_core::fp8::E4M3);
+                out.push(f.encode(v as f32))
             }
         }
     }
-    Ok(out)
+    out
 }
 
 /// Decodes element `i` of `bytes`: floats as f64; integers as their i128 value (as f64 only for
@@ -111,6 +141,9 @@ fn decode(bytes: &[u8], i: usize, dtype: DataType) -> (f64, i128) {
     let mut w = [0u8; 8];
     w[..s].copy_from_slice(b);
     let raw = u64::from_le_bytes(w);
+    if let Some(f) = fp8_format(dtype) {
+        return (f.decode(raw as u8) as f64, 0);
+    }
     match dtype {
         DataType::F32 => (f32::from_bits(raw as u32) as f64, 0),
         DataType::F64 => (f64::from_bits(raw), 0),
@@ -137,17 +170,51 @@ fn wrap(v: i128, dtype: DataType) -> i128 {
     }
 }
 
+/// Relative tolerance: one rounding of `dtype` per combining step (rank), exact-ish for f32/f64.
 fn rtol(dtype: DataType, nranks: usize) -> f64 {
-    match dtype {
-        DataType::F16 => nranks as f64 / 1024.0,
-        DataType::Bf16 => nranks as f64 / 128.0,
-        DataType::F32 => 1e-6,
-        _ => 1e-12,
+    let steps = nranks as f64;
+    match fp8_format(dtype) {
+        Some(f) => steps * 2f64.powi(-(f.man_bits as i32)),
+        None => match dtype {
+            DataType::F16 => steps / 1024.0,
+            DataType::Bf16 => steps / 128.0,
+            DataType::F32 => 1e-6,
+            _ => 1e-12,
+        },
     }
 }
 
-/// Runs `algo` once as an all-reduce of `count` elements and checks every element. Collective:
-/// every rank calls it with the same arguments. Synchronises the device (it is a test).
+/// The expected value of one output element: the reduction of `vals` (one per rank).
+enum Want {
+    Float(f64),
+    Int(i128),
+}
+
+fn reduce(vals: &[f64], dtype: DataType, op: ReduceOp, n: usize) -> Want {
+    if dtype.is_float() {
+        let it = vals.iter().copied();
+        Want::Float(match op {
+            ReduceOp::Sum => it.sum::<f64>(),
+            ReduceOp::Avg => it.sum::<f64>() / n as f64,
+            ReduceOp::Prod => it.product::<f64>(),
+            ReduceOp::Min => it.fold(f64::INFINITY, f64::min),
+            ReduceOp::Max => it.fold(f64::NEG_INFINITY, f64::max),
+        })
+    } else {
+        let it = vals.iter().map(|v| *v as i128);
+        let sum = |it: &mut dyn Iterator<Item = i128>| it.fold(0, |a, b| wrap(a + b, dtype));
+        Want::Int(match op {
+            ReduceOp::Sum => sum(&mut it.clone()),
+            // Integer average: the wrapped sum divided, truncating, as the kernel does.
+            ReduceOp::Avg => wrap(sum(&mut it.clone()) / n as i128, dtype),
+            ReduceOp::Prod => it.fold(1, |a, b| wrap(a * b, dtype)),
+            ReduceOp::Min => it.min().unwrap_or(0),
+            ReduceOp::Max => it.max().unwrap_or(0),
+        })
+    }
+}
+
+/// Runs `algo` once as an all-reduce of `count` elements and checks every element.
 pub fn run_allreduce_check(
     comm: &Communicator,
     algo: &dyn Algorithm,
@@ -157,43 +224,108 @@ pub fn run_allreduce_check(
     in_place: bool,
     seed: u64,
 ) -> Result<CheckReport> {
+    run_collective_check(comm, algo, dtype, op, count, in_place, seed)
+}
+
+/// Runs `algo` once and checks every output element against the host reference. `count` is the
+/// per-rank element count of the collective's natural unit: the all-reduce/broadcast buffer, the
+/// all-gather input, the reduce-scatter output. In place follows NCCL: the all-gather input and the
+/// reduce-scatter output are this rank's slice of the other buffer. Broadcasts use root
+/// `seed % nranks`. Collective: every rank calls it with the same arguments. Synchronises the device
+/// (it is a test).
+pub fn run_collective_check(
+    comm: &Communicator,
+    algo: &dyn Algorithm,
+    dtype: DataType,
+    op: ReduceOp,
+    count: usize,
+    in_place: bool,
+    seed: u64,
+) -> Result<CheckReport> {
+    run_collective_check_mode(comm, algo, dtype, op, count, in_place, seed, false)
+}
+
+/// As [`run_collective_check`]; with `graph`, the call is captured once into a CUDA graph and the
+/// graph is replayed twice, each replay on fresh data and a freshly poisoned output, and both
+/// replays are checked (so device-side flags and counters must stay right across replays).
+#[allow(clippy::too_many_arguments)]
+pub fn run_collective_check_mode(
+    comm: &Communicator,
+    algo: &dyn Algorithm,
+    dtype: DataType,
+    op: ReduceOp,
+    count: usize,
+    in_place: bool,
+    seed: u64,
+    graph: bool,
+) -> Result<CheckReport> {
     let gpu = comm.gpu();
     let (rank, n) = (comm.rank(), comm.size());
-    let bytes = count * dtype.size();
-    let all: Vec<Vec<f64>> = (0..n)
-        .map(|r| gen_values(seed, r, count, dtype, op))
-        .collect();
-    let input = gpu.alloc(bytes.max(16), MemoryKind::Plain)?;
-    let output = if in_place {
+    let collective = algo.collective();
+    let es = dtype.size();
+    let root = (seed % n as u64) as usize;
+    let (in_count, out_count) = match collective {
+        Collective::AllGather => (count, count * n),
+        Collective::ReduceScatter => (count * n, count),
+        _ => (count, count),
+    };
+    // One allocation holds the larger buffer; in place, the other is a slice of it.
+    let big = in_count.max(out_count) * es;
+    let first = gpu.alloc(big.max(16), MemoryKind::Plain)?;
+    let second = if in_place {
         None
     } else {
-        Some(gpu.alloc(bytes.max(16), MemoryKind::Plain)?)
+        Some(gpu.alloc((out_count * es).max(16), MemoryKind::Plain)?)
     };
-    let out_ptr = output.as_ref().map_or(input.ptr, |a| a.ptr);
+    let slice = (rank * count * es) as u64;
+    let (in_ptr, out_ptr) = match (&second, collective) {
+        (Some(out), _) => (first.ptr, out.ptr),
+        (None, Collective::AllGather) => (first.ptr + slice, first.ptr),
+        (None, Collective::ReduceScatter) => (first.ptr, first.ptr + slice),
+        (None, _) => (first.ptr, first.ptr),
+    };
     let stream = gpu.create_stream()?;
-    let result = (|| -> Result<CheckReport> {
-        if !in_place {
-            gpu.memset_async(out_ptr, 0xA5, bytes.max(16), stream)?; // poison
+    let mut captured = None;
+    let mut run_once = |seed: u64| -> Result<CheckReport> {
+        let all: Vec<Vec<f64>> = (0..n)
+            .map(|r| gen_values(seed, r, in_count, n, dtype, op))
+            .collect();
+        gpu.memset_async(first.ptr, 0xA5, big.max(16), stream)?; // poison
+        if let Some(out) = &second {
+            gpu.memset_async(out.ptr, 0xA5, (out_count * es).max(16), stream)?;
         }
-        gpu.copy_to_device(input.ptr, &encode(&all[rank], dtype)?)?;
         gpu.synchronize_stream(stream)?;
+        gpu.copy_to_device(in_ptr, &encode(&all[rank], dtype))?;
         let args = ExecuteArgs {
-            input: input.ptr,
+            input: in_ptr,
             output: out_ptr,
-            input_bytes: bytes,
-            output_bytes: bytes,
+            input_bytes: in_count * es,
+            output_bytes: out_count * es,
             dtype,
             op,
             accum: AccumType::Auto,
-            root: 0,
+            root,
             stream,
             nblocks: None,
             nthreads: None,
         };
-        algo.execute(&args)?;
+        if graph {
+            if captured.is_none() {
+                gpu.begin_capture(stream)?;
+                let executed = algo.execute(&args);
+                let ended = gpu.end_capture(stream);
+                executed?;
+                captured = Some(ended?);
+            }
+            if let Some(g) = captured {
+                gpu.launch_graph(g, stream)?;
+            }
+        } else {
+            algo.execute(&args)?;
+        }
         gpu.synchronize_stream(stream)?;
         comm.check_device_errors()?;
-        let mut got = vec![0u8; bytes];
+        let mut got = vec![0u8; out_count * es];
         gpu.copy_from_device(&mut got, out_ptr)?;
         let tol = rtol(dtype, n);
         let mut report = CheckReport {
@@ -210,31 +342,26 @@ pub fn run_allreduce_check(
                 "exact".into()
             },
         };
-        for i in 0..count {
+        let mut vals = vec![0.0; n];
+        for i in 0..out_count {
+            let want = match collective {
+                Collective::AllReduce => {
+                    vals.iter_mut().zip(&all).for_each(|(v, a)| *v = a[i]);
+                    reduce(&vals, dtype, op, n)
+                }
+                Collective::ReduceScatter => {
+                    vals.iter_mut()
+                        .zip(&all)
+                        .for_each(|(v, a)| *v = a[rank * count + i]);
+                    reduce(&vals, dtype, op, n)
+                }
+                Collective::AllGather => exact(all[i / count][i % count], dtype),
+                _ => exact(all[root][i], dtype),
+            };
             let (g, gi) = decode(&got, i, dtype);
-            let (ok, want) = if dtype.is_float() {
-                let vals = all.iter().map(|v| v[i]);
-                let want = match op {
-                    ReduceOp::Sum => vals.sum::<f64>(),
-                    ReduceOp::Avg => vals.sum::<f64>() / n as f64,
-                    ReduceOp::Prod => vals.product::<f64>(),
-                    ReduceOp::Min => vals.fold(f64::INFINITY, f64::min),
-                    ReduceOp::Max => vals.fold(f64::NEG_INFINITY, f64::max),
-                };
-                ((g - want).abs() <= 1e-3 + tol * want.abs(), want)
-            } else {
-                let vals = all.iter().map(|v| v[i] as i128);
-                let want = match op {
-                    ReduceOp::Sum => wrap(vals.fold(0, |a, b| wrap(a + b, dtype)), dtype),
-                    // Integer average: the wrapped sum divided, truncating, as the kernel does.
-                    ReduceOp::Avg => {
-                        wrap(vals.fold(0, |a, b| wrap(a + b, dtype)) / n as i128, dtype)
-                    }
-                    ReduceOp::Prod => vals.fold(1, |a, b| wrap(a * b, dtype)),
-                    ReduceOp::Min => vals.min().unwrap_or(0),
-                    ReduceOp::Max => vals.max().unwrap_or(0),
-                };
-                (gi == want, want as f64)
+            let (ok, want) = match want {
+                Want::Float(w) => ((g - w).abs() <= 1e-3 + tol * w.abs(), w),
+                Want::Int(w) => (gi == w, w as f64),
             };
             if !ok {
                 report.wrong += 1;
@@ -244,13 +371,34 @@ pub fn run_allreduce_check(
             }
         }
         Ok(report)
-    })();
+    };
+    let mut result = run_once(seed);
+    if graph {
+        // A second replay on new data: flags and counters advanced by the first must still work.
+        if let Ok(first_report) = &result {
+            if first_report.wrong == 0 {
+                result = run_once(seed.wrapping_add(0x5eed));
+            }
+        }
+    }
+    if let Some(g) = captured {
+        let _ = gpu.destroy_graph(g);
+    }
     let _ = gpu.destroy_stream(stream);
-    if let Some(o) = &output {
+    if let Some(o) = &second {
         let _ = gpu.free(o);
     }
-    let _ = gpu.free(&input);
+    let _ = gpu.free(&first);
     result
+}
+
+/// A value that must arrive unchanged (gathers and broadcasts copy, they do not combine).
+fn exact(v: f64, dtype: DataType) -> Want {
+    if dtype.is_float() {
+        Want::Float(v)
+    } else {
+        Want::Int(v as i128)
+    }
 }
 
 #[cfg(test)]
@@ -259,23 +407,22 @@ mod tests {
 
     #[test]
     fn generated_values_round_trip_through_every_non_fp8_type() {
-        for dtype in DataType::ALL.into_iter().filter(|d| !d.is_fp8()) {
+        for dtype in DataType::ALL {
             for op in ReduceOp::ALL {
-                let v = gen_values(7, 1, 100, dtype, op);
-                let bytes = encode(&v, dtype).expect("encode");
+                let v = gen_values(7, 1, 100, 8, dtype, op);
+                let bytes = encode(&v, dtype);
                 for (i, want) in v.iter().enumerate() {
                     assert_eq!(decode(&bytes, i, dtype).0, *want, "{dtype} {op} #{i}");
                 }
             }
         }
-        assert!(encode(&[1.0], DataType::Fp8E4M3).is_err());
     }
 
     #[test]
     fn ranks_get_different_deterministic_data() {
-        let a = gen_values(1, 0, 64, DataType::F32, ReduceOp::Sum);
-        assert_eq!(a, gen_values(1, 0, 64, DataType::F32, ReduceOp::Sum));
-        assert_ne!(a, gen_values(1, 1, 64, DataType::F32, ReduceOp::Sum));
+        let a = gen_values(1, 0, 64, 2, DataType::F32, ReduceOp::Sum);
+        assert_eq!(a, gen_values(1, 0, 64, 2, DataType::F32, ReduceOp::Sum));
+        assert_ne!(a, gen_values(1, 1, 64, 2, DataType::F32, ReduceOp::Sum));
     }
 
     #[test]

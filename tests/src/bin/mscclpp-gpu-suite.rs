@@ -24,6 +24,19 @@ using namespace mscclpp;
 extern "C" __global__ void put_bandwidth(MemoryChannelHandle chan, u64 bytes) {
   chan.put(0, bytes, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
 }
+// Semaphore-only ping-pong, one thread: the initiator signals and waits, the peer waits and signals.
+// `relaxed` selects relaxed_signal/relaxed_wait (no data ordering) instead of release/acquire.
+extern "C" __global__ void semaphore_ping_pong(D2DSemaphoreHandle sem, u32 iters, u32 initiator, u32 relaxed) {
+  for (u32 it = 0; it < iters; ++it) {
+    if (initiator) {
+      if (relaxed) sem.relaxed_signal(); else sem.signal();
+      if (!(relaxed ? sem.relaxed_wait() : sem.wait())) return;
+    } else {
+      if (!(relaxed ? sem.relaxed_wait() : sem.wait())) return;
+      if (relaxed) sem.relaxed_signal(); else sem.signal();
+    }
+  }
+}
 // The plain SM store copy the put is measured against: 16-byte loads and stores, grid-stride.
 extern "C" __global__ void plain_copy(uint4* dst, const uint4* src, u64 n) {
   for (u64 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) dst[i] = src[i];
@@ -148,7 +161,7 @@ fn run() -> Result<i32> {
     let modules = compile_modules(&mut suite);
     if let Ok((primitives, measure)) = modules {
         if suite.peer().is_some() {
-            let r = ping_pong(&mut suite, primitives);
+            let r = ping_pong(&mut suite, primitives, measure);
             suite.record("memory_channel ping-pong", r);
             let r = put_bandwidth(&mut suite, measure);
             suite.record("memory_channel put bandwidth", r);
@@ -162,6 +175,15 @@ fn run() -> Result<i32> {
         for dtype in [DataType::F32, DataType::Bf16] {
             let r = simple_allreduce(&mut suite, dtype);
             suite.record(&format!("simple allreduce {dtype}"), r);
+        }
+    }
+    let only_primitives = std::env::args().any(|a| a == "--primitives-only");
+    if !only_primitives {
+        let r = precompile_collectives(&mut suite);
+        let ok = r.is_ok();
+        suite.record("precompile collective kernels", r);
+        if ok {
+            collectives_matrix(&mut suite);
         }
     }
 
@@ -229,34 +251,40 @@ fn pair_semaphores(s: &Suite, count: usize) -> Result<Vec<D2DSemaphoreHandle>> {
     s.ctx.comm.d2d_semaphores(peer, count)
 }
 
-fn ping_pong(s: &mut Suite, primitives: Module) -> Result<String> {
+fn ping_pong(s: &mut Suite, primitives: Module, measure: Module) -> Result<String> {
     let gpu = s.ctx.gpu.clone();
     let buf = DeviceBuffer::new(&gpu, MIB, MemoryKind::Plain)?;
     let mems = s.exchange(&buf)?;
     let sem = pair_semaphores(s, 1)?[0];
     let chan = pair_channel(s, &mems, buf.ptr(), 0, sem)?;
     let f = s.function(primitives, "memory_channel_ping_pong")?;
+    let sem_pp = s.function(measure, "semaphore_ping_pong")?;
     let initiator = (s.ctx.rank() % 2 == 0) as u32;
     let iters: u32 = 20_000;
-    // Warm-up, then a timed run of `iters` round trips with no payload: signal + wait latency.
-    for (n, timed) in [(100u32, false), (iters, true)] {
-        s.ctx.bootstrap.barrier()?;
-        let ms = s.time(|| {
-            let mut args = KernelArgs::new();
-            args.push(chan).push(0u64).push(n).push(initiator);
-            s.launch(f, LaunchConfig::linear(1, 32), &mut args)
-        })?;
-        s.ctx.comm.check_device_errors()?;
-        if timed {
-            let rtt_us = ms * 1e3 / n as f64;
-            s.measure(
-                "semaphore signal+wait round trip (ping-pong, 0 B)",
-                format!("{rtt_us:.2} µs"),
-            );
-            return Ok(format!("{n} round trips, {rtt_us:.2} µs each"));
+    let mut lines = Vec::new();
+    // Each variant: a warm-up, then a timed run of `iters` round trips with no payload.
+    for variant in ["MemoryChannel ping-pong (block, release/acquire)", "semaphore ping-pong (1 thread, release/acquire)", "semaphore ping-pong (1 thread, relaxed)"] {
+        let mut rtt_us = 0.0;
+        for n in [100u32, iters] {
+            s.ctx.bootstrap.barrier()?;
+            let ms = s.time(|| {
+                let mut args = KernelArgs::new();
+                if variant.starts_with("MemoryChannel") {
+                    args.push(chan).push(0u64).push(n).push(initiator);
+                    s.launch(f, LaunchConfig::linear(1, 32), &mut args)
+                } else {
+                    let relaxed = variant.ends_with("relaxed)") as u32;
+                    args.push(chan.semaphore).push(n).push(initiator).push(relaxed);
+                    s.launch(sem_pp, LaunchConfig::linear(1, 1), &mut args)
+                }
+            })?;
+            s.ctx.comm.check_device_errors()?;
+            rtt_us = ms * 1e3 / n as f64;
         }
+        s.measure(&format!("round trip, {variant}"), format!("{rtt_us:.2} µs"));
+        lines.push(format!("{variant}: {rtt_us:.2} µs"));
     }
-    Err(Error::Internal("unreachable".into()))
+    Ok(format!("{iters} round trips each; {}", lines.join(", ")))
 }
 
 fn put_bandwidth(s: &mut Suite, measure: Module) -> Result<String> {
@@ -546,4 +574,156 @@ fn simple_allreduce(s: &mut Suite, dtype: DataType) -> Result<String> {
     Ok(format!(
         "{checks} checks (1 to {max_count} elements, in/out of place, packet and put), every element within 1 ulp of the float64 sum"
     ))
+}
+
+/// Compiles every collective kernel unit into the shared disk cache before the checks, spread over
+/// the ranks and over threads (NVRTC is CPU-bound; one unit takes about half a second), so the
+/// checks below only load cached images.
+fn precompile_collectives(s: &mut Suite) -> Result<String> {
+    use mscclpp_kernels_cu::collectives::{unit_name, unit_source, CollectiveFile, ReduceSpec};
+    let mut units = Vec::new();
+    for file in CollectiveFile::ALL {
+        if file.reduces() {
+            for dtype in DataType::ALL {
+                for op in ReduceOp::ALL {
+                    units.push((file, Some(ReduceSpec { dtype, acc: dtype, op })));
+                }
+            }
+        } else {
+            units.push((file, None));
+        }
+    }
+    let (rank, size) = (s.ctx.rank(), s.ctx.size());
+    let mine: Vec<_> = units.iter().skip(rank).step_by(size).copied().collect();
+    let threads = 8;
+    let t = Instant::now();
+    let errors: Vec<String> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|w| {
+                let gpu = s.ctx.gpu.clone();
+                let device = s.ctx.local_rank;
+                let part: Vec<_> = mine.iter().skip(w).step_by(threads).copied().collect();
+                scope.spawn(move || {
+                    let mut errs = Vec::new();
+                    if let Err(e) = gpu.set_device(device) {
+                        return vec![e.to_string()];
+                    }
+                    for (file, spec) in part {
+                        let r = unit_source(file, spec)
+                            .and_then(|src| gpu.build_module(&unit_name(file, spec), &src));
+                        if let Err(e) = r {
+                            errs.push(format!("{}: {e}", unit_name(file, spec)));
+                        }
+                    }
+                    errs
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap_or_else(|_| vec!["a compile thread panicked".into()]))
+            .collect()
+    });
+    s.ctx.bootstrap.barrier()?;
+    if !errors.is_empty() {
+        return Err(Error::Internal(errors.join("; ")));
+    }
+    let secs = t.elapsed().as_secs_f64();
+    s.measure(
+        "collective kernel units compiled (all ranks, 8 threads each)",
+        format!("{} units in {secs:.1} s", units.len()),
+    );
+    Ok(format!("{} units ({} here) in {secs:.1} s", units.len(), mine.len()))
+}
+
+/// Every native algorithm x data type x op x size x placement x eager/graph, checked element by
+/// element against the host reference. The full type/op matrix runs at the small sizes; large sizes
+/// run a representative subset so the suite fits in a few minutes.
+fn collectives_matrix(s: &mut Suite) {
+    use mscclpp::core::algorithm::Collective;
+    use mscclpp_collectives::{testing::run_collective_check_mode, NativeKind};
+    let comm = s.ctx.comm.clone();
+    let coll = match mscclpp_collectives::default_algorithm_collection(
+        &comm,
+        mscclpp_collectives::DEFAULT_SCRATCH_BYTES,
+    ) {
+        Ok(c) => c,
+        Err(e) => {
+            s.record("build the native algorithms", Err(e));
+            return;
+        }
+    };
+    let mut case = 0u64;
+    for kind in NativeKind::ALL {
+        let Some(algo) = coll.get(kind.collective(), kind.name()) else {
+            s.record(kind.name(), Err(Error::Internal("not in the collection".into())));
+            continue;
+        };
+        let reduces = kind.collective().reduces();
+        let ops: &[ReduceOp] = if reduces { &ReduceOp::ALL } else { &[ReduceOp::Sum] };
+        // (dtype, ops, sizes in bytes, graph) tiers.
+        let small = [1usize, 3, 1023, 4096 + 8];
+        let mut plan: Vec<(DataType, Vec<ReduceOp>, Vec<usize>, bool)> = Vec::new();
+        for dtype in DataType::ALL {
+            let es = dtype.size();
+            plan.push((dtype, ops.to_vec(), small.iter().map(|b| b.div_ceil(es) * es).collect(), false));
+            plan.push((dtype, vec![ReduceOp::Sum], vec![MIB - es], false));
+        }
+        for dtype in [DataType::Bf16, DataType::F32] {
+            plan.push((dtype, vec![ReduceOp::Sum], vec![4096 + 8, MIB - dtype.size()], true));
+            plan.push((dtype, vec![ReduceOp::Sum, ReduceOp::Max], vec![64 * MIB], false));
+        }
+        plan.push((DataType::I32, vec![ReduceOp::Sum], vec![64 * MIB], true));
+        // 1 GiB: the host reference alone takes seconds, so only the large-message all-reduce.
+        if kind == NativeKind::AllreduceRsagZeroCopy {
+            plan.push((DataType::Bf16, vec![ReduceOp::Sum], vec![1 << 30], false));
+        }
+        let (mut checks, mut failures, mut skipped) = (0usize, Vec::new(), 0usize);
+        let t = Instant::now();
+        for (dtype, ops, sizes, graph) in plan {
+            for op in ops {
+                for &bytes in &sizes {
+                    // The natural per-rank unit: allgather input, reduce-scatter output.
+                    let count = match kind.collective() {
+                        Collective::AllGather | Collective::ReduceScatter => {
+                            (bytes / dtype.size() / s.ctx.size()).max(1)
+                        }
+                        _ => bytes / dtype.size(),
+                    };
+                    for in_place in [false, true] {
+                        case += 1;
+                        let seed = s.run_seed ^ case.wrapping_mul(0x2545_f491_4f6c_dd1d);
+                        match run_collective_check_mode(
+                            &comm, algo.as_ref(), dtype, op, count, in_place, seed, graph,
+                        ) {
+                            Ok(r) if r.wrong == 0 => checks += 1,
+                            Ok(r) => failures.push(format!(
+                                "{dtype} {op} count {count} in_place {in_place} graph {graph}: {} wrong, first {:?} (tol {})",
+                                r.wrong, r.first_wrong, r.tolerance
+                            )),
+                            // Sizes beyond a packet algorithm's scratch are refused by design.
+                            Err(Error::InvalidArgument(_)) | Err(Error::Unsupported(_)) => skipped += 1,
+                            Err(e) => failures.push(format!(
+                                "{dtype} {op} count {count} in_place {in_place} graph {graph}: {e}"
+                            )),
+                        }
+                        if failures.len() > 20 {
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        let secs = t.elapsed().as_secs_f64();
+        let result = if failures.is_empty() {
+            Ok(format!("{checks} checks exact/within tolerance, {skipped} refused by design, {secs:.1} s"))
+        } else {
+            Err(Error::Internal(format!(
+                "{} failures ({checks} passed): {}",
+                failures.len(),
+                failures.iter().take(6).cloned().collect::<Vec<_>>().join(" | ")
+            )))
+        };
+        s.record(kind.name(), result);
+    }
 }
