@@ -1,8 +1,10 @@
 //! `mscclpp-bench`: the mscclpp-rs benchmark binary.
 //!
 //! Modes (first argument, optional):
-//! - `auto` (default): the collective benchmark where GPUs are present; with no GPU it says so and
-//!   runs the bootstrap self-check instead.
+//! - `auto` (default): the collective benchmark where GPUs are present; with no GPU (or no usable
+//!   GPU backend) it says so and runs the bootstrap self-check instead.
+//! - `collective`: the collective benchmark (nccl-tests options, `collective --help`); its absence
+//!   of a GPU is an error.
 //! - `bootstrap`: the bootstrap self-check (8-byte all_gather and barrier latency).
 //!
 //! Under a launcher (RANK/WORLD_SIZE, OMPI_COMM_WORLD_*, PMI_*, SLURM_*) the process is one rank.
@@ -20,9 +22,11 @@ use selfcheck::SelfCheckArgs;
 use std::process::ExitCode;
 
 const USAGE: &str = "\
-usage: mscclpp-bench [auto|bootstrap] [-n RANKS] [--iters N] [--warmup N]
+usage: mscclpp-bench [auto|collective] [collective options; see `mscclpp-bench collective --help`]
+       mscclpp-bench [auto|bootstrap] [-n RANKS] [--iters N] [--warmup N]
 
   auto        collective benchmark on GPUs; bootstrap self-check when no GPU is found (default)
+  collective  collective benchmark (nccl-tests columns, --vs-nccl for the same-run NCCL ratio)
   bootstrap   bootstrap self-check: 8-byte all_gather and barrier latency, median and p99
   -n RANKS    local ranks to spawn when not started by a launcher (default: local GPUs, or 8)
   --iters N   timed iterations (default 1000)
@@ -86,6 +90,29 @@ fn parse_args(argv: &[String]) -> Result<Args> {
 }
 
 fn run(argv: &[String]) -> Result<()> {
+    // The collective benchmark owns every argument after its mode word (nccl-tests options, where
+    // -n means iterations), so it is dispatched before the self-check parses anything.
+    let first = argv.first().map(String::as_str);
+    let collective_mode = match first {
+        Some("collective") => Some(true),
+        Some("bootstrap" | "-h" | "--help") => None,
+        _ => (gpu_probe::probe().total() > 0).then_some(false),
+    };
+    if let Some(explicit) = collective_mode {
+        let rest = match first {
+            Some("collective" | "auto") => &argv[1..],
+            _ => argv,
+        };
+        let env = Env::get()?;
+        match collective::entry::run(rest, env, explicit)? {
+            collective::entry::Start::Done => return Ok(()),
+            collective::entry::Start::Fallback(reason) => {
+                if env.launcher.as_ref().map_or(true, |l| l.rank == 0) {
+                    println!("# no usable GPU backend: {reason}");
+                }
+            }
+        }
+    }
     let args = parse_args(argv)?;
     if args.help {
         println!("{USAGE}");
@@ -104,8 +131,8 @@ fn run(argv: &[String]) -> Result<()> {
             );
         } else {
             println!(
-                "# {} GPU(s) found ({} NVIDIA, {} AMD); the collective benchmark is not part of \
-                 this build yet: running the bootstrap self-check",
+                "# {} GPU(s) found ({} NVIDIA, {} AMD) but none is usable (see above): running \
+                 the bootstrap self-check instead",
                 gpus.total(),
                 gpus.nvidia,
                 gpus.amd

@@ -1,0 +1,335 @@
+//! Correctness check of one collective call against a host reference.
+//!
+//! Reductions are compared with a float64 reference (integers: exact, wrapped to the type's width
+//! after every step as fixed-width device arithmetic does); copies (all-gather, broadcast) must be
+//! bit-exact. The float tolerance covers the roundings a reduction in the input type makes:
+//!
+//! - sum: `|got - ref| <= n·u·Σ|xᵢ| + n·s`
+//! - avg: `|got - ref| <= (n+1)·u·Σ|xᵢ|/n + n·s`
+//! - prod: `|got - ref| <= n·u·|ref|·2 + n·s`
+//! - min, max: exact
+//!
+//! with `u` the type's unit roundoff and `s` its smallest subnormal ([`TOLERANCE_TEXT`]).
+//! Checking splits the elements over threads: a 1 GiB message is hundreds of millions of them.
+
+use super::data::{
+    decode_float, decode_int, smallest_subnormal, unit_roundoff, worker_threads, InputSpec,
+};
+use super::shape::Shape;
+use mscclpp_core::{Collective, DataType, ReduceOp};
+
+/// The tolerance rule, as printed in the benchmark's header.
+pub const TOLERANCE_TEXT: &str =
+    "floats: sum |got-ref| <= n*u*sum|x| + n*s, avg <= (n+1)*u*sum|x|/n + n*s, \
+prod <= 2*n*u*|ref| + n*s (u: unit roundoff, s: smallest subnormal of the type); \
+min/max, integers and copies exact";
+
+/// Result of checking one output buffer.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct CheckResult {
+    pub wrong: usize,
+    /// The first mismatch, described (index, got, expected).
+    pub first: Option<String>,
+}
+
+/// Integer `v` wrapped to `dtype`'s width.
+fn wrap(dtype: DataType, v: i128) -> i128 {
+    match dtype {
+        DataType::I8 => i128::from(v as i8),
+        DataType::U8 => i128::from(v as u8),
+        DataType::I32 => i128::from(v as i32),
+        DataType::U32 => i128::from(v as u32),
+        DataType::I64 => i128::from(v as i64),
+        _ => i128::from(v as u64),
+    }
+}
+
+/// Reference of an integer reduction of `vals` (exact values of the ranks' elements).
+pub fn int_reference(dtype: DataType, op: ReduceOp, vals: &[i128]) -> i128 {
+    let sum = || vals.iter().fold(0, |a, &b| wrap(dtype, a + b));
+    match op {
+        ReduceOp::Sum => sum(),
+        // The wrapped sum divided by n, truncating toward zero (C++ integer division).
+        ReduceOp::Avg => wrap(dtype, sum() / vals.len().max(1) as i128),
+        ReduceOp::Prod => vals.iter().fold(1, |a, &b| wrap(dtype, a * b)),
+        ReduceOp::Min => vals.iter().copied().min().unwrap_or(0),
+        ReduceOp::Max => vals.iter().copied().max().unwrap_or(0),
+    }
+}
+
+/// Reference of a float reduction of `vals` and the tolerance around it.
+pub fn float_reference(dtype: DataType, op: ReduceOp, vals: &[f64]) -> (f64, f64) {
+    let n = vals.len().max(1) as f64;
+    let u = unit_roundoff(dtype);
+    let s = smallest_subnormal(dtype);
+    let abs_sum: f64 = vals.iter().map(|v| v.abs()).sum();
+    match op {
+        ReduceOp::Sum => (vals.iter().sum(), n * u * abs_sum + n * s),
+        ReduceOp::Avg => (
+            vals.iter().sum::<f64>() / n,
+            (n + 1.0) * u * abs_sum / n + n * s,
+        ),
+        ReduceOp::Prod => {
+            let p: f64 = vals.iter().product();
+            (p, 2.0 * n * u * p.abs() + n * s)
+        }
+        ReduceOp::Min => (vals.iter().copied().fold(f64::INFINITY, f64::min), 0.0),
+        ReduceOp::Max => (vals.iter().copied().fold(f64::NEG_INFINITY, f64::max), 0.0),
+    }
+}
+
+/// Counts wrong elements of `got` (this rank's output, `shape.output_bytes` long) for the call
+/// described by `shape` on `rank`, whose inputs are `spec`'s.
+pub fn check_output(
+    shape: &Shape,
+    spec: &InputSpec,
+    op: ReduceOp,
+    rank: usize,
+    root: usize,
+    got: &[u8],
+) -> CheckResult {
+    let esize = spec.dtype.size();
+    let elems = got.len() / esize;
+    let parts = worker_threads(elems);
+    let per = elems.div_ceil(parts).max(1);
+    let results: Vec<CheckResult> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..parts)
+            .map(|p| {
+                let range = (p * per).min(elems)..((p + 1) * per).min(elems);
+                scope.spawn(move || check_range(shape, spec, op, rank, root, got, range))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| CheckResult {
+                    wrong: 1,
+                    first: Some("a checking thread panicked".into()),
+                })
+            })
+            .collect()
+    });
+    let mut total = CheckResult::default();
+    for r in results {
+        total.wrong += r.wrong;
+        if total.first.is_none() {
+            total.first = r.first;
+        }
+    }
+    total
+}
+
+fn check_range(
+    shape: &Shape,
+    spec: &InputSpec,
+    op: ReduceOp,
+    rank: usize,
+    root: usize,
+    got: &[u8],
+    range: std::ops::Range<usize>,
+) -> CheckResult {
+    let dtype = spec.dtype;
+    let esize = dtype.size();
+    let n = spec.nranks;
+    let mut out = CheckResult::default();
+    let mut fvals = vec![0f64; n];
+    let mut ivals = vec![0i128; n];
+    let mut expect_bytes = [0u8; 8];
+    for i in range {
+        let g = &got[i * esize..(i + 1) * esize];
+        let mismatch: Option<String> = match shape.collective {
+            Collective::AllReduce | Collective::ReduceScatter => {
+                // Element i of the output is element `offset + i` of every input.
+                let offset = if shape.collective == Collective::ReduceScatter {
+                    rank * shape.per_rank_count
+                } else {
+                    0
+                };
+                if dtype.is_float() {
+                    for (r, v) in fvals.iter_mut().enumerate() {
+                        *v = spec.value(r, offset + i);
+                    }
+                    let (want, tol) = float_reference(dtype, op, &fvals);
+                    let value = decode_float(dtype, g);
+                    // False for NaN, which is always wrong.
+                    let within = (value - want).abs() <= tol;
+                    (!within).then(|| {
+                        format!("element {i}: got {value}, expected {want} (tolerance {tol:e})")
+                    })
+                } else {
+                    for (r, v) in ivals.iter_mut().enumerate() {
+                        *v = spec.value(r, offset + i) as i128;
+                    }
+                    let want = int_reference(dtype, op, &ivals);
+                    let value = decode_int(dtype, g);
+                    (value != want).then(|| format!("element {i}: got {value}, expected {want}"))
+                }
+            }
+            Collective::AllGather | Collective::Broadcast => {
+                let (src_rank, src_index) = if shape.collective == Collective::AllGather {
+                    (i / shape.per_rank_count, i % shape.per_rank_count)
+                } else {
+                    (root, i)
+                };
+                let e = &mut expect_bytes[..esize];
+                super::data::encode(dtype, spec.value(src_rank, src_index), e);
+                (g != &e[..]).then(|| {
+                    format!(
+                        "element {i}: got bytes {g:02x?}, expected {:02x?} (rank {src_rank}'s element {src_index})",
+                        &e[..]
+                    )
+                })
+            }
+            other => Some(format!("{other} is not benchmarked")),
+        };
+        if let Some(m) = mismatch {
+            out.wrong += 1;
+            if out.first.is_none() {
+                out.first = Some(m);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::data::encode;
+    use super::*;
+    use rstest::rstest;
+
+    fn spec(dtype: DataType, op: Option<ReduceOp>, nranks: usize) -> InputSpec {
+        InputSpec {
+            seed: 7,
+            dtype,
+            op,
+            nranks,
+        }
+    }
+
+    /// What a correct device would write: the reference rounded to the type.
+    fn correct_output(shape: &Shape, s: &InputSpec, op: ReduceOp, rank: usize) -> Vec<u8> {
+        let e = s.dtype.size();
+        let count = shape.output_bytes / e;
+        let mut out = vec![0u8; shape.output_bytes];
+        for i in 0..count {
+            let chunk = &mut out[i * e..(i + 1) * e];
+            match shape.collective {
+                Collective::AllGather => {
+                    let (r, j) = (i / shape.per_rank_count, i % shape.per_rank_count);
+                    encode(s.dtype, s.value(r, j), chunk)
+                }
+                Collective::Broadcast => encode(s.dtype, s.value(0, i), chunk),
+                c => {
+                    let off = if c == Collective::ReduceScatter {
+                        rank * shape.per_rank_count
+                    } else {
+                        0
+                    };
+                    if s.dtype.is_float() {
+                        let v: Vec<f64> = (0..s.nranks).map(|r| s.value(r, off + i)).collect();
+                        encode(s.dtype, float_reference(s.dtype, op, &v).0, chunk)
+                    } else {
+                        let v: Vec<i128> =
+                            (0..s.nranks).map(|r| s.value(r, off + i) as i128).collect();
+                        encode(s.dtype, int_reference(s.dtype, op, &v) as f64, chunk)
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[rstest]
+    #[case(Collective::AllReduce, DataType::F32, ReduceOp::Sum)]
+    #[case(Collective::AllReduce, DataType::Bf16, ReduceOp::Avg)]
+    #[case(Collective::AllReduce, DataType::Fp8E4M3, ReduceOp::Prod)]
+    #[case(Collective::AllReduce, DataType::I32, ReduceOp::Min)]
+    #[case(Collective::AllReduce, DataType::U8, ReduceOp::Prod)]
+    #[case(Collective::ReduceScatter, DataType::F16, ReduceOp::Max)]
+    #[case(Collective::ReduceScatter, DataType::I8, ReduceOp::Avg)]
+    #[case(Collective::AllGather, DataType::Fp8E5M2, ReduceOp::Sum)]
+    #[case(Collective::Broadcast, DataType::U32, ReduceOp::Sum)]
+    fn correct_outputs_pass_and_corruption_is_counted(
+        #[case] c: Collective,
+        #[case] dtype: DataType,
+        #[case] op: ReduceOp,
+    ) {
+        let n = 4;
+        let shape = Shape::new(c, dtype, 4096, n).expect("shape");
+        let s = spec(dtype, c.reduces().then_some(op), n);
+        let rank = 2;
+        let mut out = correct_output(&shape, &s, op, rank);
+        let ok = check_output(&shape, &s, op, rank, 0, &out);
+        assert_eq!(ok.wrong, 0, "{c} {dtype} {op}: {:?}", ok.first);
+        // Corrupt three elements: flipping bit 6 of the top byte moves a float's exponent (or
+        // turns 0 into 2) and an integer by at least 64.
+        let e = dtype.size();
+        for i in [0, 5, shape.output_bytes / e - 1] {
+            out[(i + 1) * e - 1] ^= 0x40;
+        }
+        let bad = check_output(&shape, &s, op, rank, 0, &out);
+        assert_eq!(bad.wrong, 3, "{c} {dtype} {op}");
+        assert!(
+            bad.first.as_deref().unwrap_or("").contains("element 0"),
+            "{bad:?}"
+        );
+    }
+
+    #[test]
+    fn an_output_left_poisoned_is_entirely_wrong_for_every_type() {
+        use super::super::data::poison_byte;
+        for dtype in DataType::ALL {
+            for (c, op) in [
+                (Collective::AllReduce, ReduceOp::Sum),
+                (Collective::AllReduce, ReduceOp::Min),
+                (Collective::AllGather, ReduceOp::Sum),
+            ] {
+                for n in [2, 8] {
+                    let shape = Shape::new(c, dtype, 8 * 512, n).expect("shape");
+                    let s = spec(dtype, c.reduces().then_some(op), n);
+                    let out = vec![poison_byte(dtype); shape.output_bytes];
+                    let r = check_output(&shape, &s, op, 1, 0, &out);
+                    let count = shape.output_bytes / dtype.size();
+                    assert_eq!(r.wrong, count, "{c} {dtype} {op} on {n} ranks: {r:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_missing_rank_is_caught_in_f32() {
+        let shape = Shape::new(Collective::AllReduce, DataType::F32, 1024, 2).expect("shape");
+        let s = spec(DataType::F32, Some(ReduceOp::Sum), 2);
+        // Only rank 0's input, as if the peer's contribution were lost.
+        let out = s.encode_range(0, 0, 256);
+        let r = check_output(&shape, &s, ReduceOp::Sum, 0, 0, &out);
+        assert!(r.wrong > 250, "{r:?}");
+    }
+
+    #[test]
+    fn references() {
+        assert_eq!(int_reference(DataType::U8, ReduceOp::Sum, &[200, 100]), 44);
+        assert_eq!(int_reference(DataType::I8, ReduceOp::Prod, &[2; 8]), 0);
+        assert_eq!(int_reference(DataType::I32, ReduceOp::Avg, &[-3, 0]), -1);
+        assert_eq!(
+            float_reference(DataType::F32, ReduceOp::Min, &[1.0, -2.0]),
+            (-2.0, 0.0)
+        );
+        let (v, tol) = float_reference(DataType::Bf16, ReduceOp::Sum, &[1.0, -0.5]);
+        assert_eq!(v, 0.5);
+        assert!(tol > 0.0 && tol < 0.02, "{tol}");
+    }
+
+    #[test]
+    fn large_checks_split_over_threads_and_agree() {
+        let shape = Shape::new(Collective::AllGather, DataType::U8, 3 << 20, 3).expect("shape");
+        let s = spec(DataType::U8, None, 3);
+        let mut out = correct_output(&shape, &s, ReduceOp::Sum, 1);
+        assert_eq!(check_output(&shape, &s, ReduceOp::Sum, 1, 0, &out).wrong, 0);
+        out[(2 << 20) + 17] ^= 0x80;
+        let r = check_output(&shape, &s, ReduceOp::Sum, 1, 0, &out);
+        assert_eq!(r.wrong, 1);
+        assert!(r.first.unwrap_or_default().contains("rank 2"));
+    }
+}

@@ -1,0 +1,162 @@
+//! The shape of one benchmarked call, in nccl-tests' conventions.
+//!
+//! A size on the command line is the collective's "total" bytes as nccl-tests reports it: the
+//! whole buffer for all-reduce and broadcast, the gathered output for all-gather, the scattered
+//! input for reduce-scatter. The count column is nccl-tests' too: elements per rank for
+//! all-gather (sent) and reduce-scatter (received), the whole buffer otherwise. Sizes that do not
+//! split evenly are rounded down to whole elements per rank, as nccl-tests does.
+
+use mscclpp_core::{Collective, DataType, Error, Result};
+
+/// Buffers and counts of one call on `nranks` ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    pub collective: Collective,
+    pub dtype: DataType,
+    pub nranks: usize,
+    /// The size column (bytes), after rounding.
+    pub size_bytes: usize,
+    /// The count column (elements).
+    pub count: usize,
+    /// Elements each rank contributes (all-gather) or receives (reduce-scatter); equal to `count`.
+    pub per_rank_count: usize,
+    pub input_bytes: usize,
+    pub output_bytes: usize,
+}
+
+impl Shape {
+    /// The shape for a requested `size` (bytes); `None`-like zero counts are an error the size
+    /// sequence skips.
+    pub fn new(
+        collective: Collective,
+        dtype: DataType,
+        size: usize,
+        nranks: usize,
+    ) -> Result<Shape> {
+        let e = dtype.size();
+        let n = nranks.max(1);
+        let (count, input_bytes, output_bytes) = match collective {
+            Collective::AllReduce | Collective::Broadcast => {
+                let c = size / e;
+                (c, c * e, c * e)
+            }
+            Collective::AllGather => {
+                let c = size / e / n;
+                (c, c * e, c * e * n)
+            }
+            Collective::ReduceScatter => {
+                let c = size / e / n;
+                (c, c * e * n, c * e)
+            }
+            other => {
+                return Err(Error::Unsupported(format!(
+                    "the benchmark covers allreduce, allgather, reducescatter and broadcast, not {other}"
+                )))
+            }
+        };
+        if count == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{size} bytes hold no whole {dtype} element per rank for {collective} on {n} ranks"
+            )));
+        }
+        Ok(Shape {
+            collective,
+            dtype,
+            nranks: n,
+            size_bytes: input_bytes.max(output_bytes),
+            count,
+            per_rank_count: count,
+            input_bytes,
+            output_bytes,
+        })
+    }
+
+    /// Byte offset of this rank's in-place input inside the output (all-gather) or of its
+    /// in-place output inside the input (reduce-scatter); 0 otherwise.
+    pub fn in_place_offset(&self, rank: usize) -> usize {
+        match self.collective {
+            Collective::AllGather => rank * self.input_bytes,
+            Collective::ReduceScatter => rank * self.output_bytes,
+            _ => 0,
+        }
+    }
+
+    /// nccl-tests' algorithm bandwidth: size / time, in GB/s (10^9 bytes per second).
+    pub fn algbw(&self, time_us: f64) -> f64 {
+        if time_us > 0.0 {
+            self.size_bytes as f64 / (time_us * 1e-6) / 1e9
+        } else {
+            0.0
+        }
+    }
+
+    /// nccl-tests' bus bandwidth: algbw times [`bus_factor`].
+    pub fn busbw(&self, time_us: f64) -> f64 {
+        self.algbw(time_us) * bus_factor(self.collective, self.nranks)
+    }
+}
+
+/// nccl-tests' bus-bandwidth factors: all-reduce `2(n-1)/n`, all-gather and reduce-scatter
+/// `(n-1)/n`, broadcast 1.
+pub fn bus_factor(collective: Collective, nranks: usize) -> f64 {
+    let n = nranks.max(1) as f64;
+    match collective {
+        Collective::AllReduce => 2.0 * (n - 1.0) / n,
+        Collective::AllGather | Collective::ReduceScatter => (n - 1.0) / n,
+        _ => 1.0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rstest::rstest;
+
+    #[rstest]
+    #[case(Collective::AllReduce, 2, 2.0 * 1.0 / 2.0)]
+    #[case(Collective::AllReduce, 8, 2.0 * 7.0 / 8.0)]
+    #[case(Collective::AllGather, 8, 7.0 / 8.0)]
+    #[case(Collective::ReduceScatter, 4, 3.0 / 4.0)]
+    #[case(Collective::Broadcast, 8, 1.0)]
+    fn bus_factors(#[case] c: Collective, #[case] n: usize, #[case] want: f64) {
+        assert!((bus_factor(c, n) - want).abs() < 1e-12);
+    }
+
+    #[rstest]
+    // size, dtype, n -> (count, input, output, size column)
+    #[case(Collective::AllReduce, DataType::F32, 1024, 2, (256, 1024, 1024, 1024))]
+    #[case(Collective::AllReduce, DataType::Bf16, 1023, 2, (511, 1022, 1022, 1022))]
+    #[case(Collective::AllGather, DataType::F32, 1 << 20, 8, (32768, 131072, 1 << 20, 1 << 20))]
+    #[case(Collective::AllGather, DataType::F32, 100, 3, (8, 32, 96, 96))]
+    #[case(Collective::ReduceScatter, DataType::U8, 1000, 3, (333, 999, 333, 999))]
+    #[case(Collective::Broadcast, DataType::Fp8E4M3, 7, 8, (7, 7, 7, 7))]
+    fn shapes_follow_nccl_tests(
+        #[case] c: Collective,
+        #[case] dtype: DataType,
+        #[case] size: usize,
+        #[case] n: usize,
+        #[case] want: (usize, usize, usize, usize),
+    ) {
+        let s = Shape::new(c, dtype, size, n).expect("shape");
+        assert_eq!((s.count, s.input_bytes, s.output_bytes, s.size_bytes), want);
+    }
+
+    #[test]
+    fn too_small_and_unsupported() {
+        let e = Shape::new(Collective::AllGather, DataType::F32, 4, 2).unwrap_err();
+        assert!(e.to_string().contains("4 bytes"), "{e}");
+        assert!(Shape::new(Collective::AllToAll, DataType::F32, 1024, 2).is_err());
+    }
+
+    #[test]
+    fn bandwidths_and_offsets() {
+        let s = Shape::new(Collective::AllReduce, DataType::F32, 1 << 30, 2).expect("shape");
+        // 1 GiB in 1 s: 1.073741824 GB/s, busbw the same at 2 ranks.
+        assert!((s.algbw(1e6) - 1.073_741_824).abs() < 1e-9);
+        assert!((s.busbw(1e6) - 1.073_741_824).abs() < 1e-9);
+        let g = Shape::new(Collective::AllGather, DataType::F32, 4096, 4).expect("shape");
+        assert_eq!(g.in_place_offset(3), 3 * 1024);
+        let r = Shape::new(Collective::ReduceScatter, DataType::F32, 4096, 4).expect("shape");
+        assert_eq!(r.in_place_offset(2), 2 * 1024);
+    }
+}
