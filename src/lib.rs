@@ -30,6 +30,8 @@ pub use mscclpp_core::env::Env;
 pub use mscclpp_core::log::init_logging;
 pub use mscclpp_core::{Error, Gpu, Result};
 pub use mscclpp_noib as noib;
+#[cfg(feature = "ib")]
+pub use mscclpp_ib as ib;
 
 #[cfg(feature = "cuda")]
 pub use mscclpp_cuda::CudaGpu;
@@ -149,6 +151,12 @@ impl Gpu for GpuBackend {
     fn elapsed_ms(&self, start: Event, end: Event) -> Result<f32> {
         dispatch!(self, g => g.elapsed_ms(start, end))
     }
+    fn query_event(&self, event: Event) -> Result<bool> {
+        dispatch!(self, g => g.query_event(event))
+    }
+    fn stream_write_u64(&self, stream: Stream, addr: DevicePtr, value: u64) -> Result<()> {
+        dispatch!(self, g => g.stream_write_u64(stream, addr, value))
+    }
     fn export_memory(
         &self,
         alloc: &Allocation,
@@ -165,6 +173,9 @@ impl Gpu for GpuBackend {
     }
     fn allocation_of(&self, ptr: DevicePtr) -> Result<Allocation> {
         dispatch!(self, g => g.allocation_of(ptr))
+    }
+    fn buffer_id(&self, ptr: DevicePtr) -> Result<u64> {
+        dispatch!(self, g => g.buffer_id(ptr))
     }
     fn enable_peer_access(&self, peer: usize) -> Result<()> {
         dispatch!(self, g => g.enable_peer_access(peer))

@@ -56,6 +56,9 @@ pub struct CudaGpu {
     /// NVRTC + on-disk cache, created on the first `build_module` (NVRTC is only needed by callers
     /// that compile kernels, so a missing NVRTC must not stop `CudaGpu::new`).
     kernel_cache: OnceLock<KernelCache>,
+    /// Per device: whether 64-bit stream memory operations (cuStreamWriteValue64) are available,
+    /// read from the device attribute on first use.
+    stream_mem_ops_64: Vec<OnceLock<bool>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -103,6 +106,7 @@ impl CudaGpu {
             imports: Mutex::new(ImportCache::default()),
             exported_fds: Mutex::new(HashMap::new()),
             kernel_cache: OnceLock::new(),
+            stream_mem_ops_64: (0..count).map(|_| OnceLock::new()).collect(),
         })
     }
 
@@ -574,7 +578,25 @@ impl Gpu for CudaGpu {
     fn copy_to_device(&self, dst: DevicePtr, src: &[u8]) -> Result<()> {
         self.bind()?;
         // SAFETY: `src` is a live slice; the caller guarantees `dst` holds `src.len()` bytes.
-        unsafe { cu!(cuMemcpyHtoD_v2(dst, src.as_ptr().cast(), src.len())) }
+        unsafe { cu!(cuMemcpyHtoD_v2(dst, src.as_ptr().cast(), src.len())) }?;
+        // From pageable memory the call returns once the bytes are staged, before the DMA lands;
+        // work on non-blocking streams does not wait for it. Promise "synchronous" for real.
+        // SAFETY: the legacy default stream always exists.
+        unsafe { cu!(cuStreamSynchronize(std::ptr::null_mut())) }
+    }
+
+    fn buffer_id(&self, ptr: DevicePtr) -> Result<u64> {
+        self.bind()?;
+        let mut id: u64 = 0;
+        // SAFETY: the attribute is an unsigned 64-bit integer.
+        unsafe {
+            cu!(cuPointerGetAttribute(
+                (&mut id as *mut u64).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                ptr,
+            ))
+        }?;
+        Ok(id)
     }
 
     fn copy_from_device(&self, dst: &mut [u8], src: DevicePtr) -> Result<()> {
@@ -657,6 +679,45 @@ impl Gpu for CudaGpu {
             cu!(cuEventElapsedTime(&mut ms, cu_event(start), cu_event(end)))?;
         }
         Ok(ms)
+    }
+
+    fn query_event(&self, event: Event) -> Result<bool> {
+        self.bind()?;
+        // SAFETY: the caller passes an event from `create_event`.
+        match unsafe { sys::cuEventQuery(cu_event(event)) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            other => driver::check("cuEventQuery", other).map(|()| false),
+        }
+    }
+
+    fn stream_write_u64(&self, stream: Stream, addr: DevicePtr, value: u64) -> Result<()> {
+        let ordinal = self.bind()?;
+        let dev = self.device(ordinal)?;
+        let cell = &self.stream_mem_ops_64[ordinal];
+        let supported = match cell.get() {
+            Some(&s) => s,
+            None => {
+                // CUDA 12+ drivers always report 1; older drivers needed a module option.
+                let v = self.attribute(
+                    dev,
+                    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS,
+                )?;
+                *cell.get_or_init(|| v != 0)
+            }
+        };
+        if !supported {
+            return Err(Error::Unsupported(format!(
+                "CUDA device {ordinal} reports CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS = 0 \
+                 (no cuStreamWriteValue64)"
+            )));
+        }
+        // Default flags: the driver puts a memory barrier before the write, so the value is
+        // visible only after everything earlier on the stream (copies included) is.
+        let flags = sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32;
+        // SAFETY: a valid stream of this context; the caller guarantees `addr` is an 8-byte
+        // aligned device word this context can write (local or peer-mapped memory).
+        unsafe { cu!(cuStreamWriteValue64_v2(cu_stream(stream), addr, value, flags)) }
     }
 
     fn export_memory(

@@ -142,14 +142,20 @@ impl BlockSemaphores {
     }
 }
 
-/// Registrations of one buffer on every rank, by (local address, size).
-type RegistrationMap = HashMap<(DevicePtr, usize), Arc<Vec<RegisteredMemory>>>;
+/// Registrations of one buffer on every rank, by (local address, size), with the local buffer id
+/// they were made for.
+type RegistrationMap = HashMap<(DevicePtr, usize), (u64, Arc<Vec<RegisteredMemory>>)>;
 
 /// User buffers registered with every peer, by (local address, size).
 ///
 /// Registration is collective, so the cache assumes what MSCCL++ assumes: every rank calls with
 /// buffers in the same pattern (a buffer new on one rank is new on all), which holds for SPMD
 /// programs such as training loops. Registration is host-only, so it is legal during capture.
+///
+/// Addresses are recycled by allocators: an entry is only reused while the allocation at its
+/// address is the one it was made for (same buffer id). Before registering anything new, entries
+/// whose allocation is gone are dropped, which closes this rank's mappings of the peers' old
+/// buffers; every rank does the same, so no stale mapping blocks the new ones.
 #[derive(Default)]
 pub struct RegistrationCache {
     entries: Mutex<RegistrationMap>,
@@ -163,10 +169,15 @@ impl RegistrationCache {
         ptr: DevicePtr,
         size: usize,
     ) -> Result<Vec<DevicePtr>> {
+        let gpu = comm.gpu();
+        let id = gpu.buffer_id(ptr)?;
         let mut entries = lock(&self.entries)?;
-        if let Some(mems) = entries.get(&(ptr, size)) {
-            return Ok(mems.iter().map(RegisteredMemory::ptr).collect());
+        if let Some((cached_id, mems)) = entries.get(&(ptr, size)) {
+            if *cached_id == id {
+                return Ok(mems.iter().map(RegisteredMemory::ptr).collect());
+            }
         }
+        entries.retain(|&(p, _), (cached_id, _)| gpu.buffer_id(p).ok() == Some(*cached_id));
         let local = comm.register_user_buffer(ptr, size).map_err(|e| {
             Error::InvalidArgument(format!(
                 "registering user buffer {ptr:#x} ({size} bytes) for a zero-copy collective: {e}"
@@ -174,7 +185,7 @@ impl RegistrationCache {
         })?;
         let mems = Arc::new(comm.exchange(local)?);
         let ptrs = mems.iter().map(RegisteredMemory::ptr).collect();
-        entries.insert((ptr, size), mems);
+        entries.insert((ptr, size), (id, mems));
         Ok(ptrs)
     }
 }

@@ -230,6 +230,22 @@ pub trait Gpu: Send + Sync {
     fn record_event(&self, event: Event, stream: Stream) -> Result<()>;
     /// Milliseconds between two recorded events (blocks until `end` completes).
     fn elapsed_ms(&self, start: Event, end: Event) -> Result<f32>;
+    /// Non-blocking: true once the work before the event's latest record has completed (and for
+    /// an event never recorded), false while it is pending (cuEventQuery's NOT_READY). Lets a
+    /// host thread wait for the GPU with its own timeout instead of a blocking synchronise.
+    fn query_event(&self, _event: Event) -> Result<bool> {
+        unsupported("event queries")
+    }
+
+    /// Enqueues on `stream` a 64-bit store of `value` to `addr` (device memory of this device or a
+    /// peer's memory mapped here) that runs after all earlier work on `stream`, behind a memory
+    /// barrier: whoever sees `value` also sees what that earlier work wrote (cuStreamWriteValue64
+    /// with default flags). The value is captured when the call is made. Backends without 64-bit
+    /// stream memory operations answer `Unsupported`; callers then stage the value in pinned host
+    /// memory and copy it.
+    fn stream_write_u64(&self, _stream: Stream, _addr: DevicePtr, _value: u64) -> Result<()> {
+        unsupported("64-bit stream memory writes")
+    }
 
     /// Describes `[ptr, ptr+size)` (inside `alloc`) for a peer process on this host.
     fn export_memory(
@@ -251,6 +267,12 @@ pub trait Gpu: Send + Sync {
     /// can be registered and exported without knowing how they were allocated.
     fn allocation_of(&self, _ptr: DevicePtr) -> Result<Allocation> {
         unsupported("looking up the allocation of a user pointer")
+    }
+    /// An identifier of the allocation that holds `ptr`, unique for the life of the process (CUDA's
+    /// buffer id): a new allocation at a recycled address gets a new id, so caches keyed by address
+    /// can tell a live registration from a stale one. Fails for memory that is not allocated.
+    fn buffer_id(&self, _ptr: DevicePtr) -> Result<u64> {
+        unsupported("buffer ids")
     }
     /// Lets this device read/write `peer`'s memory directly (NVLink/PCIe P2P).
     fn enable_peer_access(&self, _peer: usize) -> Result<()> {
