@@ -19,14 +19,14 @@
 //! to this device and every device that can reach it peer-to-peer; it is shared as a descriptor that
 //! the importer copies with `pidfd_getfd` (see [`crate::ipc`]).
 
+use crate::cache::KernelCache;
 use crate::driver::{self, cu};
 use crate::ipc::{fetch_peer_fd, ImportCache, ImportKey, Mapping};
-use crate::cache::KernelCache;
 use crate::nvrtc::{CompileRequest, Nvrtc};
 use cudarc::driver::sys;
 use mscclpp_core::gpu::{
-    Allocation, DevicePtr, Event, Function, Graph, HostMapped, ImportedMemory, IpcMemHandle, LaunchConfig,
-    MemoryKind, Module, Stream,
+    Allocation, DevicePtr, Event, Function, Graph, HostMapped, ImportedMemory, IpcMemHandle,
+    LaunchConfig, MemoryKind, Module, Stream,
 };
 use mscclpp_core::{DeviceProperties, Error, Gpu, GpuVendor, Result};
 use std::cell::Cell;
@@ -717,7 +717,14 @@ impl Gpu for CudaGpu {
         let flags = sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32;
         // SAFETY: a valid stream of this context; the caller guarantees `addr` is an 8-byte
         // aligned device word this context can write (local or peer-mapped memory).
-        unsafe { cu!(cuStreamWriteValue64_v2(cu_stream(stream), addr, value, flags)) }
+        unsafe {
+            cu!(cuStreamWriteValue64_v2(
+                cu_stream(stream),
+                addr,
+                value,
+                flags
+            ))
+        }
     }
 
     fn export_memory(

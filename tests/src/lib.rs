@@ -1,6 +1,8 @@
 //! Shared pieces of the integration tests and the GPU suite: per-rank setup under a launcher,
 //! kernel launch parameter packing, reproducible random data and host-side float64 references.
 
+pub mod port_channel_checks;
+
 use mscclpp::core::bootstrap::{Bootstrap, TcpBootstrap};
 use mscclpp::core::communicator::Communicator;
 use mscclpp::core::env::Env;
@@ -45,7 +47,11 @@ impl RankContext {
         })?;
         let local_rank = launcher.local_rank;
         let bootstrap: Arc<dyn Bootstrap> = Arc::new(TcpBootstrap::from_env(env)?);
-        let comm = Arc::new(Communicator::new(bootstrap.clone(), gpu.clone(), local_rank)?);
+        let comm = Arc::new(Communicator::new(
+            bootstrap.clone(),
+            gpu.clone(),
+            local_rank,
+        )?);
         Ok(Some(RankContext {
             env,
             gpu,
@@ -247,7 +253,10 @@ pub fn check_sum(
         if g.is_nan() || (g - exact).abs() > tol * scale {
             wrong += 1;
             if first.is_none() {
-                first = Some(format!("element {i}: got {g}, expected {exact} (tol {})", tol * scale));
+                first = Some(format!(
+                    "element {i}: got {g}, expected {exact} (tol {})",
+                    tol * scale
+                ));
             }
         }
     }

@@ -84,8 +84,10 @@ pub trait Transport: Send + Sync {
     fn flush(&self, timeout: Duration) -> Result<()>;
 }
 
+pub mod cuda_ipc;
 pub mod ethernet;
 pub mod host_memory;
 
+pub use cuda_ipc::CudaIpcTransport;
 pub use ethernet::{EthernetConfig, EthernetListener, EthernetTransport};
 pub use host_memory::{HostMemoryRegistry, MemoryResolver};

@@ -94,7 +94,10 @@ impl Suite {
 
     /// Registers `buf` and maps every rank's copy; returns the peer's (or our own when alone).
     fn exchange(&self, buf: &DeviceBuffer) -> Result<Vec<RegisteredMemory>> {
-        let local = self.ctx.comm.register(&buf.alloc, buf.ptr(), buf.alloc.size)?;
+        let local = self
+            .ctx
+            .comm
+            .register(&buf.alloc, buf.ptr(), buf.alloc.size)?;
         self.ctx.comm.exchange(local)
     }
 
@@ -177,6 +180,11 @@ fn run() -> Result<i32> {
             suite.record(&format!("simple allreduce {dtype}"), r);
         }
     }
+    if suite.peer().is_some() {
+        for (name, result) in mscclpp_tests::port_channel_checks::run(&suite.ctx) {
+            suite.record(&name, result);
+        }
+    }
     let only_primitives = std::env::args().any(|a| a == "--primitives-only");
     if !only_primitives {
         let r = precompile_collectives(&mut suite);
@@ -240,14 +248,20 @@ fn pair_channel(
     packet_buffer: u64,
     sem: D2DSemaphoreHandle,
 ) -> Result<MemoryChannelHandle> {
-    let peer = s.peer().ok_or_else(|| Error::Internal("no pair peer".into()))?;
-    Ok(s.ctx.comm.memory_channel(sem, &mems[peer], src, packet_buffer))
+    let peer = s
+        .peer()
+        .ok_or_else(|| Error::Internal("no pair peer".into()))?;
+    Ok(s.ctx
+        .comm
+        .memory_channel(sem, &mems[peer], src, packet_buffer))
 }
 
 /// Semaphores towards the pair peer. Every rank calls `d2d_semaphores` for the same peers in the
 /// same order, so slot reservations stay aligned.
 fn pair_semaphores(s: &Suite, count: usize) -> Result<Vec<D2DSemaphoreHandle>> {
-    let peer = s.peer().ok_or_else(|| Error::Internal("no pair peer".into()))?;
+    let peer = s
+        .peer()
+        .ok_or_else(|| Error::Internal("no pair peer".into()))?;
     s.ctx.comm.d2d_semaphores(peer, count)
 }
 
@@ -263,7 +277,11 @@ fn ping_pong(s: &mut Suite, primitives: Module, measure: Module) -> Result<Strin
     let iters: u32 = 20_000;
     let mut lines = Vec::new();
     // Each variant: a warm-up, then a timed run of `iters` round trips with no payload.
-    for variant in ["MemoryChannel ping-pong (block, release/acquire)", "semaphore ping-pong (1 thread, release/acquire)", "semaphore ping-pong (1 thread, relaxed)"] {
+    for variant in [
+        "MemoryChannel ping-pong (block, release/acquire)",
+        "semaphore ping-pong (1 thread, release/acquire)",
+        "semaphore ping-pong (1 thread, relaxed)",
+    ] {
         let mut rtt_us = 0.0;
         for n in [100u32, iters] {
             s.ctx.bootstrap.barrier()?;
@@ -274,7 +292,10 @@ fn ping_pong(s: &mut Suite, primitives: Module, measure: Module) -> Result<Strin
                     s.launch(f, LaunchConfig::linear(1, 32), &mut args)
                 } else {
                     let relaxed = variant.ends_with("relaxed)") as u32;
-                    args.push(chan.semaphore).push(n).push(initiator).push(relaxed);
+                    args.push(chan.semaphore)
+                        .push(n)
+                        .push(initiator)
+                        .push(relaxed);
                     s.launch(sem_pp, LaunchConfig::linear(1, 1), &mut args)
                 }
             })?;
@@ -317,9 +338,7 @@ fn put_bandwidth(s: &mut Suite, measure: Module) -> Result<String> {
                 })?,
                 s.time(|| {
                     let mut a = KernelArgs::new();
-                    a.push(peer_dst)
-                        .push(src.ptr())
-                        .push((BYTES / 16) as u64);
+                    a.push(peer_dst).push(src.ptr()).push((BYTES / 16) as u64);
                     s.launch(copy, cfg, &mut a)
                 })?,
                 s.time(|| gpu.memcpy_async(peer_dst, src.ptr(), BYTES, s.stream))?,
@@ -337,9 +356,18 @@ fn put_bandwidth(s: &mut Suite, measure: Module) -> Result<String> {
             100.0 * gbs[0] / gbs[1],
             gbs[2]
         );
-        s.measure("MemoryChannel put 1 GiB, one way", format!("{:.1} GB/s", gbs[0]));
-        s.measure("plain SM store copy 1 GiB, one way", format!("{:.1} GB/s", gbs[1]));
-        s.measure("copy engine (cuMemcpyAsync) 1 GiB, one way", format!("{:.1} GB/s", gbs[2]));
+        s.measure(
+            "MemoryChannel put 1 GiB, one way",
+            format!("{:.1} GB/s", gbs[0]),
+        );
+        s.measure(
+            "plain SM store copy 1 GiB, one way",
+            format!("{:.1} GB/s", gbs[1]),
+        );
+        s.measure(
+            "copy engine (cuMemcpyAsync) 1 GiB, one way",
+            format!("{:.1} GB/s", gbs[2]),
+        );
     }
     s.ctx.bootstrap.barrier()?;
     // The receiver checks that the put landed (a sample of the buffer, every 4 KiB).
@@ -347,7 +375,9 @@ fn put_bandwidth(s: &mut Suite, measure: Module) -> Result<String> {
         let got = dst.download(BYTES)?;
         let bad = got.iter().step_by(4096).filter(|&&b| b != 0x5a).count();
         if bad != 0 {
-            return Err(Error::Internal(format!("{bad} sampled bytes wrong after put")));
+            return Err(Error::Internal(format!(
+                "{bad} sampled bytes wrong after put"
+            )));
         }
         line = "received data verified".into();
     }
@@ -400,7 +430,9 @@ fn packet_exchange(s: &mut Suite, primitives: Module) -> Result<String> {
             s.ctx.bootstrap.barrier()?;
         }
     }
-    Ok(format!("{checked} exchanges (LL16 and LL8, 1 B to 1 MiB) exact"))
+    Ok(format!(
+        "{checked} exchanges (LL16 and LL8, 1 B to 1 MiB) exact"
+    ))
 }
 
 fn semaphore_stress(s: &mut Suite, primitives: Module) -> Result<String> {
@@ -408,7 +440,11 @@ fn semaphore_stress(s: &mut Suite, primitives: Module) -> Result<String> {
     let iters: u32 = 1_000_000;
     let f = s.function(primitives, "semaphore_stress")?;
     let completed = DeviceBuffer::new(&gpu, 4, MemoryKind::Plain)?;
-    let chans_dev = DeviceBuffer::new(&gpu, std::mem::size_of::<MemoryChannelHandle>(), MemoryKind::Plain)?;
+    let chans_dev = DeviceBuffer::new(
+        &gpu,
+        std::mem::size_of::<MemoryChannelHandle>(),
+        MemoryKind::Plain,
+    )?;
     let mut lines = Vec::new();
     for mode in 0u32..3 {
         let sem = pair_semaphores(s, 1)?[0];
@@ -428,13 +464,23 @@ fn semaphore_stress(s: &mut Suite, primitives: Module) -> Result<String> {
         s.ctx.bootstrap.barrier()?;
         let ms = s.time(|| {
             let mut a = KernelArgs::new();
-            a.push(chans_dev.ptr()).push(1u32).push(iters).push(mode).push(completed.ptr());
+            a.push(chans_dev.ptr())
+                .push(1u32)
+                .push(iters)
+                .push(mode)
+                .push(completed.ptr());
             s.launch(f, LaunchConfig::linear(1, 32), &mut a)
         })?;
         s.ctx.comm.check_device_errors()?;
-        let done = u32::from_le_bytes(completed.download(4)?[..4].try_into().map_err(|_| Error::Internal("4 bytes".into()))?);
+        let done = u32::from_le_bytes(
+            completed.download(4)?[..4]
+                .try_into()
+                .map_err(|_| Error::Internal("4 bytes".into()))?,
+        );
         if done != iters {
-            return Err(Error::Internal(format!("mode {mode}: {done} of {iters} waits completed")));
+            return Err(Error::Internal(format!(
+                "mode {mode}: {done} of {iters} waits completed"
+            )));
         }
         lines.push(format!("mode {mode}: {iters} in {ms:.0} ms"));
     }
@@ -445,7 +491,11 @@ fn peer_stops(s: &mut Suite, primitives: Module) -> Result<String> {
     let gpu = s.ctx.gpu.clone();
     let f = s.function(primitives, "semaphore_stress")?;
     let completed = DeviceBuffer::new(&gpu, 4, MemoryKind::Plain)?;
-    let chans_dev = DeviceBuffer::new(&gpu, std::mem::size_of::<MemoryChannelHandle>(), MemoryKind::Plain)?;
+    let chans_dev = DeviceBuffer::new(
+        &gpu,
+        std::mem::size_of::<MemoryChannelHandle>(),
+        MemoryKind::Plain,
+    )?;
     let mut sem = pair_semaphores(s, 1)?[0];
     // About a million polls: long enough for a live peer, short enough for a test.
     sem.max_spin = 1 << 20;
@@ -467,14 +517,25 @@ fn peer_stops(s: &mut Suite, primitives: Module) -> Result<String> {
     if s.ctx.rank() % 2 == 0 {
         let t = Instant::now();
         let mut a = KernelArgs::new();
-        a.push(chans_dev.ptr()).push(1u32).push(1u32).push(0u32).push(completed.ptr());
+        a.push(chans_dev.ptr())
+            .push(1u32)
+            .push(1u32)
+            .push(0u32)
+            .push(completed.ptr());
         s.launch(f, LaunchConfig::linear(1, 32), &mut a)?;
         match s.sync_and_check() {
             Err(Error::DeviceTimeout(msg)) => {
-                detail = format!("timeout reported after {:.0} ms: {msg}", t.elapsed().as_secs_f64() * 1e3)
+                detail = format!(
+                    "timeout reported after {:.0} ms: {msg}",
+                    t.elapsed().as_secs_f64() * 1e3
+                )
             }
             Err(e) => return Err(e),
-            Ok(()) => return Err(Error::Internal("a wait without a signal did not time out".into())),
+            Ok(()) => {
+                return Err(Error::Internal(
+                    "a wait without a signal did not time out".into(),
+                ))
+            }
         }
     }
     s.ctx.bootstrap.barrier()?;
@@ -489,7 +550,8 @@ fn simple_allreduce(s: &mut Suite, dtype: DataType) -> Result<String> {
     let max_count = 256 * MIB / esize;
     let nblocks = 32u32;
     let (unit, put_name) = allreduce_entry_point(AllreduceKernel::Put, dtype, Default::default())?;
-    let (_, packet_name) = allreduce_entry_point(AllreduceKernel::Packet, dtype, Default::default())?;
+    let (_, packet_name) =
+        allreduce_entry_point(AllreduceKernel::Packet, dtype, Default::default())?;
     let module = gpu.build_module(unit.name, unit.source)?;
     let put = gpu.get_function(module, &put_name)?;
     let packet = gpu.get_function(module, &packet_name)?;
@@ -507,8 +569,12 @@ fn simple_allreduce(s: &mut Suite, dtype: DataType) -> Result<String> {
         sems.push(s.ctx.comm.d2d_semaphores(p, nblocks as usize)?);
     }
     for b in 0..nblocks as usize {
-        for (i, &p) in peers.iter().enumerate() {
-            chans.push(s.ctx.comm.memory_channel(sems[i][b], &mems[p], 0, scratch.ptr()));
+        for (peer_sems, &p) in sems.iter().zip(&peers) {
+            chans.push(
+                s.ctx
+                    .comm
+                    .memory_channel(peer_sems[b], &mems[p], 0, scratch.ptr()),
+            );
         }
     }
     let chan_bytes: Vec<u8> = chans
@@ -528,7 +594,15 @@ fn simple_allreduce(s: &mut Suite, dtype: DataType) -> Result<String> {
     chans_dev.upload(&chan_bytes)?;
     let input = DeviceBuffer::new(&gpu, max_count * esize, MemoryKind::Plain)?;
     let output = DeviceBuffer::new(&gpu, max_count * esize, MemoryKind::Plain)?;
-    let counts = [1usize, 3, 1023, (4096 + 8) / esize, MIB / esize - 1, 64 * MIB / esize, max_count];
+    let counts = [
+        1usize,
+        3,
+        1023,
+        (4096 + 8) / esize,
+        MIB / esize - 1,
+        64 * MIB / esize,
+        max_count,
+    ];
     let mut flag = 0u32;
     let mut checks = 0;
     for (case, &count) in counts.iter().enumerate() {
@@ -537,16 +611,29 @@ fn simple_allreduce(s: &mut Suite, dtype: DataType) -> Result<String> {
                 if kernel == AllreduceKernel::Packet && count * esize > MIB {
                     continue;
                 }
-                let case_id = 1000 + (case * 4) as u64 + in_place as u64 * 2 + (kernel == AllreduceKernel::Put) as u64;
+                let case_id = 1000
+                    + (case * 4) as u64
+                    + in_place as u64 * 2
+                    + (kernel == AllreduceKernel::Put) as u64;
                 let inputs: Vec<Vec<f64>> = (0..nranks)
-                    .map(|r| random_elements(dtype, count, seed(s.run_seed, case_id, r)).map(|x| x.1))
+                    .map(|r| {
+                        random_elements(dtype, count, seed(s.run_seed, case_id, r)).map(|x| x.1)
+                    })
                     .collect::<Result<_>>()?;
                 let (mine, _) = random_elements(dtype, count, seed(s.run_seed, case_id, rank))?;
                 input.upload(&mine)?;
-                let out = if in_place { &input } else { output.poison(0xff)?; &output };
+                let out = if in_place {
+                    &input
+                } else {
+                    output.poison(0xff)?;
+                    &output
+                };
                 s.ctx.bootstrap.barrier()?;
                 let mut a = KernelArgs::new();
-                a.push(chans_dev.ptr()).push(input.ptr()).push(out.ptr()).push(count as u64);
+                a.push(chans_dev.ptr())
+                    .push(input.ptr())
+                    .push(out.ptr())
+                    .push(count as u64);
                 a.push(rank as u32).push(nranks as u32);
                 let (f, cfg) = if kernel == AllreduceKernel::Packet {
                     flag += 1;
@@ -586,7 +673,14 @@ fn precompile_collectives(s: &mut Suite) -> Result<String> {
         if file.reduces() {
             for dtype in DataType::ALL {
                 for op in ReduceOp::ALL {
-                    units.push((file, Some(ReduceSpec { dtype, acc: dtype, op })));
+                    units.push((
+                        file,
+                        Some(ReduceSpec {
+                            dtype,
+                            acc: dtype,
+                            op,
+                        }),
+                    ));
                 }
             }
         } else {
@@ -621,7 +715,10 @@ fn precompile_collectives(s: &mut Suite) -> Result<String> {
             .collect();
         handles
             .into_iter()
-            .flat_map(|h| h.join().unwrap_or_else(|_| vec!["a compile thread panicked".into()]))
+            .flat_map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| vec!["a compile thread panicked".into()])
+            })
             .collect()
     });
     s.ctx.bootstrap.barrier()?;
@@ -633,7 +730,11 @@ fn precompile_collectives(s: &mut Suite) -> Result<String> {
         "collective kernel units compiled (all ranks, 8 threads each)",
         format!("{} units in {secs:.1} s", units.len()),
     );
-    Ok(format!("{} units ({} here) in {secs:.1} s", units.len(), mine.len()))
+    Ok(format!(
+        "{} units ({} here) in {secs:.1} s",
+        units.len(),
+        mine.len()
+    ))
 }
 
 /// Every native algorithm x data type x op x size x placement x eager/graph, checked element by
@@ -656,22 +757,44 @@ fn collectives_matrix(s: &mut Suite) {
     let mut case = 0u64;
     for kind in NativeKind::ALL {
         let Some(algo) = coll.get(kind.collective(), kind.name()) else {
-            s.record(kind.name(), Err(Error::Internal("not in the collection".into())));
+            s.record(
+                kind.name(),
+                Err(Error::Internal("not in the collection".into())),
+            );
             continue;
         };
         let reduces = kind.collective().reduces();
-        let ops: &[ReduceOp] = if reduces { &ReduceOp::ALL } else { &[ReduceOp::Sum] };
+        let ops: &[ReduceOp] = if reduces {
+            &ReduceOp::ALL
+        } else {
+            &[ReduceOp::Sum]
+        };
         // (dtype, ops, sizes in bytes, graph) tiers.
         let small = [1usize, 3, 1023, 4096 + 8];
         let mut plan: Vec<(DataType, Vec<ReduceOp>, Vec<usize>, bool)> = Vec::new();
         for dtype in DataType::ALL {
             let es = dtype.size();
-            plan.push((dtype, ops.to_vec(), small.iter().map(|b| b.div_ceil(es) * es).collect(), false));
+            plan.push((
+                dtype,
+                ops.to_vec(),
+                small.iter().map(|b| b.div_ceil(es) * es).collect(),
+                false,
+            ));
             plan.push((dtype, vec![ReduceOp::Sum], vec![MIB - es], false));
         }
         for dtype in [DataType::Bf16, DataType::F32] {
-            plan.push((dtype, vec![ReduceOp::Sum], vec![4096 + 8, MIB - dtype.size()], true));
-            plan.push((dtype, vec![ReduceOp::Sum, ReduceOp::Max], vec![64 * MIB], false));
+            plan.push((
+                dtype,
+                vec![ReduceOp::Sum],
+                vec![4096 + 8, MIB - dtype.size()],
+                true,
+            ));
+            plan.push((
+                dtype,
+                vec![ReduceOp::Sum, ReduceOp::Max],
+                vec![64 * MIB],
+                false,
+            ));
         }
         plan.push((DataType::I32, vec![ReduceOp::Sum], vec![64 * MIB], true));
         // 1 GiB: the host reference alone takes seconds, so only the large-message all-reduce.
@@ -716,12 +839,19 @@ fn collectives_matrix(s: &mut Suite) {
         }
         let secs = t.elapsed().as_secs_f64();
         let result = if failures.is_empty() {
-            Ok(format!("{checks} checks exact/within tolerance, {skipped} refused by design, {secs:.1} s"))
+            Ok(format!(
+                "{checks} checks exact/within tolerance, {skipped} refused by design, {secs:.1} s"
+            ))
         } else {
             Err(Error::Internal(format!(
                 "{} failures ({checks} passed): {}",
                 failures.len(),
-                failures.iter().take(6).cloned().collect::<Vec<_>>().join(" | ")
+                failures
+                    .iter()
+                    .take(6)
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(" | ")
             )))
         };
         s.record(kind.name(), result);

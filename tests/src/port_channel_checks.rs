@@ -1,0 +1,508 @@
+//! GPU checks of PortChannel over CudaIpc (the proxy moves data with the copy engine): ranks are
+//! paired (0,1), (2,3), ...; the suite calls [`run`] and prints one PASS/FAIL line per entry.
+//!
+//! Checks, in order (each rank of a pair runs the same sequence, so signal counts stay balanced:
+//! every `put_with_signal` of one side is matched by exactly one `wait` on the other):
+//! 1. FIFO round trip with a no-op proxy handler (per rank, no peer). Method: one GPU thread
+//!    pushes a trigger and waits until the proxy has consumed it (`fifo.sync`), 10 000 times;
+//!    each iteration is timed on the GPU with `%globaltimer`. The median is GPU push -> proxy sees
+//!    the trigger -> proxy pops it -> GPU sees the new tail, which bounds from above the
+//!    trigger-to-handler overhead (the one-way part) that a copy start waits for. Target: median
+//!    <= 5 µs; a miss is a FAIL naming the numbers.
+//! 2. PortChannel ping-pong, 0-byte `put_with_signal` each way: the full GPU -> proxy ->
+//!    cuStreamWriteValue64 into the peer -> peer GPU round trip, median of 10 000 (reported).
+//! 3. Data exact: sizes 1 B, 4097 B, 1 MiB + 3 and 1 GiB in both directions; fresh random data
+//!    per run, destination poisoned first, every byte compared, and the 64 bytes after the
+//!    transfer must still hold the poison.
+//! 4. Bandwidth at 1 GiB, even rank -> odd rank: `put_with_signal_and_flush` (kernel time, from
+//!    launch to the proxy's flush returning) against `cuMemcpyAsync` device -> peer on the same
+//!    pair of buffers (what `cudaMemcpyPeer` does between IPC-mapped buffers), best of 5 each.
+//!    Target: >= 95% of the copy; a miss is a FAIL naming the numbers.
+//! 5. Clean proxy shutdown: every trigger handled, no proxy error.
+
+use crate::{seed, DeviceBuffer, KernelArgs, RankContext, SplitMix64};
+use mscclpp::core::communicator::RegisteredMemory;
+use mscclpp::core::device::PortChannelHandle;
+use mscclpp::core::gpu::{Function, Gpu, LaunchConfig, MemoryKind, Stream};
+use mscclpp::core::port_channel::{DeviceFifo, PortChannelConfig, PortChannelService};
+use mscclpp::core::proxy::{LatencyStats, Proxy, ProxyAction};
+use mscclpp::core::transport::CudaIpcTransport;
+use mscclpp::core::{Error, Result};
+use std::sync::Arc;
+use std::time::Duration;
+
+const MIB: usize = 1 << 20;
+const GIB: usize = 1 << 30;
+/// Bytes after every transfer that must keep the poison (overrun check).
+const GUARD: usize = 64;
+const POISON: u8 = 0xa5;
+const ROUND_TRIPS: u32 = 10_000;
+/// Device spin bound for these checks: a lost signal fails in seconds, not hours.
+const MAX_SPIN: u64 = 1 << 26;
+const TRIGGER_TARGET_US: f64 = 5.0;
+const BANDWIDTH_TARGET: f64 = 0.95;
+
+const KERNELS: &str = r#"
+#include "mscclpp/port_channel.cuh"
+using namespace mscclpp;
+
+__device__ __forceinline__ u64 global_timer_ns() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// One thread: push a FLAG trigger and wait until the proxy consumed it, `iters` times.
+// samples[i] = globaltimer ns of iteration i; *done = iterations that completed.
+extern "C" __global__ void fifo_round_trip(FifoHandle fifo, u32 iters, u64* samples, u32* done) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  const ProxyTrigger t = ProxyTrigger::make(kTriggerFlag, 0, 0, 0, 0, 0, 0);
+  u32 i = 0;
+  u64 prev = global_timer_ns();
+  for (; i < iters; ++i) {
+    if (!fifo.sync(fifo.push(t))) break;
+    const u64 now = global_timer_ns();
+    samples[i] = now - prev;
+    prev = now;
+  }
+  *done = i;
+}
+
+// One thread: the initiator puts `bytes` with a signal and waits for the answer; the responder
+// waits, then answers. samples[i] = globaltimer ns of round trip i; *done = completed rounds.
+extern "C" __global__ void port_channel_ping_pong(PortChannelHandle chan, u64 bytes, u32 iters,
+                                                  u32 initiator, u64* samples, u32* done) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  u32 i = 0;
+  u64 prev = global_timer_ns();
+  for (; i < iters; ++i) {
+    if (initiator) {
+      chan.put_with_signal(0, 0, bytes);
+      if (!chan.wait()) break;
+    } else {
+      if (!chan.wait()) break;
+      chan.put_with_signal(0, 0, bytes);
+    }
+    const u64 now = global_timer_ns();
+    samples[i] = now - prev;
+    prev = now;
+  }
+  *done = i;
+}
+"#;
+
+/// What the checks of one pair share. Fields drop in order: the service (its proxy stops), then
+/// the mappings, then the buffers.
+struct Pair<'a> {
+    ctx: &'a RankContext,
+    gpu: Arc<dyn Gpu>,
+    stream: Stream,
+    peer: usize,
+    run_seed: u64,
+    service: PortChannelService,
+    /// Every rank's `dst` (the peer's mapped here) and our `src`, registered for the proxy.
+    _mems: Vec<RegisteredMemory>,
+    _local_src: RegisteredMemory,
+    chan: PortChannelHandle,
+    src: DeviceBuffer,
+    dst: DeviceBuffer,
+    /// The peer's `dst`, mapped here.
+    peer_dst: u64,
+    put_signal: Function,
+    ping_pong: Function,
+    /// u32 result word of `port_channel_put_signal`, u32 `done` of the measurement kernels.
+    result: DeviceBuffer,
+}
+
+impl Pair<'_> {
+    fn launch(&self, f: Function, args: &mut KernelArgs) -> Result<()> {
+        let mut ptrs = args.pointers();
+        // SAFETY: every caller passes exactly the kernel's parameters, by value, in order; the
+        // pointers refer to device memory that outlives the synchronisation that follows.
+        unsafe {
+            self.gpu
+                .launch(f, LaunchConfig::linear(1, 32), self.stream, &mut ptrs)
+        }
+    }
+
+    fn sync(&self, what: &str) -> Result<()> {
+        self.gpu.synchronize_stream(self.stream)?;
+        self.ctx.comm.check_device_errors()?;
+        self.service
+            .check()
+            .map_err(|e| Error::Internal(format!("{what}: the proxy reported: {e}")))
+    }
+
+    fn read_u32(&self, buf: &DeviceBuffer) -> Result<u32> {
+        let b = buf.download(4)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    /// Launches `port_channel_put_signal` as sender (put + signal + flush of `bytes`) or receiver
+    /// (wait for the signal) on the pair's stream.
+    fn put_signal(&self, bytes: u64, sender: bool) -> Result<()> {
+        let mut a = KernelArgs::new();
+        a.push(self.chan)
+            .push(bytes)
+            .push(u32::from(sender))
+            .push(self.result.ptr());
+        self.launch(self.put_signal, &mut a)
+    }
+}
+
+/// Random bytes of (case, rank) for this run; every rank can regenerate any rank's data.
+fn random_bytes(run_seed: u64, case: u64, rank: usize, len: usize) -> Vec<u8> {
+    let mut rng = SplitMix64(seed(run_seed, case, rank));
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        out.extend_from_slice(&rng.next_u64().to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+fn median_us(samples: &mut [u64]) -> Result<LatencyStats> {
+    LatencyStats::from_nanos(samples).ok_or_else(|| Error::Internal("no samples".into()))
+}
+
+fn us(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+/// Runs the PortChannel checks on this rank; returns (check name, outcome) in order.
+pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
+    let mut out = Vec::new();
+    match setup(ctx) {
+        Err(e) => out.push(("port_channel setup".to_string(), Err(e))),
+        Ok(None) => out.push((
+            "port_channel".to_string(),
+            Ok(format!("skipped: rank {} has no pair peer", ctx.rank())),
+        )),
+        Ok(Some((mut pair, fifo_check))) => {
+            out.push((
+                "port_channel FIFO round trip (no-op proxy)".into(),
+                fifo_check,
+            ));
+            let r = ping_pong(&pair);
+            out.push(("port_channel ping-pong 0 B".into(), r));
+            let r = data_exact(&pair);
+            out.push((
+                "port_channel put data exact (1 B .. 1 GiB, both ways)".into(),
+                r,
+            ));
+            let r = bandwidth(&pair);
+            out.push((
+                "port_channel put bandwidth 1 GiB vs cuMemcpyAsync peer".into(),
+                r,
+            ));
+            // Stop first (every trigger drained), then wait for the peer to have stopped too, so
+            // neither side frees a buffer the other's proxy may still copy into.
+            let r = pair
+                .service
+                .stop()
+                .and_then(|stats| pair.ctx.bootstrap.barrier().map(|()| stats))
+                .and_then(|stats| match stats.errors {
+                    0 => Ok(format!("{} triggers handled, no errors", stats.handled)),
+                    n => Err(Error::Internal(format!(
+                        "{n} of {} triggers failed",
+                        stats.handled
+                    ))),
+                });
+            out.push(("port_channel proxy shutdown".into(), r));
+            if let Err(e) = pair.gpu.destroy_stream(pair.stream) {
+                eprintln!("destroying the PortChannel check stream: {e}");
+            }
+        }
+    }
+    out
+}
+
+/// Collective setup (every rank, paired or not, joins the memory exchange). Returns the pair's
+/// state and the result of the FIFO round-trip check, which needs no peer but runs before the
+/// service's proxy starts so the two proxies do not compete for a core.
+fn setup(ctx: &RankContext) -> Result<Option<(Pair<'_>, Result<String>)>> {
+    let gpu = ctx.gpu.clone();
+    gpu.set_device(ctx.local_rank)?;
+    let run_seed = {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1);
+        let b = ctx.bootstrap.broadcast(0, &now.to_le_bytes())?;
+        u64::from_le_bytes(
+            b.get(..8)
+                .and_then(|s| s.try_into().ok())
+                .ok_or_else(|| Error::Internal("run seed broadcast: short message".into()))?,
+        )
+    };
+    let module = gpu.build_module("port_channel_checks", KERNELS)?;
+    let primitives = mscclpp_kernels_cu::kernel("primitives")
+        .ok_or_else(|| Error::Internal("no primitives kernel unit".into()))?;
+    let prim = gpu.build_module(primitives.name, primitives.source)?;
+    let stream = gpu.create_stream()?;
+    let fifo_check = fifo_round_trip(
+        ctx,
+        &gpu,
+        stream,
+        gpu.get_function(module, "fifo_round_trip")?,
+    );
+
+    let src = DeviceBuffer::new(&gpu, GIB + GUARD, MemoryKind::Plain)?;
+    let dst = DeviceBuffer::new(&gpu, GIB + GUARD, MemoryKind::Plain)?;
+    let mems: Vec<RegisteredMemory> =
+        ctx.comm
+            .exchange(ctx.comm.register(&dst.alloc, dst.ptr(), dst.alloc.size)?)?;
+    let peer = ctx.rank() ^ 1;
+    if peer >= ctx.size() {
+        return Ok(None);
+    }
+    let local_src = ctx.comm.register(&src.alloc, src.ptr(), src.alloc.size)?;
+    let config = PortChannelConfig {
+        max_spin: MAX_SPIN,
+        ..Default::default()
+    };
+    let mut service = PortChannelService::new(&ctx.comm, config)?;
+    let dst_id = service.add_memory(&mems[peer])?;
+    let src_id = service.add_memory(&local_src)?;
+    let conn = Arc::new(CudaIpcTransport::new(gpu.clone(), ctx.local_rank, peer)?);
+    let sem = service.add_semaphore(&ctx.comm, conn)?;
+    let chan = service.port_channel(sem, dst_id, src_id)?;
+    service.start()?;
+    let result = DeviceBuffer::new(&gpu, 8, MemoryKind::Plain)?;
+    let pair = Pair {
+        ctx,
+        stream,
+        peer,
+        run_seed,
+        service,
+        chan,
+        peer_dst: mems[peer].ptr(),
+        _mems: mems,
+        _local_src: local_src,
+        src,
+        dst,
+        put_signal: gpu.get_function(prim, "port_channel_put_signal")?,
+        ping_pong: gpu.get_function(module, "port_channel_ping_pong")?,
+        result,
+        gpu,
+    };
+    Ok(Some((pair, fifo_check)))
+}
+
+fn fifo_round_trip(
+    ctx: &RankContext,
+    gpu: &Arc<dyn Gpu>,
+    stream: Stream,
+    kernel: Function,
+) -> Result<String> {
+    let (fifo, consumer) = DeviceFifo::new(gpu, 512)?;
+    let mut proxy = Proxy::start(consumer, |_| Ok(ProxyAction::Continue))?;
+    let samples = DeviceBuffer::new(gpu, ROUND_TRIPS as usize * 8, MemoryKind::Plain)?;
+    let done = DeviceBuffer::new(gpu, 4, MemoryKind::Plain)?;
+    let handle = fifo.handle(ctx.comm.error_word_device_ptr(), MAX_SPIN);
+    let mut stats = None;
+    // A short warm-up (first touches, clocks up), then the measured run.
+    for iters in [100u32, ROUND_TRIPS] {
+        let mut a = KernelArgs::new();
+        a.push(handle)
+            .push(iters)
+            .push(samples.ptr())
+            .push(done.ptr());
+        let mut ptrs = a.pointers();
+        // SAFETY: fifo_round_trip(FifoHandle, u32, u64*, u32*), buffers live until the sync.
+        unsafe { gpu.launch(kernel, LaunchConfig::linear(1, 32), stream, &mut ptrs) }?;
+        gpu.synchronize_stream(stream)?;
+        ctx.comm.check_device_errors()?;
+        let d = done.download(4)?;
+        let completed = u32::from_le_bytes([d[0], d[1], d[2], d[3]]);
+        if completed != iters {
+            return Err(Error::Internal(format!(
+                "{completed} of {iters} FIFO round trips completed"
+            )));
+        }
+        let raw = samples.download(iters as usize * 8)?;
+        let mut ns: Vec<u64> = raw
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+            .collect();
+        stats = Some(median_us(&mut ns)?);
+    }
+    let handled = proxy.stop(Duration::from_secs(10))?.handled;
+    let s = stats.ok_or_else(|| Error::Internal("no FIFO round-trip run".into()))?;
+    let line = format!(
+        "median {:.2} µs, p99 {:.2} µs, min {:.2} µs, mean {:.2} µs over {} round trips \
+         ({handled} triggers handled; GPU %globaltimer per push+sync; upper bound of the \
+         trigger-to-handler overhead; target <= {TRIGGER_TARGET_US} µs)",
+        us(s.p50),
+        us(s.p99),
+        us(s.min),
+        us(s.mean),
+        s.samples
+    );
+    if us(s.p50) > TRIGGER_TARGET_US {
+        return Err(Error::Internal(format!("target missed: {line}")));
+    }
+    Ok(line)
+}
+
+fn ping_pong(p: &Pair) -> Result<String> {
+    let samples = DeviceBuffer::new(&p.gpu, ROUND_TRIPS as usize * 8, MemoryKind::Plain)?;
+    let initiator = p.ctx.rank() % 2 == 0;
+    let mut line = String::new();
+    for iters in [100u32, ROUND_TRIPS] {
+        p.ctx.bootstrap.barrier()?;
+        let mut a = KernelArgs::new();
+        a.push(p.chan)
+            .push(0u64)
+            .push(iters)
+            .push(u32::from(initiator))
+            .push(samples.ptr())
+            .push(p.result.ptr());
+        p.launch(p.ping_pong, &mut a)?;
+        p.sync("ping-pong")?;
+        let completed = p.read_u32(&p.result)?;
+        if completed != iters {
+            return Err(Error::Internal(format!(
+                "{completed} of {iters} round trips with rank {} completed",
+                p.peer
+            )));
+        }
+        let raw = samples.download(iters as usize * 8)?;
+        let mut ns: Vec<u64> = raw
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+            .collect();
+        let s = median_us(&mut ns)?;
+        line = format!(
+            "{} round trips with rank {}: median {:.2} µs, p99 {:.2} µs, min {:.2} µs \
+             (GPU %globaltimer, {})",
+            s.samples,
+            p.peer,
+            us(s.p50),
+            us(s.p99),
+            us(s.min),
+            if initiator { "initiator" } else { "responder" }
+        );
+    }
+    Ok(line)
+}
+
+fn data_exact(p: &Pair) -> Result<String> {
+    let rank = p.ctx.rank();
+    let pair_base = rank & !1;
+    let mut checked = Vec::new();
+    for (case, &bytes) in [1usize, 4097, MIB + 3, GIB].iter().enumerate() {
+        for direction in 0..2 {
+            let sender = pair_base + direction;
+            let case_id = 7000 + 2 * case as u64 + direction as u64;
+            if rank == sender {
+                p.src
+                    .upload(&random_bytes(p.run_seed, case_id, sender, bytes))?;
+            } else {
+                p.dst.poison(POISON)?;
+            }
+            p.result.poison(0)?;
+            p.ctx.bootstrap.barrier()?;
+            p.put_signal(bytes as u64, rank == sender)?;
+            p.sync(&format!("{bytes} B from rank {sender}"))?;
+            if p.read_u32(&p.result)? != 1 {
+                return Err(Error::Internal(format!(
+                    "{bytes} B from rank {sender}: the kernel's {} timed out",
+                    if rank == sender { "put+flush" } else { "wait" }
+                )));
+            }
+            if rank != sender {
+                let got = p.dst.download(bytes + GUARD)?;
+                let want = random_bytes(p.run_seed, case_id, sender, bytes);
+                if let Some(i) = got[..bytes].iter().zip(&want).position(|(a, b)| a != b) {
+                    let wrong = got[..bytes]
+                        .iter()
+                        .zip(&want)
+                        .filter(|(a, b)| a != b)
+                        .count();
+                    return Err(Error::Internal(format!(
+                        "{bytes} B from rank {sender}: {wrong} bytes wrong, first at {i} \
+                         (got {:#04x}, want {:#04x})",
+                        got[i], want[i]
+                    )));
+                }
+                if let Some(i) = got[bytes..].iter().position(|&b| b != POISON) {
+                    return Err(Error::Internal(format!(
+                        "{bytes} B from rank {sender}: wrote past the end (byte {})",
+                        bytes + i
+                    )));
+                }
+                checked.push(format!("{bytes} B"));
+            }
+            // The receiver is done reading before the next round overwrites its buffer.
+            p.ctx.bootstrap.barrier()?;
+        }
+    }
+    Ok(format!(
+        "received from rank {} exact, guard intact: {}",
+        p.peer,
+        checked.join(", ")
+    ))
+}
+
+fn bandwidth(p: &Pair) -> Result<String> {
+    const REPS: usize = 5;
+    let rank = p.ctx.rank();
+    let sender = rank % 2 == 0;
+    let mut line = format!("receiver of rank {}", p.peer);
+    if sender {
+        p.src.upload(&random_bytes(p.run_seed, 7100, rank, GIB))?;
+    }
+    p.ctx.bootstrap.barrier()?;
+    if sender {
+        let (a, b) = (p.gpu.create_event()?, p.gpu.create_event()?);
+        let time = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
+            p.gpu.record_event(a, p.stream)?;
+            f()?;
+            p.gpu.record_event(b, p.stream)?;
+            p.sync("bandwidth")?;
+            Ok(p.gpu.elapsed_ms(a, b)? as f64)
+        };
+        let (mut best_pc, mut best_ce) = (f64::MAX, f64::MAX);
+        for _ in 0..REPS {
+            best_pc = best_pc.min(time(&|| p.put_signal(GIB as u64, true))?);
+            if p.read_u32(&p.result)? != 1 {
+                return Err(Error::Internal("1 GiB put+flush timed out".into()));
+            }
+            best_ce = best_ce.min(time(&|| {
+                p.gpu.memcpy_async(p.peer_dst, p.src.ptr(), GIB, p.stream)
+            })?);
+        }
+        p.gpu.destroy_event(a)?;
+        p.gpu.destroy_event(b)?;
+        let gbs = |ms: f64| GIB as f64 / (ms * 1e-3) / 1e9;
+        let ratio = gbs(best_pc) / gbs(best_ce);
+        line = format!(
+            "to rank {}: PortChannel {:.1} GB/s ({:.3} ms), cuMemcpyAsync peer {:.1} GB/s \
+             ({:.3} ms): {:.1}% (best of {REPS}; target >= {:.0}%)",
+            p.peer,
+            gbs(best_pc),
+            best_pc,
+            gbs(best_ce),
+            best_ce,
+            100.0 * ratio,
+            100.0 * BANDWIDTH_TARGET
+        );
+        if ratio < BANDWIDTH_TARGET {
+            // Let the receiver finish its waits before reporting.
+            p.ctx.bootstrap.barrier()?;
+            return Err(Error::Internal(format!("target missed: {line}")));
+        }
+    } else {
+        // One wait per put the sender makes, so the semaphore stays balanced.
+        for _ in 0..REPS {
+            p.put_signal(GIB as u64, false)?;
+        }
+        p.sync("bandwidth receiver")?;
+        if p.read_u32(&p.result)? != 1 {
+            return Err(Error::Internal("a wait for a 1 GiB put timed out".into()));
+        }
+    }
+    p.ctx.bootstrap.barrier()?;
+    Ok(line)
+}
