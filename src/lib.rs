@@ -29,9 +29,9 @@ pub use mscclpp_core as core;
 pub use mscclpp_core::env::Env;
 pub use mscclpp_core::log::init_logging;
 pub use mscclpp_core::{Error, Gpu, Result};
-pub use mscclpp_noib as noib;
 #[cfg(feature = "ib")]
 pub use mscclpp_ib as ib;
+pub use mscclpp_noib as noib;
 
 #[cfg(feature = "cuda")]
 pub use mscclpp_cuda::CudaGpu;

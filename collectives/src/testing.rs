@@ -124,7 +124,10 @@ fn encode(values: &[f64], dtype: DataType) -> Vec<u8> {
             DataType::U32 => out.extend_from_slice(&(v as u32).to_le_bytes()),
             DataType::I64 => out.extend_from_slice(&(v as i64).to_le_bytes()),
             DataType::U64 => out.extend_from_slice(&(v as u64).to_le_bytes()),
-            DataType::Fp8E4M3 | DataType::Fp8E4M3Fnuz | DataType::Fp8E5M2 | DataType::Fp8E4M3B15 => {
+            DataType::Fp8E4M3
+            | DataType::Fp8E4M3Fnuz
+            | DataType::Fp8E5M2
+            | DataType::Fp8E4M3B15 => {
                 let f = fp8_format(dtype).unwrap_or(mscclpp_core::fp8::E4M3);
                 out.push(f.encode(v as f32))
             }

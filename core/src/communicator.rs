@@ -11,7 +11,9 @@
 use crate::bootstrap::Bootstrap;
 use crate::device::{D2DSemaphoreHandle, MemoryChannelHandle};
 use crate::error::{Error, Result};
-use crate::gpu::{Allocation, DevicePtr, Gpu, HostMapped, ImportedMemory, IpcMemHandle, MemoryKind};
+use crate::gpu::{
+    Allocation, DevicePtr, Gpu, HostMapped, ImportedMemory, IpcMemHandle, MemoryKind,
+};
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -206,10 +208,13 @@ impl Communicator {
                 desc.rank, desc.host_id
             )));
         }
-        let imported = self.gpu.import_memory(&desc.ipc, None).map_err(|e| Error::Peer {
-            rank: desc.rank,
-            message: format!("mapping its memory failed: {e}"),
-        })?;
+        let imported = self
+            .gpu
+            .import_memory(&desc.ipc, None)
+            .map_err(|e| Error::Peer {
+                rank: desc.rank,
+                message: format!("mapping its memory failed: {e}"),
+            })?;
         Ok(RegisteredMemory {
             local_ptr: imported.ptr,
             desc,
@@ -228,13 +233,18 @@ impl Communicator {
         let mut out = Vec::with_capacity(all.len());
         for (rank, bytes) in all.iter().enumerate() {
             if rank == self.rank() {
-                out.push(local.take().ok_or_else(|| Error::Internal("own slot twice".into()))?);
+                out.push(
+                    local
+                        .take()
+                        .ok_or_else(|| Error::Internal("own slot twice".into()))?,
+                );
                 continue;
             }
-            let desc: MemoryDescriptor = serde_json::from_slice(bytes).map_err(|e| Error::Peer {
-                rank,
-                message: format!("sent a malformed memory descriptor: {e}"),
-            })?;
+            let desc: MemoryDescriptor =
+                serde_json::from_slice(bytes).map_err(|e| Error::Peer {
+                    rank,
+                    message: format!("sent a malformed memory descriptor: {e}"),
+                })?;
             out.push(self.import(desc)?);
         }
         // Owners keep their exported handles alive; the barrier makes sure no owner moves on (and,

@@ -276,9 +276,9 @@ impl AccumType {
     pub fn resolve(self, input: DataType) -> Result<DataType> {
         match self {
             AccumType::Auto => Ok(input),
-            AccumType::F16 | AccumType::F32 if !input.is_float() => Err(Error::Unsupported(format!(
-                "accumulation type {self:?} for integer input {input}"
-            ))),
+            AccumType::F16 | AccumType::F32 if !input.is_float() => Err(Error::Unsupported(
+                format!("accumulation type {self:?} for integer input {input}"),
+            )),
             AccumType::F16 => Ok(DataType::F16),
             AccumType::F32 => Ok(DataType::F32),
         }

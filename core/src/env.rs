@@ -680,14 +680,16 @@ fn parse_launcher(vars: &Vars) -> Result<Option<Launcher>> {
             match vars.integer(l.local_rank, "a local rank (non-negative integer)")? {
                 Some(r) => r,
                 None if world_size == 1 => 0,
-                None => return Err(bad(
-                    l.rank,
-                    rank_v,
-                    format!(
+                None => {
+                    return Err(bad(
+                        l.rank,
+                        rank_v,
+                        format!(
                         "{} is set but {} is not, so the local rank (which GPU to use) is unknown",
                         l.rank, l.local_rank
                     ),
-                )),
+                    ))
+                }
             };
         if let Some(ls) = local_size {
             let ls_v = vars.raw(l.local_size).unwrap_or_default();
