@@ -22,7 +22,9 @@ for row in "${rows[@]}"; do
     if [ -n "$flavour" ]; then export MSCCLPP_NVRTC_FLAVOUR=$flavour; source scripts/nvrtc-env.sh; fi
     cargo test -p mscclpp --no-default-features --features "$features"
     cargo test -p mscclpp-core -p mscclpp-noib
-    if [ -n "$flavour" ]; then cargo test -p mscclpp-cuda; fi
+    if [ "$flavour" = cu13 ]; then cargo test -p mscclpp-cuda; fi
+    # NVRTC 12 lacks __builtin_offsetof, so the cu12 rows compile the kernels without layout asserts.
+    if [ "$flavour" = cu12 ]; then cargo test -p mscclpp-cuda --test kernels_compile every_kernel_unit_compiles; fi
     if [ "$platform" = rocm6 ]; then cargo test -p mscclpp-rocm -p mscclpp-kernels-hip; fi
   )
 done

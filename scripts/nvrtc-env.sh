@@ -1,11 +1,13 @@
 # Sourced by scripts: makes a CPU-only machine able to compile every kernel through NVRTC.
 # Installs PyPI's NVRTC and CUDA headers (no GPU or driver needed) into .venv-nvrtc/<flavour> and
-# exports MSCCLPP_NVRTC_LIB and CUDA_HOME for the tests. Flavour: cu13 (default) or cu12.
+# exports MSCCLPP_NVRTC_LIB and CUDA_HOME for the tests. Flavour: cu13 (default) or cu12. cu13 is pinned to
+# 13.5 because the layout asserts need __builtin_offsetof, which older NVRTC lacks; the GPU machines
+# compile the same kernels with their own NVRTC 13.0 at run time.
 flavour="${MSCCLPP_NVRTC_FLAVOUR:-cu13}"
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv-nvrtc/$flavour"
 case "$flavour" in
-  cu13) pkgs="nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-runtime==13.0.96"; major=13 ;;
+  cu13) pkgs="nvidia-cuda-nvrtc==13.5.37 nvidia-cuda-runtime==13.5.37"; major=13 ;;
   cu12) pkgs="nvidia-cuda-nvrtc-cu12==12.9.86 nvidia-cuda-runtime-cu12==12.9.79"; major=12 ;;
   *) echo "MSCCLPP_NVRTC_FLAVOUR must be cu12 or cu13, not '$flavour'" >&2; return 1 ;;
 esac
