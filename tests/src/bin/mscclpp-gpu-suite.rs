@@ -7,7 +7,7 @@
 //! exits 0.
 
 use mscclpp::core::communicator::RegisteredMemory;
-use mscclpp::core::device::{D2DSemaphoreHandle, MemoryChannelHandle};
+use mscclpp::core::device::{D2DSemaphoreHandle, DeviceRepr, MemoryChannelHandle};
 use mscclpp::core::gpu::{Function, LaunchConfig, MemoryKind, Module, Stream};
 use mscclpp::core::{DataType, Error, ReduceOp, Result};
 use mscclpp_tests::*;
@@ -452,14 +452,7 @@ fn semaphore_stress(s: &mut Suite, primitives: Module) -> Result<String> {
             semaphore: sem,
             ..Default::default()
         };
-        // SAFETY: MemoryChannelHandle is plain old data (repr(C), integers only).
-        let bytes = unsafe {
-            std::slice::from_raw_parts(
-                &chan as *const MemoryChannelHandle as *const u8,
-                std::mem::size_of::<MemoryChannelHandle>(),
-            )
-        };
-        chans_dev.upload(bytes)?;
+        chans_dev.upload(chan.as_bytes())?;
         completed.poison(0)?;
         s.ctx.bootstrap.barrier()?;
         let ms = s.time(|| {
@@ -503,14 +496,7 @@ fn peer_stops(s: &mut Suite, primitives: Module) -> Result<String> {
         semaphore: sem,
         ..Default::default()
     };
-    // SAFETY: plain old data, as above.
-    let bytes = unsafe {
-        std::slice::from_raw_parts(
-            &chan as *const MemoryChannelHandle as *const u8,
-            std::mem::size_of::<MemoryChannelHandle>(),
-        )
-    };
-    chans_dev.upload(bytes)?;
+    chans_dev.upload(chan.as_bytes())?;
     s.ctx.bootstrap.barrier()?;
     let mut detail = "peer idled".to_string();
     // The even rank waits for a signal its peer never sends.
@@ -577,21 +563,9 @@ fn simple_allreduce(s: &mut Suite, dtype: DataType) -> Result<String> {
             );
         }
     }
-    let chan_bytes: Vec<u8> = chans
-        .iter()
-        .flat_map(|c| {
-            // SAFETY: plain old data.
-            unsafe {
-                std::slice::from_raw_parts(
-                    c as *const MemoryChannelHandle as *const u8,
-                    std::mem::size_of::<MemoryChannelHandle>(),
-                )
-            }
-            .to_vec()
-        })
-        .collect();
+    let chan_bytes = DeviceRepr::slice_as_bytes(&chans);
     let chans_dev = DeviceBuffer::new(&gpu, chan_bytes.len(), MemoryKind::Plain)?;
-    chans_dev.upload(&chan_bytes)?;
+    chans_dev.upload(chan_bytes)?;
     let input = DeviceBuffer::new(&gpu, max_count * esize, MemoryKind::Plain)?;
     let output = DeviceBuffer::new(&gpu, max_count * esize, MemoryKind::Plain)?;
     let counts = [
@@ -754,6 +728,8 @@ fn collectives_matrix(s: &mut Suite) {
             return;
         }
     };
+    let r = host_path_cost(s, &coll);
+    s.record("host path of one eager allreduce call", r);
     let mut case = 0u64;
     for kind in NativeKind::ALL {
         let Some(algo) = coll.get(kind.collective(), kind.name()) else {
@@ -856,4 +832,60 @@ fn collectives_matrix(s: &mut Suite) {
         };
         s.record(kind.name(), result);
     }
+}
+
+/// CPU time of one `execute` (the eager host path): 1 KiB bf16 allreduce through the selector's
+/// small-message algorithm, 200 calls timed on the host without waiting for the GPU.
+fn host_path_cost(
+    s: &mut Suite,
+    coll: &mscclpp::core::algorithm_collection::AlgorithmCollection,
+) -> Result<String> {
+    use mscclpp::core::algorithm::{Collective, ExecuteArgs};
+    use mscclpp::core::algorithm_collection::SelectionContext;
+    let gpu = s.ctx.gpu.clone();
+    let bytes = 1024;
+    let buf = DeviceBuffer::new(&gpu, 2 * bytes, MemoryKind::Plain)?;
+    let props = gpu.properties(s.ctx.local_rank)?;
+    let ctx = SelectionContext {
+        collective: Collective::AllReduce,
+        message_bytes: bytes,
+        dtype: DataType::Bf16,
+        world_size: s.ctx.size(),
+        local_world_size: s.ctx.size(),
+        symmetric_memory: false,
+        capturing: false,
+        arch: props.arch.clone(),
+        nvls_allowed: false,
+    };
+    let algo = coll.select(&ctx)?;
+    let args = ExecuteArgs {
+        input: buf.ptr(),
+        output: buf.ptr() + bytes as u64,
+        input_bytes: bytes,
+        output_bytes: bytes,
+        dtype: DataType::Bf16,
+        op: ReduceOp::Sum,
+        accum: Default::default(),
+        root: 0,
+        stream: s.stream,
+        nblocks: None,
+        nthreads: None,
+    };
+    for _ in 0..20 {
+        algo.execute(&args)?;
+    }
+    s.sync_and_check()?;
+    s.ctx.bootstrap.barrier()?;
+    let calls = 200;
+    let t = Instant::now();
+    for _ in 0..calls {
+        algo.execute(&args)?;
+    }
+    let us = t.elapsed().as_secs_f64() * 1e6 / calls as f64;
+    s.sync_and_check()?;
+    s.measure(
+        &format!("host CPU time of one eager execute ({})", algo.name()),
+        format!("{us:.2} µs"),
+    );
+    Ok(format!("{us:.2} µs per call ({})", algo.name()))
 }

@@ -1,0 +1,216 @@
+//! GPU checks of `port_allreduce` (all-reduce over PortChannels: the proxy moves the data with the
+//! copy engine). Every rank of the job takes part; the suite calls [`run`] on every rank and prints
+//! one PASS/FAIL line per entry.
+//!
+//! Matrix, through `mscclpp_collectives::testing::run_collective_check_mode` (random data, outputs
+//! poisoned, every element compared with the host reference): bf16 sum, f32 sum, i32 sum and max;
+//! 1, 3 and 1023 elements, 4 KiB + 8 B, 1 MiB - 1 element, 64 MiB; out of place and in place;
+//! eager and CUDA-graph (one capture, two replays on fresh data, each checked). One line per dtype
+//! reports the number of checks. A last line checks the proxy: no error, triggers handled.
+//!
+//! After every check the ranks agree (bootstrap all-gather) on whether it ran to completion: an
+//! error (a device timeout, a failed launch) may leave the channels' signal counts out of step, so
+//! the remaining checks are then skipped on every rank instead of each timing out.
+
+use crate::RankContext;
+use mscclpp::core::port_channel::PortChannelConfig;
+use mscclpp::core::{DataType, Error, ReduceOp, Result};
+use mscclpp_collectives::port_allreduce::PortAllreduce;
+use mscclpp_collectives::testing::run_collective_check_mode;
+use std::sync::Arc;
+
+const MIB: usize = 1 << 20;
+/// Largest message of the matrix; the algorithm is built for exactly this.
+const MAX_BYTES: usize = 64 * MIB;
+/// Device spin bound of the channel waits: a lost signal fails in tens of seconds, not hours, while
+/// a peer that is still compiling its first kernel (under a second) is waited for.
+const MAX_SPIN: u64 = 1 << 28;
+
+/// (dtype, ops) rows of the matrix; one report line per row.
+const ROWS: [(DataType, &[ReduceOp]); 3] = [
+    (DataType::Bf16, &[ReduceOp::Sum]),
+    (DataType::F32, &[ReduceOp::Sum]),
+    (DataType::I32, &[ReduceOp::Sum, ReduceOp::Max]),
+];
+
+/// Element counts of the matrix for `dtype`: 1, 3, 1023 elements, 4 KiB + 8 B, 1 MiB - 1 element
+/// and 64 MiB.
+pub fn matrix_counts(dtype: DataType) -> Vec<usize> {
+    let es = dtype.size();
+    vec![
+        1,
+        3,
+        1023,
+        (4096usize + 8).div_ceil(es),
+        MIB / es - 1,
+        MAX_BYTES / es,
+    ]
+}
+
+/// Runs the `port_allreduce` checks on this rank; returns (check name, outcome) in order.
+pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
+    if ctx.size() < 2 {
+        return vec![(
+            "port_allreduce".into(),
+            Ok(format!(
+                "skipped: {} rank(s); an all-reduce over PortChannels needs at least 2",
+                ctx.size()
+            )),
+        )];
+    }
+    let run_seed = match shared_seed(ctx) {
+        Ok(s) => s,
+        Err(e) => return vec![("port_allreduce run seed".into(), Err(e))],
+    };
+    let config = PortChannelConfig {
+        max_spin: MAX_SPIN,
+        ..Default::default()
+    };
+    let algo = match PortAllreduce::new(ctx.comm.clone(), MAX_BYTES, config) {
+        Ok(a) => Arc::new(a),
+        Err(e) => return vec![("port_allreduce setup".into(), Err(e))],
+    };
+    let mut out = Vec::new();
+    let mut aborted: Option<String> = None;
+    let mut case = 0u64;
+    for (dtype, ops) in ROWS {
+        let name = format!("port_allreduce {dtype} ({})", op_names(ops));
+        if let Some(why) = &aborted {
+            out.push((name, Err(Error::Internal(format!("not run: {why}")))));
+            continue;
+        }
+        let (mut passed, mut failures) = (0usize, Vec::new());
+        'row: for &op in ops {
+            for count in matrix_counts(dtype) {
+                for graph in [false, true] {
+                    for in_place in [false, true] {
+                        case += 1;
+                        let seed = run_seed ^ case.wrapping_mul(0x2545_f491_4f6c_dd1d);
+                        let what = format!(
+                            "{op} count {count} {} {}",
+                            if in_place { "in place" } else { "out of place" },
+                            if graph { "graph" } else { "eager" }
+                        );
+                        let r = run_collective_check_mode(
+                            &ctx.comm,
+                            algo.as_ref(),
+                            dtype,
+                            op,
+                            count,
+                            in_place,
+                            seed,
+                            graph,
+                        );
+                        let completed = match r {
+                            Ok(rep) if rep.wrong == 0 => {
+                                passed += 1;
+                                true
+                            }
+                            Ok(rep) => {
+                                failures.push(format!(
+                                    "{what}: {} wrong, first {:?} (tol {})",
+                                    rep.wrong, rep.first_wrong, rep.tolerance
+                                ));
+                                true
+                            }
+                            Err(e) => {
+                                failures.push(format!("{what}: {e}"));
+                                false
+                            }
+                        };
+                        match all_completed(ctx, completed) {
+                            Ok(true) => {}
+                            Ok(false) => {
+                                aborted = Some(format!("a rank failed to complete {dtype} {what}"));
+                                break 'row;
+                            }
+                            Err(e) => {
+                                aborted = Some(format!("agreeing on {dtype} {what}: {e}"));
+                                break 'row;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let result = if failures.is_empty() && aborted.is_none() {
+            Ok(format!(
+                "{passed} checks passed (sizes {:?} elements, in/out of place, eager/graph with \
+                 2 replays, on {} ranks)",
+                matrix_counts(dtype),
+                ctx.size()
+            ))
+        } else {
+            if let Some(why) = &aborted {
+                failures.push(format!("remaining checks skipped: {why}"));
+            }
+            Err(Error::Internal(format!(
+                "{} failed, {passed} passed: {}",
+                failures.len(),
+                failures.join("; ")
+            )))
+        };
+        out.push((name, result));
+    }
+    let proxy = algo
+        .check_proxy()
+        .and_then(|()| algo.proxy_stats())
+        .and_then(|s| match s.errors {
+            0 => Ok(format!("{} triggers handled, no errors", s.handled)),
+            n => Err(Error::Internal(format!(
+                "{n} of {} triggers failed",
+                s.handled
+            ))),
+        });
+    out.push(("port_allreduce proxy".into(), proxy));
+    // Dropping the algorithm stops its proxy and waits (bootstrap barrier) for every peer to have
+    // stopped too before the scratch is freed.
+    drop(algo);
+    out
+}
+
+fn op_names(ops: &[ReduceOp]) -> String {
+    ops.iter().map(|o| o.name()).collect::<Vec<_>>().join(", ")
+}
+
+/// A seed chosen by rank 0 for this run: every rank regenerates every rank's inputs from it.
+fn shared_seed(ctx: &RankContext) -> Result<u64> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(1);
+    let b = ctx.bootstrap.broadcast(0, &now.to_le_bytes())?;
+    b.get(..8)
+        .and_then(|s| s.try_into().ok())
+        .map(u64::from_le_bytes)
+        .ok_or_else(|| Error::Internal("run seed broadcast: short message".into()))
+}
+
+/// Whether every rank completed its last check (with or without wrong elements).
+fn all_completed(ctx: &RankContext, completed: bool) -> Result<bool> {
+    let all = ctx.bootstrap.all_gather(&[u8::from(completed)])?;
+    Ok(all.iter().all(|v| v.first() == Some(&1)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn matrix_sizes_match_the_brief() {
+        assert_eq!(
+            matrix_counts(DataType::Bf16),
+            vec![1, 3, 1023, 2052, MIB / 2 - 1, 32 * MIB]
+        );
+        assert_eq!(
+            matrix_counts(DataType::F32),
+            vec![1, 3, 1023, 1026, MIB / 4 - 1, 16 * MIB]
+        );
+        for (dtype, _) in ROWS {
+            let counts = matrix_counts(dtype);
+            // The largest fits the algorithm exactly; 4 KiB + 8 B is whole elements.
+            assert_eq!(counts.last().copied(), Some(MAX_BYTES / dtype.size()));
+            assert_eq!(counts[3] * dtype.size(), 4096 + 8);
+        }
+    }
+}
