@@ -1,16 +1,17 @@
 //! Native collective algorithms of mscclpp-rs over NVLink (one host, 1..=8 ranks): all-reduce
-//! (all-pair packets, two-phase packets, zero-copy reduce-scatter + all-gather), zero-copy
-//! all-gather, reduce-scatter and broadcast. Kernels are in `mscclpp-kernels-cu` (collectives.rs).
+//! (all-pair packets, two-phase packets, zero-copy reduce-scatter + all-gather), all-gather and
+//! reduce-scatter (packets for small messages, zero-copy for large ones) and zero-copy broadcast. Kernels are in `mscclpp-kernels-cu` (collectives.rs).
 //!
 //! [`build_default_algorithms`] builds them all for a communicator, with the default selector of
 //! `mscclpp_core::algorithm_collection`.
 
 pub mod geometry;
 pub mod native;
+pub mod port_allreduce;
 pub mod resources;
 pub mod testing;
 
-pub use native::{check_shape, NativeAlgorithm, NativeKind};
+pub use native::{check_shape, max_input_bytes, NativeAlgorithm, NativeKind};
 
 use mscclpp_core::algorithm_collection::{
     default_native_selector, AlgorithmCollection, AlgorithmCollectionBuilder, NativeLimits,
@@ -20,7 +21,8 @@ use mscclpp_core::Result;
 use mscclpp_kernels_cu::collectives::MAX_RANKS;
 use std::sync::Arc;
 
-/// Default per-rank scratch of the packet all-reduces: 1 MiB messages at 2 ranks for both.
+/// Default per-rank scratch of each packet algorithm: at 2 ranks, 1 MiB messages for both
+/// all-reduces and the all-gather's input, 2 MiB for the reduce-scatter's input.
 pub const DEFAULT_SCRATCH_BYTES: usize = 8 << 20;
 
 /// Collective: builds every native algorithm for `comm` (each packet algorithm gets its own
@@ -35,6 +37,8 @@ pub fn build_default_algorithms(
     let mut limits = NativeLimits {
         allpair_packet_max_bytes: 0,
         packet_max_bytes: 0,
+        allgather_packet_max_bytes: 0,
+        reducescatter_packet_max_bytes: 0,
         max_ranks: MAX_RANKS,
     };
     for kind in NativeKind::ALL {
@@ -44,6 +48,10 @@ pub fn build_default_algorithms(
                 limits.allpair_packet_max_bytes = algo.max_bytes()
             }
             NativeKind::AllreducePacket => limits.packet_max_bytes = algo.max_bytes(),
+            NativeKind::AllgatherPacket => limits.allgather_packet_max_bytes = algo.max_bytes(),
+            NativeKind::ReducescatterPacket => {
+                limits.reducescatter_packet_max_bytes = algo.max_bytes()
+            }
             _ => {}
         }
         builder.add_algorithm(Arc::new(algo))?;

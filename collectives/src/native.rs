@@ -13,7 +13,8 @@ use mscclpp_core::communicator::Communicator;
 use mscclpp_core::gpu::{DevicePtr, Function, LaunchConfig};
 use mscclpp_core::{Error, Result};
 use mscclpp_kernels_cu::collectives::{
-    resolve_accumulator, CallState, CollectiveFile, PeerPtrs, ReduceSpec, MAX_RANKS,
+    resolve_accumulator, CallState, CollectiveFile, PeerPtrs, ReduceSpec, MAX_PACKET_BLOCKS,
+    MAX_RANKS,
 };
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -25,17 +26,21 @@ pub enum NativeKind {
     AllreducePacket,
     AllreduceRsagZeroCopy,
     AllgatherFullmesh2,
+    AllgatherPacket,
     ReducescatterZeroCopy,
+    ReducescatterPacket,
     BroadcastZeroCopy,
 }
 
 impl NativeKind {
-    pub const ALL: [NativeKind; 6] = [
+    pub const ALL: [NativeKind; 8] = [
         NativeKind::AllreduceAllpairPacket,
         NativeKind::AllreducePacket,
         NativeKind::AllreduceRsagZeroCopy,
         NativeKind::AllgatherFullmesh2,
+        NativeKind::AllgatherPacket,
         NativeKind::ReducescatterZeroCopy,
+        NativeKind::ReducescatterPacket,
         NativeKind::BroadcastZeroCopy,
     ];
 
@@ -45,7 +50,9 @@ impl NativeKind {
             NativeKind::AllreducePacket => names::ALLREDUCE_PACKET,
             NativeKind::AllreduceRsagZeroCopy => names::ALLREDUCE_RSAG_ZERO_COPY,
             NativeKind::AllgatherFullmesh2 => names::ALLGATHER_FULLMESH2,
+            NativeKind::AllgatherPacket => names::ALLGATHER_PACKET,
             NativeKind::ReducescatterZeroCopy => names::REDUCESCATTER_ZERO_COPY,
+            NativeKind::ReducescatterPacket => names::REDUCESCATTER_PACKET,
             NativeKind::BroadcastZeroCopy => names::BROADCAST_ZERO_COPY,
         }
     }
@@ -55,8 +62,10 @@ impl NativeKind {
             NativeKind::AllreduceAllpairPacket
             | NativeKind::AllreducePacket
             | NativeKind::AllreduceRsagZeroCopy => Collective::AllReduce,
-            NativeKind::AllgatherFullmesh2 => Collective::AllGather,
-            NativeKind::ReducescatterZeroCopy => Collective::ReduceScatter,
+            NativeKind::AllgatherFullmesh2 | NativeKind::AllgatherPacket => Collective::AllGather,
+            NativeKind::ReducescatterZeroCopy | NativeKind::ReducescatterPacket => {
+                Collective::ReduceScatter
+            }
             NativeKind::BroadcastZeroCopy => Collective::Broadcast,
         }
     }
@@ -71,25 +80,49 @@ impl NativeKind {
                 (CollectiveFile::AllReduce, "allreduce_rsag_zero_copy")
             }
             NativeKind::AllgatherFullmesh2 => (CollectiveFile::AllGather, "allgather_fullmesh2"),
+            NativeKind::AllgatherPacket => (CollectiveFile::AllGather, "allgather_packet"),
             NativeKind::ReducescatterZeroCopy => {
                 (CollectiveFile::ReduceScatter, "reducescatter_zero_copy")
+            }
+            NativeKind::ReducescatterPacket => {
+                (CollectiveFile::ReduceScatter, "reducescatter_packet")
             }
             NativeKind::BroadcastZeroCopy => (CollectiveFile::Broadcast, "broadcast_zero_copy"),
         }
     }
 
-    const fn uses_packets(self) -> bool {
+    /// The kinds that run through LL packets in a shared scratch with a device call counter
+    /// (one kernel signature, see `execute`).
+    pub const fn uses_packets(self) -> bool {
         matches!(
             self,
-            NativeKind::AllreduceAllpairPacket | NativeKind::AllreducePacket
+            NativeKind::AllreduceAllpairPacket
+                | NativeKind::AllreducePacket
+                | NativeKind::AllgatherPacket
+                | NativeKind::ReducescatterPacket
         )
+    }
+
+    /// Payload bytes a packet kind's kernel handles per call, for sizing its grid (about one packet
+    /// per thread): the all-gather receives its input from every peer; the others move about their
+    /// input.
+    fn packet_work_bytes(self, input_bytes: usize, nranks: usize) -> usize {
+        match self {
+            NativeKind::AllgatherPacket => {
+                input_bytes.saturating_mul(nranks.saturating_sub(1).max(1))
+            }
+            _ => input_bytes,
+        }
     }
 
     /// Semaphore blocks to reserve per peer (0 for the packet kinds, which need none). The
     /// all-reduce gets the most: it is the one tuned for bandwidth with 2 blocks per SM.
     fn semaphore_blocks(self, sm: u32) -> u32 {
         match self {
-            NativeKind::AllreduceAllpairPacket | NativeKind::AllreducePacket => 0,
+            NativeKind::AllreduceAllpairPacket
+            | NativeKind::AllreducePacket
+            | NativeKind::AllgatherPacket
+            | NativeKind::ReducescatterPacket => 0,
             NativeKind::AllreduceRsagZeroCopy => (2 * sm).min(256),
             _ => sm.min(128),
         }
@@ -198,7 +231,11 @@ impl NativeAlgorithm {
             }
             (
                 Some(SharedScratch::new(&comm, scratch_bytes)?),
-                Some(DeviceBuffer::upload(&gpu, &[CallState::default()])?),
+                // Zeroed memory is CallState::default(): every per-block slot at call 0.
+                Some(DeviceBuffer::zeroed(
+                    &gpu,
+                    std::mem::size_of::<CallState>(),
+                )?),
             )
         } else {
             (None, None)
@@ -226,23 +263,15 @@ impl NativeAlgorithm {
 
     /// Largest message (input bytes per rank) this algorithm takes; `usize::MAX` for zero-copy.
     pub fn max_bytes(&self) -> usize {
-        let n = self.comm.size();
-        match self.kind {
-            NativeKind::AllreduceAllpairPacket => {
-                geometry::allpair_max_bytes(self.scratch_bytes, n)
-            }
-            NativeKind::AllreducePacket => geometry::packet_max_bytes(self.scratch_bytes, n),
-            _ => usize::MAX,
-        }
+        max_input_bytes(self.kind, self.scratch_bytes, self.comm.size())
     }
 
     fn slot_bytes(&self) -> usize {
         let n = self.comm.size();
         match self.kind {
-            NativeKind::AllreduceAllpairPacket => {
-                geometry::allpair_slot_bytes(self.scratch_bytes, n)
-            }
-            _ => geometry::packet_slot_bytes(self.scratch_bytes, n),
+            NativeKind::AllreducePacket => geometry::packet_slot_bytes(self.scratch_bytes, n),
+            // All-pair layout: 2 parity halves x one slot per sending rank.
+            _ => geometry::allpair_slot_bytes(self.scratch_bytes, n),
         }
     }
 
@@ -279,6 +308,37 @@ impl NativeAlgorithm {
     }
 }
 
+/// Largest input (bytes per rank) `kind` takes with `scratch_bytes` of scratch on `nranks` ranks;
+/// `usize::MAX` for the zero-copy kinds. The packet all-gather sends its whole input to each peer's
+/// slot; the packet reduce-scatter sends one chunk (input / nranks) per slot.
+pub fn max_input_bytes(kind: NativeKind, scratch_bytes: usize, nranks: usize) -> usize {
+    match kind {
+        NativeKind::AllreduceAllpairPacket | NativeKind::AllgatherPacket => {
+            geometry::allpair_max_bytes(scratch_bytes, nranks)
+        }
+        NativeKind::AllreducePacket => geometry::packet_max_bytes(scratch_bytes, nranks),
+        NativeKind::ReducescatterPacket => {
+            geometry::allpair_max_bytes(scratch_bytes, nranks).saturating_mul(nranks.max(1))
+        }
+        NativeKind::AllreduceRsagZeroCopy
+        | NativeKind::AllgatherFullmesh2
+        | NativeKind::ReducescatterZeroCopy
+        | NativeKind::BroadcastZeroCopy => usize::MAX,
+    }
+}
+
+/// Refuses a packet algorithm's call whose input does not fit its scratch, naming the limit.
+fn check_capacity(kind: NativeKind, input_bytes: usize, max_bytes: usize) -> Result<()> {
+    if input_bytes > max_bytes {
+        return Err(Error::InvalidArgument(format!(
+            "{}: an input of {input_bytes} bytes exceeds its scratch capacity of {max_bytes} bytes \
+             per rank (build it with more scratch, or use the zero-copy algorithm)",
+            kind.name()
+        )));
+    }
+    Ok(())
+}
+
 fn ptr_of<T>(v: &mut T) -> *mut c_void {
     v as *mut T as *mut c_void
 }
@@ -294,15 +354,7 @@ impl Algorithm for NativeAlgorithm {
 
     fn check(&self, args: &ExecuteArgs) -> Result<()> {
         check_shape(self.kind, args, self.comm.rank(), self.comm.size())?;
-        if args.input_bytes > self.max_bytes() {
-            return Err(Error::Unsupported(format!(
-                "{}: {} bytes exceed its scratch capacity of {} bytes per rank",
-                self.kind.name(),
-                args.input_bytes,
-                self.max_bytes()
-            )));
-        }
-        Ok(())
+        check_capacity(self.kind, args.input_bytes, self.max_bytes())
     }
 
     fn execute(&self, args: &ExecuteArgs) -> Result<()> {
@@ -319,7 +371,10 @@ impl Algorithm for NativeAlgorithm {
         let mut input = args.input;
         let mut output = args.output;
         match self.kind {
-            NativeKind::AllreduceAllpairPacket | NativeKind::AllreducePacket => {
+            NativeKind::AllreduceAllpairPacket
+            | NativeKind::AllreducePacket
+            | NativeKind::AllgatherPacket
+            | NativeKind::ReducescatterPacket => {
                 let scratch = self
                     .scratch
                     .as_ref()
@@ -328,15 +383,27 @@ impl Algorithm for NativeAlgorithm {
                     .state
                     .as_ref()
                     .ok_or_else(|| self.missing("call state"))?;
-                let max_blocks = self.sm.min(resident);
+                // The per-block call counter has MAX_PACKET_BLOCKS slots (collective_common.cuh).
+                let max_blocks = self.sm.min(resident).min(MAX_PACKET_BLOCKS as u32);
+                let n = self.comm.size();
                 let cfg = geometry::launch_config(
                     args.nblocks,
                     args.nthreads,
-                    geometry::packet_blocks(args.input_bytes, threads, self.sm),
+                    geometry::packet_blocks(
+                        self.kind.packet_work_bytes(args.input_bytes, n),
+                        threads,
+                        self.sm,
+                    ),
                     DEFAULT_THREADS,
                     max_blocks,
                 )?;
-                let mut count = count as u64;
+                // The third parameter: elements (all-reduce), bytes (all-gather, byte-oriented),
+                // elements per chunk (reduce-scatter).
+                let mut count = match self.kind {
+                    NativeKind::AllgatherPacket => args.input_bytes as u64,
+                    NativeKind::ReducescatterPacket => (count / n) as u64,
+                    _ => count as u64,
+                };
                 let mut peers = PeerPtrs::from_slice(&scratch.rank_ptrs())?;
                 let mut local: DevicePtr = scratch.local_ptr();
                 let mut slot = self.slot_bytes() as u64;
@@ -480,6 +547,10 @@ mod tests {
     #[case(NativeKind::BroadcastZeroCopy, 64, 64, 2, true)]
     #[case(NativeKind::AllreducePacket, 6, 8, 2, false)]
     #[case(NativeKind::AllreducePacket, 64, 64, 9, false)]
+    #[case(NativeKind::AllgatherPacket, 4, 8, 2, true)]
+    #[case(NativeKind::AllgatherPacket, 4, 7, 2, false)]
+    #[case(NativeKind::ReducescatterPacket, 8, 4, 2, true)]
+    #[case(NativeKind::ReducescatterPacket, 12, 4, 2, false)]
     fn shapes(
         #[case] kind: NativeKind,
         #[case] inb: usize,
@@ -536,6 +607,52 @@ mod tests {
         assert_eq!(
             check_shape(NativeKind::AllreducePacket, &empty, 0, 2).expect("no-op"),
             0
+        );
+    }
+
+    #[rstest]
+    // 8 MiB scratch at 2 ranks: 2 MiB slots of LL16 packets carry 1 MiB each.
+    #[case(NativeKind::AllreduceAllpairPacket, 8 << 20, 2, 1 << 20)]
+    #[case(NativeKind::AllreducePacket, 8 << 20, 2, 1 << 20)]
+    #[case(NativeKind::AllgatherPacket, 8 << 20, 2, 1 << 20)]
+    #[case(NativeKind::ReducescatterPacket, 8 << 20, 2, 2 << 20)]
+    #[case(NativeKind::AllgatherPacket, 8 << 20, 8, 256 << 10)]
+    #[case(NativeKind::ReducescatterPacket, 8 << 20, 8, 2 << 20)]
+    #[case(NativeKind::AllgatherFullmesh2, 0, 8, usize::MAX)]
+    #[case(NativeKind::ReducescatterZeroCopy, 0, 8, usize::MAX)]
+    fn packet_capacities(
+        #[case] kind: NativeKind,
+        #[case] scratch: usize,
+        #[case] n: usize,
+        #[case] want: usize,
+    ) {
+        assert_eq!(max_input_bytes(kind, scratch, n), want, "{kind:?}");
+        check_capacity(kind, want, want).expect("at the limit");
+        if want != usize::MAX {
+            let e = check_capacity(kind, want + 1, want).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+            let msg = e.to_string();
+            assert!(
+                msg.contains(kind.name()) && msg.contains(&want.to_string()),
+                "{msg}"
+            );
+        }
+    }
+
+    #[test]
+    fn packet_kinds_share_one_launch_shape() {
+        for k in NativeKind::ALL {
+            // Packet kinds need scratch and no semaphores; the zero-copy ones the reverse.
+            assert_eq!(k.uses_packets(), k.semaphore_blocks(132) == 0, "{k:?}");
+        }
+        assert_eq!(
+            NativeKind::AllgatherPacket.packet_work_bytes(1024, 8),
+            7 * 1024
+        );
+        assert_eq!(NativeKind::AllgatherPacket.packet_work_bytes(1024, 1), 1024);
+        assert_eq!(
+            NativeKind::ReducescatterPacket.packet_work_bytes(1024, 8),
+            1024
         );
     }
 

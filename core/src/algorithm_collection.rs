@@ -163,7 +163,11 @@ pub mod native_names {
     pub const ALLREDUCE_PACKET: &str = "default_allreduce_packet";
     pub const ALLREDUCE_RSAG_ZERO_COPY: &str = "default_allreduce_rsag_zero_copy";
     pub const ALLGATHER_FULLMESH2: &str = "default_allgather_fullmesh2";
+    /// Ours: LL16 packets through scratch, no semaphores (MSCCL++'s scratch-based all-gather is
+    /// `default_allgather_fullmesh`, a different algorithm, so the name differs).
+    pub const ALLGATHER_PACKET: &str = "default_allgather_packet";
     pub const REDUCESCATTER_ZERO_COPY: &str = "default_reducescatter_zero_copy";
+    pub const REDUCESCATTER_PACKET: &str = "default_reducescatter_packet";
     pub const BROADCAST_ZERO_COPY: &str = "default_broadcast_zero_copy";
 }
 
@@ -174,6 +178,10 @@ pub struct NativeLimits {
     pub allpair_packet_max_bytes: usize,
     /// Largest message (bytes per rank) `default_allreduce_packet` can take.
     pub packet_max_bytes: usize,
+    /// Largest input (bytes per rank) `default_allgather_packet` can take.
+    pub allgather_packet_max_bytes: usize,
+    /// Largest input (bytes per rank, all chunks) `default_reducescatter_packet` can take.
+    pub reducescatter_packet_max_bytes: usize,
     /// Largest world size of the native kernels.
     pub max_ranks: usize,
 }
@@ -192,6 +200,21 @@ pub fn allpair_threshold(world_size: usize) -> usize {
 /// Message size (bytes) up to which packets beat the zero-copy kernel (whose two barrier rounds
 /// cost a few microseconds).
 pub const PACKET_THRESHOLD: usize = 1 << 20;
+
+/// Total bytes (the all-gather's output, the reduce-scatter's input) up to which the packet
+/// all-gather and reduce-scatter are preferred to the zero-copy ones, by world size. The zero-copy
+/// kernels pay two barrier rounds (a few microseconds); the packet kernels move twice the bytes
+/// (8 payload bytes per 16-byte packet) and every receiving thread polls. Each rank receives about
+/// 2 x total bytes whatever the world size, but more peers means more concurrent packet streams
+/// to poll and more scratch per call, so the crossover is taken lower at 5-8 ranks. Starting points
+/// from 2-rank H200 measurements (packets win at every size the old zero-copy kernels lost to NCCL,
+/// up to 512 KiB); retune with `mscclpp-bench`.
+pub fn packet_gather_scatter_threshold(world_size: usize) -> usize {
+    match world_size {
+        0..=4 => 512 << 10,
+        _ => 256 << 10,
+    }
+}
 
 /// The built-in policy for the native algorithms (see the module docs for the NVLS rule). Native
 /// kernels are CUDA, sm_70 or newer, on one host of at most `limits.max_ranks` ranks.
@@ -231,8 +254,27 @@ fn native_choice(limits: &NativeLimits, ctx: &SelectionContext) -> Option<&'stat
                 Some(ALLREDUCE_RSAG_ZERO_COPY)
             }
         }
-        Collective::AllGather => Some(ALLGATHER_FULLMESH2),
-        Collective::ReduceScatter => Some(REDUCESCATTER_ZERO_COPY),
+        Collective::AllGather => {
+            // `bytes` is this rank's input; the threshold is on the gathered total.
+            let total = bytes.saturating_mul(ctx.world_size);
+            if total <= packet_gather_scatter_threshold(ctx.world_size)
+                && bytes <= limits.allgather_packet_max_bytes
+            {
+                Some(ALLGATHER_PACKET)
+            } else {
+                Some(ALLGATHER_FULLMESH2)
+            }
+        }
+        Collective::ReduceScatter => {
+            // `bytes` is this rank's input, already the total of all chunks.
+            if bytes <= packet_gather_scatter_threshold(ctx.world_size)
+                && bytes <= limits.reducescatter_packet_max_bytes
+            {
+                Some(REDUCESCATTER_PACKET)
+            } else {
+                Some(REDUCESCATTER_ZERO_COPY)
+            }
+        }
         Collective::Broadcast => Some(BROADCAST_ZERO_COPY),
         Collective::AllToAll | Collective::SendRecv => None,
     }
@@ -264,6 +306,8 @@ mod tests {
     const LIMITS: NativeLimits = NativeLimits {
         allpair_packet_max_bytes: 2 << 20,
         packet_max_bytes: 4 << 20,
+        allgather_packet_max_bytes: 1 << 20,
+        reducescatter_packet_max_bytes: 2 << 20,
         max_ranks: 8,
     };
 
@@ -288,7 +332,9 @@ mod tests {
             (ALLREDUCE_PACKET, Collective::AllReduce),
             (ALLREDUCE_RSAG_ZERO_COPY, Collective::AllReduce),
             (ALLGATHER_FULLMESH2, Collective::AllGather),
+            (ALLGATHER_PACKET, Collective::AllGather),
             (REDUCESCATTER_ZERO_COPY, Collective::ReduceScatter),
+            (REDUCESCATTER_PACKET, Collective::ReduceScatter),
             (BROADCAST_ZERO_COPY, Collective::Broadcast),
         ] {
             b.add_algorithm(Arc::new(Fake(n, c))).expect("add");
@@ -307,7 +353,18 @@ mod tests {
     #[case(Collective::AllReduce, 128 << 10, 4, ALLREDUCE_ALLPAIR_PACKET)]
     #[case(Collective::AllReduce, 512 << 10, 4, ALLREDUCE_PACKET)]
     #[case(Collective::AllGather, 1 << 20, 8, ALLGATHER_FULLMESH2)]
+    #[case(Collective::AllGather, 1, 2, ALLGATHER_PACKET)]
+    #[case(Collective::AllGather, 256 << 10, 2, ALLGATHER_PACKET)]
+    #[case(Collective::AllGather, (256 << 10) + 1, 2, ALLGATHER_FULLMESH2)]
+    #[case(Collective::AllGather, 128 << 10, 4, ALLGATHER_PACKET)]
+    #[case(Collective::AllGather, 32 << 10, 8, ALLGATHER_PACKET)]
+    #[case(Collective::AllGather, (32 << 10) + 1, 8, ALLGATHER_FULLMESH2)]
     #[case(Collective::ReduceScatter, 1 << 20, 3, REDUCESCATTER_ZERO_COPY)]
+    #[case(Collective::ReduceScatter, 2, 2, REDUCESCATTER_PACKET)]
+    #[case(Collective::ReduceScatter, 512 << 10, 2, REDUCESCATTER_PACKET)]
+    #[case(Collective::ReduceScatter, (512 << 10) + 2, 2, REDUCESCATTER_ZERO_COPY)]
+    #[case(Collective::ReduceScatter, 256 << 10, 8, REDUCESCATTER_PACKET)]
+    #[case(Collective::ReduceScatter, 512 << 10, 8, REDUCESCATTER_ZERO_COPY)]
     #[case(Collective::Broadcast, 1, 2, BROADCAST_ZERO_COPY)]
     fn default_policy(
         #[case] c: Collective,
@@ -325,6 +382,8 @@ mod tests {
         let small = NativeLimits {
             allpair_packet_max_bytes: 4096,
             packet_max_bytes: 64 << 10,
+            allgather_packet_max_bytes: 1024,
+            reducescatter_packet_max_bytes: 2048,
             max_ranks: 8,
         };
         let sel = default_native_selector(small);
@@ -332,6 +391,12 @@ mod tests {
         assert_eq!(c(4096).as_deref(), Some(ALLREDUCE_ALLPAIR_PACKET));
         assert_eq!(c(4097).as_deref(), Some(ALLREDUCE_PACKET));
         assert_eq!(c((64 << 10) + 1).as_deref(), Some(ALLREDUCE_RSAG_ZERO_COPY));
+        let ag = |b| sel(&ctx(Collective::AllGather, b, 2));
+        assert_eq!(ag(1024).as_deref(), Some(ALLGATHER_PACKET));
+        assert_eq!(ag(1025).as_deref(), Some(ALLGATHER_FULLMESH2));
+        let rs = |b| sel(&ctx(Collective::ReduceScatter, b, 2));
+        assert_eq!(rs(2048).as_deref(), Some(REDUCESCATTER_PACKET));
+        assert_eq!(rs(2050).as_deref(), Some(REDUCESCATTER_ZERO_COPY));
     }
 
     #[rstest]

@@ -45,13 +45,25 @@ impl PeerPtrs {
     }
 }
 
-/// `coll::CallState`: device-resident call counter of one algorithm object (zero-initialised).
+/// Largest grid of a kernel that uses [`CallState`] (`coll::kMaxPacketBlocks`); hosts must cap the
+/// packet kernels' grids at this.
+pub const MAX_PACKET_BLOCKS: usize = 1024;
+
+/// `coll::CallState`: device-resident call counter of one algorithm object, one slot per block
+/// (zero-initialised). Each call advances every slot exactly once, whatever its grid size, so the
+/// kernels need no cross-block atomics (see collective_common.cuh).
 #[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CallState {
-    pub calls: u64,
-    pub arrivals: u32,
-    pub pad: u32,
+    pub calls: [u64; MAX_PACKET_BLOCKS],
+}
+
+impl Default for CallState {
+    fn default() -> Self {
+        CallState {
+            calls: [0; MAX_PACKET_BLOCKS],
+        }
+    }
 }
 
 /// The kernel files, one per collective.
@@ -105,8 +117,8 @@ impl CollectiveFile {
                 "allreduce_packet",
                 "allreduce_rsag_zero_copy",
             ],
-            CollectiveFile::AllGather => &["allgather_fullmesh2"],
-            CollectiveFile::ReduceScatter => &["reducescatter_zero_copy"],
+            CollectiveFile::AllGather => &["allgather_packet", "allgather_fullmesh2"],
+            CollectiveFile::ReduceScatter => &["reducescatter_packet", "reducescatter_zero_copy"],
             CollectiveFile::Broadcast => &["broadcast_zero_copy"],
         }
     }
@@ -232,10 +244,12 @@ pub fn layout_asserts() -> String {
     format!(
         "static_assert(sizeof(mscclpp::coll::PeerPtrs) == {}, \"PeerPtrs size\");\n\
          static_assert(sizeof(mscclpp::coll::CallState) == {}, \"CallState size\");\n\
-         static_assert(mscclpp::coll::kMaxRanks == {}, \"kMaxRanks\");\n",
+         static_assert(mscclpp::coll::kMaxRanks == {}, \"kMaxRanks\");\n\
+         static_assert(mscclpp::coll::kMaxPacketBlocks == {}, \"kMaxPacketBlocks\");\n",
         std::mem::size_of::<PeerPtrs>(),
         std::mem::size_of::<CallState>(),
-        MAX_RANKS
+        MAX_RANKS,
+        MAX_PACKET_BLOCKS
     )
 }
 
@@ -319,7 +333,8 @@ mod tests {
     #[test]
     fn peer_ptrs_bounds() {
         assert_eq!(std::mem::size_of::<PeerPtrs>(), 64);
-        assert_eq!(std::mem::size_of::<CallState>(), 16);
+        assert_eq!(std::mem::size_of::<CallState>(), 8 * MAX_PACKET_BLOCKS);
+        assert!(CallState::default().calls.iter().all(|&c| c == 0));
         let p = PeerPtrs::from_slice(&[1, 2, 3]).expect("3 ranks");
         assert_eq!(&p.p[..4], &[1, 2, 3, 0]);
         assert!(PeerPtrs::from_slice(&[0; 9]).is_err());

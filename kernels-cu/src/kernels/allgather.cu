@@ -1,6 +1,10 @@
 // mscclpp-rs native all-gather kernels (see collective_common.cuh for the shared conventions).
 // Byte-oriented: one unit serves every data type.
 //
+// Entry points:
+//   allgather_packet     small messages: every rank sends its input to every peer as LL16 packets
+//   allgather_fullmesh2  large messages on registered outputs (zero-copy, two barriers)
+//
 // allgather_fullmesh2 (zero-copy, registered outputs): rank r pushes its input into slot r of every
 // rank's output with SM stores over NVLink.
 //   outputs  every rank's output mapped here (own at `rank`); slot r = [r * bytes, (r + 1) * bytes)
@@ -30,4 +34,64 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
     }
     block_barrier(sems, npeers, true);
   }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Packet all-gather: no semaphores, no barriers; the packets' flags are the only synchronisation.
+//   peer_scratch  every rank's scratch mapped here (own entry unused)
+//   local_scratch this rank's scratch: 2 halves (call-count parity) x nranks slots of slot_bytes
+//                 (slot_bytes >= packets(bytes) * 16); rank s writes its packets into slot s of the
+//                 current half of each peer.
+// Parity double buffering is enough for the reason given at allreduce_allpair_packet: a rank that
+// starts call N+2 (reusing call N's half) has finished call N+1, so it has read every peer's
+// call-N+1 packets, which each peer sends only after its call-N kernel (all its reads of half N)
+// ended.
+// In place (input == slot `rank` of output): the own slot is not copied, and no other slot overlaps
+// the input, so reading the input and writing the peers' slots never conflict.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(1024, 1)
+    allgather_packet(const void* input, void* output, u64 bytes, PeerPtrs peer_scratch,
+                     const void* local_scratch, u64 slot_bytes, u32 rank, u32 nranks, CallState* state,
+                     u32* error_word, u64 max_spin) {
+  typedef LL16Packet Pkt;
+  const u64 calls = load_call_count(state);
+  const u32 flag = call_flag(calls);
+  const u64 half = (calls & 1) * nranks * slot_bytes;
+  const u64 npkt = packet_count<Pkt>(bytes);
+  const u8* in = static_cast<const u8*>(input);
+  u8* out = static_cast<u8*>(output);
+  u8* own = out + static_cast<u64>(rank) * bytes;
+  const bool copy_own = own != in;
+  const bool in_aligned = reinterpret_cast<u64>(in) % Pkt::kPayloadBytes == 0;
+  const bool own_aligned = reinterpret_cast<u64>(own) % Pkt::kPayloadBytes == 0;
+  const u32 npeers = nranks - 1;
+  const u64 tid = global_thread_id();
+  const u64 stride = global_num_threads();
+
+  // Send: each payload is loaded once and stored to every peer (remote stores do not wait), and to
+  // the own slot of the output.
+  for (u64 j = tid; j < npkt; j += stride) {
+    const u64 v = load_payload<Pkt>(in, bytes, j, in_aligned);
+    for (u32 i = 0; i < npeers; ++i) {
+      Pkt* dst = reinterpret_cast<Pkt*>(static_cast<u8*>(peer_scratch.p[peer_rank(i, rank)]) + half +
+                                        static_cast<u64>(rank) * slot_bytes);
+      dst[j].write(v, flag);
+    }
+    if (copy_own) store_payload<Pkt>(own, bytes, j, v, own_aligned);
+  }
+  // Receive: one flat loop over (peer index, payload) so every thread waits on its own packet even
+  // when the message is smaller than the grid.
+  const u8* scratch = static_cast<const u8*>(local_scratch) + half;
+  for (u64 t = tid; t < npeers * npkt; t += stride) {
+    const u32 i = static_cast<u32>(t / npkt);
+    const u64 j = t - i * npkt;
+    const u32 s = peer_rank(i, rank);
+    u64 v;
+    if (!reinterpret_cast<const Pkt*>(scratch + s * slot_bytes)[j].read(flag, v, max_spin, error_word)) {
+      break;  // recorded in the error word; later packets would time out too
+    }
+    u8* dst = out + static_cast<u64>(s) * bytes;
+    store_payload<Pkt>(dst, bytes, j, v, reinterpret_cast<u64>(dst) % Pkt::kPayloadBytes == 0);
+  }
+  finish_call(state, calls);
 }

@@ -72,7 +72,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
     if (!ok) break;  // recorded in the error word; later packets would time out too
     store_payload<Pkt>(out, bytes, j, acc.finish(nranks), out_aligned);
   }
-  finish_call(state);
+  finish_call(state, calls);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -154,7 +154,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
     ok = reinterpret_cast<const Pkt*>(scratch + region + q * slot_bytes)[k].read(flag, v, max_spin, error_word);
     if (ok) store_payload<Pkt>(out, bytes, j, v, out_aligned);
   }
-  finish_call(state);
+  finish_call(state, calls);
 }
 
 // ------------------------------------------------------------------------------------------------

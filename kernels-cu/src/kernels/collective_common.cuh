@@ -29,13 +29,24 @@ struct PeerPtrs {
   void* p[kMaxRanks];
 };
 
-// Device-resident state of one algorithm object. `calls` counts completed calls; the kernel itself
+// Largest grid of any kernel that uses CallState. The host caps the packet kernels' grids at this
+// (mscclpp_kernels_cu::collectives::MAX_PACKET_BLOCKS).
+constexpr u32 kMaxPacketBlocks = 1024;
+
+// Device-resident call counter of one algorithm object, one copy per block slot. The kernel itself
 // advances it, so CUDA-graph replays keep packet flags fresh with no host involvement. Mirrored by
-// mscclpp_kernels_cu::collectives::CallState (16 bytes, zero-initialised by the host).
+// mscclpp_kernels_cu::collectives::CallState (8 KiB, zero-initialised by the host).
+//
+// Why one slot per block instead of one shared counter: a shared counter needs the blocks of a call
+// to agree on who advances it (an atomic arrival count plus fences), which sat on the critical path
+// of every small call. Here block b reads only calls[b] and, when done, writes every slot
+// k = b (mod gridDim.x). Every slot is written by exactly one block per call, so after each call all
+// slots hold the same count and a later call with any grid size (<= kMaxPacketBlocks) reads the same
+// value in every block. Within a call no block reads a slot another block writes (block b' reads
+// slot b' < gridDim.x, which only block b' writes), so no ordering between blocks is needed; the
+// next call sees the writes because kernels on one stream are ordered.
 struct CallState {
-  u64 calls;
-  u32 arrivals;  // blocks of the current call that reached finish_call
-  u32 pad;
+  u64 calls[kMaxPacketBlocks];
 };
 
 MSCCLPP_DEVICE_INLINE u32 peer_rank(u32 index, u32 rank) { return index < rank ? index : index + 1; }
@@ -44,26 +55,22 @@ MSCCLPP_DEVICE_INLINE u32 peer_rank(u32 index, u32 rank) { return index < rank ?
 // previous call's flag, also across the wrap-around.
 MSCCLPP_DEVICE_INLINE u32 call_flag(u64 calls) { return static_cast<u32>(calls % 0xFFFFFFFFull) + 1u; }
 
-// Reads the call counter once per block. The previous call's update is visible because kernels on
-// one stream are ordered and a kernel boundary publishes all of its writes.
+// Reads this block's slot of the call counter once per block (thread 0, shared with the block).
 MSCCLPP_DEVICE_INLINE u64 load_call_count(const CallState* state) {
   __shared__ u64 calls;
-  if (threadIdx.x == 0) calls = *reinterpret_cast<const volatile u64*>(&state->calls);
+  if (threadIdx.x == 0) calls = state->calls[blockIdx.x];
   __syncthreads();
   return calls;
 }
 
-// Every block calls this last. The last block to arrive advances the counter; all blocks have read
-// it by then (each reads it before arriving), so no block of this call can see the new value.
-MSCCLPP_DEVICE_INLINE void finish_call(CallState* state) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(&state->arrivals, 1u) == gridDim.x - 1) {
-      state->arrivals = 0;
-      state->calls = state->calls + 1;
-      __threadfence();
-    }
+// Every block calls this last, with the value load_call_count returned: advances the slots this
+// block owns (k = blockIdx.x mod gridDim.x), spread over its threads. No barrier is needed: the
+// block's own slot was read before the __syncthreads in load_call_count, and the other slots it
+// writes are read by no block of this call.
+MSCCLPP_DEVICE_INLINE void finish_call(CallState* state, u64 calls) {
+  const u64 next = calls + 1;
+  for (u32 k = blockIdx.x + threadIdx.x * gridDim.x; k < kMaxPacketBlocks; k += blockDim.x * gridDim.x) {
+    state->calls[k] = next;
   }
 }
 
