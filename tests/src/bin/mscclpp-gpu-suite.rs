@@ -185,6 +185,10 @@ fn run() -> Result<i32> {
             suite.record(&name, result);
         }
     }
+    // Collective over every rank (not only pairs).
+    for (name, result) in mscclpp_tests::port_allreduce_checks::run(&suite.ctx) {
+        suite.record(&name, result);
+    }
     let only_primitives = std::env::args().any(|a| a == "--primitives-only");
     if !only_primitives {
         let r = precompile_collectives(&mut suite);

@@ -1,0 +1,604 @@
+//! `port_allreduce`: an all-reduce whose data moves through PortChannels, i.e. the host proxy copies
+//! with the copy engine on the GPU's request, instead of SM loads and stores over NVLink. One host,
+//! 2..=8 ranks, every (dtype, accumulator, op) that `resolve_accumulator` offers.
+//!
+//! # Setup (collective: every rank constructs it at the same point of its communicator setup)
+//! - A scratch of `2 * nranks * slot_stride` bytes (two parity halves of one slot per rank,
+//!   `slot_stride = round_up(max_bytes, 16)`), exchanged with every rank ([`SharedScratch`]).
+//! - A staging buffer of `max_bytes`, the source of every put. Choice: the input is copied into
+//!   it with a stream-ordered copy-engine copy (`memcpy_async`) rather than registered directly,
+//!   because the proxy's memory table is closed once it runs, while callers pass new buffers on
+//!   every call; and rather than copied by a kernel, because a one-block copy is slow and a
+//!   many-block copy would need a grid barrier before block 0 may push the puts.
+//! - A [`PortChannelService`] with, per peer in rank order, one CudaIpc connection, one semaphore
+//!   and one channel (dst = the peer's scratch, src = the staging buffer); then the proxy starts.
+//!
+//! # One call (`execute` enqueues only; legal during CUDA-graph capture)
+//! copy input -> staging; `port_allreduce_exchange` (one warp: put with signal into slot `rank` of
+//! the current half of every peer, flush, wait for every peer's signal, advance the device call
+//! counter); `port_allreduce_reduce` (every block: output = reduction of the ranks' data in rank
+//! order, so every rank gets bit-identical results). Why parity double buffering makes a second
+//! signal round unnecessary is explained in port_allreduce.cu.
+
+use crate::geometry::{self, resident_blocks};
+use crate::resources::{DeviceBuffer, SharedScratch};
+use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
+use mscclpp_core::communicator::Communicator;
+use mscclpp_core::device::PortChannelHandle;
+use mscclpp_core::gpu::{DevicePtr, Function, LaunchConfig};
+use mscclpp_core::port_channel::{PortChannelConfig, PortChannelService};
+use mscclpp_core::proxy::ProxyStats;
+use mscclpp_core::transport::{CudaIpcTransport, MemoryRegion, Transport};
+use mscclpp_core::{Error, Result};
+use mscclpp_kernels_cu::collectives::{
+    cxx_type, resolve_accumulator, ReduceSpec, COMMON, MAX_RANKS,
+};
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+/// The algorithm's name in selectors and reports.
+pub const NAME: &str = "port_allreduce";
+/// The kernel file (see its header comment for the protocol).
+pub const KERNEL_SOURCE: &str = include_str!("port_allreduce.cu");
+/// Entry points of every unit.
+pub const EXCHANGE_ENTRY: &str = "port_allreduce_exchange";
+pub const REDUCE_ENTRY: &str = "port_allreduce_reduce";
+
+/// Threads of the one exchange block: one warp, a lane per peer.
+const EXCHANGE_THREADS: u32 = 32;
+/// Default threads per block of the reduce kernel.
+const DEFAULT_THREADS: u32 = 512;
+/// Largest byte offset a proxy trigger can carry (32-bit offset fields).
+const MAX_TRIGGER_OFFSET: u64 = u32::MAX as u64;
+/// Slot alignment: the reduce kernel uses 16-byte vector accesses when slots and buffers allow.
+const SLOT_ALIGN: usize = 16;
+
+/// Where each rank's data lands in a rank's scratch. Pure arithmetic, mirrored by the kernels
+/// (which receive `slot_stride` and compute the same offsets).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScratchLayout {
+    pub nranks: usize,
+    /// Largest message (bytes per rank) one call takes.
+    pub max_bytes: usize,
+    /// Bytes between consecutive slots: `max_bytes` rounded up to 16.
+    pub slot_stride: usize,
+}
+
+impl ScratchLayout {
+    /// The layout for `nranks` ranks and messages of up to `max_bytes`. Errors name the limit
+    /// that is broken: world size outside 2..=8, an empty message size, or a scratch whose offsets
+    /// do not fit a trigger's 32-bit offset field.
+    pub fn new(nranks: usize, max_bytes: usize) -> Result<ScratchLayout> {
+        if !(2..=MAX_RANKS).contains(&nranks) {
+            return Err(Error::Unsupported(format!(
+                "{NAME} on {nranks} ranks: it supports 2..={MAX_RANKS} ranks on one host"
+            )));
+        }
+        if max_bytes == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{NAME}: max_bytes must be greater than 0"
+            )));
+        }
+        let layout = ScratchLayout {
+            nranks,
+            max_bytes,
+            slot_stride: max_bytes.next_multiple_of(SLOT_ALIGN),
+        };
+        // The last byte any put writes is the end of the last slot of the second half.
+        let total = layout.scratch_bytes() as u64;
+        if total - 1 > MAX_TRIGGER_OFFSET {
+            return Err(Error::InvalidArgument(format!(
+                "{NAME}: max_bytes {max_bytes} on {nranks} ranks needs a scratch of {total} bytes, \
+                 beyond the {} bytes a PortChannel trigger can address; at most {} bytes per call",
+                MAX_TRIGGER_OFFSET + 1,
+                Self::largest_max_bytes(nranks)
+            )));
+        }
+        Ok(layout)
+    }
+
+    /// The largest `max_bytes` whose scratch a trigger can still address on `nranks` ranks.
+    pub fn largest_max_bytes(nranks: usize) -> usize {
+        let slots = 2 * nranks.max(1) as u64;
+        (((MAX_TRIGGER_OFFSET + 1) / slots) as usize) / SLOT_ALIGN * SLOT_ALIGN
+    }
+
+    /// Bytes of scratch each rank allocates: two parity halves of `nranks` slots.
+    pub fn scratch_bytes(&self) -> usize {
+        2 * self.nranks * self.slot_stride
+    }
+
+    /// Offset in every peer's scratch where `rank` puts its data in call number `call`.
+    pub fn slot_offset(&self, call: u64, rank: usize) -> u64 {
+        ((call & 1) * self.nranks as u64 + rank as u64) * self.slot_stride as u64
+    }
+}
+
+/// Validates `args` against `layout` for `rank` (no device access) and returns the element count
+/// (0: nothing to do). Unsupported combinations are `Error::Unsupported` naming them.
+pub fn check_args(layout: &ScratchLayout, args: &ExecuteArgs) -> Result<usize> {
+    let count = args.input_count()?;
+    resolve_accumulator(args.dtype, args.accum)
+        .map_err(|e| Error::Unsupported(format!("{NAME}: {e}")))?;
+    if args.input_bytes > layout.max_bytes {
+        return Err(Error::Unsupported(format!(
+            "{NAME}: {} bytes exceed the {} bytes per rank it was built for",
+            args.input_bytes, layout.max_bytes
+        )));
+    }
+    if args.output_bytes < args.input_bytes {
+        return Err(Error::InvalidArgument(format!(
+            "{NAME}: the output holds {} bytes, the call needs {}",
+            args.output_bytes, args.input_bytes
+        )));
+    }
+    if count > 0 && (args.input == 0 || args.output == 0) {
+        return Err(Error::InvalidArgument(format!(
+            "{NAME}: null {} pointer",
+            if args.input == 0 { "input" } else { "output" }
+        )));
+    }
+    Ok(count)
+}
+
+/// Name (logs, kernel cache) of the unit for `spec`.
+pub fn unit_name(spec: ReduceSpec) -> String {
+    format!(
+        "{NAME}_{}_acc_{}_{}",
+        spec.dtype.name(),
+        spec.acc.name(),
+        spec.op.name()
+    )
+}
+
+/// The complete translation unit for `spec`: the type/op defines, the shared collective code
+/// (`PeerPtrs`, `reduce_to_all`), then [`KERNEL_SOURCE`].
+pub fn unit_source(spec: ReduceSpec) -> String {
+    format!(
+        "#define MSCCLPP_COLL_T {}\n#define MSCCLPP_COLL_ACC {}\n#define MSCCLPP_COLL_OP {}\n{COMMON}\n{KERNEL_SOURCE}",
+        cxx_type(spec.dtype),
+        cxx_type(spec.acc),
+        spec.op.to_nccl()
+    )
+}
+
+/// The two kernels of one unit.
+#[derive(Debug, Clone, Copy)]
+struct Kernels {
+    exchange: Function,
+    reduce: Function,
+}
+
+fn as_param<T>(v: &mut T) -> *mut c_void {
+    v as *mut T as *mut c_void
+}
+
+/// The PortChannel all-reduce bound to one communicator. See the module docs.
+pub struct PortAllreduce {
+    // Field order is drop order. The service goes first: its proxy drains and stops (and its
+    // connections finish their copies) before anything it copies from or into is released. The
+    // scratch goes after the staging buffer: its drop waits (bootstrap barrier) until every peer
+    // has dropped its own service, so no peer's proxy still writes into it.
+    // In a mutex because the service is `Send` but not `Sync` (the proxy's stop channel), while
+    // `Algorithm` objects are shared between threads; only the host-side checks take it.
+    service: Mutex<PortChannelService>,
+    channels: DeviceBuffer,
+    staging: DeviceBuffer,
+    calls: DeviceBuffer,
+    scratch: SharedScratch,
+    kernels: Mutex<HashMap<ReduceSpec, Kernels>>,
+    layout: ScratchLayout,
+    sm: u32,
+    comm: Arc<Communicator>,
+}
+
+impl PortAllreduce {
+    /// Collective: builds the algorithm for messages of up to `max_bytes` bytes per rank. `config`
+    /// sets the proxy (FIFO depth, flush timeout) and the device waits' spin bound.
+    pub fn new(
+        comm: Arc<Communicator>,
+        max_bytes: usize,
+        config: PortChannelConfig,
+    ) -> Result<PortAllreduce> {
+        let (rank, nranks) = (comm.rank(), comm.size());
+        let layout = ScratchLayout::new(nranks, max_bytes)?;
+        let gpu = comm.gpu().clone();
+        gpu.set_device(comm.device())?;
+        let sm = gpu.properties(comm.device())?.multiprocessors.max(1);
+        let scratch = SharedScratch::new(&comm, layout.scratch_bytes())?;
+        let staging = DeviceBuffer::zeroed(&gpu, layout.max_bytes)?;
+        let calls = DeviceBuffer::zeroed(&gpu, std::mem::size_of::<u64>())?;
+        let mut service = PortChannelService::new(&comm, config)?;
+        let src = service.add_memory_region(MemoryRegion {
+            addr: staging.ptr(),
+            size: layout.max_bytes as u64,
+            key: 0,
+        })?;
+        let scratch_ptrs = scratch.rank_ptrs();
+        let mut handles: Vec<PortChannelHandle> = Vec::with_capacity(nranks - 1);
+        for peer in (0..nranks).filter(|&p| p != rank) {
+            let peer_scratch = *scratch_ptrs.get(peer).ok_or_else(|| {
+                Error::Internal(format!("{NAME}: no scratch address of rank {peer}"))
+            })?;
+            let dst = service.add_memory_region(MemoryRegion {
+                addr: peer_scratch,
+                size: layout.scratch_bytes() as u64,
+                key: 0,
+            })?;
+            let conn: Arc<dyn Transport> =
+                Arc::new(CudaIpcTransport::new(gpu.clone(), comm.device(), peer)?);
+            let sem = service.add_semaphore(&comm, conn).map_err(|e| {
+                Error::Internal(format!("{NAME}: semaphore towards rank {peer}: {e}"))
+            })?;
+            handles.push(service.port_channel(sem, dst, src)?);
+        }
+        let channels = DeviceBuffer::upload(&gpu, &handles)?;
+        service.start()?;
+        Ok(PortAllreduce {
+            service: Mutex::new(service),
+            channels,
+            staging,
+            calls,
+            scratch,
+            kernels: Mutex::new(HashMap::new()),
+            layout,
+            sm,
+            comm,
+        })
+    }
+
+    pub fn layout(&self) -> ScratchLayout {
+        self.layout
+    }
+
+    /// Largest message (input bytes per rank) one call takes.
+    pub fn max_bytes(&self) -> usize {
+        self.layout.max_bytes
+    }
+
+    /// The first proxy error not reported yet (a failed copy, signal or flush). Call it after
+    /// synchronising the stream; `execute` also reports it at its next call.
+    pub fn check_proxy(&self) -> Result<()> {
+        self.service()?
+            .check()
+            .map_err(|e| Error::Internal(format!("{NAME}: the PortChannel proxy reported: {e}")))
+    }
+
+    /// Triggers the proxy has handled so far.
+    pub fn proxy_stats(&self) -> Result<ProxyStats> {
+        Ok(self.service()?.stats())
+    }
+
+    fn service(&self) -> Result<std::sync::MutexGuard<'_, PortChannelService>> {
+        self.service.lock().map_err(|_| {
+            Error::Internal(format!("{NAME}: the proxy service was poisoned by a panic"))
+        })
+    }
+
+    fn kernels(&self, spec: ReduceSpec) -> Result<Kernels> {
+        let lock = || {
+            self.kernels.lock().map_err(|_| {
+                Error::Internal(format!("{NAME}: the kernel table was poisoned by a panic"))
+            })
+        };
+        if let Some(k) = lock()?.get(&spec) {
+            return Ok(*k);
+        }
+        // Compiled outside the lock: NVRTC takes a while and other specs need not wait.
+        let gpu = self.comm.gpu();
+        let module = gpu.build_module(&unit_name(spec), &unit_source(spec))?;
+        let k = Kernels {
+            exchange: gpu.get_function(module, EXCHANGE_ENTRY)?,
+            reduce: gpu.get_function(module, REDUCE_ENTRY)?,
+        };
+        lock()?.insert(spec, k);
+        Ok(k)
+    }
+}
+
+impl Algorithm for PortAllreduce {
+    fn name(&self) -> &str {
+        NAME
+    }
+
+    fn collective(&self) -> Collective {
+        Collective::AllReduce
+    }
+
+    fn check(&self, args: &ExecuteArgs) -> Result<()> {
+        check_args(&self.layout, args).map(|_| ())
+    }
+
+    fn execute(&self, args: &ExecuteArgs) -> Result<()> {
+        let count = check_args(&self.layout, args)?;
+        // A proxy failure of an earlier call surfaces here at the latest (host-only check).
+        self.check_proxy()?;
+        if count == 0 {
+            return Ok(());
+        }
+        let spec = ReduceSpec {
+            dtype: args.dtype,
+            acc: resolve_accumulator(args.dtype, args.accum)?,
+            op: args.op,
+        };
+        let kernels = self.kernels(spec)?;
+        let threads = args.nthreads.unwrap_or(DEFAULT_THREADS);
+        let max_blocks = resident_blocks(self.sm, threads);
+        let reduce_cfg = geometry::launch_config(
+            args.nblocks,
+            args.nthreads,
+            geometry::bandwidth_blocks(args.input_bytes, max_blocks),
+            DEFAULT_THREADS,
+            max_blocks,
+        )?;
+        let gpu = self.comm.gpu();
+        gpu.memcpy_async(
+            self.staging.ptr(),
+            args.input,
+            args.input_bytes,
+            args.stream,
+        )?;
+
+        let mut rank = self.comm.rank() as u32;
+        let mut nranks = self.comm.size() as u32;
+        let mut slot_stride = self.layout.slot_stride as u64;
+        let mut calls: DevicePtr = self.calls.ptr();
+        let mut bytes = args.input_bytes as u64;
+        let mut chans: DevicePtr = self.channels.ptr();
+        let mut npeers = nranks - 1;
+        let mut params = [
+            as_param(&mut chans),
+            as_param(&mut npeers),
+            as_param(&mut bytes),
+            as_param(&mut slot_stride),
+            as_param(&mut rank),
+            as_param(&mut nranks),
+            as_param(&mut calls),
+        ];
+        // SAFETY: matches port_allreduce_exchange(const PortChannelHandle*, u32, u64, u64, u32,
+        // u32, u64*); the parameters are locals that outlive the call, and the device addresses
+        // are this object's live buffers (channels, counter) and the proxy's FIFO, which live
+        // until the object is dropped.
+        unsafe {
+            gpu.launch(
+                kernels.exchange,
+                LaunchConfig::linear(1, EXCHANGE_THREADS),
+                args.stream,
+                &mut params,
+            )
+        }?;
+
+        let mut input = args.input;
+        let mut output = args.output;
+        let mut count = count as u64;
+        let mut scratch: DevicePtr = self.scratch.local_ptr();
+        let mut params = [
+            as_param(&mut input),
+            as_param(&mut output),
+            as_param(&mut count),
+            as_param(&mut scratch),
+            as_param(&mut slot_stride),
+            as_param(&mut rank),
+            as_param(&mut nranks),
+            as_param(&mut calls),
+        ];
+        // SAFETY: matches port_allreduce_reduce(const void*, void*, u64, void*, u64, u32, u32,
+        // const u64*); input and output are the caller's buffers (checked non-null, holding at
+        // least input_bytes), scratch and counter are this object's.
+        unsafe { gpu.launch(kernels.reduce, reduce_cfg, args.stream, &mut params) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mscclpp_core::gpu::Stream;
+    use mscclpp_core::{AccumType, DataType, ReduceOp};
+    use rstest::rstest;
+
+    fn args(dtype: DataType, input_bytes: usize, output_bytes: usize) -> ExecuteArgs {
+        ExecuteArgs {
+            input: 0x1000,
+            output: 0x2000,
+            input_bytes,
+            output_bytes,
+            dtype,
+            op: ReduceOp::Sum,
+            accum: AccumType::Auto,
+            root: 0,
+            stream: Stream::DEFAULT,
+            nblocks: None,
+            nthreads: None,
+        }
+    }
+
+    #[rstest]
+    #[case(2, 4, 16)]
+    #[case(2, 16, 16)]
+    #[case(3, 4104, 4112)]
+    #[case(8, 64 << 20, 64 << 20)]
+    #[case(4, (1 << 20) - 2, 1 << 20)]
+    fn slot_stride_is_max_bytes_rounded_to_16(
+        #[case] n: usize,
+        #[case] max: usize,
+        #[case] stride: usize,
+    ) {
+        let l = ScratchLayout::new(n, max).expect("layout");
+        assert_eq!(l.slot_stride, stride);
+        assert_eq!(l.scratch_bytes(), 2 * n * stride);
+    }
+
+    #[test]
+    fn slot_offsets_alternate_halves_and_never_overlap() {
+        let l = ScratchLayout::new(4, 1000).expect("layout");
+        assert_eq!(l.slot_offset(0, 0), 0);
+        assert_eq!(l.slot_offset(0, 3), 3 * 1008);
+        assert_eq!(l.slot_offset(1, 0), 4 * 1008);
+        assert_eq!(l.slot_offset(2, 2), l.slot_offset(0, 2), "parity only");
+        assert_eq!(l.slot_offset(7, 1), l.slot_offset(1, 1));
+        // Every (half, rank) slot is disjoint from every other and inside the scratch.
+        let mut ranges: Vec<(u64, u64)> = (0..2u64)
+            .flat_map(|c| (0..4).map(move |r| (c, r)))
+            .map(|(c, r)| {
+                (
+                    l.slot_offset(c, r),
+                    l.slot_offset(c, r) + l.max_bytes as u64,
+                )
+            })
+            .collect();
+        ranges.sort_unstable();
+        for w in ranges.windows(2) {
+            assert!(w[0].1 <= w[1].0, "{w:?} overlap");
+        }
+        assert!(ranges.iter().all(|r| r.0 % 16 == 0));
+        assert!(ranges.last().expect("slots").1 <= l.scratch_bytes() as u64);
+    }
+
+    #[rstest]
+    #[case(1)]
+    #[case(9)]
+    #[case(0)]
+    fn world_sizes_outside_2_to_8_are_unsupported(#[case] n: usize) {
+        let e = ScratchLayout::new(n, 1024).unwrap_err();
+        assert!(matches!(e, Error::Unsupported(_)), "{e}");
+        assert!(e.to_string().contains(&format!("{n} ranks")), "{e}");
+    }
+
+    #[test]
+    fn scratch_must_fit_trigger_offsets() {
+        for n in 2..=MAX_RANKS {
+            let largest = ScratchLayout::largest_max_bytes(n);
+            let l = ScratchLayout::new(n, largest).expect("largest fits");
+            let last = l.slot_offset(1, n - 1) + l.max_bytes as u64 - 1;
+            assert!(last <= MAX_TRIGGER_OFFSET, "{n} ranks: {last}");
+            let e = ScratchLayout::new(n, largest + SLOT_ALIGN).unwrap_err();
+            assert!(
+                e.to_string().contains(&format!("at most {largest} bytes")),
+                "{e}"
+            );
+        }
+        // 64 MiB messages fit at every world size the suite runs.
+        assert!(ScratchLayout::largest_max_bytes(8) >= 64 << 20);
+        assert!(ScratchLayout::new(2, 0).is_err());
+    }
+
+    #[test]
+    fn call_arguments_are_checked() {
+        let l = ScratchLayout::new(2, 4096).expect("layout");
+        assert_eq!(
+            check_args(&l, &args(DataType::F32, 4096, 4096)).ok(),
+            Some(1024)
+        );
+        assert_eq!(check_args(&l, &args(DataType::Bf16, 2, 2)).ok(), Some(1));
+        let e = check_args(&l, &args(DataType::F32, 4100, 4100)).unwrap_err();
+        assert!(matches!(e, Error::Unsupported(_)), "{e}");
+        assert!(e.to_string().contains("4100 bytes"), "{e}");
+        let e = check_args(&l, &args(DataType::F32, 6, 8)).unwrap_err();
+        assert!(e.to_string().contains("element size"), "{e}");
+        let e = check_args(&l, &args(DataType::F32, 16, 12)).unwrap_err();
+        assert!(e.to_string().contains("output holds 12"), "{e}");
+        let mut a = args(DataType::F32, 16, 16);
+        a.input = 0;
+        assert!(check_args(&l, &a)
+            .unwrap_err()
+            .to_string()
+            .contains("null input"));
+        // An empty call is a no-op, with or without buffers.
+        a.input_bytes = 0;
+        a.output = 0;
+        assert_eq!(check_args(&l, &a).ok(), Some(0));
+        // Narrowing accumulators are refused by name.
+        let mut a = args(DataType::F32, 16, 16);
+        a.accum = AccumType::F16;
+        let e = check_args(&l, &a).unwrap_err();
+        assert!(matches!(e, Error::Unsupported(_)), "{e}");
+        assert!(e.to_string().contains(NAME), "{e}");
+    }
+
+    #[test]
+    fn units_are_named_and_specialised_per_spec() {
+        let spec = ReduceSpec {
+            dtype: DataType::Bf16,
+            acc: DataType::F32,
+            op: ReduceOp::Max,
+        };
+        assert_eq!(unit_name(spec), "port_allreduce_bf16_acc_f32_max");
+        let src = unit_source(spec);
+        assert!(src.starts_with("#define MSCCLPP_COLL_T bf16\n#define MSCCLPP_COLL_ACC float\n"));
+        assert!(src.contains("#define MSCCLPP_COLL_OP 2\n"), "ncclMax = 2");
+        for entry in [EXCHANGE_ENTRY, REDUCE_ENTRY] {
+            assert!(src.contains(&format!(" {entry}(")), "{entry}");
+        }
+        assert!(src.contains("reduce_to_all"));
+    }
+
+    /// The specs the NVRTC test compiles: every dtype with its own accumulator and Sum, every op
+    /// for one float and one integer type, and the widening accumulators.
+    fn compile_specs() -> Vec<ReduceSpec> {
+        let mut specs: Vec<ReduceSpec> = DataType::ALL
+            .iter()
+            .map(|&dtype| ReduceSpec {
+                dtype,
+                acc: dtype,
+                op: ReduceOp::Sum,
+            })
+            .collect();
+        for dtype in [DataType::Bf16, DataType::I32] {
+            for op in ReduceOp::ALL {
+                specs.push(ReduceSpec {
+                    dtype,
+                    acc: dtype,
+                    op,
+                });
+            }
+        }
+        for (dtype, accum) in [
+            (DataType::Bf16, AccumType::F32),
+            (DataType::F16, AccumType::F32),
+            (DataType::Fp8E4M3, AccumType::F16),
+        ] {
+            let acc = resolve_accumulator(dtype, accum).expect("offered accumulator");
+            specs.push(ReduceSpec {
+                dtype,
+                acc,
+                op: ReduceOp::Avg,
+            });
+        }
+        specs.dedup();
+        specs
+    }
+
+    /// The kernel unit compiles through NVRTC for sm_90 (H100/H200). Needs NVRTC and the CUDA
+    /// headers (`source scripts/nvrtc-env.sh`); skipped with a printed reason otherwise, unless
+    /// MSCCLPP_REQUIRE_NVRTC=1.
+    #[test]
+    fn kernel_units_compile_for_sm_90() {
+        use mscclpp_cuda::{CompileRequest, Nvrtc};
+        let nvrtc = match Nvrtc::load() {
+            Ok(n) => n,
+            Err(e) if std::env::var("MSCCLPP_REQUIRE_NVRTC").as_deref() == Ok("1") => {
+                panic!("MSCCLPP_REQUIRE_NVRTC=1 but NVRTC is unavailable: {e}")
+            }
+            Err(e) => {
+                eprintln!("skipping kernel_units_compile_for_sm_90: {e}");
+                return;
+            }
+        };
+        for spec in compile_specs() {
+            let name = unit_name(spec);
+            let source = unit_source(spec);
+            let req = CompileRequest {
+                name: &name,
+                source: &source,
+                arch: "sm_90",
+                headers: mscclpp_kernels_cu::HEADERS,
+                options: &[],
+            };
+            let k = nvrtc
+                .compile(&req)
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert!(k.image.starts_with(b"\x7fELF"), "{name}: not a CUBIN");
+        }
+    }
+}
