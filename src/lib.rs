@@ -41,7 +41,7 @@ pub use mscclpp_rocm::RocmGpu;
 use mscclpp_core::env::BackendChoice;
 use mscclpp_core::gpu::{
     Allocation, DeviceProperties, DevicePtr, Event, Function, Graph, HostMapped, ImportedMemory,
-    IpcMemHandle, LaunchConfig, MemoryKind, Module, Stream,
+    IpcMemHandle, LaunchConfig, MemoryKind, Module, MulticastExport, MulticastHandle, Stream,
 };
 use std::ffi::c_void;
 
@@ -213,6 +213,46 @@ impl Gpu for GpuBackend {
     }
     fn destroy_graph(&self, graph: Graph) -> Result<()> {
         dispatch!(self, g => g.destroy_graph(graph))
+    }
+    fn is_nvls_supported(&self, device: usize) -> Result<bool> {
+        dispatch!(self, g => g.is_nvls_supported(device))
+    }
+    fn create_multicast(&self, size: usize, num_devices: usize) -> Result<MulticastHandle> {
+        dispatch!(self, g => g.create_multicast(size, num_devices))
+    }
+    fn multicast_add_device(&self, handle: &MulticastHandle, device: usize) -> Result<()> {
+        dispatch!(self, g => g.multicast_add_device(handle, device))
+    }
+    fn multicast_bind_memory(
+        &self,
+        handle: &MulticastHandle,
+        alloc: &Allocation,
+        offset: usize,
+        size: usize,
+    ) -> Result<()> {
+        dispatch!(self, g => g.multicast_bind_memory(handle, alloc, offset, size))
+    }
+    fn multicast_unbind(&self, handle: &MulticastHandle, device: usize, size: usize) -> Result<()> {
+        dispatch!(self, g => g.multicast_unbind(handle, device, size))
+    }
+    fn map_multicast(&self, handle: &MulticastHandle) -> Result<DevicePtr> {
+        dispatch!(self, g => g.map_multicast(handle))
+    }
+    fn unmap_multicast(&self, handle: &MulticastHandle, ptr: DevicePtr) -> Result<()> {
+        dispatch!(self, g => g.unmap_multicast(handle, ptr))
+    }
+    fn export_multicast(&self, handle: &MulticastHandle) -> Result<MulticastExport> {
+        dispatch!(self, g => g.export_multicast(handle))
+    }
+    fn import_multicast(
+        &self,
+        export: &MulticastExport,
+        fd: Option<i32>,
+    ) -> Result<MulticastHandle> {
+        dispatch!(self, g => g.import_multicast(export, fd))
+    }
+    fn free_multicast(&self, handle: &MulticastHandle) -> Result<()> {
+        dispatch!(self, g => g.free_multicast(handle))
     }
 }
 

@@ -24,10 +24,12 @@ use crate::driver::{self, cu};
 use crate::ipc::{fetch_peer_fd, ImportCache, ImportKey, Mapping};
 use crate::nvrtc::{CompileRequest, Nvrtc};
 use cudarc::driver::sys;
+use mscclpp_core::env::Env;
 use mscclpp_core::gpu::{
     Allocation, DevicePtr, Event, Function, Graph, HostMapped, ImportedMemory, IpcMemHandle,
-    LaunchConfig, MemoryKind, Module, Stream,
+    LaunchConfig, MemoryKind, Module, MulticastExport, MulticastHandle, Stream,
 };
+use mscclpp_core::switch_channel::nvls_gate;
 use mscclpp_core::{DeviceProperties, Error, Gpu, GpuVendor, Result};
 use std::cell::Cell;
 use std::collections::HashMap;
@@ -1010,5 +1012,489 @@ impl Gpu for CudaGpu {
         // SAFETY: writes one status.
         unsafe { cu!(cuStreamIsCapturing(cu_stream(stream), &mut status)) }?;
         Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    // NVLink multicast: the implementations are in the NVLS section below, each gated first.
+    fn is_nvls_supported(&self, device: usize) -> Result<bool> {
+        self.nvls_supported(device)
+    }
+    fn create_multicast(&self, size: usize, num_devices: usize) -> Result<MulticastHandle> {
+        self.mc_create(size, num_devices)
+    }
+    fn multicast_add_device(&self, handle: &MulticastHandle, device: usize) -> Result<()> {
+        self.mc_add_device(handle, device)
+    }
+    fn multicast_bind_memory(
+        &self,
+        handle: &MulticastHandle,
+        alloc: &Allocation,
+        offset: usize,
+        size: usize,
+    ) -> Result<()> {
+        self.mc_bind_memory(handle, alloc, offset, size)
+    }
+    fn multicast_unbind(&self, handle: &MulticastHandle, device: usize, size: usize) -> Result<()> {
+        self.mc_unbind(handle, device, size)
+    }
+    fn map_multicast(&self, handle: &MulticastHandle) -> Result<DevicePtr> {
+        self.mc_map(handle)
+    }
+    fn unmap_multicast(&self, handle: &MulticastHandle, ptr: DevicePtr) -> Result<()> {
+        self.mc_unmap(handle, ptr)
+    }
+    fn export_multicast(&self, handle: &MulticastHandle) -> Result<MulticastExport> {
+        self.mc_export(handle)
+    }
+    fn import_multicast(
+        &self,
+        export: &MulticastExport,
+        fd: Option<i32>,
+    ) -> Result<MulticastHandle> {
+        self.mc_import(export, fd)
+    }
+    fn free_multicast(&self, handle: &MulticastHandle) -> Result<()> {
+        self.mc_free(handle)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// NVLink multicast (NVLS), behind the safety gate
+// ---------------------------------------------------------------------------------------------
+//
+// DESIGN.md, "Safety on shared GPUs": multicast can take a shared host's GPUs out of service, so
+// every method here calls `require_nvls_gate` before anything else, and in particular before any
+// `cuMulticast*` symbol is resolved (cudarc resolves a symbol on its first call). While the gate
+// is closed the driver's multicast API is never touched: `is_nvls_supported` answers false and
+// every other method `Error::Unsupported`.
+
+/// The multicast entry points we call. Drivers older than CUDA 12.1 lack them, and cudarc panics
+/// on a missing symbol, so their presence is checked (after the gate) before the first call.
+const MULTICAST_SYMBOLS: &[&str] = &[
+    "cuMulticastCreate",
+    "cuMulticastGetGranularity",
+    "cuMulticastAddDevice",
+    "cuMulticastBindMem",
+    "cuMulticastUnbind",
+];
+
+/// `Ok` only when the process environment allows NVLS (`Env::nvls_allowed`); otherwise the
+/// gate's `Unsupported` error (or the environment's own error when it does not parse).
+fn require_nvls_gate() -> Result<()> {
+    nvls_gate(Env::get()?)
+}
+
+/// Whether libcuda exports every symbol of [`MULTICAST_SYMBOLS`]; checked once per process.
+fn multicast_symbols_present() -> Result<()> {
+    static PRESENT: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+    PRESENT
+        .get_or_init(|| {
+            // SAFETY: the driver library was already loaded by `CudaGpu::new` (probe_libcuda);
+            // this only takes another reference to it.
+            let lib = unsafe { libloading::Library::new(driver::LIBCUDA) }
+                .map_err(|e| format!("{}: {e}", driver::LIBCUDA))?;
+            let missing: Vec<&str> = MULTICAST_SYMBOLS
+                .iter()
+                .copied()
+                // SAFETY: only looks the symbol up; the pointer is never called through here.
+                .filter(|name| unsafe { lib.get::<*const c_void>(name.as_bytes()) }.is_err())
+                .collect();
+            if missing.is_empty() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "the CUDA driver lacks {} (NVLink multicast needs a CUDA 12.1+ driver)",
+                    missing.join(", ")
+                ))
+            }
+        })
+        .clone()
+        .map_err(Error::Unsupported)
+}
+
+/// The gate, then the symbols: what every multicast driver call needs first.
+fn require_multicast_api() -> Result<()> {
+    require_nvls_gate()?;
+    multicast_symbols_present()
+}
+
+fn multiple_of(value: usize, unit: usize) -> bool {
+    unit != 0 && value % unit == 0
+}
+
+impl CudaGpu {
+    fn nvls_supported(&self, device: usize) -> Result<bool> {
+        if require_nvls_gate().is_err() {
+            // A closed gate (or an unparsable environment, which `Env::get` reports to every
+            // other caller) means "no" here, never a driver query.
+            return Ok(false);
+        }
+        if let Err(e) = multicast_symbols_present() {
+            tracing::info!(target: "mscclpp::gpu", "NVLS unavailable: {e}");
+            return Ok(false);
+        }
+        let dev = self.device(device)?;
+        let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED;
+        Ok(self.attribute(dev, attr)? != 0)
+    }
+
+    fn mc_create(&self, size: usize, num_devices: usize) -> Result<MulticastHandle> {
+        require_multicast_api()?;
+        if size == 0 {
+            return Err(Error::InvalidArgument("multicast object of 0 bytes".into()));
+        }
+        let devices = u32::try_from(num_devices)
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "multicast object for {num_devices} devices (must be 1..=u32::MAX)"
+                ))
+            })?;
+        self.bind()?;
+        // SAFETY: a plain C struct; every field is set below.
+        let mut prop: sys::CUmulticastObjectProp = unsafe { std::mem::zeroed() };
+        prop.numDevices = devices;
+        prop.size = size;
+        prop.handleTypes = u64::from(POSIX_FD.0);
+        prop.flags = 0;
+        let mut gran: usize = 0;
+        // SAFETY: reads `prop`, writes one size_t. The minimum granularity is what binds must be
+        // multiples of; VMM buffers are rounded to the (equal or larger) VMM granularity already.
+        unsafe {
+            cu!(cuMulticastGetGranularity(
+                &mut gran,
+                &prop,
+                sys::CUmulticastGranularity_flags::CU_MULTICAST_GRANULARITY_MINIMUM,
+            ))
+        }?;
+        if gran == 0 {
+            return Err(Error::Internal(
+                "cuMulticastGetGranularity returned 0".into(),
+            ));
+        }
+        let reserved = size.div_ceil(gran).checked_mul(gran).ok_or_else(|| {
+            Error::InvalidArgument(format!("multicast size {size} overflows when rounded"))
+        })?;
+        prop.size = reserved;
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: writes one handle; `prop` is fully initialised.
+        unsafe { cu!(cuMulticastCreate(&mut handle, &prop)) }?;
+        Ok(MulticastHandle {
+            handle,
+            size,
+            reserved,
+            granularity: gran,
+            num_devices,
+        })
+    }
+
+    fn mc_add_device(&self, handle: &MulticastHandle, device: usize) -> Result<()> {
+        require_multicast_api()?;
+        let dev = self.device(device)?;
+        self.bind()?;
+        // SAFETY: a live multicast handle and a valid device.
+        unsafe { cu!(cuMulticastAddDevice(handle.handle, dev)) }
+    }
+
+    fn mc_bind_memory(
+        &self,
+        handle: &MulticastHandle,
+        alloc: &Allocation,
+        offset: usize,
+        size: usize,
+    ) -> Result<()> {
+        require_multicast_api()?;
+        if alloc.kind != MemoryKind::Vmm {
+            return Err(Error::InvalidArgument(format!(
+                "multicast bind of {:?} memory at {:#x}: only VMM allocations can be bound",
+                alloc.kind, alloc.ptr
+            )));
+        }
+        let g = handle.granularity;
+        if !multiple_of(offset, g) || !multiple_of(size, g) || size == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "multicast bind of [offset {offset}, +{size}): both must be non-zero multiples \
+                 (offset may be 0) of the multicast granularity {g}"
+            )));
+        }
+        if offset
+            .checked_add(size)
+            .map_or(true, |end| end > alloc.reserved)
+            || size > handle.reserved
+        {
+            return Err(Error::InvalidArgument(format!(
+                "multicast bind of [offset {offset}, +{size}) exceeds the allocation ({} bytes) or \
+                 the multicast object ({} bytes)",
+                alloc.reserved, handle.reserved
+            )));
+        }
+        self.bind()?;
+        // SAFETY: live handles; ranges checked above.
+        unsafe {
+            cu!(cuMulticastBindMem(
+                handle.handle,
+                0,
+                alloc.handle,
+                offset,
+                size,
+                0
+            ))
+        }
+    }
+
+    fn mc_unbind(&self, handle: &MulticastHandle, device: usize, size: usize) -> Result<()> {
+        require_multicast_api()?;
+        let dev = self.device(device)?;
+        self.bind()?;
+        // SAFETY: a live multicast handle; unbinding what this device bound at offset 0.
+        unsafe { cu!(cuMulticastUnbind(handle.handle, dev, 0, size)) }
+    }
+
+    /// Reserves address space, maps the object there and grants the current device access. Unlike
+    /// `map_vmm` it grants no peers: a multicast mapping is per device (each rank maps its own).
+    fn mc_map(&self, handle: &MulticastHandle) -> Result<DevicePtr> {
+        require_multicast_api()?;
+        let ordinal = self.bind()?;
+        let dev = self.device(ordinal)?;
+        let (size, align) = (handle.reserved, handle.granularity);
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: writes one address.
+        unsafe { cu!(cuMemAddressReserve(&mut ptr, size, align, 0, 0)) }?;
+        // SAFETY: `ptr` is a fresh reservation of `size` bytes.
+        if let Err(e) = unsafe { cu!(cuMemMap(ptr, size, 0, handle.handle, 0)) } {
+            // SAFETY: frees the reservation above (best effort: the map error is what counts).
+            unsafe { sys::cuMemAddressFree(ptr, size) };
+            return Err(e);
+        }
+        // SAFETY: plain C struct; every field is set below.
+        let mut desc: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+        desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        desc.location.id = dev;
+        desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        // SAFETY: one descriptor for the range mapped above.
+        if let Err(e) = unsafe { cu!(cuMemSetAccess(ptr, size, &desc, 1)) } {
+            // SAFETY: undoes the map and reservation above.
+            unsafe {
+                sys::cuMemUnmap(ptr, size);
+                sys::cuMemAddressFree(ptr, size);
+            }
+            return Err(e);
+        }
+        Ok(ptr)
+    }
+
+    fn mc_unmap(&self, handle: &MulticastHandle, ptr: DevicePtr) -> Result<()> {
+        require_multicast_api()?;
+        self.bind()?;
+        // SAFETY: a mapping made by `mc_map` for this handle; both steps are attempted.
+        let results = unsafe {
+            [
+                cu!(cuMemUnmap(ptr, handle.reserved)),
+                cu!(cuMemAddressFree(ptr, handle.reserved)),
+            ]
+        };
+        results.into_iter().collect()
+    }
+
+    fn mc_export(&self, handle: &MulticastHandle) -> Result<MulticastExport> {
+        require_multicast_api()?;
+        self.bind()?;
+        // Multicast and allocation handles share one namespace (CUmemGenericAllocationHandle),
+        // so the descriptors of both live in `exported_fds` until the object is freed.
+        let mut fds = lock(&self.exported_fds);
+        let fd = match fds.get(&handle.handle) {
+            Some(fd) => fd.as_raw_fd(),
+            None => {
+                let mut raw: c_int = -1;
+                // SAFETY: for POSIX descriptors the driver writes an int.
+                unsafe {
+                    cu!(cuMemExportToShareableHandle(
+                        (&mut raw as *mut c_int).cast(),
+                        handle.handle,
+                        POSIX_FD,
+                        0,
+                    ))
+                }?;
+                // SAFETY: the driver handed us a new descriptor.
+                fds.insert(handle.handle, unsafe { OwnedFd::from_raw_fd(raw) });
+                raw
+            }
+        };
+        Ok(MulticastExport {
+            pid: std::process::id(),
+            fd,
+            size: handle.size as u64,
+            reserved: handle.reserved as u64,
+            granularity: handle.granularity as u64,
+            num_devices: u32::try_from(handle.num_devices)
+                .map_err(|_| Error::InvalidArgument(format!("{} devices", handle.num_devices)))?,
+        })
+    }
+
+    fn mc_import(&self, export: &MulticastExport, fd: Option<i32>) -> Result<MulticastHandle> {
+        require_multicast_api()?;
+        let field = |name: &str, v: u64| {
+            usize::try_from(v).map_err(|_| {
+                Error::InvalidArgument(format!("multicast export field {name} = {v} is too large"))
+            })
+        };
+        let size = field("size", export.size)?;
+        let reserved = field("reserved", export.reserved)?;
+        let granularity = field("granularity", export.granularity)?;
+        if size == 0 || size > reserved || !multiple_of(reserved, granularity) {
+            return Err(Error::InvalidArgument(format!(
+                "multicast export from pid {} is inconsistent: size {size}, reserved {reserved}, \
+                 granularity {granularity}",
+                export.pid
+            )));
+        }
+        self.bind()?;
+        // A descriptor we fetched is closed when `owned` drops (the driver keeps its own
+        // reference after the import); one the caller passed stays the caller's.
+        let owned;
+        let raw = match fd {
+            Some(f) => f,
+            None => {
+                owned = fetch_peer_fd(export.pid, export.fd)?;
+                owned.as_raw_fd()
+            }
+        };
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: for POSIX descriptors the OS handle is the fd value cast to a pointer.
+        unsafe {
+            cu!(cuMemImportFromShareableHandle(
+                &mut handle,
+                raw as isize as *mut c_void,
+                POSIX_FD,
+            ))
+        }?;
+        Ok(MulticastHandle {
+            handle,
+            size,
+            reserved,
+            granularity,
+            num_devices: export.num_devices as usize,
+        })
+    }
+
+    fn mc_free(&self, handle: &MulticastHandle) -> Result<()> {
+        require_multicast_api()?;
+        // Importers hold their own references; new imports of this object are over.
+        lock(&self.exported_fds).remove(&handle.handle);
+        self.bind()?;
+        // SAFETY: this process's reference to the object, released once.
+        unsafe { cu!(cuMemRelease(handle.handle)) }
+    }
+}
+
+#[cfg(test)]
+mod nvls_tests {
+    use super::*;
+    use rstest::rstest;
+
+    /// A `CudaGpu` with no devices, built without touching the driver: enough to call the NVLS
+    /// methods, which must return before any driver call while the gate is closed. (Were one to
+    /// reach cudarc on this machine without libcuda, cudarc would panic and fail the test.)
+    fn driverless() -> CudaGpu {
+        CudaGpu {
+            devices: Vec::new(),
+            contexts: Vec::new(),
+            imports: Mutex::new(ImportCache::default()),
+            exported_fds: Mutex::new(HashMap::new()),
+            kernel_cache: OnceLock::new(),
+            stream_mem_ops_64: Vec::new(),
+        }
+    }
+
+    /// The tests need the process gate closed; they never open it. Skips (with the reason) if
+    /// whoever runs them opened it.
+    fn gate_closed_or_skip(test: &str) -> bool {
+        match Env::get() {
+            Ok(env) if env.nvls_allowed() => {
+                eprintln!("{test}: skipped: MSCCLPP_ENABLE_NVLS=1 is set in this environment");
+                false
+            }
+            Ok(_) => true,
+            Err(e) => {
+                eprintln!("{test}: skipped: the environment does not parse: {e}");
+                false
+            }
+        }
+    }
+
+    fn assert_gate_error(what: &str, r: Result<impl std::fmt::Debug>) {
+        match r {
+            Err(Error::Unsupported(m)) => {
+                assert!(
+                    m.starts_with("NVLS is disabled: set MSCCLPP_ENABLE_NVLS=1"),
+                    "{what}: {m}"
+                )
+            }
+            other => panic!("{what}: expected the NVLS gate's Unsupported error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_gate_refuses_in_this_process() {
+        if !gate_closed_or_skip("the_gate_refuses_in_this_process") {
+            return;
+        }
+        assert_gate_error("require_nvls_gate", require_nvls_gate());
+        assert_gate_error("require_multicast_api", require_multicast_api());
+    }
+
+    #[rstest]
+    #[case::device_0(0)]
+    #[case::absent_device(7)]
+    fn is_nvls_supported_is_false_without_a_driver_call(#[case] device: usize) {
+        if !gate_closed_or_skip("is_nvls_supported_is_false_without_a_driver_call") {
+            return;
+        }
+        // Device 7 does not exist: answering at all (rather than "no such device") shows the
+        // gate is checked before the device is even looked up.
+        assert!(!driverless().is_nvls_supported(device).expect("an answer"));
+    }
+
+    #[test]
+    fn every_multicast_method_refuses_while_the_gate_is_closed() {
+        if !gate_closed_or_skip("every_multicast_method_refuses_while_the_gate_is_closed") {
+            return;
+        }
+        let gpu = driverless();
+        let mc = MulticastHandle {
+            handle: 0xdead,
+            size: 1 << 21,
+            reserved: 1 << 21,
+            granularity: 1 << 21,
+            num_devices: 2,
+        };
+        let alloc = Allocation {
+            ptr: 0x7000_0000,
+            size: 1 << 21,
+            reserved: 1 << 21,
+            kind: MemoryKind::Vmm,
+            device: 0,
+            handle: 0xbeef,
+        };
+        let export = MulticastExport {
+            pid: std::process::id(),
+            fd: 0,
+            size: 1 << 21,
+            reserved: 1 << 21,
+            granularity: 1 << 21,
+            num_devices: 2,
+        };
+        assert_gate_error("create_multicast", gpu.create_multicast(1 << 21, 2));
+        assert_gate_error("multicast_add_device", gpu.multicast_add_device(&mc, 0));
+        assert_gate_error(
+            "multicast_bind_memory",
+            gpu.multicast_bind_memory(&mc, &alloc, 0, 1 << 21),
+        );
+        assert_gate_error("multicast_unbind", gpu.multicast_unbind(&mc, 0, 1 << 21));
+        assert_gate_error("map_multicast", gpu.map_multicast(&mc));
+        assert_gate_error("unmap_multicast", gpu.unmap_multicast(&mc, 0x1000));
+        assert_gate_error("export_multicast", gpu.export_multicast(&mc));
+        assert_gate_error("import_multicast", gpu.import_multicast(&export, Some(0)));
+        assert_gate_error("free_multicast", gpu.free_multicast(&mc));
     }
 }

@@ -13,6 +13,7 @@ use mscclpp_core::{AccumType, DataType, Error};
 use mscclpp_cuda::{CompileRequest, CompiledKernel, Nvrtc};
 use mscclpp_kernels_cu::{
     allreduce_entry_point, AllreduceKernel, HEADERS, KERNELS, PRIMITIVE_KERNELS,
+    SWITCH_CHANNEL_KERNELS,
 };
 use rstest::rstest;
 
@@ -71,6 +72,11 @@ fn every_kernel_unit_compiles(#[case] arch: &str) {
                 assert!(!k.image.is_empty(), "{} for {arch}: empty image", unit.name);
                 let entries: Vec<String> = if unit.name == "primitives" {
                     PRIMITIVE_KERNELS.iter().map(|s| s.to_string()).collect()
+                } else if unit.name == "switch_channel" {
+                    SWITCH_CHANNEL_KERNELS
+                        .iter()
+                        .map(|s| s.to_string())
+                        .collect()
                 } else {
                     let dtype = DataType::ALL
                         .into_iter()

@@ -145,6 +145,20 @@ pub struct PortChannelHandle {
     pub pad: u32,
 }
 
+/// NVLink multicast channel (`mscclpp::SwitchChannelHandle`, 24 bytes): one buffer per rank bound
+/// to a multicast object. `multimem.ld_reduce` through `mc_ptr` reads the sum over every rank's
+/// buffer; `multimem.st` through `mc_ptr` writes every rank's buffer.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct SwitchChannelHandle {
+    /// This rank's buffer (unicast address).
+    pub device_ptr: DevicePtr,
+    /// The multicast address of the same bytes on every rank.
+    pub mc_ptr: DevicePtr,
+    /// Usable bytes from both addresses.
+    pub size: u64,
+}
+
 /// LL16 packet: 8 payload bytes, each 4-byte half guarded by its own flag.
 #[repr(C, align(16))]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
@@ -191,6 +205,7 @@ unsafe impl DeviceRepr for MemoryChannelHandle {}
 unsafe impl DeviceRepr for ProxyTrigger {}
 unsafe impl DeviceRepr for FifoHandle {}
 unsafe impl DeviceRepr for PortChannelHandle {}
+unsafe impl DeviceRepr for SwitchChannelHandle {}
 unsafe impl DeviceRepr for LL16Packet {}
 unsafe impl DeviceRepr for LL8Packet {}
 
@@ -410,6 +425,11 @@ pub fn layouts() -> Vec<StructLayout> {
             src_memory_id,
             pad
         }),
+        struct_layout!(SwitchChannelHandle {
+            device_ptr,
+            mc_ptr,
+            size
+        }),
         struct_layout!(LL16Packet {
             data1,
             flag1,
@@ -460,6 +480,7 @@ mod tests {
     #[case("ProxyTrigger", 16, 16)]
     #[case("FifoHandle", 48, 8)]
     #[case("PortChannelHandle", 96, 8)]
+    #[case("SwitchChannelHandle", 24, 8)]
     #[case("LL16Packet", 16, 16)]
     #[case("LL8Packet", 8, 8)]
     fn sizes_match_the_abi_document(#[case] name: &str, #[case] size: usize, #[case] align: usize) {

@@ -139,6 +139,34 @@ pub enum IpcMemHandle {
     },
 }
 
+/// An NVLink multicast object (NVLS): one address range whose stores reach every bound device and
+/// whose `multimem` loads reduce across them. Created by one rank, imported by the others.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MulticastHandle {
+    /// Backend-private handle (the CUmemGenericAllocationHandle of the multicast object).
+    pub handle: u64,
+    /// Bytes the caller asked for.
+    pub size: usize,
+    /// Bytes of the object: `size` rounded up to `granularity`. Binds and maps cover this much.
+    pub reserved: usize,
+    /// The driver's minimum multicast granularity: offsets and sizes of binds are multiples of it.
+    pub granularity: usize,
+    /// Number of devices the object was created for; each must be added before any bind.
+    pub num_devices: usize,
+}
+
+/// A multicast object described for another process on this host: a POSIX file descriptor owned
+/// by `pid` (copied with `pidfd_getfd`, like [`IpcMemHandle::PosixFd`]) and the object's geometry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MulticastExport {
+    pub pid: u32,
+    pub fd: i32,
+    pub size: u64,
+    pub reserved: u64,
+    pub granularity: u64,
+    pub num_devices: u32,
+}
+
 /// A peer's memory mapped into this process.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ImportedMemory {
@@ -323,5 +351,76 @@ pub trait Gpu: Send + Sync {
     /// to avoid host synchronisation during capture.
     fn is_capturing(&self, _stream: Stream) -> Result<bool> {
         Ok(false)
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // NVLink multicast (NVLS). Gated: see DESIGN.md "Safety on shared GPUs" and
+    // `Env::nvls_allowed`. A backend answers `is_nvls_supported` with false and every other
+    // method below with `Unsupported` while the gate is closed, without touching the driver's
+    // multicast entry points.
+    // -----------------------------------------------------------------------------------------
+
+    /// True when `device` can do NVLink multicast AND the environment allows it. False (not an
+    /// error) when either says no.
+    fn is_nvls_supported(&self, _device: usize) -> Result<bool> {
+        Ok(false)
+    }
+    /// Creates a multicast object of at least `size` bytes for `num_devices` devices (this
+    /// process's current device among them).
+    fn create_multicast(&self, _size: usize, _num_devices: usize) -> Result<MulticastHandle> {
+        unsupported("NVLink multicast")
+    }
+    /// Adds `device` (an ordinal of this process) to the object. Every participating device of
+    /// every process must be added before any of them binds memory.
+    fn multicast_add_device(&self, _handle: &MulticastHandle, _device: usize) -> Result<()> {
+        unsupported("NVLink multicast")
+    }
+    /// Binds `[offset, offset + size)` of the VMM allocation `alloc` to the object, at multicast
+    /// offset 0. `offset` and `size` are multiples of `handle.granularity`.
+    fn multicast_bind_memory(
+        &self,
+        _handle: &MulticastHandle,
+        _alloc: &Allocation,
+        _offset: usize,
+        _size: usize,
+    ) -> Result<()> {
+        unsupported("NVLink multicast")
+    }
+    /// Undoes `multicast_bind_memory` of `device` (`size` bytes at multicast offset 0). The
+    /// device is explicit because teardown may run on a thread that works on another device.
+    fn multicast_unbind(
+        &self,
+        _handle: &MulticastHandle,
+        _device: usize,
+        _size: usize,
+    ) -> Result<()> {
+        unsupported("NVLink multicast")
+    }
+    /// Maps the whole object (`handle.reserved` bytes) into this process for the current device;
+    /// the result is the multicast address that `multimem.*` instructions take.
+    fn map_multicast(&self, _handle: &MulticastHandle) -> Result<DevicePtr> {
+        unsupported("NVLink multicast")
+    }
+    /// Undoes `map_multicast`.
+    fn unmap_multicast(&self, _handle: &MulticastHandle, _ptr: DevicePtr) -> Result<()> {
+        unsupported("NVLink multicast")
+    }
+    /// Describes the object for other processes on this host. The descriptor stays open (owned
+    /// by the backend) until `free_multicast`.
+    fn export_multicast(&self, _handle: &MulticastHandle) -> Result<MulticastExport> {
+        unsupported("NVLink multicast")
+    }
+    /// Opens a peer's exported object. `fd` is a descriptor the caller already holds; `None`
+    /// copies the exporter's with `pidfd_getfd`.
+    fn import_multicast(
+        &self,
+        _export: &MulticastExport,
+        _fd: Option<i32>,
+    ) -> Result<MulticastHandle> {
+        unsupported("NVLink multicast")
+    }
+    /// Releases this process's reference to the object (created or imported).
+    fn free_multicast(&self, _handle: &MulticastHandle) -> Result<()> {
+        unsupported("NVLink multicast")
     }
 }

@@ -15,6 +15,7 @@ pub mod gpu;
 pub mod host_semaphore;
 pub mod port_channel;
 pub mod proxy;
+pub mod switch_channel;
 pub mod transport;
 
 pub use algorithm::{Algorithm, Collective, ExecuteArgs};

@@ -41,6 +41,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     header!("port_channel.cuh"),
     header!("fp8.cuh"),
     header!("reduce.cuh"),
+    header!("switch_channel.cuh"),
 ];
 
 /// The all-reduce templates; each [`KERNELS`] entry for a data type appends its instantiation line.
@@ -68,6 +69,10 @@ pub const KERNELS: &[KernelSource] = &[
         name: "primitives",
         source: include_str!("kernels/primitives.cu"),
     },
+    KernelSource {
+        name: "switch_channel",
+        source: include_str!("kernels/switch_channel.cu"),
+    },
     allreduce_unit!("f32"),
     allreduce_unit!("f16"),
     allreduce_unit!("bf16"),
@@ -92,6 +97,14 @@ pub const PRIMITIVE_KERNELS: &[&str] = &[
     "ll_packet_exchange_ll8",
     "semaphore_stress",
     "port_channel_put_signal",
+];
+
+/// Kernel entry points of the `switch_channel` unit (NVLS; compiled in CI, launched only behind
+/// the NVLS gate).
+pub const SWITCH_CHANNEL_KERNELS: &[&str] = &[
+    "switch_channel_reduce_broadcast_f32",
+    "switch_channel_reduce_broadcast_f16",
+    "switch_channel_reduce_broadcast_bf16",
 ];
 
 /// The text of header `name` (e.g. `mscclpp/packet.cuh`).
@@ -223,8 +236,8 @@ mod tests {
             .map(|i| format!("mscclpp/{i}"))
             .collect();
         for (name, _) in HEADERS {
-            // fp8.cuh comes in through reduce.cuh.
-            if *name != "mscclpp/fp8.cuh" {
+            // fp8.cuh comes in through reduce.cuh; switch_channel.cuh (NVLS) has its own unit.
+            if *name != "mscclpp/fp8.cuh" && *name != "mscclpp/switch_channel.cuh" {
                 assert!(
                     used.contains(*name),
                     "primitives.cu does not include {name}"
@@ -237,6 +250,24 @@ mod tests {
                 "entry point {k} missing from primitives.cu"
             );
         }
+    }
+
+    #[test]
+    fn switch_channel_unit_defines_its_entry_points() {
+        let unit = kernel("switch_channel").expect("switch_channel unit");
+        assert!(includes(unit.source).contains(&"switch_channel.cuh"));
+        for k in SWITCH_CHANNEL_KERNELS {
+            assert!(
+                unit.source.contains(&format!("void {k}(")),
+                "entry point {k} missing from switch_channel.cu"
+            );
+        }
+        let header = header("mscclpp/switch_channel.cuh").expect("header");
+        // The multimem paths exist only for sm_90+, with a trap otherwise.
+        assert!(header.contains("__CUDA_ARCH__ >= 900"));
+        assert!(header.contains("multimem.ld_reduce.relaxed.sys.global.add.v4.bf16x2"));
+        assert!(header.contains("multimem.st.relaxed.sys.global.v4.f32"));
+        assert!(header.contains("__trap()"));
     }
 
     #[test]
