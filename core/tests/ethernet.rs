@@ -467,14 +467,16 @@ fn both_directions_at_once() {
     let (mut da, mut db) = (Buf::new(n, 0), Buf::new(n, 0));
     let (sa_r, sb_r) = (sa.register(&ra), sb.register(&rb));
     let (da_r, db_r) = (da.register(&ra), db.register(&rb));
-    // Large writes in both directions at once must not deadlock on full socket buffers.
+    // Large writes in both directions at once must not deadlock on full socket buffers. The thread
+    // hands `a` back: dropping it early would close its receiver while `b` is still sending.
     let ta = std::thread::spawn(move || {
         a.write(&db_r, 0, &sa_r, 0, n as u64)
             .and_then(|()| a.flush(T))
+            .map(|()| a)
     });
     b.write(&da_r, 0, &sb_r, 0, n as u64).unwrap();
     b.flush(T).unwrap();
-    ta.join().unwrap().unwrap();
+    let _a = ta.join().unwrap().unwrap();
     assert!(da.bytes().iter().all(|&x| x == 2));
     assert!(db.bytes().iter().all(|&x| x == 1));
 }
