@@ -209,6 +209,8 @@ pub struct NativeAlgorithm {
     registrations: RegistrationCache,
     semaphores: Option<BlockSemaphores>,
     scratch: Option<SharedScratch>,
+    /// Every rank's scratch address as a kernel parameter, built once (not on every call).
+    scratch_peers: PeerPtrs,
     state: Option<DeviceBuffer>,
     scratch_bytes: usize,
     sm: u32,
@@ -244,12 +246,17 @@ impl NativeAlgorithm {
             0 => None,
             n => Some(BlockSemaphores::new(&comm, n)?),
         };
+        let scratch_peers = match &scratch {
+            Some(s) => PeerPtrs::from_slice(&s.rank_ptrs())?,
+            None => PeerPtrs::default(),
+        };
         Ok(NativeAlgorithm {
             kind,
             kernels: KernelTable::default(),
             registrations: RegistrationCache::default(),
             semaphores,
             scratch,
+            scratch_peers,
             state,
             scratch_bytes,
             sm,
@@ -404,7 +411,7 @@ impl Algorithm for NativeAlgorithm {
                     NativeKind::ReducescatterPacket => (count / n) as u64,
                     _ => count as u64,
                 };
-                let mut peers = PeerPtrs::from_slice(&scratch.rank_ptrs())?;
+                let mut peers = self.scratch_peers;
                 let mut local: DevicePtr = scratch.local_ptr();
                 let mut slot = self.slot_bytes() as u64;
                 let mut state_ptr: DevicePtr = state.ptr();

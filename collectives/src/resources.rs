@@ -195,8 +195,12 @@ impl RegistrationCache {
 #[derive(Default)]
 pub struct KernelTable {
     modules: Mutex<HashMap<String, Module>>,
-    functions: Mutex<HashMap<(String, &'static str), Function>>,
+    /// Keyed by what identifies the unit, not its name: the hot path of every call looks here, and
+    /// formatting the unit name each time would cost an allocation per collective.
+    functions: Mutex<HashMap<FunctionKey, Function>>,
 }
+
+type FunctionKey = (CollectiveFile, Option<ReduceSpec>, &'static str);
 
 impl KernelTable {
     pub fn function(
@@ -206,10 +210,10 @@ impl KernelTable {
         spec: Option<ReduceSpec>,
         entry: &'static str,
     ) -> Result<Function> {
-        let unit = kc::unit_name(file, spec);
-        if let Some(f) = lock(&self.functions)?.get(&(unit.clone(), entry)) {
+        if let Some(f) = lock(&self.functions)?.get(&(file, spec, entry)) {
             return Ok(*f);
         }
+        let unit = kc::unit_name(file, spec);
         let module = {
             let mut modules = lock(&self.modules)?;
             match modules.get(&unit) {
@@ -222,7 +226,7 @@ impl KernelTable {
             }
         };
         let f = gpu.get_function(module, entry)?;
-        lock(&self.functions)?.insert((unit, entry), f);
+        lock(&self.functions)?.insert((file, spec, entry), f);
         Ok(f)
     }
 }
