@@ -1,7 +1,8 @@
 //! `mscclpp-bench`: the mscclpp-rs benchmark binary.
 //!
 //! Modes (first argument, optional):
-//! - `auto` (default): the collective benchmark where GPUs are present; with no GPU (or no usable
+//! - `auto` (default): the collective benchmark where GPUs are present (with no arguments: bf16
+//!   allreduce, 1 KiB to 1 GiB, with the same-run NCCL ratio); with no GPU (or no usable
 //!   GPU backend) it says so and runs the bootstrap self-check instead.
 //! - `collective`: the collective benchmark (nccl-tests options, `collective --help`); its absence
 //!   of a GPU is an error.
@@ -102,6 +103,16 @@ fn run(argv: &[String]) -> Result<()> {
         let rest = match first {
             Some("collective" | "auto") => &argv[1..],
             _ => argv,
+        };
+        // The README's main job is the plain command: bf16 allreduce over every local GPU, 1 KiB to
+        // 1 GiB, against NCCL in the same run (skipped with a note when NCCL cannot be loaded).
+        let main_job: Vec<String> = ["-d", "bf16", "-b", "1K", "-e", "1G", "--vs-nccl"]
+            .map(String::from)
+            .to_vec();
+        let rest = if rest.is_empty() && !explicit {
+            &main_job[..]
+        } else {
+            rest
         };
         let env = Env::get()?;
         match collective::entry::run(rest, env, explicit)? {
