@@ -285,6 +285,28 @@ impl CudaGpu {
     /// Describes the allocation containing `ptr`, which may come from elsewhere (e.g. a PyTorch
     /// tensor from `cudaMalloc`), so it can be exported. The result covers the whole allocation
     /// (`ptr` field = its base); it is not ours to free.
+    /// The POSIX descriptor of a VMM or multicast handle, exported once and kept open (peers copy
+    /// it with pidfd_getfd) until the handle is freed; later exports reuse it.
+    fn exported_fd(&self, handle: sys::CUmemGenericAllocationHandle) -> Result<c_int> {
+        let mut fds = lock(&self.exported_fds);
+        if let Some(fd) = fds.get(&handle) {
+            return Ok(fd.as_raw_fd());
+        }
+        let mut raw: c_int = -1;
+        // SAFETY: for POSIX descriptors the driver writes an int.
+        unsafe {
+            cu!(cuMemExportToShareableHandle(
+                (&mut raw as *mut c_int).cast(),
+                handle,
+                POSIX_FD,
+                0,
+            ))
+        }?;
+        // SAFETY: the driver handed us a new descriptor.
+        fds.insert(handle, unsafe { OwnedFd::from_raw_fd(raw) });
+        Ok(raw)
+    }
+
     pub fn allocation_of(&self, ptr: DevicePtr) -> Result<Allocation> {
         self.bind()?;
         let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
@@ -760,25 +782,7 @@ impl Gpu for CudaGpu {
                 })
             }
             MemoryKind::Vmm => {
-                let mut fds = lock(&self.exported_fds);
-                let fd = match fds.get(&alloc.handle) {
-                    Some(fd) => fd.as_raw_fd(),
-                    None => {
-                        let mut raw: c_int = -1;
-                        // SAFETY: for POSIX descriptors the driver writes an int.
-                        unsafe {
-                            cu!(cuMemExportToShareableHandle(
-                                (&mut raw as *mut c_int).cast(),
-                                alloc.handle,
-                                POSIX_FD,
-                                0,
-                            ))
-                        }?;
-                        // SAFETY: the driver handed us a new descriptor.
-                        fds.insert(alloc.handle, unsafe { OwnedFd::from_raw_fd(raw) });
-                        raw
-                    }
-                };
+                let fd = self.exported_fd(alloc.handle)?;
                 Ok(IpcMemHandle::PosixFd {
                     pid: std::process::id(),
                     fd,
@@ -1301,25 +1305,7 @@ impl CudaGpu {
         self.bind()?;
         // Multicast and allocation handles share one namespace (CUmemGenericAllocationHandle),
         // so the descriptors of both live in `exported_fds` until the object is freed.
-        let mut fds = lock(&self.exported_fds);
-        let fd = match fds.get(&handle.handle) {
-            Some(fd) => fd.as_raw_fd(),
-            None => {
-                let mut raw: c_int = -1;
-                // SAFETY: for POSIX descriptors the driver writes an int.
-                unsafe {
-                    cu!(cuMemExportToShareableHandle(
-                        (&mut raw as *mut c_int).cast(),
-                        handle.handle,
-                        POSIX_FD,
-                        0,
-                    ))
-                }?;
-                // SAFETY: the driver handed us a new descriptor.
-                fds.insert(handle.handle, unsafe { OwnedFd::from_raw_fd(raw) });
-                raw
-            }
-        };
+        let fd = self.exported_fd(handle.handle)?;
         Ok(MulticastExport {
             pid: std::process::id(),
             fd,
