@@ -7,6 +7,8 @@
 //! - `collective`: the collective benchmark (nccl-tests options, `collective --help`); its absence
 //!   of a GPU is an error.
 //! - `bootstrap`: the bootstrap self-check (8-byte all_gather and barrier latency).
+//! - `tune`: the tuner: grid-searches (algorithm, nblocks, nthreads) per power-of-two size and
+//!   writes a YAML tuning table (`tune --help`); `collective --tuning FILE` uses it.
 //!
 //! Under a launcher (RANK/WORLD_SIZE, OMPI_COMM_WORLD_*, PMI_*, SLURM_*) the process is one rank.
 //! Launched plainly it spawns `-n` local ranks of itself on loopback (default: one per local GPU,
@@ -16,6 +18,7 @@ mod collective;
 mod gpu_probe;
 mod nccl;
 mod selfcheck;
+mod tune;
 
 use mscclpp_core::env::Env;
 use mscclpp_core::{Error, Result};
@@ -24,11 +27,15 @@ use std::process::ExitCode;
 
 const USAGE: &str = "\
 usage: mscclpp-bench [auto|collective] [collective options; see `mscclpp-bench collective --help`]
+       mscclpp-bench tune [-c NAME] [-d LIST] [-b SIZE] [-e SIZE] --out FILE [see `tune --help`]
        mscclpp-bench [auto|bootstrap] [-n RANKS] [--iters N] [--warmup N]
 
   auto        collective benchmark on GPUs; bootstrap self-check when no GPU is found (default)
   collective  collective benchmark (nccl-tests columns, --vs-nccl for the same-run NCCL ratio)
   bootstrap   bootstrap self-check: 8-byte all_gather and barrier latency, median and p99
+  tune        tuner: best (algorithm, nblocks, nthreads) per power-of-two size, written as YAML
+              (e.g. `tune -c allreduce -d bf16 -b 1K -e 1G --out table.yaml`); the collective
+              benchmark reads it with --tuning FILE
   -n RANKS    local ranks to spawn when not started by a launcher (default: local GPUs, or 8)
   --iters N   timed iterations (default 1000)
   --warmup N  untimed iterations first (default 100)
@@ -94,6 +101,10 @@ fn run(argv: &[String]) -> Result<()> {
     // The collective benchmark owns every argument after its mode word (nccl-tests options, where
     // -n means iterations), so it is dispatched before the self-check parses anything.
     let first = argv.first().map(String::as_str);
+    // The tuner, likewise, owns its arguments and needs GPUs (no fallback).
+    if first == Some("tune") {
+        return tune::run(&argv[1..], Env::get()?);
+    }
     let collective_mode = match first {
         Some("collective") => Some(true),
         Some("bootstrap" | "-h" | "--help") => None,

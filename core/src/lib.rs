@@ -17,6 +17,7 @@ pub mod port_channel;
 pub mod proxy;
 pub mod switch_channel;
 pub mod transport;
+pub mod tuner;
 
 pub use algorithm::{Algorithm, Collective, ExecuteArgs};
 pub use dtype::{AccumType, DataType, ReduceOp};

@@ -24,6 +24,9 @@ Options:
       --algo NAME|auto     algorithm by MSCCL++ name, or the selector's choice (default auto)
       --nblocks N          thread blocks per kernel (default: the algorithm's choice)
       --nthreads N         threads per block (default: the algorithm's choice)
+      --tuning FILE        choose algorithm and launch geometry from a tuning table written by
+                           `mscclpp-bench tune` (sizes it lacks use the selector; explicit
+                           --nblocks/--nthreads still win); excludes --algo NAME
       --inplace-only       measure in-place calls only
       --outofplace-only    measure out-of-place calls only
       --json FILE          also write the results as JSON
@@ -65,6 +68,8 @@ pub struct BenchOptions {
     pub algo: AlgoChoice,
     pub nblocks: Option<u32>,
     pub nthreads: Option<u32>,
+    /// `--tuning FILE`: a tuning table (YAML) consulted before the selector.
+    pub tuning: Option<PathBuf>,
     pub placements: Vec<Placement>,
     pub json: Option<PathBuf>,
     pub vs_nccl: bool,
@@ -87,6 +92,7 @@ impl Default for BenchOptions {
             algo: AlgoChoice::Auto,
             nblocks: None,
             nthreads: None,
+            tuning: None,
             placements: vec![Placement::OutOfPlace, Placement::InPlace],
             json: None,
             vs_nccl: false,
@@ -220,6 +226,7 @@ where
             }
             "--nblocks" => o.nblocks = Some(parse_number(&flag, &value(&flag)?)?),
             "--nthreads" => o.nthreads = Some(parse_number(&flag, &value(&flag)?)?),
+            "--tuning" => o.tuning = Some(PathBuf::from(value(&flag)?)),
             "--inplace-only" => inplace_only = true,
             "--outofplace-only" => outofplace_only = true,
             "--json" => o.json = Some(PathBuf::from(value(&flag)?)),
@@ -272,6 +279,13 @@ impl BenchOptions {
         }
         if self.nblocks == Some(0) || self.nthreads == Some(0) {
             return bad("--nblocks and --nthreads must be positive".into());
+        }
+        if let (Some(t), AlgoChoice::Named(name)) = (&self.tuning, &self.algo) {
+            return bad(format!(
+                "--tuning {} and --algo {name} exclude each other (the table chooses the \
+                 algorithm)",
+                t.display()
+            ));
         }
         Ok(())
     }
@@ -410,6 +424,8 @@ mod tests {
     #[case(&["--inplace-only", "--outofplace-only"], "exclude")]
     #[case(&["--frobnicate"], "--frobnicate")]
     #[case(&["--nblocks", "-3"], "--nblocks")]
+    #[case(&["--tuning", "t.yaml", "--algo", "x"], "exclude each other")]
+    #[case(&["--tuning"], "--tuning needs a value")]
     fn bad_options_name_the_problem(#[case] args: &[&str], #[case] needle: &str) {
         let err = run(args).expect_err("must fail");
         assert!(err.to_string().contains(needle), "{err} lacks {needle}");
@@ -426,6 +442,8 @@ mod tests {
         let o = run(&["-c", "all_gather", "-o", "all"]).expect("allgather");
         assert_eq!(o.collective, Collective::AllGather);
         assert_eq!(o.ops_for(), vec![None]);
+        let tuned = run(&["--tuning=t.yaml", "--nblocks", "4"]).expect("tuning");
+        assert_eq!(tuned.tuning, Some(PathBuf::from("t.yaml")));
         let single = run(&["-b", "1M", "-e", "1M", "-f", "1"]).expect("single size");
         assert_eq!(single.sizes(), vec![1 << 20]);
     }

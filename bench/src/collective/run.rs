@@ -2,8 +2,9 @@
 //!
 //! For each (type, op, size) and placement (out-of-place, in-place), every rank, in the same
 //! order:
-//! 1. picks the algorithm (the selector, or `--algo`); one that cannot take the call is reported
-//!    as skipped, identically on every rank (the choice depends only on shared inputs);
+//! 1. picks the algorithm (the selector, or `--algo`; with `--tuning FILE` the table's entry and
+//!    its launch geometry first); one that cannot take the call is reported as skipped,
+//!    identically on every rank (the choice depends only on shared inputs);
 //! 2. times it: `warmup` eager calls, then `batches` batches of `iters` calls (eager), or of `G`
 //!    replays of one CUDA graph holding `iters` calls; each batch is timed with events on the
 //!    stream and the median batch per call is this rank's time; the row shows the mean over ranks
@@ -31,6 +32,7 @@ use mscclpp_core::bootstrap::Bootstrap;
 use mscclpp_core::communicator::Communicator;
 use mscclpp_core::env::Env;
 use mscclpp_core::gpu::{DeviceProperties, DevicePtr, Event, Gpu, Stream};
+use mscclpp_core::tuner::{select_tuned, TuningTable};
 use mscclpp_core::{AccumType, Algorithm, Collective, Error, ExecuteArgs, ReduceOp, Result};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -137,6 +139,8 @@ struct Bench<'a> {
     bootstrap: Arc<dyn Bootstrap>,
     comm: Arc<Communicator>,
     algos: AlgorithmCollection,
+    /// `--tuning FILE`, loaded.
+    tuning: Option<TuningTable>,
     nccl: Option<NcclComm>,
     props: DeviceProperties,
     local_size: usize,
@@ -221,6 +225,12 @@ impl<'a> Bench<'a> {
             local_size,
         } = setup;
         let (rank, nranks) = (bootstrap.rank(), bootstrap.size());
+        // Read before any collective step: a bad file fails every rank the same way, at once.
+        let tuning = opts
+            .tuning
+            .as_ref()
+            .map(TuningTable::load_yaml)
+            .transpose()?;
         if opts.root >= nranks {
             return Err(Error::InvalidArgument(format!(
                 "-r {}: the root must be a rank of {nranks}",
@@ -284,6 +294,7 @@ impl<'a> Bench<'a> {
             bootstrap,
             comm,
             algos,
+            tuning,
             nccl: None,
             props,
             local_size,
@@ -544,19 +555,20 @@ impl<'a> Bench<'a> {
         }
     }
 
+    /// The algorithm for the call (see the module docs, step 1); with `--tuning`, the table's
+    /// geometry goes into `args` where `--nblocks`/`--nthreads` did not set it.
     fn choose(
         &self,
         shape: &Shape,
-        args: &ExecuteArgs,
+        args: &mut ExecuteArgs,
     ) -> std::result::Result<Arc<dyn Algorithm>, String> {
         let algo = match &self.opts.algo {
             AlgoChoice::Named(name) => self
                 .algos
                 .get(shape.collective, name)
                 .ok_or_else(|| format!("no {} algorithm named {name}", shape.collective))?,
-            AlgoChoice::Auto => self
-                .algos
-                .select(&SelectionContext {
+            AlgoChoice::Auto => {
+                let ctx = SelectionContext {
                     collective: shape.collective,
                     message_bytes: shape.input_bytes,
                     dtype: shape.dtype,
@@ -566,8 +578,20 @@ impl<'a> Bench<'a> {
                     capturing: self.opts.graph_replays > 0,
                     arch: self.props.arch.clone(),
                     nvls_allowed: self.env.nvls_allowed() && self.props.supports_multicast,
-                })
-                .map_err(|e| e.to_string())?,
+                };
+                match &self.tuning {
+                    Some(table) => {
+                        let (algo, launch) =
+                            select_tuned(table, &self.algos, &ctx).map_err(|e| e.to_string())?;
+                        if let Some(l) = launch {
+                            args.nblocks = self.opts.nblocks.or(l.nblocks);
+                            args.nthreads = self.opts.nthreads.or(l.nthreads);
+                        }
+                        algo
+                    }
+                    None => self.algos.select(&ctx).map_err(|e| e.to_string())?,
+                }
+            }
         };
         algo.check(args)
             .map_err(|e| format!("{}: {e}", algo.name()))?;
@@ -581,7 +605,7 @@ impl<'a> Bench<'a> {
         placement: Placement,
     ) -> Result<(Outcome, Option<String>)> {
         let (input, output) = self.pointers(shape, placement);
-        let args = ExecuteArgs {
+        let mut args = ExecuteArgs {
             input,
             output,
             input_bytes: shape.input_bytes,
@@ -594,11 +618,12 @@ impl<'a> Bench<'a> {
             nblocks: self.opts.nblocks,
             nthreads: self.opts.nthreads,
         };
-        let algo = match self.choose(shape, &args) {
+        let algo = match self.choose(shape, &mut args) {
             Ok(a) => a,
             Err(why) => return Ok((Outcome::Skipped(why), None)),
         };
         let name = Some(algo.name().to_string());
+        let args = args;
         let call = || algo.execute(&args);
         let timed = self.time(&call);
         let times = match self.agree_all("timing", timed, deterministic)? {
