@@ -46,9 +46,18 @@ pub fn launch_config(
     Ok(LaunchConfig::linear(blocks, threads))
 }
 
+/// Bytes of the vectors the bandwidth kernels move (`uint4`); scratch slots are whole vectors.
+pub const VECTOR_BYTES: usize = 16;
+
+/// Bytes of one slot when `scratch_bytes` is cut into `regions` x `nranks` slots, rounded down to
+/// whole 16-byte vectors (which are also whole LL16 packets).
+pub fn slot_bytes(scratch_bytes: usize, nranks: usize, regions: usize) -> usize {
+    (scratch_bytes / (regions.max(1) * nranks.max(1))) / VECTOR_BYTES * VECTOR_BYTES
+}
+
 /// Scratch layout of the all-pair packet all-reduce: 2 parity halves x `nranks` slots.
 pub fn allpair_slot_bytes(scratch_bytes: usize, nranks: usize) -> usize {
-    (scratch_bytes / (2 * nranks.max(1))) / PACKET_BYTES * PACKET_BYTES
+    slot_bytes(scratch_bytes, nranks, 2)
 }
 
 /// Largest message (bytes per rank) the all-pair packet all-reduce takes with this scratch.
@@ -58,7 +67,7 @@ pub fn allpair_max_bytes(scratch_bytes: usize, nranks: usize) -> usize {
 
 /// Scratch layout of the two-phase packet all-reduce: 2 parity halves x 2 phases x `nranks` slots.
 pub fn packet_slot_bytes(scratch_bytes: usize, nranks: usize) -> usize {
-    (scratch_bytes / (4 * nranks.max(1))) / PACKET_BYTES * PACKET_BYTES
+    slot_bytes(scratch_bytes, nranks, 4)
 }
 
 /// Largest message the two-phase packet all-reduce takes: each rank's chunk of
@@ -78,6 +87,118 @@ pub fn packet_blocks(bytes: usize, threads: u32, sm: u32) -> u32 {
 /// up to `max_blocks`.
 pub fn bandwidth_blocks(bytes: usize, max_blocks: u32) -> u32 {
     (bytes.div_ceil(64 << 10) as u64).clamp(1, max_blocks.max(1) as u64) as u32
+}
+
+/// Launch parameters of a scratch pipeline kernel (allreduce_rsag, allreduce_fullmesh,
+/// allgather_fullmesh; "Scratch pipelines" in collective_common.cuh).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PipelineGeometry {
+    /// Stride between the slots of one region.
+    pub slot_bytes: u64,
+    /// Stride between the two double-buffered halves; 0 for the single-buffered rsag.
+    pub half_bytes: u64,
+    /// The kernel's step: elements of each rank's chunk per step (rsag), elements of the window
+    /// per step (full-mesh all-reduce) or bytes per step (all-gather, `elem_bytes` = 1).
+    pub step: u64,
+}
+
+impl PipelineGeometry {
+    /// Steps the kernel runs for `count` elements.
+    pub fn steps(&self, count: usize, nranks: usize, rsag: bool) -> u64 {
+        let window = if rsag {
+            self.step * nranks.max(1) as u64
+        } else {
+            self.step
+        };
+        (count as u64).div_ceil(window.max(1))
+    }
+}
+
+fn vec_elems(elem_bytes: usize) -> Result<u64> {
+    if elem_bytes == 0 || VECTOR_BYTES % elem_bytes != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "element size {elem_bytes}: the scratch pipelines move 16-byte vectors of whole elements"
+        )));
+    }
+    Ok((VECTOR_BYTES / elem_bytes) as u64)
+}
+
+/// Scratch regions of an rsag layout: [RS][AG], doubled when pipelined.
+pub const fn rsag_regions(pipelined: bool) -> usize {
+    if pipelined {
+        4
+    } else {
+        2
+    }
+}
+
+/// Largest input (bytes per rank) the single-buffered rsag takes: every rank's chunk must fit a
+/// slot, and the chunks are the message cut into `nranks` runs of whole vectors.
+pub fn rsag_max_bytes(scratch_bytes: usize, nranks: usize) -> usize {
+    nranks.max(1) * slot_bytes(scratch_bytes, nranks, rsag_regions(false))
+}
+
+/// Geometry of the rsag kernel for `count` elements of `elem_bytes`: chunks of whole vectors, one
+/// per rank. Single-buffered (`pipelined` false) it is one step and the message must fit
+/// ([`rsag_max_bytes`]); pipelined, chunks are capped at a slot and the halves alternate.
+pub fn rsag_geometry(
+    count: usize,
+    elem_bytes: usize,
+    scratch_bytes: usize,
+    nranks: usize,
+    pipelined: bool,
+) -> Result<PipelineGeometry> {
+    let vec = vec_elems(elem_bytes)?;
+    let n = nranks.max(1);
+    let slot = slot_bytes(scratch_bytes, n, rsag_regions(pipelined));
+    let slot_vecs = (slot / VECTOR_BYTES) as u64;
+    if slot_vecs == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "a scratch of {scratch_bytes} bytes holds no 16-byte slot for {n} ranks"
+        )));
+    }
+    let per_vecs = (count as u64).div_ceil(vec).div_ceil(n as u64).max(1);
+    let per_vecs = if pipelined {
+        per_vecs.min(slot_vecs)
+    } else if per_vecs > slot_vecs {
+        return Err(Error::InvalidArgument(format!(
+            "{count} elements of {elem_bytes} bytes need chunks of {} bytes per rank, more than the \
+             scratch slot of {slot} bytes (the pipelined rsag takes any size)",
+            per_vecs * VECTOR_BYTES as u64
+        )));
+    } else {
+        per_vecs
+    };
+    Ok(PipelineGeometry {
+        slot_bytes: slot as u64,
+        half_bytes: if pipelined { 2 * (n * slot) as u64 } else { 0 },
+        step: per_vecs * vec,
+    })
+}
+
+/// Geometry of the full-mesh kernels (all-reduce: elements; all-gather: `elem_bytes` = 1, bytes):
+/// 2 halves x `nranks` slots, each step a window of up to one slot.
+pub fn fullmesh_geometry(
+    count: usize,
+    elem_bytes: usize,
+    scratch_bytes: usize,
+    nranks: usize,
+) -> Result<PipelineGeometry> {
+    let vec = vec_elems(elem_bytes)?;
+    let n = nranks.max(1);
+    let slot = slot_bytes(scratch_bytes, n, 2);
+    let slot_vecs = (slot / VECTOR_BYTES) as u64;
+    if slot_vecs == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "a scratch of {scratch_bytes} bytes holds no 16-byte slot for {n} ranks"
+        )));
+    }
+    let vecs = (count as u64).div_ceil(vec).clamp(1, slot_vecs);
+    Ok(PipelineGeometry {
+        slot_bytes: slot as u64,
+        half_bytes: (n * slot) as u64,
+        step: vecs * vec,
+    })
 }
 
 #[cfg(test)]
@@ -134,5 +255,101 @@ mod tests {
         assert_eq!(bandwidth_blocks(1, 256), 1);
         assert_eq!(bandwidth_blocks(1 << 20, 256), 16);
         assert_eq!(bandwidth_blocks(1 << 30, 256), 256);
+    }
+
+    #[test]
+    fn slots_are_whole_vectors() {
+        assert_eq!(slot_bytes(8 << 20, 2, 2), 2 << 20);
+        assert_eq!(slot_bytes(8 << 20, 8, 4), 256 << 10);
+        assert_eq!(slot_bytes(1000, 3, 2), 160);
+        assert_eq!(slot_bytes(1000, 0, 0), 992);
+        assert_eq!(slot_bytes(15, 1, 1), 0);
+    }
+
+    #[rstest]
+    // 8 MiB, 2 ranks, single buffer: [RS][AG] x 2 slots of 2 MiB -> 4 MiB messages.
+    #[case(8 << 20, 2, 4 << 20)]
+    #[case(8 << 20, 8, 4 << 20)]
+    #[case(1000, 3, 480)]
+    fn rsag_capacity(#[case] scratch: usize, #[case] n: usize, #[case] want: usize) {
+        assert_eq!(rsag_max_bytes(scratch, n), want);
+        // At the limit the single-buffered kernel takes it in one step; one element more is refused.
+        let g = rsag_geometry(want / 4, 4, scratch, n, false).expect("fits");
+        assert_eq!(g.steps(want / 4, n, true), 1);
+        assert!(g.step * 4 <= g.slot_bytes);
+        let e = rsag_geometry(want / 4 + 1, 4, scratch, n, false).unwrap_err();
+        assert!(e.to_string().contains("pipelined"), "{e}");
+    }
+
+    #[rstest]
+    #[case(1, 4, 2)]
+    #[case(1, 1, 8)]
+    #[case(3, 2, 3)]
+    #[case(1023, 8, 5)]
+    #[case(1 << 20, 2, 7)]
+    fn rsag_chunks_cover_the_message(#[case] count: usize, #[case] es: usize, #[case] n: usize) {
+        let g = rsag_geometry(count, es, 8 << 20, n, false).expect("fits");
+        assert_eq!(g.half_bytes, 0);
+        // Chunks of whole vectors, n of them cover the message, and one vector less would not.
+        let vec = VECTOR_BYTES / es;
+        assert_eq!(g.step as usize % vec, 0);
+        assert!(g.step as usize * n >= count);
+        assert!((g.step as usize / vec - 1) * n < count.div_ceil(vec));
+        assert_eq!(g.steps(count, n, true), 1);
+    }
+
+    #[rstest]
+    #[case(64 << 20, 2, 2, 8 << 20)]
+    #[case((64 << 20) + 2, 2, 8, 8 << 20)]
+    #[case(1, 1, 8, 8 << 20)]
+    #[case(1 << 30, 4, 3, 1 << 20)]
+    fn rsag_pipeline_steps(
+        #[case] bytes: usize,
+        #[case] es: usize,
+        #[case] n: usize,
+        #[case] scratch: usize,
+    ) {
+        let count = bytes / es;
+        let g = rsag_geometry(count, es, scratch, n, true).expect("any size");
+        let slot = slot_bytes(scratch, n, 4) as u64;
+        assert_eq!(g.slot_bytes, slot);
+        // Both halves of [RS][AG] fit the scratch.
+        assert_eq!(g.half_bytes, 2 * n as u64 * slot);
+        assert!(2 * g.half_bytes <= scratch as u64);
+        assert!(g.step * es as u64 <= slot);
+        let steps = g.steps(count, n, true);
+        assert!(steps * g.step * n as u64 >= count as u64);
+        assert!((steps - 1) * g.step * (n as u64) < count as u64);
+    }
+
+    #[rstest]
+    #[case(1, 4, 2, 4)]
+    #[case(5, 1, 8, 16)]
+    #[case(1 << 20, 2, 2, 1 << 20)]
+    #[case(1 << 22, 4, 4, 1 << 18)]
+    fn fullmesh_windows(
+        #[case] count: usize,
+        #[case] es: usize,
+        #[case] n: usize,
+        #[case] want_step: u64,
+    ) {
+        let scratch = 8 << 20;
+        let g = fullmesh_geometry(count, es, scratch, n).expect("geometry");
+        assert_eq!(g.step, want_step);
+        assert_eq!(g.half_bytes, n as u64 * g.slot_bytes);
+        assert!(2 * g.half_bytes <= scratch as u64);
+        assert!(g.step * es as u64 <= g.slot_bytes);
+        assert_eq!(g.step * es as u64 % VECTOR_BYTES as u64, 0);
+        let steps = g.steps(count, n, false);
+        assert!(steps * g.step >= count as u64 && (steps - 1) * g.step < count as u64);
+    }
+
+    #[test]
+    fn pipeline_geometry_refuses_what_it_cannot_hold() {
+        assert!(fullmesh_geometry(1, 4, 16 * 2 * 8 - 1, 8).is_err());
+        assert!(fullmesh_geometry(1, 4, 16 * 2 * 8, 8).is_ok());
+        assert!(rsag_geometry(1, 4, 16 * 4 * 8 - 1, 8, true).is_err());
+        assert!(rsag_geometry(1, 3, 1 << 20, 2, true).is_err());
+        assert!(fullmesh_geometry(1, 0, 1 << 20, 2).is_err());
     }
 }

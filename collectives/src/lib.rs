@@ -7,9 +7,11 @@
 
 pub mod geometry;
 pub mod native;
+pub mod nvls;
 pub mod port_allreduce;
 pub mod resources;
 pub mod testing;
+pub mod tune;
 
 pub use native::{check_shape, max_input_bytes, NativeAlgorithm, NativeKind};
 
@@ -56,6 +58,10 @@ pub fn build_default_algorithms(
         }
         builder.add_algorithm(Arc::new(algo))?;
     }
+    // NVLS (NVLink multicast) only behind its safety gate and on hardware that supports it; the
+    // selector takes its NVLS branch only when the caller's SelectionContext allows it.
+    let env = mscclpp_core::env::Env::get()?;
+    nvls::add_nvls_algorithms(comm, scratch_bytes, &mut builder, env)?;
     builder.set_selector(default_native_selector(limits));
     Ok(builder)
 }

@@ -30,10 +30,19 @@ pub enum NativeKind {
     ReducescatterZeroCopy,
     ReducescatterPacket,
     BroadcastZeroCopy,
+    /// Reduce-scatter + all-gather staged through the scratch (unregistered buffers), one step:
+    /// messages up to the scratch's capacity.
+    AllreduceRsag,
+    /// The same in double-buffered steps of the scratch: any message size.
+    AllreduceRsagPipeline,
+    /// Every rank pushes its whole input into every peer's scratch and reduces locally.
+    AllreduceFullmesh,
+    /// All-gather pushed through the peers' scratch in steps (unregistered buffers).
+    AllgatherFullmesh,
 }
 
 impl NativeKind {
-    pub const ALL: [NativeKind; 8] = [
+    pub const ALL: [NativeKind; 12] = [
         NativeKind::AllreduceAllpairPacket,
         NativeKind::AllreducePacket,
         NativeKind::AllreduceRsagZeroCopy,
@@ -42,6 +51,10 @@ impl NativeKind {
         NativeKind::ReducescatterZeroCopy,
         NativeKind::ReducescatterPacket,
         NativeKind::BroadcastZeroCopy,
+        NativeKind::AllreduceRsag,
+        NativeKind::AllreduceRsagPipeline,
+        NativeKind::AllreduceFullmesh,
+        NativeKind::AllgatherFullmesh,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -54,6 +67,10 @@ impl NativeKind {
             NativeKind::ReducescatterZeroCopy => names::REDUCESCATTER_ZERO_COPY,
             NativeKind::ReducescatterPacket => names::REDUCESCATTER_PACKET,
             NativeKind::BroadcastZeroCopy => names::BROADCAST_ZERO_COPY,
+            NativeKind::AllreduceRsag => names::ALLREDUCE_RSAG,
+            NativeKind::AllreduceRsagPipeline => names::ALLREDUCE_RSAG_PIPELINE,
+            NativeKind::AllreduceFullmesh => names::ALLREDUCE_FULLMESH,
+            NativeKind::AllgatherFullmesh => names::ALLGATHER_FULLMESH,
         }
     }
 
@@ -61,8 +78,13 @@ impl NativeKind {
         match self {
             NativeKind::AllreduceAllpairPacket
             | NativeKind::AllreducePacket
-            | NativeKind::AllreduceRsagZeroCopy => Collective::AllReduce,
-            NativeKind::AllgatherFullmesh2 | NativeKind::AllgatherPacket => Collective::AllGather,
+            | NativeKind::AllreduceRsagZeroCopy
+            | NativeKind::AllreduceRsag
+            | NativeKind::AllreduceRsagPipeline
+            | NativeKind::AllreduceFullmesh => Collective::AllReduce,
+            NativeKind::AllgatherFullmesh2
+            | NativeKind::AllgatherPacket
+            | NativeKind::AllgatherFullmesh => Collective::AllGather,
             NativeKind::ReducescatterZeroCopy | NativeKind::ReducescatterPacket => {
                 Collective::ReduceScatter
             }
@@ -88,6 +110,37 @@ impl NativeKind {
                 (CollectiveFile::ReduceScatter, "reducescatter_packet")
             }
             NativeKind::BroadcastZeroCopy => (CollectiveFile::Broadcast, "broadcast_zero_copy"),
+            // One kernel: the host's geometry makes it single-buffered one-step or pipelined.
+            NativeKind::AllreduceRsag | NativeKind::AllreduceRsagPipeline => {
+                (CollectiveFile::AllReduce, "allreduce_rsag")
+            }
+            NativeKind::AllreduceFullmesh => (CollectiveFile::AllReduce, "allreduce_fullmesh"),
+            NativeKind::AllgatherFullmesh => (CollectiveFile::AllGather, "allgather_fullmesh"),
+        }
+    }
+
+    /// The kinds that stage unregistered buffers through a shared scratch in steps, with
+    /// semaphores and a device step counter (one kernel signature, see `execute`).
+    pub const fn uses_scratch_pipeline(self) -> bool {
+        matches!(
+            self,
+            NativeKind::AllreduceRsag
+                | NativeKind::AllreduceRsagPipeline
+                | NativeKind::AllreduceFullmesh
+                | NativeKind::AllgatherFullmesh
+        )
+    }
+
+    /// Whether the kind owns a scratch every peer maps (and a device call counter).
+    pub const fn uses_scratch(self) -> bool {
+        self.uses_packets() || self.uses_scratch_pipeline()
+    }
+
+    /// Regions x nranks slots the kind's scratch is cut into (geometry.rs), for the minimum size.
+    const fn scratch_regions(self) -> usize {
+        match self {
+            NativeKind::AllreducePacket | NativeKind::AllreduceRsagPipeline => 4,
+            _ => 2,
         }
     }
 
@@ -223,10 +276,18 @@ impl NativeAlgorithm {
     pub fn new(kind: NativeKind, comm: Arc<Communicator>, scratch_bytes: usize) -> Result<Self> {
         let gpu = comm.gpu().clone();
         let sm = gpu.properties(comm.device())?.multiprocessors.max(1);
-        let (scratch, state) = if kind.uses_packets() {
-            if scratch_bytes < 2 * 4 * comm.size() * geometry::PACKET_BYTES {
+        let (scratch, state) = if kind.uses_scratch() {
+            // Packet kinds keep their historical minimum (a slot of 2 packets); the pipelines need
+            // one 16-byte vector per slot.
+            let min = if kind.uses_packets() {
+                2 * 4 * comm.size() * geometry::PACKET_BYTES
+            } else {
+                kind.scratch_regions() * comm.size() * geometry::VECTOR_BYTES
+            };
+            if scratch_bytes < min {
                 return Err(Error::InvalidArgument(format!(
-                    "{}: scratch of {scratch_bytes} bytes holds no packet slot for {} ranks",
+                    "{}: scratch of {scratch_bytes} bytes holds no slot for {} ranks (at least \
+                     {min} bytes are needed)",
                     kind.name(),
                     comm.size()
                 )));
@@ -301,6 +362,86 @@ impl NativeAlgorithm {
         Error::Internal(format!("{} was built without its {what}", self.kind.name()))
     }
 
+    /// Launches a scratch pipeline kernel ("Scratch pipelines" in collective_common.cuh) for a
+    /// checked, non-empty call of `count` elements.
+    fn execute_pipeline(&self, f: Function, args: &ExecuteArgs, count: usize) -> Result<()> {
+        let sems = self
+            .semaphores
+            .as_ref()
+            .ok_or_else(|| self.missing("semaphores"))?;
+        let scratch = self
+            .scratch
+            .as_ref()
+            .ok_or_else(|| self.missing("scratch"))?;
+        let state = self
+            .state
+            .as_ref()
+            .ok_or_else(|| self.missing("call state"))?;
+        let threads = args.nthreads.unwrap_or(DEFAULT_THREADS);
+        // The step counter has MAX_PACKET_BLOCKS slots, and blocks wait for the peers' blocks.
+        let max_blocks = sems
+            .max_blocks()
+            .min(resident_blocks(self.sm, threads))
+            .min(MAX_PACKET_BLOCKS as u32);
+        let cfg = geometry::launch_config(
+            args.nblocks,
+            args.nthreads,
+            geometry::bandwidth_blocks(args.input_bytes, max_blocks),
+            DEFAULT_THREADS,
+            max_blocks,
+        )?;
+        let n = self.comm.size();
+        let es = args.dtype.size();
+        // The all-gather is byte-oriented: its units are bytes.
+        let (g, mut units) = match self.kind {
+            NativeKind::AllreduceRsag | NativeKind::AllreduceRsagPipeline => (
+                geometry::rsag_geometry(
+                    count,
+                    es,
+                    self.scratch_bytes,
+                    n,
+                    self.kind == NativeKind::AllreduceRsagPipeline,
+                ),
+                count as u64,
+            ),
+            NativeKind::AllreduceFullmesh => (
+                geometry::fullmesh_geometry(count, es, self.scratch_bytes, n),
+                count as u64,
+            ),
+            _ => (
+                geometry::fullmesh_geometry(args.input_bytes, 1, self.scratch_bytes, n),
+                args.input_bytes as u64,
+            ),
+        };
+        let g = g.map_err(|e| Error::InvalidArgument(format!("{}: {e}", self.kind.name())))?;
+        let mut input = args.input;
+        let mut output = args.output;
+        let mut peers = self.scratch_peers;
+        let mut local: DevicePtr = scratch.local_ptr();
+        let mut slot = g.slot_bytes;
+        let mut half = g.half_bytes;
+        let mut step = g.step;
+        let mut rank = self.comm.rank() as u32;
+        let mut nranks = n as u32;
+        let mut sem_ptr: DevicePtr = sems.ptr();
+        let mut state_ptr: DevicePtr = state.ptr();
+        let mut params = [
+            ptr_of(&mut input),
+            ptr_of(&mut output),
+            ptr_of(&mut units),
+            ptr_of(&mut peers),
+            ptr_of(&mut local),
+            ptr_of(&mut slot),
+            ptr_of(&mut half),
+            ptr_of(&mut step),
+            ptr_of(&mut rank),
+            ptr_of(&mut nranks),
+            ptr_of(&mut sem_ptr),
+            ptr_of(&mut state_ptr),
+        ];
+        self.launch(f, cfg, args, &mut params)
+    }
+
     fn launch(
         &self,
         f: Function,
@@ -316,7 +457,7 @@ impl NativeAlgorithm {
 }
 
 /// Largest input (bytes per rank) `kind` takes with `scratch_bytes` of scratch on `nranks` ranks;
-/// `usize::MAX` for the zero-copy kinds. The packet all-gather sends its whole input to each peer's
+/// `usize::MAX` for the zero-copy and pipelined kinds. The packet all-gather sends its whole input to each peer's
 /// slot; the packet reduce-scatter sends one chunk (input / nranks) per slot.
 pub fn max_input_bytes(kind: NativeKind, scratch_bytes: usize, nranks: usize) -> usize {
     match kind {
@@ -327,10 +468,14 @@ pub fn max_input_bytes(kind: NativeKind, scratch_bytes: usize, nranks: usize) ->
         NativeKind::ReducescatterPacket => {
             geometry::allpair_max_bytes(scratch_bytes, nranks).saturating_mul(nranks.max(1))
         }
+        NativeKind::AllreduceRsag => geometry::rsag_max_bytes(scratch_bytes, nranks),
         NativeKind::AllreduceRsagZeroCopy
         | NativeKind::AllgatherFullmesh2
         | NativeKind::ReducescatterZeroCopy
-        | NativeKind::BroadcastZeroCopy => usize::MAX,
+        | NativeKind::BroadcastZeroCopy
+        | NativeKind::AllreduceRsagPipeline
+        | NativeKind::AllreduceFullmesh
+        | NativeKind::AllgatherFullmesh => usize::MAX,
     }
 }
 
@@ -432,6 +577,10 @@ impl Algorithm for NativeAlgorithm {
                 ];
                 self.launch(f, cfg, args, &mut params)
             }
+            NativeKind::AllreduceRsag
+            | NativeKind::AllreduceRsagPipeline
+            | NativeKind::AllreduceFullmesh
+            | NativeKind::AllgatherFullmesh => self.execute_pipeline(f, args, count),
             NativeKind::AllreduceRsagZeroCopy
             | NativeKind::AllgatherFullmesh2
             | NativeKind::ReducescatterZeroCopy
@@ -558,6 +707,11 @@ mod tests {
     #[case(NativeKind::AllgatherPacket, 4, 7, 2, false)]
     #[case(NativeKind::ReducescatterPacket, 8, 4, 2, true)]
     #[case(NativeKind::ReducescatterPacket, 12, 4, 2, false)]
+    #[case(NativeKind::AllreduceRsag, 4, 4, 8, true)]
+    #[case(NativeKind::AllreduceRsagPipeline, 12, 8, 3, false)]
+    #[case(NativeKind::AllreduceFullmesh, 4, 4, 2, true)]
+    #[case(NativeKind::AllgatherFullmesh, 4, 28, 7, true)]
+    #[case(NativeKind::AllgatherFullmesh, 4, 27, 7, false)]
     fn shapes(
         #[case] kind: NativeKind,
         #[case] inb: usize,
@@ -627,6 +781,13 @@ mod tests {
     #[case(NativeKind::ReducescatterPacket, 8 << 20, 8, 2 << 20)]
     #[case(NativeKind::AllgatherFullmesh2, 0, 8, usize::MAX)]
     #[case(NativeKind::ReducescatterZeroCopy, 0, 8, usize::MAX)]
+    // Scratch-staged: rsag holds [RS][AG] x nranks slots of 2 MiB at 2 ranks; the pipelines take
+    // any size.
+    #[case(NativeKind::AllreduceRsag, 8 << 20, 2, 4 << 20)]
+    #[case(NativeKind::AllreduceRsag, 8 << 20, 8, 4 << 20)]
+    #[case(NativeKind::AllreduceRsagPipeline, 8 << 20, 8, usize::MAX)]
+    #[case(NativeKind::AllreduceFullmesh, 8 << 20, 8, usize::MAX)]
+    #[case(NativeKind::AllgatherFullmesh, 8 << 20, 8, usize::MAX)]
     fn packet_capacities(
         #[case] kind: NativeKind,
         #[case] scratch: usize,
@@ -649,8 +810,22 @@ mod tests {
     #[test]
     fn packet_kinds_share_one_launch_shape() {
         for k in NativeKind::ALL {
-            // Packet kinds need scratch and no semaphores; the zero-copy ones the reverse.
+            // Packet kinds need scratch and no semaphores; the zero-copy ones the reverse; the
+            // scratch pipelines need both.
             assert_eq!(k.uses_packets(), k.semaphore_blocks(132) == 0, "{k:?}");
+            assert!(!(k.uses_packets() && k.uses_scratch_pipeline()), "{k:?}");
+            assert_eq!(
+                k.uses_scratch(),
+                k.uses_packets() || k.uses_scratch_pipeline(),
+                "{k:?}"
+            );
+            // Their step counter has MAX_PACKET_BLOCKS slots: never more semaphore blocks.
+            if k.uses_scratch_pipeline() {
+                assert!(
+                    k.semaphore_blocks(1000) as usize <= MAX_PACKET_BLOCKS,
+                    "{k:?}"
+                );
+            }
         }
         assert_eq!(
             NativeKind::AllgatherPacket.packet_work_bytes(1024, 8),
@@ -661,6 +836,26 @@ mod tests {
             NativeKind::ReducescatterPacket.packet_work_bytes(1024, 8),
             1024
         );
+    }
+
+    #[test]
+    fn pipeline_capacity_matches_its_geometry() {
+        // Whatever fits rsag's limit gets a one-step geometry; the pipeline takes 1 GiB.
+        for n in 2..=MAX_RANKS {
+            let max = max_input_bytes(NativeKind::AllreduceRsag, 8 << 20, n);
+            let g = geometry::rsag_geometry(max / 2, 2, 8 << 20, n, false).expect("fits");
+            assert_eq!(g.steps(max / 2, n, true), 1, "{n} ranks");
+            let g = geometry::rsag_geometry((1 << 30) / 2, 2, 8 << 20, n, true).expect("pipelined");
+            assert!(g.steps((1 << 30) / 2, n, true) > 1);
+        }
+    }
+
+    #[test]
+    fn every_kind_has_a_distinct_name() {
+        let mut names: Vec<_> = NativeKind::ALL.iter().map(|k| k.name()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), NativeKind::ALL.len());
     }
 
     #[test]

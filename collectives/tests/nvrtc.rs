@@ -1,7 +1,7 @@
 //! Every native collective kernel variant compiles through NVRTC for sm_90 (skipped with a printed
 //! reason when NVRTC is absent, unless MSCCLPP_REQUIRE_NVRTC=1).
 
-use mscclpp_core::ReduceOp;
+use mscclpp_core::{DataType, ReduceOp};
 use mscclpp_cuda::{CompileRequest, Nvrtc};
 use mscclpp_kernels_cu::collectives::{self as kc, CollectiveFile, ReduceSpec};
 
@@ -18,11 +18,15 @@ fn nvrtc_or_skip(test: &str) -> Option<Nvrtc> {
     }
 }
 
-fn compile(nvrtc: &Nvrtc, name: &str, source: &str) {
+fn compile(nvrtc: &Nvrtc, name: &str, source: &str) -> Vec<u8> {
+    compile_for(nvrtc, name, source, "sm_90")
+}
+
+fn compile_for(nvrtc: &Nvrtc, name: &str, source: &str, arch: &str) -> Vec<u8> {
     let req = CompileRequest {
         name,
         source,
-        arch: "sm_90",
+        arch,
         headers: mscclpp_kernels_cu::HEADERS,
         options: &[],
     };
@@ -30,6 +34,7 @@ fn compile(nvrtc: &Nvrtc, name: &str, source: &str) {
         .compile(&req)
         .unwrap_or_else(|e| panic!("{name}: {e}"));
     assert!(k.image.starts_with(b"\x7fELF"), "{name}: not a CUBIN");
+    k.image
 }
 
 #[test]
@@ -51,5 +56,42 @@ fn every_collective_variant_compiles_for_sm_90() {
                 compile(&nvrtc, &kc::unit_name(file, spec), &src);
             }
         }
+    }
+}
+
+/// The scratch pipeline kernels (default_allreduce_rsag[_pipeline], default_allreduce_fullmesh,
+/// default_allgather_fullmesh) on the other architectures CI targets, for a spread of element
+/// sizes, accumulators and ops; every type and op for sm_90 is covered above. Each entry point must
+/// be in the CUBIN's symbols (extern "C", so unmangled).
+#[test]
+fn scratch_pipeline_kernels_compile_for_sm_80_and_sm_100() {
+    let Some(nvrtc) = nvrtc_or_skip("scratch_pipeline_kernels_compile_for_sm_80_and_sm_100") else {
+        return;
+    };
+    let specs = [
+        (DataType::F32, DataType::F32, ReduceOp::Sum),
+        (DataType::Bf16, DataType::F32, ReduceOp::Avg),
+        (DataType::Fp8E4M3, DataType::F16, ReduceOp::Max),
+        (DataType::U8, DataType::U8, ReduceOp::Prod),
+        (DataType::F64, DataType::F64, ReduceOp::Min),
+    ];
+    let has = |image: &[u8], entry: &str| {
+        let sym = format!("{entry}\0");
+        image.windows(sym.len()).any(|w| w == sym.as_bytes())
+    };
+    for arch in ["sm_80", "sm_100"] {
+        for (dtype, acc, op) in specs {
+            let spec = Some(ReduceSpec { dtype, acc, op });
+            let name = kc::unit_name(CollectiveFile::AllReduce, spec);
+            let src = kc::unit_source(CollectiveFile::AllReduce, spec).expect("source");
+            let image = compile_for(&nvrtc, &name, &src, arch);
+            for entry in ["allreduce_rsag", "allreduce_fullmesh"] {
+                assert!(has(&image, entry), "{name} for {arch} lacks {entry}");
+            }
+        }
+        let name = kc::unit_name(CollectiveFile::AllGather, None);
+        let src = kc::unit_source(CollectiveFile::AllGather, None).expect("source");
+        let image = compile_for(&nvrtc, &name, &src, arch);
+        assert!(has(&image, "allgather_fullmesh"), "{name} for {arch}");
     }
 }

@@ -169,7 +169,24 @@ pub mod native_names {
     pub const REDUCESCATTER_ZERO_COPY: &str = "default_reducescatter_zero_copy";
     pub const REDUCESCATTER_PACKET: &str = "default_reducescatter_packet";
     pub const BROADCAST_ZERO_COPY: &str = "default_broadcast_zero_copy";
+    /// Scratch-staged algorithms for unregistered buffers (MSCCL++'s names); selectable by name,
+    /// not chosen by the default selector.
+    pub const ALLREDUCE_RSAG: &str = "default_allreduce_rsag";
+    pub const ALLREDUCE_RSAG_PIPELINE: &str = "default_allreduce_rsag_pipeline";
+    pub const ALLREDUCE_FULLMESH: &str = "default_allreduce_fullmesh";
+    pub const ALLGATHER_FULLMESH: &str = "default_allgather_fullmesh";
+    /// NVLS (NVLink multicast) all-reduces; built and selected only behind the NVLS gate.
+    pub const ALLREDUCE_NVLS_PACKET: &str = "default_allreduce_nvls_packet";
+    pub const ALLREDUCE_NVLS_ZERO_COPY: &str = "default_allreduce_nvls_zero_copy";
+    pub const ALLREDUCE_NVLS_WARP_PIPELINE: &str = "default_allreduce_nvls_warp_pipeline";
+    pub const ALLREDUCE_NVLS_BLOCK_PIPELINE: &str = "default_allreduce_nvls_block_pipeline";
 }
+
+/// Message size (bytes per rank) up to which the NVLS packet all-reduce is preferred when NVLS is
+/// allowed: below it one multimem store per packet and a local reduction beat the two barrier
+/// rounds of the multicast kernels. A starting point; retune with `mscclpp-bench` on NVSwitch
+/// hardware. `default_allreduce_nvls_packet` is built with scratch for at least this much.
+pub const NVLS_PACKET_THRESHOLD: usize = 256 << 10;
 
 /// Limits the default selector needs from the algorithms as built (their scratch capacity).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -222,14 +239,41 @@ pub fn default_native_selector(limits: NativeLimits) -> Selector {
     Box::new(move |ctx: &SelectionContext| native_choice(&limits, ctx).map(str::to_string))
 }
 
+/// `90` for `sm_90` / `sm_90a`; None for anything that is not a CUDA architecture.
+fn sm_version(arch: &str) -> Option<u32> {
+    arch.strip_prefix("sm_").and_then(|v| {
+        v.trim_end_matches(|c: char| c.is_ascii_alphabetic())
+            .parse::<u32>()
+            .ok()
+    })
+}
+
 fn cuda_arch_ok(arch: &str) -> bool {
-    arch.strip_prefix("sm_")
-        .and_then(|v| {
-            v.trim_end_matches(|c: char| c.is_ascii_alphabetic())
-                .parse::<u32>()
-                .ok()
-        })
-        .is_some_and(|v| v >= 70)
+    sm_version(arch).is_some_and(|v| v >= 70)
+}
+
+/// The NVLS all-reduce for `ctx`, when NVLS is allowed (gate open and hardware able, which the
+/// caller states in `ctx.nvls_allowed`), the device has multimem (sm_90+) and multimem adds the
+/// type. Large messages go zero-copy when the buffers are symmetric memory (VMM, bindable to a
+/// multicast object) and whole 16-byte vectors, else through the pipelined scratch.
+/// multimem only sums: callers reducing with another op must not set `nvls_allowed` (the
+/// algorithms refuse other ops with `Unsupported`).
+fn nvls_allreduce_choice(ctx: &SelectionContext) -> Option<&'static str> {
+    use native_names::*;
+    if !ctx.nvls_allowed
+        || !sm_version(&ctx.arch).is_some_and(|v| v >= 90)
+        || !matches!(ctx.dtype, DataType::F32 | DataType::F16 | DataType::Bf16)
+    {
+        return None;
+    }
+    let bytes = ctx.message_bytes;
+    if bytes <= NVLS_PACKET_THRESHOLD {
+        Some(ALLREDUCE_NVLS_PACKET)
+    } else if ctx.symmetric_memory && bytes % 16 == 0 {
+        Some(ALLREDUCE_NVLS_ZERO_COPY)
+    } else {
+        Some(ALLREDUCE_NVLS_BLOCK_PIPELINE)
+    }
 }
 
 fn native_choice(limits: &NativeLimits, ctx: &SelectionContext) -> Option<&'static str> {
@@ -244,7 +288,11 @@ fn native_choice(limits: &NativeLimits, ctx: &SelectionContext) -> Option<&'stat
     let bytes = ctx.message_bytes;
     match ctx.collective {
         Collective::AllReduce => {
-            if bytes <= allpair_threshold(ctx.world_size).min(limits.allpair_packet_max_bytes) {
+            if let Some(nvls) = nvls_allreduce_choice(ctx) {
+                Some(nvls)
+            } else if bytes
+                <= allpair_threshold(ctx.world_size).min(limits.allpair_packet_max_bytes)
+            {
                 Some(ALLREDUCE_ALLPAIR_PACKET)
             } else if bytes <= PACKET_THRESHOLD.min(limits.packet_max_bytes) {
                 Some(ALLREDUCE_PACKET)
@@ -441,6 +489,74 @@ mod tests {
             coll.select(&c).expect("allowed").name(),
             "default_allreduce_nvls"
         );
+    }
+
+    /// With NVLS not allowed the default policy never answers an NVLS name, whatever the call.
+    #[test]
+    fn default_policy_never_picks_nvls_unless_allowed() {
+        let sel = default_native_selector(LIMITS);
+        for collective in [
+            Collective::AllReduce,
+            Collective::AllGather,
+            Collective::ReduceScatter,
+            Collective::Broadcast,
+        ] {
+            for dtype in DataType::ALL {
+                for bytes in [0, 1, 16, 4096, 256 << 10, (256 << 10) + 16, 1 << 30] {
+                    for world in 1..=8 {
+                        for symmetric in [false, true] {
+                            for arch in ["sm_90", "sm_100", "sm_80"] {
+                                let mut c = ctx(collective, bytes, world);
+                                c.dtype = dtype;
+                                c.symmetric_memory = symmetric;
+                                c.arch = arch.into();
+                                if let Some(name) = sel(&c) {
+                                    assert!(!is_nvls_name(&name), "{name} for {c:?}");
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[rstest]
+    #[case(DataType::Bf16, 1024, false, "sm_90", Some(ALLREDUCE_NVLS_PACKET))]
+    #[case(
+        DataType::F32,
+        NVLS_PACKET_THRESHOLD,
+        true,
+        "sm_90",
+        Some(ALLREDUCE_NVLS_PACKET)
+    )]
+    #[case(DataType::F16, 1 << 24, true, "sm_100", Some(ALLREDUCE_NVLS_ZERO_COPY))]
+    #[case(DataType::F16, 1 << 24, false, "sm_90", Some(ALLREDUCE_NVLS_BLOCK_PIPELINE))]
+    #[case(DataType::F16, (1 << 24) + 2, true, "sm_90", Some(ALLREDUCE_NVLS_BLOCK_PIPELINE))]
+    // multimem cannot add these types, and sm_80 has no multimem: the NVLink policy answers.
+    #[case(DataType::F64, 1 << 24, true, "sm_90", None)]
+    #[case(DataType::I32, 1024, true, "sm_90", None)]
+    #[case(DataType::Bf16, 1 << 24, true, "sm_80", None)]
+    fn nvls_branch_when_allowed(
+        #[case] dtype: DataType,
+        #[case] bytes: usize,
+        #[case] symmetric: bool,
+        #[case] arch: &str,
+        #[case] want: Option<&str>,
+    ) {
+        let mut c = ctx(Collective::AllReduce, bytes, 8);
+        c.dtype = dtype;
+        c.symmetric_memory = symmetric;
+        c.arch = arch.into();
+        c.nvls_allowed = true;
+        let got = default_native_selector(LIMITS)(&c);
+        match want {
+            Some(w) => assert_eq!(got.as_deref(), Some(w)),
+            None => assert!(got.is_some_and(|n| !is_nvls_name(&n)), "{c:?}"),
+        }
+        // Closing the gate always falls back to the NVLink algorithms.
+        c.nvls_allowed = false;
+        assert!(default_native_selector(LIMITS)(&c).is_some_and(|n| !is_nvls_name(&n)));
     }
 
     #[test]

@@ -116,8 +116,14 @@ impl CollectiveFile {
                 "allreduce_allpair_packet",
                 "allreduce_packet",
                 "allreduce_rsag_zero_copy",
+                "allreduce_rsag",
+                "allreduce_fullmesh",
             ],
-            CollectiveFile::AllGather => &["allgather_packet", "allgather_fullmesh2"],
+            CollectiveFile::AllGather => &[
+                "allgather_packet",
+                "allgather_fullmesh2",
+                "allgather_fullmesh",
+            ],
             CollectiveFile::ReduceScatter => &["reducescatter_packet", "reducescatter_zero_copy"],
             CollectiveFile::Broadcast => &["broadcast_zero_copy"],
         }

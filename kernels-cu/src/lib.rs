@@ -8,6 +8,7 @@
 //! type (`simple_allreduce_<dtype>`), so a program compiles only the types it uses.
 
 pub mod collectives;
+pub mod nvls_units;
 
 use mscclpp_core::{AccumType, DataType, Error, Result};
 

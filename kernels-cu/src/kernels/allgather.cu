@@ -4,6 +4,7 @@
 // Entry points:
 //   allgather_packet     small messages: every rank sends its input to every peer as LL16 packets
 //   allgather_fullmesh2  large messages on registered outputs (zero-copy, two barriers)
+//   allgather_fullmesh   unregistered buffers: pushed through the peers' scratch in pipelined steps
 //
 // allgather_fullmesh2 (zero-copy, registered outputs): rank r pushes its input into slot r of every
 // rank's output with SM stores over NVLink.
@@ -94,4 +95,61 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
     store_payload<Pkt>(dst, bytes, j, v, reinterpret_cast<u64>(dst) % Pkt::kPayloadBytes == 0);
   }
   finish_call(state, calls);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Full-mesh all-gather through the scratch (see "Scratch pipelines" in collective_common.cuh), for
+// outputs that are not registered.
+//   bytes    input bytes per rank; output slot r = [r * bytes, (r + 1) * bytes)
+//   step     bytes per step (a multiple of 16, <= slot_bytes); step k covers [k * step, (k + 1) * step)
+//            of every rank's input, clamped to bytes
+//   scratch  half h at h * half_bytes: nranks slots of slot_bytes; rank s pushes into slot s.
+// Schedule: A(0); then barriers j = 1..nsteps, each followed by A(j) and C(j - 1).
+//   A(k): window k of my input -> slot `rank` of every peer's half (k) (remote stores), and -> my own
+//         output slot when not in place
+//   C(k): slot q of my half (k) -> window k of output slot q, q != rank (local)
+// Scratch reuse: A(k) writes half (k) of a peer, last read there in C(k - 2), before its barrier k.
+// In place (input == my output slot): only other slots are written, so reads of the input never
+// conflict with writes.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(1024, 1)
+    allgather_fullmesh(const void* input, void* output, u64 bytes, PeerPtrs peer_scratch, void* local_scratch,
+                       u64 slot_bytes, u64 half_bytes, u64 step, u32 rank, u32 nranks,
+                       const D2DSemaphoreHandle* sems, CallState* state) {
+  const u64 calls = load_call_count(state);
+  const u32 npeers = nranks - 1;
+  const u64 nsteps = (bytes + step - 1) / step;
+  u64 b0, b1;
+  block_range(step, 16, b0, b1);
+  const u8* in = static_cast<const u8*>(input);
+  u8* out = static_cast<u8*>(output);
+  u8* own = out + static_cast<u64>(rank) * bytes;
+  auto half = [&](void* scratch, u64 k) { return static_cast<u8*>(scratch) + pipeline_half(calls, k, half_bytes); };
+  auto send = [&](u64 k) {
+    const u64 lo = min(k * step + b0, bytes);
+    const u64 hi = min(k * step + b1, bytes);
+    if (lo >= hi) return;
+    for (u32 i = 0; i < npeers; ++i) {
+      const u32 p = (rank + 1 + i) % nranks;
+      copy(half(peer_scratch.p[p], k) + rank * slot_bytes + b0, in + lo, hi - lo, threadIdx.x, blockDim.x);
+    }
+    if (own != in) copy(own + lo, in + lo, hi - lo, threadIdx.x, blockDim.x);
+  };
+  auto gather = [&](u64 k) {
+    const u64 lo = min(k * step + b0, bytes);
+    const u64 hi = min(k * step + b1, bytes);
+    if (lo >= hi) return;
+    const u8* mine = half(local_scratch, k);
+    for (u32 i = 0; i < npeers; ++i) {
+      const u32 q = (rank + 1 + i) % nranks;
+      copy(out + static_cast<u64>(q) * bytes + lo, mine + q * slot_bytes + b0, hi - lo, threadIdx.x, blockDim.x);
+    }
+  };
+  send(0);
+  for (u64 j = 1; j <= nsteps; ++j) {
+    if (!block_barrier(sems, npeers, true)) break;  // recorded in the error word
+    if (j < nsteps) send(j);
+    gather(j - 1);
+  }
+  finish_call(state, calls, nsteps);
 }

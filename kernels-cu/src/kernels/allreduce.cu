@@ -7,6 +7,11 @@
 //   allreduce_packet           two-phase (reduce-scatter + all-gather) through LL16 packets
 //   allreduce_rsag_zero_copy   large messages on registered buffers: read peers' inputs over NVLink,
 //                              write each reduced chunk into every rank's output
+//   allreduce_rsag             reduce-scatter + all-gather staged through the scratch (unregistered
+//                              buffers); several double-buffered steps for messages beyond the
+//                              scratch (default_allreduce_rsag_pipeline)
+//   allreduce_fullmesh         every rank pushes its whole input into every peer's scratch and
+//                              reduces all of it locally (unregistered buffers, pipelined by steps)
 
 using namespace mscclpp;
 using namespace mscclpp::coll;
@@ -181,4 +186,153 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
     reduce_to_all<CollT, CollAcc, kCollOp>(inputs, nranks, begin, outputs, nranks, begin, end - begin, nranks);
     block_barrier(sems, npeers, true);
   }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Reduce-scatter + all-gather through the scratch (see "Scratch pipelines" in collective_common.cuh).
+//   per         elements of each rank's chunk per step (a whole number of 16-byte vectors,
+//               per * sizeof(T) <= slot_bytes); step k covers the window [k * W, (k + 1) * W) of the
+//               message, W = nranks * per, and chunk q of it starts at k * W + q * per (clamped to
+//               count: the last window's chunks may be short or empty).
+//   scratch     half h at h * half_bytes: [RS: nranks slots][AG: nranks slots] of slot_bytes.
+// Per step k:
+//   A(k) send:   chunk p of my window -> RS slot `rank` of peer p (remote stores)
+//   B(k) reduce: my chunk from my input and my RS slots, in rank order -> my output and AG slot
+//                `rank` of every peer (remote stores)
+//   C(k) gather: AG slot q -> chunk q of my output, q != rank (local)
+// Schedule: A(0); then barriers j = 1..nsteps + 1, each publishing what came before it and followed
+// by B(j - 1), A(j), C(j - 2) where they exist: RS(k) is published by barrier k + 1 and AG(k) by
+// barrier k + 2, so a pipelined call costs nsteps + 1 barriers, not 2 * nsteps.
+// Scratch reuse: B(k) writes AG half (k) of a peer, which that peer last read in C(k - 2), before its
+// barrier k + 1; A(k) writes RS half (k), last read in B(k - 2), before barrier k. Both barriers are
+// behind us when we write. half_bytes == 0 (default_allreduce_rsag: one buffer, more capacity) is
+// correct only for a single step, which the host guarantees (the message fits the scratch).
+// In place: A(k) reads window k before the barriers after which C(k) and B(k) write it, and B's
+// element e is read and written by the same thread; windows of different steps are disjoint.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(1024, 1)
+    allreduce_rsag(const void* input, void* output, u64 count, PeerPtrs peer_scratch, void* local_scratch,
+                   u64 slot_bytes, u64 half_bytes, u64 per, u32 rank, u32 nranks,
+                   const D2DSemaphoreHandle* sems, CallState* state) {
+  constexpr u64 kVec = sizeof(uint4) / sizeof(CollT);
+  const u64 calls = load_call_count(state);
+  const u32 npeers = nranks - 1;
+  const u64 window = per * nranks;
+  const u64 nsteps = (count + window - 1) / window;
+  const u64 slot = slot_bytes / sizeof(CollT);
+  const u64 region = nranks * slot;  // elements from RS slot 0 to AG slot 0
+  u64 b0, b1;
+  block_range(per, kVec, b0, b1);
+  const CollT* in = static_cast<const CollT*>(input);
+  CollT* out = static_cast<CollT*>(output);
+  // This block's elements [lo, hi) of chunk q of step k; when non-empty, lo sits at b0 of its slot.
+  auto chunk = [&](u64 k, u32 q, u64& lo, u64& hi) {
+    const u64 base = k * window + static_cast<u64>(q) * per;
+    lo = min(base + b0, count);
+    hi = min(base + b1, count);
+  };
+  auto half = [&](void* scratch, u64 k) {
+    return reinterpret_cast<CollT*>(static_cast<u8*>(scratch) + pipeline_half(calls, k, half_bytes));
+  };
+  auto send = [&](u64 k) {
+    for (u32 i = 0; i < npeers; ++i) {
+      // Each rank starts with a different peer so the links share the load.
+      const u32 p = (rank + 1 + i) % nranks;
+      u64 lo, hi;
+      chunk(k, p, lo, hi);
+      if (lo < hi) {
+        copy(half(peer_scratch.p[p], k) + rank * slot + b0, in + lo, (hi - lo) * sizeof(CollT), threadIdx.x,
+             blockDim.x);
+      }
+    }
+  };
+  auto reduce = [&](u64 k) {
+    u64 lo, hi;
+    chunk(k, rank, lo, hi);
+    if (lo >= hi) return;
+    PeerPtrs srcs, dsts;
+    CollT* rs = half(local_scratch, k);
+    for (u32 r = 0; r < nranks; ++r) {
+      srcs.p[r] = r == rank ? const_cast<CollT*>(in + lo) : rs + r * slot + b0;
+      dsts.p[r] = r == rank ? out + lo : half(peer_scratch.p[r], k) + region + rank * slot + b0;
+    }
+    reduce_to_all<CollT, CollAcc, kCollOp>(srcs, nranks, 0, dsts, nranks, 0, hi - lo, nranks, threadIdx.x,
+                                           blockDim.x);
+  };
+  auto gather = [&](u64 k) {
+    const CollT* ag = half(local_scratch, k) + region;
+    for (u32 i = 0; i < npeers; ++i) {
+      const u32 q = (rank + 1 + i) % nranks;
+      u64 lo, hi;
+      chunk(k, q, lo, hi);
+      if (lo < hi) copy(out + lo, ag + q * slot + b0, (hi - lo) * sizeof(CollT), threadIdx.x, blockDim.x);
+    }
+  };
+  send(0);
+  for (u64 j = 1; j <= nsteps + 1; ++j) {
+    // Every thread gets the same answer, so the whole block leaves together on a timeout (recorded
+    // in the error word); the call counter still advances below, keeping later calls in step.
+    if (!block_barrier(sems, npeers, true)) break;
+    if (j <= nsteps) reduce(j - 1);
+    if (j < nsteps) send(j);
+    if (j >= 2) gather(j - 2);
+  }
+  finish_call(state, calls, nsteps);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Full-mesh all-reduce through the scratch (see "Scratch pipelines" in collective_common.cuh): every
+// rank pushes its whole input into every peer's scratch and reduces all inputs locally, trading
+// (nranks - 1) x the NVLink traffic of rsag for one barrier per step and no second exchange.
+//   step     elements per step (a whole number of 16-byte vectors, step * sizeof(T) <= slot_bytes)
+//   scratch  half h at h * half_bytes: nranks slots of slot_bytes; rank s pushes into slot s.
+// Schedule: A(0); then barriers j = 1..nsteps, each followed by A(j) (push window j) and B(j - 1)
+// (reduce window j - 1 from my input and my slots, in rank order, into my output).
+// Scratch reuse: A(k) writes half (k) of a peer, last read there in B(k - 2), before its barrier k.
+// In place: A(k) reads window k before barrier k + 1, after which B(k) writes it, element by element
+// in the thread that read it; windows of different steps are disjoint.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(1024, 1)
+    allreduce_fullmesh(const void* input, void* output, u64 count, PeerPtrs peer_scratch, void* local_scratch,
+                       u64 slot_bytes, u64 half_bytes, u64 step, u32 rank, u32 nranks,
+                       const D2DSemaphoreHandle* sems, CallState* state) {
+  constexpr u64 kVec = sizeof(uint4) / sizeof(CollT);
+  const u64 calls = load_call_count(state);
+  const u32 npeers = nranks - 1;
+  const u64 nsteps = (count + step - 1) / step;
+  const u64 slot = slot_bytes / sizeof(CollT);
+  u64 b0, b1;
+  block_range(step, kVec, b0, b1);
+  const CollT* in = static_cast<const CollT*>(input);
+  CollT* out = static_cast<CollT*>(output);
+  auto half = [&](void* scratch, u64 k) {
+    return reinterpret_cast<CollT*>(static_cast<u8*>(scratch) + pipeline_half(calls, k, half_bytes));
+  };
+  auto send = [&](u64 k) {
+    const u64 lo = min(k * step + b0, count);
+    const u64 hi = min(k * step + b1, count);
+    if (lo >= hi) return;
+    for (u32 i = 0; i < npeers; ++i) {
+      const u32 p = (rank + 1 + i) % nranks;
+      copy(half(peer_scratch.p[p], k) + rank * slot + b0, in + lo, (hi - lo) * sizeof(CollT), threadIdx.x,
+           blockDim.x);
+    }
+  };
+  auto reduce = [&](u64 k) {
+    const u64 lo = min(k * step + b0, count);
+    const u64 hi = min(k * step + b1, count);
+    if (lo >= hi) return;
+    PeerPtrs srcs, dsts;
+    CollT* mine = half(local_scratch, k);
+    for (u32 r = 0; r < nranks; ++r) srcs.p[r] = r == rank ? const_cast<CollT*>(in + lo) : mine + r * slot + b0;
+    dsts.p[0] = out + lo;
+    reduce_to_all<CollT, CollAcc, kCollOp>(srcs, nranks, 0, dsts, 1, 0, hi - lo, nranks, threadIdx.x, blockDim.x);
+  };
+  send(0);
+  for (u64 j = 1; j <= nsteps; ++j) {
+    if (!block_barrier(sems, npeers, true)) break;  // recorded in the error word
+    if (j < nsteps) send(j);
+    reduce(j - 1);
+  }
+  finish_call(state, calls, nsteps);
 }

@@ -64,11 +64,13 @@ MSCCLPP_DEVICE_INLINE u64 load_call_count(const CallState* state) {
 }
 
 // Every block calls this last, with the value load_call_count returned: advances the slots this
-// block owns (k = blockIdx.x mod gridDim.x), spread over its threads. No barrier is needed: the
-// block's own slot was read before the __syncthreads in load_call_count, and the other slots it
-// writes are read by no block of this call.
-MSCCLPP_DEVICE_INLINE void finish_call(CallState* state, u64 calls) {
-  const u64 next = calls + 1;
+// block owns (k = blockIdx.x mod gridDim.x) by `steps`, spread over its threads. No barrier is
+// needed: the block's own slot was read before the __syncthreads in load_call_count, and the other
+// slots it writes are read by no block of this call. The packet kernels advance by one (one flag
+// per call); the scratch pipelines advance by their step count, so the parity of the counter
+// alternates their double-buffered halves step after step, across calls too.
+MSCCLPP_DEVICE_INLINE void finish_call(CallState* state, u64 calls, u64 steps = 1) {
+  const u64 next = calls + steps;
   for (u32 k = blockIdx.x + threadIdx.x * gridDim.x; k < kMaxPacketBlocks; k += blockDim.x * gridDim.x) {
     state->calls[k] = next;
   }
@@ -94,6 +96,27 @@ MSCCLPP_DEVICE_INLINE bool block_barrier(const D2DSemaphoreHandle* sems, u32 npe
   return ok != 0;
 }
 
+// Scratch pipelines (allreduce_rsag, allreduce_fullmesh, allgather_fullmesh): for user buffers that
+// are not registered, data is staged through the algorithm's scratch, which every peer maps. The
+// message is cut into steps that fit the scratch; per step a rank pushes (remote stores) into the
+// peers' scratch, then the block barrier publishes the stores, then each rank consumes its own
+// scratch locally. Rules that make the reuse of scratch safe without extra barriers:
+//   - Within a call every step uses the same per-block partition (block_range of the fixed step
+//     size, the last step clamped to the message), so block b of every rank touches the same scratch
+//     bytes in every step and its barrier with the peers' block b orders exactly those bytes.
+//   - Double-buffered halves alternate by the parity of (CallState count + step index); the kernel
+//     advances the count by its step count, so halves keep alternating across calls (and CUDA-graph
+//     replays) with no host involvement. A push into half h of step k waits for nothing: the peer's
+//     last reads of half h were in step k - 2, before the barrier of step k - 1 that this rank
+//     already passed (for k < 2, the previous call: this rank's previous kernel passed every barrier
+//     of it, so every block of every peer finished its reads of that call).
+// Kernel parameters shared by the three: (input, output, count, peer_scratch, local_scratch,
+// slot_bytes, half_bytes, step, rank, nranks, sems, state); slot_bytes and half_bytes are multiples
+// of 16, step is in the kernel's units (elements or bytes) and a whole number of 16-byte vectors.
+
+// Which half of a scratch pipeline step k of the call that read `calls` uses, as a byte offset.
+MSCCLPP_DEVICE_INLINE u64 pipeline_half(u64 calls, u64 k, u64 half_bytes) { return ((calls + k) & 1) * half_bytes; }
+
 // Splits `n` items over the grid's blocks in contiguous ranges of whole `align`-item groups; the
 // last block also takes the remainder. Used by the copy kernels, whose per-block copies use the
 // block's threads.
@@ -104,18 +127,19 @@ MSCCLPP_DEVICE_INLINE void block_range(u64 n, u64 align, u64& begin, u64& end) {
   end = min(begin + per * align, n);
 }
 
-// Grid-cooperative reduction of `n` elements: for each element e,
+// Cooperative reduction of `n` elements by `stride` threads (this one is number `tid`): for each
+// element e,
 //   dsts.p[d][dst_off + e] = reduce over k in [0, nsrc) of srcs.p[k][src_off + e]   for d < ndst.
-// Sources are combined in rank order, so the result does not depend on which rank computes it.
-// Uses 16-byte loads/stores when every address involved is 16-byte aligned, else element accesses.
+// Sources are combined in the order given (callers pass rank order), so the result does not depend
+// on which rank computes it. Uses 16-byte loads/stores when every address involved is 16-byte
+// aligned, else element accesses. Each element is read and written by one thread, so a destination
+// may alias a source (in place).
 template <typename T, typename AccT, int Op>
 MSCCLPP_DEVICE_INLINE void reduce_to_all(const PeerPtrs& srcs, u32 nsrc, u64 src_off, const PeerPtrs& dsts,
-                                         u32 ndst, u64 dst_off, u64 n, u32 nranks) {
+                                         u32 ndst, u64 dst_off, u64 n, u32 nranks, u64 tid, u64 stride) {
   constexpr u64 kVec = sizeof(uint4) / sizeof(T);
   // Vectors each thread keeps in flight per source: NVLink reads need many outstanding loads.
   constexpr u32 kReduceUnroll = 4;
-  const u64 tid = global_thread_id();
-  const u64 stride = global_num_threads();
   bool aligned = true;
   for (u32 k = 0; k < nsrc; ++k) {
     aligned = aligned && (reinterpret_cast<u64>(static_cast<const T*>(srcs.p[k]) + src_off) % 16 == 0);
@@ -169,6 +193,14 @@ MSCCLPP_DEVICE_INLINE void reduce_to_all(const PeerPtrs& srcs, u32 nsrc, u64 src
     const T r = acc.finish(nranks);
     for (u32 d = 0; d < ndst; ++d) static_cast<T*>(dsts.p[d])[dst_off + e] = r;
   }
+}
+
+// reduce_to_all over the whole grid (zero-copy kernels, whose data needs no per-block handshake).
+template <typename T, typename AccT, int Op>
+MSCCLPP_DEVICE_INLINE void reduce_to_all(const PeerPtrs& srcs, u32 nsrc, u64 src_off, const PeerPtrs& dsts,
+                                         u32 ndst, u64 dst_off, u64 n, u32 nranks) {
+  reduce_to_all<T, AccT, Op>(srcs, nsrc, src_off, dsts, ndst, dst_off, n, nranks, global_thread_id(),
+                             global_num_threads());
 }
 
 }  // namespace coll
