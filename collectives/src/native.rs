@@ -672,6 +672,22 @@ impl Algorithm for NativeAlgorithm {
 
 #[cfg(test)]
 mod tests {
+    /// Building every native algorithm (plus the NVLS ones) must leave at least half of each
+    /// peer's semaphore slots to user channels, on every GPU size we expect; running out fails
+    /// `build_default_algorithms` on the GPU only, so catch it here.
+    #[test]
+    fn default_algorithms_fit_the_semaphore_budget() {
+        use mscclpp_core::communicator::SEMAPHORES_PER_PEER;
+        for sm in [80u32, 108, 132, 148, 160, 256] {
+            let native: u32 = NativeKind::ALL.iter().map(|k| k.semaphore_blocks(sm)).sum();
+            let nvls = 192;
+            assert!(
+                (native + nvls) as usize <= SEMAPHORES_PER_PEER / 2,
+                "{sm} SMs: {native} native + {nvls} NVLS slots of {SEMAPHORES_PER_PEER}"
+            );
+        }
+    }
+
     use super::*;
     use mscclpp_core::gpu::Stream;
     use mscclpp_core::{AccumType, DataType, ReduceOp};

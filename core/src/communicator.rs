@@ -19,8 +19,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Semaphore slots each rank reserves for each peer in its sync slab. Algorithms draw slots from
-/// this budget in setup order; 1024 covers many channels per peer at 8 ranks (64 KiB per rank).
-pub const SEMAPHORES_PER_PEER: usize = 1024;
+/// this budget in setup order: the default native collection takes about 1,200 per peer on a
+/// 132-SM GPU (one per block and peer), NVLS adds 192, and user channels need room too. 4096
+/// costs 64 KiB of device memory per peer.
+pub const SEMAPHORES_PER_PEER: usize = 4096;
 
 /// Bootstrap tag space used by the communicator's own setup messages.
 const TAG_MEMORY: u64 = 0x6d65_6d00;
