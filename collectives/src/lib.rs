@@ -1,9 +1,14 @@
-//! Native collective algorithms of mscclpp-rs over NVLink (one host, 1..=8 ranks): all-reduce
-//! (all-pair packets, two-phase packets, zero-copy reduce-scatter + all-gather), all-gather and
-//! reduce-scatter (packets for small messages, zero-copy for large ones) and zero-copy broadcast. Kernels are in `mscclpp-kernels-cu` (collectives.rs).
+//! Native collective algorithms of mscclpp-rs over NVLink (one host, 1..=8 ranks):
+//! - all-reduce: all-pair packets, two-phase packets, zero-copy reduce-scatter + all-gather on
+//!   registered buffers, scratch-staged rsag / rsag_pipeline / fullmesh for unregistered buffers,
+//!   and, behind the NVLS gate, the four NVLS variants (`nvls`);
+//! - all-gather: packets, zero-copy fullmesh2, scratch-staged fullmesh;
+//! - reduce-scatter: packets and zero-copy; broadcast: zero-copy;
+//! - an all-reduce over PortChannels (`port_allreduce`).
 //!
+//! Kernels are in `mscclpp-kernels-cu` (collectives.rs, nvls_units.rs).
 //! [`build_default_algorithms`] builds them all for a communicator, with the default selector of
-//! `mscclpp_core::algorithm_collection`.
+//! `mscclpp_core::algorithm_collection`; `tune` fills a tuning table for `mscclpp_core::tuner`.
 
 pub mod geometry;
 pub mod native;
