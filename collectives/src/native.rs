@@ -5,7 +5,7 @@
 
 use crate::geometry::{self, resident_blocks};
 use crate::resources::{
-    BlockSemaphores, DeviceBuffer, KernelTable, RegistrationCache, SharedScratch,
+    param_ptr, BlockSemaphores, DeviceBuffer, KernelTable, RegistrationCache, SharedScratch,
 };
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::algorithm_collection::native_names as names;
@@ -362,21 +362,28 @@ impl NativeAlgorithm {
         Error::Internal(format!("{} was built without its {what}", self.kind.name()))
     }
 
+    fn scratch(&self) -> Result<&SharedScratch> {
+        self.scratch.as_ref().ok_or_else(|| self.missing("scratch"))
+    }
+
+    fn state(&self) -> Result<&DeviceBuffer> {
+        self.state
+            .as_ref()
+            .ok_or_else(|| self.missing("call state"))
+    }
+
+    fn semaphores(&self) -> Result<&BlockSemaphores> {
+        self.semaphores
+            .as_ref()
+            .ok_or_else(|| self.missing("semaphores"))
+    }
+
     /// Launches a scratch pipeline kernel ("Scratch pipelines" in collective_common.cuh) for a
     /// checked, non-empty call of `count` elements.
     fn execute_pipeline(&self, f: Function, args: &ExecuteArgs, count: usize) -> Result<()> {
-        let sems = self
-            .semaphores
-            .as_ref()
-            .ok_or_else(|| self.missing("semaphores"))?;
-        let scratch = self
-            .scratch
-            .as_ref()
-            .ok_or_else(|| self.missing("scratch"))?;
-        let state = self
-            .state
-            .as_ref()
-            .ok_or_else(|| self.missing("call state"))?;
+        let sems = self.semaphores()?;
+        let scratch = self.scratch()?;
+        let state = self.state()?;
         let threads = args.nthreads.unwrap_or(DEFAULT_THREADS);
         // The step counter has MAX_PACKET_BLOCKS slots, and blocks wait for the peers' blocks.
         let max_blocks = sems
@@ -426,18 +433,18 @@ impl NativeAlgorithm {
         let mut sem_ptr: DevicePtr = sems.ptr();
         let mut state_ptr: DevicePtr = state.ptr();
         let mut params = [
-            ptr_of(&mut input),
-            ptr_of(&mut output),
-            ptr_of(&mut units),
-            ptr_of(&mut peers),
-            ptr_of(&mut local),
-            ptr_of(&mut slot),
-            ptr_of(&mut half),
-            ptr_of(&mut step),
-            ptr_of(&mut rank),
-            ptr_of(&mut nranks),
-            ptr_of(&mut sem_ptr),
-            ptr_of(&mut state_ptr),
+            param_ptr(&mut input),
+            param_ptr(&mut output),
+            param_ptr(&mut units),
+            param_ptr(&mut peers),
+            param_ptr(&mut local),
+            param_ptr(&mut slot),
+            param_ptr(&mut half),
+            param_ptr(&mut step),
+            param_ptr(&mut rank),
+            param_ptr(&mut nranks),
+            param_ptr(&mut sem_ptr),
+            param_ptr(&mut state_ptr),
         ];
         self.launch(f, cfg, args, &mut params)
     }
@@ -491,10 +498,6 @@ fn check_capacity(kind: NativeKind, input_bytes: usize, max_bytes: usize) -> Res
     Ok(())
 }
 
-fn ptr_of<T>(v: &mut T) -> *mut c_void {
-    v as *mut T as *mut c_void
-}
-
 impl Algorithm for NativeAlgorithm {
     fn name(&self) -> &str {
         self.kind.name()
@@ -527,14 +530,8 @@ impl Algorithm for NativeAlgorithm {
             | NativeKind::AllreducePacket
             | NativeKind::AllgatherPacket
             | NativeKind::ReducescatterPacket => {
-                let scratch = self
-                    .scratch
-                    .as_ref()
-                    .ok_or_else(|| self.missing("scratch"))?;
-                let state = self
-                    .state
-                    .as_ref()
-                    .ok_or_else(|| self.missing("call state"))?;
+                let scratch = self.scratch()?;
+                let state = self.state()?;
                 // The per-block call counter has MAX_PACKET_BLOCKS slots (collective_common.cuh).
                 let max_blocks = self.sm.min(resident).min(MAX_PACKET_BLOCKS as u32);
                 let n = self.comm.size();
@@ -563,17 +560,17 @@ impl Algorithm for NativeAlgorithm {
                 let mut error_word: DevicePtr = self.comm.error_word_device_ptr();
                 let mut max_spin: u64 = 0;
                 let mut params = [
-                    ptr_of(&mut input),
-                    ptr_of(&mut output),
-                    ptr_of(&mut count),
-                    ptr_of(&mut peers),
-                    ptr_of(&mut local),
-                    ptr_of(&mut slot),
-                    ptr_of(&mut rank),
-                    ptr_of(&mut nranks),
-                    ptr_of(&mut state_ptr),
-                    ptr_of(&mut error_word),
-                    ptr_of(&mut max_spin),
+                    param_ptr(&mut input),
+                    param_ptr(&mut output),
+                    param_ptr(&mut count),
+                    param_ptr(&mut peers),
+                    param_ptr(&mut local),
+                    param_ptr(&mut slot),
+                    param_ptr(&mut rank),
+                    param_ptr(&mut nranks),
+                    param_ptr(&mut state_ptr),
+                    param_ptr(&mut error_word),
+                    param_ptr(&mut max_spin),
                 ];
                 self.launch(f, cfg, args, &mut params)
             }
@@ -585,10 +582,7 @@ impl Algorithm for NativeAlgorithm {
             | NativeKind::AllgatherFullmesh2
             | NativeKind::ReducescatterZeroCopy
             | NativeKind::BroadcastZeroCopy => {
-                let sems = self
-                    .semaphores
-                    .as_ref()
-                    .ok_or_else(|| self.missing("semaphores"))?;
+                let sems = self.semaphores()?;
                 let max_blocks = sems.max_blocks().min(resident);
                 let cfg = geometry::launch_config(
                     args.nblocks,
@@ -614,12 +608,12 @@ impl Algorithm for NativeAlgorithm {
                         };
                         let mut count = count as u64;
                         let mut params = [
-                            ptr_of(&mut inputs),
-                            ptr_of(&mut outputs),
-                            ptr_of(&mut count),
-                            ptr_of(&mut rank),
-                            ptr_of(&mut nranks),
-                            ptr_of(&mut sem_ptr),
+                            param_ptr(&mut inputs),
+                            param_ptr(&mut outputs),
+                            param_ptr(&mut count),
+                            param_ptr(&mut rank),
+                            param_ptr(&mut nranks),
+                            param_ptr(&mut sem_ptr),
                         ];
                         self.launch(f, cfg, args, &mut params)
                     }
@@ -627,12 +621,12 @@ impl Algorithm for NativeAlgorithm {
                         let mut outputs = reg(args.output, n * args.input_bytes)?;
                         let mut bytes = args.input_bytes as u64;
                         let mut params = [
-                            ptr_of(&mut input),
-                            ptr_of(&mut outputs),
-                            ptr_of(&mut bytes),
-                            ptr_of(&mut rank),
-                            ptr_of(&mut nranks),
-                            ptr_of(&mut sem_ptr),
+                            param_ptr(&mut input),
+                            param_ptr(&mut outputs),
+                            param_ptr(&mut bytes),
+                            param_ptr(&mut rank),
+                            param_ptr(&mut nranks),
+                            param_ptr(&mut sem_ptr),
                         ];
                         self.launch(f, cfg, args, &mut params)
                     }
@@ -640,12 +634,12 @@ impl Algorithm for NativeAlgorithm {
                         let mut inputs = reg(args.input, args.input_bytes)?;
                         let mut chunk = (count / n) as u64;
                         let mut params = [
-                            ptr_of(&mut inputs),
-                            ptr_of(&mut output),
-                            ptr_of(&mut chunk),
-                            ptr_of(&mut rank),
-                            ptr_of(&mut nranks),
-                            ptr_of(&mut sem_ptr),
+                            param_ptr(&mut inputs),
+                            param_ptr(&mut output),
+                            param_ptr(&mut chunk),
+                            param_ptr(&mut rank),
+                            param_ptr(&mut nranks),
+                            param_ptr(&mut sem_ptr),
                         ];
                         self.launch(f, cfg, args, &mut params)
                     }
@@ -654,13 +648,13 @@ impl Algorithm for NativeAlgorithm {
                         let mut bytes = args.input_bytes as u64;
                         let mut root = args.root as u32;
                         let mut params = [
-                            ptr_of(&mut input),
-                            ptr_of(&mut outputs),
-                            ptr_of(&mut bytes),
-                            ptr_of(&mut rank),
-                            ptr_of(&mut root),
-                            ptr_of(&mut nranks),
-                            ptr_of(&mut sem_ptr),
+                            param_ptr(&mut input),
+                            param_ptr(&mut outputs),
+                            param_ptr(&mut bytes),
+                            param_ptr(&mut rank),
+                            param_ptr(&mut root),
+                            param_ptr(&mut nranks),
+                            param_ptr(&mut sem_ptr),
                         ];
                         self.launch(f, cfg, args, &mut params)
                     }

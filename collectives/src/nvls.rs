@@ -25,7 +25,7 @@
 //!   allocations can be bound: others are refused, naming the buffer.
 
 use crate::geometry::{self, resident_blocks};
-use crate::resources::{BlockSemaphores, DeviceBuffer};
+use crate::resources::{param_ptr, BlockSemaphores, DeviceBuffer};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::algorithm_collection::{native_names as names, NVLS_PACKET_THRESHOLD};
 use mscclpp_core::communicator::Communicator;
@@ -484,10 +484,6 @@ fn agree_offset(comm: &Communicator, name: &str, offset: u64) -> Result<()> {
     Ok(())
 }
 
-fn ptr_of<T>(v: &mut T) -> *mut c_void {
-    v as *mut T as *mut c_void
-}
-
 impl Algorithm for NvlsAlgorithm {
     fn name(&self) -> &str {
         self.kind.name()
@@ -537,15 +533,15 @@ impl Algorithm for NvlsAlgorithm {
                 let mut error_word = self.comm.error_word_device_ptr();
                 let mut max_spin: u64 = 0;
                 let mut params = [
-                    ptr_of(&mut input),
-                    ptr_of(&mut output),
-                    ptr_of(&mut count),
-                    ptr_of(&mut chan),
-                    ptr_of(&mut rank),
-                    ptr_of(&mut nranks),
-                    ptr_of(&mut state_ptr),
-                    ptr_of(&mut error_word),
-                    ptr_of(&mut max_spin),
+                    param_ptr(&mut input),
+                    param_ptr(&mut output),
+                    param_ptr(&mut count),
+                    param_ptr(&mut chan),
+                    param_ptr(&mut rank),
+                    param_ptr(&mut nranks),
+                    param_ptr(&mut state_ptr),
+                    param_ptr(&mut error_word),
+                    param_ptr(&mut max_spin),
                 ];
                 self.launch(f, cfg, args.stream, &mut params)
             }
@@ -569,12 +565,12 @@ impl Algorithm for NvlsAlgorithm {
                 };
                 let mut sem_ptr = sems.ptr();
                 let mut params = [
-                    ptr_of(&mut in_chan),
-                    ptr_of(&mut out_chan),
-                    ptr_of(&mut bytes),
-                    ptr_of(&mut rank),
-                    ptr_of(&mut nranks),
-                    ptr_of(&mut sem_ptr),
+                    param_ptr(&mut in_chan),
+                    param_ptr(&mut out_chan),
+                    param_ptr(&mut bytes),
+                    param_ptr(&mut rank),
+                    param_ptr(&mut nranks),
+                    param_ptr(&mut sem_ptr),
                 ];
                 self.launch(f, cfg, args.stream, &mut params)
             }
@@ -614,14 +610,14 @@ impl Algorithm for NvlsAlgorithm {
                 let mut unit_bytes = unit_bytes as u64;
                 let mut sem_ptr = sems.ptr();
                 let mut params = [
-                    ptr_of(&mut input),
-                    ptr_of(&mut output),
-                    ptr_of(&mut bytes),
-                    ptr_of(&mut chan),
-                    ptr_of(&mut unit_bytes),
-                    ptr_of(&mut rank),
-                    ptr_of(&mut nranks),
-                    ptr_of(&mut sem_ptr),
+                    param_ptr(&mut input),
+                    param_ptr(&mut output),
+                    param_ptr(&mut bytes),
+                    param_ptr(&mut chan),
+                    param_ptr(&mut unit_bytes),
+                    param_ptr(&mut rank),
+                    param_ptr(&mut nranks),
+                    param_ptr(&mut sem_ptr),
                 ];
                 self.launch(f, cfg, args.stream, &mut params)
             }

@@ -21,7 +21,7 @@
 //! signal round unnecessary is explained in port_allreduce.cu.
 
 use crate::geometry::{self, resident_blocks};
-use crate::resources::{DeviceBuffer, SharedScratch};
+use crate::resources::{param_ptr, DeviceBuffer, SharedScratch};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::communicator::Communicator;
 use mscclpp_core::device::PortChannelHandle;
@@ -34,7 +34,6 @@ use mscclpp_kernels_cu::collectives::{
     cxx_type, resolve_accumulator, ReduceSpec, COMMON, MAX_RANKS,
 };
 use std::collections::HashMap;
-use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 /// The algorithm's name in selectors and reports.
@@ -168,10 +167,6 @@ pub fn unit_source(spec: ReduceSpec) -> String {
 struct Kernels {
     exchange: Function,
     reduce: Function,
-}
-
-fn as_param<T>(v: &mut T) -> *mut c_void {
-    v as *mut T as *mut c_void
 }
 
 /// The PortChannel all-reduce bound to one communicator. See the module docs.
@@ -348,13 +343,13 @@ impl Algorithm for PortAllreduce {
         let mut chans: DevicePtr = self.channels.ptr();
         let mut npeers = nranks - 1;
         let mut params = [
-            as_param(&mut chans),
-            as_param(&mut npeers),
-            as_param(&mut bytes),
-            as_param(&mut slot_stride),
-            as_param(&mut rank),
-            as_param(&mut nranks),
-            as_param(&mut calls),
+            param_ptr(&mut chans),
+            param_ptr(&mut npeers),
+            param_ptr(&mut bytes),
+            param_ptr(&mut slot_stride),
+            param_ptr(&mut rank),
+            param_ptr(&mut nranks),
+            param_ptr(&mut calls),
         ];
         // SAFETY: matches port_allreduce_exchange(const PortChannelHandle*, u32, u64, u64, u32,
         // u32, u64*); the parameters are locals that outlive the call, and the device addresses
@@ -374,14 +369,14 @@ impl Algorithm for PortAllreduce {
         let mut count = count as u64;
         let mut scratch: DevicePtr = self.scratch.local_ptr();
         let mut params = [
-            as_param(&mut input),
-            as_param(&mut output),
-            as_param(&mut count),
-            as_param(&mut scratch),
-            as_param(&mut slot_stride),
-            as_param(&mut rank),
-            as_param(&mut nranks),
-            as_param(&mut calls),
+            param_ptr(&mut input),
+            param_ptr(&mut output),
+            param_ptr(&mut count),
+            param_ptr(&mut scratch),
+            param_ptr(&mut slot_stride),
+            param_ptr(&mut rank),
+            param_ptr(&mut nranks),
+            param_ptr(&mut calls),
         ];
         // SAFETY: matches port_allreduce_reduce(const void*, void*, u64, void*, u64, u32, u32,
         // const u64*); input and output are the caller's buffers (checked non-null, holding at

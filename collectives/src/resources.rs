@@ -6,6 +6,7 @@ use mscclpp_core::gpu::{Allocation, DevicePtr, Function, Gpu, MemoryKind, Module
 use mscclpp_core::{Error, Result};
 use mscclpp_kernels_cu::collectives::{self as kc, CollectiveFile, ReduceSpec};
 use std::collections::HashMap;
+use std::ffi::c_void;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 fn lock<T>(m: &Mutex<T>) -> Result<MutexGuard<'_, T>> {
@@ -229,4 +230,9 @@ impl KernelTable {
         lock(&self.functions)?.insert((file, spec, entry), f);
         Ok(f)
     }
+}
+
+/// A kernel parameter slot for `Gpu::launch`: the address of a local holding the argument value.
+pub(crate) fn param_ptr<T>(v: &mut T) -> *mut c_void {
+    v as *mut T as *mut c_void
 }
