@@ -148,6 +148,9 @@ impl Gpu for GpuBackend {
     fn record_event(&self, event: Event, stream: Stream) -> Result<()> {
         dispatch!(self, g => g.record_event(event, stream))
     }
+    fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()> {
+        dispatch!(self, g => g.stream_wait_event(stream, event))
+    }
     fn elapsed_ms(&self, start: Event, end: Event) -> Result<f32> {
         dispatch!(self, g => g.elapsed_ms(start, end))
     }

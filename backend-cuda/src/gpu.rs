@@ -26,8 +26,9 @@ use crate::nvrtc::{CompileRequest, Nvrtc};
 use cudarc::driver::sys;
 use mscclpp_core::env::Env;
 use mscclpp_core::gpu::{
-    Allocation, DevicePtr, Event, Function, Graph, HostMapped, ImportedMemory, IpcMemHandle,
-    LaunchConfig, MemoryKind, Module, MulticastExport, MulticastHandle, Stream,
+    plain_allocation_bytes, Allocation, DevicePtr, Event, Function, Graph, HostMapped,
+    ImportedMemory, IpcMemHandle, LaunchConfig, MemoryKind, Module, MulticastExport,
+    MulticastHandle, Stream,
 };
 use mscclpp_core::switch_channel::nvls_gate;
 use mscclpp_core::{DeviceProperties, Error, Gpu, GpuVendor, Result};
@@ -374,13 +375,23 @@ impl CudaGpu {
                 }
                 let mut base: sys::CUdeviceptr = 0;
                 // SAFETY: writes one address.
-                unsafe {
-                    cu!(cuIpcOpenMemHandle_v2(
+                let r = unsafe {
+                    sys::cuIpcOpenMemHandle_v2(
                         &mut base,
                         h,
                         sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-                    ))
-                }?;
+                    )
+                };
+                if r == sys::CUresult::CUDA_ERROR_ALREADY_MAPPED {
+                    return Err(Error::InvalidArgument(
+                        "cuIpcOpenMemHandle: the peer's buffer shares a driver memory block with \
+                         another of its buffers already mapped here (the driver sub-allocates \
+                         small cudaMalloc requests); allocate buffers to register in whole 2 MiB \
+                         blocks, or use VMM memory"
+                            .into(),
+                    ));
+                }
+                driver::check("cuIpcOpenMemHandle_v2", r)?;
                 Ok(Mapping {
                     base,
                     handle: 0,
@@ -526,12 +537,13 @@ impl Gpu for CudaGpu {
         match kind {
             MemoryKind::Plain => {
                 let mut ptr: sys::CUdeviceptr = 0;
+                let reserved = plain_allocation_bytes(size);
                 // SAFETY: writes one address.
-                unsafe { cu!(cuMemAlloc_v2(&mut ptr, size)) }?;
+                unsafe { cu!(cuMemAlloc_v2(&mut ptr, reserved)) }?;
                 Ok(Allocation {
                     ptr,
                     size,
-                    reserved: size,
+                    reserved,
                     kind,
                     device: ordinal,
                     handle: 0,
@@ -692,6 +704,12 @@ impl Gpu for CudaGpu {
         self.bind()?;
         // SAFETY: valid event and stream.
         unsafe { cu!(cuEventRecord(cu_event(event), cu_stream(stream))) }
+    }
+
+    fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()> {
+        self.bind()?;
+        // SAFETY: valid stream and event; flags must be 0.
+        unsafe { cu!(cuStreamWaitEvent(cu_stream(stream), cu_event(event), 0)) }
     }
 
     fn elapsed_ms(&self, start: Event, end: Event) -> Result<f32> {

@@ -16,8 +16,8 @@ use crate::loader;
 use crate::sys::*;
 use mscclpp_core::env::Env;
 use mscclpp_core::gpu::{
-    Allocation, DeviceProperties, DevicePtr, Event, Function, Gpu, GpuVendor, HostMapped,
-    ImportedMemory, IpcMemHandle, LaunchConfig, MemoryKind, Module, Stream,
+    plain_allocation_bytes, Allocation, DeviceProperties, DevicePtr, Event, Function, Gpu,
+    GpuVendor, HostMapped, ImportedMemory, IpcMemHandle, LaunchConfig, MemoryKind, Module, Stream,
 };
 use mscclpp_core::log::target;
 use mscclpp_core::{Error, Result};
@@ -230,12 +230,13 @@ impl Gpu for RocmGpu {
             ));
         }
         let mut p: *mut c_void = std::ptr::null_mut();
+        let reserved = plain_allocation_bytes(size);
         // SAFETY: valid out-pointer.
-        self.check("hipMalloc", unsafe { (self.api.malloc)(&mut p, size) })?;
+        self.check("hipMalloc", unsafe { (self.api.malloc)(&mut p, reserved) })?;
         Ok(Allocation {
             ptr: p as usize as u64,
             size,
-            reserved: size,
+            reserved,
             kind,
             device: self.current_device()?,
             handle: 0,
@@ -417,6 +418,13 @@ impl Gpu for RocmGpu {
         // SAFETY: handles from the caller; HIP validates them.
         self.check("hipEventRecord", unsafe {
             (self.api.event_record)(as_ptr(event.0), as_ptr(stream.0))
+        })
+    }
+
+    fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()> {
+        // SAFETY: handles from the caller; HIP validates them; flags must be 0.
+        self.check("hipStreamWaitEvent", unsafe {
+            (self.api.stream_wait_event)(as_ptr(stream.0), as_ptr(event.0), 0)
         })
     }
 

@@ -139,6 +139,7 @@ hip_api! {
     event_create = "hipEventCreate": fn(*mut HipEvent) -> HipError;
     event_destroy = "hipEventDestroy": fn(HipEvent) -> HipError;
     event_record = "hipEventRecord": fn(HipEvent, HipStream) -> HipError;
+    stream_wait_event = "hipStreamWaitEvent": fn(HipStream, HipEvent, u32) -> HipError;
     event_query = "hipEventQuery": fn(HipEvent) -> HipError;
     event_elapsed_time = "hipEventElapsedTime": fn(*mut f32, HipEvent, HipEvent) -> HipError;
     ipc_get_mem_handle = "hipIpcGetMemHandle": fn(*mut HipIpcMemHandle, *mut c_void) -> HipError;

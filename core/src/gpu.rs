@@ -78,6 +78,17 @@ pub struct DeviceProperties {
     pub supports_multicast: bool,
 }
 
+/// Plain (cuMemAlloc/hipMalloc) allocations are rounded up to this many bytes. The drivers
+/// sub-allocate small requests from shared 2 MiB blocks, and legacy IPC shares and maps the whole
+/// block: two exported small allocations from one block collide in an importer
+/// (CUDA_ERROR_ALREADY_MAPPED) and expose their neighbours. A whole block each avoids both.
+pub const PLAIN_ALLOCATION_GRANULE: usize = 2 << 20;
+
+/// Bytes a backend reserves for a Plain allocation of `size` bytes.
+pub fn plain_allocation_bytes(size: usize) -> usize {
+    size.div_ceil(PLAIN_ALLOCATION_GRANULE) * PLAIN_ALLOCATION_GRANULE
+}
+
 /// How device memory is allocated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum MemoryKind {
@@ -256,6 +267,12 @@ pub trait Gpu: Send + Sync {
     fn create_event(&self) -> Result<Event>;
     fn destroy_event(&self, event: Event) -> Result<()>;
     fn record_event(&self, event: Event, stream: Stream) -> Result<()>;
+    /// Makes later work on `stream` wait until the work before the event's latest record has run
+    /// (cuStreamWaitEvent); the host does not block. Inside a CUDA-graph capture this is how a
+    /// second stream forks from and joins the captured one.
+    fn stream_wait_event(&self, _stream: Stream, _event: Event) -> Result<()> {
+        unsupported("cross-stream event waits")
+    }
     /// Milliseconds between two recorded events (blocks until `end` completes).
     fn elapsed_ms(&self, start: Event, end: Event) -> Result<f32>;
     /// Non-blocking: true once the work before the event's latest record has completed (and for
