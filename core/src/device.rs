@@ -115,7 +115,7 @@ pub struct ProxyTrigger {
     pub snd: u64,
 }
 
-/// Device-to-proxy FIFO (`mscclpp::FifoHandle`, 48 bytes).
+/// Device-to-proxy FIFO (`mscclpp::FifoHandle`, 56 bytes).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct FifoHandle {
@@ -129,9 +129,12 @@ pub struct FifoHandle {
     pub pad: u32,
     pub error_word: DevicePtr,
     pub max_spin: u64,
+    /// Device u64: the largest tail a pusher has read, so pushes skip the PCIe read of `tail`
+    /// while the ring is known to have room.
+    pub tail_cache: DevicePtr,
 }
 
-/// Port channel (`mscclpp::PortChannelHandle`, 96 bytes).
+/// Port channel (`mscclpp::PortChannelHandle`, 104 bytes).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct PortChannelHandle {
@@ -415,7 +418,8 @@ pub fn layouts() -> Vec<StructLayout> {
             size,
             pad,
             error_word,
-            max_spin
+            max_spin,
+            tail_cache
         }),
         struct_layout!(PortChannelHandle {
             fifo,
@@ -478,8 +482,8 @@ mod tests {
     #[case("H2DSemaphoreHandle", 32, 8)]
     #[case("MemoryChannelHandle", 64, 8)]
     #[case("ProxyTrigger", 16, 16)]
-    #[case("FifoHandle", 48, 8)]
-    #[case("PortChannelHandle", 96, 8)]
+    #[case("FifoHandle", 56, 8)]
+    #[case("PortChannelHandle", 104, 8)]
     #[case("SwitchChannelHandle", 24, 8)]
     #[case("LL16Packet", 16, 16)]
     #[case("LL8Packet", 8, 8)]
@@ -527,7 +531,7 @@ mod tests {
                 )));
             }
         }
-        assert!(text.contains("offsetof(mscclpp::PortChannelHandle, semaphore) == 48"));
+        assert!(text.contains("offsetof(mscclpp::PortChannelHandle, semaphore) == 56"));
         assert!(text.contains("offsetof(mscclpp::MemoryChannelHandle, packet_buffer) == 56"));
     }
 

@@ -134,9 +134,10 @@ impl DeviceFifo {
             device: gpu.current_device()?,
             mem: gpu.alloc_host_mapped(tail_off + 64)?,
         };
-        let head = gpu.alloc(std::mem::size_of::<u64>(), MemoryKind::Plain)?;
-        // Synchronous, so the counter is zero before any kernel can see the handle.
-        if let Err(e) = gpu.copy_to_device(head.ptr, &0u64.to_le_bytes()) {
+        // Two device words: the head counter and the pushers' tail cache.
+        let head = gpu.alloc(2 * std::mem::size_of::<u64>(), MemoryKind::Plain)?;
+        // Synchronous, so both words are zero before any kernel can see the handle.
+        if let Err(e) = gpu.copy_to_device(head.ptr, &[0u8; 16]) {
             if let Err(f) = gpu.free(&head) {
                 tracing::warn!(target: "mscclpp::proxy", "freeing the FIFO head failed: {f}");
             }
@@ -177,6 +178,7 @@ impl DeviceFifo {
             pad: 0,
             error_word,
             max_spin,
+            tail_cache: self.head.ptr + std::mem::size_of::<u64>() as u64,
         }
     }
 

@@ -182,6 +182,11 @@ impl Drop for Proxy {
     }
 }
 
+/// Empty polls before the proxy thread starts yielding its core (about 0.1-0.5 ms of spinning).
+/// A yield is a system call that delays the next poll, so a proxy that yields too soon adds
+/// microseconds to the first trigger of each burst.
+const IDLE_SPINS_BEFORE_YIELD: u32 = 1 << 14;
+
 /// The proxy thread's loop.
 fn run(mut fifo: Fifo, mut handler: impl ProxyHandler, shared: &ProxyShared) {
     let mut idle = 0u32;
@@ -222,7 +227,7 @@ fn run(mut fifo: Fifo, mut handler: impl ProxyHandler, shared: &ProxyShared) {
         }
         // Spin briefly for low latency, then yield so an idle proxy does not starve other threads.
         idle = idle.saturating_add(1);
-        if idle < 128 {
+        if idle < IDLE_SPINS_BEFORE_YIELD {
             std::hint::spin_loop();
         } else {
             std::thread::yield_now();

@@ -76,6 +76,14 @@ MSCCLPP_DEVICE_INLINE u64 atomic_fetch_add_relaxed_gpu(u64* p, u64 v) {
   asm volatile("atom.relaxed.gpu.global.add.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
   return old;
 }
+MSCCLPP_DEVICE_INLINE u64 atomic_load_acquire_gpu(const u64* p) {
+  u64 v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+MSCCLPP_DEVICE_INLINE void atomic_max_release_gpu(u64* p, u64 v) {
+  asm volatile("red.release.gpu.global.max.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 MSCCLPP_DEVICE_INLINE u32 atomic_cas_relaxed_sys(u32* p, u32 expected, u32 desired) {
   u32 old;
   asm volatile("atom.relaxed.sys.global.cas.b32 %0, [%1], %2, %3;"
@@ -113,6 +121,12 @@ MSCCLPP_DEVICE_INLINE void atomic_add_relaxed_sys(u64* p, u64 v) {
 }
 MSCCLPP_DEVICE_INLINE u64 atomic_fetch_add_relaxed_gpu(u64* p, u64 v) {
   return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+}
+MSCCLPP_DEVICE_INLINE u64 atomic_load_acquire_gpu(const u64* p) {
+  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT);
+}
+MSCCLPP_DEVICE_INLINE void atomic_max_release_gpu(u64* p, u64 v) {
+  __hip_atomic_fetch_max(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_AGENT);
 }
 MSCCLPP_DEVICE_INLINE u32 atomic_cas_relaxed_sys(u32* p, u32 expected, u32 desired) {
   __hip_atomic_compare_exchange_strong(p, &expected, desired, __ATOMIC_RELAXED, __ATOMIC_RELAXED,

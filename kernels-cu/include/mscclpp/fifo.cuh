@@ -56,7 +56,7 @@ struct __align__(16) ProxyTrigger {
 // Returned by FifoHandle::push when the ring stayed full for max_spin iterations.
 constexpr u64 kFifoPushFailed = ~0ull;
 
-// Layout is mirrored by core/src/device.rs::FifoHandle (48 bytes).
+// Layout is mirrored by core/src/device.rs::FifoHandle (56 bytes).
 struct FifoHandle {
   ProxyTrigger* triggers;  // host-mapped ring of `size` slots
   u64* head;               // device memory: next position to hand out (atomic add by pushers)
@@ -65,17 +65,31 @@ struct FifoHandle {
   u32 pad;
   u32* error_word;  // host-mapped DeviceErrorWord (may be null)
   u64 max_spin;     // spin bound in iterations; 0 = kDefaultMaxSpin
+  u64* tail_cache;  // device memory: the largest tail a pusher has read (never ahead of `tail`)
 
   // Pushes one trigger; any number of threads may push concurrently. Returns the trigger's position
   // (for sync), or kFifoPushFailed after recording kErrorFifoPushTimeout.
   MSCCLPP_DEVICE_INLINE u64 push(ProxyTrigger trigger) const {
     const u64 pos = atomic_fetch_add_relaxed_gpu(head, 1);
     const u64 slots = size;
-    const u64* t = tail;
-    // The slot is free once the proxy has consumed the trigger `size` positions earlier.
-    if (!spin_until([t, pos, slots] { return pos < atomic_load_acquire_sys(t) + slots; }, max_spin,
-                    error_word, kErrorFifoPushTimeout)) {
-      return kFifoPushFailed;
+    // The slot is free once the proxy has consumed the trigger `size` positions earlier. Reading
+    // the host-mapped tail costs a PCIe round trip (about 1 us), so pushers first consult the
+    // device-side cache and read the real tail only when the cache says the ring may be full.
+    // The cache is only ever raised to a value read from `tail`, so it never claims a free slot
+    // that is not. Ordering chain: proxy frees slot -> release tail -> some pusher's acquire of
+    // tail -> its release max into the cache -> our acquire of the cache -> our slot write.
+    if (pos >= atomic_load_acquire_gpu(tail_cache) + slots) {
+      const u64* t = tail;
+      u64* cache = tail_cache;
+      if (!spin_until(
+              [t, cache, pos, slots] {
+                const u64 seen = atomic_load_acquire_sys(t);
+                atomic_max_release_gpu(cache, seen);
+                return pos < seen + slots;
+              },
+              max_spin, error_word, kErrorFifoPushTimeout)) {
+        return kFifoPushFailed;
+      }
     }
     ProxyTrigger* slot = &triggers[pos % slots];
     atomic_store_relaxed_sys(&slot->fst, trigger.fst);

@@ -12,7 +12,7 @@
 
 namespace mscclpp {
 
-// Layout is mirrored by core/src/device.rs::PortChannelHandle (96 bytes).
+// Layout is mirrored by core/src/device.rs::PortChannelHandle (104 bytes).
 struct PortChannelHandle {
   FifoHandle fifo;
   H2DSemaphoreHandle semaphore;
