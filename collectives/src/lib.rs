@@ -1,7 +1,7 @@
 //! Native collective algorithms of mscclpp-rs over NVLink (one host, 1..=8 ranks):
 //! - all-reduce: all-pair packets, two-phase packets, zero-copy reduce-scatter + all-gather on
 //!   registered buffers, scratch-staged rsag / rsag_pipeline / fullmesh for unregistered buffers,
-//!   and, behind the NVLS gate, the four NVLS variants (`nvls`);
+//!   the copy-engine all-reduce for large messages (`copy_engine`), and, behind the NVLS gate, the four NVLS variants (`nvls`);
 //! - all-gather: packets, zero-copy fullmesh2, scratch-staged fullmesh;
 //! - reduce-scatter: packets and zero-copy; broadcast: zero-copy;
 //! - an all-reduce over PortChannels (`port_allreduce`).
@@ -10,6 +10,7 @@
 //! [`build_default_algorithms`] builds them all for a communicator, with the default selector of
 //! `mscclpp_core::algorithm_collection`; `tune` fills a tuning table for `mscclpp_core::tuner`.
 
+pub mod copy_engine;
 pub mod geometry;
 pub mod native;
 pub mod nvls;

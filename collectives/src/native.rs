@@ -3,6 +3,7 @@
 //! order); `execute` only enqueues one kernel on `args.stream`, with no host synchronisation, so it
 //! is legal during CUDA-graph capture.
 
+use crate::copy_engine::{CallPlan, CopyEngine};
 use crate::geometry::{self, resident_blocks};
 use crate::resources::{
     param_ptr, BlockSemaphores, DeviceBuffer, KernelTable, RegistrationCache, SharedScratch,
@@ -39,10 +40,12 @@ pub enum NativeKind {
     AllreduceFullmesh,
     /// All-gather pushed through the peers' scratch in steps (unregistered buffers).
     AllgatherFullmesh,
+    /// Large messages: the copy engines move the data, the SMs reduce (`copy_engine`).
+    AllreduceCopyEngine,
 }
 
 impl NativeKind {
-    pub const ALL: [NativeKind; 12] = [
+    pub const ALL: [NativeKind; 13] = [
         NativeKind::AllreduceAllpairPacket,
         NativeKind::AllreducePacket,
         NativeKind::AllreduceRsagZeroCopy,
@@ -55,6 +58,7 @@ impl NativeKind {
         NativeKind::AllreduceRsagPipeline,
         NativeKind::AllreduceFullmesh,
         NativeKind::AllgatherFullmesh,
+        NativeKind::AllreduceCopyEngine,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -71,6 +75,7 @@ impl NativeKind {
             NativeKind::AllreduceRsagPipeline => names::ALLREDUCE_RSAG_PIPELINE,
             NativeKind::AllreduceFullmesh => names::ALLREDUCE_FULLMESH,
             NativeKind::AllgatherFullmesh => names::ALLGATHER_FULLMESH,
+            NativeKind::AllreduceCopyEngine => names::ALLREDUCE_COPY_ENGINE,
         }
     }
 
@@ -81,7 +86,8 @@ impl NativeKind {
             | NativeKind::AllreduceRsagZeroCopy
             | NativeKind::AllreduceRsag
             | NativeKind::AllreduceRsagPipeline
-            | NativeKind::AllreduceFullmesh => Collective::AllReduce,
+            | NativeKind::AllreduceFullmesh
+            | NativeKind::AllreduceCopyEngine => Collective::AllReduce,
             NativeKind::AllgatherFullmesh2
             | NativeKind::AllgatherPacket
             | NativeKind::AllgatherFullmesh => Collective::AllGather,
@@ -116,6 +122,8 @@ impl NativeKind {
             }
             NativeKind::AllreduceFullmesh => (CollectiveFile::AllReduce, "allreduce_fullmesh"),
             NativeKind::AllgatherFullmesh => (CollectiveFile::AllGather, "allgather_fullmesh"),
+            // The reduction of one staged piece; the unit also holds `allreduce_ce_sync`.
+            NativeKind::AllreduceCopyEngine => (CollectiveFile::AllReduce, "allreduce_ce_reduce"),
         }
     }
 
@@ -177,6 +185,8 @@ impl NativeKind {
             | NativeKind::AllgatherPacket
             | NativeKind::ReducescatterPacket => 0,
             NativeKind::AllreduceRsagZeroCopy => (2 * sm).min(256),
+            // One barrier per call, from a single block.
+            NativeKind::AllreduceCopyEngine => 1,
             _ => sm.min(128),
         }
     }
@@ -262,6 +272,7 @@ pub struct NativeAlgorithm {
     registrations: RegistrationCache,
     semaphores: Option<BlockSemaphores>,
     scratch: Option<SharedScratch>,
+    copy_engine: Option<CopyEngine>,
     /// Every rank's scratch address as a kernel parameter, built once (not on every call).
     scratch_peers: PeerPtrs,
     state: Option<DeviceBuffer>,
@@ -307,6 +318,10 @@ impl NativeAlgorithm {
             0 => None,
             n => Some(BlockSemaphores::new(&comm, n)?),
         };
+        let copy_engine = match kind {
+            NativeKind::AllreduceCopyEngine => Some(CopyEngine::new(&comm)?),
+            _ => None,
+        };
         let scratch_peers = match &scratch {
             Some(s) => PeerPtrs::from_slice(&s.rank_ptrs())?,
             None => PeerPtrs::default(),
@@ -317,6 +332,7 @@ impl NativeAlgorithm {
             registrations: RegistrationCache::default(),
             semaphores,
             scratch,
+            copy_engine,
             scratch_peers,
             state,
             scratch_bytes,
@@ -449,6 +465,63 @@ impl NativeAlgorithm {
         self.launch(f, cfg, args, &mut params)
     }
 
+    /// The copy-engine all-reduce (`copy_engine`) of a checked, non-empty call.
+    fn execute_copy_engine(
+        &self,
+        reduce: Function,
+        args: &ExecuteArgs,
+        count: usize,
+    ) -> Result<()> {
+        let engine = self
+            .copy_engine
+            .as_ref()
+            .ok_or_else(|| self.missing("copy engine"))?;
+        let (file, _) = self.kind.file_and_entry();
+        let spec = ReduceSpec {
+            dtype: args.dtype,
+            acc: resolve_accumulator(args.dtype, args.accum)?,
+            op: args.op,
+        };
+        let sync = self.kernels.function(
+            self.comm.gpu().as_ref(),
+            file,
+            Some(spec),
+            "allreduce_ce_sync",
+        )?;
+        let inputs = self
+            .registrations
+            .rank_ptrs(&self.comm, args.input, args.input_bytes)?;
+        let outputs = if args.in_place() {
+            inputs.clone()
+        } else {
+            self.registrations
+                .rank_ptrs(&self.comm, args.output, args.input_bytes)?
+        };
+        let (n, rank) = (self.comm.size(), self.comm.rank());
+        let piece_vectors = crate::copy_engine::piece_bytes(n) / geometry::VECTOR_BYTES;
+        let threads = args.nthreads.unwrap_or(DEFAULT_THREADS);
+        let max_blocks = resident_blocks(self.sm, threads);
+        let reduce_config = geometry::launch_config(
+            args.nblocks,
+            args.nthreads,
+            (piece_vectors as u32).div_ceil(threads).min(self.sm),
+            DEFAULT_THREADS,
+            max_blocks,
+        )?;
+        let plan = CallPlan {
+            reduce,
+            sync,
+            semaphores: self.semaphores()?.ptr(),
+            inputs: &inputs,
+            outputs: &outputs,
+            count,
+            elem_bytes: args.dtype.size(),
+            stream: args.stream,
+            reduce_config,
+        };
+        engine.enqueue(&plan, rank, n)
+    }
+
     fn launch(
         &self,
         f: Function,
@@ -482,7 +555,8 @@ pub fn max_input_bytes(kind: NativeKind, scratch_bytes: usize, nranks: usize) ->
         | NativeKind::BroadcastZeroCopy
         | NativeKind::AllreduceRsagPipeline
         | NativeKind::AllreduceFullmesh
-        | NativeKind::AllgatherFullmesh => usize::MAX,
+        | NativeKind::AllgatherFullmesh
+        | NativeKind::AllreduceCopyEngine => usize::MAX,
     }
 }
 
@@ -578,6 +652,7 @@ impl Algorithm for NativeAlgorithm {
             | NativeKind::AllreduceRsagPipeline
             | NativeKind::AllreduceFullmesh
             | NativeKind::AllgatherFullmesh => self.execute_pipeline(f, args, count),
+            NativeKind::AllreduceCopyEngine => self.execute_copy_engine(f, args, count),
             NativeKind::AllreduceRsagZeroCopy
             | NativeKind::AllgatherFullmesh2
             | NativeKind::ReducescatterZeroCopy

@@ -175,6 +175,9 @@ pub mod native_names {
     pub const ALLREDUCE_RSAG_PIPELINE: &str = "default_allreduce_rsag_pipeline";
     pub const ALLREDUCE_FULLMESH: &str = "default_allreduce_fullmesh";
     pub const ALLGATHER_FULLMESH: &str = "default_allgather_fullmesh";
+    /// Ours (MSCCL++ has no copy-engine all-reduce): the copy engines move the data of large
+    /// messages while the SMs reduce.
+    pub const ALLREDUCE_COPY_ENGINE: &str = "default_allreduce_copy_engine";
     /// NVLS (NVLink multicast) all-reduces; built and selected only behind the NVLS gate.
     pub const ALLREDUCE_NVLS_PACKET: &str = "default_allreduce_nvls_packet";
     pub const ALLREDUCE_NVLS_ZERO_COPY: &str = "default_allreduce_nvls_zero_copy";
@@ -217,6 +220,12 @@ pub fn allpair_threshold(world_size: usize) -> usize {
 /// Message size (bytes) up to which packets beat the zero-copy kernel (whose two barrier rounds
 /// cost a few microseconds).
 pub const PACKET_THRESHOLD: usize = 1 << 20;
+
+/// Message size (bytes) from which the copy-engine all-reduce is preferred to the zero-copy
+/// kernel: the copy engines move more bytes per second than SM loads from a peer, but each call
+/// enqueues a dozen or more copies, events and kernels, whose latency only large messages hide.
+/// From 2-rank H200 measurements; retune with `mscclpp-bench`.
+pub const COPY_ENGINE_THRESHOLD: usize = 512 << 20;
 
 /// Total bytes (the all-gather's output, the reduce-scatter's input) up to which the packet
 /// all-gather and reduce-scatter are preferred to the zero-copy ones, by world size. The zero-copy
@@ -296,6 +305,8 @@ fn native_choice(limits: &NativeLimits, ctx: &SelectionContext) -> Option<&'stat
                 Some(ALLREDUCE_ALLPAIR_PACKET)
             } else if bytes <= PACKET_THRESHOLD.min(limits.packet_max_bytes) {
                 Some(ALLREDUCE_PACKET)
+            } else if bytes >= COPY_ENGINE_THRESHOLD {
+                Some(ALLREDUCE_COPY_ENGINE)
             } else {
                 // Registration of unregistered buffers is host-only and cached per buffer, so the
                 // zero-copy kernel also serves non-symmetric memory (the first call pays for it).
@@ -379,6 +390,7 @@ mod tests {
             (ALLREDUCE_ALLPAIR_PACKET, Collective::AllReduce),
             (ALLREDUCE_PACKET, Collective::AllReduce),
             (ALLREDUCE_RSAG_ZERO_COPY, Collective::AllReduce),
+            (ALLREDUCE_COPY_ENGINE, Collective::AllReduce),
             (ALLGATHER_FULLMESH2, Collective::AllGather),
             (ALLGATHER_PACKET, Collective::AllGather),
             (REDUCESCATTER_ZERO_COPY, Collective::ReduceScatter),
@@ -395,7 +407,8 @@ mod tests {
     #[case(Collective::AllReduce, 1024, 2, ALLREDUCE_ALLPAIR_PACKET)]
     #[case(Collective::AllReduce, 1 << 20, 2, ALLREDUCE_ALLPAIR_PACKET)]
     #[case(Collective::AllReduce, (1 << 20) + 2, 2, ALLREDUCE_RSAG_ZERO_COPY)]
-    #[case(Collective::AllReduce, 1 << 30, 2, ALLREDUCE_RSAG_ZERO_COPY)]
+    #[case(Collective::AllReduce, 1 << 30, 2, ALLREDUCE_COPY_ENGINE)]
+    #[case(Collective::AllReduce, (512 << 20) - 2, 2, ALLREDUCE_RSAG_ZERO_COPY)]
     #[case(Collective::AllReduce, 16 << 10, 8, ALLREDUCE_ALLPAIR_PACKET)]
     #[case(Collective::AllReduce, 256 << 10, 8, ALLREDUCE_PACKET)]
     #[case(Collective::AllReduce, 128 << 10, 4, ALLREDUCE_ALLPAIR_PACKET)]

@@ -118,6 +118,8 @@ impl CollectiveFile {
                 "allreduce_rsag_zero_copy",
                 "allreduce_rsag",
                 "allreduce_fullmesh",
+                "allreduce_ce_reduce",
+                "allreduce_ce_sync",
             ],
             CollectiveFile::AllGather => &[
                 "allgather_packet",

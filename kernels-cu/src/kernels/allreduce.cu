@@ -336,3 +336,31 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
   }
   finish_call(state, calls, nsteps);
 }
+
+// ------------------------------------------------------------------------------------------------
+// Copy-engine all-reduce (default_allreduce_copy_engine). The copy engines move every byte
+// (host-enqueued copies, see collectives/src/copy_engine.rs); these two kernels reduce one staged
+// chunk and synchronise the ranks between the phases.
+//   allreduce_ce_reduce  output[e] = reduce over s of srcs.p[s][e], sources in rank order (own input
+//                        at its rank, peers' copies from the scratch elsewhere), so every rank
+//                        computes bit-identical results.
+//   allreduce_ce_sync    one block of >= npeers threads over sems[peer index]: mode bit 0 signals
+//                        every peer after a system-scope fence (the peers' copy engines then read
+//                        what the earlier kernels wrote), bit 1 waits for one signal of every peer.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(1024, 1)
+    allreduce_ce_reduce(PeerPtrs srcs, u32 nsrc, void* output, u64 count, u32 nranks) {
+  PeerPtrs dsts;
+  dsts.p[0] = output;
+  reduce_to_all<CollT, CollAcc, kCollOp>(srcs, nsrc, 0, dsts, 1, 0, count, nranks);
+}
+
+extern "C" __global__ void allreduce_ce_sync(const D2DSemaphoreHandle* sems, u32 npeers, u32 mode) {
+  if (threadIdx.x >= npeers) return;
+  const D2DSemaphoreHandle& s = sems[threadIdx.x];
+  if (mode & 1) {
+    fence_acq_rel_sys();
+    s.signal();
+  }
+  if (mode & 2) s.wait();
+}
