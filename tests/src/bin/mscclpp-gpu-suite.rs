@@ -161,8 +161,10 @@ fn run() -> Result<i32> {
         stream,
     };
 
+    // `--only NAME` runs that algorithm's matrix alone (plus the kernel build checks).
+    let matrix_only = std::env::args().any(|a| a == "--only");
     let modules = compile_modules(&mut suite);
-    if let Ok((primitives, measure)) = modules {
+    if let (Ok((primitives, measure)), false) = (modules, matrix_only) {
         if suite.peer().is_some() {
             let r = ping_pong(&mut suite, primitives, measure);
             suite.record("memory_channel ping-pong", r);
@@ -180,14 +182,16 @@ fn run() -> Result<i32> {
             suite.record(&format!("simple allreduce {dtype}"), r);
         }
     }
-    if suite.peer().is_some() {
+    if suite.peer().is_some() && !matrix_only {
         for (name, result) in mscclpp_tests::port_channel_checks::run(&suite.ctx) {
             suite.record(&name, result);
         }
     }
     // Collective over every rank (not only pairs).
-    for (name, result) in mscclpp_tests::port_allreduce_checks::run(&suite.ctx) {
-        suite.record(&name, result);
+    if !matrix_only {
+        for (name, result) in mscclpp_tests::port_allreduce_checks::run(&suite.ctx) {
+            suite.record(&name, result);
+        }
     }
     let only_primitives = std::env::args().any(|a| a == "--primitives-only");
     if !only_primitives {
@@ -735,7 +739,18 @@ fn collectives_matrix(s: &mut Suite) {
     let r = host_path_cost(s, &coll);
     s.record("host path of one eager allreduce call", r);
     let mut case = 0u64;
-    for kind in NativeKind::ALL {
+    // `--quick`: the host path and the two-communicator check only, not the per-algorithm matrix;
+    // `--only NAME`: the matrix of that algorithm only.
+    let argv: Vec<String> = std::env::args().collect();
+    let only = argv
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| argv.get(i + 1));
+    let quick = argv.iter().any(|a| a == "--quick");
+    let kinds = NativeKind::ALL
+        .into_iter()
+        .filter(|k| !quick && only.map_or(true, |name| name == k.name()));
+    for kind in kinds {
         let Some(algo) = coll.get(kind.collective(), kind.name()) else {
             s.record(
                 kind.name(),
@@ -778,7 +793,10 @@ fn collectives_matrix(s: &mut Suite) {
         }
         plan.push((DataType::I32, vec![ReduceOp::Sum], vec![64 * MIB], true));
         // 1 GiB: the host reference alone takes seconds, so only the large-message all-reduce.
-        if kind == NativeKind::AllreduceRsagZeroCopy {
+        if matches!(
+            kind,
+            NativeKind::AllreduceRsagZeroCopy | NativeKind::AllreduceCopyEngine
+        ) {
             plan.push((DataType::Bf16, vec![ReduceOp::Sum], vec![1 << 30], false));
         }
         let (mut checks, mut failures, mut skipped) = (0usize, Vec::new(), 0usize);
@@ -960,9 +978,32 @@ fn host_path_cost(
     }
     let us = t.elapsed().as_secs_f64() * 1e6 / calls as f64;
     s.sync_and_check()?;
+    // The floor under it: the driver's own cost of launching an empty kernel with as many
+    // parameters (11 words) on the same stream.
+    let module = gpu.build_module(
+        "gpu_suite_empty_launch",
+        "extern \"C\" __global__ void empty11(unsigned long long a0, unsigned long long a1, \
+         unsigned long long a2, unsigned long long a3, unsigned long long a4, \
+         unsigned long long a5, unsigned long long a6, unsigned long long a7, \
+         unsigned long long a8, unsigned long long a9, unsigned long long a10) {}",
+    )?;
+    let empty = gpu.get_function(module, "empty11")?;
+    let mut words = [0u64; 11];
+    let mut ptrs: Vec<*mut std::ffi::c_void> =
+        words.iter_mut().map(|w| (w as *mut u64).cast()).collect();
+    let t = Instant::now();
+    for _ in 0..calls {
+        // SAFETY: empty11 takes 11 u64 by value; `words` outlives the launches.
+        unsafe { gpu.launch(empty, LaunchConfig::linear(1, 32), s.stream, &mut ptrs) }?;
+    }
+    let floor = t.elapsed().as_secs_f64() * 1e6 / calls as f64;
+    s.sync_and_check()?;
     s.measure(
         &format!("host CPU time of one eager execute ({})", algo.name()),
-        format!("{us:.2} µs"),
+        format!("{us:.2} µs (an empty 11-parameter cuLaunchKernel: {floor:.2} µs)"),
     );
-    Ok(format!("{us:.2} µs per call ({})", algo.name()))
+    Ok(format!(
+        "{us:.2} µs per call ({}); an empty 11-parameter kernel launch costs {floor:.2} µs",
+        algo.name()
+    ))
 }
