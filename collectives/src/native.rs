@@ -1,7 +1,8 @@
 //! The native algorithms: one [`NativeAlgorithm`] per (kind, communicator), implementing the core
 //! [`Algorithm`] trait. Construction is collective (every rank builds the same kinds in the same
-//! order); `execute` only enqueues one kernel on `args.stream`, with no host synchronisation, so it
-//! is legal during CUDA-graph capture.
+//! order); `execute` only enqueues work on `args.stream` (one kernel, or for the copy-engine
+//! all-reduce a sequence of copies, events and kernels on it and on one forked stream), with no host
+//! synchronisation, so it is legal during CUDA-graph capture.
 
 use crate::copy_engine::{CallPlan, CopyEngine};
 use crate::geometry::{self, resident_blocks};
