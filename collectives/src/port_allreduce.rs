@@ -14,7 +14,8 @@
 //!   and one channel (dst = the peer's scratch, src = the staging buffer); then the proxy starts.
 //!
 //! # One call (`execute` enqueues only; legal during CUDA-graph capture)
-//! copy input -> staging; `port_allreduce_exchange` (one warp: put with signal into slot `rank` of
+//! Messages larger than `max_bytes` run as consecutive all-reduces of segments that fit the slots
+//! ([`segment_bytes`]). Per segment: copy input -> staging; `port_allreduce_exchange` (one warp: put with signal into slot `rank` of
 //! the current half of every peer, flush, wait for every peer's signal, advance the device call
 //! counter); `port_allreduce_reduce` (every block: output = reduction of the ranks' data in rank
 //! order, so every rank gets bit-identical results). Why parity double buffering makes a second
@@ -62,6 +63,20 @@ pub struct ScratchLayout {
     pub max_bytes: usize,
     /// Bytes between consecutive slots: `max_bytes` rounded up to 16.
     pub slot_stride: usize,
+}
+
+/// Bytes of one segment of a call: messages larger than the scratch slots run as consecutive
+/// all-reduces of segments of this size (each a complete call with its own exchange, so the
+/// double buffering holds between segments as between calls). A whole number of 16-byte vectors
+/// where `max_bytes` allows, so every segment but the last keeps the vectorised reduction, and
+/// always a whole number of elements.
+pub fn segment_bytes(max_bytes: usize, elem_bytes: usize) -> usize {
+    let vectors = max_bytes / SLOT_ALIGN * SLOT_ALIGN;
+    if vectors >= elem_bytes {
+        vectors
+    } else {
+        max_bytes / elem_bytes * elem_bytes
+    }
 }
 
 impl ScratchLayout {
@@ -114,18 +129,13 @@ impl ScratchLayout {
     }
 }
 
-/// Validates `args` against `layout` for `rank` (no device access) and returns the element count
-/// (0: nothing to do). Unsupported combinations are `Error::Unsupported` naming them.
-pub fn check_args(layout: &ScratchLayout, args: &ExecuteArgs) -> Result<usize> {
+/// Validates `args` (no device access) and returns the element count
+/// (0: nothing to do). Unsupported combinations are `Error::Unsupported` naming them. Any size is
+/// accepted: messages beyond `layout.max_bytes` run as several segments ([`segment_bytes`]).
+pub fn check_args(args: &ExecuteArgs) -> Result<usize> {
     let count = args.input_count()?;
     resolve_accumulator(args.dtype, args.accum)
         .map_err(|e| Error::Unsupported(format!("{NAME}: {e}")))?;
-    if args.input_bytes > layout.max_bytes {
-        return Err(Error::Unsupported(format!(
-            "{NAME}: {} bytes exceed the {} bytes per rank it was built for",
-            args.input_bytes, layout.max_bytes
-        )));
-    }
     if args.output_bytes < args.input_bytes {
         return Err(Error::InvalidArgument(format!(
             "{NAME}: the output holds {} bytes, the call needs {}",
@@ -302,11 +312,11 @@ impl Algorithm for PortAllreduce {
     }
 
     fn check(&self, args: &ExecuteArgs) -> Result<()> {
-        check_args(&self.layout, args).map(|_| ())
+        check_args(args).map(|_| ())
     }
 
     fn execute(&self, args: &ExecuteArgs) -> Result<()> {
-        let count = check_args(&self.layout, args)?;
+        let count = check_args(args)?;
         // A proxy failure of an earlier call surfaces here at the latest (host-only check).
         self.check_proxy()?;
         if count == 0 {
@@ -327,19 +337,43 @@ impl Algorithm for PortAllreduce {
             DEFAULT_THREADS,
             max_blocks,
         )?;
+        let es = args.dtype.size();
+        let segment = segment_bytes(self.layout.max_bytes, es);
+        if segment == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{NAME}: built for {} bytes per rank, less than one {} element",
+                self.layout.max_bytes, args.dtype
+            )));
+        }
+        let mut done = 0usize;
+        while done < args.input_bytes {
+            let len = segment.min(args.input_bytes - done);
+            self.enqueue_segment(&kernels, reduce_cfg, args, done as u64, len)?;
+            done += len;
+        }
+        Ok(())
+    }
+}
+
+impl PortAllreduce {
+    /// Enqueues the all-reduce of bytes `[offset, offset + len)` of the caller's buffers (`len` at
+    /// most the slot size, a whole number of elements): copy into staging, exchange, reduce.
+    fn enqueue_segment(
+        &self,
+        kernels: &Kernels,
+        reduce_cfg: LaunchConfig,
+        args: &ExecuteArgs,
+        offset: u64,
+        len: usize,
+    ) -> Result<()> {
         let gpu = self.comm.gpu();
-        gpu.memcpy_async(
-            self.staging.ptr(),
-            args.input,
-            args.input_bytes,
-            args.stream,
-        )?;
+        gpu.memcpy_async(self.staging.ptr(), args.input + offset, len, args.stream)?;
 
         let mut rank = self.comm.rank() as u32;
         let mut nranks = self.comm.size() as u32;
         let mut slot_stride = self.layout.slot_stride as u64;
         let mut calls: DevicePtr = self.calls.ptr();
-        let mut bytes = args.input_bytes as u64;
+        let mut bytes = len as u64;
         let mut chans: DevicePtr = self.channels.ptr();
         let mut npeers = nranks - 1;
         let mut params = [
@@ -364,9 +398,9 @@ impl Algorithm for PortAllreduce {
             )
         }?;
 
-        let mut input = args.input;
-        let mut output = args.output;
-        let mut count = count as u64;
+        let mut input = args.input + offset;
+        let mut output = args.output + offset;
+        let mut count = (len / args.dtype.size()) as u64;
         let mut scratch: DevicePtr = self.scratch.local_ptr();
         let mut params = [
             param_ptr(&mut input),
@@ -478,35 +512,53 @@ mod tests {
         assert!(ScratchLayout::new(2, 0).is_err());
     }
 
+    #[rstest]
+    #[case(64 << 20, 2, 64 << 20)]
+    #[case(4100, 4, 4096)]
+    #[case(4100, 8, 4096)]
+    #[case(6, 4, 4)]
+    #[case(7, 2, 6)]
+    #[case(15, 8, 8)]
+    fn segments_are_whole_vectors_or_elements(
+        #[case] max_bytes: usize,
+        #[case] es: usize,
+        #[case] want: usize,
+    ) {
+        let seg = segment_bytes(max_bytes, es);
+        assert_eq!(seg, want);
+        assert!(seg <= max_bytes && seg % es == 0 && seg > 0);
+    }
+
     #[test]
     fn call_arguments_are_checked() {
-        let l = ScratchLayout::new(2, 4096).expect("layout");
         assert_eq!(
-            check_args(&l, &args(DataType::F32, 4096, 4096)).ok(),
+            check_args(&args(DataType::F32, 4096, 4096)).ok(),
             Some(1024)
         );
-        assert_eq!(check_args(&l, &args(DataType::Bf16, 2, 2)).ok(), Some(1));
-        let e = check_args(&l, &args(DataType::F32, 4100, 4100)).unwrap_err();
-        assert!(matches!(e, Error::Unsupported(_)), "{e}");
-        assert!(e.to_string().contains("4100 bytes"), "{e}");
-        let e = check_args(&l, &args(DataType::F32, 6, 8)).unwrap_err();
+        assert_eq!(check_args(&args(DataType::Bf16, 2, 2)).ok(), Some(1));
+        // Larger than any scratch: accepted, it runs in segments.
+        assert_eq!(
+            check_args(&args(DataType::Bf16, 1 << 30, 1 << 30)).ok(),
+            Some(1 << 29)
+        );
+        let e = check_args(&args(DataType::F32, 6, 8)).unwrap_err();
         assert!(e.to_string().contains("element size"), "{e}");
-        let e = check_args(&l, &args(DataType::F32, 16, 12)).unwrap_err();
+        let e = check_args(&args(DataType::F32, 16, 12)).unwrap_err();
         assert!(e.to_string().contains("output holds 12"), "{e}");
         let mut a = args(DataType::F32, 16, 16);
         a.input = 0;
-        assert!(check_args(&l, &a)
+        assert!(check_args(&a)
             .unwrap_err()
             .to_string()
             .contains("null input"));
         // An empty call is a no-op, with or without buffers.
         a.input_bytes = 0;
         a.output = 0;
-        assert_eq!(check_args(&l, &a).ok(), Some(0));
+        assert_eq!(check_args(&a).ok(), Some(0));
         // Narrowing accumulators are refused by name.
         let mut a = args(DataType::F32, 16, 16);
         a.accum = AccumType::F16;
-        let e = check_args(&l, &a).unwrap_err();
+        let e = check_args(&a).unwrap_err();
         assert!(matches!(e, Error::Unsupported(_)), "{e}");
         assert!(e.to_string().contains(NAME), "{e}");
     }

@@ -4,7 +4,8 @@
 //!
 //! Matrix, through `mscclpp_collectives::testing::run_collective_check_mode` (random data, outputs
 //! poisoned, every element compared with the host reference): bf16 sum, f32 sum, i32 sum and max;
-//! 1, 3 and 1023 elements, 4 KiB + 8 B, 1 MiB - 1 element, 64 MiB; out of place and in place;
+//! 1, 3 and 1023 elements, 4 KiB + 8 B, 1 MiB - 1 element, 64 MiB, 64 MiB + 3 elements and (bf16)
+//! 1 GiB, the last two in segments of the 64 MiB slots; out of place and in place;
 //! eager and CUDA-graph (one capture, two replays on fresh data, each checked). One line per dtype
 //! reports the number of checks. A last line checks the proxy: no error, triggers handled.
 //!
@@ -20,8 +21,9 @@ use mscclpp_collectives::testing::run_collective_check_mode;
 use std::sync::Arc;
 
 const MIB: usize = 1 << 20;
-/// Largest message of the matrix; the algorithm is built for exactly this.
+/// The algorithm's slot size; larger messages of the matrix run in segments of this.
 const MAX_BYTES: usize = 64 * MIB;
+const GIB: usize = 1 << 30;
 /// Device spin bound of the channel waits: a lost signal fails in tens of seconds, not hours, while
 /// a peer that is still compiling its first kernel (under a second) is waited for.
 const MAX_SPIN: u64 = 1 << 28;
@@ -33,18 +35,24 @@ const ROWS: [(DataType, &[ReduceOp]); 3] = [
     (DataType::I32, &[ReduceOp::Sum, ReduceOp::Max]),
 ];
 
-/// Element counts of the matrix for `dtype`: 1, 3, 1023 elements, 4 KiB + 8 B, 1 MiB - 1 element
-/// and 64 MiB.
+/// Element counts of the matrix for `dtype`: 1, 3, 1023 elements, 4 KiB + 8 B, 1 MiB - 1 element,
+/// 64 MiB (one whole segment), 64 MiB + 3 elements (a second, short segment), and for bf16 1 GiB
+/// (16 segments; one type only, as the host reference alone takes seconds).
 pub fn matrix_counts(dtype: DataType) -> Vec<usize> {
     let es = dtype.size();
-    vec![
+    let mut counts = vec![
         1,
         3,
         1023,
         (4096usize + 8).div_ceil(es),
         MIB / es - 1,
         MAX_BYTES / es,
-    ]
+        MAX_BYTES / es + 3,
+    ];
+    if dtype == DataType::Bf16 {
+        counts.push(GIB / es);
+    }
+    counts
 }
 
 /// Runs the `port_allreduce` checks on this rank; returns (check name, outcome) in order.
@@ -200,16 +208,27 @@ mod tests {
     fn matrix_sizes_match_the_brief() {
         assert_eq!(
             matrix_counts(DataType::Bf16),
-            vec![1, 3, 1023, 2052, MIB / 2 - 1, 32 * MIB]
+            vec![
+                1,
+                3,
+                1023,
+                2052,
+                MIB / 2 - 1,
+                32 * MIB,
+                32 * MIB + 3,
+                512 * MIB
+            ]
         );
         assert_eq!(
             matrix_counts(DataType::F32),
-            vec![1, 3, 1023, 1026, MIB / 4 - 1, 16 * MIB]
+            vec![1, 3, 1023, 1026, MIB / 4 - 1, 16 * MIB, 16 * MIB + 3]
         );
         for (dtype, _) in ROWS {
             let counts = matrix_counts(dtype);
-            // The largest fits the algorithm exactly; 4 KiB + 8 B is whole elements.
-            assert_eq!(counts.last().copied(), Some(MAX_BYTES / dtype.size()));
+            // One exact slot, then a message one segment and 3 elements long; 4 KiB + 8 B is
+            // whole elements.
+            assert_eq!(counts[5], MAX_BYTES / dtype.size());
+            assert_eq!(counts[6], counts[5] + 3);
             assert_eq!(counts[3] * dtype.size(), 4096 + 8);
         }
     }
