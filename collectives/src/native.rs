@@ -361,7 +361,12 @@ impl NativeAlgorithm {
     }
 
     fn function(&self, args: &ExecuteArgs) -> Result<Function> {
-        let (file, entry) = self.kind.file_and_entry();
+        self.entry_point(args, self.kind.file_and_entry().1)
+    }
+
+    /// Entry point `entry` of the kind's kernel file, from the unit specialised for `args`.
+    fn entry_point(&self, args: &ExecuteArgs, entry: &'static str) -> Result<Function> {
+        let (file, _) = self.kind.file_and_entry();
         let spec = if file.reduces() {
             Some(ReduceSpec {
                 dtype: args.dtype,
@@ -477,18 +482,7 @@ impl NativeAlgorithm {
             .copy_engine
             .as_ref()
             .ok_or_else(|| self.missing("copy engine"))?;
-        let (file, _) = self.kind.file_and_entry();
-        let spec = ReduceSpec {
-            dtype: args.dtype,
-            acc: resolve_accumulator(args.dtype, args.accum)?,
-            op: args.op,
-        };
-        let sync = self.kernels.function(
-            self.comm.gpu().as_ref(),
-            file,
-            Some(spec),
-            "allreduce_ce_sync",
-        )?;
+        let sync = self.entry_point(args, "allreduce_ce_sync")?;
         let inputs = self
             .registrations
             .rank_ptrs(&self.comm, args.input, args.input_bytes)?;

@@ -51,18 +51,6 @@ fn f16_value(h: u16) -> f64 {
     }
 }
 
-/// The fp8 format of an fp8 `DataType` (None for other types).
-fn fp8_format(dtype: DataType) -> Option<mscclpp_core::fp8::Fp8Format> {
-    use mscclpp_core::fp8;
-    match dtype {
-        DataType::Fp8E4M3 => Some(fp8::E4M3),
-        DataType::Fp8E4M3Fnuz => Some(fp8::E4M3_FNUZ),
-        DataType::Fp8E5M2 => Some(fp8::E5M2),
-        DataType::Fp8E4M3B15 => Some(fp8::E4M3B15),
-        _ => None,
-    }
-}
-
 /// `rank`'s generated input, as f64 values exactly representable in `dtype`.
 fn gen_values(
     seed: u64,
@@ -77,7 +65,7 @@ fn gen_values(
     );
     // fp8: quarter steps small enough that sums over every rank stay in range (e4m3b15 tops out at
     // 1.875); products stay near 1.
-    let fp8_limit = fp8_format(dtype).map(|f| {
+    let fp8_limit = mscclpp_core::fp8::format_of(dtype).map(|f| {
         let max = f.max_value() as f64;
         ((0.9 * max / (nranks as f64 * 0.25)) as i32).clamp(1, 8)
     });
@@ -128,7 +116,7 @@ fn encode(values: &[f64], dtype: DataType) -> Vec<u8> {
             | DataType::Fp8E4M3Fnuz
             | DataType::Fp8E5M2
             | DataType::Fp8E4M3B15 => {
-                let f = fp8_format(dtype).unwrap_or(mscclpp_core::fp8::E4M3);
+                let f = mscclpp_core::fp8::format_of(dtype).unwrap_or(mscclpp_core::fp8::E4M3);
                 out.push(f.encode(v as f32))
             }
         }
@@ -144,7 +132,7 @@ fn decode(bytes: &[u8], i: usize, dtype: DataType) -> (f64, i128) {
     let mut w = [0u8; 8];
     w[..s].copy_from_slice(b);
     let raw = u64::from_le_bytes(w);
-    if let Some(f) = fp8_format(dtype) {
+    if let Some(f) = mscclpp_core::fp8::format_of(dtype) {
         return (f.decode(raw as u8) as f64, 0);
     }
     match dtype {
@@ -176,7 +164,7 @@ fn wrap(v: i128, dtype: DataType) -> i128 {
 /// Relative tolerance: one rounding of `dtype` per combining step (rank), exact-ish for f32/f64.
 fn rtol(dtype: DataType, nranks: usize) -> f64 {
     let steps = nranks as f64;
-    match fp8_format(dtype) {
+    match mscclpp_core::fp8::format_of(dtype) {
         Some(f) => steps * 2f64.powi(-(f.man_bits as i32)),
         None => match dtype {
             DataType::F16 => steps / 1024.0,

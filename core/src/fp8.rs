@@ -64,6 +64,19 @@ pub const E5M2_FNUZ: Fp8Format = Fp8Format {
     special: Special::Fnuz,
 };
 
+/// The format of an fp8 `DataType` (None for the other types). The host references of the test
+/// suite and the benchmark both build their data through this.
+pub fn format_of(dtype: crate::dtype::DataType) -> Option<Fp8Format> {
+    use crate::dtype::DataType;
+    match dtype {
+        DataType::Fp8E4M3 => Some(E4M3),
+        DataType::Fp8E4M3Fnuz => Some(E4M3_FNUZ),
+        DataType::Fp8E5M2 => Some(E5M2),
+        DataType::Fp8E4M3B15 => Some(E4M3B15),
+        _ => None,
+    }
+}
+
 impl Fp8Format {
     /// The format's NaN code (FNUZ: 0x80; OCP: 0x7f), or `None` for e4m3b15.
     pub const fn nan_code(self) -> Option<u8> {

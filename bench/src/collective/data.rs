@@ -12,23 +12,12 @@
 //! so the host reference uses exactly the value the device sees.
 
 use half::{bf16, f16};
-use mscclpp_core::fp8::{self, Fp8Format};
+use mscclpp_core::fp8;
 use mscclpp_core::{DataType, ReduceOp};
-
-/// The fp8 format of an fp8 type.
-fn fp8_format(dtype: DataType) -> Option<Fp8Format> {
-    match dtype {
-        DataType::Fp8E4M3 => Some(fp8::E4M3),
-        DataType::Fp8E4M3Fnuz => Some(fp8::E4M3_FNUZ),
-        DataType::Fp8E5M2 => Some(fp8::E5M2),
-        DataType::Fp8E4M3B15 => Some(fp8::E4M3B15),
-        _ => None,
-    }
-}
 
 /// Largest finite value of a float type (integers: their maximum as f64).
 pub fn max_finite(dtype: DataType) -> f64 {
-    if let Some(f) = fp8_format(dtype) {
+    if let Some(f) = fp8::format_of(dtype) {
         return f64::from(f.max_value());
     }
     match dtype {
@@ -48,7 +37,7 @@ pub fn max_finite(dtype: DataType) -> f64 {
 /// Unit roundoff `u = 2^-p` of a float type of precision `p` (significand bits, implicit one
 /// included); 0 for integers.
 pub fn unit_roundoff(dtype: DataType) -> f64 {
-    if let Some(f) = fp8_format(dtype) {
+    if let Some(f) = fp8::format_of(dtype) {
         return 2f64.powi(-(f.man_bits as i32 + 1));
     }
     match dtype {
@@ -62,7 +51,7 @@ pub fn unit_roundoff(dtype: DataType) -> f64 {
 
 /// Smallest positive (subnormal) value of a float type: the absolute rounding step near zero.
 pub fn smallest_subnormal(dtype: DataType) -> f64 {
-    if let Some(f) = fp8_format(dtype) {
+    if let Some(f) = fp8::format_of(dtype) {
         return 2f64.powi(1 - f.bias - f.man_bits as i32);
     }
     match dtype {
@@ -77,7 +66,7 @@ pub fn smallest_subnormal(dtype: DataType) -> f64 {
 /// Writes `v` as one element of `dtype` into `out` (`dtype.size()` bytes), rounding to nearest
 /// (floats) or truncating to the width (integers, which the generator keeps in range).
 pub fn encode(dtype: DataType, v: f64, out: &mut [u8]) {
-    if let Some(f) = fp8_format(dtype) {
+    if let Some(f) = fp8::format_of(dtype) {
         out[0] = f.encode(v as f32);
         return;
     }
@@ -118,7 +107,7 @@ fn word(bytes: &[u8]) -> u64 {
 /// Value of one float element (`dtype.size()` bytes). Integers decode exactly too, for display.
 pub fn decode_float(dtype: DataType, bytes: &[u8]) -> f64 {
     let raw = word(bytes);
-    if let Some(f) = fp8_format(dtype) {
+    if let Some(f) = fp8::format_of(dtype) {
         return f64::from(f.decode(raw as u8));
     }
     match dtype {
