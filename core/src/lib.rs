@@ -4,6 +4,7 @@
 //! ([`Gpu`], [`Transport`], [`Algorithm`]), the element and reduction types, the one error type, the
 //! typed `MSCCLPP_*` environment, logging, and the TCP bootstrap that ranks use to find each other.
 
+pub mod affinity;
 pub mod algorithm;
 pub mod algorithm_collection;
 pub mod communicator;

@@ -428,7 +428,13 @@ impl PortChannelService {
             bound: false,
             inner: handler,
         };
-        self.proxy = Some(Proxy::start(fifo, handler)?);
+        // Best effort: a backend that cannot name the GPU's PCI address leaves the proxy unbound.
+        let cpus = self
+            .gpu
+            .properties(self.device)
+            .ok()
+            .and_then(|p| crate::affinity::local_cpus(&p.pci_bus_id));
+        self.proxy = Some(Proxy::start_on(fifo, handler, cpus)?);
         Ok(())
     }
 

@@ -103,8 +103,19 @@ impl std::fmt::Debug for Proxy {
 }
 
 impl Proxy {
-    /// Starts the proxy thread on `fifo` with `handler`.
+    /// Starts the proxy thread on `fifo` with `handler`, free to run on any CPU.
     pub fn start(fifo: Fifo, handler: impl ProxyHandler) -> Result<Self> {
+        Self::start_on(fifo, handler, None)
+    }
+
+    /// Starts the proxy thread restricted to `cpus` when given (see [`crate::affinity`]: the
+    /// CPUs next to the GPU make every poll and driver call cheaper). A failed binding is logged
+    /// and the proxy runs unbound: it is slower, not wrong.
+    pub fn start_on(
+        fifo: Fifo,
+        handler: impl ProxyHandler,
+        cpus: Option<Vec<usize>>,
+    ) -> Result<Self> {
         let shared = Arc::new(ProxyShared::default());
         let (tx, done) = mpsc::channel();
         let thread = {
@@ -112,6 +123,11 @@ impl Proxy {
             std::thread::Builder::new()
                 .name("mscclpp-proxy".into())
                 .spawn(move || {
+                    if let Some(cpus) = cpus {
+                        if let Err(e) = crate::affinity::bind_current_thread(&cpus) {
+                            tracing::warn!(target: "mscclpp::proxy", "proxy thread runs unbound: {e}");
+                        }
+                    }
                     run(fifo, handler, &shared);
                     // The receiver may be gone (stop timed out earlier); nothing to do then.
                     let _ = tx.send(());

@@ -31,6 +31,8 @@ Options:
       --outofplace-only    measure out-of-place calls only
       --json FILE          also write the results as JSON
       --vs-nccl            measure NCCL (MSCCLPP_NCCL_LIB_PATH or libnccl.so.2) in the same run
+      --cpu-bind gpu|none  gpu: run each rank on the CPUs next to its GPU, as `mpirun --bind-to`
+                           would (default); none: leave the launcher's placement
   -h, --help               this text
 ";
 
@@ -73,6 +75,8 @@ pub struct BenchOptions {
     pub placements: Vec<Placement>,
     pub json: Option<PathBuf>,
     pub vs_nccl: bool,
+    /// `--cpu-bind gpu`: bind each rank's thread to its GPU's local CPUs.
+    pub cpu_bind: bool,
 }
 
 impl Default for BenchOptions {
@@ -96,6 +100,7 @@ impl Default for BenchOptions {
             placements: vec![Placement::OutOfPlace, Placement::InPlace],
             json: None,
             vs_nccl: false,
+            cpu_bind: true,
         }
     }
 }
@@ -231,6 +236,17 @@ where
             "--outofplace-only" => outofplace_only = true,
             "--json" => o.json = Some(PathBuf::from(value(&flag)?)),
             "--vs-nccl" => o.vs_nccl = true,
+            "--cpu-bind" => {
+                o.cpu_bind = match value(&flag)?.as_str() {
+                    "gpu" => true,
+                    "none" => false,
+                    other => {
+                        return Err(Error::InvalidArgument(format!(
+                            "--cpu-bind {other}: expected gpu or none"
+                        )))
+                    }
+                }
+            }
             other => {
                 return Err(Error::InvalidArgument(format!(
                     "unknown option {other:?} (see --help)"
@@ -374,6 +390,8 @@ mod tests {
             "--vs-nccl",
             "-r",
             "1",
+            "--cpu-bind",
+            "none",
         ])
         .expect("parses");
         assert_eq!((o.min_bytes, o.max_bytes, o.step_factor), (8, 128 << 20, 4));
@@ -393,6 +411,7 @@ mod tests {
         assert_eq!(o.json, Some(PathBuf::from("/tmp/x.json")));
         assert!(o.vs_nccl);
         assert_eq!(o.root, 1);
+        assert!(!o.cpu_bind);
         assert_eq!(
             o.sizes(),
             vec![
@@ -422,6 +441,7 @@ mod tests {
     #[case(&["-n", "0"], "iters")]
     #[case(&["-f", "1", "-e", "4M"], "stepfactor")]
     #[case(&["--inplace-only", "--outofplace-only"], "exclude")]
+    #[case(&["--cpu-bind", "socket"], "--cpu-bind socket")]
     #[case(&["--frobnicate"], "--frobnicate")]
     #[case(&["--nblocks", "-3"], "--nblocks")]
     #[case(&["--tuning", "t.yaml", "--algo", "x"], "exclude each other")]

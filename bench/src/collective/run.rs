@@ -153,6 +153,8 @@ struct Bench<'a> {
     checks: u64,
     /// The device line, printed first.
     device_text: String,
+    /// Where this rank's thread runs (`--cpu-bind`), printed by rank 0.
+    cpu_binding: String,
 }
 
 /// Runs the benchmark on this rank (collective: every rank calls it with the same options).
@@ -244,8 +246,14 @@ impl<'a> Bench<'a> {
                  CUDA_VISIBLE_DEVICES)"
             )));
         }
-        let comm = Arc::new(Communicator::new(bootstrap.clone(), gpu.clone(), device)?);
         let props = gpu.properties(device)?;
+        // Before the communicator allocates its pinned host memory, so that lands nearby too.
+        let cpu_binding = if opts.cpu_bind {
+            mscclpp_core::affinity::bind_current_thread_near(&props.pci_bus_id)
+        } else {
+            "left to the launcher (--cpu-bind none)".to_string()
+        };
+        let comm = Arc::new(Communicator::new(bootstrap.clone(), gpu.clone(), device)?);
         let algos = mscclpp_collectives::default_algorithm_collection(
             &comm,
             mscclpp_collectives::DEFAULT_SCRATCH_BYTES,
@@ -305,6 +313,7 @@ impl<'a> Bench<'a> {
             run_seed,
             checks: 0,
             device_text: String::new(),
+            cpu_binding,
         };
         header.1 = bench.open_nccl()?;
         header.0 = bench.describe(&header.1)?;
@@ -476,6 +485,7 @@ impl<'a> Bench<'a> {
             opts.iters,
         ));
         self.print(&format!("# check: {TOLERANCE_TEXT}"));
+        self.print(&format!("# rank 0 thread: {}", self.cpu_binding));
         self.print(report::header(self.nccl.is_some()).trim_end());
         let mut seen = HashSet::new();
         for &dtype in &opts.dtypes {
