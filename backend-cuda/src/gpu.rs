@@ -62,6 +62,9 @@ pub struct CudaGpu {
     /// Per device: whether 64-bit stream memory operations (cuStreamWriteValue64) are available,
     /// read from the device attribute on first use.
     stream_mem_ops_64: Vec<OnceLock<bool>>,
+    /// Per device: whether programmatic dependent launch is used (sm_90+, and not switched off
+    /// by MSCCLPP_PROGRAMMATIC_LAUNCH=0), decided on first use.
+    programmatic_launch: Vec<OnceLock<bool>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -110,6 +113,7 @@ impl CudaGpu {
             exported_fds: Mutex::new(HashMap::new()),
             kernel_cache: OnceLock::new(),
             stream_mem_ops_64: (0..count).map(|_| OnceLock::new()).collect(),
+            programmatic_launch: (0..count).map(|_| OnceLock::new()).collect(),
         })
     }
 
@@ -152,6 +156,25 @@ impl CudaGpu {
             unsafe { cu!(cuCtxSetCurrent(want)) }?;
         }
         Ok(ordinal)
+    }
+
+    /// Whether launches that allow it overlap the previous kernel on device `ordinal` (see
+    /// `LaunchConfig::programmatic`): compute capability 9.0 or newer, unless the environment
+    /// switches it off.
+    fn programmatic_launch(&self, ordinal: usize) -> Result<bool> {
+        let cell = self.programmatic_launch.get(ordinal).ok_or_else(|| {
+            Error::InvalidArgument(format!("CUDA device {ordinal} does not exist"))
+        })?;
+        if let Some(&on) = cell.get() {
+            return Ok(on);
+        }
+        let dev = self.device(ordinal)?;
+        let major = self.attribute(
+            dev,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+        )?;
+        let wanted = mscclpp_core::env::Env::get()?.programmatic_launch;
+        Ok(*cell.get_or_init(|| wanted && major >= 9))
     }
 
     fn attribute(&self, dev: sys::CUdevice, attr: sys::CUdevice_attribute) -> Result<i32> {
@@ -926,13 +949,45 @@ impl Gpu for CudaGpu {
         stream: Stream,
         params: &mut [*mut c_void],
     ) -> Result<()> {
-        self.bind()?;
+        let ordinal = self.bind()?;
         let (g, b) = (config.grid, config.block);
         let params_ptr = if params.is_empty() {
             std::ptr::null_mut()
         } else {
             params.as_mut_ptr()
         };
+        if config.programmatic && self.programmatic_launch(ordinal)? {
+            // SAFETY: a plain C union; all-zero is a valid value of every member.
+            let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+            value.programmaticStreamSerializationAllowed = 1;
+            let mut attr = sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: [0; 4],
+                value,
+            };
+            let cfg = sys::CUlaunchConfig {
+                gridDimX: g.0,
+                gridDimY: g.1,
+                gridDimZ: g.2,
+                blockDimX: b.0,
+                blockDimY: b.1,
+                blockDimZ: b.2,
+                sharedMemBytes: config.shared_mem_bytes,
+                hStream: cu_stream(stream),
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            // SAFETY: `cfg` and `attr` live across the call; the caller guarantees `params`
+            // matches the kernel and that the kernel waits for the prior grid (trait docs).
+            return unsafe {
+                cu!(cuLaunchKernelEx(
+                    &cfg,
+                    function.0 as usize as sys::CUfunction,
+                    params_ptr,
+                    std::ptr::null_mut(),
+                ))
+            };
+        }
         // SAFETY: the caller guarantees `params` matches the kernel (see the trait docs).
         unsafe {
             cu!(cuLaunchKernel(
@@ -1407,6 +1462,7 @@ mod nvls_tests {
             exported_fds: Mutex::new(HashMap::new()),
             kernel_cache: OnceLock::new(),
             stream_mem_ops_64: Vec::new(),
+            programmatic_launch: Vec::new(),
         }
     }
 

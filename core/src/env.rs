@@ -42,6 +42,7 @@
 //! | `MSCCLPP_CUDAIPC_USE_DEFAULT_STREAM` | `cudaipc_use_default_stream` | bool | false |
 //! | `MSCCLPP_FORCE_DISABLE_NVLS`, also `MSCCLPP_DISABLE_NVLS` | `force_disable_nvls` | bool (either set true disables) | false |
 //! | `MSCCLPP_ENABLE_NVLS` | `enable_nvls` | bool; NVLS runs only when this is set true | false |
+//! | `MSCCLPP_PROGRAMMATIC_LAUNCH` | `programmatic_launch` | bool; native collective kernels may launch while the stream's previous kernel finishes (CUDA programmatic dependent launch, sm_90+) | true |
 //! | `NCCL_NVLS_ENABLE` | `nccl_nvls_enable` | bool; `0` also disables NVLS here | unset |
 //! | `MSCCLPP_MASTER_ADDR` | `master_addr` | host name or IP | unset |
 //! | `MSCCLPP_MASTER_PORT` | `master_port` | 1-65535 | unset |
@@ -99,6 +100,7 @@ pub const VARIABLES: &[&str] = &[
     "MSCCLPP_FORCE_DISABLE_NVLS",
     "MSCCLPP_DISABLE_NVLS",
     "MSCCLPP_ENABLE_NVLS",
+    "MSCCLPP_PROGRAMMATIC_LAUNCH",
     "NCCL_NVLS_ENABLE",
     "MSCCLPP_MASTER_ADDR",
     "MSCCLPP_MASTER_PORT",
@@ -409,6 +411,7 @@ pub struct Env {
     pub cudaipc_use_default_stream: bool,
     pub force_disable_nvls: bool,
     pub enable_nvls: bool,
+    pub programmatic_launch: bool,
     pub nccl_nvls_enable: Option<bool>,
     pub master_addr: Option<String>,
     pub master_port: Option<u16>,
@@ -889,6 +892,7 @@ impl Env {
             force_disable_nvls: vars.flag("MSCCLPP_FORCE_DISABLE_NVLS")?
                 | vars.flag("MSCCLPP_DISABLE_NVLS")?,
             enable_nvls: vars.flag("MSCCLPP_ENABLE_NVLS")?,
+            programmatic_launch: vars.boolean("MSCCLPP_PROGRAMMATIC_LAUNCH")?.unwrap_or(true),
             nccl_nvls_enable: vars.boolean("NCCL_NVLS_ENABLE")?,
             master_addr,
             master_port,
@@ -954,6 +958,12 @@ mod tests {
         assert_eq!(e.cache_dir, PathBuf::from("/home/u/.cache/mscclpp"));
         assert_eq!(e.ibv_mode, IbvMode::Host);
         assert!(!e.disable_ib_tests && !e.force_disable_nvls && !e.enable_nvls);
+        assert!(e.programmatic_launch);
+        assert!(
+            !env(&[("MSCCLPP_PROGRAMMATIC_LAUNCH", "0")])
+                .unwrap()
+                .programmatic_launch
+        );
         assert_eq!(e.bootstrap_timeout, Duration::from_secs(30));
         assert_eq!(e.device_wait_timeout, DEFAULT_DEVICE_WAIT_TIMEOUT);
         assert_eq!(e.launcher, None);

@@ -190,12 +190,18 @@ pub struct ImportedMemory {
     pub legacy: bool,
 }
 
-/// Launch geometry.
+/// Launch geometry, and how the launch may overlap the stream's previous kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LaunchConfig {
     pub grid: (u32, u32, u32),
     pub block: (u32, u32, u32),
     pub shared_mem_bytes: u32,
+    /// The kernel waits for the stream's previous grid itself before it touches memory (it begins
+    /// with `wait_prior_grids()` of kernels-cu), so a backend that can may start launching it
+    /// while that grid still runs (CUDA programmatic dependent launch, sm_90+), hiding the launch
+    /// latency. Backends without the feature launch it normally. Never set this for a kernel
+    /// that does not wait: it could read its inputs before they are written.
+    pub programmatic: bool,
 }
 
 impl LaunchConfig {
@@ -204,6 +210,15 @@ impl LaunchConfig {
             grid: (blocks, 1, 1),
             block: (threads, 1, 1),
             shared_mem_bytes: 0,
+            programmatic: false,
+        }
+    }
+
+    /// This configuration with [`LaunchConfig::programmatic`] set to `on`.
+    pub fn with_programmatic(self, on: bool) -> Self {
+        LaunchConfig {
+            programmatic: on,
+            ..self
         }
     }
 }

@@ -267,6 +267,47 @@ mod tests {
     use rstest::rstest;
 
     #[test]
+    fn every_kernel_waits_for_the_prior_grid_first() {
+        // The native collectives launch every kernel programmatically (it may start before the
+        // stream's previous kernel ends), which is only safe if it waits before touching memory.
+        for file in CollectiveFile::ALL {
+            let src = file.source();
+            let mut rest = src;
+            let mut kernels = 0;
+            while let Some(at) = rest.find("extern \"C\" __global__") {
+                let body = &rest[at..];
+                let open = body.find('{').expect("kernel body");
+                let first = body[open + 1..].trim_start();
+                // The name is the identifier before the parameter list (the header's last
+                // parenthesised group; `__launch_bounds__(...)` comes earlier).
+                let header = body[..open].trim_end();
+                let mut depth = 0;
+                let params = header
+                    .char_indices()
+                    .rev()
+                    .find(|&(_, c)| {
+                        depth += match c {
+                            ')' => 1,
+                            '(' => -1,
+                            _ => 0,
+                        };
+                        c == '(' && depth == 0
+                    })
+                    .map_or(0, |(i, _)| i);
+                let name = header[..params].split_whitespace().last().unwrap_or("?");
+                assert!(
+                    first.starts_with("wait_prior_grids();"),
+                    "{}.cu: `{name}` must begin with wait_prior_grids()",
+                    file.stem()
+                );
+                kernels += 1;
+                rest = &body[open..];
+            }
+            assert!(kernels >= file.entry_points().len(), "{}.cu", file.stem());
+        }
+    }
+
+    #[test]
     fn every_entry_point_is_defined_by_its_file() {
         for file in CollectiveFile::ALL {
             for e in file.entry_points() {

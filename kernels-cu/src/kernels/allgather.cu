@@ -20,6 +20,7 @@ using namespace mscclpp::coll;
 extern "C" __global__ void __launch_bounds__(1024, 1)
     allgather_fullmesh2(const void* input, PeerPtrs outputs, u64 bytes, u32 rank, u32 nranks,
                         const D2DSemaphoreHandle* sems) {
+  wait_prior_grids();
   const u32 npeers = nranks - 1;
   u64 begin, end;
   block_range(bytes, 16, begin, end);
@@ -54,6 +55,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
     allgather_packet(const void* input, void* output, u64 bytes, PeerPtrs peer_scratch,
                      const void* local_scratch, u64 slot_bytes, u32 rank, u32 nranks, CallState* state,
                      u32* error_word, u64 max_spin) {
+  wait_prior_grids();
   typedef LL16Packet Pkt;
   const u64 calls = load_call_count(state);
   const u32 flag = call_flag(calls);
@@ -116,6 +118,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
     allgather_fullmesh(const void* input, void* output, u64 bytes, PeerPtrs peer_scratch, void* local_scratch,
                        u64 slot_bytes, u64 half_bytes, u64 step, u32 rank, u32 nranks,
                        const D2DSemaphoreHandle* sems, CallState* state) {
+  wait_prior_grids();
   const u64 calls = load_call_count(state);
   const u32 npeers = nranks - 1;
   const u64 nsteps = (bytes + step - 1) / step;

@@ -35,6 +35,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
     allreduce_allpair_packet(const void* input, void* output, u64 count, PeerPtrs peer_scratch,
                              const void* local_scratch, u64 slot_bytes, u32 rank, u32 nranks,
                              CallState* state, u32* error_word, u64 max_spin) {
+  wait_prior_grids();
   const u64 calls = load_call_count(state);
   const u32 flag = call_flag(calls);
   const u64 half = (calls & 1) * nranks * slot_bytes;
@@ -96,6 +97,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
     allreduce_packet(const void* input, void* output, u64 count, PeerPtrs peer_scratch,
                      const void* local_scratch, u64 slot_bytes, u32 rank, u32 nranks, CallState* state,
                      u32* error_word, u64 max_spin) {
+  wait_prior_grids();
   const u64 calls = load_call_count(state);
   const u32 flag = call_flag(calls);
   const u64 region = nranks * slot_bytes;
@@ -177,6 +179,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 extern "C" __global__ void __launch_bounds__(1024, 1)
     allreduce_rsag_zero_copy(PeerPtrs inputs, PeerPtrs outputs, u64 count, u32 rank, u32 nranks,
                              const D2DSemaphoreHandle* sems) {
+  wait_prior_grids();
   constexpr u64 kVec = sizeof(uint4) / sizeof(CollT);
   const u32 npeers = nranks - 1;
   const u64 per = ((count + kVec - 1) / kVec + nranks - 1) / nranks * kVec;
@@ -214,6 +217,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
     allreduce_rsag(const void* input, void* output, u64 count, PeerPtrs peer_scratch, void* local_scratch,
                    u64 slot_bytes, u64 half_bytes, u64 per, u32 rank, u32 nranks,
                    const D2DSemaphoreHandle* sems, CallState* state) {
+  wait_prior_grids();
   constexpr u64 kVec = sizeof(uint4) / sizeof(CollT);
   const u64 calls = load_call_count(state);
   const u32 npeers = nranks - 1;
@@ -296,6 +300,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
     allreduce_fullmesh(const void* input, void* output, u64 count, PeerPtrs peer_scratch, void* local_scratch,
                        u64 slot_bytes, u64 half_bytes, u64 step, u32 rank, u32 nranks,
                        const D2DSemaphoreHandle* sems, CallState* state) {
+  wait_prior_grids();
   constexpr u64 kVec = sizeof(uint4) / sizeof(CollT);
   const u64 calls = load_call_count(state);
   const u32 npeers = nranks - 1;
@@ -350,12 +355,14 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(1024, 1)
     allreduce_ce_reduce(PeerPtrs srcs, u32 nsrc, void* output, u64 count, u32 nranks) {
+  wait_prior_grids();
   PeerPtrs dsts;
   dsts.p[0] = output;
   reduce_to_all<CollT, CollAcc, kCollOp>(srcs, nsrc, 0, dsts, 1, 0, count, nranks);
 }
 
 extern "C" __global__ void allreduce_ce_sync(const D2DSemaphoreHandle* sems, u32 npeers, u32 mode) {
+  wait_prior_grids();
   if (threadIdx.x >= npeers) return;
   const D2DSemaphoreHandle& s = sems[threadIdx.x];
   if (mode & 1) {

@@ -143,6 +143,7 @@ MSCCLPP_DEVICE_INLINE void pipeline(const void* input, void* output, u64 bytes, 
 extern "C" __global__ void __launch_bounds__(1024, 1)
     allreduce_nvls_zero_copy(SwitchChannelHandle input, SwitchChannelHandle output, u64 bytes, u32 rank,
                              u32 nranks, const D2DSemaphoreHandle* sems) {
+  wait_prior_grids();
   const u32 npeers = nranks - 1;
   // A peer block past this barrier means the peer's kernel started, so everything its stream wrote
   // to its input before is complete.
@@ -159,6 +160,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 extern "C" __global__ void __launch_bounds__(1024, 1)
     allreduce_nvls_block_pipeline(const void* input, void* output, u64 bytes, SwitchChannelHandle scratch,
                                   u64 unit_bytes, u32 rank, u32 nranks, const D2DSemaphoreHandle* sems) {
+  wait_prior_grids();
   pipeline<BlockUnit>(input, output, bytes, scratch, unit_bytes, rank, nranks, sems);
 }
 
@@ -166,6 +168,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 extern "C" __global__ void __launch_bounds__(1024, 1)
     allreduce_nvls_warp_pipeline(const void* input, void* output, u64 bytes, SwitchChannelHandle scratch,
                                  u64 unit_bytes, u32 rank, u32 nranks, const D2DSemaphoreHandle* sems) {
+  wait_prior_grids();
   pipeline<WarpUnit>(input, output, bytes, scratch, unit_bytes, rank, nranks, sems);
 }
 
@@ -179,6 +182,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 extern "C" __global__ void __launch_bounds__(1024, 1)
     allreduce_nvls_packet(const void* input, void* output, u64 count, SwitchChannelHandle scratch, u32 rank,
                           u32 nranks, CallState* state, u32* error_word, u64 max_spin) {
+  wait_prior_grids();
   const u64 calls = load_call_count(state);
   const u32 flag = call_flag(calls);
   const u64 bytes = count * sizeof(NvlsT);

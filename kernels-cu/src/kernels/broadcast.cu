@@ -17,6 +17,7 @@ using namespace mscclpp::coll;
 extern "C" __global__ void __launch_bounds__(1024, 1)
     broadcast_zero_copy(const void* input, PeerPtrs outputs, u64 bytes, u32 rank, u32 root, u32 nranks,
                         const D2DSemaphoreHandle* sems) {
+  wait_prior_grids();
   const u32 npeers = nranks - 1;
   u64 begin, end;
   block_range(bytes, 16, begin, end);

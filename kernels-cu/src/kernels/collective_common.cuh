@@ -9,6 +9,8 @@
 //   - Every block runs to the end (to finish_call) even when a wait gave up, so the call counter
 //     advances exactly once per call on every rank and the next call stays in step.
 //   - Peers are numbered by "peer index" i in [0, nranks-1): i -> rank (i < rank ? i : i + 1).
+//   - Every kernel begins with wait_prior_grids(), so the host may launch it programmatically
+//     (LaunchConfig::programmatic): its launch overlaps the end of the stream's previous kernel.
 #pragma once
 #include "mscclpp/common.cuh"
 #include "mscclpp/copy.cuh"
@@ -54,6 +56,20 @@ MSCCLPP_DEVICE_INLINE u32 peer_rank(u32 index, u32 rank) { return index < rank ?
 // The packet flag of call number `calls`: never 0 (fresh scratch is zero) and different from the
 // previous call's flag, also across the wrap-around.
 MSCCLPP_DEVICE_INLINE u32 call_flag(u64 calls) { return static_cast<u32>(calls % 0xFFFFFFFFull) + 1u; }
+
+// First statement of every native collective kernel. With programmatic dependent launch (sm_90+)
+// this grid may start while the stream's previous grid still runs: griddepcontrol.wait returns once
+// that grid has completed and its memory operations are visible, so nothing below reads an input or
+// overwrites a buffer early. Launched normally, the wait returns at once. launch_dependents then lets
+// the stream's next programmatic kernel start its own launch; it waits in turn, and since every block
+// of this grid is resident by the time all have signalled, its blocks can never keep ours from
+// being scheduled (the co-residency the peer waits rely on).
+MSCCLPP_DEVICE_INLINE void wait_prior_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 
 // Reads this block's slot of the call counter once per block (thread 0, shared with the block).
 MSCCLPP_DEVICE_INLINE u64 load_call_count(const CallState* state) {

@@ -23,6 +23,7 @@ constexpr int kCollOp = MSCCLPP_COLL_OP;
 extern "C" __global__ void __launch_bounds__(1024, 1)
     reducescatter_zero_copy(PeerPtrs inputs, void* output, u64 count, u32 rank, u32 nranks,
                             const D2DSemaphoreHandle* sems) {
+  wait_prior_grids();
   const u32 npeers = nranks - 1;
   PeerPtrs out;
   out.p[0] = output;
@@ -54,6 +55,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
     reducescatter_packet(const void* input, void* output, u64 count, PeerPtrs peer_scratch,
                          const void* local_scratch, u64 slot_bytes, u32 rank, u32 nranks,
                          CallState* state, u32* error_word, u64 max_spin) {
+  wait_prior_grids();
   typedef LL16Packet Pkt;
   const u64 calls = load_call_count(state);
   const u32 flag = call_flag(calls);
