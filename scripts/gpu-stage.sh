@@ -8,5 +8,8 @@ rm -rf .gpu && mkdir -p .gpu/bin
 for b in mscclpp-bench mscclpp-gpu-suite; do
   if [ -x "target/release/$b" ]; then cp "target/release/$b" .gpu/bin/; fi
 done
+# The device tool carries at most 64 MiB; debug info is most of each binary (symbols stay, so
+# backtraces still name functions).
+if command -v strip >/dev/null; then strip --strip-debug .gpu/bin/*; fi
 cp scripts/gpu-run.sh .gpu/
 ls -la .gpu/bin

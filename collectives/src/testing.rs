@@ -4,8 +4,9 @@
 //! ranks' inputs on the host and compute the float64 (or exact integer) reference itself. Outputs
 //! are poisoned first, every element is compared. Values are small multiples of 1/8, exactly
 //! representable in every float type, so sums stay exact in f32/f64 and the tolerance only has to
-//! cover f16/bf16 rounding: |got - want| <= 1e-3 + rtol * |want|, rtol = 2^-10 (f16) or 2^-7
-//! (bf16) times the world size, 1e-6 (f32), 1e-12 (f64). Integers must match exactly (wrapping).
+//! cover f16/bf16 rounding: |got - want| <= 1e-3 + rtol * m, rtol = 2^-10 (f16) or 2^-7
+//! (bf16) times the world size, 1e-6 (f32), 1e-12 (f64), where m is the sum of the terms'
+//! magnitudes for sum (their mean for avg: the bound of rounded partial sums) and |want| otherwise. Integers must match exactly (wrapping).
 //! fp8 values are quarter steps kept in range for every rank count, decoded with `mscclpp_core::fp8`.
 
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
@@ -175,6 +176,21 @@ fn rtol(dtype: DataType, nranks: usize) -> f64 {
     }
 }
 
+/// Whether `got` is within tolerance of `want`, the exact reduction by `op` of `terms` (one value
+/// per rank; empty for copies): |got - want| <= 1e-3 + rtol * m. For sum and avg m is the terms'
+/// magnitude (their sum, or mean), not the result's: rounded partial sums err in proportion to
+/// what they added up, so a sum that cancels to 0 may come back as one low-order step of its
+/// partial sums (seen with fp8 on 4 ranks). Otherwise m = |want|.
+fn float_close(got: f64, want: f64, terms: &[f64], op: ReduceOp, rtol: f64) -> bool {
+    let magnitude = terms.iter().map(|v| v.abs()).sum::<f64>();
+    let m = match op {
+        ReduceOp::Sum if !terms.is_empty() => magnitude,
+        ReduceOp::Avg if !terms.is_empty() => magnitude / terms.len() as f64,
+        _ => want.abs(),
+    };
+    (got - want).abs() <= 1e-3 + rtol * m
+}
+
 /// The expected value of one output element: the reduction of `vals` (one per rank).
 enum Want {
     Float(f64),
@@ -328,30 +344,34 @@ pub fn run_collective_check_mode(
             wrong: 0,
             first_wrong: Vec::new(),
             tolerance: if dtype.is_float() {
-                format!("1e-3 + {tol:e} * |want|")
+                format!("1e-3 + {tol:e} * (sum/avg: sum|x|, else |want|)")
             } else {
                 "exact".into()
             },
         };
         let mut vals = vec![0.0; n];
         for i in 0..out_count {
-            let want = match collective {
+            // `terms`: whether the element combines one value per rank (in `vals`).
+            let (want, terms) = match collective {
                 Collective::AllReduce => {
                     vals.iter_mut().zip(&all).for_each(|(v, a)| *v = a[i]);
-                    reduce(&vals, dtype, op, n)
+                    (reduce(&vals, dtype, op, n), true)
                 }
                 Collective::ReduceScatter => {
                     vals.iter_mut()
                         .zip(&all)
                         .for_each(|(v, a)| *v = a[rank * count + i]);
-                    reduce(&vals, dtype, op, n)
+                    (reduce(&vals, dtype, op, n), true)
                 }
-                Collective::AllGather => exact(all[i / count][i % count], dtype),
-                _ => exact(all[root][i], dtype),
+                Collective::AllGather => (exact(all[i / count][i % count], dtype), false),
+                _ => (exact(all[root][i], dtype), false),
             };
             let (g, gi) = decode(&got, i, dtype);
             let (ok, want) = match want {
-                Want::Float(w) => ((g - w).abs() <= 1e-3 + tol * w.abs(), w),
+                Want::Float(w) => {
+                    let terms: &[f64] = if terms { &vals } else { &[] };
+                    (float_close(g, w, terms, op, tol), w)
+                }
                 Want::Int(w) => (gi == w, w as f64),
             };
             if !ok {
@@ -395,6 +415,21 @@ fn exact(v: f64, dtype: DataType) -> Want {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cancelling_sums_are_judged_by_their_terms() {
+        // e5m2 on 4 ranks: 1.75 + 2 rounds to 4, so the sum that cancels comes back as 0.25.
+        let terms = [1.75, 2.0, -2.0, -1.75];
+        let tol = rtol(DataType::Fp8E5M2, 4);
+        assert!(float_close(0.25, 0.0, &terms, ReduceOp::Sum, tol));
+        assert!(float_close(0.0625, 0.0, &terms, ReduceOp::Avg, tol));
+        // Copies and min/max stay judged by the result itself.
+        assert!(!float_close(0.25, 0.0, &[], ReduceOp::Sum, tol));
+        assert!(!float_close(0.25, 0.0, &terms, ReduceOp::Max, tol));
+        // bf16: a wrong sum is still caught.
+        let tol = rtol(DataType::Bf16, 2);
+        assert!(!float_close(1.5, 1.0, &[0.5, 0.5], ReduceOp::Sum, tol));
+    }
 
     #[test]
     fn generated_values_round_trip_through_every_non_fp8_type() {

@@ -4,6 +4,34 @@
 pub mod port_allreduce_checks;
 pub mod port_channel_checks;
 
+/// Device-side kernels of the suite itself (measurement kernels; the checked kernels live in
+/// kernels-cu).
+pub const SUITE_KERNELS: &str = r#"
+#include "mscclpp/memory_channel.cuh"
+using namespace mscclpp;
+// MemoryChannel put by every thread of the grid: the bandwidth a collective gets from put().
+extern "C" __global__ void put_bandwidth(MemoryChannelHandle chan, u64 bytes) {
+  chan.put(0, bytes, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
+}
+// Semaphore-only ping-pong, one thread: the initiator signals and waits, the peer waits and signals.
+// `relaxed` selects relaxed_signal/relaxed_wait (no data ordering) instead of release/acquire.
+extern "C" __global__ void semaphore_ping_pong(D2DSemaphoreHandle sem, u32 iters, u32 initiator, u32 relaxed) {
+  for (u32 it = 0; it < iters; ++it) {
+    if (initiator) {
+      if (relaxed) sem.relaxed_signal(); else sem.signal();
+      if (!(relaxed ? sem.relaxed_wait() : sem.wait())) return;
+    } else {
+      if (!(relaxed ? sem.relaxed_wait() : sem.wait())) return;
+      if (relaxed) sem.relaxed_signal(); else sem.signal();
+    }
+  }
+}
+// The plain SM store copy the put is measured against: 16-byte loads and stores, grid-stride.
+extern "C" __global__ void plain_copy(uint4* dst, const uint4* src, u64 n) {
+  for (u64 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) dst[i] = src[i];
+}
+"#;
+
 use mscclpp::core::bootstrap::{Bootstrap, TcpBootstrap};
 use mscclpp::core::communicator::Communicator;
 use mscclpp::core::env::Env;

@@ -5,43 +5,19 @@
 //! Each check prints one line (`PASS`/`FAIL` with numbers); rank 0 prints the measurements as a
 //! table at the end and the closing line `N passed, M failed`. Without a GPU it prints why and
 //! exits 0.
+//!
+//! Flags: `--quick` (no per-algorithm matrix), `--only NAME[,NAME...]` (those matrices alone),
+//! `--primitives-only`, `--cpu-bind none` (leave the launcher's CPU placement; by default each
+//! rank's thread runs on its GPU's local CPUs, as in mscclpp-bench).
 
 use mscclpp::core::communicator::RegisteredMemory;
 use mscclpp::core::device::{D2DSemaphoreHandle, DeviceRepr, MemoryChannelHandle};
 use mscclpp::core::gpu::{Function, LaunchConfig, MemoryKind, Module, Stream};
 use mscclpp::core::{DataType, Error, ReduceOp, Result};
 use mscclpp_tests::*;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 const MIB: usize = 1 << 20;
-
-/// Device-side kernels of the suite itself (measurement kernels; the checked kernels live in
-/// kernels-cu).
-const SUITE_KERNELS: &str = r#"
-#include "mscclpp/memory_channel.cuh"
-using namespace mscclpp;
-// MemoryChannel put by every thread of the grid: the bandwidth a collective gets from put().
-extern "C" __global__ void put_bandwidth(MemoryChannelHandle chan, u64 bytes) {
-  chan.put(0, bytes, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
-}
-// Semaphore-only ping-pong, one thread: the initiator signals and waits, the peer waits and signals.
-// `relaxed` selects relaxed_signal/relaxed_wait (no data ordering) instead of release/acquire.
-extern "C" __global__ void semaphore_ping_pong(D2DSemaphoreHandle sem, u32 iters, u32 initiator, u32 relaxed) {
-  for (u32 it = 0; it < iters; ++it) {
-    if (initiator) {
-      if (relaxed) sem.relaxed_signal(); else sem.signal();
-      if (!(relaxed ? sem.relaxed_wait() : sem.wait())) return;
-    } else {
-      if (!(relaxed ? sem.relaxed_wait() : sem.wait())) return;
-      if (relaxed) sem.relaxed_signal(); else sem.signal();
-    }
-  }
-}
-// The plain SM store copy the put is measured against: 16-byte loads and stores, grid-stride.
-extern "C" __global__ void plain_copy(uint4* dst, const uint4* src, u64 n) {
-  for (u64 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) dst[i] = src[i];
-}
-"#;
 
 struct Suite {
     ctx: RankContext,
@@ -131,6 +107,16 @@ fn run() -> Result<i32> {
         return Ok(0);
     };
     let props = ctx.gpu.properties(ctx.local_rank)?;
+    // As mscclpp-bench does: each rank on its GPU's CPUs unless `--cpu-bind none`.
+    let argv: Vec<String> = std::env::args().collect();
+    let unbound = argv
+        .windows(2)
+        .any(|w| w[0] == "--cpu-bind" && w[1] == "none");
+    let cpu_binding = if unbound {
+        "left to the launcher (--cpu-bind none)".to_string()
+    } else {
+        mscclpp::core::affinity::bind_current_thread_near(&props.pci_bus_id)
+    };
     let stream = ctx.gpu.create_stream()?;
     let run_seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -144,7 +130,7 @@ fn run() -> Result<i32> {
     );
     if ctx.rank() == 0 {
         println!(
-            "device: {} ({}, {} SMs), {} ranks, backend {}",
+            "device: {} ({}, {} SMs), {} ranks, backend {}; rank 0 thread: {cpu_binding}",
             props.name,
             props.arch,
             props.multiprocessors,
@@ -161,7 +147,7 @@ fn run() -> Result<i32> {
         stream,
     };
 
-    // `--only NAME` runs that algorithm's matrix alone (plus the kernel build checks).
+    // `--only NAME[,NAME...]` runs those algorithms' matrices alone (plus the kernel build checks).
     let matrix_only = std::env::args().any(|a| a == "--only");
     let modules = compile_modules(&mut suite);
     if let (Ok((primitives, measure)), false) = (modules, matrix_only) {
@@ -225,7 +211,7 @@ fn compile_modules(s: &mut Suite) -> Result<(Module, Module)> {
     let t1 = Instant::now();
     let second = gpu.build_module(primitives.name, primitives.source);
     let second_ms = t1.elapsed().as_secs_f64() * 1e3;
-    let measure = gpu.build_module("gpu_suite_measure", SUITE_KERNELS);
+    let measure = gpu.build_module("gpu_suite_measure", mscclpp_tests::SUITE_KERNELS);
     let result = match (first, second, measure) {
         (Ok(p), Ok(_), Ok(m)) => {
             s.measure(
@@ -749,7 +735,7 @@ fn collectives_matrix(s: &mut Suite) {
     let quick = argv.iter().any(|a| a == "--quick");
     let kinds = NativeKind::ALL
         .into_iter()
-        .filter(|k| !quick && only.map_or(true, |name| name == k.name()));
+        .filter(|k| !quick && only.map_or(true, |names| names.split(',').any(|n| n == k.name())));
     for kind in kinds {
         let Some(algo) = coll.get(kind.collective(), kind.name()) else {
             s.record(
@@ -971,15 +957,50 @@ fn host_path_cost(
     }
     s.sync_and_check()?;
     s.ctx.bootstrap.barrier()?;
-    let calls = 200;
-    let t = Instant::now();
-    for _ in 0..calls {
-        algo.execute(&args)?;
-    }
-    let us = t.elapsed().as_secs_f64() * 1e6 / calls as f64;
+    let c = host_path_measure(s, &gpu, &*algo, &args)?;
+    let text = format!(
+        "{:.2} µs of thread CPU time ({:.2} µs wall) per call ({}); an empty 11-parameter kernel: \
+         cuLaunchKernel {:.2} µs CPU ({:.2} wall), cuLaunchKernelEx programmatic {:.2} ({:.2}), \
+         cuGraphLaunch of it captured {:.2} ({:.2})",
+        c.ours.1,
+        c.ours.0,
+        algo.name(),
+        c.empty.1,
+        c.empty.0,
+        c.empty_programmatic.1,
+        c.empty_programmatic.0,
+        c.empty_graph.1,
+        c.empty_graph.0
+    );
+    s.measure(
+        &format!("host CPU time of one eager execute ({})", algo.name()),
+        text.clone(),
+    );
+    Ok(text)
+}
+
+/// Per-call (wall µs, thread CPU µs) of one eager execute and of the driver's own launch paths
+/// under it; see `host_path_cost`.
+struct HostPathCosts {
+    ours: (f64, f64),
+    /// An empty kernel with as many parameters (11 words), cuLaunchKernel.
+    empty: (f64, f64),
+    /// The same through cuLaunchKernelEx with the programmatic-launch attribute (what the native
+    /// collectives use on sm_90+; harmless for a kernel that touches no memory).
+    empty_programmatic: (f64, f64),
+    /// The same kernel captured once into a CUDA graph, replayed by cuGraphLaunch: whether a
+    /// cached one-kernel graph would be a cheaper eager path.
+    empty_graph: (f64, f64),
+}
+
+fn host_path_measure(
+    s: &mut Suite,
+    gpu: &std::sync::Arc<dyn mscclpp::core::gpu::Gpu>,
+    algo: &dyn mscclpp::core::algorithm::Algorithm,
+    args: &mscclpp::core::algorithm::ExecuteArgs,
+) -> Result<HostPathCosts> {
+    let ours = per_call_cost(|| algo.execute(args))?;
     s.sync_and_check()?;
-    // The floor under it: the driver's own cost of launching an empty kernel with as many
-    // parameters (11 words) on the same stream.
     let module = gpu.build_module(
         "gpu_suite_empty_launch",
         "extern \"C\" __global__ void empty11(unsigned long long a0, unsigned long long a1, \
@@ -991,19 +1012,57 @@ fn host_path_cost(
     let mut words = [0u64; 11];
     let mut ptrs: Vec<*mut std::ffi::c_void> =
         words.iter_mut().map(|w| (w as *mut u64).cast()).collect();
-    let t = Instant::now();
-    for _ in 0..calls {
+    let mut launch = |programmatic: bool| {
+        let cfg = LaunchConfig::linear(1, 32).with_programmatic(programmatic);
         // SAFETY: empty11 takes 11 u64 by value; `words` outlives the launches.
-        unsafe { gpu.launch(empty, LaunchConfig::linear(1, 32), s.stream, &mut ptrs) }?;
-    }
-    let floor = t.elapsed().as_secs_f64() * 1e6 / calls as f64;
+        unsafe { gpu.launch(empty, cfg, s.stream, &mut ptrs) }
+    };
+    let plain = per_call_cost(|| launch(false))?;
+    let programmatic = per_call_cost(|| launch(true))?;
+    gpu.begin_capture(s.stream)?;
+    let captured = launch(false);
+    let graph = gpu.end_capture(s.stream);
+    captured?;
+    let graph = graph?;
+    let replayed = per_call_cost(|| gpu.launch_graph(graph, s.stream));
     s.sync_and_check()?;
-    s.measure(
-        &format!("host CPU time of one eager execute ({})", algo.name()),
-        format!("{us:.2} µs (an empty 11-parameter cuLaunchKernel: {floor:.2} µs)"),
-    );
-    Ok(format!(
-        "{us:.2} µs per call ({}); an empty 11-parameter kernel launch costs {floor:.2} µs",
-        algo.name()
-    ))
+    gpu.destroy_graph(graph)?;
+    Ok(HostPathCosts {
+        ours,
+        empty: plain,
+        empty_programmatic: programmatic,
+        empty_graph: replayed?,
+    })
+}
+
+/// Per-call cost of `call` on this thread: (wall µs, thread CPU µs), each the median of 5 batches
+/// of 200 back-to-back calls.
+fn per_call_cost(mut call: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
+    const CALLS: u32 = 200;
+    let (mut wall, mut cpu) = (Vec::new(), Vec::new());
+    for _ in 0..5 {
+        let (t, c) = (Instant::now(), thread_cpu_time());
+        for _ in 0..CALLS {
+            call()?;
+        }
+        wall.push(t.elapsed().as_secs_f64() * 1e6 / f64::from(CALLS));
+        cpu.push((thread_cpu_time() - c).as_secs_f64() * 1e6 / f64::from(CALLS));
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    Ok((median(&mut wall), median(&mut cpu)))
+}
+
+/// CPU time this thread has used (CLOCK_THREAD_CPUTIME_ID): what the host path costs the caller,
+/// without time the thread spent descheduled.
+fn thread_cpu_time() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: writes one timespec; the clock id is valid on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
