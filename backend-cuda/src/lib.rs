@@ -11,6 +11,7 @@
 //! (toolkit roots for NVRTC and its headers).
 
 pub mod cache;
+pub mod compile_test;
 pub mod driver;
 pub mod gpu;
 pub mod ipc;

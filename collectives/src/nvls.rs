@@ -941,35 +941,15 @@ mod tests {
     /// printed reason otherwise, unless MSCCLPP_REQUIRE_NVRTC=1. Compiling launches nothing.
     #[test]
     fn nvls_units_compile_for_sm_80_90_100() {
-        use mscclpp_cuda::{CompileRequest, Nvrtc};
-        let nvrtc = match Nvrtc::load() {
-            Ok(n) => n,
-            Err(e) if std::env::var("MSCCLPP_REQUIRE_NVRTC").as_deref() == Ok("1") => {
-                panic!("MSCCLPP_REQUIRE_NVRTC=1 but NVRTC is unavailable: {e}")
-            }
-            Err(e) => {
-                eprintln!("skipping nvls_units_compile_for_sm_80_90_100: {e}");
-                return;
-            }
+        use mscclpp_cuda::compile_test::{compile_cubin, nvrtc_or_skip};
+        let Some(nvrtc) = nvrtc_or_skip("nvls_units_compile_for_sm_80_90_100") else {
+            return;
         };
         for dtype in mscclpp_kernels_cu::nvls_units::NVLS_DTYPES {
             let name = nvls_unit_name(dtype).expect("name");
             let source = nvls_unit_source(dtype).expect("source");
             for arch in ["sm_80", "sm_90", "sm_100"] {
-                let req = CompileRequest {
-                    name: &name,
-                    source: &source,
-                    arch,
-                    headers: mscclpp_kernels_cu::HEADERS,
-                    options: &[],
-                };
-                let k = nvrtc
-                    .compile(&req)
-                    .unwrap_or_else(|e| panic!("{name} for {arch}: {e}"));
-                assert!(
-                    k.image.starts_with(b"\x7fELF"),
-                    "{name} {arch}: not a CUBIN"
-                );
+                compile_cubin(&nvrtc, &name, &source, arch, mscclpp_kernels_cu::HEADERS);
             }
         }
     }

@@ -621,31 +621,13 @@ mod tests {
     /// MSCCLPP_REQUIRE_NVRTC=1.
     #[test]
     fn kernel_units_compile_for_sm_90() {
-        use mscclpp_cuda::{CompileRequest, Nvrtc};
-        let nvrtc = match Nvrtc::load() {
-            Ok(n) => n,
-            Err(e) if std::env::var("MSCCLPP_REQUIRE_NVRTC").as_deref() == Ok("1") => {
-                panic!("MSCCLPP_REQUIRE_NVRTC=1 but NVRTC is unavailable: {e}")
-            }
-            Err(e) => {
-                eprintln!("skipping kernel_units_compile_for_sm_90: {e}");
-                return;
-            }
+        use mscclpp_cuda::compile_test::{compile_cubin, nvrtc_or_skip};
+        let Some(nvrtc) = nvrtc_or_skip("kernel_units_compile_for_sm_90") else {
+            return;
         };
         for spec in compile_specs() {
-            let name = unit_name(spec);
-            let source = unit_source(spec);
-            let req = CompileRequest {
-                name: &name,
-                source: &source,
-                arch: "sm_90",
-                headers: mscclpp_kernels_cu::HEADERS,
-                options: &[],
-            };
-            let k = nvrtc
-                .compile(&req)
-                .unwrap_or_else(|e| panic!("{name}: {e}"));
-            assert!(k.image.starts_with(b"\x7fELF"), "{name}: not a CUBIN");
+            let (name, source) = (unit_name(spec), unit_source(spec));
+            compile_cubin(&nvrtc, &name, &source, "sm_90", mscclpp_kernels_cu::HEADERS);
         }
     }
 }

@@ -2,39 +2,16 @@
 //! reason when NVRTC is absent, unless MSCCLPP_REQUIRE_NVRTC=1).
 
 use mscclpp_core::{DataType, ReduceOp};
-use mscclpp_cuda::{CompileRequest, Nvrtc};
+use mscclpp_cuda::compile_test::{compile_cubin, nvrtc_or_skip};
+use mscclpp_cuda::Nvrtc;
 use mscclpp_kernels_cu::collectives::{self as kc, CollectiveFile, ReduceSpec};
-
-fn nvrtc_or_skip(test: &str) -> Option<Nvrtc> {
-    match Nvrtc::load() {
-        Ok(n) => Some(n),
-        Err(e) if std::env::var("MSCCLPP_REQUIRE_NVRTC").as_deref() == Ok("1") => {
-            panic!("{test}: MSCCLPP_REQUIRE_NVRTC=1 but NVRTC is unavailable: {e}")
-        }
-        Err(e) => {
-            eprintln!("skipping {test}: {e}");
-            None
-        }
-    }
-}
 
 fn compile(nvrtc: &Nvrtc, name: &str, source: &str) -> Vec<u8> {
     compile_for(nvrtc, name, source, "sm_90")
 }
 
 fn compile_for(nvrtc: &Nvrtc, name: &str, source: &str, arch: &str) -> Vec<u8> {
-    let req = CompileRequest {
-        name,
-        source,
-        arch,
-        headers: mscclpp_kernels_cu::HEADERS,
-        options: &[],
-    };
-    let k = nvrtc
-        .compile(&req)
-        .unwrap_or_else(|e| panic!("{name}: {e}"));
-    assert!(k.image.starts_with(b"\x7fELF"), "{name}: not a CUBIN");
-    k.image
+    compile_cubin(nvrtc, name, source, arch, mscclpp_kernels_cu::HEADERS)
 }
 
 #[test]

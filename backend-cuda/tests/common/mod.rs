@@ -3,22 +3,9 @@
 #![allow(dead_code)] // each test binary uses a different subset
 
 use mscclpp_core::gpu::Gpu;
-use mscclpp_cuda::{CudaGpu, Nvrtc};
+use mscclpp_cuda::CudaGpu;
 
-/// NVRTC, or `None` after printing why the test is skipped. With `MSCCLPP_REQUIRE_NVRTC=1` (CI)
-/// absence fails the test instead.
-pub fn nvrtc_or_skip(test: &str) -> Option<Nvrtc> {
-    match Nvrtc::load() {
-        Ok(n) => Some(n),
-        Err(e) if std::env::var("MSCCLPP_REQUIRE_NVRTC").as_deref() == Ok("1") => {
-            panic!("{test}: MSCCLPP_REQUIRE_NVRTC=1 but NVRTC is unavailable: {e}")
-        }
-        Err(e) => {
-            eprintln!("skipping {test}: {e}");
-            None
-        }
-    }
-}
+pub use mscclpp_cuda::compile_test::nvrtc_or_skip;
 
 /// A CUDA GPU with at least `min_devices` devices, or `None` after printing why the test is skipped.
 pub fn gpu_or_skip(test: &str, min_devices: usize) -> Option<CudaGpu> {

@@ -1,0 +1,45 @@
+//! Helpers for the workspace's compile-only kernel tests (NVRTC on a machine with no GPU). They
+//! panic by design: a unit that does not compile must fail its test, naming the unit.
+
+use crate::nvrtc::{CompileRequest, Nvrtc};
+
+/// NVRTC, or `None` after printing why `test` is skipped. With `MSCCLPP_REQUIRE_NVRTC=1` (CI) an
+/// absent NVRTC fails the test instead, so CI never skips a compile silently.
+pub fn nvrtc_or_skip(test: &str) -> Option<Nvrtc> {
+    match Nvrtc::load() {
+        Ok(n) => Some(n),
+        Err(e) if std::env::var("MSCCLPP_REQUIRE_NVRTC").as_deref() == Ok("1") => {
+            panic!("{test}: MSCCLPP_REQUIRE_NVRTC=1 but NVRTC is unavailable: {e}")
+        }
+        Err(e) => {
+            eprintln!("skipping {test}: {e}");
+            None
+        }
+    }
+}
+
+/// Compiles `source` for `arch` with the in-memory `headers` and returns the CUBIN; panics with
+/// NVRTC's log, naming `name` and `arch`, if it does not compile or yields no CUBIN.
+pub fn compile_cubin(
+    nvrtc: &Nvrtc,
+    name: &str,
+    source: &str,
+    arch: &str,
+    headers: &[(&str, &str)],
+) -> Vec<u8> {
+    let req = CompileRequest {
+        name,
+        source,
+        arch,
+        headers,
+        options: &[],
+    };
+    let k = nvrtc
+        .compile(&req)
+        .unwrap_or_else(|e| panic!("{name} for {arch}: {e}"));
+    assert!(
+        k.image.starts_with(b"\x7fELF"),
+        "{name} for {arch}: not a CUBIN"
+    );
+    k.image
+}
