@@ -38,6 +38,21 @@ pub fn probe_libcuda() -> Result<()> {
         })
 }
 
+/// The names in `symbols` that libcuda does not export. cudarc panics on its first call of a
+/// missing entry point, so optional driver features check theirs here before any call.
+pub fn missing_symbols<'a>(symbols: &[&'a str]) -> std::result::Result<Vec<&'a str>, String> {
+    // SAFETY: the driver library was already loaded by `probe_libcuda` (every `CudaGpu`
+    // constructor runs it first); this only takes another reference to it.
+    let lib =
+        unsafe { libloading::Library::new(LIBCUDA) }.map_err(|e| format!("{LIBCUDA}: {e}"))?;
+    Ok(symbols
+        .iter()
+        .copied()
+        // SAFETY: only looks the symbol up; the pointer is never called through here.
+        .filter(|name| unsafe { lib.get::<*const std::ffi::c_void>(name.as_bytes()) }.is_err())
+        .collect())
+}
+
 /// The driver's description of `r`: "CUDA_ERROR_OUT_OF_MEMORY: out of memory".
 pub fn error_message(r: sys::CUresult) -> String {
     let text = |f: unsafe fn(sys::CUresult, *mut *const std::ffi::c_char) -> sys::CUresult| {

@@ -21,6 +21,7 @@
 
 use crate::cache::KernelCache;
 use crate::driver::{self, cu};
+use crate::graph_launch::{self, GraphLaunches};
 use crate::ipc::{fetch_peer_fd, ImportCache, ImportKey, Mapping};
 use crate::nvrtc::{CompileRequest, Nvrtc};
 use cudarc::driver::sys;
@@ -65,6 +66,10 @@ pub struct CudaGpu {
     /// Per device: whether programmatic dependent launch is used (sm_90+, and not switched off
     /// by MSCCLPP_PROGRAMMATIC_LAUNCH=0), decided on first use.
     programmatic_launch: Vec<OnceLock<bool>>,
+    /// Whether `LaunchConfig::cached_graph` launches go through `graph_launches` (the
+    /// environment allows it and the driver has the entry points), decided on first use.
+    eager_graph_launch: OnceLock<bool>,
+    graph_launches: GraphLaunches,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -75,6 +80,15 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 fn cu_stream(s: Stream) -> sys::CUstream {
     s.0 as usize as sys::CUstream
+}
+
+/// The driver's `kernelParams` for `params`: null for a kernel without parameters.
+pub(crate) fn kernel_params(params: &mut [*mut c_void]) -> *mut *mut c_void {
+    if params.is_empty() {
+        std::ptr::null_mut()
+    } else {
+        params.as_mut_ptr()
+    }
 }
 
 fn cu_event(e: Event) -> sys::CUevent {
@@ -114,6 +128,8 @@ impl CudaGpu {
             kernel_cache: OnceLock::new(),
             stream_mem_ops_64: (0..count).map(|_| OnceLock::new()).collect(),
             programmatic_launch: (0..count).map(|_| OnceLock::new()).collect(),
+            eager_graph_launch: OnceLock::new(),
+            graph_launches: GraphLaunches::new(count),
         })
     }
 
@@ -175,6 +191,27 @@ impl CudaGpu {
         )?;
         let wanted = mscclpp_core::env::Env::get()?.programmatic_launch;
         Ok(*cell.get_or_init(|| wanted && major >= 9))
+    }
+
+    /// Whether launches that allow it go through cached graphs (see `graph_launch`).
+    fn eager_graph_launch(&self) -> Result<bool> {
+        if let Some(&on) = self.eager_graph_launch.get() {
+            return Ok(on);
+        }
+        let wanted = mscclpp_core::env::Env::get()?.eager_graph_launch;
+        Ok(*self
+            .eager_graph_launch
+            .get_or_init(|| wanted && graph_launch::supported()))
+    }
+
+    /// Whether `stream` is being captured. A stream the driver will not even query (the legacy
+    /// stream while another captures) counts as capturing: only the plain launch is tried there.
+    fn capturing(stream: Stream) -> bool {
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: writes one status.
+        let r = unsafe { sys::cuStreamIsCapturing(cu_stream(stream), &mut status) };
+        r != sys::CUresult::CUDA_SUCCESS
+            || status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
     }
 
     fn attribute(&self, dev: sys::CUdevice, attr: sys::CUdevice_attribute) -> Result<i32> {
@@ -371,7 +408,10 @@ impl CudaGpu {
 
     /// Unloads a module from [`Gpu::load_module`].
     pub fn unload_module(&self, module: Module) -> Result<()> {
-        self.bind()?;
+        let ordinal = self.bind()?;
+        // Cached launch graphs may name the module's functions, and a later module may reuse
+        // their addresses: drop them all (unloading is rare).
+        self.graph_launches.clear(ordinal, self.context(ordinal)?);
         // SAFETY: the caller passes a module we loaded and no longer uses its functions.
         unsafe { cu!(cuModuleUnload(module.0 as usize as sys::CUmodule)) }
     }
@@ -473,8 +513,9 @@ impl CudaGpu {
 
 impl Drop for CudaGpu {
     fn drop(&mut self) {
-        for (cell, &dev) in self.contexts.iter().zip(&self.devices) {
-            if cell.get().is_some() {
+        for (ordinal, (cell, &dev)) in self.contexts.iter().zip(&self.devices).enumerate() {
+            if let Some(&ctx) = cell.get() {
+                self.graph_launches.clear(ordinal, ctx as sys::CUcontext);
                 // SAFETY: balances the retain made in `context`.
                 let r = unsafe { sys::cuDevicePrimaryCtxRelease_v2(dev) };
                 if let Err(e) = driver::check("cuDevicePrimaryCtxRelease", r) {
@@ -950,12 +991,18 @@ impl Gpu for CudaGpu {
         params: &mut [*mut c_void],
     ) -> Result<()> {
         let ordinal = self.bind()?;
+        if config.cached_graph && self.eager_graph_launch()? && !Self::capturing(stream) {
+            // SAFETY: the caller's guarantees, passed on.
+            let launched = unsafe {
+                self.graph_launches
+                    .launch(ordinal, function, &config, stream, params)
+            }?;
+            if launched {
+                return Ok(());
+            }
+        }
         let (g, b) = (config.grid, config.block);
-        let params_ptr = if params.is_empty() {
-            std::ptr::null_mut()
-        } else {
-            params.as_mut_ptr()
-        };
+        let params_ptr = kernel_params(params);
         if config.programmatic && self.programmatic_launch(ordinal)? {
             // SAFETY: a plain C union; all-zero is a valid value of every member.
             let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
@@ -1165,16 +1212,7 @@ fn multicast_symbols_present() -> Result<()> {
     static PRESENT: OnceLock<std::result::Result<(), String>> = OnceLock::new();
     PRESENT
         .get_or_init(|| {
-            // SAFETY: the driver library was already loaded by `CudaGpu::new` (probe_libcuda);
-            // this only takes another reference to it.
-            let lib = unsafe { libloading::Library::new(driver::LIBCUDA) }
-                .map_err(|e| format!("{}: {e}", driver::LIBCUDA))?;
-            let missing: Vec<&str> = MULTICAST_SYMBOLS
-                .iter()
-                .copied()
-                // SAFETY: only looks the symbol up; the pointer is never called through here.
-                .filter(|name| unsafe { lib.get::<*const c_void>(name.as_bytes()) }.is_err())
-                .collect();
+            let missing = driver::missing_symbols(MULTICAST_SYMBOLS)?;
             if missing.is_empty() {
                 Ok(())
             } else {
@@ -1463,6 +1501,8 @@ mod nvls_tests {
             kernel_cache: OnceLock::new(),
             stream_mem_ops_64: Vec::new(),
             programmatic_launch: Vec::new(),
+            eager_graph_launch: OnceLock::new(),
+            graph_launches: GraphLaunches::new(0),
         }
     }
 

@@ -14,6 +14,7 @@ pub mod cache;
 pub mod compile_test;
 pub mod driver;
 pub mod gpu;
+mod graph_launch;
 pub mod ipc;
 pub mod nvrtc;
 pub mod toolkit;

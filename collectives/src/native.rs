@@ -525,8 +525,9 @@ impl NativeAlgorithm {
         params: &mut [*mut c_void],
     ) -> Result<()> {
         // Every native kernel begins with wait_prior_grids(), so its launch may overlap the end
-        // of the stream's previous kernel (the backend decides whether it can).
-        let cfg = cfg.with_programmatic(true);
+        // of the stream's previous kernel (the backend decides whether it can). Outside capture,
+        // a cached one-kernel graph is cheaper for the calling thread (see LaunchConfig).
+        let cfg = cfg.with_programmatic(true).with_cached_graph(true);
         // SAFETY: every launch site builds `params` to match its kernel's signature in
         // kernels-cu/src/kernels/*.cu, pointing at locals that outlive this call; the device
         // addresses are the caller's buffers (checked non-null) and our own live resources.

@@ -43,6 +43,7 @@
 //! | `MSCCLPP_FORCE_DISABLE_NVLS`, also `MSCCLPP_DISABLE_NVLS` | `force_disable_nvls` | bool (either set true disables) | false |
 //! | `MSCCLPP_ENABLE_NVLS` | `enable_nvls` | bool; NVLS runs only when this is set true | false |
 //! | `MSCCLPP_PROGRAMMATIC_LAUNCH` | `programmatic_launch` | bool; native collective kernels may launch while the stream's previous kernel finishes (CUDA programmatic dependent launch, sm_90+) | true |
+//! | `MSCCLPP_EAGER_GRAPH_LAUNCH` | `eager_graph_launch` | bool; outside stream capture, native collective kernels launch through a cached one-kernel CUDA graph, whose launch costs the calling thread about half of cuLaunchKernel's (the programmatic overlap does not apply then) | true |
 //! | `NCCL_NVLS_ENABLE` | `nccl_nvls_enable` | bool; `0` also disables NVLS here | unset |
 //! | `MSCCLPP_MASTER_ADDR` | `master_addr` | host name or IP | unset |
 //! | `MSCCLPP_MASTER_PORT` | `master_port` | 1-65535 | unset |
@@ -101,6 +102,7 @@ pub const VARIABLES: &[&str] = &[
     "MSCCLPP_DISABLE_NVLS",
     "MSCCLPP_ENABLE_NVLS",
     "MSCCLPP_PROGRAMMATIC_LAUNCH",
+    "MSCCLPP_EAGER_GRAPH_LAUNCH",
     "NCCL_NVLS_ENABLE",
     "MSCCLPP_MASTER_ADDR",
     "MSCCLPP_MASTER_PORT",
@@ -412,6 +414,7 @@ pub struct Env {
     pub force_disable_nvls: bool,
     pub enable_nvls: bool,
     pub programmatic_launch: bool,
+    pub eager_graph_launch: bool,
     pub nccl_nvls_enable: Option<bool>,
     pub master_addr: Option<String>,
     pub master_port: Option<u16>,
@@ -893,6 +896,7 @@ impl Env {
                 | vars.flag("MSCCLPP_DISABLE_NVLS")?,
             enable_nvls: vars.flag("MSCCLPP_ENABLE_NVLS")?,
             programmatic_launch: vars.boolean("MSCCLPP_PROGRAMMATIC_LAUNCH")?.unwrap_or(true),
+            eager_graph_launch: vars.boolean("MSCCLPP_EAGER_GRAPH_LAUNCH")?.unwrap_or(true),
             nccl_nvls_enable: vars.boolean("NCCL_NVLS_ENABLE")?,
             master_addr,
             master_port,
@@ -963,6 +967,12 @@ mod tests {
             !env(&[("MSCCLPP_PROGRAMMATIC_LAUNCH", "0")])
                 .unwrap()
                 .programmatic_launch
+        );
+        assert!(e.eager_graph_launch);
+        assert!(
+            !env(&[("MSCCLPP_EAGER_GRAPH_LAUNCH", "false")])
+                .unwrap()
+                .eager_graph_launch
         );
         assert_eq!(e.bootstrap_timeout, Duration::from_secs(30));
         assert_eq!(e.device_wait_timeout, DEFAULT_DEVICE_WAIT_TIMEOUT);

@@ -202,6 +202,12 @@ pub struct LaunchConfig {
     /// latency. Backends without the feature launch it normally. Never set this for a kernel
     /// that does not wait: it could read its inputs before they are written.
     pub programmatic: bool,
+    /// Outside stream capture, a backend that can may launch through a one-kernel graph it keeps
+    /// per (function, geometry, stream) and updates in place, because replaying such a graph costs
+    /// the calling thread less than a kernel launch on CUDA. Semantically it is the same launch
+    /// (stream-ordered, same parameters), but launches of one cached graph are also ordered after
+    /// each other, so the cache is per stream; `programmatic` does not apply on that path.
+    pub cached_graph: bool,
 }
 
 impl LaunchConfig {
@@ -211,6 +217,7 @@ impl LaunchConfig {
             block: (threads, 1, 1),
             shared_mem_bytes: 0,
             programmatic: false,
+            cached_graph: false,
         }
     }
 
@@ -218,6 +225,14 @@ impl LaunchConfig {
     pub fn with_programmatic(self, on: bool) -> Self {
         LaunchConfig {
             programmatic: on,
+            ..self
+        }
+    }
+
+    /// This configuration with [`LaunchConfig::cached_graph`] set to `on`.
+    pub fn with_cached_graph(self, on: bool) -> Self {
+        LaunchConfig {
+            cached_graph: on,
             ..self
         }
     }

@@ -958,26 +958,43 @@ fn host_path_cost(
     s.sync_and_check()?;
     s.ctx.bootstrap.barrier()?;
     let c = host_path_measure(s, &gpu, &*algo, &args)?;
+    let selected = per_call_cost(|| coll.select(&ctx)?.execute(&args))?;
+    s.sync_and_check()?;
     let text = format!(
-        "{:.2} µs of thread CPU time ({:.2} µs wall) per call ({}); an empty 11-parameter kernel: \
-         cuLaunchKernel {:.2} µs CPU ({:.2} wall), cuLaunchKernelEx programmatic {:.2} ({:.2}), \
-         cuGraphLaunch of it captured {:.2} ({:.2})",
+        "{:.2} µs of thread CPU time ({:.2} µs wall) per call ({}), {:.2} µs with the selector's \
+         choice each call; an empty 11-parameter kernel: cuLaunchKernel {:.2} µs CPU ({:.2} wall), \
+         cuLaunchKernelEx programmatic {:.2} ({:.2}), cuGraphLaunch of it captured {:.2} ({:.2}), \
+         our cached-graph launch {:.2} ({:.2}) with unchanged parameters, {:.2} ({:.2}) with new \
+         ones each call",
         c.ours.1,
         c.ours.0,
         algo.name(),
+        selected.1,
         c.empty.1,
         c.empty.0,
         c.empty_programmatic.1,
         c.empty_programmatic.0,
         c.empty_graph.1,
-        c.empty_graph.0
+        c.empty_graph.0,
+        c.cached_same.1,
+        c.cached_same.0,
+        c.cached_changing.1,
+        c.cached_changing.0,
     );
     s.measure(
         &format!("host CPU time of one eager execute ({})", algo.name()),
         text.clone(),
     );
+    if c.ours.1 > HOST_PATH_TARGET_US || selected.1 > HOST_PATH_TARGET_US {
+        return Err(Error::Internal(format!(
+            "target missed (<= {HOST_PATH_TARGET_US} µs of CPU per call): {text}"
+        )));
+    }
     Ok(text)
 }
+
+/// Issue target: the host path of one eager call costs at most this much CPU time.
+const HOST_PATH_TARGET_US: f64 = 3.0;
 
 /// Per-call (wall µs, thread CPU µs) of one eager execute and of the driver's own launch paths
 /// under it; see `host_path_cost`.
@@ -988,9 +1005,12 @@ struct HostPathCosts {
     /// The same through cuLaunchKernelEx with the programmatic-launch attribute (what the native
     /// collectives use on sm_90+; harmless for a kernel that touches no memory).
     empty_programmatic: (f64, f64),
-    /// The same kernel captured once into a CUDA graph, replayed by cuGraphLaunch: whether a
-    /// cached one-kernel graph would be a cheaper eager path.
+    /// The same kernel captured once into a CUDA graph, replayed by cuGraphLaunch.
     empty_graph: (f64, f64),
+    /// Through `LaunchConfig::cached_graph` (what the native collectives use outside capture),
+    /// with the same parameter values every call, and with a new value every call.
+    cached_same: (f64, f64),
+    cached_changing: (f64, f64),
 }
 
 fn host_path_measure(
@@ -1010,17 +1030,25 @@ fn host_path_measure(
     )?;
     let empty = gpu.get_function(module, "empty11")?;
     let mut words = [0u64; 11];
-    let mut ptrs: Vec<*mut std::ffi::c_void> =
-        words.iter_mut().map(|w| (w as *mut u64).cast()).collect();
-    let mut launch = |programmatic: bool| {
-        let cfg = LaunchConfig::linear(1, 32).with_programmatic(programmatic);
-        // SAFETY: empty11 takes 11 u64 by value; `words` outlives the launches.
+    let launch = |programmatic: bool, cached: bool, words: &mut [u64; 11]| {
+        let mut ptrs = words
+            .each_mut()
+            .map(|w| (w as *mut u64).cast::<std::ffi::c_void>());
+        let cfg = LaunchConfig::linear(1, 32)
+            .with_programmatic(programmatic)
+            .with_cached_graph(cached);
+        // SAFETY: empty11 takes 11 u64 by value; `words` outlives the launch.
         unsafe { gpu.launch(empty, cfg, s.stream, &mut ptrs) }
     };
-    let plain = per_call_cost(|| launch(false))?;
-    let programmatic = per_call_cost(|| launch(true))?;
+    let plain = per_call_cost(|| launch(false, false, &mut words))?;
+    let programmatic = per_call_cost(|| launch(true, false, &mut words))?;
+    let cached_same = per_call_cost(|| launch(false, true, &mut words))?;
+    let cached_changing = per_call_cost(|| {
+        words[0] += 1;
+        launch(false, true, &mut words)
+    })?;
     gpu.begin_capture(s.stream)?;
-    let captured = launch(false);
+    let captured = launch(false, false, &mut words);
     let graph = gpu.end_capture(s.stream);
     captured?;
     let graph = graph?;
@@ -1032,6 +1060,8 @@ fn host_path_measure(
         empty: plain,
         empty_programmatic: programmatic,
         empty_graph: replayed?,
+        cached_same,
+        cached_changing,
     })
 }
 
