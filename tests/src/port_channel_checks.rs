@@ -3,17 +3,16 @@
 //!
 //! Checks, in order (each rank of a pair runs the same sequence, so signal counts stay balanced:
 //! every `put_with_signal` of one side is matched by exactly one `wait` on the other):
-//! 1. Trigger overhead of the proxy (per rank, no peer), 10 000 samples each, timed on the GPU with
-//!    `%globaltimer`; the proxy thread runs on the GPU's local CPUs, as PortChannelService's does,
-//!    and the rank's main thread waits by polling an event, not spinning in the driver. First, a
-//!    round trip through a no-op handler: push, then wait until the proxy popped the trigger
-//!    (`fifo.sync`); it bounds the one-way trigger-to-handler time from above. Second, trigger to
-//!    copy landed, one way: the GPU thread writes a fresh value into a source word, pushes a
-//!    trigger and spins on a destination word, while the handler starts an 8-byte cuMemcpyAsync
-//!    source -> destination on its own stream (what the CudaIpc transport does for a put). That
-//!    time holds the GPU -> proxy hop, the driver's submission and the copy itself, so it bounds
-//!    trigger-to-copy-start from above with no return hop through host memory. Target: its median
-//!    <= 5 µs; a miss is a FAIL naming the numbers, with the handler's own cuMemcpyAsync time
+//! 1. Trigger overhead of the proxy (per rank, before the service starts), 10 000 samples each,
+//!    timed on the GPU with `%globaltimer`; the proxy thread runs on the GPU's local CPUs, as
+//!    PortChannelService's does, and the rank's main thread waits by polling an event, not spinning
+//!    in the driver. First, a round trip through a no-op handler: push, then wait until the proxy
+//!    popped the trigger (`fifo.sync`). Second, trigger to copy start, one way: the handler copies
+//!    an 8-byte word from this GPU into the peer's memory with cuMemcpyAsync on its own stream
+//!    (what the CudaIpc transport does for a put), while a second warp keeps writing the GPU clock
+//!    into that word, so the value that lands is the time the copy engine read its source: the
+//!    copy's start, on the clock that timed the trigger. Target: its median <= 5 µs; a miss is a
+//!    FAIL naming the numbers, with trigger-to-landed and the handler's own cuMemcpyAsync time
 //!    (host clock) beside them.
 //! 2. PortChannel ping-pong, 0-byte `put_with_signal` each way: the full GPU -> proxy ->
 //!    cuStreamWriteValue64 into the peer -> peer GPU round trip, median of 10 000 (reported).
@@ -59,11 +58,12 @@ __device__ __forceinline__ u64 global_timer_ns() {
   return t;
 }
 
-// Both FIFO kernels take (fifo, iters, base, cell, samples, done); one thread runs `iters` rounds,
-// samples[i] = globaltimer ns of round i, *done = rounds completed.
+// Both FIFO kernels take (fifo, iters, clock, remote, samples, done): `iters` rounds, each timed
+// with globaltimer; samples[i] (and samples[iters + i]) get round i's nanoseconds, *done the rounds
+// completed.
 //
-// fifo_round_trip: push a FLAG trigger and wait until the proxy consumed it.
-extern "C" __global__ void fifo_round_trip(FifoHandle fifo, u32 iters, u64 base, u64* cell,
+// fifo_round_trip: one thread pushes a FLAG trigger and waits until the proxy consumed it.
+extern "C" __global__ void fifo_round_trip(FifoHandle fifo, u32 iters, u64* clock, u64* remote,
                                            u64* samples, u32* done) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
   const ProxyTrigger t = ProxyTrigger::make(kTriggerFlag, 0, 0, 0, 0, 0, 0);
@@ -78,29 +78,40 @@ extern "C" __global__ void fifo_round_trip(FifoHandle fifo, u32 iters, u64 base,
   *done = i;
 }
 
-// fifo_trigger_to_copy: cell[0] = base + i + 1 (the proxy's handler copies cell[0] to cell[1]),
-// push, spin until cell[1] holds the value. Values never repeat across runs (`base`).
-extern "C" __global__ void fifo_trigger_to_copy(FifoHandle fifo, u32 iters, u64 base, u64* cell,
-                                                u64* samples, u32* done) {
-  if (threadIdx.x != 0 || blockIdx.x != 0) return;
-  const ProxyTrigger t = ProxyTrigger::make(kTriggerFlag, 0, 0, 0, 0, 0, 0);
-  volatile u64* src = cell;
-  volatile u64* dst = cell + 1;
+// fifo_trigger_to_copy (64 threads): the proxy's handler copies the 8-byte word `clock` (local)
+// to `remote` (the peer's memory, mapped here) with the copy engine. Warp 1 keeps writing the GPU
+// clock into `clock`, so the word the copy engine reads IS the time it read it: the copy's start
+// on the same clock as the trigger. Warp 0, per round: t0, push, spin until `remote` holds a newer
+// stamp; samples[i] = stamp - t0 (trigger to copy start), samples[iters + i] = landed - t0.
+extern "C" __global__ void fifo_trigger_to_copy(FifoHandle fifo, u32 iters, u64* clock,
+                                                u64* remote, u64* samples, u32* done) {
+  __shared__ volatile u32 stop;
+  if (threadIdx.x == 0) stop = 0;
+  __syncthreads();
   const u64 bound = effective_max_spin(fifo.max_spin);
+  if (threadIdx.x == 32) {
+    volatile u64* c = clock;
+    for (u64 spins = 0; !stop && spins < bound; ++spins) *c = global_timer_ns();
+    return;
+  }
+  if (threadIdx.x != 0) return;
+  const ProxyTrigger t = ProxyTrigger::make(kTriggerFlag, 0, 0, 0, 0, 0, 0);
+  volatile u64* dst = remote;
+  u64 last = *dst;
   u32 i = 0;
   for (; i < iters; ++i) {
-    const u64 v = base + i + 1;
-    *src = v;
-    fence_acq_rel_sys();  // the copy engine reads what this thread wrote
     const u64 t0 = global_timer_ns();
     fifo.push(t);
-    u64 spins = 0;
-    while (*dst != v && ++spins < bound) {
-    }
-    if (*dst != v) break;
-    samples[i] = global_timer_ns() - t0;
+    u64 spins = 0, stamp = *dst;
+    while (stamp <= last && ++spins < bound) stamp = *dst;
+    if (stamp <= last) break;
+    const u64 landed = global_timer_ns();
+    samples[i] = stamp > t0 ? stamp - t0 : 0;
+    samples[iters + i] = landed - t0;
+    last = stamp;
   }
   *done = i;
+  stop = 1;
 }
 
 // One thread: the initiator puts `bytes` with a signal and waits for the answer; the responder
@@ -275,7 +286,6 @@ fn setup(ctx: &RankContext) -> Result<Option<(Pair<'_>, Result<String>)>> {
         .ok_or_else(|| Error::Internal("no primitives kernel unit".into()))?;
     let prim = gpu.build_module(primitives.name, primitives.source)?;
     let stream = gpu.create_stream()?;
-    let fifo_check = trigger_overhead(ctx, &gpu, stream, module);
 
     let src = DeviceBuffer::new(&gpu, GIB + GUARD, MemoryKind::Plain)?;
     let dst = DeviceBuffer::new(&gpu, GIB + GUARD, MemoryKind::Plain)?;
@@ -286,6 +296,8 @@ fn setup(ctx: &RankContext) -> Result<Option<(Pair<'_>, Result<String>)>> {
     if peer >= ctx.size() {
         return Ok(None);
     }
+    // Before the service's proxy starts, so the two proxies do not compete for a core.
+    let fifo_check = trigger_overhead(ctx, &gpu, stream, module, mems[peer].ptr());
     let local_src = ctx.comm.register(&src.alloc, src.ptr(), src.alloc.size)?;
     let config = PortChannelConfig {
         max_spin: MAX_SPIN,
@@ -319,25 +331,32 @@ fn setup(ctx: &RankContext) -> Result<Option<(Pair<'_>, Result<String>)>> {
     Ok(Some((pair, fifo_check)))
 }
 
+/// Check 1 (see the module docs). `remote` is 8 bytes of the peer's memory, mapped here, that
+/// nothing else touches until the next barrier.
 fn trigger_overhead(
     ctx: &RankContext,
     gpu: &Arc<dyn Gpu>,
     stream: Stream,
     module: mscclpp::core::gpu::Module,
+    remote: u64,
 ) -> Result<String> {
     let round_trip = gpu.get_function(module, "fifo_round_trip")?;
     let to_copy = gpu.get_function(module, "fifo_trigger_to_copy")?;
-    let (noop, _) = fifo_measure(ctx, gpu, stream, round_trip, false)?;
-    let (landed, submit) = fifo_measure(ctx, gpu, stream, to_copy, true)?;
-    let submit = submit.map_or_else(|| "none timed".to_string(), |s| describe(&s));
+    let noop = fifo_measure(ctx, gpu, stream, round_trip, None)?;
+    let copy = fifo_measure(ctx, gpu, stream, to_copy, Some(remote))?;
+    let (Some(landed), Some(submit)) = (copy.landed, copy.submit) else {
+        return Err(Error::Internal("the copy run produced no samples".into()));
+    };
     let line = format!(
-        "trigger to 8-byte copy landed, one way: {} (target median <= {TRIGGER_TARGET_US} µs; \
-         bounds trigger-to-copy-start from above); of which the handler's cuMemcpyAsync call: \
-         {submit}; round trip through a no-op handler: {}",
+        "trigger to copy start (the copy engine reading its source, GPU clock): {} (target median \
+         <= {TRIGGER_TARGET_US} µs); trigger to 8 bytes landed in the peer's memory: {}; the \
+         handler's cuMemcpyAsync call (host clock): {}; round trip through a no-op handler: {}",
+        describe(&copy.first),
         describe(&landed),
-        describe(&noop)
+        describe(&submit),
+        describe(&noop.first)
     );
-    if us(landed.p50) > TRIGGER_TARGET_US {
+    if us(copy.first.p50) > TRIGGER_TARGET_US {
         return Err(Error::Internal(format!("target missed: {line}")));
     }
     Ok(line)
@@ -353,36 +372,45 @@ fn describe(s: &LatencyStats) -> String {
     )
 }
 
-/// One FIFO measurement with `kernel` (see KERNELS). With `copy`, the handler starts an 8-byte
-/// device copy cell[0] -> cell[1] on its own stream and times that call; the second result
-/// summarises those host times.
+/// What one FIFO run measured (see `fifo_measure`).
+struct FifoRun {
+    /// The kernel's first series: round trips, or trigger to copy start.
+    first: LatencyStats,
+    /// Copy runs: trigger to landed (GPU clock), and the handler's cuMemcpyAsync (host clock).
+    landed: Option<LatencyStats>,
+    submit: Option<LatencyStats>,
+}
+
+/// One FIFO measurement with `kernel` (see KERNELS) through a proxy of its own. With `copy_to`,
+/// the handler copies the kernel's 8-byte clock word there on a stream of its own (what the
+/// CudaIpc transport does for a put) and times each call.
 fn fifo_measure(
     ctx: &RankContext,
     gpu: &Arc<dyn Gpu>,
     stream: Stream,
     kernel: Function,
-    copy: bool,
-) -> Result<(LatencyStats, Option<LatencyStats>)> {
+    copy_to: Option<u64>,
+) -> Result<FifoRun> {
     let (fifo, consumer) = DeviceFifo::new(gpu, 512)?;
-    let cell = DeviceBuffer::new(gpu, 16, MemoryKind::Plain)?;
-    gpu.memset_async(cell.ptr(), 0, 16, stream)?;
+    let clock = DeviceBuffer::new(gpu, 8, MemoryKind::Plain)?;
+    gpu.memset_async(clock.ptr(), 0, 8, stream)?;
     let copy_stream = gpu.create_stream()?;
     let device = gpu.current_device()?;
-    let (handler_gpu, cell_ptr) = (gpu.clone(), cell.ptr());
+    let (handler_gpu, clock_ptr) = (gpu.clone(), clock.ptr());
     let submit_ns = Arc::new(std::sync::Mutex::new(Vec::with_capacity(
         ROUND_TRIPS as usize + 100,
     )));
     let submit_log = submit_ns.clone();
     let mut bound = false;
     let handler = move |_| {
-        if copy {
+        if let Some(to) = copy_to {
             // The proxy thread starts on device 0; bind it to ours once.
             if !bound {
                 handler_gpu.set_device(device)?;
                 bound = true;
             }
             let start = std::time::Instant::now();
-            handler_gpu.memcpy_async(cell_ptr + 8, cell_ptr, 8, copy_stream)?;
+            handler_gpu.memcpy_async(to, clock_ptr, 8, copy_stream)?;
             let ns = start.elapsed().as_nanos() as u64;
             if let Ok(mut log) = submit_log.lock() {
                 log.push(ns);
@@ -392,27 +420,27 @@ fn fifo_measure(
     };
     let cpus = mscclpp::core::affinity::local_cpus(&gpu.properties(device)?.pci_bus_id);
     let mut proxy = Proxy::start_on(consumer, handler, cpus)?;
-    let samples = DeviceBuffer::new(gpu, ROUND_TRIPS as usize * 8, MemoryKind::Plain)?;
+    let samples = DeviceBuffer::new(gpu, 2 * ROUND_TRIPS as usize * 8, MemoryKind::Plain)?;
     let done = DeviceBuffer::new(gpu, 4, MemoryKind::Plain)?;
     let handle = fifo.handle(ctx.comm.error_word_device_ptr(), MAX_SPIN);
     let finished = gpu.create_event()?;
-    let mut stats = None;
-    // A short warm-up (first touches, clocks up), then the measured run with values of its own.
-    for (iters, base) in [(100u32, 0u64), (ROUND_TRIPS, 1 << 32)] {
+    let mut run = None;
+    // A short warm-up (first touches, clocks up), then the measured run.
+    for iters in [100u32, ROUND_TRIPS] {
         if let Ok(mut log) = submit_ns.lock() {
             log.clear();
         }
         let mut a = KernelArgs::new();
         a.push(handle)
             .push(iters)
-            .push(base)
-            .push(cell.ptr())
+            .push(clock.ptr())
+            .push(copy_to.unwrap_or(0))
             .push(samples.ptr())
             .push(done.ptr());
         let mut ptrs = a.pointers();
-        // SAFETY: both FIFO kernels take (FifoHandle, u32, u64, u64*, u64*, u32*); the buffers
-        // live until the sync.
-        unsafe { gpu.launch(kernel, LaunchConfig::linear(1, 32), stream, &mut ptrs) }?;
+        // SAFETY: both FIFO kernels take (FifoHandle, u32, u64*, u64*, u64*, u32*); the buffers
+        // (and the peer's word, mapped until the pair drops) live until the sync.
+        unsafe { gpu.launch(kernel, LaunchConfig::linear(1, 64), stream, &mut ptrs) }?;
         wait_idle(gpu.as_ref(), stream, finished)?;
         ctx.comm.check_device_errors()?;
         let d = done.download(4)?;
@@ -422,26 +450,27 @@ fn fifo_measure(
                 "{completed} of {iters} FIFO rounds completed"
             )));
         }
-        let raw = samples.download(iters as usize * 8)?;
+        let raw = samples.download(2 * iters as usize * 8)?;
         let mut ns: Vec<u64> = raw
             .chunks_exact(8)
             .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
             .collect();
-        stats = Some(median_us(&mut ns)?);
+        let (first, second) = ns.split_at_mut(iters as usize);
+        let mut submit = submit_ns.lock().map(|v| v.clone()).unwrap_or_default();
+        run = Some(FifoRun {
+            first: median_us(first)?,
+            landed: copy_to.and_then(|_| LatencyStats::from_nanos(second)),
+            submit: LatencyStats::from_nanos(&mut submit),
+        });
     }
     // Surfaces any handler error; every handler call has returned once the proxy stopped.
     proxy.stop(Duration::from_secs(10))?;
     gpu.synchronize_stream(copy_stream)?;
     gpu.destroy_stream(copy_stream)?;
     gpu.destroy_event(finished)?;
-    let stats = stats.ok_or_else(|| Error::Internal("no FIFO run".into()))?;
-    let mut submit = submit_ns.lock().map(|v| v.clone()).unwrap_or_default();
-    Ok((stats, LatencyStats::from_nanos(&mut submit)))
+    run.ok_or_else(|| Error::Internal("no FIFO run".into()))
 }
 
-/// Waits for `stream` by polling an event with sleeps in between. A thread spinning in
-/// cuStreamSynchronize keeps calling into the driver, which would slow the proxy's own driver
-/// calls (the copy submissions these measurements time).
 fn wait_idle(gpu: &dyn Gpu, stream: Stream, event: mscclpp::core::gpu::Event) -> Result<()> {
     gpu.record_event(event, stream)?;
     let deadline = std::time::Instant::now() + Duration::from_secs(60);

@@ -63,6 +63,12 @@ MSCCLPP_DEVICE_INLINE void atomic_store_release_sys(u64* p, u64 v) {
 MSCCLPP_DEVICE_INLINE void atomic_store_relaxed_sys(u64* p, u64 v) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+// p[0] = lo, p[1] = hi (p 16-byte aligned) as ONE 16-byte store, after every earlier access of
+// this thread: a single transaction, which host memory receives whole, so a reader that sees `hi`
+// sees `lo` too, without a fence between the halves that would wait for `lo` to cross PCIe.
+MSCCLPP_DEVICE_INLINE void store_pair_release_sys(u64* p, u64 lo, u64 hi) {
+  asm volatile("st.release.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(lo), "l"(hi) : "memory");
+}
 // Fire-and-forget adds (`red`): the caller never needs the old value, and `red` does not wait for
 // the round trip over NVLink that `atom` would.
 MSCCLPP_DEVICE_INLINE void atomic_add_release_sys(u64* p, u64 v) {
@@ -112,6 +118,12 @@ MSCCLPP_DEVICE_INLINE void atomic_store_release_sys(u64* p, u64 v) {
 }
 MSCCLPP_DEVICE_INLINE void atomic_store_relaxed_sys(u64* p, u64 v) {
   __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+// HIP has no 16-byte atomic store: `lo`, then `hi` with release ordering (so a reader that sees
+// `hi` sees `lo`).
+MSCCLPP_DEVICE_INLINE void store_pair_release_sys(u64* p, u64 lo, u64 hi) {
+  atomic_store_relaxed_sys(p, lo);
+  atomic_store_release_sys(p + 1, hi);
 }
 MSCCLPP_DEVICE_INLINE void atomic_add_release_sys(u64* p, u64 v) {
   __hip_atomic_fetch_add(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);

@@ -92,9 +92,9 @@ struct FifoHandle {
       }
     }
     ProxyTrigger* slot = &triggers[pos % slots];
-    atomic_store_relaxed_sys(&slot->fst, trigger.fst);
-    // The release store orders fst before snd: a proxy that sees the valid bit sees fst too.
-    atomic_store_release_sys(&slot->snd, trigger.snd);
+    // One 16-byte release store: a proxy that sees the valid bit in snd sees fst too, and the
+    // trigger leaves without first waiting for a separate fst write to reach host memory.
+    store_pair_release_sys(&slot->fst, trigger.fst, trigger.snd);
     return pos;
   }
 
