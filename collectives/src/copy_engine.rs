@@ -157,7 +157,9 @@ impl CopyEngine {
         let per = share_elements(plan.count, es, nranks);
         let begin = (rank * per).min(plan.count);
         let end = (begin + per).min(plan.count);
-        let peers: Vec<usize> = (0..nranks).filter(|&r| r != rank).collect();
+        // Rotated from our rank: at each turn every rank copies from (and, in the all-gather, to)
+        // a different peer, so no GPU's links serve several copies while others idle.
+        let peers: Vec<usize> = (1..nranks).map(|i| (rank + i) % nranks).collect();
         let barrier = || -> Result<()> {
             let mut sems = plan.semaphores;
             let mut npeers = peers.len() as u32;

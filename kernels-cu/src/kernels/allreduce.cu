@@ -186,7 +186,8 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
   const u64 begin = min(static_cast<u64>(rank) * per, count);
   const u64 end = min(begin + per, count);
   if (block_barrier(sems, npeers, false)) {
-    reduce_to_all<CollT, CollAcc, kCollOp>(inputs, nranks, begin, outputs, nranks, begin, end - begin, nranks);
+    reduce_to_all<CollT, CollAcc, kCollOp>(inputs, nranks, begin, outputs, nranks, begin, end - begin, nranks,
+                                           rank);
     block_barrier(sems, npeers, true);
   }
 }
@@ -260,8 +261,8 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
       srcs.p[r] = r == rank ? const_cast<CollT*>(in + lo) : rs + r * slot + b0;
       dsts.p[r] = r == rank ? out + lo : half(peer_scratch.p[r], k) + region + rank * slot + b0;
     }
-    reduce_to_all<CollT, CollAcc, kCollOp>(srcs, nranks, 0, dsts, nranks, 0, hi - lo, nranks, threadIdx.x,
-                                           blockDim.x);
+    reduce_to_all<CollT, CollAcc, kCollOp>(srcs, nranks, 0, dsts, nranks, 0, hi - lo, nranks, rank,
+                                           threadIdx.x, blockDim.x);
   };
   auto gather = [&](u64 k) {
     const CollT* ag = half(local_scratch, k) + region;
@@ -331,7 +332,8 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
     CollT* mine = half(local_scratch, k);
     for (u32 r = 0; r < nranks; ++r) srcs.p[r] = r == rank ? const_cast<CollT*>(in + lo) : mine + r * slot + b0;
     dsts.p[0] = out + lo;
-    reduce_to_all<CollT, CollAcc, kCollOp>(srcs, nranks, 0, dsts, 1, 0, hi - lo, nranks, threadIdx.x, blockDim.x);
+    reduce_to_all<CollT, CollAcc, kCollOp>(srcs, nranks, 0, dsts, 1, 0, hi - lo, nranks, 0, threadIdx.x,
+                                           blockDim.x);
   };
   send(0);
   for (u64 j = 1; j <= nsteps; ++j) {
@@ -358,7 +360,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
   wait_prior_grids();
   PeerPtrs dsts;
   dsts.p[0] = output;
-  reduce_to_all<CollT, CollAcc, kCollOp>(srcs, nsrc, 0, dsts, 1, 0, count, nranks);
+  reduce_to_all<CollT, CollAcc, kCollOp>(srcs, nsrc, 0, dsts, 1, 0, count, nranks, 0);
 }
 
 extern "C" __global__ void allreduce_ce_sync(const D2DSemaphoreHandle* sems, u32 npeers, u32 mode) {

@@ -146,23 +146,26 @@ MSCCLPP_DEVICE_INLINE void block_range(u64 n, u64 align, u64& begin, u64& end) {
 // Cooperative reduction of `n` elements by `stride` threads (this one is number `tid`): for each
 // element e,
 //   dsts.p[d][dst_off + e] = reduce over k in [0, nsrc) of srcs.p[k][src_off + e]   for d < ndst.
-// Sources are combined in the order given (callers pass rank order), so the result does not depend
-// on which rank computes it. Uses 16-byte loads/stores when every address involved is 16-byte
+// Sources are combined in the order first, first + 1, ... (mod nsrc), and destinations written in
+// that order too. Where several ranks compute the same element they must pass the same `first` (0)
+// so their results are bit-identical; where one rank owns each element (the zero-copy kernels) it
+// passes its own rank, so the ranks' reads and writes start at different peers instead of every
+// rank hitting rank 0's links first. Uses 16-byte loads/stores when every address involved is 16-byte
 // aligned, else element accesses. Each element is read and written by one thread, so a destination
 // may alias a source (in place).
 template <typename T, typename AccT, int Op>
 MSCCLPP_DEVICE_INLINE void reduce_to_all(const PeerPtrs& srcs, u32 nsrc, u64 src_off, const PeerPtrs& dsts,
-                                         u32 ndst, u64 dst_off, u64 n, u32 nranks, u64 tid, u64 stride) {
+                                         u32 ndst, u64 dst_off, u64 n, u32 nranks, u32 first, u64 tid,
+                                         u64 stride) {
+  // Source / destination number j of the rotated order.
+  auto src = [&](u32 j) { return static_cast<const T*>(srcs.p[(first + j) % nsrc]) + src_off; };
+  auto dst = [&](u32 j) { return static_cast<T*>(dsts.p[(first + j) % ndst]) + dst_off; };
   constexpr u64 kVec = sizeof(uint4) / sizeof(T);
   // Vectors each thread keeps in flight per source: NVLink reads need many outstanding loads.
   constexpr u32 kReduceUnroll = 4;
   bool aligned = true;
-  for (u32 k = 0; k < nsrc; ++k) {
-    aligned = aligned && (reinterpret_cast<u64>(static_cast<const T*>(srcs.p[k]) + src_off) % 16 == 0);
-  }
-  for (u32 d = 0; d < ndst; ++d) {
-    aligned = aligned && (reinterpret_cast<u64>(static_cast<T*>(dsts.p[d]) + dst_off) % 16 == 0);
-  }
+  for (u32 k = 0; k < nsrc; ++k) aligned = aligned && reinterpret_cast<u64>(src(k)) % 16 == 0;
+  for (u32 d = 0; d < ndst; ++d) aligned = aligned && reinterpret_cast<u64>(dst(d)) % 16 == 0;
   u64 scalar_begin = 0;
   if (aligned) {
     const u64 nv = n / kVec;
@@ -170,14 +173,13 @@ MSCCLPP_DEVICE_INLINE void reduce_to_all(const PeerPtrs& srcs, u32 nsrc, u64 src
     for (; v + (kReduceUnroll - 1) * stride < nv; v += kReduceUnroll * stride) {
       VecAccumulator<T, AccT, Op, uint4> acc[kReduceUnroll];
       uint4 w[kReduceUnroll];
+      const uint4* s0 = reinterpret_cast<const uint4*>(src(0));
 #pragma unroll
-      for (u32 u = 0; u < kReduceUnroll; ++u) {
-        w[u] = reinterpret_cast<const uint4*>(static_cast<const T*>(srcs.p[0]) + src_off)[v + u * stride];
-      }
+      for (u32 u = 0; u < kReduceUnroll; ++u) w[u] = s0[v + u * stride];
 #pragma unroll
       for (u32 u = 0; u < kReduceUnroll; ++u) acc[u].init(w[u]);
       for (u32 k = 1; k < nsrc; ++k) {
-        const uint4* s = reinterpret_cast<const uint4*>(static_cast<const T*>(srcs.p[k]) + src_off);
+        const uint4* s = reinterpret_cast<const uint4*>(src(k));
 #pragma unroll
         for (u32 u = 0; u < kReduceUnroll; ++u) w[u] = s[v + u * stride];
 #pragma unroll
@@ -186,36 +188,34 @@ MSCCLPP_DEVICE_INLINE void reduce_to_all(const PeerPtrs& srcs, u32 nsrc, u64 src
 #pragma unroll
       for (u32 u = 0; u < kReduceUnroll; ++u) w[u] = acc[u].finish(nranks);
       for (u32 d = 0; d < ndst; ++d) {
-        uint4* o = reinterpret_cast<uint4*>(static_cast<T*>(dsts.p[d]) + dst_off);
+        uint4* o = reinterpret_cast<uint4*>(dst(d));
 #pragma unroll
         for (u32 u = 0; u < kReduceUnroll; ++u) o[v + u * stride] = w[u];
       }
     }
     for (; v < nv; v += stride) {
       VecAccumulator<T, AccT, Op, uint4> acc;
-      acc.init(reinterpret_cast<const uint4*>(static_cast<const T*>(srcs.p[0]) + src_off)[v]);
-      for (u32 k = 1; k < nsrc; ++k) {
-        acc.add(reinterpret_cast<const uint4*>(static_cast<const T*>(srcs.p[k]) + src_off)[v]);
-      }
+      acc.init(reinterpret_cast<const uint4*>(src(0))[v]);
+      for (u32 k = 1; k < nsrc; ++k) acc.add(reinterpret_cast<const uint4*>(src(k))[v]);
       const uint4 r = acc.finish(nranks);
-      for (u32 d = 0; d < ndst; ++d) reinterpret_cast<uint4*>(static_cast<T*>(dsts.p[d]) + dst_off)[v] = r;
+      for (u32 d = 0; d < ndst; ++d) reinterpret_cast<uint4*>(dst(d))[v] = r;
     }
     scalar_begin = nv * kVec;
   }
   for (u64 e = scalar_begin + tid; e < n; e += stride) {
     VecAccumulator<T, AccT, Op, T> acc;
-    acc.init(static_cast<const T*>(srcs.p[0])[src_off + e]);
-    for (u32 k = 1; k < nsrc; ++k) acc.add(static_cast<const T*>(srcs.p[k])[src_off + e]);
+    acc.init(src(0)[e]);
+    for (u32 k = 1; k < nsrc; ++k) acc.add(src(k)[e]);
     const T r = acc.finish(nranks);
-    for (u32 d = 0; d < ndst; ++d) static_cast<T*>(dsts.p[d])[dst_off + e] = r;
+    for (u32 d = 0; d < ndst; ++d) dst(d)[e] = r;
   }
 }
 
 // reduce_to_all over the whole grid (zero-copy kernels, whose data needs no per-block handshake).
 template <typename T, typename AccT, int Op>
 MSCCLPP_DEVICE_INLINE void reduce_to_all(const PeerPtrs& srcs, u32 nsrc, u64 src_off, const PeerPtrs& dsts,
-                                         u32 ndst, u64 dst_off, u64 n, u32 nranks) {
-  reduce_to_all<T, AccT, Op>(srcs, nsrc, src_off, dsts, ndst, dst_off, n, nranks, global_thread_id(),
+                                         u32 ndst, u64 dst_off, u64 n, u32 nranks, u32 first) {
+  reduce_to_all<T, AccT, Op>(srcs, nsrc, src_off, dsts, ndst, dst_off, n, nranks, first, global_thread_id(),
                              global_num_threads());
 }
 

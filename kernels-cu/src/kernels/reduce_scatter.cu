@@ -29,7 +29,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
   out.p[0] = output;
   if (block_barrier(sems, npeers, false)) {
     reduce_to_all<CollT, CollAcc, kCollOp>(inputs, nranks, static_cast<u64>(rank) * count, out, 1, 0,
-                                           count, nranks);
+                                           count, nranks, rank);
     // Only local stores happened, so nothing needs publishing: this barrier keeps every peer's
     // input alive until every rank is done reading it.
     block_barrier(sems, npeers, false);
