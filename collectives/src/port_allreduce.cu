@@ -66,5 +66,6 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
     srcs.p[s] = s == rank ? const_cast<void*>(input) : static_cast<void*>(static_cast<u8*>(scratch) + half + s * slot_stride);
   }
   dsts.p[0] = output;
-  reduce_to_all<PortT, PortAcc, kPortOp>(srcs, nranks, 0, dsts, 1, 0, count, nranks);
+  // Every rank reduces every element: rank order (first = 0) keeps their results bit-identical.
+  reduce_to_all<PortT, PortAcc, kPortOp>(srcs, nranks, 0, dsts, 1, 0, count, nranks, 0);
 }
