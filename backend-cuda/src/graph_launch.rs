@@ -14,9 +14,10 @@
 //!
 //! Parameter sizes come from cuFuncGetParamInfo (CUDA 12.4+ drivers): with them the launch
 //! compares bytes and checks the caller passed one pointer per parameter; without them it updates
-//! the node on every launch, which is still correct. Any failure to build a graph falls back to the
-//! plain launch for that call (the caller passes it in), so this path never makes a launch fail
-//! that would otherwise succeed.
+//! the node on every launch, which is still correct. When the driver refuses to build or update a
+//! graph, that call falls back to the plain launch (the caller makes it), so the driver's limits
+//! never fail a launch; a wrong parameter count, which the plain launch could not even detect, is
+//! an error.
 
 use crate::driver::{self, cu};
 use crate::gpu::kernel_params;

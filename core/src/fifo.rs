@@ -7,9 +7,10 @@
 //! bit 63 set: a CUDA thread writes both in one 16-byte release store (a single transaction that
 //! host memory receives whole, so no fence has to wait for `fst` to cross PCIe first); HIP and the
 //! host pusher write `fst`, then `snd` with release ordering. The consumer polls `snd` of slot
-//! `tail % depth` with acquire ordering; a set bit 63 means `fst` is visible too. After handling, [`Fifo::pop`] clears the
-//! slot and publishes `tail + 1` with release ordering, so a pusher that sees the new tail also sees
-//! the cleared slot and cannot have its own later write overwritten by our clearing.
+//! `tail % depth` with acquire ordering; a set bit 63 means `fst` is visible too. After handling,
+//! [`Fifo::pop`] clears the slot and publishes `tail + 1` with release ordering, so a pusher that
+//! sees the new tail also sees the cleared slot and cannot have its own later write overwritten by
+//! our clearing.
 //!
 //! # Memory
 //! Production FIFOs live in host-pinned memory mapped into the device (ring and tail) plus a device
