@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the GPU suite and the benchmark on the device machine (from the repository root there).
-# Usage: bash .gpu/gpu-run.sh [suite|bench|all] [extra args for the binary]
+# Usage: [NGPU=k] bash .gpu/gpu-run.sh [suite|bench|all] [extra args for the binary]
 # Writes logs into $OUT (or ./gpu-out when $OUT is unset).
 set -uo pipefail
 # SAFETY: NVLink multicast can take shared GPUs out of service; it stays off for us and for NCCL.
@@ -9,7 +9,9 @@ unset MSCCLPP_ENABLE_NVLS
 export MSCCLPP_CACHE_DIR="${MSCCLPP_CACHE_DIR:-/tmp/mscclpp-cache}"
 out="${OUT:-./gpu-out}"; mkdir -p "$out"
 what="${1:-all}"; shift || true
-ngpu=$(nvidia-smi -L | wc -l)
+# NGPU=k runs k ranks on the first k GPUs (a 2-rank run on a bigger machine, say).
+ngpu="${NGPU:-$(nvidia-smi -L | wc -l)}"
+if [ -n "${NGPU:-}" ]; then export CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((NGPU - 1)))"; fi
 echo "device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n 1) x $ngpu"
 nvidia-smi topo -m 2>/dev/null | head -n 4
 # NCCL for the same-run baseline: PyTorch's copy.

@@ -3,50 +3,99 @@
 //!
 //! Why: on NVLink the copy engines write a peer at about 396 GB/s one way (391 GB/s each way when
 //! both directions run at once), where SM loads from a peer top out near 342 GB/s in the zero-copy
-//! kernel. Reductions stay on the SMs, overlapped with the copies, and only touch local HBM.
+//! kernel. Reductions stay on the SMs, overlapped with the copies, and only touch local memory.
 //!
-//! Every rank owns the share `[rank * per, (rank + 1) * per)` of the message (clamped to it).
-//! One call, on the caller's stream S and this algorithm's copy stream C:
-//! 1. S: barrier with every peer (their inputs are ready).
-//! 2. Reduce-scatter, pulled: C forks from S. For each piece k of our share (pieces of
-//!    [`piece_bytes`]), C copies every peer's piece k of its input into scratch slot `k % 2`
-//!    (waiting first until the reduction that last read that slot has run); S then reduces our
-//!    input's piece k and the staged copies, in rank order, into our output.
-//! 3. All-gather, pushed: once S has reduced every piece, C copies our share of our output into
-//!    every peer's output (writes, which NVLink carries faster than reads).
-//! 4. S joins C and ends with a barrier: every peer's pushes into our output have landed, and no
-//!    peer still reads our input when the call returns.
+//! Every rank owns the share `[rank * per, (rank + 1) * per)` of the message (clamped to it), cut
+//! into pieces ([`piece_bytes`]: at least [`MIN_PIECES`], each at most a scratch slot). Each
+//! rank's scratch, mapped by every peer, is a ring of [`SLOTS`] slots, each with room for one piece
+//! from every peer. One call, on the caller's stream S and this algorithm's copy stream C, every
+//! transfer a push (NVLink carries writes faster than reads):
+//! 1. Reduce-scatter, pushed: C forks from S. For each piece k, C copies piece k of every peer's
+//!    share of our input into that peer's scratch slot `k % SLOTS` (first waiting, from piece
+//!    SLOTS on, until every peer has reduced what that slot held). S waits for those copies, then
+//!    a barrier with every peer tells it that every rank's piece k has landed, then S reduces our
+//!    input's piece k and the peers' pieces in our scratch, in rank order, into our output.
+//! 2. All-gather, pushed, in two copies per peer: behind the last piece's reduce-scatter copies,
+//!    C copies every earlier piece of our reduced share (reduced meanwhile) into every peer's
+//!    output, then the last piece once S has reduced it. The copy engines stay busy while the
+//!    last piece is reduced, and each extra copy would cost a copy-engine start.
+//! 3. S joins C and ends with a barrier: every peer's pushes into our output have landed.
 //!
-//! No scratch of a peer is written, so no flow control between ranks is needed. In place is safe:
-//! a peer's share of its input is read only by us (step 2), and written only by us (step 3), after
-//! our last read of it; our own reduction reads only our share.
+//! Why it is safe without other waits:
+//! - Slot reuse: the barrier of piece m passes only once every peer has sent its signal of piece m,
+//!   which its stream issues after reducing piece m - 1; so after barrier k - SLOTS + 1 nobody reads
+//!   slot `k % SLOTS` any more. With three slots C waits for a barrier two pieces back, which has
+//!   long passed in steady state: the copy engines never wait for the barrier round trip.
+//! - All-gather writes: our share of a peer's output is read by nobody during the call except, in
+//!   place, by that peer's own reduce-scatter pushes (it is its input too). Its pushes of piece k
+//!   are complete once the barrier of piece k has passed, and we gather piece k only after
+//!   reducing it, which follows that barrier.
+//! - Across calls: a peer pushes into our scratch only after the previous call's end barrier, which
+//!   we signal after our last reduction.
 //!
-//! Barriers are kernels on the semaphores (bounded spins that report through the error word), so
-//! the whole sequence is capturable in a CUDA graph: C joins the capture through the fork event.
+//! Every barrier is a kernel on S (bounded spins that report through the error word), and all
+//! signals go out on S in one order, so counting semaphores cannot mix them up. The whole sequence
+//! is capturable in a CUDA graph: C joins the capture through the fork event.
 
-use crate::resources::{param_ptr, DeviceBuffer};
+use crate::resources::{param_ptr, SharedScratch};
 use mscclpp_core::communicator::Communicator;
 use mscclpp_core::gpu::{DevicePtr, Event, Function, Gpu, LaunchConfig, Stream};
 use mscclpp_core::{Error, Result};
 use mscclpp_kernels_cu::collectives::PeerPtrs;
 use std::sync::{Arc, Mutex};
 
-/// Scratch of the staged copies: two slots of one piece from every peer.
-pub const COPY_ENGINE_SCRATCH_BYTES: usize = 32 << 20;
+/// Most scratch one rank gives the ring (pieces shrink with the world size to fit).
+pub const COPY_ENGINE_SCRATCH_BYTES: usize = 96 << 20;
+
+/// Largest piece from one peer. Each copy costs the copy engines about 2 µs beyond its bytes on
+/// 2xH200 (1 GiB all-reduce: 2912 µs with 16 MiB pieces, 2879 µs with 32 MiB).
+const MAX_PIECE_BYTES: usize = 32 << 20;
+
+/// Pieces a share is cut into at least (while they stay above [`PIECE_ALIGN`]): the first
+/// reduction waits for one piece, and with a single piece nothing overlaps.
+const MIN_PIECES: usize = 4;
 
 /// Pieces are whole multiples of this (and so of every element size and of 16-byte vectors).
 const PIECE_ALIGN: usize = 64 << 10;
 
-/// Slots of the scratch ring (a copy into a slot waits for the reduction two pieces earlier).
-const SLOTS: usize = 2;
+/// Slots of the scratch ring. A copy into a slot waits for the barrier two pieces back (see the
+/// module docs); two slots would make every piece wait for the previous one's barrier round trip.
+pub const SLOTS: usize = 3;
 
 /// `allreduce_ce_sync` mode: signal every peer, then wait for every peer.
 const BARRIER: u32 = 3;
 
-/// Bytes of one piece from one peer, for `nranks` ranks.
-pub fn piece_bytes(nranks: usize) -> usize {
-    let per_peer = COPY_ENGINE_SCRATCH_BYTES / (SLOTS * nranks.saturating_sub(1).max(1));
-    (per_peer / PIECE_ALIGN).max(1) * PIECE_ALIGN
+/// Bytes of a scratch slot's place for one peer: the largest piece, for `nranks` ranks.
+pub fn slot_bytes(nranks: usize) -> usize {
+    let per_peer = COPY_ENGINE_SCRATCH_BYTES / (SLOTS * peer_count(nranks));
+    ((per_peer / PIECE_ALIGN).max(1) * PIECE_ALIGN).min(MAX_PIECE_BYTES)
+}
+
+/// Bytes of one piece for a share of `share_bytes` on `nranks` ranks: [`MIN_PIECES`] pieces or
+/// more, each as large as the slot allows.
+pub fn piece_bytes(share_bytes: usize, nranks: usize) -> usize {
+    let want = share_bytes
+        .div_ceil(MIN_PIECES)
+        .next_multiple_of(PIECE_ALIGN);
+    want.clamp(PIECE_ALIGN, slot_bytes(nranks))
+}
+
+/// Scratch bytes of one rank's ring.
+pub fn scratch_bytes(nranks: usize) -> usize {
+    SLOTS * peer_count(nranks) * slot_bytes(nranks)
+}
+
+fn peer_count(nranks: usize) -> usize {
+    nranks.saturating_sub(1).max(1)
+}
+
+/// Where `sender`'s piece lands in `receiver`'s scratch slot: the sender's peer index there.
+fn sender_index(sender: usize, receiver: usize) -> usize {
+    if sender < receiver {
+        sender
+    } else {
+        sender - 1
+    }
 }
 
 /// Elements of each rank's share: a whole number of 16-byte vectors, as in the zero-copy kernel.
@@ -56,15 +105,15 @@ pub fn share_elements(count: usize, elem_bytes: usize, nranks: usize) -> usize {
 }
 
 /// The copy stream and the events that order it against the caller's stream. One copy stream
-/// measured best on 2xH200: spreading the pieces over two streams (two copies in flight) was about
-/// 1% slower at 1 GiB.
+/// measured best on 2xH200: two streams taking turns were 0.2-2% slower from 64 MiB to 1 GiB.
 struct Pipeline {
     copy_stream: Stream,
     fork: Event,
-    /// Recorded on the copy stream after the copies of a piece; the reduction waits for it.
+    /// Recorded on the copy stream after the pushes of a piece; the caller's stream waits for it.
     copied: Event,
-    /// Recorded on the caller's stream after the reduction of the last piece staged in each slot.
+    /// Recorded on the caller's stream once every peer has reduced the piece a slot held.
     slot_free: [Event; SLOTS],
+    /// Recorded on the caller's stream after the reduction of each piece.
     reduced: Event,
     /// Recorded on the copy stream at the end of a call; the caller's stream waits for it.
     join: Event,
@@ -90,8 +139,14 @@ impl Pipeline {
             copied: events[1],
             reduced: events[2],
             join: events[3],
-            slot_free: [events[4], events[5]],
+            slot_free: std::array::from_fn(|i| events[4 + i]),
         })
+    }
+
+    fn events(&self) -> Vec<Event> {
+        let mut all = vec![self.fork, self.copied, self.reduced, self.join];
+        all.extend_from_slice(&self.slot_free);
+        all
     }
 }
 
@@ -125,25 +180,35 @@ pub struct CallPlan<'a> {
 /// The copy-engine resources of one algorithm object. See the module docs.
 pub struct CopyEngine {
     gpu: Arc<dyn Gpu>,
-    scratch: DeviceBuffer,
-    piece_bytes: usize,
+    /// Every rank's scratch ring, by rank (ours included).
+    scratch_ptrs: Vec<DevicePtr>,
+    slot_bytes: usize,
     /// Locked for a whole call: the copy stream and events are shared by every caller.
     pipeline: Mutex<Pipeline>,
+    // Last: freed after the copy stream is drained (Drop) and after the other fields.
+    _scratch: SharedScratch,
 }
 
 impl CopyEngine {
-    pub fn new(comm: &Communicator) -> Result<CopyEngine> {
+    /// Collective: every rank maps every other rank's scratch ring.
+    pub fn new(comm: &Arc<Communicator>) -> Result<CopyEngine> {
         let gpu = comm.gpu().clone();
         let n = comm.size();
-        let piece = piece_bytes(n);
-        let scratch = DeviceBuffer::zeroed(&gpu, SLOTS * n.saturating_sub(1).max(1) * piece)?;
+        let scratch = SharedScratch::new(comm, scratch_bytes(n))?;
         let pipeline = Pipeline::new(gpu.as_ref())?;
         Ok(CopyEngine {
             gpu,
-            scratch,
-            piece_bytes: piece,
+            scratch_ptrs: scratch.rank_ptrs(),
+            slot_bytes: slot_bytes(n),
             pipeline: Mutex::new(pipeline),
+            _scratch: scratch,
         })
+    }
+
+    /// Address of `sender`'s piece in slot `slot` of `receiver`'s scratch ring.
+    fn slot_ptr(&self, receiver: usize, slot: usize, sender: usize, nranks: usize) -> DevicePtr {
+        let index = slot * peer_count(nranks) + sender_index(sender, receiver);
+        self.scratch_ptrs[receiver] + (index * self.slot_bytes) as u64
     }
 
     /// Enqueues one all-reduce (see the module docs); `rank` of `nranks`.
@@ -155,11 +220,19 @@ impl CopyEngine {
             .map_err(|_| Error::Internal("copy-engine pipeline poisoned by a panic".into()))?;
         let es = plan.elem_bytes;
         let per = share_elements(plan.count, es, nranks);
-        let begin = (rank * per).min(plan.count);
-        let end = (begin + per).min(plan.count);
-        // Rotated from our rank: at each turn every rank copies from (and, in the all-gather, to)
-        // a different peer, so no GPU's links serve several copies while others idle.
+        let piece = piece_bytes(per * es, nranks) / es;
+        // Every rank runs the same number of pieces (and so of barriers): those of a full share.
+        let npieces = per.div_ceil(piece);
+        // Elements [lo, hi) of pieces [first, last) of `owner`'s share; empty past its end.
+        let pieces = |owner: usize, first: usize, last: usize| -> (usize, usize) {
+            let end = ((owner + 1) * per).min(plan.count);
+            let at = |k: usize| (owner * per + k * piece).min(end);
+            (at(first), at(last))
+        };
+        // Rotated from our rank: at each turn every rank pushes to a different peer, so no GPU's
+        // links serve several copies while others idle.
         let peers: Vec<usize> = (1..nranks).map(|i| (rank + i) % nranks).collect();
+        let c = p.copy_stream;
         let barrier = || -> Result<()> {
             let mut sems = plan.semaphores;
             let mut npeers = peers.len() as u32;
@@ -180,61 +253,77 @@ impl CopyEngine {
                 )
             }
         };
-        // 1. Every peer's input is ready.
-        barrier()?;
-        // 2. Reduce-scatter, piece by piece.
-        let c = p.copy_stream;
+        // All-gather of pieces [first, last) of our share, after the latest recorded reduction.
+        let gather = |first: usize, last: usize| -> Result<()> {
+            let (lo, hi) = pieces(rank, first, last);
+            if hi <= lo {
+                return Ok(());
+            }
+            gpu.stream_wait_event(c, p.reduced)?;
+            let at = (lo * es) as u64;
+            for &peer in &peers {
+                let to = plan.outputs[peer] + at;
+                gpu.memcpy_async(to, plan.outputs[rank] + at, (hi - lo) * es, c)?;
+            }
+            Ok(())
+        };
         gpu.record_event(p.fork, plan.stream)?;
         gpu.stream_wait_event(c, p.fork)?;
-        let piece_elems = self.piece_bytes / es;
-        let mut off = begin;
-        let mut k = 0usize;
-        while off < end {
-            let len = piece_elems.min(end - off);
+        for k in 0..npieces {
+            // Reduce-scatter of piece k: our input's piece k of every peer's share into its
+            // scratch slot.
             let slot = k % SLOTS;
             if k >= SLOTS {
                 gpu.stream_wait_event(c, p.slot_free[slot])?;
             }
-            let mut srcs = PeerPtrs::default();
-            srcs.p[rank] = plan.inputs[rank] + (off * es) as u64;
-            for (i, &peer) in peers.iter().enumerate() {
-                let staged =
-                    self.scratch.ptr() + ((slot * peers.len() + i) * self.piece_bytes) as u64;
-                let from = plan.inputs[peer] + (off * es) as u64;
-                gpu.memcpy_async(staged, from, len * es, c)?;
-                srcs.p[peer] = staged;
+            for &peer in &peers {
+                let (lo, hi) = pieces(peer, k, k + 1);
+                if hi > lo {
+                    let to = self.slot_ptr(peer, slot, rank, nranks);
+                    gpu.memcpy_async(to, plan.inputs[rank] + (lo * es) as u64, (hi - lo) * es, c)?;
+                }
             }
             gpu.record_event(p.copied, c)?;
-            gpu.stream_wait_event(plan.stream, p.copied)?;
-            let mut nsrc = nranks as u32;
-            let mut out = plan.outputs[rank] + (off * es) as u64;
-            let mut elems = len as u64;
-            let mut nr = nranks as u32;
-            let mut params = [
-                param_ptr(&mut srcs),
-                param_ptr(&mut nsrc),
-                param_ptr(&mut out),
-                param_ptr(&mut elems),
-                param_ptr(&mut nr),
-            ];
-            // SAFETY: allreduce_ce_reduce(PeerPtrs, u32, void*, u64, u32); every source and the
-            // output hold `len` elements (our share of registered buffers, or a scratch slot).
-            unsafe { gpu.launch(plan.reduce, plan.reduce_config, plan.stream, &mut params) }?;
-            gpu.record_event(p.slot_free[slot], plan.stream)?;
-            off += len;
-            k += 1;
-        }
-        // 3. All-gather: our reduced share into every peer's output.
-        gpu.record_event(p.reduced, plan.stream)?;
-        gpu.stream_wait_event(c, p.reduced)?;
-        if end > begin {
-            let at = (begin * es) as u64;
-            for &peer in &peers {
-                let to = plan.outputs[peer] + at;
-                gpu.memcpy_async(to, plan.outputs[rank] + at, (end - begin) * es, c)?;
+            // Behind the last piece's copies, the all-gather of every earlier piece (reduced
+            // while those copies ran), so the copy engines do not idle while the last piece is
+            // reduced. Earlier gathers would cost a copy-engine start each and gain nothing.
+            if k >= 1 && k + 1 == npieces {
+                gather(0, k)?;
             }
+            gpu.stream_wait_event(plan.stream, p.copied)?;
+            // Every rank's piece k has landed, and every peer has reduced piece k - 1.
+            barrier()?;
+            if k >= 1 {
+                gpu.record_event(p.slot_free[(k - 1) % SLOTS], plan.stream)?;
+            }
+            let (lo, hi) = pieces(rank, k, k + 1);
+            if hi > lo {
+                let mut srcs = PeerPtrs::default();
+                srcs.p[rank] = plan.inputs[rank] + (lo * es) as u64;
+                for &peer in &peers {
+                    srcs.p[peer] = self.slot_ptr(rank, slot, peer, nranks);
+                }
+                let mut nsrc = nranks as u32;
+                let mut out = plan.outputs[rank] + (lo * es) as u64;
+                let mut elems = (hi - lo) as u64;
+                let mut nr = nranks as u32;
+                let mut params = [
+                    param_ptr(&mut srcs),
+                    param_ptr(&mut nsrc),
+                    param_ptr(&mut out),
+                    param_ptr(&mut elems),
+                    param_ptr(&mut nr),
+                ];
+                // SAFETY: allreduce_ce_reduce(PeerPtrs, u32, void*, u64, u32); every source and
+                // the output hold `hi - lo` elements (our share of registered buffers, or a slot
+                // of our scratch, which holds a whole piece).
+                unsafe { gpu.launch(plan.reduce, plan.reduce_config, plan.stream, &mut params) }?;
+            }
+            gpu.record_event(p.reduced, plan.stream)?;
         }
-        // 4. Join; the barrier publishes our pushes and ends every peer's reads of our input.
+        // The last piece (or, with one piece, the whole share).
+        gather(npieces - 1, npieces)?;
+        // Join; the barrier publishes our pushes.
         gpu.record_event(p.join, c)?;
         gpu.stream_wait_event(plan.stream, p.join)?;
         barrier()
@@ -247,19 +336,11 @@ impl Drop for CopyEngine {
             Ok(p) => p,
             Err(poisoned) => poisoned.into_inner(),
         };
-        // Copies may still read the scratch: let them finish before it is freed.
+        // Copies may still use the scratch: let them finish before it is freed.
         if let Err(e) = self.gpu.synchronize_stream(p.copy_stream) {
             tracing::warn!(target: "mscclpp::algo", "copy-engine all-reduce: waiting for the copy stream: {e}");
         }
-        let events = [
-            p.fork,
-            p.copied,
-            p.reduced,
-            p.join,
-            p.slot_free[0],
-            p.slot_free[1],
-        ];
-        destroy(self.gpu.as_ref(), p.copy_stream, &events);
+        destroy(self.gpu.as_ref(), p.copy_stream, &p.events());
     }
 }
 
@@ -270,14 +351,39 @@ mod tests {
     #[test]
     fn pieces_fit_the_scratch_and_stay_aligned() {
         for n in 1..=8 {
-            let piece = piece_bytes(n);
-            assert_eq!(piece % PIECE_ALIGN, 0, "{n} ranks");
-            assert!(
-                SLOTS * (n - 1).max(1) * piece <= COPY_ENGINE_SCRATCH_BYTES,
-                "{n} ranks"
-            );
+            let slot = slot_bytes(n);
+            assert_eq!(slot % PIECE_ALIGN, 0, "{n} ranks");
+            assert!(slot <= MAX_PIECE_BYTES, "{n} ranks");
+            assert!(scratch_bytes(n) <= COPY_ENGINE_SCRATCH_BYTES, "{n} ranks");
+            for share in [1usize, 4096, 3 << 20, 64 << 20, 1 << 30] {
+                let piece = piece_bytes(share, n);
+                assert_eq!(piece % PIECE_ALIGN, 0, "{n} ranks, share {share}");
+                assert!(piece <= slot, "{n} ranks, share {share}");
+            }
         }
-        assert_eq!(piece_bytes(2), 16 << 20);
+        assert_eq!(slot_bytes(2), 32 << 20);
+        // Small shares: at least MIN_PIECES pieces; large ones: pieces as large as a slot.
+        assert_eq!(piece_bytes(32 << 20, 2), 8 << 20);
+        assert_eq!(piece_bytes(512 << 20, 2), 32 << 20);
+        assert_eq!(piece_bytes(256 << 20, 4), slot_bytes(4));
+    }
+
+    #[test]
+    fn every_sender_has_its_own_place_in_each_receiver() {
+        for n in 2..=8 {
+            for receiver in 0..n {
+                let mut seen: Vec<usize> = (0..n)
+                    .filter(|&s| s != receiver)
+                    .map(|s| sender_index(s, receiver))
+                    .collect();
+                seen.sort_unstable();
+                assert_eq!(
+                    seen,
+                    (0..n - 1).collect::<Vec<_>>(),
+                    "{n} ranks, receiver {receiver}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -493,7 +493,7 @@ impl NativeAlgorithm {
                 .rank_ptrs(&self.comm, args.output, args.input_bytes)?
         };
         let (n, rank) = (self.comm.size(), self.comm.rank());
-        let piece_vectors = crate::copy_engine::piece_bytes(n) / geometry::VECTOR_BYTES;
+        let piece_vectors = crate::copy_engine::slot_bytes(n) / geometry::VECTOR_BYTES;
         let threads = args.nthreads.unwrap_or(DEFAULT_THREADS);
         let max_blocks = resident_blocks(self.sm, threads);
         let reduce_config = geometry::launch_config(

@@ -222,10 +222,16 @@ pub fn allpair_threshold(world_size: usize) -> usize {
 pub const PACKET_THRESHOLD: usize = 1 << 20;
 
 /// Message size (bytes) from which the copy-engine all-reduce is preferred to the zero-copy
-/// kernel: the copy engines move more bytes per second than SM loads from a peer, but each call
-/// enqueues a dozen or more copies, events and kernels, whose latency only large messages hide.
-/// From 2-rank H200 measurements, and used on 2 ranks only; retune with `mscclpp-bench`.
-pub const COPY_ENGINE_THRESHOLD: usize = 512 << 20;
+/// kernel, by world size (`None`: never). The copy engines push more bytes per second than SM loads
+/// from a peer, but each call enqueues a few dozen copies, events and kernels, whose latency only
+/// large messages hide. 2xH200: 200.9 against 206.5 µs at 64 MiB, 121.8 against 109.1 µs at
+/// 32 MiB. Not yet measured on more ranks; retune with `mscclpp-bench`.
+pub fn copy_engine_threshold(world_size: usize) -> Option<usize> {
+    match world_size {
+        2 => Some(64 << 20),
+        _ => None,
+    }
+}
 
 /// Total bytes (the all-gather's output, the reduce-scatter's input) up to which the packet
 /// all-gather and reduce-scatter are preferred to the zero-copy ones, by world size. The zero-copy
@@ -305,9 +311,7 @@ fn native_choice(limits: &NativeLimits, ctx: &SelectionContext) -> Option<&'stat
                 Some(ALLREDUCE_ALLPAIR_PACKET)
             } else if bytes <= PACKET_THRESHOLD.min(limits.packet_max_bytes) {
                 Some(ALLREDUCE_PACKET)
-            } else if bytes >= COPY_ENGINE_THRESHOLD && ctx.world_size == 2 {
-                // Measured best on 2 ranks only: on 4xH200 it took 1.4x NCCL's time at 1 GiB,
-                // where the zero-copy kernel stays close to NCCL.
+            } else if copy_engine_threshold(ctx.world_size).is_some_and(|t| bytes >= t) {
                 Some(ALLREDUCE_COPY_ENGINE)
             } else {
                 // Registration of unregistered buffers is host-only and cached per buffer, so the
@@ -411,7 +415,8 @@ mod tests {
     #[case(Collective::AllReduce, (1 << 20) + 2, 2, ALLREDUCE_RSAG_ZERO_COPY)]
     #[case(Collective::AllReduce, 1 << 30, 2, ALLREDUCE_COPY_ENGINE)]
     #[case(Collective::AllReduce, 1 << 30, 4, ALLREDUCE_RSAG_ZERO_COPY)]
-    #[case(Collective::AllReduce, (512 << 20) - 2, 2, ALLREDUCE_RSAG_ZERO_COPY)]
+    #[case(Collective::AllReduce, 64 << 20, 2, ALLREDUCE_COPY_ENGINE)]
+    #[case(Collective::AllReduce, (64 << 20) - 2, 2, ALLREDUCE_RSAG_ZERO_COPY)]
     #[case(Collective::AllReduce, 16 << 10, 8, ALLREDUCE_ALLPAIR_PACKET)]
     #[case(Collective::AllReduce, 256 << 10, 8, ALLREDUCE_PACKET)]
     #[case(Collective::AllReduce, 128 << 10, 4, ALLREDUCE_ALLPAIR_PACKET)]
