@@ -65,15 +65,20 @@ pub fn allpair_max_bytes(scratch_bytes: usize, nranks: usize) -> usize {
     allpair_slot_bytes(scratch_bytes, nranks) / PACKET_BYTES * PACKET_PAYLOAD
 }
 
-/// Scratch layout of the two-phase packet all-reduce: 2 parity halves x 2 phases x `nranks` slots.
+/// Bytes of an LL128 line (packet.cuh) and the payload it carries.
+pub const LL128_LINE_BYTES: usize = 128;
+pub const LL128_PAYLOAD: usize = 120;
+
+/// Scratch layout of the two-phase packet all-reduce: 2 parity halves x 2 phases x `nranks` slots
+/// of whole LL128 lines (every line 128-byte aligned: the scratch and the slots are).
 pub fn packet_slot_bytes(scratch_bytes: usize, nranks: usize) -> usize {
-    slot_bytes(scratch_bytes, nranks, 4)
+    slot_bytes(scratch_bytes, nranks, 4) / LL128_LINE_BYTES * LL128_LINE_BYTES
 }
 
 /// Largest message the two-phase packet all-reduce takes: each rank's chunk of
-/// ceil(packets / nranks) packets must fit one slot.
+/// ceil(lines / nranks) lines must fit one slot.
 pub fn packet_max_bytes(scratch_bytes: usize, nranks: usize) -> usize {
-    nranks * (packet_slot_bytes(scratch_bytes, nranks) / PACKET_BYTES) * PACKET_PAYLOAD
+    nranks * (packet_slot_bytes(scratch_bytes, nranks) / LL128_LINE_BYTES) * LL128_PAYLOAD
 }
 
 /// Default blocks for the packet kernels: about one packet per thread, at most one block per SM
@@ -235,10 +240,12 @@ mod tests {
         assert_eq!(allpair_slot_bytes(8 << 20, 2), 2 << 20);
         assert_eq!(allpair_max_bytes(8 << 20, 2), 1 << 20);
         assert_eq!(packet_slot_bytes(8 << 20, 2), 1 << 20);
-        assert_eq!(packet_max_bytes(8 << 20, 2), 1 << 20);
+        assert_eq!(packet_max_bytes(8 << 20, 2), 2 * (1 << 20) / 128 * 120);
         // Slots stay whole packets whatever the scratch size.
         assert_eq!(allpair_slot_bytes(1000, 3) % PACKET_BYTES, 0);
-        assert_eq!(packet_max_bytes(1000, 3), 3 * (80 / 16) * 8);
+        assert_eq!(packet_max_bytes(1000, 3), 0);
+        assert_eq!(packet_slot_bytes(3 * 4 * 1000, 3), 896);
+        assert_eq!(packet_max_bytes(3 * 4 * 1000, 3), 3 * 7 * 120);
     }
 
     #[rstest]

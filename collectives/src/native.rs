@@ -289,9 +289,11 @@ impl NativeAlgorithm {
         let gpu = comm.gpu().clone();
         let sm = gpu.properties(comm.device())?.multiprocessors.max(1);
         let (scratch, state) = if kind.uses_scratch() {
-            // Packet kinds keep their historical minimum (a slot of 2 packets); the pipelines need
-            // one 16-byte vector per slot.
-            let min = if kind.uses_packets() {
+            // Packet kinds keep their historical minimum (a slot of 2 packets; one LL128 line for
+            // the two-phase packet all-reduce); the pipelines need one 16-byte vector per slot.
+            let min = if kind == NativeKind::AllreducePacket {
+                4 * comm.size() * geometry::LL128_LINE_BYTES
+            } else if kind.uses_packets() {
                 2 * 4 * comm.size() * geometry::PACKET_BYTES
             } else {
                 kind.scratch_regions() * comm.size() * geometry::VECTOR_BYTES
@@ -858,7 +860,8 @@ mod tests {
     #[rstest]
     // 8 MiB scratch at 2 ranks: 2 MiB slots of LL16 packets carry 1 MiB each.
     #[case(NativeKind::AllreduceAllpairPacket, 8 << 20, 2, 1 << 20)]
-    #[case(NativeKind::AllreducePacket, 8 << 20, 2, 1 << 20)]
+    // The two-phase one: [RS][AG] x 2 slots of 1 MiB, 8192 LL128 lines of 120 bytes each.
+    #[case(NativeKind::AllreducePacket, 8 << 20, 2, 2 * 8192 * 120)]
     #[case(NativeKind::AllgatherPacket, 8 << 20, 2, 1 << 20)]
     #[case(NativeKind::ReducescatterPacket, 8 << 20, 2, 2 << 20)]
     #[case(NativeKind::AllgatherPacket, 8 << 20, 8, 256 << 10)]

@@ -111,6 +111,55 @@ struct __align__(8) LL8Packet {
 static_assert(sizeof(LL16Packet) == 16, "LL16Packet must be 16 bytes");
 static_assert(sizeof(LL8Packet) == 8, "LL8Packet must be 8 bytes");
 
+// LL128 lines (CUDA, NVLink): 128 bytes = 16 words of 8 bytes; words 0..14 carry 120 payload bytes,
+// word 15 the flag. A line is written and read by 8 consecutive lanes of one warp, lane t holding
+// words 2t and 2t + 1 (lane 7: word 14 and the flag), each with one 16-byte access. What makes the
+// flag safe is the hardware's handling of such a warp-wide access: the 8 lanes' stores to one
+// 128-byte line travel as one NVLink write and the 8 lanes' loads are served as one read, so a
+// reader whose flag lane sees the new flag sees the new payload in the other 7 lanes too (the
+// property NCCL's LL128 protocol rests on, on NVLink-connected sm_70+ GPUs). Payload overhead is
+// 8/128 instead of LL16's 8/16. CUDA only: HIP documents only 8-byte single-copy atomicity.
+#if defined(MSCCLPP_CUDA)
+struct LL128 {
+  static constexpr u32 kLineBytes = 128;
+  static constexpr u32 kPayloadBytes = 120;
+  static constexpr u32 kWordsPerLine = 15;  // payload words
+  static constexpr u32 kLanesPerLine = 8;
+  static constexpr u32 kFlagLane = 7;
+
+  // Lane `t` of the line's 8 lanes stores words {a, b} at their place (lane 7: b is the flag).
+  MSCCLPP_DEVICE_INLINE static void store(void* line, u32 t, u64 a, u64 b) {
+    asm volatile("st.volatile.global.v2.u64 [%0], {%1,%2};" ::"l"(static_cast<u8*>(line) + 16 * t), "l"(a),
+                 "l"(b)
+                 : "memory");
+  }
+
+  MSCCLPP_DEVICE_INLINE static void load(const void* line, u32 t, u64& a, u64& b) {
+    asm volatile("ld.volatile.global.v2.u64 {%0,%1}, [%2];"
+                 : "=l"(a), "=l"(b)
+                 : "l"(static_cast<const u8*>(line) + 16 * t)
+                 : "memory");
+  }
+
+  // Bounded wait until every active line of the warp carries `flag`; every lane of the warp must
+  // call it together (it votes). Inactive lanes load nothing and agree. On timeout records
+  // kErrorPacketReadTimeout and returns false in every lane.
+  MSCCLPP_DEVICE_INLINE static bool read(const void* line, u32 t, bool active, u64 flag, u64& a, u64& b,
+                                         u64 max_spin, u32* error_word) {
+    return spin_until(
+        [&] {
+          bool ok = true;
+          if (active) {
+            load(line, t, a, b);
+            ok = t != kFlagLane || b == flag;
+          }
+          return __all_sync(0xffffffffu, ok) != 0;
+        },
+        max_spin, error_word, kErrorPacketReadTimeout);
+  }
+};
+#endif
+
 // Number of packets (and bytes of packet buffer) needed to carry `data_bytes`.
 template <typename Pkt>
 MSCCLPP_HOST_DEVICE_INLINE u64 packet_count(u64 data_bytes) {

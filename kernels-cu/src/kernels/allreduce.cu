@@ -4,7 +4,7 @@
 //
 // Entry points:
 //   allreduce_allpair_packet   small messages: everyone sends everything to everyone as LL16 packets
-//   allreduce_packet           two-phase (reduce-scatter + all-gather) through LL16 packets
+//   allreduce_packet           two-phase (reduce-scatter + all-gather) through LL128 lines
 //   allreduce_rsag_zero_copy   large messages on registered buffers: read peers' inputs over NVLink,
 //                              write each reduced chunk into every rank's output
 //   allreduce_rsag             reduce-scatter + all-gather staged through the scratch (unregistered
@@ -82,84 +82,116 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 }
 
 // ------------------------------------------------------------------------------------------------
-// Two-phase packet all-reduce. The message's npkt LL16 payloads are cut into nranks chunks of
-// per = ceil(npkt / nranks) payloads; rank r owns chunk r.
-//   phase 1: send chunk p of my input to peer p (its RS region, slot `rank`)
-//   phase 2: reduce my chunk from my input and the peers' RS packets, store it, send the result to
+// Two-phase packet all-reduce through LL128 lines (packet.cuh): 120 payload bytes per 128-byte line,
+// so each phase moves 1.07x its bytes where LL16 packets moved 2x. The message's 8-byte words are
+// cut into lines of 15 words; rank r owns lines [r * per, (r + 1) * per), per = ceil(lines / nranks).
+//   phase 1: send the lines of chunk p of my input to peer p (its RS region, slot `rank`)
+//   phase 2: reduce my chunk from my input and the peers' RS lines, store it, send the result to
 //            every peer (its AG region, slot `rank`)
 //   phase 3: receive every peer's reduced chunk from my AG region into my output
-// local_scratch layout: [parity half][RS, AG][nranks slots of slot_bytes]; slot_bytes >= per * 16.
-// Parity double buffering is safe for the reason given above (every call reads every peer's
-// packets of that call). In-place is safe: output chunk q is written only after peer q's result
-// arrived, and that result needs my phase-1 packets of chunk q, which read my input first.
+// Lines go 4 to a warp (8 lanes each); the loops that read are warp-uniform because a read votes
+// across the warp. local_scratch layout: [parity half][RS, AG][nranks slots of slot_bytes];
+// slot_bytes >= per * 128. Parity double buffering is safe for the reason given at
+// allreduce_allpair_packet (every call reads every peer's lines of that call). In place is safe:
+// output chunk q is written only after peer q's result arrived, and that result needs my phase-1
+// lines of chunk q, which read my input first.
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(1024, 1)
     allreduce_packet(const void* input, void* output, u64 count, PeerPtrs peer_scratch,
                      const void* local_scratch, u64 slot_bytes, u32 rank, u32 nranks, CallState* state,
                      u32* error_word, u64 max_spin) {
   wait_prior_grids();
+  typedef LL16Packet Word8;  // load_payload / store_payload of one 8-byte word
+  constexpr u32 kLinesPerWarp = 32 / LL128::kLanesPerLine;
   const u64 calls = load_call_count(state);
-  const u32 flag = call_flag(calls);
+  const u64 flag = call_flag(calls);
   const u64 region = nranks * slot_bytes;
   const u64 half = (calls & 1) * 2 * region;
   const u64 bytes = count * sizeof(CollT);
-  const u64 npkt = packet_count<Pkt>(bytes);
-  const u64 per = (npkt + nranks - 1) / nranks;
+  const u64 nwords = packet_count<Word8>(bytes);
+  const u64 nlines = (nwords + LL128::kWordsPerLine - 1) / LL128::kWordsPerLine;
+  const u64 per = (nlines + nranks - 1) / nranks;
   const u8* in = static_cast<const u8*>(input);
   u8* out = static_cast<u8*>(output);
-  const bool in_aligned = reinterpret_cast<u64>(in) % Pkt::kPayloadBytes == 0;
-  const bool out_aligned = reinterpret_cast<u64>(out) % Pkt::kPayloadBytes == 0;
+  const bool in_aligned = reinterpret_cast<u64>(in) % 8 == 0;
+  const bool out_aligned = reinterpret_cast<u64>(out) % 8 == 0;
   const u32 npeers = nranks - 1;
-  const u64 tid = global_thread_id();
-  const u64 stride = global_num_threads();
+  const u32 lane = threadIdx.x % 32;
+  const u32 t = lane % LL128::kLanesPerLine;  // my place in the line
+  const u32 sub = lane / LL128::kLanesPerLine;  // my line of the warp's 4
+  const u64 warp = global_thread_id() / 32;
+  const u64 nwarps = global_num_threads() / 32;
   const u8* scratch = static_cast<const u8*>(local_scratch) + half;
-  const u64 my_begin = min(static_cast<u64>(rank) * per, npkt);
-  const u64 my_end = min(my_begin + per, npkt);
+  const u64 my_begin = min(static_cast<u64>(rank) * per, nlines);
+  const u64 my_end = min(my_begin + per, nlines);
+  // Word k (0 or 1) of my 16 bytes of line j, or 0 past the message.
+  auto word = [&](const u8* base, bool aligned, u64 j, u32 k) -> u64 {
+    const u64 w = j * LL128::kWordsPerLine + 2 * t + k;
+    return w < nwords ? load_payload<Word8>(base, bytes, w, aligned) : 0;
+  };
+  auto put_word = [&](u64 j, u32 k, u64 v) {
+    const u64 w = j * LL128::kWordsPerLine + 2 * t + k;
+    if (w < nwords) store_payload<Word8>(out, bytes, w, v, out_aligned);
+  };
+  const bool has_second = t != LL128::kFlagLane;  // lane 7's second word is the flag
   bool ok = true;
 
-  // Phase 1: one flat loop over (peer, payload) so all threads stay busy whatever the sizes.
-  for (u64 t = tid; t < npeers * per; t += stride) {
-    const u32 p = peer_rank(static_cast<u32>(t / per), rank);
-    const u64 j = p * per + t % per;
-    if (j >= npkt) continue;
-    Pkt* dst = reinterpret_cast<Pkt*>(static_cast<u8*>(peer_scratch.p[p]) + half + rank * slot_bytes);
-    dst[j - p * per].write(load_payload<Pkt>(in, bytes, j, in_aligned), flag);
+  // Phase 1: one flat loop over (peer, line) so all warps stay busy whatever the sizes.
+  for (u64 x = warp * kLinesPerWarp + sub; x < npeers * per; x += nwarps * kLinesPerWarp) {
+    const u32 p = peer_rank(static_cast<u32>(x / per), rank);
+    const u64 j = p * per + x % per;
+    if (j >= nlines) continue;
+    u8* dst = static_cast<u8*>(peer_scratch.p[p]) + half + rank * slot_bytes + (j - p * per) * LL128::kLineBytes;
+    LL128::store(dst, t, word(in, in_aligned, j, 0), has_second ? word(in, in_aligned, j, 1) : flag);
   }
-  // Phase 2.
-  for (u64 j = my_begin + tid; j < my_end && ok; j += stride) {
-    VecAccumulator<CollT, CollAcc, kCollOp, u64> acc;
+  // Phase 2 (warp-uniform loop: the reads vote).
+  for (u64 base = my_begin + warp * kLinesPerWarp; ok && base < my_end; base += nwarps * kLinesPerWarp) {
+    const u64 j = base + sub;
+    const bool active = j < my_end;
+    const u64 at = (j - my_begin) * LL128::kLineBytes;
+    VecAccumulator<CollT, CollAcc, kCollOp, u64> acc0, acc1;
     for (u32 s = 0; s < nranks && ok; ++s) {
-      u64 v;
+      u64 a = 0, b = 0;
       if (s == rank) {
-        v = load_payload<Pkt>(in, bytes, j, in_aligned);
+        if (active) {
+          a = word(in, in_aligned, j, 0);
+          b = has_second ? word(in, in_aligned, j, 1) : 0;
+        }
       } else {
-        ok = reinterpret_cast<const Pkt*>(scratch + s * slot_bytes)[j - my_begin].read(flag, v, max_spin,
-                                                                                         error_word);
+        ok = LL128::read(scratch + s * slot_bytes + at, t, active, flag, a, b, max_spin, error_word);
       }
       if (s == 0) {
-        acc.init(v);
+        acc0.init(a);
+        acc1.init(b);
       } else {
-        acc.add(v);
+        acc0.add(a);
+        acc1.add(b);
       }
     }
-    if (!ok) break;
-    const u64 r = acc.finish(nranks);
+    if (!ok || !active) continue;
+    const u64 r0 = acc0.finish(nranks);
+    const u64 r1 = acc1.finish(nranks);
     for (u32 i = 0; i < npeers; ++i) {
-      Pkt* dst = reinterpret_cast<Pkt*>(static_cast<u8*>(peer_scratch.p[peer_rank(i, rank)]) + half +
-                                        region + rank * slot_bytes);
-      dst[j - my_begin].write(r, flag);
+      u8* dst = static_cast<u8*>(peer_scratch.p[peer_rank(i, rank)]) + half + region + rank * slot_bytes + at;
+      LL128::store(dst, t, r0, has_second ? r1 : flag);
     }
-    store_payload<Pkt>(out, bytes, j, r, out_aligned);
+    put_word(j, 0, r0);
+    if (has_second) put_word(j, 1, r1);
   }
   // Phase 3 (skipped after a timeout: the error word already says why the call failed).
-  for (u64 t = tid; ok && t < npeers * per; t += stride) {
-    const u32 q = peer_rank(static_cast<u32>(t / per), rank);
-    const u64 k = t % per;
+  for (u64 base = warp * kLinesPerWarp; ok && base < npeers * per; base += nwarps * kLinesPerWarp) {
+    const u64 x = base + sub;
+    const u32 q = peer_rank(static_cast<u32>(min(x, npeers * per - 1) / per), rank);
+    const u64 k = x % per;
     const u64 j = q * per + k;
-    if (j >= npkt) continue;
-    u64 v;
-    ok = reinterpret_cast<const Pkt*>(scratch + region + q * slot_bytes)[k].read(flag, v, max_spin, error_word);
-    if (ok) store_payload<Pkt>(out, bytes, j, v, out_aligned);
+    const bool active = x < npeers * per && j < nlines;
+    u64 a = 0, b = 0;
+    ok = LL128::read(scratch + region + q * slot_bytes + k * LL128::kLineBytes, t, active, flag, a, b, max_spin,
+                     error_word);
+    if (ok && active) {
+      put_word(j, 0, a);
+      if (has_second) put_word(j, 1, b);
+    }
   }
   finish_call(state, calls);
 }
