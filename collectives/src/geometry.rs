@@ -81,6 +81,17 @@ pub fn packet_max_bytes(scratch_bytes: usize, nranks: usize) -> usize {
     nranks * (packet_slot_bytes(scratch_bytes, nranks) / LL128_LINE_BYTES) * LL128_PAYLOAD
 }
 
+/// Scratch layout of the packet all-gather and reduce-scatter: 2 parity halves x `nranks` slots of
+/// whole LL128 lines.
+pub fn line_slot_bytes(scratch_bytes: usize, nranks: usize) -> usize {
+    slot_bytes(scratch_bytes, nranks, 2) / LL128_LINE_BYTES * LL128_LINE_BYTES
+}
+
+/// Payload bytes one slot of [`line_slot_bytes`] carries.
+pub fn line_slot_payload(scratch_bytes: usize, nranks: usize) -> usize {
+    line_slot_bytes(scratch_bytes, nranks) / LL128_LINE_BYTES * LL128_PAYLOAD
+}
+
 /// Default blocks for the packet kernels: about one packet per thread, at most one block per SM
 /// (latency matters more than bandwidth at these sizes).
 pub fn packet_blocks(bytes: usize, threads: u32, sm: u32) -> u32 {
@@ -246,6 +257,9 @@ mod tests {
         assert_eq!(packet_max_bytes(1000, 3), 0);
         assert_eq!(packet_slot_bytes(3 * 4 * 1000, 3), 896);
         assert_eq!(packet_max_bytes(3 * 4 * 1000, 3), 3 * 7 * 120);
+        assert_eq!(line_slot_bytes(8 << 20, 2), 2 << 20);
+        assert_eq!(line_slot_payload(8 << 20, 2), (2 << 20) / 128 * 120);
+        assert_eq!(line_slot_bytes(3 * 2 * 1000, 3) % LL128_LINE_BYTES, 0);
     }
 
     #[rstest]

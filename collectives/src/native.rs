@@ -289,10 +289,15 @@ impl NativeAlgorithm {
         let gpu = comm.gpu().clone();
         let sm = gpu.properties(comm.device())?.multiprocessors.max(1);
         let (scratch, state) = if kind.uses_scratch() {
-            // Packet kinds keep their historical minimum (a slot of 2 packets; one LL128 line for
-            // the two-phase packet all-reduce); the pipelines need one 16-byte vector per slot.
+            // A slot of one LL128 line (two-phase all-reduce, all-gather, reduce-scatter) or of two
+            // LL16 packets (all-pair); the pipelines need one 16-byte vector per slot.
             let min = if kind == NativeKind::AllreducePacket {
                 4 * comm.size() * geometry::LL128_LINE_BYTES
+            } else if matches!(
+                kind,
+                NativeKind::AllgatherPacket | NativeKind::ReducescatterPacket
+            ) {
+                2 * comm.size() * geometry::LL128_LINE_BYTES
             } else if kind.uses_packets() {
                 2 * 4 * comm.size() * geometry::PACKET_BYTES
             } else {
@@ -357,6 +362,9 @@ impl NativeAlgorithm {
         let n = self.comm.size();
         match self.kind {
             NativeKind::AllreducePacket => geometry::packet_slot_bytes(self.scratch_bytes, n),
+            NativeKind::AllgatherPacket | NativeKind::ReducescatterPacket => {
+                geometry::line_slot_bytes(self.scratch_bytes, n)
+            }
             // All-pair layout: 2 parity halves x one slot per sending rank.
             _ => geometry::allpair_slot_bytes(self.scratch_bytes, n),
         }
@@ -542,12 +550,11 @@ impl NativeAlgorithm {
 /// slot; the packet reduce-scatter sends one chunk (input / nranks) per slot.
 pub fn max_input_bytes(kind: NativeKind, scratch_bytes: usize, nranks: usize) -> usize {
     match kind {
-        NativeKind::AllreduceAllpairPacket | NativeKind::AllgatherPacket => {
-            geometry::allpair_max_bytes(scratch_bytes, nranks)
-        }
+        NativeKind::AllreduceAllpairPacket => geometry::allpair_max_bytes(scratch_bytes, nranks),
+        NativeKind::AllgatherPacket => geometry::line_slot_payload(scratch_bytes, nranks),
         NativeKind::AllreducePacket => geometry::packet_max_bytes(scratch_bytes, nranks),
         NativeKind::ReducescatterPacket => {
-            geometry::allpair_max_bytes(scratch_bytes, nranks).saturating_mul(nranks.max(1))
+            geometry::line_slot_payload(scratch_bytes, nranks).saturating_mul(nranks.max(1))
         }
         NativeKind::AllreduceRsag => geometry::rsag_max_bytes(scratch_bytes, nranks),
         NativeKind::AllreduceRsagZeroCopy
@@ -858,14 +865,15 @@ mod tests {
     }
 
     #[rstest]
-    // 8 MiB scratch at 2 ranks: 2 MiB slots of LL16 packets carry 1 MiB each.
+    // 8 MiB scratch at 2 ranks: the all-pair kind's 2 MiB slots of LL16 packets carry 1 MiB each.
     #[case(NativeKind::AllreduceAllpairPacket, 8 << 20, 2, 1 << 20)]
     // The two-phase one: [RS][AG] x 2 slots of 1 MiB, 8192 LL128 lines of 120 bytes each.
     #[case(NativeKind::AllreducePacket, 8 << 20, 2, 2 * 8192 * 120)]
-    #[case(NativeKind::AllgatherPacket, 8 << 20, 2, 1 << 20)]
-    #[case(NativeKind::ReducescatterPacket, 8 << 20, 2, 2 << 20)]
-    #[case(NativeKind::AllgatherPacket, 8 << 20, 8, 256 << 10)]
-    #[case(NativeKind::ReducescatterPacket, 8 << 20, 8, 2 << 20)]
+    // The gather and scatter: 2 MiB slots of 16384 lines (512 KiB slots, 4096 lines, at 8 ranks).
+    #[case(NativeKind::AllgatherPacket, 8 << 20, 2, 16384 * 120)]
+    #[case(NativeKind::ReducescatterPacket, 8 << 20, 2, 2 * 16384 * 120)]
+    #[case(NativeKind::AllgatherPacket, 8 << 20, 8, 4096 * 120)]
+    #[case(NativeKind::ReducescatterPacket, 8 << 20, 8, 8 * 4096 * 120)]
     #[case(NativeKind::AllgatherFullmesh2, 0, 8, usize::MAX)]
     #[case(NativeKind::ReducescatterZeroCopy, 0, 8, usize::MAX)]
     // Scratch-staged: rsag holds [RS][AG] x nranks slots of 2 MiB at 2 ranks; the pipelines take

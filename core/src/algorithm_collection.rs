@@ -163,7 +163,7 @@ pub mod native_names {
     pub const ALLREDUCE_PACKET: &str = "default_allreduce_packet";
     pub const ALLREDUCE_RSAG_ZERO_COPY: &str = "default_allreduce_rsag_zero_copy";
     pub const ALLGATHER_FULLMESH2: &str = "default_allgather_fullmesh2";
-    /// Ours: LL16 packets through scratch, no semaphores (MSCCL++'s scratch-based all-gather is
+    /// Ours: LL128 lines through scratch, no semaphores (MSCCL++'s scratch-based all-gather is
     /// `default_allgather_fullmesh`, a different algorithm, so the name differs).
     pub const ALLGATHER_PACKET: &str = "default_allgather_packet";
     pub const REDUCESCATTER_ZERO_COPY: &str = "default_reducescatter_zero_copy";
@@ -235,17 +235,16 @@ pub fn copy_engine_threshold(world_size: usize) -> Option<usize> {
 }
 
 /// Total bytes (the all-gather's output, the reduce-scatter's input) up to which the packet
-/// all-gather and reduce-scatter are preferred to the zero-copy ones, by world size. The zero-copy
-/// kernels pay two barrier rounds (a few microseconds); the packet kernels move twice the bytes
-/// (8 payload bytes per 16-byte packet) and every receiving thread polls. Each rank receives about
-/// 2 x total bytes whatever the world size, but more peers means more concurrent packet streams
-/// to poll and more scratch per call, so the crossover is taken lower at 5-8 ranks. Starting points
-/// from 2-rank H200 measurements (packets win at every size the old zero-copy kernels lost to NCCL,
-/// up to 512 KiB); retune with `mscclpp-bench`.
+/// all-gather and reduce-scatter are preferred to the zero-copy ones, by world size (the packet
+/// kinds' scratch capacity bounds it too). The zero-copy kernels pay two barrier rounds; the
+/// packet kernels, on LL128 lines, move 1.07x the bytes and poll. 2xH200: packets win at every size
+/// they take (2 MiB all-gather 6.39 against 9.75 µs, reduce-scatter 6.81 against 8.91 µs). More
+/// peers mean more concurrent line streams to poll per rank, so 5-8 ranks start lower until
+/// measured; retune with `mscclpp-bench`.
 pub fn packet_gather_scatter_threshold(world_size: usize) -> usize {
     match world_size {
-        0..=4 => 512 << 10,
-        _ => 256 << 10,
+        0..=4 => 2 << 20,
+        _ => 512 << 10,
     }
 }
 
@@ -426,17 +425,18 @@ mod tests {
     #[case(Collective::AllReduce, 512 << 10, 4, ALLREDUCE_PACKET)]
     #[case(Collective::AllGather, 1 << 20, 8, ALLGATHER_FULLMESH2)]
     #[case(Collective::AllGather, 1, 2, ALLGATHER_PACKET)]
-    #[case(Collective::AllGather, 256 << 10, 2, ALLGATHER_PACKET)]
-    #[case(Collective::AllGather, (256 << 10) + 1, 2, ALLGATHER_FULLMESH2)]
+    #[case(Collective::AllGather, 1 << 20, 2, ALLGATHER_PACKET)]
+    #[case(Collective::AllGather, (1 << 20) + 1, 2, ALLGATHER_FULLMESH2)]
     #[case(Collective::AllGather, 128 << 10, 4, ALLGATHER_PACKET)]
-    #[case(Collective::AllGather, 32 << 10, 8, ALLGATHER_PACKET)]
-    #[case(Collective::AllGather, (32 << 10) + 1, 8, ALLGATHER_FULLMESH2)]
-    #[case(Collective::ReduceScatter, 1 << 20, 3, REDUCESCATTER_ZERO_COPY)]
+    #[case(Collective::AllGather, 64 << 10, 8, ALLGATHER_PACKET)]
+    #[case(Collective::AllGather, (64 << 10) + 1, 8, ALLGATHER_FULLMESH2)]
+    #[case(Collective::ReduceScatter, 4 << 20, 3, REDUCESCATTER_ZERO_COPY)]
     #[case(Collective::ReduceScatter, 2, 2, REDUCESCATTER_PACKET)]
-    #[case(Collective::ReduceScatter, 512 << 10, 2, REDUCESCATTER_PACKET)]
-    #[case(Collective::ReduceScatter, (512 << 10) + 2, 2, REDUCESCATTER_ZERO_COPY)]
+    #[case(Collective::ReduceScatter, 2 << 20, 2, REDUCESCATTER_PACKET)]
+    #[case(Collective::ReduceScatter, (2 << 20) + 2, 2, REDUCESCATTER_ZERO_COPY)]
     #[case(Collective::ReduceScatter, 256 << 10, 8, REDUCESCATTER_PACKET)]
-    #[case(Collective::ReduceScatter, 512 << 10, 8, REDUCESCATTER_ZERO_COPY)]
+    #[case(Collective::ReduceScatter, 512 << 10, 8, REDUCESCATTER_PACKET)]
+    #[case(Collective::ReduceScatter, (512 << 10) + 8, 8, REDUCESCATTER_ZERO_COPY)]
     #[case(Collective::Broadcast, 1, 2, BROADCAST_ZERO_COPY)]
     fn default_policy(
         #[case] c: Collective,

@@ -111,55 +111,6 @@ struct __align__(8) LL8Packet {
 static_assert(sizeof(LL16Packet) == 16, "LL16Packet must be 16 bytes");
 static_assert(sizeof(LL8Packet) == 8, "LL8Packet must be 8 bytes");
 
-// LL128 lines (CUDA, NVLink): 128 bytes = 16 words of 8 bytes; words 0..14 carry 120 payload bytes,
-// word 15 the flag. A line is written and read by 8 consecutive lanes of one warp, lane t holding
-// words 2t and 2t + 1 (lane 7: word 14 and the flag), each with one 16-byte access. What makes the
-// flag safe is the hardware's handling of such a warp-wide access: the 8 lanes' stores to one
-// 128-byte line travel as one NVLink write and the 8 lanes' loads are served as one read, so a
-// reader whose flag lane sees the new flag sees the new payload in the other 7 lanes too (the
-// property NCCL's LL128 protocol rests on, on NVLink-connected sm_70+ GPUs). Payload overhead is
-// 8/128 instead of LL16's 8/16. CUDA only: HIP documents only 8-byte single-copy atomicity.
-#if defined(MSCCLPP_CUDA)
-struct LL128 {
-  static constexpr u32 kLineBytes = 128;
-  static constexpr u32 kPayloadBytes = 120;
-  static constexpr u32 kWordsPerLine = 15;  // payload words
-  static constexpr u32 kLanesPerLine = 8;
-  static constexpr u32 kFlagLane = 7;
-
-  // Lane `t` of the line's 8 lanes stores words {a, b} at their place (lane 7: b is the flag).
-  MSCCLPP_DEVICE_INLINE static void store(void* line, u32 t, u64 a, u64 b) {
-    asm volatile("st.volatile.global.v2.u64 [%0], {%1,%2};" ::"l"(static_cast<u8*>(line) + 16 * t), "l"(a),
-                 "l"(b)
-                 : "memory");
-  }
-
-  MSCCLPP_DEVICE_INLINE static void load(const void* line, u32 t, u64& a, u64& b) {
-    asm volatile("ld.volatile.global.v2.u64 {%0,%1}, [%2];"
-                 : "=l"(a), "=l"(b)
-                 : "l"(static_cast<const u8*>(line) + 16 * t)
-                 : "memory");
-  }
-
-  // Bounded wait until every active line of the warp carries `flag`; every lane of the warp must
-  // call it together (it votes). Inactive lanes load nothing and agree. On timeout records
-  // kErrorPacketReadTimeout and returns false in every lane.
-  MSCCLPP_DEVICE_INLINE static bool read(const void* line, u32 t, bool active, u64 flag, u64& a, u64& b,
-                                         u64 max_spin, u32* error_word) {
-    return spin_until(
-        [&] {
-          bool ok = true;
-          if (active) {
-            load(line, t, a, b);
-            ok = t != kFlagLane || b == flag;
-          }
-          return __all_sync(0xffffffffu, ok) != 0;
-        },
-        max_spin, error_word, kErrorPacketReadTimeout);
-  }
-};
-#endif
-
 // Number of packets (and bytes of packet buffer) needed to carry `data_bytes`.
 template <typename Pkt>
 MSCCLPP_HOST_DEVICE_INLINE u64 packet_count(u64 data_bytes) {
@@ -247,5 +198,95 @@ MSCCLPP_DEVICE_INLINE bool get_packets(void* dst, const Pkt* src, u64 bytes, u32
   }
   return ok;
 }
+
+// LL128 lines (CUDA, NVLink): 128 bytes = 16 words of 8 bytes; words 0..14 carry 120 payload bytes,
+// word 15 the flag. A line is written and read by 8 consecutive lanes of one warp, lane t holding
+// words 2t and 2t + 1 (lane 7: word 14 and the flag), each with one 16-byte access. What makes the
+// flag safe is the hardware's handling of such a warp-wide access: the 8 lanes' stores to one
+// 128-byte line travel as one NVLink write and the 8 lanes' loads are served as one read, so a
+// reader whose flag lane sees the new flag sees the new payload in the other 7 lanes too (the
+// property NCCL's LL128 protocol rests on, on NVLink-connected sm_70+ GPUs). Payload overhead is
+// 8/128 instead of LL16's 8/16. CUDA only: HIP documents only 8-byte single-copy atomicity.
+#if defined(MSCCLPP_CUDA)
+struct LL128 {
+  static constexpr u32 kLineBytes = 128;
+  static constexpr u32 kPayloadBytes = 120;
+  static constexpr u32 kWordsPerLine = 15;  // payload words
+  static constexpr u32 kLanesPerLine = 8;
+  static constexpr u32 kFlagLane = 7;
+
+  // Lane `t` of the line's 8 lanes stores words {a, b} at their place (lane 7: b is the flag).
+  MSCCLPP_DEVICE_INLINE static void store(void* line, u32 t, u64 a, u64 b) {
+    asm volatile("st.volatile.global.v2.u64 [%0], {%1,%2};" ::"l"(static_cast<u8*>(line) + 16 * t), "l"(a),
+                 "l"(b)
+                 : "memory");
+  }
+
+  MSCCLPP_DEVICE_INLINE static void load(const void* line, u32 t, u64& a, u64& b) {
+    asm volatile("ld.volatile.global.v2.u64 {%0,%1}, [%2];"
+                 : "=l"(a), "=l"(b)
+                 : "l"(static_cast<const u8*>(line) + 16 * t)
+                 : "memory");
+  }
+
+  // Bounded wait until every active line of the warp carries `flag`; every lane of the warp must
+  // call it together (it votes). Inactive lanes load nothing and agree. On timeout records
+  // kErrorPacketReadTimeout and returns false in every lane.
+  MSCCLPP_DEVICE_INLINE static bool read(const void* line, u32 t, bool active, u64 flag, u64& a, u64& b,
+                                         u64 max_spin, u32* error_word) {
+    return spin_until(
+        [&] {
+          bool ok = true;
+          if (active) {
+            load(line, t, a, b);
+            ok = t != kFlagLane || b == flag;
+          }
+          return __all_sync(0xffffffffu, ok) != 0;
+        },
+        max_spin, error_word, kErrorPacketReadTimeout);
+  }
+
+  // Lines that carry `bytes`.
+  MSCCLPP_DEVICE_INLINE static u64 lines(u64 bytes) { return (bytes + kPayloadBytes - 1) / kPayloadBytes; }
+
+  // Word k (0 or 1) of lane t's part of line j of a `bytes`-byte buffer; 0 past its end.
+  MSCCLPP_DEVICE_INLINE static u64 load_word(const u8* base, u64 bytes, bool aligned, u64 j, u32 t, u32 k) {
+    const u64 w = j * kWordsPerLine + 2 * t + k;
+    return w * 8 < bytes ? load_payload<LL16Packet>(base, bytes, w, aligned) : 0;
+  }
+  MSCCLPP_DEVICE_INLINE static void store_word(u8* base, u64 bytes, bool aligned, u64 j, u32 t, u32 k, u64 v) {
+    const u64 w = j * kWordsPerLine + 2 * t + k;
+    if (w * 8 < bytes) store_payload<LL16Packet>(base, bytes, w, v, aligned);
+  }
+
+  // Lane t's part of line j of `src` (a `bytes`-byte buffer) into `line`, flagged.
+  MSCCLPP_DEVICE_INLINE static void send(void* line, const u8* src, u64 bytes, bool aligned, u64 j, u32 t,
+                                         u64 flag) {
+    store(line, t, load_word(src, bytes, aligned, j, t, 0), t != kFlagLane ? load_word(src, bytes, aligned, j, t, 1) : flag);
+  }
+  // Lane t's words {a, b} of a line read, into line j of `dst` (lane 7's b is the flag, not data).
+  MSCCLPP_DEVICE_INLINE static void unpack(u8* dst, u64 bytes, bool aligned, u64 j, u32 t, u64 a, u64 b) {
+    store_word(dst, bytes, aligned, j, t, 0, a);
+    if (t != kFlagLane) store_word(dst, bytes, aligned, j, t, 1, b);
+  }
+};
+
+// Where a thread sits in the LL128 layout of a grid: lines go 4 to a warp, 8 lanes each; loops that
+// read lines step by whole warps (`first`, `stride` in lines) so every lane votes in every round.
+struct LineLanes {
+  u32 t;        // my lane within my line
+  u32 sub;      // my line among my warp's 4
+  u64 first;    // my warp's first line
+  u64 stride;   // lines the grid covers per round
+  MSCCLPP_DEVICE_INLINE LineLanes() {
+    const u32 lane = threadIdx.x % 32;
+    t = lane % LL128::kLanesPerLine;
+    sub = lane / LL128::kLanesPerLine;
+    constexpr u32 kLinesPerWarp = 32 / LL128::kLanesPerLine;
+    first = global_thread_id() / 32 * kLinesPerWarp;
+    stride = global_num_threads() / 32 * kLinesPerWarp;
+  }
+};
+#endif
 
 }  // namespace mscclpp

@@ -2,7 +2,7 @@
 // Byte-oriented: one unit serves every data type.
 //
 // Entry points:
-//   allgather_packet     small messages: every rank sends its input to every peer as LL16 packets
+//   allgather_packet     small messages: every rank sends its input to every peer in LL128 lines
 //   allgather_fullmesh2  large messages on registered outputs (zero-copy, two barriers)
 //   allgather_fullmesh   unregistered buffers: pushed through the peers' scratch in pipelined steps
 //
@@ -39,14 +39,15 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 }
 
 // ------------------------------------------------------------------------------------------------
-// Packet all-gather: no semaphores, no barriers; the packets' flags are the only synchronisation.
+// Packet all-gather through LL128 lines (packet.cuh): no semaphores, no barriers; the lines' flags
+// are the only synchronisation.
 //   peer_scratch  every rank's scratch mapped here (own entry unused)
 //   local_scratch this rank's scratch: 2 halves (call-count parity) x nranks slots of slot_bytes
-//                 (slot_bytes >= packets(bytes) * 16); rank s writes its packets into slot s of the
+//                 (slot_bytes >= lines(bytes) * 128); rank s writes its lines into slot s of the
 //                 current half of each peer.
 // Parity double buffering is enough for the reason given at allreduce_allpair_packet: a rank that
 // starts call N+2 (reusing call N's half) has finished call N+1, so it has read every peer's
-// call-N+1 packets, which each peer sends only after its call-N kernel (all its reads of half N)
+// call-N+1 lines, which each peer sends only after its call-N kernel (all its reads of half N)
 // ended.
 // In place (input == slot `rank` of output): the own slot is not copied, and no other slot overlaps
 // the input, so reading the input and writing the peers' slots never conflict.
@@ -56,45 +57,48 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
                      const void* local_scratch, u64 slot_bytes, u32 rank, u32 nranks, CallState* state,
                      u32* error_word, u64 max_spin) {
   wait_prior_grids();
-  typedef LL16Packet Pkt;
   const u64 calls = load_call_count(state);
-  const u32 flag = call_flag(calls);
+  const u64 flag = call_flag(calls);
   const u64 half = (calls & 1) * nranks * slot_bytes;
-  const u64 npkt = packet_count<Pkt>(bytes);
+  const u64 nlines = LL128::lines(bytes);
   const u8* in = static_cast<const u8*>(input);
   u8* out = static_cast<u8*>(output);
   u8* own = out + static_cast<u64>(rank) * bytes;
   const bool copy_own = own != in;
-  const bool in_aligned = reinterpret_cast<u64>(in) % Pkt::kPayloadBytes == 0;
-  const bool own_aligned = reinterpret_cast<u64>(own) % Pkt::kPayloadBytes == 0;
+  const bool in_aligned = reinterpret_cast<u64>(in) % 8 == 0;
+  const bool own_aligned = reinterpret_cast<u64>(own) % 8 == 0;
   const u32 npeers = nranks - 1;
-  const u64 tid = global_thread_id();
-  const u64 stride = global_num_threads();
+  const LineLanes me;
+  const u32 t = me.t;
+  const bool has_second = t != LL128::kFlagLane;
 
-  // Send: each payload is loaded once and stored to every peer (remote stores do not wait), and to
-  // the own slot of the output.
-  for (u64 j = tid; j < npkt; j += stride) {
-    const u64 v = load_payload<Pkt>(in, bytes, j, in_aligned);
+  // Send: each lane's words are loaded once and stored to every peer (remote stores do not wait),
+  // and to the own slot of the output.
+  for (u64 j = me.first + me.sub; j < nlines; j += me.stride) {
+    const u64 a = LL128::load_word(in, bytes, in_aligned, j, t, 0);
+    const u64 b = has_second ? LL128::load_word(in, bytes, in_aligned, j, t, 1) : flag;
     for (u32 i = 0; i < npeers; ++i) {
-      Pkt* dst = reinterpret_cast<Pkt*>(static_cast<u8*>(peer_scratch.p[peer_rank(i, rank)]) + half +
-                                        static_cast<u64>(rank) * slot_bytes);
-      dst[j].write(v, flag);
+      u8* dst = static_cast<u8*>(peer_scratch.p[peer_rank(i, rank)]) + half + static_cast<u64>(rank) * slot_bytes +
+                j * LL128::kLineBytes;
+      LL128::store(dst, t, a, b);
     }
-    if (copy_own) store_payload<Pkt>(own, bytes, j, v, own_aligned);
+    if (copy_own) LL128::unpack(own, bytes, own_aligned, j, t, a, b);
   }
-  // Receive: one flat loop over (peer index, payload) so every thread waits on its own packet even
-  // when the message is smaller than the grid.
+  // Receive: one warp-uniform loop over (peer index, line) (reads vote).
   const u8* scratch = static_cast<const u8*>(local_scratch) + half;
-  for (u64 t = tid; t < npeers * npkt; t += stride) {
-    const u32 i = static_cast<u32>(t / npkt);
-    const u64 j = t - i * npkt;
-    const u32 s = peer_rank(i, rank);
-    u64 v;
-    if (!reinterpret_cast<const Pkt*>(scratch + s * slot_bytes)[j].read(flag, v, max_spin, error_word)) {
-      break;  // recorded in the error word; later packets would time out too
+  const u64 total = npeers * nlines;
+  bool ok = true;
+  for (u64 base = me.first; ok && base < total; base += me.stride) {
+    const u64 x = base + me.sub;
+    const bool active = x < total;
+    const u32 s = peer_rank(static_cast<u32>(min(x, total - 1) / nlines), rank);
+    const u64 j = x % nlines;
+    u64 a = 0, b = 0;
+    ok = LL128::read(scratch + s * slot_bytes + j * LL128::kLineBytes, t, active, flag, a, b, max_spin, error_word);
+    if (ok && active) {
+      u8* dst = out + static_cast<u64>(s) * bytes;
+      LL128::unpack(dst, bytes, reinterpret_cast<u64>(dst) % 8 == 0, j, t, a, b);
     }
-    u8* dst = out + static_cast<u64>(s) * bytes;
-    store_payload<Pkt>(dst, bytes, j, v, reinterpret_cast<u64>(dst) % Pkt::kPayloadBytes == 0);
   }
   finish_call(state, calls);
 }

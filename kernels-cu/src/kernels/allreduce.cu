@@ -89,7 +89,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 //   phase 2: reduce my chunk from my input and the peers' RS lines, store it, send the result to
 //            every peer (its AG region, slot `rank`)
 //   phase 3: receive every peer's reduced chunk from my AG region into my output
-// Lines go 4 to a warp (8 lanes each); the loops that read are warp-uniform because a read votes
+// Lines go 4 to a warp (LineLanes); the loops that read are warp-uniform because a read votes
 // across the warp. local_scratch layout: [parity half][RS, AG][nranks slots of slot_bytes];
 // slot_bytes >= per * 128. Parity double buffering is safe for the reason given at
 // allreduce_allpair_packet (every call reads every peer's lines of that call). In place is safe:
@@ -101,52 +101,37 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
                      const void* local_scratch, u64 slot_bytes, u32 rank, u32 nranks, CallState* state,
                      u32* error_word, u64 max_spin) {
   wait_prior_grids();
-  typedef LL16Packet Word8;  // load_payload / store_payload of one 8-byte word
-  constexpr u32 kLinesPerWarp = 32 / LL128::kLanesPerLine;
   const u64 calls = load_call_count(state);
   const u64 flag = call_flag(calls);
   const u64 region = nranks * slot_bytes;
   const u64 half = (calls & 1) * 2 * region;
   const u64 bytes = count * sizeof(CollT);
-  const u64 nwords = packet_count<Word8>(bytes);
-  const u64 nlines = (nwords + LL128::kWordsPerLine - 1) / LL128::kWordsPerLine;
+  const u64 nlines = LL128::lines(bytes);
   const u64 per = (nlines + nranks - 1) / nranks;
   const u8* in = static_cast<const u8*>(input);
   u8* out = static_cast<u8*>(output);
   const bool in_aligned = reinterpret_cast<u64>(in) % 8 == 0;
   const bool out_aligned = reinterpret_cast<u64>(out) % 8 == 0;
   const u32 npeers = nranks - 1;
-  const u32 lane = threadIdx.x % 32;
-  const u32 t = lane % LL128::kLanesPerLine;  // my place in the line
-  const u32 sub = lane / LL128::kLanesPerLine;  // my line of the warp's 4
-  const u64 warp = global_thread_id() / 32;
-  const u64 nwarps = global_num_threads() / 32;
+  const LineLanes me;
+  const u32 t = me.t;
+  const bool has_second = t != LL128::kFlagLane;  // lane 7's second word is the flag
   const u8* scratch = static_cast<const u8*>(local_scratch) + half;
   const u64 my_begin = min(static_cast<u64>(rank) * per, nlines);
   const u64 my_end = min(my_begin + per, nlines);
-  // Word k (0 or 1) of my 16 bytes of line j, or 0 past the message.
-  auto word = [&](const u8* base, bool aligned, u64 j, u32 k) -> u64 {
-    const u64 w = j * LL128::kWordsPerLine + 2 * t + k;
-    return w < nwords ? load_payload<Word8>(base, bytes, w, aligned) : 0;
-  };
-  auto put_word = [&](u64 j, u32 k, u64 v) {
-    const u64 w = j * LL128::kWordsPerLine + 2 * t + k;
-    if (w < nwords) store_payload<Word8>(out, bytes, w, v, out_aligned);
-  };
-  const bool has_second = t != LL128::kFlagLane;  // lane 7's second word is the flag
   bool ok = true;
 
   // Phase 1: one flat loop over (peer, line) so all warps stay busy whatever the sizes.
-  for (u64 x = warp * kLinesPerWarp + sub; x < npeers * per; x += nwarps * kLinesPerWarp) {
+  for (u64 x = me.first + me.sub; x < npeers * per; x += me.stride) {
     const u32 p = peer_rank(static_cast<u32>(x / per), rank);
     const u64 j = p * per + x % per;
     if (j >= nlines) continue;
     u8* dst = static_cast<u8*>(peer_scratch.p[p]) + half + rank * slot_bytes + (j - p * per) * LL128::kLineBytes;
-    LL128::store(dst, t, word(in, in_aligned, j, 0), has_second ? word(in, in_aligned, j, 1) : flag);
+    LL128::send(dst, in, bytes, in_aligned, j, t, flag);
   }
   // Phase 2 (warp-uniform loop: the reads vote).
-  for (u64 base = my_begin + warp * kLinesPerWarp; ok && base < my_end; base += nwarps * kLinesPerWarp) {
-    const u64 j = base + sub;
+  for (u64 base = my_begin + me.first; ok && base < my_end; base += me.stride) {
+    const u64 j = base + me.sub;
     const bool active = j < my_end;
     const u64 at = (j - my_begin) * LL128::kLineBytes;
     VecAccumulator<CollT, CollAcc, kCollOp, u64> acc0, acc1;
@@ -154,8 +139,8 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
       u64 a = 0, b = 0;
       if (s == rank) {
         if (active) {
-          a = word(in, in_aligned, j, 0);
-          b = has_second ? word(in, in_aligned, j, 1) : 0;
+          a = LL128::load_word(in, bytes, in_aligned, j, t, 0);
+          b = has_second ? LL128::load_word(in, bytes, in_aligned, j, t, 1) : 0;
         }
       } else {
         ok = LL128::read(scratch + s * slot_bytes + at, t, active, flag, a, b, max_spin, error_word);
@@ -175,12 +160,11 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
       u8* dst = static_cast<u8*>(peer_scratch.p[peer_rank(i, rank)]) + half + region + rank * slot_bytes + at;
       LL128::store(dst, t, r0, has_second ? r1 : flag);
     }
-    put_word(j, 0, r0);
-    if (has_second) put_word(j, 1, r1);
+    LL128::unpack(out, bytes, out_aligned, j, t, r0, r1);
   }
   // Phase 3 (skipped after a timeout: the error word already says why the call failed).
-  for (u64 base = warp * kLinesPerWarp; ok && base < npeers * per; base += nwarps * kLinesPerWarp) {
-    const u64 x = base + sub;
+  for (u64 base = me.first; ok && base < npeers * per; base += me.stride) {
+    const u64 x = base + me.sub;
     const u32 q = peer_rank(static_cast<u32>(min(x, npeers * per - 1) / per), rank);
     const u64 k = x % per;
     const u64 j = q * per + k;
@@ -188,10 +172,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
     u64 a = 0, b = 0;
     ok = LL128::read(scratch + region + q * slot_bytes + k * LL128::kLineBytes, t, active, flag, a, b, max_spin,
                      error_word);
-    if (ok && active) {
-      put_word(j, 0, a);
-      if (has_second) put_word(j, 1, b);
-    }
+    if (ok && active) LL128::unpack(out, bytes, out_aligned, j, t, a, b);
   }
   finish_call(state, calls);
 }

@@ -2,7 +2,7 @@
 // The unit is built for one (T, AccT, Op) triple (#defines prepended by collectives.rs).
 //
 // Entry points:
-//   reducescatter_packet     small messages: chunk p of every input travels to rank p as LL16 packets
+//   reducescatter_packet     small messages: chunk p of every input travels to rank p in LL128 lines
 //   reducescatter_zero_copy  large messages on registered inputs (read over NVLink, two barriers)
 //
 // reducescatter_zero_copy (registered inputs): rank r reduces chunk r (count elements at element
@@ -37,72 +37,75 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 }
 
 // ------------------------------------------------------------------------------------------------
-// Packet reduce-scatter: no semaphores, no barriers; the packets' flags are the only
-// synchronisation. `count` is the per-rank output count; the input holds nranks chunks of count
-// elements and chunk p is reduced on rank p.
+// Packet reduce-scatter through LL128 lines (packet.cuh): no semaphores, no barriers; the lines'
+// flags are the only synchronisation. `count` is the per-rank output count; the input holds nranks
+// chunks of count elements and chunk p is reduced on rank p.
 //   peer_scratch  every rank's scratch mapped here (own entry unused)
 //   local_scratch this rank's scratch: 2 halves (call-count parity) x nranks slots of slot_bytes
-//                 (slot_bytes >= packets(chunk) * 16); rank s writes its chunk for me into slot s.
+//                 (slot_bytes >= lines(chunk) * 128); rank s writes its chunk for me into slot s.
 // Send: chunk p of my input -> slot `rank` of peer p. Reduce: my chunk from my input and every
-// peer's packets, in rank order, so the result is bit-identical to reducescatter_zero_copy (which
-// also combines in rank order, element by element).
+// peer's lines, in rank order, so the result is bit-identical to reducescatter_zero_copy (which
+// also combines in rank order, element by element). The reduce loop is warp-uniform (reads vote).
 // Parity double buffering is enough for the reason given at allreduce_allpair_packet (every call
-// reads every peer's packets of that call).
+// reads every peer's lines of that call).
 // In place (output == chunk `rank` of my input): the send phase reads only the other chunks, and
-// payload j of my chunk is read and then overwritten by the same thread.
+// each word of my chunk is read and then overwritten by the same lane.
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(1024, 1)
     reducescatter_packet(const void* input, void* output, u64 count, PeerPtrs peer_scratch,
                          const void* local_scratch, u64 slot_bytes, u32 rank, u32 nranks,
                          CallState* state, u32* error_word, u64 max_spin) {
   wait_prior_grids();
-  typedef LL16Packet Pkt;
   const u64 calls = load_call_count(state);
-  const u32 flag = call_flag(calls);
+  const u64 flag = call_flag(calls);
   const u64 half = (calls & 1) * nranks * slot_bytes;
   const u64 bytes = count * sizeof(CollT);  // one chunk
-  const u64 npkt = packet_count<Pkt>(bytes);
+  const u64 nlines = LL128::lines(bytes);
   const u8* in = static_cast<const u8*>(input);
   u8* out = static_cast<u8*>(output);
   const u32 npeers = nranks - 1;
-  const u64 tid = global_thread_id();
-  const u64 stride = global_num_threads();
+  const LineLanes me;
+  const u32 t = me.t;
+  const bool has_second = t != LL128::kFlagLane;
 
-  // Send: one flat loop over (peer index, payload) so all threads stay busy whatever the sizes.
-  for (u64 t = tid; t < npeers * npkt; t += stride) {
-    const u32 i = static_cast<u32>(t / npkt);
-    const u64 j = t - i * npkt;
-    const u32 p = peer_rank(i, rank);
+  // Send: one flat loop over (peer index, line) so all warps stay busy whatever the sizes.
+  for (u64 x = me.first + me.sub; x < npeers * nlines; x += me.stride) {
+    const u32 p = peer_rank(static_cast<u32>(x / nlines), rank);
+    const u64 j = x % nlines;
     const u8* src = in + static_cast<u64>(p) * bytes;
-    Pkt* dst = reinterpret_cast<Pkt*>(static_cast<u8*>(peer_scratch.p[p]) + half +
-                                      static_cast<u64>(rank) * slot_bytes);
-    dst[j].write(load_payload<Pkt>(src, bytes, j, reinterpret_cast<u64>(src) % Pkt::kPayloadBytes == 0),
-                 flag);
+    u8* dst = static_cast<u8*>(peer_scratch.p[p]) + half + static_cast<u64>(rank) * slot_bytes + j * LL128::kLineBytes;
+    LL128::send(dst, src, bytes, reinterpret_cast<u64>(src) % 8 == 0, j, t, flag);
   }
   // Reduce my chunk.
   const u8* mine = in + static_cast<u64>(rank) * bytes;
-  const bool mine_aligned = reinterpret_cast<u64>(mine) % Pkt::kPayloadBytes == 0;
-  const bool out_aligned = reinterpret_cast<u64>(out) % Pkt::kPayloadBytes == 0;
+  const bool mine_aligned = reinterpret_cast<u64>(mine) % 8 == 0;
+  const bool out_aligned = reinterpret_cast<u64>(out) % 8 == 0;
   const u8* scratch = static_cast<const u8*>(local_scratch) + half;
   bool ok = true;
-  for (u64 j = tid; j < npkt && ok; j += stride) {
-    VecAccumulator<CollT, CollAcc, kCollOp, u64> acc;
-    for (u32 s = 0; s < nranks; ++s) {
-      u64 v;
+  for (u64 base = me.first; ok && base < nlines; base += me.stride) {
+    const u64 j = base + me.sub;
+    const bool active = j < nlines;
+    VecAccumulator<CollT, CollAcc, kCollOp, u64> acc0, acc1;
+    for (u32 s = 0; s < nranks && ok; ++s) {
+      u64 a = 0, b = 0;
       if (s == rank) {
-        v = load_payload<Pkt>(mine, bytes, j, mine_aligned);
-      } else if (!reinterpret_cast<const Pkt*>(scratch + s * slot_bytes)[j].read(flag, v, max_spin,
-                                                                                   error_word)) {
-        ok = false;  // recorded in the error word; later packets would time out too
-        break;
+        if (active) {
+          a = LL128::load_word(mine, bytes, mine_aligned, j, t, 0);
+          b = has_second ? LL128::load_word(mine, bytes, mine_aligned, j, t, 1) : 0;
+        }
+      } else {
+        ok = LL128::read(scratch + s * slot_bytes + j * LL128::kLineBytes, t, active, flag, a, b, max_spin,
+                         error_word);
       }
       if (s == 0) {
-        acc.init(v);
+        acc0.init(a);
+        acc1.init(b);
       } else {
-        acc.add(v);
+        acc0.add(a);
+        acc1.add(b);
       }
     }
-    if (ok) store_payload<Pkt>(out, bytes, j, acc.finish(nranks), out_aligned);
+    if (ok && active) LL128::unpack(out, bytes, out_aligned, j, t, acc0.finish(nranks), acc1.finish(nranks));
   }
   finish_call(state, calls);
 }
