@@ -223,13 +223,16 @@ pub fn allpair_threshold(world_size: usize) -> usize {
 pub const PACKET_THRESHOLD: usize = 1 << 20;
 
 /// Message size (bytes) from which the copy-engine all-reduce is preferred to the zero-copy
-/// kernel, by world size (`None`: never). The copy engines push more bytes per second than SM loads
-/// from a peer, but each call enqueues a few dozen copies, events and kernels, whose latency only
-/// large messages hide. 2xH200: 200.9 against 206.5 µs at 64 MiB, 121.8 against 109.1 µs at
-/// 32 MiB. Not yet measured on more ranks; retune with `mscclpp-bench`.
-pub fn copy_engine_threshold(world_size: usize) -> Option<usize> {
-    match world_size {
-        2 => Some(64 << 20),
+/// kernel, by world size and whether the call is being captured (`None`: never). The copy engines
+/// push more bytes per second than SM loads from a peer, but each call enqueues a few dozen copies,
+/// events and kernels; a graph replays them without gaps, an eager call pays the gaps again each
+/// time. 2xH200, graph: 200.9 against 206.5 µs (zero-copy) at 64 MiB, 121.8 against 109.1 µs at
+/// 32 MiB; eager: 246.5 µs at 64 MiB (NCCL 245.9), 744.8 at 256 MiB (NCCL 887.1). Not yet
+/// measured on more ranks; retune with `mscclpp-bench`.
+pub fn copy_engine_threshold(world_size: usize, capturing: bool) -> Option<usize> {
+    match (world_size, capturing) {
+        (2, true) => Some(64 << 20),
+        (2, false) => Some(256 << 20),
         _ => None,
     }
 }
@@ -311,7 +314,9 @@ fn native_choice(limits: &NativeLimits, ctx: &SelectionContext) -> Option<&'stat
                 Some(ALLREDUCE_ALLPAIR_PACKET)
             } else if bytes <= PACKET_THRESHOLD.min(limits.packet_max_bytes) {
                 Some(ALLREDUCE_PACKET)
-            } else if copy_engine_threshold(ctx.world_size).is_some_and(|t| bytes >= t) {
+            } else if copy_engine_threshold(ctx.world_size, ctx.capturing)
+                .is_some_and(|t| bytes >= t)
+            {
                 Some(ALLREDUCE_COPY_ENGINE)
             } else {
                 // Registration of unregistered buffers is host-only and cached per buffer, so the
@@ -447,6 +452,22 @@ mod tests {
         let coll = native_collection();
         let algo = coll.select(&ctx(c, bytes, world)).expect("selected");
         assert_eq!(algo.name(), want);
+    }
+
+    #[rstest]
+    #[case(64 << 20, true, ALLREDUCE_COPY_ENGINE)]
+    #[case(64 << 20, false, ALLREDUCE_RSAG_ZERO_COPY)]
+    #[case((256 << 20) - 2, false, ALLREDUCE_RSAG_ZERO_COPY)]
+    #[case(256 << 20, false, ALLREDUCE_COPY_ENGINE)]
+    fn eager_calls_take_the_copy_engine_later(
+        #[case] bytes: usize,
+        #[case] capturing: bool,
+        #[case] want: &str,
+    ) {
+        let coll = native_collection();
+        let mut c = ctx(Collective::AllReduce, bytes, 2);
+        c.capturing = capturing;
+        assert_eq!(coll.select(&c).expect("selected").name(), want);
     }
 
     #[test]
