@@ -227,7 +227,7 @@ pub const PACKET_THRESHOLD: usize = 1 << 20;
 /// push more bytes per second than SM loads from a peer, but each call enqueues a few dozen copies,
 /// events and kernels; a graph replays them without gaps, an eager call pays the gaps again each
 /// time. 2xH200, graph: 200.9 against 206.5 µs (zero-copy) at 64 MiB, 121.8 against 109.1 µs at
-/// 32 MiB; eager: 246.5 µs at 64 MiB (NCCL 245.9), 744.8 at 256 MiB (NCCL 887.1). Not yet
+/// 32 MiB; eager: 244.7 against 210.4 µs at 64 MiB, 402.0 against 405.0 at 128 MiB. Not yet
 /// measured on more ranks; retune with `mscclpp-bench`.
 pub fn copy_engine_threshold(world_size: usize, capturing: bool) -> Option<usize> {
     match (world_size, capturing) {
