@@ -29,8 +29,10 @@ use mscclpp_core::Result;
 use mscclpp_kernels_cu::collectives::MAX_RANKS;
 use std::sync::Arc;
 
-/// Default per-rank scratch of each packet algorithm: at 2 ranks, 1 MiB messages for both
-/// all-reduces and the all-gather's input, 2 MiB for the reduce-scatter's input.
+/// Default per-rank scratch of each packet algorithm (the two-phase packet all-reduce takes
+/// `native::PACKET_SCRATCH_SCALE` times as much). Capacities, whatever the world size: 1 MiB for
+/// the all-pair all-reduce at 2 ranks (less with more), 7.5 MiB for the two-phase all-reduce,
+/// 1.875 MiB x 2 / nranks of all-gather input, 3.75 MiB of reduce-scatter input.
 pub const DEFAULT_SCRATCH_BYTES: usize = 8 << 20;
 
 /// Collective: builds every native algorithm for `comm` (each packet algorithm gets its own

@@ -218,9 +218,16 @@ pub fn allpair_threshold(world_size: usize) -> usize {
     }
 }
 
-/// Message size (bytes) up to which packets beat the zero-copy kernel (whose two barrier rounds
-/// cost a few microseconds).
-pub const PACKET_THRESHOLD: usize = 1 << 20;
+/// Message size (bytes) up to which the two-phase packet all-reduce (LL128 lines) beats the
+/// zero-copy kernel, whose two barrier rounds cost a few microseconds, by world size. 2xH200, bf16:
+/// 10.86 against 13.61 µs at 2 MiB, 18.26 against 20.19 µs at 4 MiB. Other world sizes keep the
+/// 1 MiB measured with LL16 packets until measured; retune with `mscclpp-bench`.
+pub fn packet_threshold(world_size: usize) -> usize {
+    match world_size {
+        2 => 4 << 20,
+        _ => 1 << 20,
+    }
+}
 
 /// Message size (bytes) from which the copy-engine all-reduce is preferred to the zero-copy
 /// kernel, by world size and whether the call is being captured (`None`: never). The copy engines
@@ -312,7 +319,7 @@ fn native_choice(limits: &NativeLimits, ctx: &SelectionContext) -> Option<&'stat
                 <= allpair_threshold(ctx.world_size).min(limits.allpair_packet_max_bytes)
             {
                 Some(ALLREDUCE_ALLPAIR_PACKET)
-            } else if bytes <= PACKET_THRESHOLD.min(limits.packet_max_bytes) {
+            } else if bytes <= packet_threshold(ctx.world_size).min(limits.packet_max_bytes) {
                 Some(ALLREDUCE_PACKET)
             } else if copy_engine_threshold(ctx.world_size, ctx.capturing)
                 .is_some_and(|t| bytes >= t)
@@ -418,8 +425,10 @@ mod tests {
     #[case(Collective::AllReduce, 1024, 2, ALLREDUCE_ALLPAIR_PACKET)]
     #[case(Collective::AllReduce, 256 << 10, 2, ALLREDUCE_ALLPAIR_PACKET)]
     #[case(Collective::AllReduce, (256 << 10) + 2, 2, ALLREDUCE_PACKET)]
-    #[case(Collective::AllReduce, 1 << 20, 2, ALLREDUCE_PACKET)]
-    #[case(Collective::AllReduce, (1 << 20) + 2, 2, ALLREDUCE_RSAG_ZERO_COPY)]
+    #[case(Collective::AllReduce, 4 << 20, 2, ALLREDUCE_PACKET)]
+    #[case(Collective::AllReduce, (4 << 20) + 2, 2, ALLREDUCE_RSAG_ZERO_COPY)]
+    #[case(Collective::AllReduce, 1 << 20, 4, ALLREDUCE_PACKET)]
+    #[case(Collective::AllReduce, (1 << 20) + 2, 4, ALLREDUCE_RSAG_ZERO_COPY)]
     #[case(Collective::AllReduce, 1 << 30, 2, ALLREDUCE_COPY_ENGINE)]
     #[case(Collective::AllReduce, 1 << 30, 4, ALLREDUCE_RSAG_ZERO_COPY)]
     #[case(Collective::AllReduce, 64 << 20, 2, ALLREDUCE_COPY_ENGINE)]
