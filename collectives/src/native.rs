@@ -517,13 +517,14 @@ impl NativeAlgorithm {
                 .rank_ptrs(&self.comm, args.output, args.input_bytes)?
         };
         let (n, rank) = (self.comm.size(), self.comm.rank());
-        let piece_vectors = crate::copy_engine::slot_bytes(n) / geometry::VECTOR_BYTES;
+        // The reduction's grid is sized for the largest piece (a whole slot), whatever this call's.
+        let slot_vectors = crate::copy_engine::slot_bytes(n) / geometry::VECTOR_BYTES;
         let threads = args.nthreads.unwrap_or(DEFAULT_THREADS);
         let max_blocks = resident_blocks(self.sm, threads);
         let reduce_config = geometry::launch_config(
             args.nblocks,
             args.nthreads,
-            (piece_vectors as u32).div_ceil(threads).min(self.sm),
+            (slot_vectors as u32).div_ceil(threads).min(self.sm),
             DEFAULT_THREADS,
             max_blocks,
         )?;
