@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the GPU suite and the benchmark on the device machine (from the repository root there).
-# Usage: [NGPU=k] bash .gpu/gpu-run.sh [suite|bench|all] [extra args for the binary]
+# Usage: [NGPU=k] [NRANKS=n] [MPS=1] bash .gpu/gpu-run.sh [suite|bench|all] [extra args for the binary]
 # Writes logs into $OUT (or ./gpu-out when $OUT is unset).
 set -uo pipefail
 # SAFETY: NVLink multicast can take shared GPUs out of service; it stays off for us and for NCCL.
@@ -12,12 +12,28 @@ what="${1:-all}"; shift || true
 # NGPU=k runs k ranks on the first k GPUs (a 2-rank run on a bigger machine, say).
 ngpu="${NGPU:-$(nvidia-smi -L | wc -l)}"
 if [ -n "${NGPU:-}" ]; then export CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((NGPU - 1)))"; fi
-echo "device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n 1) x $ngpu"
+# NRANKS=n runs n ranks (default: one per GPU). More ranks than GPUs share them, which checks the
+# suite's results at a world size the machine lacks GPUs for (NCCL refuses shared GPUs, so the
+# benchmark does not run that way). MPS=1 starts an MPS server first so the sharing ranks' kernels
+# run side by side instead of time-slicing; it goes away with the machine. Every native kernel needs
+# its whole grid resident while it waits for its peers, so each sharing rank is held to its share of
+# the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, which the SM count the rank reads reflects).
+nranks="${NRANKS:-$ngpu}"
+echo "device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n 1) x $ngpu, $nranks ranks"
+if [ "${MPS:-0}" = 1 ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if [ "$nranks" -gt "$ngpu" ]; then
+    export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 * ngpu / nranks))
+  fi
+  nvidia-cuda-mps-control -d && echo "MPS server started (active thread percentage ${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE:-100})"
+  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+fi
 nvidia-smi topo -m 2>/dev/null | head -n 4
 # NCCL for the same-run baseline: PyTorch's copy.
 nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(nvidia.nccl.__path__[0], "lib", "libnccl.so.2"))' 2>/dev/null)
 [ -n "$nccl" ] && export MSCCLPP_NCCL_LIB_PATH="$nccl"
-launch() { torchrun --no-python --nproc_per_node="$ngpu" --master_port="${PORT:-29511}" "$@"; }
+launch() { torchrun --no-python --nproc_per_node="$nranks" --master_port="${PORT:-29511}" "$@"; }
 rc=0
 if [ "$what" = suite ] || [ "$what" = all ]; then
   launch .gpu/bin/mscclpp-gpu-suite "$@" 2>&1 | tee "$out/suite.log"; rc=$((rc | PIPESTATUS[0]))

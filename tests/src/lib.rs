@@ -46,12 +46,21 @@ pub struct RankContext {
     pub gpu: Arc<dyn Gpu>,
     pub bootstrap: Arc<dyn Bootstrap>,
     pub comm: Arc<Communicator>,
-    pub local_rank: usize,
+    /// The GPU this rank runs on: `LOCAL_RANK` modulo the GPUs visible.
+    pub device: usize,
+    /// More ranks run on this host than it has GPUs, so some share one (see
+    /// [`RankContext::from_launcher`]): results are checked as usual, timing targets are not.
+    pub shares_gpu: bool,
 }
 
 impl RankContext {
-    /// Joins the job described by the launcher variables, on GPU `LOCAL_RANK`. Returns `Ok(None)`
-    /// with the reason printed when there is no GPU to run on.
+    /// Joins the job described by the launcher variables, on GPU `LOCAL_RANK` modulo the GPUs
+    /// visible. Returns `Ok(None)` with the reason printed when there is no GPU to run on.
+    ///
+    /// Ranks beyond the GPU count share GPUs: their kernels time-slice the GPU (or run side by
+    /// side under MPS), so a machine with fewer GPUs checks the results of a larger world size
+    /// (8 ranks' scratch layouts, peer loops and signal counts on one GPU). Timings of such a run
+    /// mean nothing; timed checks report without judging.
     pub fn from_launcher() -> Result<Option<RankContext>> {
         let env = Env::get()?;
         mscclpp::core::log::init_logging(env)?;
@@ -63,7 +72,8 @@ impl RankContext {
             }
             Err(e) => return Err(e),
         };
-        if gpu.device_count()? == 0 {
+        let gpus = gpu.device_count()?;
+        if gpus == 0 {
             eprintln!("SKIP: the {} backend sees no GPU", gpu.backend_name());
             return Ok(None);
         }
@@ -74,19 +84,24 @@ impl RankContext {
                     .into(),
             )
         })?;
-        let local_rank = launcher.local_rank;
+        let device = launcher.local_rank % gpus;
+        let shares_gpu = launcher.local_size.unwrap_or(launcher.local_rank + 1) > gpus;
+        if shares_gpu && launcher.local_rank == 0 {
+            eprintln!(
+                "NOTE: {} ranks on this host share {gpus} GPU(s): results are checked, timings \
+                 are not judged",
+                launcher.local_size.unwrap_or(launcher.local_rank + 1)
+            );
+        }
         let bootstrap: Arc<dyn Bootstrap> = Arc::new(TcpBootstrap::from_env(env)?);
-        let comm = Arc::new(Communicator::new(
-            bootstrap.clone(),
-            gpu.clone(),
-            local_rank,
-        )?);
+        let comm = Arc::new(Communicator::new(bootstrap.clone(), gpu.clone(), device)?);
         Ok(Some(RankContext {
             env,
             gpu,
             bootstrap,
             comm,
-            local_rank,
+            device,
+            shares_gpu,
         }))
     }
 

@@ -24,6 +24,8 @@
 //!    pair of buffers (what `cudaMemcpyPeer` does between IPC-mapped buffers), best of 5 each.
 //!    Target: >= 95% of the copy; a miss is a FAIL naming the numbers.
 //! 5. Clean proxy shutdown: every trigger handled, no proxy error.
+//!
+//! The two targets are not judged when ranks share a GPU (`RankContext::shares_gpu`).
 
 use crate::{seed, DeviceBuffer, KernelArgs, RankContext, SplitMix64};
 use mscclpp::core::communicator::RegisteredMemory;
@@ -268,7 +270,7 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
 /// service's proxy starts so the two proxies do not compete for a core.
 fn setup(ctx: &RankContext) -> Result<Option<(Pair<'_>, Result<String>)>> {
     let gpu = ctx.gpu.clone();
-    gpu.set_device(ctx.local_rank)?;
+    gpu.set_device(ctx.device)?;
     let run_seed = {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -306,7 +308,7 @@ fn setup(ctx: &RankContext) -> Result<Option<(Pair<'_>, Result<String>)>> {
     let mut service = PortChannelService::new(&ctx.comm, config)?;
     let dst_id = service.add_memory(&mems[peer])?;
     let src_id = service.add_memory(&local_src)?;
-    let conn = Arc::new(CudaIpcTransport::new(gpu.clone(), ctx.local_rank, peer)?);
+    let conn = Arc::new(CudaIpcTransport::new(gpu.clone(), ctx.device, peer)?);
     let sem = service.add_semaphore(&ctx.comm, conn)?;
     let chan = service.port_channel(sem, dst_id, src_id)?;
     service.start()?;
@@ -356,7 +358,7 @@ fn trigger_overhead(
         describe(&submit),
         describe(&noop.first)
     );
-    if us(copy.first.p50) > TRIGGER_TARGET_US {
+    if us(copy.first.p50) > TRIGGER_TARGET_US && !ctx.shares_gpu {
         return Err(Error::Internal(format!("target missed: {line}")));
     }
     Ok(line)
@@ -629,7 +631,7 @@ fn bandwidth(p: &Pair) -> Result<String> {
             100.0 * ratio,
             100.0 * BANDWIDTH_TARGET
         );
-        if ratio < BANDWIDTH_TARGET {
+        if ratio < BANDWIDTH_TARGET && !p.ctx.shares_gpu {
             line = format!("target missed: {line}");
         }
     } else {
