@@ -13,6 +13,9 @@
 //! - A [`PortChannelService`] with, per peer in rank order, one CudaIpc connection, one semaphore
 //!   and one channel (dst = the peer's scratch, src = the staging buffer); then the proxy starts.
 //!
+//! Refuses to start under `CUDA_DEVICE_MAX_CONNECTIONS=1`, where its exchange kernel would wait for
+//! copies queued behind it ([`shared_queue_hazard`]).
+//!
 //! # One call (`execute` enqueues only; legal during CUDA-graph capture)
 //! Messages larger than `max_bytes` run as consecutive all-reduces of segments that fit the slots
 //! ([`segment_bytes`]). Per segment: copy input -> staging; `port_allreduce_exchange` (one warp: put with signal into slot `rank` of
@@ -26,8 +29,9 @@ use crate::resources::{param_ptr, DeviceBuffer, SharedScratch};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::communicator::Communicator;
 use mscclpp_core::device::PortChannelHandle;
+use mscclpp_core::env::Env;
 use mscclpp_core::gpu::{DevicePtr, Function, LaunchConfig};
-use mscclpp_core::port_channel::{PortChannelConfig, PortChannelService};
+use mscclpp_core::port_channel::{shared_queue_hazard, PortChannelConfig, PortChannelService};
 use mscclpp_core::proxy::ProxyStats;
 use mscclpp_core::transport::{CudaIpcTransport, MemoryRegion, Transport};
 use mscclpp_core::{Error, Result};
@@ -206,6 +210,10 @@ impl PortAllreduce {
         max_bytes: usize,
         config: PortChannelConfig,
     ) -> Result<PortAllreduce> {
+        // Its exchange flushes and waits in one kernel: on one hardware queue that hangs.
+        if let Some(hazard) = shared_queue_hazard(Env::get()?) {
+            return Err(Error::Unsupported(format!("{NAME}: {hazard}")));
+        }
         let (rank, nranks) = (comm.rank(), comm.size());
         let layout = ScratchLayout::new(nranks, max_bytes)?;
         let gpu = comm.gpu().clone();

@@ -45,6 +45,7 @@
 //! | `MSCCLPP_PROGRAMMATIC_LAUNCH` | `programmatic_launch` | bool; native collective kernels may launch while the stream's previous kernel finishes (CUDA programmatic dependent launch, sm_90+) | true |
 //! | `MSCCLPP_EAGER_GRAPH_LAUNCH` | `eager_graph_launch` | bool; outside stream capture, native collective kernels launch through a cached one-kernel CUDA graph, whose launch costs the calling thread about half of cuLaunchKernel's (the programmatic overlap does not apply then) | true |
 //! | `NCCL_NVLS_ENABLE` | `nccl_nvls_enable` | bool; `0` also disables NVLS here | unset |
+//! | `CUDA_DEVICE_MAX_CONNECTIONS` | `cuda_device_max_connections` | CUDA's own: hardware queues the process's streams share; read to refuse PortChannel patterns that hang on one queue ([`crate::port_channel::shared_queue_hazard`]) | unset (CUDA: 8) |
 //! | `MSCCLPP_MASTER_ADDR` | `master_addr` | host name or IP | unset |
 //! | `MSCCLPP_MASTER_PORT` | `master_port` | 1-65535 | unset |
 //! | `MSCCLPP_GPU_BACKEND` | `gpu_backend` | `cuda rocm auto` | unset (= auto) |
@@ -104,6 +105,7 @@ pub const VARIABLES: &[&str] = &[
     "MSCCLPP_PROGRAMMATIC_LAUNCH",
     "MSCCLPP_EAGER_GRAPH_LAUNCH",
     "NCCL_NVLS_ENABLE",
+    "CUDA_DEVICE_MAX_CONNECTIONS",
     "MSCCLPP_MASTER_ADDR",
     "MSCCLPP_MASTER_PORT",
     "MSCCLPP_GPU_BACKEND",
@@ -416,6 +418,7 @@ pub struct Env {
     pub programmatic_launch: bool,
     pub eager_graph_launch: bool,
     pub nccl_nvls_enable: Option<bool>,
+    pub cuda_device_max_connections: Option<u32>,
     pub master_addr: Option<String>,
     pub master_port: Option<u16>,
     pub gpu_backend: Option<BackendChoice>,
@@ -898,6 +901,10 @@ impl Env {
             programmatic_launch: vars.boolean("MSCCLPP_PROGRAMMATIC_LAUNCH")?.unwrap_or(true),
             eager_graph_launch: vars.boolean("MSCCLPP_EAGER_GRAPH_LAUNCH")?.unwrap_or(true),
             nccl_nvls_enable: vars.boolean("NCCL_NVLS_ENABLE")?,
+            cuda_device_max_connections: vars.integer(
+                "CUDA_DEVICE_MAX_CONNECTIONS",
+                "a number of hardware queues (non-negative integer)",
+            )?,
             master_addr,
             master_port,
             gpu_backend: vars.parse("MSCCLPP_GPU_BACKEND")?,
@@ -1228,6 +1235,17 @@ mod tests {
     #[case(&[("NCCL_NVLS_ENABLE", "1")], false)]
     fn nvls_gate(#[case] pairs: &[(&str, &str)], #[case] allowed: bool) {
         assert_eq!(env(pairs).unwrap().nvls_allowed(), allowed);
+    }
+
+    #[test]
+    fn cuda_device_max_connections_is_read_and_checked() {
+        assert_eq!(env(&[]).unwrap().cuda_device_max_connections, None);
+        let e = env(&[("CUDA_DEVICE_MAX_CONNECTIONS", "1")]).unwrap();
+        assert_eq!(e.cuda_device_max_connections, Some(1));
+        assert_eq!(
+            err_var(&[("CUDA_DEVICE_MAX_CONNECTIONS", "many")]),
+            "CUDA_DEVICE_MAX_CONNECTIONS"
+        );
     }
 
     #[test]

@@ -27,17 +27,39 @@
 //! [`stop`](PortChannelService::stop) (or drop) when done. Tables are fixed once the proxy runs:
 //! it owns them, so lookups on its hot path take no lock. Handles stay valid until the service is
 //! dropped (the ring and counters are freed then).
+//!
+//! # One hardware queue
+//! For CudaIpc and Ethernet connections the proxy enqueues the copies and signals on CUDA streams
+//! after the kernel that asked for them is running. CUDA feeds a process's streams into
+//! `CUDA_DEVICE_MAX_CONNECTIONS` hardware queues (8 by default); at 1, as Megatron-LM sets it, that
+//! work waits behind the kernel spinning on it (a flush, or a wait for a peer that waits for this
+//! copy in turn) until the device wait times out. [`shared_queue_hazard`] says so; the service
+//! warns once per process, and `port_allreduce` refuses to start.
 
 use crate::communicator::{Communicator, RegisteredMemory};
 use crate::device::{D2DSemaphoreHandle, FifoHandle, H2DSemaphoreHandle, PortChannelHandle};
+use crate::env::Env;
 use crate::error::{Error, Result};
 use crate::fifo::{Fifo, FifoRaw, HostFifoPusher, ProxyTrigger};
 use crate::gpu::{Allocation, DevicePtr, Gpu, HostMapped, MemoryKind};
 use crate::host_semaphore::{Host2DeviceSemaphore, SemaphoreSignaller};
 use crate::proxy::{Proxy, ProxyAction, ProxyHandler, ProxyStats, TransportProxyHandler};
-use crate::transport::{MemoryRegion, Transport};
+use crate::transport::{MemoryRegion, Transport, TransportKind};
 use std::sync::Arc;
 use std::time::Duration;
+
+/// Why PortChannel kernels over CudaIpc or Ethernet connections can hang in this process, if
+/// they can (see "One hardware queue" in the module docs). Measured on H100 with 2 ranks:
+/// `port_allreduce` hung in its first call (device wait timeout) with `CUDA_DEVICE_MAX_CONNECTIONS=1`
+/// and passed all 116 checks without it.
+pub fn shared_queue_hazard(env: &Env) -> Option<String> {
+    (env.cuda_device_max_connections == Some(1)).then(|| {
+        "CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream of this process on one hardware queue, \
+         so the proxy's copies for CudaIpc and Ethernet connections wait behind the kernels that \
+         wait for them; unset it or set it above 1 (CUDA's default is 8)"
+            .to_string()
+    })
+}
 
 /// A memory registered with a [`PortChannelService`]: the id triggers carry (9 bits).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -340,6 +362,16 @@ impl PortChannelService {
         connection: Arc<dyn Transport>,
     ) -> Result<SemaphoreId> {
         let peer = connection.remote_rank();
+        if matches!(
+            connection.kind(),
+            TransportKind::CudaIpc | TransportKind::Ethernet
+        ) {
+            if let Some(hazard) = shared_queue_hazard(Env::get()?) {
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                WARNED
+                    .call_once(|| tracing::warn!(target: "mscclpp::conn", "PortChannel: {hazard}"));
+            }
+        }
         for (name, addr) in [
             ("inbound", words.inbound),
             ("expected", words.expected),
@@ -716,6 +748,21 @@ mod tests {
     use std::sync::atomic::{AtomicU64, Ordering};
 
     const T: Duration = Duration::from_secs(10);
+
+    #[rstest]
+    #[case(&[], false)]
+    #[case(&[("CUDA_DEVICE_MAX_CONNECTIONS", "1")], true)]
+    #[case(&[("CUDA_DEVICE_MAX_CONNECTIONS", "2")], false)]
+    #[case(&[("CUDA_DEVICE_MAX_CONNECTIONS", "32")], false)]
+    fn one_hardware_queue_is_a_hazard(#[case] vars: &[(&str, &str)], #[case] hazard: bool) {
+        let env = Env::from_vars(vars.iter().map(|(k, v)| (k.to_string(), v.to_string())))
+            .expect("valid environment");
+        let reason = shared_queue_hazard(&env);
+        assert_eq!(reason.is_some(), hazard, "{reason:?}");
+        if let Some(r) = reason {
+            assert!(r.contains("CUDA_DEVICE_MAX_CONNECTIONS=1"), "{r}");
+        }
+    }
 
     fn trigger(
         chan: &PortChannelHandle,
