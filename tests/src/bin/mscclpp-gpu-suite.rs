@@ -150,7 +150,7 @@ fn run() -> Result<i32> {
 
     // `--only NAME[,NAME...]` runs those sections alone (plus the kernel build checks).
     let only = only_sections();
-    let wants = |section: &str| selected(only.as_deref(), section);
+    let wants = |section: &str| is_selected(only.as_deref(), section);
     let modules = compile_modules(&mut suite);
     if let (Ok((primitives, measure)), true) = (modules, wants(PRIMITIVES)) {
         if suite.peer().is_some() {
@@ -218,7 +218,7 @@ fn only_sections() -> Option<Vec<String>> {
 }
 
 /// Whether `--only` (if given) names `section`.
-fn selected(only: Option<&[String]>, section: &str) -> bool {
+fn is_selected(only: Option<&[String]>, section: &str) -> bool {
     only.is_none() || only.is_some_and(|names| names.iter().any(|n| n == section))
 }
 
@@ -753,7 +753,7 @@ fn collectives_matrix(s: &mut Suite) {
     let quick = std::env::args().any(|a| a == "--quick");
     let kinds = NativeKind::ALL
         .into_iter()
-        .filter(|k| !quick && selected(only.as_deref(), k.name()));
+        .filter(|k| !quick && is_selected(only.as_deref(), k.name()));
     for kind in kinds {
         let Some(algo) = coll.get(kind.collective(), kind.name()) else {
             s.record(
