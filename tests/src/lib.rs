@@ -85,12 +85,12 @@ impl RankContext {
             )
         })?;
         let device = launcher.local_rank % gpus;
-        let shares_gpu = launcher.local_size.unwrap_or(launcher.local_rank + 1) > gpus;
+        let local_ranks = launcher.local_size.unwrap_or(launcher.local_rank + 1);
+        let shares_gpu = local_ranks > gpus;
         if shares_gpu && launcher.local_rank == 0 {
             eprintln!(
-                "NOTE: {} ranks on this host share {gpus} GPU(s): results are checked, timings \
-                 are not judged",
-                launcher.local_size.unwrap_or(launcher.local_rank + 1)
+                "NOTE: {local_ranks} ranks on this host share {gpus} GPU(s): results are checked, \
+                 timings are not judged"
             );
         }
         let bootstrap: Arc<dyn Bootstrap> = Arc::new(TcpBootstrap::from_env(env)?);

@@ -187,7 +187,7 @@ fn run() -> Result<i32> {
         let ok = r.is_ok();
         suite.record("precompile collective kernels", r);
         if ok {
-            collectives_matrix(&mut suite);
+            collectives_matrix(&mut suite, only.as_deref());
         }
     }
 
@@ -219,7 +219,7 @@ fn only_sections() -> Option<Vec<String>> {
 
 /// Whether `--only` (if given) names `section`.
 fn is_selected(only: Option<&[String]>, section: &str) -> bool {
-    only.is_none() || only.is_some_and(|names| names.iter().any(|n| n == section))
+    only.map_or(true, |names| names.iter().any(|n| n == section))
 }
 
 fn compile_modules(s: &mut Suite) -> Result<(Module, Module)> {
@@ -730,7 +730,7 @@ fn precompile_collectives(s: &mut Suite) -> Result<String> {
 /// Every native algorithm x data type x op x size x placement x eager/graph, checked element by
 /// element against the host reference. The full type/op matrix runs at the small sizes; large sizes
 /// run a representative subset so the suite fits in a few minutes.
-fn collectives_matrix(s: &mut Suite) {
+fn collectives_matrix(s: &mut Suite, only: Option<&[String]>) {
     use mscclpp::core::algorithm::Collective;
     use mscclpp_collectives::{testing::run_collective_check_mode, NativeKind};
     let comm = s.ctx.comm.clone();
@@ -749,11 +749,10 @@ fn collectives_matrix(s: &mut Suite) {
     let mut case = 0u64;
     // `--quick`: the host path and the two-communicator check only, not the per-algorithm matrix;
     // `--only NAME,...`: the matrices of the algorithms named there only.
-    let only = only_sections();
     let quick = std::env::args().any(|a| a == "--quick");
     let kinds = NativeKind::ALL
         .into_iter()
-        .filter(|k| !quick && is_selected(only.as_deref(), k.name()));
+        .filter(|k| !quick && is_selected(only, k.name()));
     for kind in kinds {
         let Some(algo) = coll.get(kind.collective(), kind.name()) else {
             s.record(
