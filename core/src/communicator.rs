@@ -92,6 +92,8 @@ pub struct Communicator {
     device: usize,
     host_id: String,
     error_word: HostMapped,
+    /// Why the communicator was aborted, once it was (the first reason wins).
+    abort_reason: Mutex<Option<String>>,
     slab: SyncSlab,
     /// Next free semaphore slot per peer (same on every rank because setup is collective).
     next_slot: Mutex<Vec<usize>>,
@@ -120,6 +122,7 @@ impl Communicator {
             device,
             host_id: host_identity(),
             error_word,
+            abort_reason: Mutex::new(None),
             slab: SyncSlab {
                 alloc,
                 peers: Vec::new(),
@@ -151,6 +154,46 @@ impl Communicator {
     /// Device address of the host-visible error word that device-side bounded waits write.
     pub fn error_word_device_ptr(&self) -> DevicePtr {
         self.error_word.device_ptr
+    }
+
+    fn error_word(&self) -> &AtomicU32 {
+        // SAFETY: the word is pinned host memory of at least 4 bytes, alive as long as `self`, and
+        // only ever accessed atomically (device atomics and host atomics).
+        unsafe { &*(self.error_word.host_ptr as *const AtomicU32) }
+    }
+
+    /// Aborts the communicator: records `reason` (the first one wins) and sets the error word to
+    /// [`DEVICE_ERROR_ABORTED`](crate::device::DEVICE_ERROR_ABORTED) unless an error is already
+    /// recorded. Callable from any thread, also while another thread is blocked in a call on this
+    /// communicator; never blocks.
+    pub fn abort(&self, reason: &str) {
+        if let Ok(mut r) = self.abort_reason.lock() {
+            r.get_or_insert_with(|| reason.to_string());
+        }
+        let _ = self.error_word().compare_exchange(
+            crate::device::DEVICE_ERROR_NONE,
+            crate::device::DEVICE_ERROR_ABORTED,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
+
+    /// The communicator's health, without synchronising anything (one host load): `None` while no
+    /// device wait has failed and no abort was requested, else the error that ended it.
+    pub fn async_error(&self) -> Option<Error> {
+        let code = self.error_word().load(Ordering::Acquire);
+        if code == crate::device::DEVICE_ERROR_NONE {
+            return None;
+        }
+        let reason = self.abort_reason.lock().ok().and_then(|r| r.clone());
+        Some(match reason {
+            Some(reason) => Error::Aborted(format!("rank {}: {reason}", self.rank())),
+            None => Error::DeviceTimeout(format!(
+                "rank {}: {}",
+                self.rank(),
+                crate::device::describe_device_error(code)
+            )),
+        })
     }
 
     /// Reads and clears the device error word; a non-zero code becomes `Error::DeviceTimeout`.

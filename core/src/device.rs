@@ -29,6 +29,10 @@ pub const DEVICE_ERROR_FIFO_FLUSH_TIMEOUT: u32 = 4;
 /// A PortChannel request had an offset that does not fit the 32-bit trigger field.
 pub const DEVICE_ERROR_TRIGGER_OVERFLOW: u32 = 5;
 
+/// The communicator was aborted (`Communicator::abort`, a dead peer, or a wait that timed out on
+/// another stream): kernels return at entry and every wait gives up at once.
+pub const DEVICE_ERROR_ABORTED: u32 = 6;
+
 /// Spin bound (iterations) the device uses when a handle's `max_spin` is 0.
 pub const DEFAULT_MAX_SPIN: u64 = 1 << 32;
 
@@ -45,6 +49,7 @@ pub fn describe_device_error(code: u32) -> String {
         DEVICE_ERROR_TRIGGER_OVERFLOW => {
             "a port-channel offset did not fit in a proxy trigger (code 5)".to_string()
         }
+        DEVICE_ERROR_ABORTED => "the communicator was aborted (code 6)".to_string(),
         other => format!("unknown device error code {other}"),
     }
 }

@@ -78,6 +78,11 @@ pub enum Error {
     #[error("device-side timeout in {0}")]
     DeviceTimeout(String),
 
+    /// The communicator was aborted (by `Communicator::abort`, or because a peer died or a wait
+    /// timed out); the message says why and names the rank where known.
+    #[error("communicator aborted: {0}")]
+    Aborted(String),
+
     /// An internal invariant failed; this is a bug in mscclpp-rs.
     #[error("internal error: {0}")]
     Internal(String),

@@ -15,12 +15,21 @@ constexpr u32 kErrorFifoPushTimeout = 3;
 constexpr u32 kErrorFifoFlushTimeout = 4;
 // A PortChannel request that cannot be encoded in a ProxyTrigger (offset >= 2^32).
 constexpr u32 kErrorTriggerOverflow = 5;
+// The communicator was aborted (by the host, a dead peer, or a wait that timed out elsewhere).
+constexpr u32 kErrorAborted = 6;
 
 // Records `code` unless an earlier error is already recorded. `word` may be null (no reporting).
 MSCCLPP_DEVICE_INLINE void record_error(u32* word, u32 code) {
   if (word != nullptr) {
     atomic_cas_relaxed_sys(word, kErrorNone, code);
   }
+}
+
+// True once the communicator's error word holds any error (a timed-out wait, an abort, a dead
+// peer): kernels return at entry and waits give up, so a queue of launches behind a failure drains
+// at once instead of each kernel spinning out its own timeout. `word` may be null (never aborted).
+MSCCLPP_DEVICE_INLINE bool aborted(const u32* word) {
+  return word != nullptr && atomic_load_acquire_sys(word) != kErrorNone;
 }
 
 // Bounded spin helper: calls `ready()` until it returns true or `max_spin` iterations passed; on
