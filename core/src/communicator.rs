@@ -10,10 +10,12 @@
 
 use crate::bootstrap::Bootstrap;
 use crate::device::{D2DSemaphoreHandle, MemoryChannelHandle};
+use crate::env::Env;
 use crate::error::{Error, Result};
 use crate::gpu::{
     Allocation, DevicePtr, Gpu, HostMapped, ImportedMemory, IpcMemHandle, MemoryKind,
 };
+use crate::topology::{host_identity, Topology};
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -45,6 +47,8 @@ pub struct RegisteredMemory {
     /// Where this process addresses the memory (equal to `desc.ptr` when local).
     local_ptr: DevicePtr,
     imported: Option<ImportedMemory>,
+    /// A peer's memory on another host: not mapped here (see [`RegisteredMemory::ptr`]).
+    other_host: bool,
     gpu: Arc<dyn Gpu>,
 }
 
@@ -52,9 +56,14 @@ impl RegisteredMemory {
     pub fn descriptor(&self) -> &MemoryDescriptor {
         &self.desc
     }
-    /// The address of this memory in this process.
+    /// The address of this memory in this process; for memory on another host, which cannot be
+    /// mapped here, its address in the owner's process, for network transports to name it by.
     pub fn ptr(&self) -> DevicePtr {
         self.local_ptr
+    }
+    /// A peer's memory on another host: reachable through a network transport only.
+    pub fn is_on_other_host(&self) -> bool {
+        self.other_host
     }
     pub fn size(&self) -> usize {
         self.desc.size
@@ -63,7 +72,7 @@ impl RegisteredMemory {
         self.desc.rank
     }
     pub fn is_local(&self) -> bool {
-        self.imported.is_none()
+        self.imported.is_none() && !self.other_host
     }
 }
 
@@ -91,6 +100,7 @@ pub struct Communicator {
     gpu: Arc<dyn Gpu>,
     device: usize,
     host_id: String,
+    topology: Topology,
     error_word: HostMapped,
     /// Why the communicator was aborted, once it was (the first reason wins).
     abort_reason: Mutex<Option<String>>,
@@ -99,18 +109,19 @@ pub struct Communicator {
     next_slot: Mutex<Vec<usize>>,
 }
 
-/// Identifies this host for IPC purposes: two ranks can share GPU memory only on the same host.
-fn host_identity() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    format!("{}/{}", host.trim(), boot.trim())
-}
-
 impl Communicator {
     /// Creates the communicator on `device` (collective: every rank calls it).
     pub fn new(bootstrap: Arc<dyn Bootstrap>, gpu: Arc<dyn Gpu>, device: usize) -> Result<Self> {
         gpu.set_device(device)?;
         let size = bootstrap.size();
+        // Who shares a host decides what can be mapped (MSCCLPP_HOSTID can split one machine).
+        let host_id = host_identity(Env::get()?);
+        let ids = bootstrap.all_gather(host_id.as_bytes())?;
+        let ids: Vec<String> = ids
+            .iter()
+            .map(|b| String::from_utf8_lossy(b).into_owned())
+            .collect();
+        let topology = Topology::from_host_ids(&ids)?;
         let error_word = gpu.alloc_host_mapped(std::mem::size_of::<u64>())?;
         let slab_bytes = 2 * size * SEMAPHORES_PER_PEER * std::mem::size_of::<u64>();
         let alloc = gpu.alloc(slab_bytes, MemoryKind::Plain)?;
@@ -120,7 +131,8 @@ impl Communicator {
             bootstrap,
             gpu,
             device,
-            host_id: host_identity(),
+            host_id,
+            topology,
             error_word,
             abort_reason: Mutex::new(None),
             slab: SyncSlab {
@@ -149,6 +161,16 @@ impl Communicator {
     }
     pub fn bootstrap(&self) -> &Arc<dyn Bootstrap> {
         &self.bootstrap
+    }
+    /// Which ranks share a host (from every rank's host identity at creation).
+    pub fn topology(&self) -> &Topology {
+        &self.topology
+    }
+
+    /// This rank's semaphore slab (address, bytes): the words peers' proxies signal through a
+    /// network transport, which must be able to reach them.
+    pub fn semaphore_slab(&self) -> (DevicePtr, usize) {
+        (self.slab.alloc.ptr, self.slab.alloc.size)
     }
 
     /// Device address of the host-visible error word that device-side bounded waits write.
@@ -230,6 +252,7 @@ impl Communicator {
             },
             local_ptr: ptr,
             imported: None,
+            other_host: false,
             gpu: self.gpu.clone(),
         })
     }
@@ -264,12 +287,14 @@ impl Communicator {
             local_ptr: imported.ptr,
             desc,
             imported: Some(imported),
+            other_host: false,
             gpu: self.gpu.clone(),
         })
     }
 
     /// Collective: every rank contributes `local`; returns every rank's memory indexed by rank,
-    /// peers' mapped into this process and our own at our index.
+    /// peers' on this host mapped into this process, peers' on other hosts described only, and
+    /// our own at our index.
     pub fn exchange(&self, local: RegisteredMemory) -> Result<Vec<RegisteredMemory>> {
         let bytes = serde_json::to_vec(&local.desc)
             .map_err(|e| Error::Internal(format!("serialising a memory descriptor: {e}")))?;
@@ -290,6 +315,17 @@ impl Communicator {
                     rank,
                     message: format!("sent a malformed memory descriptor: {e}"),
                 })?;
+            if desc.host_id != self.host_id {
+                // Not mappable here; network transports address it in its owner's process.
+                out.push(RegisteredMemory {
+                    local_ptr: desc.ptr,
+                    desc,
+                    imported: None,
+                    other_host: true,
+                    gpu: self.gpu.clone(),
+                });
+                continue;
+            }
             out.push(self.import(desc)?);
         }
         // Owners keep their exported handles alive; the barrier makes sure no owner moves on (and,

@@ -24,7 +24,7 @@
 //! | `MSCCLPP_CACHE_DIR` | `cache_dir` | path | `$HOME/.cache/mscclpp` (`$TMPDIR/mscclpp-cache` without `HOME`) |
 //! | `MSCCLPP_SOCKET_IFNAME` | `socket_ifname` | interface name or prefix | any |
 //! | `MSCCLPP_SOCKET_FAMILY` | `socket_family` | `AF_INET IPv4 inet`, `AF_INET6 IPv6 inet6` | any |
-//! | `MSCCLPP_HOSTID` | `host_id` | string that identifies the host | derived from the machine |
+//! | `MSCCLPP_HOSTID` | `host_id` | string naming this rank's host: ranks with equal ids map each other's memory (CudaIpc), others talk through a network transport; a different id per rank lets one machine pose as several hosts ([`crate::topology`]) | host name and boot id |
 //! | `MSCCLPP_COMM_ID` | `comm_id` | `host:port` of rank 0's bootstrap listener | unset |
 //! | `MSCCLPP_HCA_DEVICES` | `hca_devices` | comma list of HCA names (`mlx5_0,mlx5_1`) | every HCA found |
 //! | `MSCCLPP_IBV_SO` | `ibv_so` | path of `libibverbs.so` | the loader's search |

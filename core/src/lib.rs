@@ -17,6 +17,7 @@ pub mod host_semaphore;
 pub mod port_channel;
 pub mod proxy;
 pub mod switch_channel;
+pub mod topology;
 pub mod transport;
 pub mod tuner;
 

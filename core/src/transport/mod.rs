@@ -84,10 +84,14 @@ pub trait Transport: Send + Sync {
     fn flush(&self, timeout: Duration) -> Result<()>;
 }
 
+pub mod connect;
 pub mod cuda_ipc;
+pub mod device_memory;
 pub mod ethernet;
 pub mod host_memory;
+pub mod select;
 
 pub use cuda_ipc::CudaIpcTransport;
+pub use device_memory::DeviceMemoryResolver;
 pub use ethernet::{EthernetConfig, EthernetListener, EthernetTransport};
 pub use host_memory::{HostMemoryRegistry, MemoryResolver};

@@ -1,0 +1,210 @@
+//! Which ranks share a host: hosts, local ranks and ranks per host, from every rank's host identity.
+//!
+//! Two ranks are on one host when their host identities are equal. The identity is
+//! `MSCCLPP_HOSTID` when set (so one machine can pose as several hosts: traffic between its "hosts"
+//! then takes the network transports, over loopback), else the host name and boot id. Launchers'
+//! `LOCAL_RANK`/`LOCAL_WORLD_SIZE` are not used for this: they describe how the job was started,
+//! not which ranks can map each other's memory.
+//!
+//! Hosts are numbered in the order of their lowest rank; local ranks in rank order within a host.
+//! The same list of identities gives the same [`Topology`] on every rank.
+
+use crate::env::Env;
+use crate::error::{Error, Result};
+use std::fmt;
+
+/// This process's host identity: `MSCCLPP_HOSTID` when set, else `hostname/boot_id` (the boot id
+/// tells apart two machines that share a host name, and one machine across reboots).
+pub fn host_identity(env: &Env) -> String {
+    if let Some(id) = &env.host_id {
+        return id.clone();
+    }
+    let read = |path| std::fs::read_to_string(path).unwrap_or_default();
+    format!(
+        "{}/{}",
+        read("/proc/sys/kernel/hostname").trim(),
+        read("/proc/sys/kernel/random/boot_id").trim()
+    )
+}
+
+/// The hosts of a job and where each rank sits. See the module docs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Topology {
+    /// Host index of each rank.
+    host_of: Vec<usize>,
+    /// Ranks of each host, in rank order.
+    ranks_of: Vec<Vec<usize>>,
+    /// Identity of each host.
+    host_ids: Vec<String>,
+}
+
+impl Topology {
+    /// The topology of ranks whose host identities are `ids` (index = rank). An empty list, or an
+    /// empty identity, is an error naming it.
+    pub fn from_host_ids<S: AsRef<str>>(ids: &[S]) -> Result<Topology> {
+        if ids.is_empty() {
+            return Err(Error::InvalidArgument(
+                "a topology needs at least one rank".into(),
+            ));
+        }
+        let mut topo = Topology {
+            host_of: Vec::with_capacity(ids.len()),
+            ranks_of: Vec::new(),
+            host_ids: Vec::new(),
+        };
+        for (rank, id) in ids.iter().map(AsRef::as_ref).enumerate() {
+            if id.is_empty() {
+                return Err(Error::InvalidArgument(format!(
+                    "rank {rank} reported an empty host identity"
+                )));
+            }
+            let host = match topo.host_ids.iter().position(|h| h == id) {
+                Some(h) => h,
+                None => {
+                    topo.host_ids.push(id.to_string());
+                    topo.ranks_of.push(Vec::new());
+                    topo.host_ids.len() - 1
+                }
+            };
+            topo.host_of.push(host);
+            topo.ranks_of[host].push(rank);
+        }
+        Ok(topo)
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.host_of.len()
+    }
+
+    pub fn nhosts(&self) -> usize {
+        self.ranks_of.len()
+    }
+
+    /// Index of `rank`'s host (hosts numbered by their lowest rank).
+    pub fn host_index(&self, rank: usize) -> usize {
+        self.host_of[rank]
+    }
+
+    /// The identity of host `host`.
+    pub fn host_id(&self, host: usize) -> &str {
+        &self.host_ids[host]
+    }
+
+    /// `rank`'s position among the ranks of its host.
+    pub fn local_rank(&self, rank: usize) -> usize {
+        let host = &self.ranks_of[self.host_of[rank]];
+        host.iter().position(|&r| r == rank).unwrap_or(0)
+    }
+
+    /// Ranks on `rank`'s host, itself included.
+    pub fn local_size(&self, rank: usize) -> usize {
+        self.ranks_of[self.host_of[rank]].len()
+    }
+
+    /// Ranks of host `host`, in rank order.
+    pub fn ranks_on_host(&self, host: usize) -> &[usize] {
+        &self.ranks_of[host]
+    }
+
+    pub fn same_host(&self, a: usize, b: usize) -> bool {
+        self.host_of[a] == self.host_of[b]
+    }
+
+    pub fn is_single_host(&self) -> bool {
+        self.nhosts() == 1
+    }
+
+    /// Ranks per host when every host has the same number, else `None` (uneven).
+    pub fn ranks_per_host(&self) -> Option<usize> {
+        let k = self.ranks_of[0].len();
+        self.ranks_of.iter().all(|r| r.len() == k).then_some(k)
+    }
+}
+
+impl fmt::Display for Topology {
+    /// `1 host x 8 ranks`, `2 hosts x 4 ranks`, or `3 hosts, uneven: 2+1+2 ranks`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let hosts = self.nhosts();
+        let plural = if hosts == 1 { "host" } else { "hosts" };
+        match self.ranks_per_host() {
+            Some(k) => write!(
+                f,
+                "{hosts} {plural} x {k} rank{}",
+                if k == 1 { "" } else { "s" }
+            ),
+            None => {
+                let counts: Vec<String> =
+                    self.ranks_of.iter().map(|r| r.len().to_string()).collect();
+                write!(f, "{hosts} {plural}, uneven: {} ranks", counts.join("+"))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rstest::rstest;
+
+    fn env(pairs: &[(&str, &str)]) -> Env {
+        Env::from_vars(pairs.iter().map(|(k, v)| (k.to_string(), v.to_string()))).unwrap()
+    }
+
+    #[rstest]
+    #[case(&["a"; 8], 1, Some(8), "1 host x 8 ranks")]
+    #[case(&["a"], 1, Some(1), "1 host x 1 rank")]
+    #[case(&["a", "a", "b", "b"], 2, Some(2), "2 hosts x 2 ranks")]
+    #[case(&["a", "b", "a", "b"], 2, Some(2), "2 hosts x 2 ranks")]
+    #[case(&["a", "a", "a", "a", "b", "b", "b", "b"], 2, Some(4), "2 hosts x 4 ranks")]
+    #[case(&["a", "b", "c"], 3, Some(1), "3 hosts x 1 rank")]
+    #[case(&["a", "a", "b", "c", "c"], 3, None, "3 hosts, uneven: 2+1+2 ranks")]
+    #[case(&["x", "y", "y"], 2, None, "2 hosts, uneven: 1+2 ranks")]
+    fn hosts_and_ranks_per_host(
+        #[case] ids: &[&str],
+        #[case] hosts: usize,
+        #[case] per_host: Option<usize>,
+        #[case] shown: &str,
+    ) {
+        let t = Topology::from_host_ids(ids).unwrap();
+        assert_eq!(t.world_size(), ids.len());
+        assert_eq!(t.nhosts(), hosts);
+        assert_eq!(t.ranks_per_host(), per_host);
+        assert_eq!(t.is_single_host(), hosts == 1);
+        assert_eq!(t.to_string(), shown);
+    }
+
+    /// Host indices follow the lowest rank of each host; local ranks follow rank order inside it,
+    /// also when the launcher interleaves hosts.
+    #[test]
+    fn local_rank_and_host_index_mapping() {
+        let t = Topology::from_host_ids(&["n1", "n0", "n1", "n0", "n2"]).unwrap();
+        let got: Vec<(usize, usize, usize)> = (0..5)
+            .map(|r| (t.host_index(r), t.local_rank(r), t.local_size(r)))
+            .collect();
+        assert_eq!(
+            got,
+            vec![(0, 0, 2), (1, 0, 2), (0, 1, 2), (1, 1, 2), (2, 0, 1)]
+        );
+        assert_eq!(t.ranks_on_host(0), &[0, 2]);
+        assert_eq!(t.ranks_on_host(1), &[1, 3]);
+        assert_eq!(t.host_id(2), "n2");
+        assert!(t.same_host(1, 3) && !t.same_host(0, 1));
+    }
+
+    #[test]
+    fn bad_input_is_named() {
+        let empty: [&str; 0] = [];
+        let e = Topology::from_host_ids(&empty).unwrap_err();
+        assert!(e.to_string().contains("at least one rank"), "{e}");
+        let e = Topology::from_host_ids(&["a", ""]).unwrap_err();
+        assert!(e.to_string().contains("rank 1"), "{e}");
+    }
+
+    #[test]
+    fn hostid_overrides_the_machine_identity() {
+        assert_eq!(host_identity(&env(&[("MSCCLPP_HOSTID", "sim-1")])), "sim-1");
+        let machine = host_identity(&env(&[]));
+        assert!(machine.contains('/'), "{machine}");
+        assert_eq!(machine, host_identity(&env(&[])), "stable");
+    }
+}
