@@ -4,7 +4,9 @@
 //!   the copy-engine all-reduce for large messages (`copy_engine`), and, behind the NVLS gate, the four NVLS variants (`nvls`);
 //! - all-gather: packets, zero-copy fullmesh2, scratch-staged fullmesh;
 //! - reduce-scatter: packets and zero-copy; broadcast: zero-copy;
-//! - an all-reduce over PortChannels (`port_allreduce`).
+//! - an all-reduce over PortChannels (`port_allreduce`), CudaIpc on a host and Ethernet between
+//!   hosts: the default for ranks on several hosts;
+//! - at world size 1, every collective as one device copy (`single_rank`).
 //!
 //! Kernels are in `mscclpp-kernels-cu` (collectives.rs, nvls_units.rs).
 //! [`build_default_algorithms`] builds them all for a communicator, with the default selector of
@@ -16,6 +18,7 @@ pub mod native;
 pub mod nvls;
 pub mod port_allreduce;
 pub mod resources;
+pub mod single_rank;
 pub mod testing;
 pub mod tune;
 
@@ -44,6 +47,13 @@ pub fn build_default_algorithms(
     scratch_bytes: usize,
     mut builder: AlgorithmCollectionBuilder,
 ) -> Result<AlgorithmCollectionBuilder> {
+    // At world size 1 every collective is a copy (or nothing): no kernel, whatever the device.
+    if comm.size() == 1 {
+        for collective in single_rank::COLLECTIVES {
+            let algo = single_rank::SingleRank::new(collective, comm.gpu().clone())?;
+            builder.add_algorithm(Arc::new(algo))?;
+        }
+    }
     let mut limits = NativeLimits {
         allpair_packet_max_bytes: 0,
         packet_max_bytes: 0,
@@ -51,6 +61,13 @@ pub fn build_default_algorithms(
         reducescatter_packet_max_bytes: 0,
         max_ranks: MAX_RANKS,
     };
+    if !comm.topology().is_single_host() {
+        // The NVLink kernels need every peer's memory mapped here; across hosts the flat
+        // PortChannel all-reduce runs (the hierarchical algorithms are still to come).
+        add_multi_host_algorithms(comm, scratch_bytes, &mut builder)?;
+        builder.set_selector(default_native_selector(limits));
+        return Ok(builder);
+    }
     for kind in NativeKind::ALL {
         let algo = NativeAlgorithm::new(kind, comm.clone(), scratch_bytes)?;
         match kind {
@@ -72,6 +89,33 @@ pub fn build_default_algorithms(
     nvls::add_nvls_algorithms(comm, scratch_bytes, &mut builder, env)?;
     builder.set_selector(default_native_selector(limits));
     Ok(builder)
+}
+
+/// The algorithms of a job whose ranks span hosts: `port_allreduce` with segments of
+/// `scratch_bytes`, up to its rank limit. Where it cannot start (e.g. under
+/// `CUDA_DEVICE_MAX_CONNECTIONS=1`) the reason is logged and the collection goes without it, so
+/// the selector's choice of it fails naming what is registered.
+fn add_multi_host_algorithms(
+    comm: &Arc<Communicator>,
+    scratch_bytes: usize,
+    builder: &mut AlgorithmCollectionBuilder,
+) -> Result<()> {
+    tracing::info!(target: "mscclpp::algo", "ranks on {}: building {} only", comm.topology(), port_allreduce::NAME);
+    if comm.size() > MAX_RANKS {
+        tracing::warn!(target: "mscclpp::algo", "{} takes at most {MAX_RANKS} ranks; this job has {}", port_allreduce::NAME, comm.size());
+        return Ok(());
+    }
+    let config = mscclpp_core::port_channel::PortChannelConfig::default();
+    match port_allreduce::PortAllreduce::new(comm.clone(), scratch_bytes, config) {
+        Ok(algo) => {
+            builder.add_algorithm(Arc::new(algo))?;
+        }
+        Err(e @ mscclpp_core::Error::Unsupported(_)) => {
+            tracing::warn!(target: "mscclpp::algo", "{e}");
+        }
+        Err(e) => return Err(e),
+    }
+    Ok(())
 }
 
 /// [`build_default_algorithms`] into a fresh collection.

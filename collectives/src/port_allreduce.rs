@@ -1,6 +1,7 @@
 //! `port_allreduce`: an all-reduce whose data moves through PortChannels, i.e. the host proxy copies
-//! with the copy engine on the GPU's request, instead of SM loads and stores over NVLink. One host,
-//! 2..=8 ranks, every (dtype, accumulator, op) that `resolve_accumulator` offers.
+//! with the copy engine on the GPU's request, instead of SM loads and stores over NVLink. 2..=8
+//! ranks on any number of hosts (a flat algorithm: it serves uneven ranks per host too), every
+//! (dtype, accumulator, op) that `resolve_accumulator` offers.
 //!
 //! # Setup (collective: every rank constructs it at the same point of its communicator setup)
 //! - A scratch of `2 * nranks * slot_stride` bytes (two parity halves of one slot per rank,
@@ -10,8 +11,10 @@
 //!   because the proxy's memory table is closed once it runs, while callers pass new buffers on
 //!   every call; and rather than copied by a kernel, because a one-block copy is slow and a
 //!   many-block copy would need a grid barrier before block 0 may push the puts.
-//! - A [`PortChannelService`] with, per peer in rank order, one CudaIpc connection, one semaphore
-//!   and one channel (dst = the peer's scratch, src = the staging buffer); then the proxy starts.
+//! - A [`PortChannelService`] with, per peer in rank order, one connection (CudaIpc on this host,
+//!   Ethernet to another host: `mscclpp_core::transport::select`), one semaphore and one channel
+//!   (dst = the peer's scratch, src = the staging buffer); then the proxy starts. Ethernet peers
+//!   reach our scratch, staging buffer and semaphore words through a `DeviceMemoryResolver`.
 //!
 //! Refuses to start under `CUDA_DEVICE_MAX_CONNECTIONS=1`, where its exchange kernel would wait for
 //! copies queued behind it ([`shared_queue_hazard`]).
@@ -33,7 +36,9 @@ use mscclpp_core::env::Env;
 use mscclpp_core::gpu::{DevicePtr, Function, LaunchConfig};
 use mscclpp_core::port_channel::{shared_queue_hazard, PortChannelConfig, PortChannelService};
 use mscclpp_core::proxy::ProxyStats;
-use mscclpp_core::transport::{CudaIpcTransport, MemoryRegion, Transport};
+use mscclpp_core::transport::connect::connect_peers;
+use mscclpp_core::transport::select::{IbAvailability, TransportPlan};
+use mscclpp_core::transport::{DeviceMemoryResolver, MemoryRegion};
 use mscclpp_core::{Error, Result};
 use mscclpp_kernels_cu::collectives::{
     cxx_type, resolve_accumulator, ReduceSpec, COMMON, MAX_RANKS,
@@ -42,7 +47,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 /// The algorithm's name in selectors and reports.
-pub const NAME: &str = "port_allreduce";
+pub const NAME: &str = mscclpp_core::algorithm_collection::native_names::PORT_ALLREDUCE;
 /// The kernel file (see its header comment for the protocol).
 pub const KERNEL_SOURCE: &str = include_str!("port_allreduce.cu");
 /// Entry points of every unit.
@@ -90,7 +95,7 @@ impl ScratchLayout {
     pub fn new(nranks: usize, max_bytes: usize) -> Result<ScratchLayout> {
         if !(2..=MAX_RANKS).contains(&nranks) {
             return Err(Error::Unsupported(format!(
-                "{NAME} on {nranks} ranks: it supports 2..={MAX_RANKS} ranks on one host"
+                "{NAME} on {nranks} ranks: it supports 2..={MAX_RANKS} ranks"
             )));
         }
         if max_bytes == 0 {
@@ -228,9 +233,26 @@ impl PortAllreduce {
             size: layout.max_bytes as u64,
             key: 0,
         })?;
+        // One transport per peer: CudaIpc on this host, Ethernet to other hosts (IB is not
+        // wired into this algorithm yet; the plan's log line says so when HCAs are present).
+        let env = Env::get()?;
+        let hcas = mscclpp_noib::list_hcas(std::path::Path::new(mscclpp_noib::SYSFS_INFINIBAND));
+        let ib = IbAvailability::from_hcas(env, &hcas, false);
+        let plan = TransportPlan::new(comm.topology(), rank, ib, env.ibv_mode);
+        plan.log_once();
+        // What Ethernet peers write into (our scratch, our semaphore words) and read from.
+        let resolver = Arc::new(DeviceMemoryResolver::new(gpu.clone(), comm.device()));
+        resolver.register(scratch.local_ptr(), layout.scratch_bytes())?;
+        resolver.register(staging.ptr(), layout.max_bytes)?;
+        let (slab, slab_bytes) = comm.semaphore_slab();
+        resolver.register(slab, slab_bytes)?;
+        let peers: Vec<usize> = (0..nranks).filter(|&p| p != rank).collect();
+        let connections = connect_peers(&comm, &plan, &peers, resolver)?;
         let scratch_ptrs = scratch.rank_ptrs();
         let mut handles: Vec<PortChannelHandle> = Vec::with_capacity(nranks - 1);
-        for peer in (0..nranks).filter(|&p| p != rank) {
+        for (&peer, conn) in peers.iter().zip(connections) {
+            // On another host: the scratch's address in its owner's process, which the Ethernet
+            // transport names to the owner's resolver.
             let peer_scratch = *scratch_ptrs.get(peer).ok_or_else(|| {
                 Error::Internal(format!("{NAME}: no scratch address of rank {peer}"))
             })?;
@@ -239,8 +261,6 @@ impl PortAllreduce {
                 size: layout.scratch_bytes() as u64,
                 key: 0,
             })?;
-            let conn: Arc<dyn Transport> =
-                Arc::new(CudaIpcTransport::new(gpu.clone(), comm.device(), peer)?);
             let sem = service.add_semaphore(&comm, conn).map_err(|e| {
                 Error::Internal(format!("{NAME}: semaphore towards rank {peer}: {e}"))
             })?;

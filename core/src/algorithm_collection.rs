@@ -95,8 +95,15 @@ impl AlgorithmCollection {
                 ctx.capturing
             )
         };
-        let name = selector(ctx)
-            .ok_or_else(|| Error::Unsupported(format!("no algorithm for {}", describe())))?;
+        let name = selector(ctx).ok_or_else(|| {
+            Error::Unsupported(format!(
+                "no algorithm for {}{}",
+                describe(),
+                unserved_reason(ctx)
+                    .map(|why| format!(": {why}"))
+                    .unwrap_or_default()
+            ))
+        })?;
         if is_nvls_name(&name) && !ctx.nvls_allowed {
             return Err(Error::Unsupported(format!(
                 "the selector chose {name} for {}, but NVLink multicast is not allowed \
@@ -114,6 +121,29 @@ impl AlgorithmCollection {
             ))
         })
     }
+}
+
+/// Why the default policy has no algorithm for `ctx`, where it knows: what a user reads after
+/// "no algorithm for ...".
+fn unserved_reason(ctx: &SelectionContext) -> Option<String> {
+    if ctx.world_size > 1 && ctx.local_world_size != ctx.world_size {
+        return Some(format!(
+            "the ranks span several hosts ({} of {} on this host); across hosts only allreduce \
+             has an algorithm so far ({}, up to 8 ranks), the hierarchical multi-host {} is not \
+             implemented yet",
+            ctx.local_world_size,
+            ctx.world_size,
+            native_names::PORT_ALLREDUCE,
+            ctx.collective
+        ));
+    }
+    if ctx.world_size > 1 && !cuda_arch_ok(&ctx.arch) {
+        return Some(format!(
+            "the native kernels need a CUDA device of sm_70 or newer, this is {}",
+            ctx.arch
+        ));
+    }
+    None
 }
 
 fn is_nvls_name(name: &str) -> bool {
@@ -159,6 +189,8 @@ impl AlgorithmCollectionBuilder {
 
 /// Names of the native algorithms (MSCCL++ spelling where MSCCL++ has the algorithm).
 pub mod native_names {
+    use super::Collective;
+
     pub const ALLREDUCE_ALLPAIR_PACKET: &str = "default_allreduce_allpair_packet";
     pub const ALLREDUCE_PACKET: &str = "default_allreduce_packet";
     pub const ALLREDUCE_RSAG_ZERO_COPY: &str = "default_allreduce_rsag_zero_copy";
@@ -183,6 +215,25 @@ pub mod native_names {
     pub const ALLREDUCE_NVLS_ZERO_COPY: &str = "default_allreduce_nvls_zero_copy";
     pub const ALLREDUCE_NVLS_WARP_PIPELINE: &str = "default_allreduce_nvls_warp_pipeline";
     pub const ALLREDUCE_NVLS_BLOCK_PIPELINE: &str = "default_allreduce_nvls_block_pipeline";
+    /// Ours: the collectives of a one-rank job (one device copy out of place, nothing in place).
+    pub const ALLREDUCE_SINGLE_RANK: &str = "default_allreduce_single_rank";
+    pub const ALLGATHER_SINGLE_RANK: &str = "default_allgather_single_rank";
+    pub const REDUCESCATTER_SINGLE_RANK: &str = "default_reducescatter_single_rank";
+    pub const BROADCAST_SINGLE_RANK: &str = "default_broadcast_single_rank";
+    /// Ours: the flat all-reduce over PortChannels (CudaIpc on a host, Ethernet between hosts),
+    /// the default for ranks on several hosts until the hierarchical algorithms land.
+    pub const PORT_ALLREDUCE: &str = "port_allreduce";
+
+    /// The single-rank algorithm of `collective`, if it has one.
+    pub const fn single_rank_name(collective: Collective) -> Option<&'static str> {
+        match collective {
+            Collective::AllReduce => Some(ALLREDUCE_SINGLE_RANK),
+            Collective::AllGather => Some(ALLGATHER_SINGLE_RANK),
+            Collective::ReduceScatter => Some(REDUCESCATTER_SINGLE_RANK),
+            Collective::Broadcast => Some(BROADCAST_SINGLE_RANK),
+            Collective::AllToAll | Collective::SendRecv => None,
+        }
+    }
 }
 
 /// Message size (bytes per rank) up to which the NVLS packet all-reduce is preferred when NVLS is
@@ -258,8 +309,11 @@ pub fn packet_gather_scatter_threshold(world_size: usize) -> usize {
     }
 }
 
-/// The built-in policy for the native algorithms (see the module docs for the NVLS rule). Native
-/// kernels are CUDA, sm_70 or newer, on one host of at most `limits.max_ranks` ranks.
+/// The built-in policy for the native algorithms (see the module docs for the NVLS rule): at world
+/// size 1 the single-rank algorithms (any device); on several hosts, or uneven ranks per host, the
+/// flat [`native_names::PORT_ALLREDUCE`] for all-reduce (the hierarchical multi-host algorithms
+/// are not written yet); else the NVLink kernels, CUDA sm_70 or newer, on one host of at most
+/// `limits.max_ranks` ranks.
 pub fn default_native_selector(limits: NativeLimits) -> Selector {
     Box::new(move |ctx: &SelectionContext| native_choice(&limits, ctx).map(str::to_string))
 }
@@ -303,6 +357,13 @@ fn nvls_allreduce_choice(ctx: &SelectionContext) -> Option<&'static str> {
 
 fn native_choice(limits: &NativeLimits, ctx: &SelectionContext) -> Option<&'static str> {
     use native_names::*;
+    if ctx.world_size == 1 {
+        return single_rank_name(ctx.collective);
+    }
+    if ctx.local_world_size != ctx.world_size {
+        return (ctx.collective == Collective::AllReduce && ctx.world_size <= limits.max_ranks)
+            .then_some(PORT_ALLREDUCE);
+    }
     if !cuda_arch_ok(&ctx.arch)
         || ctx.world_size == 0
         || ctx.world_size > limits.max_ranks
@@ -505,7 +566,6 @@ mod tests {
     #[case("gfx942", 2, 2)]
     #[case("sm_60", 2, 2)]
     #[case("sm_90", 9, 9)]
-    #[case("sm_90", 4, 2)]
     fn outside_the_native_domain_nothing_is_chosen(
         #[case] arch: &str,
         #[case] world: usize,
@@ -522,6 +582,63 @@ mod tests {
             c.world_size = 2;
             c.local_world_size = 2;
             assert!(default_native_selector(LIMITS)(&c).is_some(), "{a}");
+        }
+    }
+
+    /// World size 1: every collective has its single-rank algorithm, on any device.
+    #[rstest]
+    #[case(Collective::AllReduce, ALLREDUCE_SINGLE_RANK)]
+    #[case(Collective::AllGather, ALLGATHER_SINGLE_RANK)]
+    #[case(Collective::ReduceScatter, REDUCESCATTER_SINGLE_RANK)]
+    #[case(Collective::Broadcast, BROADCAST_SINGLE_RANK)]
+    fn one_rank_takes_the_single_rank_algorithm(#[case] c: Collective, #[case] want: &str) {
+        for arch in ["sm_90", "sm_60", "gfx942"] {
+            for bytes in [0, 4, 1 << 30] {
+                let mut x = ctx(c, bytes, 1);
+                x.arch = arch.into();
+                x.nvls_allowed = true;
+                assert_eq!(default_native_selector(LIMITS)(&x).as_deref(), Some(want));
+            }
+        }
+        let mut x = ctx(Collective::AllToAll, 4, 1);
+        x.local_world_size = 1;
+        assert_eq!(default_native_selector(LIMITS)(&x), None);
+    }
+
+    /// Several hosts, even or uneven: all-reduce takes the flat PortChannel algorithm (up to the
+    /// native rank limit); the other collectives have none yet, and the error says why.
+    #[rstest]
+    #[case(4, 2)]
+    #[case(8, 4)]
+    #[case(3, 2)]
+    #[case(5, 1)]
+    fn several_hosts(#[case] world: usize, #[case] local: usize) {
+        let sel = default_native_selector(LIMITS);
+        let mut c = ctx(Collective::AllReduce, 1 << 20, world);
+        c.local_world_size = local;
+        assert_eq!(sel(&c).as_deref(), Some(PORT_ALLREDUCE));
+        c.arch = "gfx942".into();
+        assert_eq!(
+            sel(&c).as_deref(),
+            Some(PORT_ALLREDUCE),
+            "no kernel arch rule"
+        );
+        c.world_size = 16;
+        assert_eq!(sel(&c), None, "beyond the rank limit");
+        for other in [
+            Collective::AllGather,
+            Collective::ReduceScatter,
+            Collective::Broadcast,
+        ] {
+            let mut c = ctx(other, 1024, world);
+            c.local_world_size = local;
+            assert_eq!(sel(&c), None);
+            let err = native_collection().select(&c).err().expect("none");
+            let msg = err.to_string();
+            assert!(
+                msg.contains("span several hosts") && msg.contains(PORT_ALLREDUCE),
+                "{msg}"
+            );
         }
     }
 

@@ -28,9 +28,10 @@ pub enum IbAvailability {
 
 impl IbAvailability {
     /// Usable HCAs given the names found on this host and `MSCCLPP_HCA_DEVICES` (NCCL-style entries
-    /// may carry a port, `mlx5_0:1`), unless `MSCCLPP_DISABLE_IB_TESTS` rules IB out or `built` is
-    /// false (this build has no IB transport). The reason names which of these applied.
-    pub fn from_hcas(env: &Env, found: &[String], built: bool) -> IbAvailability {
+    /// may carry a port, `mlx5_0:1`), unless `MSCCLPP_DISABLE_IB_TESTS` rules IB out or `openable`
+    /// is false (the caller cannot open IB connections: no IB transport in the build, or none wired
+    /// into its path). The reason names which of these applied.
+    pub fn from_hcas(env: &Env, found: &[String], openable: bool) -> IbAvailability {
         if env.disable_ib_tests {
             return IbAvailability::Unusable("disabled by MSCCLPP_DISABLE_IB_TESTS=1".into());
         }
@@ -60,10 +61,11 @@ impl IbAvailability {
                 )
             });
         }
-        if !built {
-            return IbAvailability::Unusable(
-                "this build has no IB transport (the `ib` feature is off)".into(),
-            );
+        if !openable {
+            return IbAvailability::Unusable(format!(
+                "{hcas} HCA(s) present, but this path cannot open IB connections yet \
+                 (PortChannel algorithms connect over Ethernet until mscclpp-ib is wired in)"
+            ));
         }
         IbAvailability::Usable { hcas }
     }
@@ -181,7 +183,7 @@ mod tests {
            "MSCCLPP_HCA_DEVICES=mlx5_7 names none of the HCAs here (found: mlx5_0)")]
     #[case(&[], &[], true, None, "no InfiniBand HCA (none found)")]
     #[case(&[("MSCCLPP_DISABLE_IB_TESTS", "1")], &["mlx5_0"], true, None, "MSCCLPP_DISABLE_IB_TESTS=1")]
-    #[case(&[], &["mlx5_0"], false, None, "`ib` feature is off")]
+    #[case(&[], &["mlx5_0"], false, None, "cannot open IB connections")]
     fn ib_availability_respects_the_environment(
         #[case] vars: &[(&str, &str)],
         #[case] found: &[&str],
