@@ -89,13 +89,20 @@ pub fn run(args: &[String], env: &'static Env, explicit: bool) -> Result<Start> 
         gpu,
         bootstrap,
         device: launcher.local_rank,
-        local_size: launcher.local_size.unwrap_or(launcher.world_size),
     };
     let summary = run_rank(setup, &opts)?;
     if summary.total_wrong > 0 {
         return Err(Error::Internal(format!(
             "{} wrong elements over {} rows: the collectives returned incorrect results (see #wrong)",
             summary.total_wrong,
+            summary.rows.len()
+        )));
+    }
+    let empty = super::report::rows_that_ran_nothing(&summary.rows);
+    if let Some(first) = empty.first() {
+        return Err(Error::Unsupported(format!(
+            "{} of {} requested rows ran nothing (first: {first})",
+            empty.len(),
             summary.rows.len()
         )));
     }

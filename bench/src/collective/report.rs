@@ -85,6 +85,27 @@ impl Row {
     }
 }
 
+/// The rows where nothing ran although something was requested, each as `size type redop: why`
+/// (the first skip reason): a benchmark whose rows all skipped measured nothing and must not pass.
+pub fn rows_that_ran_nothing(rows: &[Row]) -> Vec<String> {
+    rows.iter()
+        .filter_map(|r| {
+            let placements = [&r.out_of_place, &r.in_place];
+            if placements.iter().any(|o| matches!(o, Outcome::Measured(_))) {
+                return None;
+            }
+            let why = placements.iter().find_map(|o| match o {
+                Outcome::Skipped(why) => Some(why.as_str()),
+                _ => None,
+            })?;
+            Some(format!(
+                "{} {} B {} {}: {why}",
+                r.collective, r.size_bytes, r.dtype, r.redop
+            ))
+        })
+        .collect()
+}
+
 /// Table header lines (each starting with `#`), with the NCCL columns when `vs_nccl`.
 pub fn header(vs_nccl: bool) -> String {
     let group = if vs_nccl {
@@ -249,6 +270,30 @@ mod tests {
             out_of_place: Outcome::Measured(m),
             in_place: Outcome::Skipped("too large for the scratch".into()),
         }
+    }
+
+    /// A row with one measured placement ran something; one whose requested placements all
+    /// skipped is reported with its first reason; placements not requested do not count.
+    #[test]
+    fn rows_that_ran_nothing_are_named_with_the_reason() {
+        let measured = row(false);
+        let mut skipped = row(false);
+        skipped.out_of_place =
+            Outcome::Skipped("no algorithm for allreduce: the ranks span several hosts".into());
+        let mut one_requested = row(false);
+        one_requested.out_of_place = Outcome::NotRequested;
+        let mut nothing_requested = row(false);
+        nothing_requested.out_of_place = Outcome::NotRequested;
+        nothing_requested.in_place = Outcome::NotRequested;
+        let got = rows_that_ran_nothing(&[measured, skipped, one_requested, nothing_requested]);
+        assert_eq!(
+            got,
+            vec![
+                "allreduce 1048576 B f32 sum: no algorithm for allreduce: the ranks span several hosts"
+                    .to_string(),
+                "allreduce 1048576 B f32 sum: too large for the scratch".to_string(),
+            ]
+        );
     }
 
     #[test]

@@ -49,8 +49,6 @@ pub struct RankSetup {
     pub bootstrap: Arc<dyn Bootstrap>,
     /// The GPU this rank drives.
     pub device: usize,
-    /// Ranks on this host.
-    pub local_size: usize,
 }
 
 /// The end of a run.
@@ -224,7 +222,6 @@ impl<'a> Bench<'a> {
             gpu,
             bootstrap,
             device,
-            local_size,
         } = setup;
         let (rank, nranks) = (bootstrap.rank(), bootstrap.size());
         // Read before any collective step: a bad file fails every rank the same way, at once.
@@ -254,6 +251,9 @@ impl<'a> Bench<'a> {
             "left to the launcher (--cpu-bind none)".to_string()
         };
         let comm = Arc::new(Communicator::new(bootstrap.clone(), gpu.clone(), device)?);
+        // Ranks that share a host by identity (MSCCLPP_HOSTID can split one machine), not by the
+        // launcher's LOCAL_WORLD_SIZE: that is what decides which algorithms can run.
+        let local_size = comm.topology().local_size(rank);
         let algos = mscclpp_collectives::default_algorithm_collection(
             &comm,
             mscclpp_collectives::DEFAULT_SCRATCH_BYTES,
@@ -476,9 +476,9 @@ impl<'a> Bench<'a> {
         let n = self.nranks();
         self.print(&format!("# device: {}", self.device_text));
         self.print(&format!(
-            "# mscclpp-bench {}: {n} ranks ({} on this host), {}, {} warm-up calls, {} batches of {} calls, median batch, mean over ranks",
+            "# mscclpp-bench {}: {n} ranks ({}), {}, {} warm-up calls, {} batches of {} calls, median batch, mean over ranks",
             opts.collective,
-            self.local_size,
+            self.comm.topology(),
             mode_text(opts),
             opts.warmup,
             opts.batches,
@@ -514,6 +514,9 @@ impl<'a> Bench<'a> {
             wrong,
             if wrong == 0 { "" } else { ": FAILED" }
         ));
+        for line in report::rows_that_ran_nothing(rows) {
+            self.print(&format!("# ran nothing: {line}"));
+        }
         Ok(())
     }
 
