@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the GPU suite and the benchmark on the device machine (from the repository root there).
-# Usage: [NGPU=k] [NRANKS=n] [MPS=1] bash .gpu/gpu-run.sh [suite|bench|all] [extra args for the binary]
+# Usage: [NGPU=k] [NRANKS=n] [MPS=1] [HOSTS=h] bash .gpu/gpu-run.sh [suite|bench|all] [extra args for the binary]
 # Writes logs into $OUT (or ./gpu-out when $OUT is unset).
 set -uo pipefail
 # SAFETY: NVLink multicast can take shared GPUs out of service; it stays off for us and for NCCL.
@@ -34,7 +34,11 @@ nvidia-smi topo -m 2>/dev/null | head -n 4
 # NCCL for the same-run baseline: PyTorch's copy.
 nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(nvidia.nccl.__path__[0], "lib", "libnccl.so.2"))' 2>/dev/null)
 [ -n "$nccl" ] && export MSCCLPP_NCCL_LIB_PATH="$nccl"
-launch() { torchrun --no-python --nproc_per_node="$nranks" --master_port="${PORT:-29511}" "$@"; }
+# HOSTS=h makes the ranks pose as h hosts (MSCCLPP_HOSTID per block of local ranks, see
+# simulate-hosts.sh): traffic between the "hosts" takes the Ethernet transport over this machine.
+wrap=()
+if [ -n "${HOSTS:-}" ]; then wrap=(.gpu/simulate-hosts.sh); echo "simulating $HOSTS hosts"; fi
+launch() { torchrun --no-python --nproc_per_node="$nranks" --master_port="${PORT:-29511}" "${wrap[@]}" "$@"; }
 rc=0
 if [ "$what" = suite ] || [ "$what" = all ]; then
   launch .gpu/bin/mscclpp-gpu-suite "$@" 2>&1 | tee "$out/suite.log"; rc=$((rc | PIPESTATUS[0]))

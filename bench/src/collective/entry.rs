@@ -84,11 +84,14 @@ pub fn run(args: &[String], env: &'static Env, explicit: bool) -> Result<Start> 
     };
     mscclpp::init_logging(env)?;
     let bootstrap: Arc<dyn Bootstrap> = Arc::new(TcpBootstrap::from_env(env)?);
+    // More local ranks than GPUs share them round-robin, as the GPU suite does (results are
+    // checked as usual; NCCL refuses shared GPUs, so leave out --vs-nccl then).
+    let device = launcher.local_rank % gpu.device_count()?.max(1);
     let setup = RankSetup {
         env,
         gpu,
         bootstrap,
-        device: launcher.local_rank,
+        device,
     };
     let summary = run_rank(setup, &opts)?;
     if summary.total_wrong > 0 {
