@@ -100,9 +100,12 @@ fn add_multi_host_algorithms(
     scratch_bytes: usize,
     builder: &mut AlgorithmCollectionBuilder,
 ) -> Result<()> {
-    tracing::info!(target: "mscclpp::algo", "ranks on {}: building {} only", comm.topology(), port_allreduce::NAME);
+    let name = port_allreduce::NAME;
+    let topology = comm.topology();
+    tracing::info!(target: "mscclpp::algo", "ranks on {topology}: building {name} only");
     if comm.size() > MAX_RANKS {
-        tracing::warn!(target: "mscclpp::algo", "{} takes at most {MAX_RANKS} ranks; this job has {}", port_allreduce::NAME, comm.size());
+        let n = comm.size();
+        tracing::warn!(target: "mscclpp::algo", "{name} takes at most {MAX_RANKS} ranks, not {n}");
         return Ok(());
     }
     let config = mscclpp_core::port_channel::PortChannelConfig::default();

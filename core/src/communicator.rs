@@ -371,6 +371,8 @@ impl Communicator {
 
     /// Creates `count` device-to-device semaphores with `peer`. Both ranks must call this with each
     /// other as `peer`, in the same order relative to their other setup calls.
+    /// Towards a peer on another host `remote_inbound` is the word's address in the peer's
+    /// process: only a network transport (a PortChannel's proxy) may signal it, never a kernel.
     pub fn d2d_semaphores(&self, peer: usize, count: usize) -> Result<Vec<D2DSemaphoreHandle>> {
         let size = self.size();
         if peer >= size || peer == self.rank() {

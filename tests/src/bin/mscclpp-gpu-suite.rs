@@ -148,8 +148,19 @@ fn run() -> Result<i32> {
         stream,
     };
 
-    // `--only NAME[,NAME...]` runs those sections alone (plus the kernel build checks).
-    let only = only_sections();
+    // `--only NAME[,NAME...]` runs those sections alone (plus the kernel build checks). Ranks on
+    // several hosts (MSCCLPP_HOSTID, scripts/simulate-hosts.sh) run the sections whose algorithms
+    // cross hosts only: the others map every peer's memory.
+    let multi_host = !suite.ctx.comm.topology().is_single_host();
+    let only = if multi_host {
+        let name = mscclpp_collectives::port_allreduce::NAME;
+        if suite.ctx.rank() == 0 {
+            println!("ranks on {}: running {name} only", suite.ctx.comm.topology());
+        }
+        Some(vec![name.to_string()])
+    } else {
+        only_sections()
+    };
     let wants = |section: &str| is_selected(only.as_deref(), section);
     let modules = compile_modules(&mut suite);
     if let (Ok((primitives, measure)), true) = (modules, wants(PRIMITIVES)) {
@@ -182,7 +193,7 @@ fn run() -> Result<i32> {
         }
     }
     let only_primitives = std::env::args().any(|a| a == "--primitives-only");
-    if !only_primitives {
+    if !only_primitives && !multi_host {
         let r = precompile_collectives(&mut suite);
         let ok = r.is_ok();
         suite.record("precompile collective kernels", r);
