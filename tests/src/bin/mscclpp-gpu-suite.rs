@@ -155,7 +155,10 @@ fn run() -> Result<i32> {
     let only = if multi_host {
         let name = mscclpp_collectives::port_allreduce::NAME;
         if suite.ctx.rank() == 0 {
-            println!("ranks on {}: running {name} only", suite.ctx.comm.topology());
+            println!(
+                "ranks on {}: running {name} only",
+                suite.ctx.comm.topology()
+            );
         }
         Some(vec![name.to_string()])
     } else {
