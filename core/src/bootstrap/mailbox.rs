@@ -100,7 +100,8 @@ impl Mailbox {
                     return Ok(msg);
                 }
             }
-            if let Some((rank, reason)) = &st.aborted {
+            // Liveness answers are awaited after a failure too: they name who stalled.
+            if let (Some((rank, reason)), false) = (&st.aborted, key.1 == FrameKind::Pong) {
                 return Err(Error::Peer {
                     rank: *rank,
                     message: format!("job aborted: {reason}"),
