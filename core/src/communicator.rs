@@ -88,7 +88,9 @@ struct SyncSlab {
 
 /// How long [`Communicator::check`] waits for peers' liveness answers when it names the rank behind
 /// a device wait that timed out.
-const LIVENESS_PING_TIMEOUT: Duration = Duration::from_secs(1);
+/// Live peers answer from their reader threads within milliseconds, even while their own host
+/// thread is blocked; the wait adds to the time a stalled peer takes to be reported.
+const LIVENESS_PING_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// A communicator's health: the host-mapped error word every kernel and device wait of the
 /// communicator watches, and why it failed. The bootstrap holds it weakly (as the listener that
@@ -284,9 +286,10 @@ impl Communicator {
                  reach this wait)"
                     .to_string()
             } else {
+                let ranks: Vec<String> = silent.iter().map(|r| format!("rank {r}")).collect();
                 format!(
-                    "rank(s) {silent:?} did not answer a liveness ping within {:?} (stopped, \
-                     hung or dead)",
+                    "{} did not answer a liveness ping within {:?} (stopped, hung or dead)",
+                    ranks.join(", "),
                     LIVENESS_PING_TIMEOUT
                 )
             });
@@ -482,8 +485,12 @@ impl Drop for Communicator {
         // Peers' mappings of our slab must be gone before it is freed; best effort, since a dead
         // peer must not make teardown hang forever (the bootstrap barrier has a timeout).
         self.slab.peers.clear();
-        if let Err(e) = self.bootstrap.barrier() {
-            tracing::warn!(target: "mscclpp::conn", "teardown barrier failed: {e}");
+        // A failed communicator skips it: the peer to wait for may be stopped, and a barrier
+        // would hold this rank's exit for the whole bootstrap timeout.
+        if self.health.error().is_none() {
+            if let Err(e) = self.bootstrap.barrier() {
+                tracing::warn!(target: "mscclpp::conn", "teardown barrier failed: {e}");
+            }
         }
         if let Err(e) = self.gpu.free(&self.slab.alloc) {
             tracing::warn!(target: "mscclpp::conn", "freeing the semaphore slab failed: {e}");

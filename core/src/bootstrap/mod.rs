@@ -62,7 +62,7 @@ pub trait Bootstrap: Send + Sync {
     }
 
     /// Peers that did not answer a liveness ping within `within`: stopped (SIGSTOP), hung in the
-    /// kernel, or dead. Used to name the rank behind a device wait that timed out. The default
+    /// kernel, or dead (peers that shut down cleanly, with a goodbye, are not counted). Used to name the rank behind a device wait that timed out. The default
     /// knows of none.
     fn unresponsive_peers(&self, within: Duration) -> Vec<usize> {
         let _ = within;

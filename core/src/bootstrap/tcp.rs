@@ -503,7 +503,7 @@ fn serve_connection(inner: &Arc<Inner>, mut stream: TcpStream, from: SocketAddr)
                 FrameKind::Goodbye => {
                     inner
                         .mailbox
-                        .close_peer(peer, format!("rank {peer} shut down its bootstrap"));
+                        .goodbye(peer, format!("rank {peer} shut down its bootstrap"));
                     return;
                 }
                 FrameKind::Abort => {
@@ -548,16 +548,11 @@ fn parse_abort(payload: &[u8], from: usize) -> (usize, String) {
 }
 
 impl Inner {
-    /// Opens (and handshakes) this rank's sending connection to `peer`.
-    fn connect_peer(&self, peer: usize) -> Result<TcpStream> {
+    /// Opens (and handshakes) this rank's sending connection to `peer`, within `timeout`.
+    fn connect_peer(&self, peer: usize, timeout: Duration) -> Result<TcpStream> {
         let addr = self.peers[peer];
-        let deadline = Instant::now() + self.timeout;
-        let mut s = connect_until(
-            addr,
-            deadline,
-            self.timeout,
-            &format!("rank {peer} at {addr}"),
-        )?;
+        let deadline = Instant::now() + timeout;
+        let mut s = connect_until(addr, deadline, timeout, &format!("rank {peer} at {addr}"))?;
         let hello = Hello {
             kind: HelloKind::Peer,
             secret: self.secret,
@@ -576,7 +571,7 @@ impl Inner {
             &mut s,
             &mut buf,
             deadline,
-            self.timeout,
+            timeout,
             peer,
             &format!("rank {peer}'s handshake answer from {addr}"),
         )?;
@@ -600,6 +595,18 @@ impl Inner {
     }
 
     fn send_frame(&self, peer: usize, kind: FrameKind, tag: u64, data: &[u8]) -> Result<()> {
+        self.send_frame_within(peer, kind, tag, data, self.timeout)
+    }
+
+    /// As `send_frame`, opening the link (if it is not open yet) within `connect_timeout`.
+    fn send_frame_within(
+        &self,
+        peer: usize,
+        kind: FrameKind,
+        tag: u64,
+        data: &[u8],
+        connect_timeout: Duration,
+    ) -> Result<()> {
         if peer >= self.size {
             return Err(Error::InvalidArgument(format!(
                 "peer rank {peer} is not in this {}-rank job",
@@ -612,7 +619,7 @@ impl Inner {
         }
         let mut slot = lock(&self.out[peer]);
         if slot.is_none() {
-            *slot = Some(self.connect_peer(peer)?);
+            *slot = Some(self.connect_peer(peer, connect_timeout)?);
         }
         let Some(stream) = slot.as_mut() else {
             return Err(Error::Internal(
@@ -717,8 +724,61 @@ impl Inner {
         }
     }
 
-    /// Runs after any failed collective step: turns the local failure into a job abort.
+    /// See [`Bootstrap::unresponsive_peers`].
+    fn unresponsive_peers(self: &Arc<Inner>, within: Duration) -> Vec<usize> {
+        let inner = self;
+        let nonce = inner.ping_nonce.fetch_add(1, Ordering::Relaxed);
+        let peers: Vec<usize> = (0..inner.size).filter(|&p| p != inner.rank).collect();
+        // Sends on threads: opening a link to a stopped process blocks until the bootstrap
+        // timeout (its kernel accepts, nobody answers the handshake).
+        for &peer in &peers {
+            let inner = Arc::clone(self);
+            let _ = std::thread::Builder::new()
+                .name(format!("mscclpp-bootstrap-ping-{}", inner.rank))
+                .spawn(move || {
+                    // A stopped peer's kernel accepts the connection but nobody answers the
+                    // handshake: give up with the ping rather than hold the link's lock.
+                    let _ = inner.send_frame_within(peer, FrameKind::Ping, nonce, &[], within);
+                });
+        }
+        let deadline = Instant::now() + within;
+        peers
+            .into_iter()
+            .filter(|&peer| {
+                !inner.mailbox.said_goodbye(peer)
+                    && inner
+                        .mailbox
+                        .wait((peer, FrameKind::Pong, nonce), deadline, within, || {
+                            format!("rank {peer}'s liveness answer")
+                        })
+                        .is_err()
+            })
+            .collect()
+    }
+
+    /// Runs after any failed collective step: turns the local failure into a job abort. A
+    /// timeout blames the peer waited for only when no other peer is silent: with a stopped
+    /// rank, the peer waited for may itself be waiting for it.
     fn fail(self: &Arc<Inner>, peer: usize, op: &str, e: Error) -> Error {
+        if let Error::Timeout { .. } = &e {
+            let silent = self.unresponsive_peers(Duration::from_millis(500));
+            if let Some(&stalled) = silent
+                .iter()
+                .find(|&&p| p != peer)
+                .filter(|_| !silent.contains(&peer))
+            {
+                let why = format!(
+                    "rank {} timed out in {op} and rank {stalled} does not answer liveness pings \
+                     (stopped or hung): {e}",
+                    self.rank
+                );
+                self.abort_job(stalled, why.clone());
+                return Error::Peer {
+                    rank: stalled,
+                    message: why,
+                };
+            }
+        }
         if !matches!(&e, Error::Peer { message, .. } if message.starts_with("job aborted")) {
             self.abort_job(
                 peer,
@@ -796,7 +856,7 @@ impl Bootstrap for TcpBootstrap {
         if next != inner.rank {
             let mut slot = lock(&inner.out[next]);
             if slot.is_none() {
-                match inner.connect_peer(next) {
+                match inner.connect_peer(next, inner.timeout) {
                     Ok(s) => *slot = Some(s),
                     Err(e) => tracing::warn!(
                         "bootstrap rank {}: liveness link to rank {next}: {e}",
@@ -807,31 +867,7 @@ impl Bootstrap for TcpBootstrap {
         }
     }
     fn unresponsive_peers(&self, within: Duration) -> Vec<usize> {
-        let inner = &self.inner;
-        let nonce = inner.ping_nonce.fetch_add(1, Ordering::Relaxed);
-        let peers: Vec<usize> = (0..inner.size).filter(|&p| p != inner.rank).collect();
-        // Sends on threads: opening a link to a stopped process blocks until the bootstrap
-        // timeout (its kernel accepts, nobody answers the handshake).
-        for &peer in &peers {
-            let inner = Arc::clone(inner);
-            let _ = std::thread::Builder::new()
-                .name(format!("mscclpp-bootstrap-ping-{}", inner.rank))
-                .spawn(move || {
-                    let _ = inner.send_frame(peer, FrameKind::Ping, nonce, &[]);
-                });
-        }
-        let deadline = Instant::now() + within;
-        peers
-            .into_iter()
-            .filter(|&peer| {
-                inner
-                    .mailbox
-                    .wait((peer, FrameKind::Pong, nonce), deadline, within, || {
-                        format!("rank {peer}'s liveness answer")
-                    })
-                    .is_err()
-            })
-            .collect()
+        self.inner.unresponsive_peers(within)
     }
 }
 
