@@ -482,6 +482,15 @@ impl Communicator {
 
 impl Drop for Communicator {
     fn drop(&mut self) {
+        // After a failure our own kernels may still be in flight (draining: they return at the
+        // error word's first check); unmapping a peer's memory under them would fault this
+        // context, and under MPS every client with it. Wait for them first (bounded by
+        // MSCCLPP_DEVICE_WAIT_TIMEOUT in the backends).
+        if self.health.error().is_some() {
+            if let Err(e) = self.gpu.synchronize_device() {
+                tracing::warn!(target: "mscclpp::conn", "draining a failed communicator's kernels: {e}");
+            }
+        }
         // Peers' mappings of our slab must be gone before it is freed; best effort, since a dead
         // peer must not make teardown hang forever (the bootstrap barrier has a timeout).
         self.slab.peers.clear();
