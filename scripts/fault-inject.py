@@ -13,7 +13,7 @@ MASTER_PORT), not under torchrun: torchrun's agent tears the job down itself whe
 which would hide whether the survivors notice on their own.
 
 Workloads (the bench's options; each run is a long loop the signal lands in):
-  eager   allreduce, -n iterations launched back to back: a deep launch queue behind the failure
+  eager   allreduce (--size), launched back to back: a deep launch queue behind the failure
   graph   allreduce captured into a CUDA graph of --graph-calls calls, replayed many times
   small   as eager with 1 KiB messages (packet kernels, many launches per second)
 
@@ -174,7 +174,9 @@ def main():
     p.add_argument("--slack", type=float, default=2.0, help="allowed beyond the timeout (seconds)")
     p.add_argument("--bootstrap-timeout", type=int, default=30, help="MSCCLPP_BOOTSTRAP_TIMEOUT")
     p.add_argument("--hang-after", type=float, default=60.0, help="seconds before a survivor counts as hung")
-    p.add_argument("--size", default="64M", help="message size of the eager and graph workloads")
+    p.add_argument("--size", default="8M", help="message size of the eager and graph workloads "
+                   "(a SIGSTOPped rank's already-queued kernels still run: larger messages make its "
+                   "queue, and so the survivors' time, longer)")
     p.add_argument("--cache-dir", default="/tmp/mscclpp-cache")
     p.add_argument("--bench-args", default="", help="the bench's arguments instead of a workload's "
                    "(e.g. 'bootstrap --iters 100000000' checks bootstrap liveness without a GPU)")
