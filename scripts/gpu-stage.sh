@@ -11,5 +11,5 @@ done
 # The device tool carries at most 64 MiB; debug info is most of each binary (symbols stay, so
 # backtraces still name functions).
 if command -v strip >/dev/null; then strip --strip-debug .gpu/bin/*; fi
-cp scripts/gpu-run.sh scripts/simulate-hosts.sh .gpu/
+cp scripts/gpu-run.sh scripts/simulate-hosts.sh scripts/fault-inject.py .gpu/
 ls -la .gpu/bin

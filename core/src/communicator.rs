@@ -8,7 +8,7 @@
 //! Memory sharing within one host goes through the GPU backend's IPC (legacy handles or VMM file
 //! descriptors); ranks on other hosts need a network transport (PortChannel, a later layer).
 
-use crate::bootstrap::Bootstrap;
+use crate::bootstrap::{Bootstrap, FailureListener};
 use crate::device::{D2DSemaphoreHandle, MemoryChannelHandle};
 use crate::env::Env;
 use crate::error::{Error, Result};
@@ -18,7 +18,8 @@ use crate::gpu::{
 use crate::topology::{host_identity, Topology};
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 /// Semaphore slots each rank reserves for each peer in its sync slab. Algorithms draw slots from
 /// this budget in setup order: the default native collection takes about 1,200 per peer on a
@@ -94,6 +95,85 @@ struct SyncSlab {
     peers: Vec<RegisteredMemory>,
 }
 
+/// How long [`Communicator::check`] waits for peers' liveness answers when it names the rank behind
+/// a device wait that timed out.
+/// Live peers answer from their reader threads within milliseconds, even while their own host
+/// thread is blocked; the wait adds to the time a stalled peer takes to be reported.
+const LIVENESS_PING_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// A communicator's health: the host-mapped error word every kernel and device wait of the
+/// communicator watches, and why it failed. The bootstrap holds it weakly (as the listener that
+/// aborts the communicator when a peer dies), so it owns the word's memory: a listener that is
+/// running while the communicator drops keeps the word alive until it returns.
+struct Health {
+    rank: usize,
+    gpu: Arc<dyn Gpu>,
+    word: HostMapped,
+    /// Why the communicator failed, once known (the first reason wins): the abort's reason, or
+    /// which peers did not answer after a device wait timed out.
+    reason: Mutex<Option<String>>,
+}
+
+impl Health {
+    fn code(&self) -> &AtomicU32 {
+        // SAFETY: the word is pinned host memory of ERROR_WORD_BYTES, alive as long as `self`,
+        // and only ever accessed atomically (device atomics and host atomics).
+        unsafe { &*(self.word.host_ptr as *const AtomicU32) }
+    }
+
+    fn set_reason(&self, reason: &str) {
+        if let Ok(mut r) = self.reason.lock() {
+            r.get_or_insert_with(|| reason.to_string());
+        }
+    }
+
+    fn abort(&self, reason: &str) {
+        self.set_reason(reason);
+        let _ = self.code().compare_exchange(
+            crate::device::DEVICE_ERROR_NONE,
+            crate::device::DEVICE_ERROR_ABORTED,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
+
+    fn error(&self) -> Option<Error> {
+        let code = self.code().load(Ordering::Acquire);
+        if code == crate::device::DEVICE_ERROR_NONE {
+            return None;
+        }
+        let reason = self.reason.lock().ok().and_then(|r| r.clone());
+        let rank = self.rank;
+        Some(match (code, reason) {
+            (crate::device::DEVICE_ERROR_ABORTED, Some(reason)) => {
+                Error::Aborted(format!("rank {rank}: {reason}"))
+            }
+            (crate::device::DEVICE_ERROR_ABORTED, None) => {
+                Error::Aborted(format!("rank {rank}: aborted"))
+            }
+            (code, reason) => Error::DeviceTimeout(format!(
+                "rank {rank}: {}{}",
+                crate::device::describe_device_error(code),
+                reason.map(|r| format!("; {r}")).unwrap_or_default()
+            )),
+        })
+    }
+}
+
+impl FailureListener for Health {
+    fn job_failed(&self, _rank: usize, reason: &str) {
+        self.abort(reason);
+    }
+}
+
+impl Drop for Health {
+    fn drop(&mut self) {
+        if let Err(e) = self.gpu.free_host_mapped(&self.word) {
+            tracing::warn!(target: "mscclpp::conn", "freeing the error word failed: {e}");
+        }
+    }
+}
+
 /// One rank's communicator. See the module docs.
 pub struct Communicator {
     bootstrap: Arc<dyn Bootstrap>,
@@ -101,9 +181,7 @@ pub struct Communicator {
     device: usize,
     host_id: String,
     topology: Topology,
-    error_word: HostMapped,
-    /// Why the communicator was aborted, once it was (the first reason wins).
-    abort_reason: Mutex<Option<String>>,
+    health: Arc<Health>,
     slab: SyncSlab,
     /// Next free semaphore slot per peer (same on every rank because setup is collective).
     next_slot: Mutex<Vec<usize>>,
@@ -122,7 +200,20 @@ impl Communicator {
             .map(|b| String::from_utf8_lossy(b).into_owned())
             .collect();
         let topology = Topology::from_host_ids(&ids)?;
-        let error_word = gpu.alloc_host_mapped(std::mem::size_of::<u64>())?;
+        let word = gpu.alloc_host_mapped(crate::device::ERROR_WORD_BYTES)?;
+        let budget = crate::device::wait_budget_ms(crate::env::Env::get()?.device_wait_timeout);
+        // SAFETY: the allocation is ERROR_WORD_BYTES of pinned host memory, u32-aligned, and no
+        // kernel can read it yet.
+        unsafe {
+            (word.host_ptr.add(crate::device::ERROR_WORD_BUDGET_OFFSET) as *mut u32)
+                .write_volatile(budget)
+        };
+        let health = Arc::new(Health {
+            rank: bootstrap.rank(),
+            gpu: gpu.clone(),
+            word,
+            reason: Mutex::new(None),
+        });
         let slab_bytes = 2 * size * SEMAPHORES_PER_PEER * std::mem::size_of::<u64>();
         let alloc = gpu.alloc(slab_bytes, MemoryKind::Plain)?;
         gpu.memset_async(alloc.ptr, 0, slab_bytes, crate::gpu::Stream::DEFAULT)?;
@@ -133,8 +224,7 @@ impl Communicator {
             device,
             host_id,
             topology,
-            error_word,
-            abort_reason: Mutex::new(None),
+            health,
             slab: SyncSlab {
                 alloc,
                 peers: Vec::new(),
@@ -144,6 +234,9 @@ impl Communicator {
         let slab_alloc = comm.slab.alloc.clone();
         let local = comm.register(&slab_alloc, slab_alloc.ptr, slab_bytes)?;
         comm.slab.peers = comm.exchange(local)?;
+        // After the exchange every rank is up, so the bootstrap can open its liveness links.
+        let listener: Weak<dyn FailureListener> = Arc::downgrade(&comm.health) as _;
+        comm.bootstrap.watch_failures(listener);
         Ok(comm)
     }
 
@@ -173,65 +266,69 @@ impl Communicator {
         (self.slab.alloc.ptr, self.slab.alloc.size)
     }
 
-    /// Device address of the host-visible error word that device-side bounded waits write.
+    /// Device address of the host-visible error word that device-side bounded waits write and
+    /// kernels check at entry (`mscclpp::aborted`); the wait budget follows it (see
+    /// [`ERROR_WORD_BYTES`](crate::device::ERROR_WORD_BYTES)).
     pub fn error_word_device_ptr(&self) -> DevicePtr {
-        self.error_word.device_ptr
-    }
-
-    fn error_word(&self) -> &AtomicU32 {
-        // SAFETY: the word is pinned host memory of at least 4 bytes, alive as long as `self`, and
-        // only ever accessed atomically (device atomics and host atomics).
-        unsafe { &*(self.error_word.host_ptr as *const AtomicU32) }
+        self.health.word.device_ptr
     }
 
     /// Aborts the communicator: records `reason` (the first one wins) and sets the error word to
     /// [`DEVICE_ERROR_ABORTED`](crate::device::DEVICE_ERROR_ABORTED) unless an error is already
-    /// recorded. Callable from any thread, also while another thread is blocked in a call on this
-    /// communicator; never blocks.
+    /// recorded. Every later kernel of the communicator returns at entry, every device wait gives
+    /// up within microseconds, and every later host call returns the error. Callable from any
+    /// thread, also while another thread is blocked in a call on this communicator; never blocks.
+    /// The bootstrap calls it when a peer's process dies. Sticky: nothing clears it.
     pub fn abort(&self, reason: &str) {
-        if let Ok(mut r) = self.abort_reason.lock() {
-            r.get_or_insert_with(|| reason.to_string());
-        }
-        let _ = self.error_word().compare_exchange(
-            crate::device::DEVICE_ERROR_NONE,
-            crate::device::DEVICE_ERROR_ABORTED,
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        );
+        self.health.abort(reason);
     }
 
     /// The communicator's health, without synchronising anything (one host load): `None` while no
-    /// device wait has failed and no abort was requested, else the error that ended it.
+    /// device wait has failed and no abort was requested, else the error that ended it
+    /// (`Error::Aborted` after an abort or a peer's death, `Error::DeviceTimeout` after a device
+    /// wait timed out first). Sticky.
     pub fn async_error(&self) -> Option<Error> {
-        let code = self.error_word().load(Ordering::Acquire);
-        if code == crate::device::DEVICE_ERROR_NONE {
-            return None;
+        self.health.error()
+    }
+
+    /// The check made before every operation on the communicator (one host load while healthy):
+    /// the communicator's error, prefixed with `op`. The first time it finds a device wait timed
+    /// out for no known reason, it asks the peers over the bootstrap who is alive (up to
+    /// [`LIVENESS_PING_TIMEOUT`]) and names the ranks that do not answer: a stopped or hung peer.
+    pub fn check(&self, op: &str) -> Result<()> {
+        let Some(mut error) = self.health.error() else {
+            return Ok(());
+        };
+        if matches!(error, Error::DeviceTimeout(_))
+            && self.health.reason.lock().is_ok_and(|r| r.is_none())
+        {
+            let silent = self.bootstrap.unresponsive_peers(LIVENESS_PING_TIMEOUT);
+            self.health.set_reason(&if silent.is_empty() {
+                "every peer answers over the bootstrap (a peer's kernel did not run or did not \
+                 reach this wait)"
+                    .to_string()
+            } else {
+                let ranks: Vec<String> = silent.iter().map(|r| format!("rank {r}")).collect();
+                format!(
+                    "{} did not answer a liveness ping within {:?} (stopped, hung or dead)",
+                    ranks.join(", "),
+                    LIVENESS_PING_TIMEOUT
+                )
+            });
+            error = self.health.error().unwrap_or(error);
         }
-        let reason = self.abort_reason.lock().ok().and_then(|r| r.clone());
-        Some(match reason {
-            Some(reason) => Error::Aborted(format!("rank {}: {reason}", self.rank())),
-            None => Error::DeviceTimeout(format!(
-                "rank {}: {}",
-                self.rank(),
-                crate::device::describe_device_error(code)
-            )),
+        Err(match error {
+            Error::Aborted(m) => Error::Aborted(format!("{op}: {m}")),
+            Error::DeviceTimeout(m) => Error::DeviceTimeout(format!("{op}: {m}")),
+            other => other,
         })
     }
 
-    /// Reads and clears the device error word; a non-zero code becomes `Error::DeviceTimeout`.
-    /// Call after synchronising the stream the kernels ran on.
+    /// The device error word as a result, for after a stream sync: the same as
+    /// [`check`](Self::check) without naming an operation. Sticky: the word is not cleared, so a
+    /// failed communicator keeps failing (create a new one to go on).
     pub fn check_device_errors(&self) -> Result<()> {
-        // SAFETY: the word is pinned host memory of at least 4 bytes, alive as long as `self`, and
-        // only ever accessed atomically (device atomics and this exchange).
-        let word = unsafe { &*(self.error_word.host_ptr as *const AtomicU32) };
-        match word.swap(0, Ordering::AcqRel) {
-            0 => Ok(()),
-            code => Err(Error::DeviceTimeout(format!(
-                "rank {}: {}",
-                self.rank(),
-                crate::device::describe_device_error(code)
-            ))),
-        }
+        self.check("device work")
     }
 
     /// Describes `[ptr, ptr+size)` of `alloc` (owned by this process) for peers.
@@ -396,7 +493,7 @@ impl Communicator {
                     expected: own + half + ((peer * SEMAPHORES_PER_PEER) as u64 + slot) * word,
                     // Our signals land in the peer's slab, in its row for us.
                     remote_inbound: remote + ((me * SEMAPHORES_PER_PEER) as u64 + slot) * word,
-                    error_word: self.error_word.device_ptr,
+                    error_word: self.health.word.device_ptr,
                     max_spin: 0,
                 }
             })
@@ -423,17 +520,175 @@ impl Communicator {
 
 impl Drop for Communicator {
     fn drop(&mut self) {
+        // After a failure our own kernels may still be in flight (draining: they return at the
+        // error word's first check); unmapping a peer's memory under them would fault this
+        // context, and under MPS every client with it. Wait for them first (bounded by
+        // MSCCLPP_DEVICE_WAIT_TIMEOUT in the backends).
+        if self.health.error().is_some() {
+            if let Err(e) = self.gpu.synchronize_device() {
+                tracing::warn!(target: "mscclpp::conn", "draining a failed communicator's kernels: {e}");
+            }
+        }
         // Peers' mappings of our slab must be gone before it is freed; best effort, since a dead
         // peer must not make teardown hang forever (the bootstrap barrier has a timeout).
         self.slab.peers.clear();
-        if let Err(e) = self.bootstrap.barrier() {
-            tracing::warn!(target: "mscclpp::conn", "teardown barrier failed: {e}");
+        // A failed communicator skips it: the peer to wait for may be stopped, and a barrier
+        // would hold this rank's exit for the whole bootstrap timeout.
+        if self.health.error().is_none() {
+            if let Err(e) = self.bootstrap.barrier() {
+                tracing::warn!(target: "mscclpp::conn", "teardown barrier failed: {e}");
+            }
         }
         if let Err(e) = self.gpu.free(&self.slab.alloc) {
             tracing::warn!(target: "mscclpp::conn", "freeing the semaphore slab failed: {e}");
         }
-        if let Err(e) = self.gpu.free_host_mapped(&self.error_word) {
-            tracing::warn!(target: "mscclpp::conn", "freeing the error word failed: {e}");
-        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bootstrap::{BootstrapConfig, TcpBootstrap};
+    use crate::port_channel::test_gpu::HostGpu;
+    use std::time::Instant;
+
+    /// Runs `body(rank, comm)` on `n` thread ranks, each with a communicator over a TCP bootstrap
+    /// whose steps time out after `timeout`.
+    fn with_comms<T: Send + 'static>(
+        n: usize,
+        timeout: Duration,
+        body: impl Fn(usize, Communicator) -> T + Send + Sync + 'static,
+    ) -> Vec<T> {
+        let gpu: Arc<dyn Gpu> = Arc::new(HostGpu::new());
+        let cfg = BootstrapConfig::default().with_timeout(timeout);
+        let id = TcpBootstrap::create_unique_id(&cfg).expect("unique id");
+        let body = Arc::new(body);
+        let threads: Vec<_> = (0..n)
+            .map(|rank| {
+                let (gpu, id, cfg, body) = (gpu.clone(), id.clone(), cfg.clone(), body.clone());
+                std::thread::spawn(move || {
+                    let boot: Arc<dyn Bootstrap> =
+                        Arc::new(TcpBootstrap::new(rank, n, &id, &cfg).expect("bootstrap"));
+                    body(rank, Communicator::new(boot, gpu, 0).expect("communicator"))
+                })
+            })
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| t.join().expect("rank"))
+            .collect()
+    }
+
+    #[test]
+    fn abort_is_sticky_and_the_first_reason_wins() {
+        with_comms(1, Duration::from_secs(5), |_, comm| {
+            assert!(comm.async_error().is_none());
+            comm.check("allreduce").expect("healthy");
+            comm.abort("first");
+            comm.abort("second");
+            for _ in 0..2 {
+                let e = comm.check("allreduce").expect_err("aborted");
+                assert!(matches!(e, Error::Aborted(_)), "{e}");
+                assert_eq!(
+                    e.to_string(),
+                    "communicator aborted: allreduce: rank 0: first"
+                );
+                // check_device_errors no longer clears the word.
+                assert!(comm.check_device_errors().is_err());
+            }
+            assert!(matches!(comm.async_error(), Some(Error::Aborted(_))));
+        });
+    }
+
+    #[test]
+    fn device_timeout_is_sticky_and_an_abort_keeps_its_code() {
+        with_comms(1, Duration::from_secs(5), |_, comm| {
+            // What a device wait does when it gives up.
+            comm.health.code().store(
+                crate::device::DEVICE_ERROR_PACKET_READ_TIMEOUT,
+                Ordering::Release,
+            );
+            comm.abort("later");
+            let e = comm.check("allgather").expect_err("timed out");
+            assert!(matches!(e, Error::DeviceTimeout(_)), "{e}");
+            assert!(
+                e.to_string()
+                    .contains("allgather: rank 0: an LL packet read timed out"),
+                "{e}"
+            );
+            assert!(comm.check_device_errors().is_err());
+        });
+    }
+
+    #[test]
+    fn the_wait_budget_follows_the_error_word() {
+        with_comms(1, Duration::from_secs(5), |_, comm| {
+            // SAFETY: the test GPU's host-mapped memory is host memory of ERROR_WORD_BYTES.
+            let budget = unsafe {
+                (comm
+                    .health
+                    .word
+                    .host_ptr
+                    .add(crate::device::ERROR_WORD_BUDGET_OFFSET) as *const u32)
+                    .read_volatile()
+            };
+            let want = crate::env::Env::get().expect("env").device_wait_timeout;
+            assert_eq!(budget, crate::device::wait_budget_ms(want));
+        });
+    }
+
+    /// One thread waits on the error word as a device wait does; another aborts: the waiter is
+    /// released at once, with the reason.
+    #[test]
+    fn abort_from_another_thread_releases_a_waiter() {
+        with_comms(1, Duration::from_secs(5), |_, comm| {
+            let comm = Arc::new(comm);
+            let waiter = {
+                let comm = comm.clone();
+                std::thread::spawn(move || {
+                    let deadline = Instant::now() + Duration::from_secs(10);
+                    while comm.async_error().is_none() && Instant::now() < deadline {
+                        std::hint::spin_loop();
+                    }
+                    (Instant::now(), comm.async_error())
+                })
+            };
+            std::thread::sleep(Duration::from_millis(100));
+            let aborted_at = Instant::now();
+            comm.abort("the user gave up");
+            let (released_at, error) = waiter.join().expect("waiter");
+            let lag = released_at.saturating_duration_since(aborted_at);
+            assert!(lag < Duration::from_millis(100), "released after {lag:?}");
+            assert!(
+                matches!(&error, Some(Error::Aborted(m)) if m.contains("the user gave up")),
+                "{error:?}"
+            );
+        });
+    }
+
+    /// A failure anywhere in the job (here: a rank's bootstrap collective times out because its
+    /// peer never joins) aborts the other rank's communicator through the bootstrap, naming the
+    /// rank and the reason, while that rank makes no call at all.
+    #[test]
+    fn a_job_failure_aborts_the_communicator_of_an_idle_rank() {
+        let errors = with_comms(2, Duration::from_secs(1), |rank, comm| {
+            if rank == 1 {
+                assert!(comm.bootstrap().barrier().is_err());
+                return None;
+            }
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while comm.async_error().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            comm.async_error()
+        });
+        let error = errors[0]
+            .as_ref()
+            .expect("rank 0's communicator was not aborted");
+        assert!(matches!(error, Error::Aborted(_)), "{error}");
+        assert!(
+            error.to_string().contains("rank 1 gave up on rank 0"),
+            "{error}"
+        );
     }
 }

@@ -36,6 +36,22 @@ pub const DEVICE_ERROR_ABORTED: u32 = 6;
 /// Spin bound (iterations) the device uses when a handle's `max_spin` is 0.
 pub const DEFAULT_MAX_SPIN: u64 = 1 << 32;
 
+/// Bytes of host-mapped memory behind an error word: the code (u32) at offset 0, then the wait
+/// budget in milliseconds (u32) at [`ERROR_WORD_BUDGET_OFFSET`]. A device wait gives up when the
+/// budget passes (wall clock, `%globaltimer`), when `max_spin` polls passed, or at once when the
+/// code is non-zero; a budget of 0 leaves only the spin bound (`mscclpp::spin_until`).
+pub const ERROR_WORD_BYTES: usize = 8;
+/// Offset of the wait budget (milliseconds, u32) in the error word's memory.
+pub const ERROR_WORD_BUDGET_OFFSET: usize = 4;
+
+/// The wait budget to store next to an error word for a host timeout: whole milliseconds, at
+/// least 1, saturated at u32::MAX (49 days).
+pub fn wait_budget_ms(timeout: std::time::Duration) -> u32 {
+    u32::try_from(timeout.as_millis())
+        .unwrap_or(u32::MAX)
+        .max(1)
+}
+
 /// Words for a non-zero error word, for [`Error::DeviceTimeout`] messages.
 pub fn describe_device_error(code: u32) -> String {
     match code {

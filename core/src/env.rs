@@ -50,7 +50,7 @@
 //! | `MSCCLPP_MASTER_PORT` | `master_port` | 1-65535 | unset |
 //! | `MSCCLPP_GPU_BACKEND` | `gpu_backend` | `cuda rocm auto` | unset (= auto) |
 //! | `MSCCLPP_BOOTSTRAP_TIMEOUT` | `bootstrap_timeout` | seconds | 30 |
-//! | `MSCCLPP_DEVICE_WAIT_TIMEOUT` | `device_wait_timeout` | seconds the host waits for the device (stream sync, proxy flush) | 60 |
+//! | `MSCCLPP_DEVICE_WAIT_TIMEOUT` | `device_wait_timeout` | seconds the host waits for the device (stream sync, proxy flush), and the wall-clock budget of every device-side wait (docs/fail-fast.md) | 60 |
 //! | `RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE` | `launcher` (torchrun) | integers | - |
 //! | `OMPI_COMM_WORLD_RANK _SIZE _LOCAL_RANK _LOCAL_SIZE` | `launcher` (Open MPI) | integers | - |
 //! | `PMI_RANK PMI_SIZE MPI_LOCALRANKID MPI_LOCALNRANKS` | `launcher` (PMI: MPICH, Intel MPI) | integers | - |

@@ -3,14 +3,16 @@
 //! The process tests re-invoke this test binary with `BOOTSTRAP_TEST_ROLE` set; the child runs
 //! [`child_rank_entry`] as one rank and reports on stdout.
 
-use mscclpp_core::bootstrap::{Bootstrap, BootstrapConfig, TcpBootstrap, UniqueId};
+use mscclpp_core::bootstrap::{
+    Bootstrap, BootstrapConfig, FailureListener, TcpBootstrap, UniqueId,
+};
 use mscclpp_core::Error;
 use rstest::rstest;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::sync::{mpsc, Arc, Mutex, Weak};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 const ROLE_VAR: &str = "BOOTSTRAP_TEST_ROLE";
 
@@ -370,7 +372,70 @@ fn child_rank_entry() {
                 }
             }
         }
+        "watch" => {
+            // Subscribes like a communicator, then idles as a rank would inside a device wait:
+            // it never calls the bootstrap again, so only the liveness path can tell it.
+            let (tx, rx) = mpsc::channel();
+            let listener = Arc::new(Notify(Mutex::new(tx)));
+            let weak: Weak<dyn FailureListener> = Arc::downgrade(&listener) as _;
+            b.watch_failures(weak);
+            b.barrier().unwrap();
+            println!("READY");
+            std::io::stdout().flush().unwrap();
+            match rx.recv_timeout(Duration::from_secs(20)) {
+                Ok((blamed, reason)) => println!(
+                    "RESULT failed at_unix_ns={} blamed={blamed} reason={reason}",
+                    unix_ns()
+                ),
+                Err(_) => println!("RESULT no failure seen"),
+            }
+            std::io::stdout().flush().unwrap();
+            // Stay up a moment so the other survivors hear of the death, not of our exit.
+            std::thread::sleep(Duration::from_secs(2));
+            drop(b);
+            std::process::exit(3);
+        }
+        "ping" => {
+            b.barrier().unwrap();
+            println!("READY");
+            std::io::stdout().flush().unwrap();
+            if rank == 0 {
+                // The parent stops the last rank meanwhile.
+                std::thread::sleep(Duration::from_millis(1500));
+                let silent = b.unresponsive_peers(Duration::from_millis(700));
+                println!("RESULT silent={silent:?}");
+                std::io::stdout().flush().unwrap();
+            } else {
+                std::thread::sleep(Duration::from_secs(4));
+            }
+            std::process::exit(0);
+        }
         other => panic!("unknown role {other}"),
+    }
+}
+
+/// Forwards the failure to the child's main thread.
+struct Notify(Mutex<mpsc::Sender<(usize, String)>>);
+
+impl FailureListener for Notify {
+    fn job_failed(&self, rank: usize, reason: &str) {
+        let _ = self.0.lock().unwrap().send((rank, reason.to_string()));
+    }
+}
+
+fn unix_ns() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+}
+
+/// Reads lines from `c`'s stdout until one contains `what`.
+fn wait_for_line(out: &mut impl BufRead, what: &str) {
+    let mut line = String::new();
+    while !line.contains(what) {
+        line.clear();
+        assert!(out.read_line(&mut line).unwrap() > 0, "ended before {what}");
     }
 }
 
@@ -457,4 +522,92 @@ fn killed_process_fails_the_others() {
         assert!(line.starts_with("RESULT error"), "rank {r}: {line}");
     }
     eprintln!("all surviving ranks failed within {:?}", t0.elapsed());
+}
+
+/// A SIGKILLed rank (no goodbye, no cooperation) makes every other rank's failure listener fire
+/// within a second, blaming it, while those ranks make no bootstrap call at all.
+#[rstest]
+#[case::middle_of_four(4, 2)]
+#[case::root_of_three(3, 0)]
+#[case::last_of_five(5, 4)]
+fn killed_rank_fires_every_listener_within_a_second(#[case] n: usize, #[case] victim: usize) {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut kids: Vec<Child> = (0..n).map(|r| spawn_rank("watch", r, n, &addr)).collect();
+    let mut outs: Vec<_> = kids
+        .iter_mut()
+        .map(|c| BufReader::new(c.stdout.take().unwrap()))
+        .collect();
+    for out in &mut outs {
+        wait_for_line(out, "READY");
+    }
+    // Let the liveness links settle, then kill the victim outright.
+    std::thread::sleep(Duration::from_millis(200));
+    let killed_at = unix_ns();
+    kids[victim].kill().unwrap();
+    let _ = kids[victim].wait();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for (r, c) in kids.iter_mut().enumerate() {
+        if r == victim {
+            continue;
+        }
+        let st = wait_with_deadline(c, deadline);
+        let mut rest = String::new();
+        outs[r].read_to_string(&mut rest).unwrap();
+        let line = rest
+            .lines()
+            .find_map(|l| l.find("RESULT").map(|at| l[at..].to_string()))
+            .unwrap_or_default();
+        assert_eq!(st.code(), Some(3), "rank {r}: {st} {line}");
+        let at: u128 = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("at_unix_ns="))
+            .unwrap_or_else(|| panic!("rank {r}: {line}"))
+            .parse()
+            .unwrap();
+        let after = Duration::from_nanos((at.saturating_sub(killed_at)) as u64);
+        assert!(
+            line.contains(&format!("blamed={victim} ")),
+            "rank {r} blamed the wrong rank: {line}"
+        );
+        assert!(
+            after < Duration::from_secs(1),
+            "rank {r} heard after {after:?}: {line}"
+        );
+        eprintln!("rank {r}: failure seen {after:?} after the kill");
+    }
+}
+
+/// A stopped rank (SIGSTOP: sockets open, nobody reading) is named by `unresponsive_peers`, and
+/// only it.
+#[test]
+fn stopped_rank_is_named_unresponsive() {
+    let n = 3;
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut kids: Vec<Child> = (0..n).map(|r| spawn_rank("ping", r, n, &addr)).collect();
+    let mut outs: Vec<_> = kids
+        .iter_mut()
+        .map(|c| BufReader::new(c.stdout.take().unwrap()))
+        .collect();
+    for out in &mut outs {
+        wait_for_line(out, "READY");
+    }
+    let victim = kids[n - 1].id().to_string();
+    let signal = |sig: &str| {
+        let st = Command::new("kill").args([sig, &victim]).status().unwrap();
+        assert!(st.success(), "kill {sig} {victim}");
+    };
+    signal("-STOP");
+    let st = wait_with_deadline(&mut kids[0], Instant::now() + Duration::from_secs(10));
+    signal("-CONT");
+    let mut rest = String::new();
+    outs[0].read_to_string(&mut rest).unwrap();
+    for c in &mut kids[1..] {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    assert!(st.success(), "rank 0: {st} {rest}");
+    assert!(
+        rest.contains(&format!("RESULT silent=[{}]", n - 1)),
+        "rank 0: {rest}"
+    );
 }

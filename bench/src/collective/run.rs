@@ -328,6 +328,8 @@ impl<'a> Bench<'a> {
         self.bootstrap.size()
     }
 
+    /// Waits for the stream; when that fails and the communicator has failed, the
+    /// communicator's error (naming the peer) is the one reported.
     fn sync(&self) -> Result<()> {
         synchronize(
             &self.gpu,
@@ -335,6 +337,7 @@ impl<'a> Bench<'a> {
             self.env.device_wait_timeout,
             self.rank(),
         )
+        .or_else(|e| self.comm.check("the benchmark stream").and(Err(e)))
     }
 
     /// Every rank's `local` result; see the module docs for how failures combine.
@@ -344,6 +347,11 @@ impl<'a> Bench<'a> {
         local: Result<T>,
         tolerated: fn(&Error) -> bool,
     ) -> Result<Agreed<T>> {
+        // A failed communicator ends the run on every rank, each from its own error word or its
+        // bootstrap's liveness: agreeing first would wait on the dead or stopped peer.
+        if let Err(e @ (Error::Aborted(_) | Error::DeviceTimeout(_))) = local {
+            return Err(e);
+        }
         let status = match local {
             Ok(v) => Status::Done(v),
             Err(e) if tolerated(&e) => Status::Declined(e.to_string()),
@@ -637,7 +645,14 @@ impl<'a> Bench<'a> {
         };
         let name = Some(algo.name().to_string());
         let args = args;
-        let call = || algo.execute(&args);
+        let comm = self.comm.clone();
+        let op_name = format!("{} ({})", shape.collective, algo.name());
+        // One host load per call: a failed communicator (dead or stopped peer, abort) stops the
+        // loop at the next call instead of queueing more kernels behind it.
+        let call = || {
+            comm.check(&op_name)?;
+            algo.execute(&args)
+        };
         let timed = self.time(&call);
         let times = match self.agree_all("timing", timed, deterministic)? {
             Ok(t) => t,
@@ -722,6 +737,7 @@ impl<'a> Bench<'a> {
                 match graph {
                     Some(g) => {
                         for _ in 0..o.graph_replays {
+                            self.comm.check("a graph replay")?;
                             self.gpu.launch_graph(g, self.stream)?;
                         }
                     }

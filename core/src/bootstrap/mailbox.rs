@@ -19,6 +19,8 @@ struct State {
     queues: HashMap<Key, VecDeque<Vec<u8>>>,
     /// Peers whose incoming connection ended, with the reason given to waiters.
     closed: HashMap<usize, String>,
+    /// Peers that ended theirs with a goodbye (a clean shutdown, not a failure).
+    said_goodbye: std::collections::HashSet<usize>,
     /// Set once a collective failed anywhere: (rank blamed, reason). Poisons every later wait
     /// that finds its queue empty, since the job cannot make progress any more.
     aborted: Option<(usize, String)>,
@@ -55,6 +57,16 @@ impl Mailbox {
     pub fn close_peer(&self, peer: usize, reason: String) {
         self.lock().closed.entry(peer).or_insert(reason);
         self.cv.notify_all();
+    }
+
+    /// As [`close_peer`](Self::close_peer), for a peer that said goodbye.
+    pub fn goodbye(&self, peer: usize, reason: String) {
+        self.lock().said_goodbye.insert(peer);
+        self.close_peer(peer, reason);
+    }
+
+    pub fn said_goodbye(&self, peer: usize) -> bool {
+        self.lock().said_goodbye.contains(&peer)
     }
 
     /// Records a job-wide failure. Returns true the first time, so the caller forwards it once.
@@ -100,7 +112,8 @@ impl Mailbox {
                     return Ok(msg);
                 }
             }
-            if let Some((rank, reason)) = &st.aborted {
+            // Liveness answers are awaited after a failure too: they name who stalled.
+            if let (Some((rank, reason)), false) = (&st.aborted, key.1 == FrameKind::Pong) {
                 return Err(Error::Peer {
                     rank: *rank,
                     message: format!("job aborted: {reason}"),

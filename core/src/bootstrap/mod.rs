@@ -4,6 +4,8 @@
 //! over TCP with MSCCL++'s semantics (UniqueId from rank 0, ring/all-to-all sockets, tags).
 
 use crate::error::Result;
+use std::sync::Weak;
+use std::time::Duration;
 
 mod collectives;
 pub mod config;
@@ -20,6 +22,13 @@ pub use iface::{list_interfaces, InterfaceAddr};
 pub use tcp::{root_address_from_env, TcpBootstrap};
 pub use unique_id::UniqueId;
 pub use wire::{Secret, SECRET_LEN};
+
+/// Told once when the job fails: a peer's process died (its bootstrap connection closed without a
+/// goodbye) or a collective failed on some rank. Communicators subscribe to abort themselves.
+pub trait FailureListener: Send + Sync {
+    /// `rank` is the rank blamed, `reason` says why. Called on a bootstrap thread: must not block.
+    fn job_failed(&self, rank: usize, reason: &str);
+}
 
 /// Out-of-band messaging between the ranks of one job.
 ///
@@ -42,4 +51,21 @@ pub trait Bootstrap: Send + Sync {
     fn barrier(&self) -> Result<()>;
     /// `root`'s `data` reaches every rank; the argument is ignored on other ranks.
     fn broadcast(&self, root: usize, data: &[u8]) -> Result<Vec<u8>>;
+
+    /// Subscribes `listener` to the job's failure: it is called once, within a second of a peer's
+    /// process dying, or at once if the job already failed. Held weakly, so dropping the listener
+    /// unsubscribes it. Collective in the sense that every rank subscribes at the same point (the
+    /// TCP bootstrap opens its liveness link then). The default never calls: a bootstrap without
+    /// liveness (tests' in-process mocks).
+    fn watch_failures(&self, listener: Weak<dyn FailureListener>) {
+        let _ = listener;
+    }
+
+    /// Peers that did not answer a liveness ping within `within`: stopped (SIGSTOP), hung in the
+    /// kernel, or dead (peers that shut down cleanly, with a goodbye, are not counted). Used to name the rank behind a device wait that timed out. The default
+    /// knows of none.
+    fn unresponsive_peers(&self, within: Duration) -> Vec<usize> {
+        let _ = within;
+        Vec::new()
+    }
 }

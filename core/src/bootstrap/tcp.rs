@@ -22,6 +22,16 @@
 //!
 //! Dropping a `TcpBootstrap` says goodbye on every link, so peers can tell a clean shutdown from a
 //! crash. Drop it before the process exits.
+//!
+//! # Liveness
+//! A connection that closes without a goodbye means the peer's process died (the kernel closes a
+//! dead process's sockets at once, SIGKILL included): the reader aborts the job, blaming that
+//! peer, floods the abort and tells the [`FailureListener`]s (communicators abort themselves). For
+//! every death to be seen, [`watch_failures`](Bootstrap::watch_failures) opens each rank's link
+//! to its ring successor, so every rank has a reader on its predecessor; the flood then goes round
+//! the ring, one local TCP hop per rank. A stopped process keeps its sockets open: it is named by
+//! [`unresponsive_peers`](Bootstrap::unresponsive_peers) (pings answered by reader threads) once a
+//! device wait timed out.
 
 use super::collectives::{self, Exchange};
 use super::config::BootstrapConfig;
@@ -34,14 +44,14 @@ use super::wire::{
     is_timeout, read_exact_until, read_frame, secrets_equal, write_frame, FrameKind, FrameRead,
     Hello, HelloKind, Secret,
 };
-use super::Bootstrap;
+use super::{Bootstrap, FailureListener};
 use crate::env::Env;
 use crate::error::{Error, Result};
 use sha2::{Digest, Sha256};
 use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -83,6 +93,10 @@ struct Inner {
     stop: AtomicBool,
     incoming: Mutex<Incoming>,
     collective_seq: AtomicU64,
+    /// Told when the job fails (see [`Bootstrap::watch_failures`]).
+    listeners: Mutex<Vec<Weak<dyn FailureListener>>>,
+    /// Nonces of liveness pings, so a late answer to an old ping is never taken for a new one.
+    ping_nonce: AtomicU64,
 }
 
 impl TcpBootstrap {
@@ -203,6 +217,8 @@ impl TcpBootstrap {
             stop: AtomicBool::new(false),
             incoming: Mutex::new(Incoming::default()),
             collective_seq: AtomicU64::new(0),
+            listeners: Mutex::new(Vec::new()),
+            ping_nonce: AtomicU64::new(0),
         });
         let acceptor = {
             let inner = Arc::clone(&inner);
@@ -487,26 +503,27 @@ fn serve_connection(inner: &Arc<Inner>, mut stream: TcpStream, from: SocketAddr)
                 FrameKind::Goodbye => {
                     inner
                         .mailbox
-                        .close_peer(peer, format!("rank {peer} shut down its bootstrap"));
+                        .goodbye(peer, format!("rank {peer} shut down its bootstrap"));
                     return;
                 }
                 FrameKind::Abort => {
                     let (blamed, reason) = parse_abort(&payload, peer);
                     inner.abort_job(blamed, reason);
                 }
+                FrameKind::Ping => inner.answer_ping(peer, tag),
+                FrameKind::Pong => inner.mailbox.push((peer, kind, tag), payload),
             },
             Ok(FrameRead::Closed) => {
-                inner.mailbox.close_peer(
-                    peer,
-                    "connection closed unexpectedly (the process exited or crashed)".into(),
-                );
+                let why = "connection closed unexpectedly (the process exited or crashed)";
+                inner.mailbox.close_peer(peer, why.into());
+                inner.abort_job(peer, format!("rank {peer} died: its bootstrap {why}"));
                 return;
             }
             Err(why) => {
                 if !inner.stop.load(Ordering::Acquire) {
-                    inner
-                        .mailbox
-                        .close_peer(peer, format!("connection closed: {why}"));
+                    let why = format!("connection closed: {why}");
+                    inner.mailbox.close_peer(peer, why.clone());
+                    inner.abort_job(peer, format!("rank {peer} failed: its bootstrap {why}"));
                 }
                 return;
             }
@@ -531,16 +548,11 @@ fn parse_abort(payload: &[u8], from: usize) -> (usize, String) {
 }
 
 impl Inner {
-    /// Opens (and handshakes) this rank's sending connection to `peer`.
-    fn connect_peer(&self, peer: usize) -> Result<TcpStream> {
+    /// Opens (and handshakes) this rank's sending connection to `peer`, within `timeout`.
+    fn connect_peer(&self, peer: usize, timeout: Duration) -> Result<TcpStream> {
         let addr = self.peers[peer];
-        let deadline = Instant::now() + self.timeout;
-        let mut s = connect_until(
-            addr,
-            deadline,
-            self.timeout,
-            &format!("rank {peer} at {addr}"),
-        )?;
+        let deadline = Instant::now() + timeout;
+        let mut s = connect_until(addr, deadline, timeout, &format!("rank {peer} at {addr}"))?;
         let hello = Hello {
             kind: HelloKind::Peer,
             secret: self.secret,
@@ -559,7 +571,7 @@ impl Inner {
             &mut s,
             &mut buf,
             deadline,
-            self.timeout,
+            timeout,
             peer,
             &format!("rank {peer}'s handshake answer from {addr}"),
         )?;
@@ -583,6 +595,18 @@ impl Inner {
     }
 
     fn send_frame(&self, peer: usize, kind: FrameKind, tag: u64, data: &[u8]) -> Result<()> {
+        self.send_frame_within(peer, kind, tag, data, self.timeout)
+    }
+
+    /// As `send_frame`, opening the link (if it is not open yet) within `connect_timeout`.
+    fn send_frame_within(
+        &self,
+        peer: usize,
+        kind: FrameKind,
+        tag: u64,
+        data: &[u8],
+        connect_timeout: Duration,
+    ) -> Result<()> {
         if peer >= self.size {
             return Err(Error::InvalidArgument(format!(
                 "peer rank {peer} is not in this {}-rank job",
@@ -595,7 +619,7 @@ impl Inner {
         }
         let mut slot = lock(&self.out[peer]);
         if slot.is_none() {
-            *slot = Some(self.connect_peer(peer)?);
+            *slot = Some(self.connect_peer(peer, connect_timeout)?);
         }
         let Some(stream) = slot.as_mut() else {
             return Err(Error::Internal(
@@ -651,6 +675,10 @@ impl Inner {
             return;
         }
         tracing::error!("bootstrap rank {}: aborting the job: {reason}", self.rank);
+        let listeners = std::mem::take(&mut *lock(&self.listeners));
+        for l in listeners.iter().filter_map(Weak::upgrade) {
+            l.job_failed(blamed, &reason);
+        }
         let inner = Arc::clone(self);
         let spawned = std::thread::Builder::new()
             .name(format!("mscclpp-bootstrap-abort-{}", self.rank))
@@ -677,8 +705,80 @@ impl Inner {
         }
     }
 
-    /// Runs after any failed collective step: turns the local failure into a job abort.
+    /// Answers `peer`'s liveness ping on a thread of its own: the reader must keep draining its
+    /// socket, and the link to `peer` may be busy with a large send or still to be opened.
+    fn answer_ping(self: &Arc<Inner>, peer: usize, nonce: u64) {
+        let inner = Arc::clone(self);
+        let spawned = std::thread::Builder::new()
+            .name(format!("mscclpp-bootstrap-pong-{}", self.rank))
+            .spawn(move || {
+                if let Err(e) = inner.send_frame(peer, FrameKind::Pong, nonce, &[]) {
+                    tracing::debug!("bootstrap rank {}: pong to rank {peer}: {e}", inner.rank);
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(
+                "bootstrap rank {}: cannot spawn a pong thread: {e}",
+                self.rank
+            );
+        }
+    }
+
+    /// See [`Bootstrap::unresponsive_peers`].
+    fn unresponsive_peers(self: &Arc<Inner>, within: Duration) -> Vec<usize> {
+        let inner = self;
+        let nonce = inner.ping_nonce.fetch_add(1, Ordering::Relaxed);
+        let peers: Vec<usize> = (0..inner.size).filter(|&p| p != inner.rank).collect();
+        // Sends on threads: opening a link to a stopped process blocks until the bootstrap
+        // timeout (its kernel accepts, nobody answers the handshake).
+        for &peer in &peers {
+            let inner = Arc::clone(self);
+            let _ = std::thread::Builder::new()
+                .name(format!("mscclpp-bootstrap-ping-{}", inner.rank))
+                .spawn(move || {
+                    // A stopped peer's kernel accepts the connection but nobody answers the
+                    // handshake: give up with the ping rather than hold the link's lock.
+                    let _ = inner.send_frame_within(peer, FrameKind::Ping, nonce, &[], within);
+                });
+        }
+        let deadline = Instant::now() + within;
+        peers
+            .into_iter()
+            .filter(|&peer| {
+                !inner.mailbox.said_goodbye(peer)
+                    && inner
+                        .mailbox
+                        .wait((peer, FrameKind::Pong, nonce), deadline, within, || {
+                            format!("rank {peer}'s liveness answer")
+                        })
+                        .is_err()
+            })
+            .collect()
+    }
+
+    /// Runs after any failed collective step: turns the local failure into a job abort. A
+    /// timeout blames the peer waited for only when no other peer is silent: with a stopped
+    /// rank, the peer waited for may itself be waiting for it.
     fn fail(self: &Arc<Inner>, peer: usize, op: &str, e: Error) -> Error {
+        if let Error::Timeout { .. } = &e {
+            let silent = self.unresponsive_peers(Duration::from_millis(500));
+            if let Some(&stalled) = silent
+                .iter()
+                .find(|&&p| p != peer)
+                .filter(|_| !silent.contains(&peer))
+            {
+                let why = format!(
+                    "rank {} timed out in {op} and rank {stalled} does not answer liveness pings \
+                     (stopped or hung): {e}",
+                    self.rank
+                );
+                self.abort_job(stalled, why.clone());
+                return Error::Peer {
+                    rank: stalled,
+                    message: why,
+                };
+            }
+        }
         if !matches!(&e, Error::Peer { message, .. } if message.starts_with("job aborted")) {
             self.abort_job(
                 peer,
@@ -735,6 +835,40 @@ impl Bootstrap for TcpBootstrap {
     fn broadcast(&self, root: usize, data: &[u8]) -> Result<Vec<u8>> {
         self.collective(|x, seq| collectives::broadcast(x, seq, root, data))
     }
+    fn watch_failures(&self, listener: Weak<dyn FailureListener>) {
+        let inner = &self.inner;
+        {
+            // Checked under the listeners' lock: `abort_job` marks the mailbox before it takes
+            // the listeners, so a failure is either seen here or delivered to this listener.
+            let mut listeners = lock(&inner.listeners);
+            if let Some((rank, reason)) = inner.mailbox.aborted() {
+                drop(listeners);
+                if let Some(l) = listener.upgrade() {
+                    l.job_failed(rank, &reason);
+                }
+                return;
+            }
+            listeners.retain(|l| l.strong_count() > 0);
+            listeners.push(listener);
+        }
+        // The ring link: our successor then reads from us, so it sees our death.
+        let next = (inner.rank + 1) % inner.size;
+        if next != inner.rank {
+            let mut slot = lock(&inner.out[next]);
+            if slot.is_none() {
+                match inner.connect_peer(next, inner.timeout) {
+                    Ok(s) => *slot = Some(s),
+                    Err(e) => tracing::warn!(
+                        "bootstrap rank {}: liveness link to rank {next}: {e}",
+                        inner.rank
+                    ),
+                }
+            }
+        }
+    }
+    fn unresponsive_peers(&self, within: Duration) -> Vec<usize> {
+        self.inner.unresponsive_peers(within)
+    }
 }
 
 impl Drop for TcpBootstrap {
@@ -743,11 +877,20 @@ impl Drop for TcpBootstrap {
         inner.stop.store(true, Ordering::Release);
         lock(&inner.incoming).closed = true;
         // Goodbye first, so peers read it as a clean shutdown rather than a crash. A short write
-        // timeout: a peer that stopped reading must not hold up our exit.
+        // timeout: a peer that stopped reading must not hold up our exit. A failed job's abort
+        // goes before it: the flood thread may not have reached every link yet, and a peer stops
+        // reading at the goodbye.
+        let abort = inner
+            .mailbox
+            .aborted()
+            .map(|(blamed, reason)| encode_abort(blamed, &reason));
         for slot in &inner.out {
             let mut slot = lock(slot);
             if let Some(s) = slot.as_mut() {
                 let _ = s.set_write_timeout(Some(Duration::from_millis(200)));
+                if let Some(payload) = &abort {
+                    let _ = write_frame(s, FrameKind::Abort, 0, payload);
+                }
                 let _ = write_frame(s, FrameKind::Goodbye, 0, &[]);
                 let _ = s.shutdown(Shutdown::Both);
             }

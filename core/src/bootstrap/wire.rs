@@ -167,6 +167,10 @@ pub(crate) enum FrameKind {
     Goodbye = 2,
     /// A collective failed somewhere; payload = origin rank (u32) + reason (UTF-8).
     Abort = 3,
+    /// Liveness question; the tag is a nonce the receiver echoes in its `Pong`.
+    Ping = 4,
+    /// Liveness answer, sent by the reader thread (so a rank busy in a device wait still answers).
+    Pong = 5,
 }
 
 impl FrameKind {
@@ -176,6 +180,8 @@ impl FrameKind {
             1 => Some(FrameKind::Collective),
             2 => Some(FrameKind::Goodbye),
             3 => Some(FrameKind::Abort),
+            4 => Some(FrameKind::Ping),
+            5 => Some(FrameKind::Pong),
             _ => None,
         }
     }

@@ -1,8 +1,11 @@
 // mscclpp-rs device library: the device error word.
 //
 // Device code never hangs and never traps: a bounded wait that gives up records a code in a
-// host-mapped u32 (first error wins) and returns false. The host reads the word after synchronising
-// and turns a non-zero value into Error::DeviceTimeout. The codes are mirrored in core/src/device.rs.
+// host-mapped u32 (first error wins) and returns false. The word is sticky: the host never clears
+// it, so once a communicator failed every later wait and kernel of it returns at once, and every
+// later host call on it reports the error. The host reads it with one load (no stream sync) and
+// turns a non-zero value into Error::DeviceTimeout / Error::Aborted. The codes are mirrored in
+// core/src/device.rs.
 #pragma once
 #include "mscclpp/common.cuh"
 
@@ -32,14 +35,51 @@ MSCCLPP_DEVICE_INLINE bool aborted(const u32* word) {
   return word != nullptr && atomic_load_acquire_sys(word) != kErrorNone;
 }
 
-// Bounded spin helper: calls `ready()` until it returns true or `max_spin` iterations passed; on
-// timeout records `code` in `error_word` and returns false. One implementation for every wait in
-// the library so the timeout policy lives in one place.
+// The error word's page: the host allocates 8 bytes, `word[0]` is the error code above and
+// `word[1]` the wait budget in milliseconds the host wrote at setup (MSCCLPP_DEVICE_WAIT_TIMEOUT;
+// 0 = no time budget, only the spin bound). Layout mirrored in core/src/device.rs.
+MSCCLPP_DEVICE_INLINE u32 wait_budget_ms(const u32* word) {
+  return word == nullptr ? 0u : *reinterpret_cast<const volatile u32*>(word + 1);
+}
+
+// A wait looks at the error word and the clock once per this many unsuccessful polls: a read of
+// host-mapped memory costs a PCIe round trip (about 1 us), so checking every poll would slow the
+// waits that succeed after a few polls, while every 256 polls costs under 1% and still notices an
+// abort within microseconds.
+constexpr u64 kWaitCheckInterval = 256;
+
+// Nanoseconds of a clock that runs at a fixed rate whatever the SM clock does.
+MSCCLPP_DEVICE_INLINE u64 wall_clock_ns() {
+#if defined(MSCCLPP_CUDA)
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+#else
+  // gfx9 (MI200/MI300): s_memrealtime counts at a constant 100 MHz.
+  return __builtin_amdgcn_s_memrealtime() * 10ull;
+#endif
+}
+
+// Bounded wait: calls `ready()` until it returns true. Gives up and returns false when
+//  - the error word already holds an error (an abort, a dead peer, a wait that timed out in an
+//    earlier kernel): nothing is recorded, the first error stays;
+//  - the time budget in the error word's page passed (wall clock, so time-slicing and MPS sharing
+//    count as they do for the host), or `max_spin` polls passed: `code` is recorded.
+// The first poll is made before anything else, so a wait that is already satisfied costs one load.
+// One implementation for every wait in the library so the timeout policy lives in one place.
 template <typename Ready>
 MSCCLPP_DEVICE_INLINE bool spin_until(Ready ready, u64 max_spin, u32* error_word, u32 code) {
+  if (ready()) return true;
   const u64 limit = effective_max_spin(max_spin);
-  for (u64 spin = 0; spin < limit; ++spin) {
+  const u64 start = wall_clock_ns();
+  u64 budget_ns = 0;  // read on the first check, off the fast path
+  for (u64 spin = 1; spin < limit; ++spin) {
     if (ready()) return true;
+    if (spin % kWaitCheckInterval == 0) {
+      if (aborted(error_word)) return false;
+      if (budget_ns == 0) budget_ns = static_cast<u64>(wait_budget_ms(error_word)) * 1000000ull;
+      if (budget_ns != 0 && wall_clock_ns() - start > budget_ns) break;
+    }
   }
   // One last look: the condition may have become true during the final iteration.
   if (ready()) return true;

@@ -513,15 +513,30 @@ fn semaphore_stress(s: &mut Suite, primitives: Module) -> Result<String> {
 fn peer_stops(s: &mut Suite, primitives: Module) -> Result<String> {
     let gpu = s.ctx.gpu.clone();
     let f = s.function(primitives, "semaphore_stress")?;
+    let mut sem = pair_semaphores(s, 1)?[0];
+    // About a million polls: long enough for a live peer, short enough for a test.
+    sem.max_spin = 1 << 20;
+    // A private error word: the communicator's is sticky, and the later sections still use it.
+    let word = gpu.alloc_host_mapped(mscclpp::core::device::ERROR_WORD_BYTES)?;
+    sem.error_word = word.device_ptr;
+    let result = peer_stops_with(s, f, sem, &word);
+    gpu.free_host_mapped(&word)?;
+    result
+}
+
+fn peer_stops_with(
+    s: &mut Suite,
+    f: Function,
+    sem: D2DSemaphoreHandle,
+    word: &mscclpp::core::gpu::HostMapped,
+) -> Result<String> {
+    let gpu = s.ctx.gpu.clone();
     let completed = DeviceBuffer::new(&gpu, 4, MemoryKind::Plain)?;
     let chans_dev = DeviceBuffer::new(
         &gpu,
         std::mem::size_of::<MemoryChannelHandle>(),
         MemoryKind::Plain,
     )?;
-    let mut sem = pair_semaphores(s, 1)?[0];
-    // About a million polls: long enough for a live peer, short enough for a test.
-    sem.max_spin = 1 << 20;
     let chan = MemoryChannelHandle {
         semaphore: sem,
         ..Default::default()
@@ -539,7 +554,10 @@ fn peer_stops(s: &mut Suite, primitives: Module) -> Result<String> {
             .push(0u32)
             .push(completed.ptr());
         s.launch(f, LaunchConfig::linear(1, 32), &mut a)?;
-        match s.sync_and_check() {
+        s.ctx.gpu.synchronize_stream(s.stream)?;
+        // SAFETY: the word is live host-mapped memory, read once the kernel finished.
+        let code = unsafe { (word.host_ptr as *const u32).read_volatile() };
+        match mscclpp::core::device::check_device_error(code, "the lone wait") {
             Err(Error::DeviceTimeout(msg)) => {
                 detail = format!(
                     "timeout reported after {:.0} ms: {msg}",

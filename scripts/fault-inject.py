@@ -1,0 +1,268 @@
+#!/usr/bin/env python3
+"""Fault injection: kill or stop one rank of a running job and check that every other rank fails
+fast, with an error naming that rank.
+
+Each run starts N ranks of `mscclpp-bench collective` on this machine's GPU(s) (several ranks share
+a GPU when N exceeds the GPUs, optionally under MPS), waits --delay seconds, then SIGKILLs or
+SIGSTOPs one rank (the victim). It passes when every survivor exits non-zero within
+MSCCLPP_DEVICE_WAIT_TIMEOUT + --slack seconds of the signal and its error output names the
+victim ("rank V"). Survivors still running at --hang-after seconds are killed and the run fails.
+
+Ranks are started directly with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT), not under torchrun: torchrun's agent tears the job down itself when one worker dies,
+which would hide whether the survivors notice on their own.
+
+Workloads (the bench's options; each run is a long loop the signal lands in):
+  eager   allreduce (--size), launched back to back: a deep launch queue behind the failure
+  graph   allreduce captured into a CUDA graph of --graph-calls calls, replayed many times
+  small   as eager with 1 KiB messages (packet kernels, many launches per second)
+
+Examples (from the repository root on the GPU machine, after scripts/gpu-stage.sh):
+  python3 .gpu/fault-inject.py --ranks 2,4 --signals KILL,STOP --workloads eager,graph \
+      --mps 0,1 --runs 3
+Prints one line per run and a table per configuration (min/median/max of the slowest survivor's
+time, pass count). Exit status 0 only when every run passed.
+"""
+
+import argparse
+import itertools
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+NVLS_OFF = {
+    "NCCL_NVLS_ENABLE": "0",
+    "MSCCLPP_FORCE_DISABLE_NVLS": "1",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
+
+
+def workload_args(name, size, short=False):
+    """The bench's arguments; `short` makes a run of a few calls (to fill the kernel cache)."""
+    common = ["collective", "-c", "allreduce", "-d", "bf16", "-w", "1", "-m", "1", "--inplace-only"]
+    if name == "eager":
+        return common + ["-b", size, "-e", size, "-n", "5" if short else "1000000"]
+    if name == "small":
+        return common + ["-b", "1K", "-e", "1K", "-n", "5" if short else "100000000"]
+    if name == "graph":
+        return common + ["-b", size, "-e", size, "-n", "20", "-G", "2" if short else "1000000"]
+    raise SystemExit(f"unknown workload {name!r} (eager, small, graph)")
+
+
+def gpu_count():
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True)
+        return max(1, len(out.stdout.strip().splitlines()))
+    except (OSError, subprocess.CalledProcessError):
+        return 1
+
+
+class Mps:
+    """An MPS server for the ranks of one configuration (started fresh, quit afterwards)."""
+
+    def __init__(self, nranks, ngpu, workdir):
+        self.env = {
+            "CUDA_MPS_PIPE_DIRECTORY": os.path.join(workdir, "mps-pipe"),
+            "CUDA_MPS_LOG_DIRECTORY": os.path.join(workdir, "mps-log"),
+        }
+        for d in self.env.values():
+            os.makedirs(d, exist_ok=True)
+        if nranks > ngpu:
+            # Every native kernel needs its whole grid resident: hold each rank to its share.
+            self.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(100 * ngpu // nranks)
+
+    def start(self):
+        subprocess.run(["nvidia-cuda-mps-control", "-d"], env={**os.environ, **self.env}, check=True)
+
+    def stop(self):
+        subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True,
+                       env={**os.environ, **self.env}, check=False)
+        time.sleep(1)
+
+
+def gpu_usable(extra_env):
+    """True when a new process can still create a CUDA context (a killed MPS client can break
+    the MPS server for everyone after it)."""
+    probe = "import ctypes; c = ctypes.CDLL('libcuda.so.1'); assert c.cuInit(0) == 0; " \
+            "d = ctypes.c_int(); assert c.cuDeviceGet(ctypes.byref(d), 0) == 0; " \
+            "x = ctypes.c_void_p(); r = c.cuDevicePrimaryCtxRetain(ctypes.byref(x), d); " \
+            "assert r == 0, r; import sys; sys.exit(0)"
+    r = subprocess.run([sys.executable, "-c", probe], env={**os.environ, **extra_env},
+                       capture_output=True, timeout=60)
+    return r.returncode == 0
+
+
+def warm_up(a, nranks, workload, extra_env, port, logdir):
+    """One short run without a signal, so the timed runs do not wait for NVRTC."""
+    env = {**os.environ, **NVLS_OFF, **extra_env, "MSCCLPP_CACHE_DIR": a.cache_dir,
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": str(nranks), "LOCAL_WORLD_SIZE": str(nranks)}
+    env.pop("MSCCLPP_ENABLE_NVLS", None)
+    args = [a.bench] + (a.bench_args.split() if a.bench_args else
+                        workload_args(workload, a.size, short=True))
+    procs = []
+    with open(os.path.join(logdir, f"warm-n{nranks}-{workload}.log"), "w") as log:
+        for r in range(nranks):
+            procs.append(subprocess.Popen(args, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                          stdout=log, stderr=subprocess.STDOUT))
+        for p in procs:
+            try:
+                p.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def one_run(a, nranks, sig, workload, extra_env, port, logdir, tag):
+    victim = a.victim if a.victim >= 0 else nranks - 1
+    env = {**os.environ, **NVLS_OFF, **extra_env,
+           "MSCCLPP_DEVICE_WAIT_TIMEOUT": str(a.timeout),
+           "MSCCLPP_BOOTSTRAP_TIMEOUT": str(a.bootstrap_timeout),
+           "MSCCLPP_CACHE_DIR": a.cache_dir,
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": str(nranks), "LOCAL_WORLD_SIZE": str(nranks)}
+    env.pop("MSCCLPP_ENABLE_NVLS", None)
+    args = [a.bench] + (a.bench_args.split() if a.bench_args else workload_args(workload, a.size))
+    procs, logs = [], []
+    for r in range(nranks):
+        log = open(os.path.join(logdir, f"{tag}.rank{r}.log"), "w+")
+        rank_env = {**env, "RANK": str(r), "LOCAL_RANK": str(r)}
+        procs.append(subprocess.Popen(args, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
+        logs.append(log)
+    time.sleep(a.delay)
+    early = [r for r, p in enumerate(procs) if p.poll() is not None]
+    sent = time.monotonic()
+    if not early:
+        os.kill(procs[victim].pid, SIGNALS[sig])
+    survivors = [r for r in range(nranks) if r != victim]
+    ended = {}
+    while len(ended) < len(survivors) and time.monotonic() - sent < a.hang_after:
+        for r in survivors:
+            if r not in ended and procs[r].poll() is not None:
+                ended[r] = time.monotonic() - sent
+        time.sleep(0.01)
+    for r, p in enumerate(procs):
+        if p.poll() is None:
+            if r == victim and sig == "STOP":
+                p.send_signal(signal.SIGCONT)
+            p.kill()
+        p.wait()
+    named = re.compile(rf"\brank {victim}\b")
+    budget = a.timeout + a.slack
+    verdicts = []
+    for r in survivors:
+        logs[r].seek(0)
+        text = logs[r].read()
+        # The bench's last word: "mscclpp-bench (rank R): error: ...".
+        errors = [l for l in text.splitlines() if ": error:" in l]
+        last = errors[-1] if errors else (text.strip().splitlines() or [""])[-1]
+        t = ended.get(r)
+        if early:
+            why = f"rank(s) {early} ended before the signal"
+        elif t is None:
+            why = f"still running after {a.hang_after} s (hang)"
+        elif procs[r].returncode == 0:
+            why = "exited 0"
+        elif t > budget:
+            why = f"took {t:.2f} s > {budget} s"
+        elif not named.search("\n".join(errors)):
+            why = f"error does not name rank {victim}"
+        else:
+            why = None
+        verdicts.append((r, t, why, last))
+    for log in logs:
+        log.close()
+    return victim, verdicts
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bench", default=".gpu/bin/mscclpp-bench")
+    p.add_argument("--ranks", default="2", help="comma list of rank counts (default 2)")
+    p.add_argument("--signals", default="KILL,STOP", help="KILL, STOP (comma list)")
+    p.add_argument("--workloads", default="eager,graph", help="eager, small, graph (comma list)")
+    p.add_argument("--mps", default="0", help="0, 1 or 0,1: without / with an MPS server")
+    p.add_argument("--runs", type=int, default=3, help="runs per configuration")
+    p.add_argument("--victim", type=int, default=-1, help="rank to signal (default: the last)")
+    p.add_argument("--delay", type=float, default=8.0, help="seconds from launch to the signal")
+    p.add_argument("--timeout", type=int, default=3, help="MSCCLPP_DEVICE_WAIT_TIMEOUT (seconds)")
+    p.add_argument("--slack", type=float, default=2.0, help="allowed beyond the timeout (seconds)")
+    p.add_argument("--bootstrap-timeout", type=int, default=30, help="MSCCLPP_BOOTSTRAP_TIMEOUT")
+    p.add_argument("--hang-after", type=float, default=60.0, help="seconds before a survivor counts as hung")
+    p.add_argument("--size", default="8M", help="message size of the eager and graph workloads "
+                   "(a SIGSTOPped rank's already-queued kernels still run: larger messages make its "
+                   "queue, and so the survivors' time, longer)")
+    p.add_argument("--cache-dir", default="/tmp/mscclpp-cache")
+    p.add_argument("--bench-args", default="", help="the bench's arguments instead of a workload's "
+                   "(e.g. 'bootstrap --iters 100000000' checks bootstrap liveness without a GPU)")
+    p.add_argument("--no-gpu", action="store_true", help="skip the GPU probe after each configuration")
+    p.add_argument("--out", default=os.environ.get("OUT", "./gpu-out"), help="logs go to OUT/fault-inject/")
+    a = p.parse_args()
+
+    ngpu = gpu_count()
+    logdir = os.path.join(a.out, "fault-inject")
+    os.makedirs(logdir, exist_ok=True)
+    workdir = tempfile.mkdtemp(prefix="mscclpp-fault-")
+    configs = list(itertools.product(
+        [int(x) for x in a.ranks.split(",")], a.signals.upper().split(","),
+        a.workloads.split(","), [x == "1" for x in a.mps.split(",")]))
+    print(f"fault injection: {ngpu} GPU(s), MSCCLPP_DEVICE_WAIT_TIMEOUT={a.timeout}, pass within "
+          f"{a.timeout + a.slack} s, {a.runs} run(s) per configuration, logs in {logdir}", flush=True)
+    table, port, all_ok, warmed = [], 29600, True, set()
+    for nranks, sig, workload, mps in configs:
+        if sig not in SIGNALS:
+            raise SystemExit(f"unknown signal {sig} (KILL, STOP)")
+        name = f"{nranks} ranks {sig:4} {workload:5} {'MPS' if mps else 'no MPS'}"
+        server = Mps(nranks, ngpu, workdir) if mps else None
+        extra = server.env if server else {}
+        if server:
+            server.start()
+        times, passed = [], 0
+        if not a.bench_args and (nranks, workload) not in warmed:
+            port += 10
+            warm_up(a, nranks, workload, extra, port, logdir)
+            warmed.add((nranks, workload))
+        for run in range(a.runs):
+            port += 10  # the bootstrap root takes MASTER_PORT + 1
+            tag = f"n{nranks}-{sig}-{workload}-{'mps' if mps else 'nomps'}-{run}"
+            victim, verdicts = one_run(a, nranks, sig, workload, extra, port, logdir, tag)
+            slowest = max((t for _, t, _, _ in verdicts if t is not None), default=None)
+            failed = [v for v in verdicts if v[2]]
+            if slowest is not None:
+                times.append(slowest)
+            passed += not failed
+            status = "PASS" if not failed else "FAIL"
+            shown = f"{slowest:.2f} s" if slowest is not None else "-"
+            print(f"[{name}] run {run}: {status}, victim rank {victim}, slowest survivor {shown}",
+                  flush=True)
+            for r, t, why, last in verdicts:
+                mark = f"FAIL ({why})" if why else "ok"
+                tt = f"{t:.2f} s" if t is not None else "-"
+                print(f"    rank {r}: {tt} {mark}: {last[:240]}", flush=True)
+        usable = a.no_gpu or gpu_usable(extra)
+        if server:
+            server.stop()
+        if not usable:
+            print(f"[{name}] WARNING: a new process could not create a CUDA context afterwards",
+                  flush=True)
+        ok = passed == a.runs and usable
+        all_ok &= ok
+        table.append((name, passed, a.runs, times, usable))
+    print("\n| configuration | pass | min s | median s | max s | GPU usable after |")
+    print("|---|---|---|---|---|---|")
+    for name, passed, runs, times, usable in table:
+        stats = (f"{min(times):.2f} | {statistics.median(times):.2f} | {max(times):.2f}"
+                 if times else "- | - | -")
+        print(f"| {name} | {passed}/{runs} | {stats} | {'yes' if usable else 'NO'} |")
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
