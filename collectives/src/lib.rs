@@ -29,16 +29,20 @@ use mscclpp_core::Result;
 use mscclpp_kernels_cu::collectives::MAX_RANKS;
 use std::sync::Arc;
 
-/// Default per-rank scratch of each packet algorithm (the two-phase packet all-reduce takes
-/// `native::PACKET_SCRATCH_SCALE` times as much). Capacities, whatever the world size: 1 MiB for
-/// the all-pair all-reduce at 2 ranks (less with more), 7.5 MiB for the two-phase all-reduce,
-/// 1.875 MiB x 2 / nranks of all-gather input, 3.75 MiB of reduce-scatter input.
+/// The builder's default `scratch_bytes`. The collection allocates one scratch of
+/// `native::PACKET_SCRATCH_SCALE` times this (32 MiB) and lends it to every algorithm that stages
+/// data (see `resources::CollectionResources`). Capacities on it: 7.5 MiB for the two-phase packet
+/// all-reduce (as before), 4 MiB for the all-pair one at 2 ranks, 7.5 MiB x 2 / nranks of
+/// all-gather input, 15 MiB of reduce-scatter input (each 4x its former own 8 MiB scratch's; the
+/// selector's thresholds, not these, decide at those sizes).
 pub const DEFAULT_SCRATCH_BYTES: usize = 8 << 20;
 
-/// Collective: builds every native algorithm for `comm` (each packet algorithm gets its own
-/// `scratch_bytes` of scratch) into `builder`, and installs the default selector with the limits
-/// those scratches give. Returns the builder so callers can add plan algorithms or their own
-/// selector before `build()`.
+/// Collective: builds every native algorithm for `comm` into `builder`, lending them one scratch of
+/// `native::PACKET_SCRATCH_SCALE * scratch_bytes` bytes and one semaphore table
+/// (`resources::CollectionResources`: read its rule on streams), allocated here (not on first use: building
+/// is collective, so every rank maps every peer's scratch now, and a call under CUDA-graph capture
+/// never allocates), and installs the default selector with the limits that scratch gives. Returns
+/// the builder so callers can add plan algorithms or their own selector before `build()`.
 pub fn build_default_algorithms(
     comm: &Arc<Communicator>,
     scratch_bytes: usize,
@@ -51,8 +55,19 @@ pub fn build_default_algorithms(
         reducescatter_packet_max_bytes: 0,
         max_ranks: MAX_RANKS,
     };
+    let sm = comm.gpu().properties(comm.device())?.multiprocessors.max(1);
+    let semaphore_blocks = NativeKind::ALL
+        .iter()
+        .map(|k| k.semaphore_blocks(sm))
+        .max()
+        .unwrap_or(0);
+    let scratch = Arc::new(resources::CollectionResources::new(
+        comm,
+        scratch_bytes.saturating_mul(native::PACKET_SCRATCH_SCALE),
+        semaphore_blocks,
+    )?);
     for kind in NativeKind::ALL {
-        let algo = NativeAlgorithm::new(kind, comm.clone(), scratch_bytes)?;
+        let algo = NativeAlgorithm::new(kind, comm.clone(), scratch.clone())?;
         match kind {
             NativeKind::AllreduceAllpairPacket => {
                 limits.allpair_packet_max_bytes = algo.max_bytes()

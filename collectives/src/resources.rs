@@ -2,9 +2,12 @@
 //! per-block semaphores, the cache of registered user buffers, and the compiled kernels.
 
 use mscclpp_core::communicator::{Communicator, RegisteredMemory};
+use mscclpp_core::device::{D2DSemaphoreHandle, DeviceRepr};
 use mscclpp_core::gpu::{Allocation, DevicePtr, Function, Gpu, MemoryKind, Module, Stream};
 use mscclpp_core::{Error, Result};
-use mscclpp_kernels_cu::collectives::{self as kc, CollectiveFile, ReduceSpec};
+use mscclpp_kernels_cu::collectives::{
+    self as kc, CallState, CollectiveFile, PeerPtrs, ReduceSpec,
+};
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -72,7 +75,18 @@ pub struct SharedScratch {
 impl SharedScratch {
     /// Collective: allocates and zeroes `bytes`, then exchanges it with every rank.
     pub fn new(comm: &Arc<Communicator>, bytes: usize) -> Result<SharedScratch> {
-        let local = DeviceBuffer::zeroed(comm.gpu(), bytes)?;
+        SharedScratch::with_private_tail(comm, bytes, 0)
+    }
+
+    /// As [`SharedScratch::new`], with `tail` more bytes after the shared ones that only this rank
+    /// uses (at `local_ptr() + bytes`): small device state then costs no allocation of its own
+    /// (each is rounded up to `PLAIN_ALLOCATION_GRANULE`, 2 MiB).
+    pub fn with_private_tail(
+        comm: &Arc<Communicator>,
+        bytes: usize,
+        tail: usize,
+    ) -> Result<SharedScratch> {
+        let local = DeviceBuffer::zeroed(comm.gpu(), bytes + tail)?;
         let reg = comm.register(local.allocation(), local.ptr(), bytes)?;
         let peers = comm.exchange(reg)?;
         Ok(SharedScratch {
@@ -104,6 +118,115 @@ impl Drop for SharedScratch {
     }
 }
 
+/// The device resources of a collection, owned once and lent to its algorithms: one scratch every
+/// peer maps (the packet kinds, the scratch pipelines and the copy-engine all-reduce stage data in
+/// it), the call counter they share, and one table of per-block semaphores (every kind that
+/// barriers uses its first blocks). Built once per collection (collective), sized for the largest
+/// user; the counter and the table live in the scratch's allocation, past the shared bytes.
+///
+/// Why sharing the scratch is safe: consecutive calls use different halves of it. The
+/// counter-driven kinds pick the half at `(calls & 1) * half_bytes()` (the pipelines per step) and
+/// advance the one shared [`CallState`], so whichever algorithm ran last, the next call writes the
+/// other half, and a peer still reading the previous call's half is never overwritten (the argument
+/// of "Scratch pipelines" in collective_common.cuh, now across algorithms). The copy-engine
+/// all-reduce uses the whole scratch but barriers with every peer before its first copy and after
+/// its last read. Sharing the semaphores is safe because every call signals and waits each
+/// semaphore it uses equally often on every rank, and a rank starts its next call only after all
+/// of its signals of this one went out, so counts never run ahead of a waiter.
+///
+/// Rule for callers: the calls of one collection must be ordered on the device (one stream, or
+/// streams ordered by events), as NCCL requires of one communicator's collectives; calls on
+/// unordered streams would share a half of the scratch and the semaphores. A second collection
+/// (or communicator) has resources of its own.
+pub struct CollectionResources {
+    /// Every rank's scratch address, by rank, as a kernel argument.
+    peers: PeerPtrs,
+    bytes: usize,
+    semaphore_blocks: u32,
+    scratch: SharedScratch,
+}
+
+impl CollectionResources {
+    /// Collective: allocates, zeroes and exchanges `bytes` of scratch, with the call counter and
+    /// `semaphore_blocks` blocks of semaphores towards every peer behind it.
+    pub fn new(
+        comm: &Arc<Communicator>,
+        bytes: usize,
+        semaphore_blocks: u32,
+    ) -> Result<CollectionResources> {
+        // The private tail: [CallState][semaphores [block][peer index]], 16-byte aligned.
+        let bytes = bytes.next_multiple_of(256);
+        let table = semaphore_table(comm, semaphore_blocks)?;
+        let tail = std::mem::size_of::<CallState>() + std::mem::size_of_val(table.as_slice());
+        // Zeroed memory is CallState::default(): every per-block slot at call 0.
+        let scratch = SharedScratch::with_private_tail(comm, bytes, tail)?;
+        let resources = CollectionResources {
+            peers: PeerPtrs::from_slice(&scratch.rank_ptrs())?,
+            bytes,
+            semaphore_blocks,
+            scratch,
+        };
+        comm.gpu().copy_to_device(
+            resources.semaphores_ptr(),
+            DeviceRepr::slice_as_bytes(&table),
+        )?;
+        Ok(resources)
+    }
+
+    /// Bytes of the shared scratch.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Offset of the second half: whole LL128 lines and 16-byte vectors.
+    pub fn half_bytes(&self) -> usize {
+        self.bytes / 2 / 128 * 128
+    }
+
+    pub fn peers(&self) -> PeerPtrs {
+        self.peers
+    }
+
+    pub fn local_ptr(&self) -> DevicePtr {
+        self.scratch.local_ptr()
+    }
+
+    /// The shared `coll::CallState`.
+    pub fn state_ptr(&self) -> DevicePtr {
+        self.local_ptr() + self.bytes as u64
+    }
+
+    /// The semaphore table, `[block][peer index]` as the kernels index it.
+    pub fn semaphores_ptr(&self) -> DevicePtr {
+        self.state_ptr() + std::mem::size_of::<CallState>() as u64
+    }
+
+    /// Blocks of semaphores the table holds: no kernel may barrier with more blocks.
+    pub fn semaphore_blocks(&self) -> u32 {
+        self.semaphore_blocks
+    }
+}
+
+/// Collective: `max_blocks` semaphores towards every peer, interleaved to `[block][peer index]`.
+fn semaphore_table(comm: &Communicator, max_blocks: u32) -> Result<Vec<D2DSemaphoreHandle>> {
+    let me = comm.rank();
+    let mut per_peer = Vec::new();
+    for peer in (0..comm.size()).filter(|&p| p != me) {
+        per_peer.push(comm.d2d_semaphores(peer, max_blocks as usize)?);
+    }
+    // Moving the handles out needs no Copy/Clone.
+    let mut columns: Vec<_> = per_peer.into_iter().map(Vec::into_iter).collect();
+    let mut table = Vec::with_capacity(max_blocks as usize * columns.len());
+    for b in 0..max_blocks {
+        for (i, column) in columns.iter_mut().enumerate() {
+            table.push(column.next().ok_or_else(|| {
+                Error::Internal(format!("semaphore {b} towards peer index {i} missing"))
+            })?);
+        }
+    }
+    Ok(table)
+}
+
 /// Semaphores for per-block barriers: `max_blocks` per peer, laid out `[block][peer index]` in
 /// device memory as the kernels index them.
 pub struct BlockSemaphores {
@@ -114,21 +237,7 @@ pub struct BlockSemaphores {
 impl BlockSemaphores {
     /// Collective: every rank builds the same algorithms in the same order.
     pub fn new(comm: &Communicator, max_blocks: u32) -> Result<BlockSemaphores> {
-        let me = comm.rank();
-        let mut per_peer = Vec::new();
-        for peer in (0..comm.size()).filter(|&p| p != me) {
-            per_peer.push(comm.d2d_semaphores(peer, max_blocks as usize)?);
-        }
-        // Interleave to [block][peer index]; moving the handles out needs no Copy/Clone.
-        let mut columns: Vec<_> = per_peer.into_iter().map(Vec::into_iter).collect();
-        let mut table = Vec::with_capacity(max_blocks as usize * columns.len());
-        for b in 0..max_blocks {
-            for (i, column) in columns.iter_mut().enumerate() {
-                table.push(column.next().ok_or_else(|| {
-                    Error::Internal(format!("semaphore {b} towards peer index {i} missing"))
-                })?);
-            }
-        }
+        let table = semaphore_table(comm, max_blocks)?;
         Ok(BlockSemaphores {
             buf: DeviceBuffer::upload(comm.gpu(), &table)?,
             max_blocks,
@@ -235,4 +344,20 @@ impl KernelTable {
 /// A kernel parameter slot for `Gpu::launch`: the address of a local holding the argument value.
 pub(crate) fn param_ptr<T>(v: &mut T) -> *mut c_void {
     v as *mut T as *mut c_void
+}
+
+/// Launches `f`, whose only parameter is the argument struct `args` (one of
+/// `mscclpp_core::device`'s `coll::*Args`, layout-checked against collective_common.cuh).
+pub(crate) fn launch_with_args<A: mscclpp_core::device::DeviceRepr>(
+    gpu: &dyn Gpu,
+    f: Function,
+    cfg: mscclpp_core::gpu::LaunchConfig,
+    stream: Stream,
+    mut args: A,
+) -> Result<()> {
+    let mut params = [param_ptr(&mut args)];
+    // SAFETY: every native kernel takes exactly one argument struct by value, of the family the
+    // caller picked `f` from; `args` outlives the call, and its device addresses are the caller's
+    // checked buffers and our own live resources.
+    unsafe { gpu.launch(f, cfg, stream, &mut params) }
 }
