@@ -10,6 +10,7 @@
 //! [`build_default_algorithms`] builds them all for a communicator, with the default selector of
 //! `mscclpp_core::algorithm_collection`; `tune` fills a tuning table for `mscclpp_core::tuner`.
 
+pub mod algorithms;
 pub mod copy_engine;
 pub mod geometry;
 pub mod native;
@@ -19,7 +20,7 @@ pub mod resources;
 pub mod testing;
 pub mod tune;
 
-pub use native::{check_shape, max_input_bytes, NativeAlgorithm, NativeKind};
+pub use native::{check_shape, max_input_bytes, NativeBase, NativeKind};
 
 use mscclpp_core::algorithm_collection::{
     default_native_selector, AlgorithmCollection, AlgorithmCollectionBuilder, NativeLimits,
@@ -29,12 +30,13 @@ use mscclpp_core::Result;
 use mscclpp_kernels_cu::collectives::MAX_RANKS;
 use std::sync::Arc;
 
-/// The builder's default `scratch_bytes`. The collection allocates one scratch of
-/// `native::PACKET_SCRATCH_SCALE` times this (32 MiB) and lends it to every algorithm that stages
-/// data (see `resources::CollectionResources`). Capacities on it: 7.5 MiB for the two-phase packet
-/// all-reduce (as before), 4 MiB for the all-pair one at 2 ranks, 7.5 MiB x 2 / nranks of
-/// all-gather input, 15 MiB of reduce-scatter input (each 4x its former own 8 MiB scratch's; the
-/// selector's thresholds, not these, decide at those sizes).
+/// The builder's default `scratch_bytes`. The collection makes one allocation of
+/// `native::PACKET_SCRATCH_SCALE` times this (32 MiB: the scratch, less about 80 KiB for the call
+/// counter and semaphores) and lends it to every algorithm (see `resources::CollectionResources`).
+/// Capacities on it, at 2 ranks: 7.48 MiB for the two-phase packet all-reduce (7.5 MiB before),
+/// about 4 MiB for the all-pair one, 7.5 MiB of all-gather input, 15 MiB of reduce-scatter input
+/// (about 4x their former own 8 MiB scratches'; the selector's thresholds, not these, decide at
+/// those sizes).
 pub const DEFAULT_SCRATCH_BYTES: usize = 8 << 20;
 
 /// Collective: builds every native algorithm for `comm` into `builder`, lending them one scratch of
@@ -48,13 +50,6 @@ pub fn build_default_algorithms(
     scratch_bytes: usize,
     mut builder: AlgorithmCollectionBuilder,
 ) -> Result<AlgorithmCollectionBuilder> {
-    let mut limits = NativeLimits {
-        allpair_packet_max_bytes: 0,
-        packet_max_bytes: 0,
-        allgather_packet_max_bytes: 0,
-        reducescatter_packet_max_bytes: 0,
-        max_ranks: MAX_RANKS,
-    };
     let sm = comm.gpu().properties(comm.device())?.multiprocessors.max(1);
     let semaphore_blocks = NativeKind::ALL
         .iter()
@@ -66,20 +61,17 @@ pub fn build_default_algorithms(
         scratch_bytes.saturating_mul(native::PACKET_SCRATCH_SCALE),
         semaphore_blocks,
     )?);
+    let (bytes, n) = (scratch.bytes(), comm.size());
+    let limit = |kind| max_input_bytes(kind, bytes, n);
+    let limits = NativeLimits {
+        allpair_packet_max_bytes: limit(NativeKind::AllreduceAllpairPacket),
+        packet_max_bytes: limit(NativeKind::AllreducePacket),
+        allgather_packet_max_bytes: limit(NativeKind::AllgatherPacket),
+        reducescatter_packet_max_bytes: limit(NativeKind::ReducescatterPacket),
+        max_ranks: MAX_RANKS,
+    };
     for kind in NativeKind::ALL {
-        let algo = NativeAlgorithm::new(kind, comm.clone(), scratch.clone())?;
-        match kind {
-            NativeKind::AllreduceAllpairPacket => {
-                limits.allpair_packet_max_bytes = algo.max_bytes()
-            }
-            NativeKind::AllreducePacket => limits.packet_max_bytes = algo.max_bytes(),
-            NativeKind::AllgatherPacket => limits.allgather_packet_max_bytes = algo.max_bytes(),
-            NativeKind::ReducescatterPacket => {
-                limits.reducescatter_packet_max_bytes = algo.max_bytes()
-            }
-            _ => {}
-        }
-        builder.add_algorithm(Arc::new(algo))?;
+        builder.add_algorithm(algorithms::build(kind, comm, &scratch)?)?;
     }
     // NVLS (NVLink multicast) only behind its safety gate and on hardware that supports it; the
     // selector takes its NVLS branch only when the caller's SelectionContext allows it.

@@ -1,21 +1,18 @@
-//! The native algorithms: one [`NativeAlgorithm`] per (kind, communicator), implementing the core
-//! [`Algorithm`] trait. Construction is collective (every rank builds the same kinds in the same
-//! order); `execute` only enqueues work on `args.stream` (one kernel, or for the copy-engine
-//! all-reduce a sequence of copies, events and kernels on it and on one forked stream), with no host
-//! synchronisation, so it is legal during CUDA-graph capture.
+//! The native algorithms' common ground: [`NativeKind`] (names, collectives, kernels, scratch and
+//! semaphore needs), the checks of a call ([`check_shape`], [`max_input_bytes`]) and
+//! [`NativeBase`], what every algorithm of `crate::algorithms` holds. Construction is collective
+//! (every rank builds the same kinds in the same order); `execute` only enqueues work on
+//! `args.stream`, with no host synchronisation, so it is legal during CUDA-graph capture.
 
-use crate::copy_engine::{CallPlan, CopyEngine};
-use crate::geometry::{self, resident_blocks};
+use crate::geometry;
 use crate::resources::{launch_with_args, CollectionResources, KernelTable, RegistrationCache};
-use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
+use mscclpp_core::algorithm::{Collective, ExecuteArgs};
 use mscclpp_core::algorithm_collection::native_names as names;
 use mscclpp_core::communicator::Communicator;
-use mscclpp_core::device::{PacketArgs, PipelineArgs, ZeroCopyArgs};
+use mscclpp_core::device::DeviceRepr;
 use mscclpp_core::gpu::{DevicePtr, Function, LaunchConfig};
 use mscclpp_core::{Error, Result};
-use mscclpp_kernels_cu::collectives::{
-    resolve_accumulator, CollectiveFile, PeerPtrs, ReduceSpec, MAX_PACKET_BLOCKS, MAX_RANKS,
-};
+use mscclpp_kernels_cu::collectives::{resolve_accumulator, CollectiveFile, ReduceSpec, MAX_RANKS};
 use std::sync::Arc;
 
 /// The native algorithms.
@@ -157,7 +154,7 @@ impl NativeKind {
     /// Payload bytes a packet kind's kernel handles per call, for sizing its grid (about one packet
     /// per thread): the all-gather receives its input from every peer; the others move about their
     /// input.
-    fn packet_work_bytes(self, input_bytes: usize, nranks: usize) -> usize {
+    pub fn packet_work_bytes(self, input_bytes: usize, nranks: usize) -> usize {
         match self {
             NativeKind::AllgatherPacket => {
                 input_bytes.saturating_mul(nranks.saturating_sub(1).max(1))
@@ -188,7 +185,7 @@ impl NativeKind {
 pub const PACKET_SCRATCH_SCALE: usize = 4;
 
 /// Default threads per block of the native kernels.
-const DEFAULT_THREADS: u32 = 512;
+pub const DEFAULT_THREADS: u32 = 512;
 
 /// Validates the shape of `args` for `kind` on `nranks` ranks (no device access): the element
 /// count (0 is a no-op), and for reductions the (dtype, accumulator) pair. Pure, so it is
@@ -259,28 +256,28 @@ pub fn check_shape(
     Ok(count)
 }
 
-/// One native algorithm bound to one communicator. See the module docs.
-pub struct NativeAlgorithm {
+/// What every native algorithm holds: its kind, its compiled kernels, the cache of registered user
+/// buffers, and the collection's resources it borrows. Each algorithm (`crate::algorithms`) is a
+/// small type around one of these.
+pub struct NativeBase {
     kind: NativeKind,
     // Field order is drop order: device resources go before the communicator they came from.
     kernels: KernelTable,
     registrations: RegistrationCache,
-    copy_engine: Option<CopyEngine>,
     /// The collection's scratch, call counter and semaphores, lent to every algorithm.
-    scratch: Arc<CollectionResources>,
+    resources: Arc<CollectionResources>,
     sm: u32,
     comm: Arc<Communicator>,
 }
 
-impl NativeAlgorithm {
-    /// Collective: sets up `kind` for `comm`, borrowing the collection's `scratch`.
+impl NativeBase {
+    /// Sets up `kind` for `comm`, borrowing the collection's `resources` (checked large enough).
     pub fn new(
         kind: NativeKind,
         comm: Arc<Communicator>,
-        scratch: Arc<CollectionResources>,
+        resources: Arc<CollectionResources>,
     ) -> Result<Self> {
-        let gpu = comm.gpu().clone();
-        let sm = gpu.properties(comm.device())?.multiprocessors.max(1);
+        let sm = comm.gpu().properties(comm.device())?.multiprocessors.max(1);
         if kind.uses_scratch() {
             // A slot of one LL128 line (two-phase all-reduce, all-gather, reduce-scatter) or of two
             // LL16 packets (all-pair) per half; the pipelines need one 16-byte vector per slot.
@@ -293,33 +290,28 @@ impl NativeAlgorithm {
                 NativeKind::AllreduceAllpairPacket => 2 * 4 * n * geometry::PACKET_BYTES,
                 _ => 4 * n * geometry::VECTOR_BYTES,
             };
-            if scratch.bytes() < min {
+            if resources.bytes() < min {
                 return Err(Error::InvalidArgument(format!(
                     "{}: scratch of {} bytes holds no slot for {n} ranks (at least {min} bytes are \
                      needed)",
                     kind.name(),
-                    scratch.bytes()
+                    resources.bytes()
                 )));
             }
         }
-        if kind.semaphore_blocks(sm) > scratch.semaphore_blocks() {
+        if kind.semaphore_blocks(sm) > resources.semaphore_blocks() {
             return Err(Error::InvalidArgument(format!(
                 "{}: the collection holds semaphores for {} blocks, it needs {}",
                 kind.name(),
-                scratch.semaphore_blocks(),
+                resources.semaphore_blocks(),
                 kind.semaphore_blocks(sm)
             )));
         }
-        let copy_engine = match kind {
-            NativeKind::AllreduceCopyEngine => Some(CopyEngine::new(&comm, scratch.clone())?),
-            _ => None,
-        };
-        Ok(NativeAlgorithm {
+        Ok(NativeBase {
             kind,
             kernels: KernelTable::default(),
             registrations: RegistrationCache::default(),
-            copy_engine,
-            scratch,
+            resources,
             sm,
             comm,
         })
@@ -329,29 +321,44 @@ impl NativeAlgorithm {
         self.kind
     }
 
+    pub fn comm(&self) -> &Arc<Communicator> {
+        &self.comm
+    }
+
+    pub fn resources(&self) -> &Arc<CollectionResources> {
+        &self.resources
+    }
+
+    /// Multiprocessors of the GPU.
+    pub fn sm(&self) -> u32 {
+        self.sm
+    }
+
     /// Largest message (input bytes per rank) this algorithm takes; `usize::MAX` for zero-copy.
     pub fn max_bytes(&self) -> usize {
-        max_input_bytes(self.kind, self.scratch.bytes(), self.comm.size())
+        max_input_bytes(self.kind, self.resources.bytes(), self.comm.size())
     }
 
-    fn slot_bytes(&self) -> usize {
-        let (s, n) = (self.scratch.bytes(), self.comm.size());
-        match self.kind {
-            NativeKind::AllreducePacket => geometry::packet_slot_bytes(s, n),
-            NativeKind::AllgatherPacket | NativeKind::ReducescatterPacket => {
-                geometry::line_slot_bytes(s, n)
-            }
-            // All-pair layout: 2 parity halves x one slot per sending rank.
-            _ => geometry::allpair_slot_bytes(s, n),
-        }
+    /// `Algorithm::check`: the shape and the scratch capacity.
+    pub fn check(&self, args: &ExecuteArgs) -> Result<()> {
+        check_shape(self.kind, args, self.comm.rank(), self.comm.size())?;
+        check_capacity(self.kind, args.input_bytes, self.max_bytes())
     }
 
-    fn function(&self, args: &ExecuteArgs) -> Result<Function> {
+    /// Checks `args`; the element count of a call that has work to do, None for an empty one.
+    pub fn begin(&self, args: &ExecuteArgs) -> Result<Option<usize>> {
+        self.check(args)?;
+        let count = args.input_count()?;
+        Ok((count > 0).then_some(count))
+    }
+
+    /// The kind's kernel, from the unit specialised for `args`.
+    pub fn function(&self, args: &ExecuteArgs) -> Result<Function> {
         self.entry_point(args, self.kind.file_and_entry().1)
     }
 
     /// Entry point `entry` of the kind's kernel file, from the unit specialised for `args`.
-    fn entry_point(&self, args: &ExecuteArgs, entry: &'static str) -> Result<Function> {
+    pub fn entry_point(&self, args: &ExecuteArgs, entry: &'static str) -> Result<Function> {
         let (file, _) = self.kind.file_and_entry();
         let spec = if file.reduces() {
             Some(ReduceSpec {
@@ -366,127 +373,24 @@ impl NativeAlgorithm {
             .function(self.comm.gpu().as_ref(), file, spec, entry)
     }
 
-    fn missing(&self, what: &str) -> Error {
-        Error::Internal(format!("{} was built without its {what}", self.kind.name()))
-    }
-
     /// The collection's semaphore table and how many of its blocks this kind barriers with.
-    fn semaphores(&self) -> Result<(DevicePtr, u32)> {
+    pub fn semaphores(&self) -> Result<(DevicePtr, u32)> {
         match self.kind.semaphore_blocks(self.sm) {
-            0 => Err(self.missing("semaphores")),
-            blocks => Ok((self.scratch.semaphores_ptr(), blocks)),
+            0 => Err(Error::Internal(format!(
+                "{} barriers with no semaphores",
+                self.kind.name()
+            ))),
+            blocks => Ok((self.resources.semaphores_ptr(), blocks)),
         }
     }
 
-    /// Launches a scratch pipeline kernel ("Scratch pipelines" in collective_common.cuh) for a
-    /// checked, non-empty call of `count` elements.
-    fn execute_pipeline(&self, f: Function, args: &ExecuteArgs, count: usize) -> Result<()> {
-        let (sems, sem_blocks) = self.semaphores()?;
-        let threads = args.nthreads.unwrap_or(DEFAULT_THREADS);
-        // The step counter has MAX_PACKET_BLOCKS slots, and blocks wait for the peers' blocks.
-        let max_blocks = sem_blocks
-            .min(resident_blocks(self.sm, threads))
-            .min(MAX_PACKET_BLOCKS as u32);
-        let cfg = geometry::launch_config(
-            args.nblocks,
-            args.nthreads,
-            geometry::bandwidth_blocks(args.input_bytes, max_blocks),
-            DEFAULT_THREADS,
-            max_blocks,
-        )?;
-        let n = self.comm.size();
-        let es = args.dtype.size();
-        // Each geometry is laid out in one half of the shared scratch; the halves alternate by the
-        // shared counter (the one-step rsag included, see CollectionResources).
-        let half = self.scratch.half_bytes();
-        // The all-gather is byte-oriented: its units are bytes.
-        let (g, units) = match self.kind {
-            NativeKind::AllreduceRsag => (
-                geometry::rsag_geometry(count, es, half, n, false),
-                count as u64,
-            ),
-            NativeKind::AllreduceRsagPipeline => (
-                geometry::rsag_geometry(count, es, 2 * half, n, true),
-                count as u64,
-            ),
-            NativeKind::AllreduceFullmesh => (
-                geometry::fullmesh_geometry(count, es, 2 * half, n),
-                count as u64,
-            ),
-            _ => (
-                geometry::fullmesh_geometry(args.input_bytes, 1, 2 * half, n),
-                args.input_bytes as u64,
-            ),
-        };
-        let g = g.map_err(|e| Error::InvalidArgument(format!("{}: {e}", self.kind.name())))?;
-        let kernel_args = PipelineArgs {
-            input: args.input,
-            output: args.output,
-            count: units,
-            peer_scratch: self.scratch.peers(),
-            local_scratch: self.scratch.local_ptr(),
-            slot_bytes: g.slot_bytes,
-            half_bytes: half as u64,
-            step: g.step,
-            sems,
-            state: self.scratch.state_ptr(),
-            error_word: self.comm.error_word_device_ptr(),
-            max_spin: 0,
-            rank: self.comm.rank() as u32,
-            nranks: n as u32,
-        };
-        self.launch(f, cfg, args, kernel_args)
+    /// Every rank's address of the user buffer `ptr` (`bytes` long), registered once and cached.
+    pub fn rank_ptrs(&self, ptr: DevicePtr, bytes: usize) -> Result<Vec<DevicePtr>> {
+        self.registrations.rank_ptrs(&self.comm, ptr, bytes)
     }
 
-    /// The copy-engine all-reduce (`copy_engine`) of a checked, non-empty call.
-    fn execute_copy_engine(
-        &self,
-        reduce: Function,
-        args: &ExecuteArgs,
-        count: usize,
-    ) -> Result<()> {
-        let engine = self
-            .copy_engine
-            .as_ref()
-            .ok_or_else(|| self.missing("copy engine"))?;
-        let sync = self.entry_point(args, "allreduce_ce_sync")?;
-        let inputs = self
-            .registrations
-            .rank_ptrs(&self.comm, args.input, args.input_bytes)?;
-        let outputs = if args.in_place() {
-            inputs.clone()
-        } else {
-            self.registrations
-                .rank_ptrs(&self.comm, args.output, args.input_bytes)?
-        };
-        let (n, rank) = (self.comm.size(), self.comm.rank());
-        // The reduction's grid is sized for the largest piece (a whole slot), whatever this call's.
-        let slot_vectors = engine.slot_bytes() / geometry::VECTOR_BYTES;
-        let threads = args.nthreads.unwrap_or(DEFAULT_THREADS);
-        let max_blocks = resident_blocks(self.sm, threads);
-        let reduce_config = geometry::launch_config(
-            args.nblocks,
-            args.nthreads,
-            (slot_vectors as u32).div_ceil(threads).min(self.sm),
-            DEFAULT_THREADS,
-            max_blocks,
-        )?;
-        let plan = CallPlan {
-            reduce,
-            sync,
-            semaphores: self.semaphores()?.0,
-            error_word: self.comm.error_word_device_ptr(),
-            inputs: &inputs,
-            outputs: &outputs,
-            count,
-            elem_bytes: args.dtype.size(),
-            stream: args.stream,
-            reduce_config,
-        };
-        engine.enqueue(&plan, rank, n)
-    }
-
-    fn launch<A: mscclpp_core::device::DeviceRepr>(
+    /// Launches `f` with its argument struct on the caller's stream.
+    pub fn launch<A: DeviceRepr>(
         &self,
         f: Function,
         cfg: LaunchConfig,
@@ -537,134 +441,6 @@ fn check_capacity(kind: NativeKind, input_bytes: usize, max_bytes: usize) -> Res
     Ok(())
 }
 
-impl Algorithm for NativeAlgorithm {
-    fn name(&self) -> &str {
-        self.kind.name()
-    }
-
-    fn collective(&self) -> Collective {
-        self.kind.collective()
-    }
-
-    fn check(&self, args: &ExecuteArgs) -> Result<()> {
-        check_shape(self.kind, args, self.comm.rank(), self.comm.size())?;
-        check_capacity(self.kind, args.input_bytes, self.max_bytes())
-    }
-
-    fn execute(&self, args: &ExecuteArgs) -> Result<()> {
-        self.check(args)?;
-        let count = args.input_count()?;
-        if count == 0 {
-            return Ok(());
-        }
-        let f = self.function(args)?;
-        let rank = self.comm.rank() as u32;
-        let n = self.comm.size();
-        let threads = args.nthreads.unwrap_or(DEFAULT_THREADS);
-        let resident = resident_blocks(self.sm, threads);
-        let error_word = self.comm.error_word_device_ptr();
-        match self.kind {
-            NativeKind::AllreduceAllpairPacket
-            | NativeKind::AllreducePacket
-            | NativeKind::AllgatherPacket
-            | NativeKind::ReducescatterPacket => {
-                // The per-block call counter has MAX_PACKET_BLOCKS slots (collective_common.cuh).
-                let max_blocks = self.sm.min(resident).min(MAX_PACKET_BLOCKS as u32);
-                let cfg = geometry::launch_config(
-                    args.nblocks,
-                    args.nthreads,
-                    geometry::packet_blocks(
-                        self.kind.packet_work_bytes(args.input_bytes, n),
-                        threads,
-                        self.sm,
-                    ),
-                    DEFAULT_THREADS,
-                    max_blocks,
-                )?;
-                let kernel_args = PacketArgs {
-                    input: args.input,
-                    output: args.output,
-                    // Elements (all-reduce), bytes (all-gather, byte-oriented), elements per
-                    // chunk (reduce-scatter).
-                    count: match self.kind {
-                        NativeKind::AllgatherPacket => args.input_bytes as u64,
-                        NativeKind::ReducescatterPacket => (count / n) as u64,
-                        _ => count as u64,
-                    },
-                    peer_scratch: self.scratch.peers(),
-                    local_scratch: self.scratch.local_ptr(),
-                    slot_bytes: self.slot_bytes() as u64,
-                    half_bytes: self.scratch.half_bytes() as u64,
-                    state: self.scratch.state_ptr(),
-                    error_word,
-                    max_spin: 0,
-                    rank,
-                    nranks: n as u32,
-                };
-                self.launch(f, cfg, args, kernel_args)
-            }
-            NativeKind::AllreduceRsag
-            | NativeKind::AllreduceRsagPipeline
-            | NativeKind::AllreduceFullmesh
-            | NativeKind::AllgatherFullmesh => self.execute_pipeline(f, args, count),
-            NativeKind::AllreduceCopyEngine => self.execute_copy_engine(f, args, count),
-            NativeKind::AllreduceRsagZeroCopy
-            | NativeKind::AllgatherFullmesh2
-            | NativeKind::ReducescatterZeroCopy
-            | NativeKind::BroadcastZeroCopy => {
-                let (sems, sem_blocks) = self.semaphores()?;
-                let max_blocks = sem_blocks.min(resident);
-                let cfg = geometry::launch_config(
-                    args.nblocks,
-                    args.nthreads,
-                    geometry::bandwidth_blocks(args.input_bytes, max_blocks),
-                    DEFAULT_THREADS,
-                    max_blocks,
-                )?;
-                let reg = |ptr, bytes| {
-                    self.registrations
-                        .rank_ptrs(&self.comm, ptr, bytes)
-                        .and_then(|v| PeerPtrs::from_slice(&v))
-                };
-                let mut kernel_args = ZeroCopyArgs {
-                    input: args.input,
-                    output: args.output,
-                    sems,
-                    error_word,
-                    rank,
-                    nranks: n as u32,
-                    ..ZeroCopyArgs::default()
-                };
-                match self.kind {
-                    NativeKind::AllreduceRsagZeroCopy => {
-                        kernel_args.inputs = reg(args.input, args.input_bytes)?;
-                        kernel_args.outputs = if args.in_place() {
-                            kernel_args.inputs
-                        } else {
-                            reg(args.output, args.input_bytes)?
-                        };
-                        kernel_args.count = count as u64;
-                    }
-                    NativeKind::AllgatherFullmesh2 => {
-                        kernel_args.outputs = reg(args.output, n * args.input_bytes)?;
-                        kernel_args.count = args.input_bytes as u64;
-                    }
-                    NativeKind::ReducescatterZeroCopy => {
-                        kernel_args.inputs = reg(args.input, args.input_bytes)?;
-                        kernel_args.count = (count / n) as u64;
-                    }
-                    _ => {
-                        kernel_args.outputs = reg(args.output, args.input_bytes)?;
-                        kernel_args.count = args.input_bytes as u64;
-                        kernel_args.root = args.root as u32;
-                    }
-                }
-                self.launch(f, cfg, args, kernel_args)
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     /// Building every native algorithm (plus the NVLS ones) must leave at least half of each
@@ -691,6 +467,7 @@ mod tests {
     use super::*;
     use mscclpp_core::gpu::Stream;
     use mscclpp_core::{AccumType, DataType, ReduceOp};
+    use mscclpp_kernels_cu::collectives::MAX_PACKET_BLOCKS;
     use rstest::rstest;
 
     fn args(input_bytes: usize, output_bytes: usize) -> ExecuteArgs {

@@ -122,7 +122,8 @@ impl Drop for SharedScratch {
 /// peer maps (the packet kinds, the scratch pipelines and the copy-engine all-reduce stage data in
 /// it), the call counter they share, and one table of per-block semaphores (every kind that
 /// barriers uses its first blocks). Built once per collection (collective), sized for the largest
-/// user; the counter and the table live in the scratch's allocation, past the shared bytes.
+/// user; the counter and the table live in the scratch's allocation, past the shared bytes, so the
+/// whole costs one allocation of exactly the bytes asked for.
 ///
 /// Why sharing the scratch is safe: consecutive calls use different halves of it. The
 /// counter-driven kinds pick the half at `(calls & 1) * half_bytes()` (the pipelines per step) and
@@ -147,17 +148,24 @@ pub struct CollectionResources {
 }
 
 impl CollectionResources {
-    /// Collective: allocates, zeroes and exchanges `bytes` of scratch, with the call counter and
-    /// `semaphore_blocks` blocks of semaphores towards every peer behind it.
+    /// Collective: allocates `total_bytes`, zeroed: the scratch every rank maps, then the call
+    /// counter and `semaphore_blocks` blocks of semaphores towards every peer.
     pub fn new(
         comm: &Arc<Communicator>,
-        bytes: usize,
+        total_bytes: usize,
         semaphore_blocks: u32,
     ) -> Result<CollectionResources> {
-        // The private tail: [CallState][semaphores [block][peer index]], 16-byte aligned.
-        let bytes = bytes.next_multiple_of(256);
         let table = semaphore_table(comm, semaphore_blocks)?;
+        // The private tail: [CallState][semaphores [block][peer index]], behind a scratch of whole
+        // 256-byte units.
         let tail = std::mem::size_of::<CallState>() + std::mem::size_of_val(table.as_slice());
+        let bytes = total_bytes.saturating_sub(tail) / 256 * 256;
+        if bytes == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "a collection of {total_bytes} bytes leaves no scratch beside its {tail} bytes of \
+                 call counter and semaphores"
+            )));
+        }
         // Zeroed memory is CallState::default(): every per-block slot at call 0.
         let scratch = SharedScratch::with_private_tail(comm, bytes, tail)?;
         let resources = CollectionResources {
