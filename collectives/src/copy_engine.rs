@@ -30,10 +30,12 @@
 //!   place, by that peer's own reduce-scatter pushes (it is its input too). Its pushes of piece k
 //!   are complete once the barrier of piece k has passed, and we gather piece k only after
 //!   reducing it, which follows that barrier.
-//! - Across calls: the scratch is the collection's, shared with the packet kinds and the scratch
-//!   pipelines (`resources::CollectionResources`), so a call first barriers with every peer (each has
-//!   finished whatever it ran before on the scratch) and ends with a barrier (nobody reads our
-//!   scratch any more). The first barrier costs a few microseconds on calls of tens of MiB.
+//! - Across calls: the ring is the collection's staging and LL128 parts of the scratch, shared with
+//!   the scratch pipelines and the LL128 packet kinds (`resources::CollectionResources`), so a call
+//!   first barriers with every peer (each has finished whatever it ran before on the scratch), and
+//!   before its end barrier zeroes what it wrote of our LL128 part (raw data there could pass for
+//!   an LL128 flag; 0 never does). The first barrier costs a few microseconds, the zeroing a few
+//!   more where a call's pieces reach the LL128 part (large calls), on calls of tens of MiB.
 //!
 //! Every barrier is a kernel on S (bounded spins that report through the error word), and all
 //! signals go out on S in one order, so counting semaphores cannot mix them up. The whole sequence
@@ -181,6 +183,8 @@ pub struct CopyEngine {
     /// Every rank's scratch ring, by rank (ours included).
     scratch_ptrs: Vec<DevicePtr>,
     slot_bytes: usize,
+    /// Where in the ring the LL128 packet part begins: what a call wrote beyond it is zeroed.
+    packet_offset: usize,
     /// Locked for a whole call: the copy stream and events are shared by every caller.
     pipeline: Mutex<Pipeline>,
     // Last: released after the copy stream is drained (Drop) and after the other fields.
@@ -192,19 +196,21 @@ impl CopyEngine {
     pub fn new(comm: &Arc<Communicator>, scratch: Arc<CollectionResources>) -> Result<CopyEngine> {
         let gpu = comm.gpu().clone();
         let n = comm.size();
-        let slot = slot_bytes(scratch.bytes(), n);
+        let (ring, packet_offset) = scratch.copy_engine_ring();
+        let slot = slot_bytes(ring.bytes, n);
         if slot == 0 {
             return Err(Error::InvalidArgument(format!(
-                "default_allreduce_copy_engine: a scratch of {} bytes holds no {PIECE_ALIGN}-byte \
+                "default_allreduce_copy_engine: a ring of {} bytes holds no {PIECE_ALIGN}-byte \
                  piece per peer in each of {SLOTS} slots for {n} ranks",
-                scratch.bytes()
+                ring.bytes
             )));
         }
         let pipeline = Pipeline::new(gpu.as_ref())?;
         Ok(CopyEngine {
             gpu,
-            scratch_ptrs: scratch.peers().p[..n].to_vec(),
+            scratch_ptrs: ring.peers.p[..n].to_vec(),
             slot_bytes: slot,
+            packet_offset,
             pipeline: Mutex::new(pipeline),
             _scratch: scratch,
         })
@@ -328,7 +334,13 @@ impl CopyEngine {
         }
         // The last piece (or, with one piece, the whole share).
         gather(npieces - 1, npieces)?;
-        // Join; the barrier publishes our pushes.
+        // Every peer's pieces in our ring are reduced: clear what reached the LL128 part.
+        let written = npieces.min(SLOTS) * peer_count(nranks) * self.slot_bytes;
+        if written > self.packet_offset {
+            let at = self.scratch_ptrs[rank] + self.packet_offset as u64;
+            gpu.memset_async(at, 0, written - self.packet_offset, plan.stream)?;
+        }
+        // Join; the barrier publishes our pushes (and the zeroing).
         gpu.record_event(p.join, c)?;
         gpu.stream_wait_event(plan.stream, p.join)?;
         barrier()
@@ -370,6 +382,8 @@ mod tests {
         }
         // 2 ranks: three slots of 10.625 MiB (pieces were 32 MiB with the former own 96 MiB ring).
         assert_eq!(slot_bytes(scratch, 2), 170 * PIECE_ALIGN);
+        // The default collection's ring: staging + LL128, about 28 MiB: 9.25 MiB pieces at 2 ranks.
+        assert_eq!(slot_bytes((28 << 20) - (128 << 10), 2), 148 * PIECE_ALIGN);
         assert_eq!(slot_bytes(96 << 20, 2), 32 << 20);
         assert_eq!(slot_bytes(PIECE_ALIGN, 2), 0);
         // Small shares: at least MIN_PIECES pieces; large ones: pieces as large as a slot.

@@ -31,12 +31,15 @@ use mscclpp_kernels_cu::collectives::MAX_RANKS;
 use std::sync::Arc;
 
 /// The builder's default `scratch_bytes`. The collection makes one allocation of
-/// `native::PACKET_SCRATCH_SCALE` times this (32 MiB: the scratch, less about 80 KiB for the call
-/// counter and semaphores) and lends it to every algorithm (see `resources::CollectionResources`).
-/// Capacities on it, at 2 ranks: 7.48 MiB for the two-phase packet all-reduce (7.5 MiB before),
-/// about 4 MiB for the all-pair one, 7.5 MiB of all-gather input, 15 MiB of reduce-scatter input
-/// (about 4x their former own 8 MiB scratches'; the selector's thresholds, not these, decide at
-/// those sizes).
+/// `native::PACKET_SCRATCH_SCALE` times this, 32 MiB, and lends it to every algorithm
+/// (`resources::CollectionResources`): 4 MiB of LL16 packets, 20 MiB of LL128 lines, the rest
+/// (7.875 MiB) for staged data and, with the LL128 part, the copy engine's ring; the call counter
+/// and semaphores fill the last 78 KiB. Capacities (input per rank; before: each algorithm's own
+/// 8 MiB, 32 MiB for the two-phase all-reduce): two-phase packet all-reduce 4.69 MiB (7.5), all-pair
+/// 512 KiB at 2 ranks, 256 KiB at 4, 128 KiB at 8 (1 MiB, 512 KiB, 256 KiB), packet all-gather
+/// 4.69 MiB x 2 / nranks (1.875 MiB x 2 / nranks), packet reduce-scatter 9.4 MiB (3.75), one-step
+/// rsag 1.97 MiB (4), copy-engine pieces 9.25 MiB at 2 ranks (32). Every selector threshold stays
+/// within these, so the default selection is unchanged.
 pub const DEFAULT_SCRATCH_BYTES: usize = 8 << 20;
 
 /// Collective: builds every native algorithm for `comm` into `builder`, lending them one scratch of
@@ -61,8 +64,10 @@ pub fn build_default_algorithms(
         scratch_bytes.saturating_mul(native::PACKET_SCRATCH_SCALE),
         semaphore_blocks,
     )?);
-    let (bytes, n) = (scratch.bytes(), comm.size());
-    let limit = |kind| max_input_bytes(kind, bytes, n);
+    let limit = |kind: NativeKind| {
+        let part = kind.scratch_part().map_or(0, |p| scratch.region(p).bytes);
+        max_input_bytes(kind, part, comm.size())
+    };
     let limits = NativeLimits {
         allpair_packet_max_bytes: limit(NativeKind::AllreduceAllpairPacket),
         packet_max_bytes: limit(NativeKind::AllreducePacket),

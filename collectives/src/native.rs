@@ -5,7 +5,10 @@
 //! `args.stream`, with no host synchronisation, so it is legal during CUDA-graph capture.
 
 use crate::geometry;
-use crate::resources::{launch_with_args, CollectionResources, KernelTable, RegistrationCache};
+use crate::resources::{
+    launch_with_args, CollectionResources, KernelTable, RegistrationCache, ScratchPart,
+    ScratchRegion,
+};
 use mscclpp_core::algorithm::{Collective, ExecuteArgs};
 use mscclpp_core::algorithm_collection::native_names as names;
 use mscclpp_core::communicator::Communicator;
@@ -134,9 +137,25 @@ impl NativeKind {
         )
     }
 
-    /// Whether the kind owns a scratch every peer maps (and a device call counter).
+    /// Whether the kind stages data in the collection's scratch (with the device call counter).
     pub const fn uses_scratch(self) -> bool {
         self.uses_packets() || self.uses_scratch_pipeline()
+    }
+
+    /// The part of the collection's scratch the kind uses (the copy-engine all-reduce's ring is
+    /// `CollectionResources::copy_engine_ring`).
+    pub const fn scratch_part(self) -> Option<ScratchPart> {
+        match self {
+            NativeKind::AllreduceAllpairPacket => Some(ScratchPart::Ll16),
+            NativeKind::AllreducePacket
+            | NativeKind::AllgatherPacket
+            | NativeKind::ReducescatterPacket => Some(ScratchPart::Ll128),
+            NativeKind::AllreduceRsag
+            | NativeKind::AllreduceRsagPipeline
+            | NativeKind::AllreduceFullmesh
+            | NativeKind::AllgatherFullmesh => Some(ScratchPart::Staging),
+            _ => None,
+        }
     }
 
     /// The kinds that run through LL packets in a shared scratch with a device call counter
@@ -179,9 +198,8 @@ impl NativeKind {
     }
 }
 
-/// The collection's shared scratch is this many times the builder's `scratch_bytes`: the two-phase
-/// packet all-reduce, its largest user, beats the zero-copy kernel at several MiB on LL128 lines,
-/// which needs 4 x 8 MiB (7.5 MiB of input).
+/// The collection's one allocation is this many times the builder's `scratch_bytes` (the parts and
+/// the capacities they give are listed at `crate::DEFAULT_SCRATCH_BYTES`).
 pub const PACKET_SCRATCH_SCALE: usize = 4;
 
 /// Default threads per block of the native kernels.
@@ -278,7 +296,8 @@ impl NativeBase {
         resources: Arc<CollectionResources>,
     ) -> Result<Self> {
         let sm = comm.gpu().properties(comm.device())?.multiprocessors.max(1);
-        if kind.uses_scratch() {
+        if let Some(part) = kind.scratch_part() {
+            let bytes = resources.region(part).bytes;
             // A slot of one LL128 line (two-phase all-reduce, all-gather, reduce-scatter) or of two
             // LL16 packets (all-pair) per half; the pipelines need one 16-byte vector per slot.
             let n = comm.size();
@@ -290,12 +309,11 @@ impl NativeBase {
                 NativeKind::AllreduceAllpairPacket => 2 * 4 * n * geometry::PACKET_BYTES,
                 _ => 4 * n * geometry::VECTOR_BYTES,
             };
-            if resources.bytes() < min {
+            if bytes < min {
                 return Err(Error::InvalidArgument(format!(
-                    "{}: scratch of {} bytes holds no slot for {n} ranks (at least {min} bytes are \
-                     needed)",
+                    "{}: scratch of {bytes} bytes holds no slot for {n} ranks (at least {min} bytes \
+                     are needed)",
                     kind.name(),
-                    resources.bytes()
                 )));
             }
         }
@@ -336,7 +354,22 @@ impl NativeBase {
 
     /// Largest message (input bytes per rank) this algorithm takes; `usize::MAX` for zero-copy.
     pub fn max_bytes(&self) -> usize {
-        max_input_bytes(self.kind, self.resources.bytes(), self.comm.size())
+        max_input_bytes(self.kind, self.scratch_bytes(), self.comm.size())
+    }
+
+    /// Bytes of the kind's part of the scratch (0 for the kinds that use none).
+    pub fn scratch_bytes(&self) -> usize {
+        self.kind
+            .scratch_part()
+            .map_or(0, |part| self.resources.region(part).bytes)
+    }
+
+    /// The kind's part of the scratch.
+    pub fn scratch(&self) -> Result<ScratchRegion> {
+        self.kind
+            .scratch_part()
+            .map(|part| self.resources.region(part))
+            .ok_or_else(|| Error::Internal(format!("{} uses no scratch", self.kind.name())))
     }
 
     /// `Algorithm::check`: the shape and the scratch capacity.
@@ -405,7 +438,8 @@ impl NativeBase {
     }
 }
 
-/// Largest input (bytes per rank) `kind` takes with `scratch_bytes` of scratch on `nranks` ranks;
+/// Largest input (bytes per rank) `kind` takes with `scratch_bytes` in its part of the scratch on
+/// `nranks` ranks;
 /// `usize::MAX` for the zero-copy and pipelined kinds. The packet all-gather sends its whole input to each peer's
 /// slot; the packet reduce-scatter sends one chunk (input / nranks) per slot.
 pub fn max_input_bytes(kind: NativeKind, scratch_bytes: usize, nranks: usize) -> usize {

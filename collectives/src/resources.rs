@@ -118,31 +118,64 @@ impl Drop for SharedScratch {
     }
 }
 
+/// The three parts of a collection's scratch. Users of one part share it; parts never overlap, so
+/// a reader never mistakes another format's stale bytes for its own data: an LL16 reader would
+/// accept any stale word equal to its flag, and LL128 lines only stay safe because every LL128
+/// user puts its flags at the same 128-byte positions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScratchPart {
+    /// LL16 packets (`default_allreduce_allpair_packet`): 1/8 of the scratch.
+    Ll16,
+    /// LL128 lines (the two-phase packet all-reduce, the packet all-gather and reduce-scatter):
+    /// 5/8 of the scratch.
+    Ll128,
+    /// Raw staged data (the scratch pipelines): the rest. The copy-engine all-reduce's ring is this
+    /// part and the LL128 part behind it; it zeroes what it used of the LL128 part before its
+    /// last barrier (0 is never a flag).
+    Staging,
+}
+
+/// One part of the scratch as the kernels see it.
+#[derive(Debug, Clone, Copy)]
+pub struct ScratchRegion {
+    /// Every rank's address of the part, by rank.
+    pub peers: PeerPtrs,
+    pub local: DevicePtr,
+    pub bytes: usize,
+}
+
+impl ScratchRegion {
+    /// Offset of the second half: whole LL128 lines and 16-byte vectors.
+    pub fn half_bytes(&self) -> usize {
+        self.bytes / 2 / 128 * 128
+    }
+}
+
 /// The device resources of a collection, owned once and lent to its algorithms: one scratch every
-/// peer maps (the packet kinds, the scratch pipelines and the copy-engine all-reduce stage data in
-/// it), the call counter they share, and one table of per-block semaphores (every kind that
-/// barriers uses its first blocks). Built once per collection (collective), sized for the largest
-/// user; the counter and the table live in the scratch's allocation, past the shared bytes, so the
-/// whole costs one allocation of exactly the bytes asked for.
+/// peer maps, in three parts ([`ScratchPart`]), the call counter its users share, and one table of
+/// per-block semaphores (every kind that barriers uses its first blocks). Built once per
+/// collection (collective), at build time rather than on first use (building is collective, and a
+/// call being captured in a CUDA graph must not allocate); the counter and the table live in the
+/// scratch's allocation, past the shared bytes, so the whole is one allocation of the bytes asked.
 ///
-/// Why sharing the scratch is safe: consecutive calls use different halves of it. The
-/// counter-driven kinds pick the half at `(calls & 1) * half_bytes()` (the pipelines per step) and
-/// advance the one shared [`CallState`], so whichever algorithm ran last, the next call writes the
-/// other half, and a peer still reading the previous call's half is never overwritten (the argument
-/// of "Scratch pipelines" in collective_common.cuh, now across algorithms). The copy-engine
-/// all-reduce uses the whole scratch but barriers with every peer before its first copy and after
-/// its last read. Sharing the semaphores is safe because every call signals and waits each
-/// semaphore it uses equally often on every rank, and a rank starts its next call only after all
-/// of its signals of this one went out, so counts never run ahead of a waiter.
+/// Why sharing a part is safe: a call on a part uses its half `(calls & 1) * half_bytes` (the
+/// pipelines per step) and advances the one shared [`CallState`]. Whichever algorithm ran last, a
+/// call either follows the part's previous user directly (and takes the other half), or a
+/// collective call came in between, which this rank only completed once every peer had started it,
+/// so every peer had finished reading the part (stream order). Either way a peer still reading is
+/// never overwritten. The copy-engine all-reduce takes whole parts, between barriers with every
+/// peer. Sharing the semaphores is safe because every call signals and waits each semaphore it uses
+/// equally often on every rank, in stream order.
 ///
 /// Rule for callers: the calls of one collection must be ordered on the device (one stream, or
 /// streams ordered by events), as NCCL requires of one communicator's collectives; calls on
-/// unordered streams would share a half of the scratch and the semaphores. A second collection
-/// (or communicator) has resources of its own.
+/// unordered streams would share halves and semaphores. Another collection has its own resources.
 pub struct CollectionResources {
-    /// Every rank's scratch address, by rank, as a kernel argument.
+    /// Every rank's scratch address, by rank.
     peers: PeerPtrs,
-    bytes: usize,
+    /// Byte offsets of the parts, in the order LL16, staging, LL128 (the copy engine's ring is the
+    /// last two, contiguous), and the end of the scratch.
+    bounds: [usize; 4],
     semaphore_blocks: u32,
     scratch: SharedScratch,
 }
@@ -156,21 +189,20 @@ impl CollectionResources {
         semaphore_blocks: u32,
     ) -> Result<CollectionResources> {
         let table = semaphore_table(comm, semaphore_blocks)?;
-        // The private tail: [CallState][semaphores [block][peer index]], behind a scratch of whole
-        // 256-byte units.
+        // The private tail: [CallState][semaphores [block][peer index]].
         let tail = std::mem::size_of::<CallState>() + std::mem::size_of_val(table.as_slice());
-        let bytes = total_bytes.saturating_sub(tail) / 256 * 256;
-        if bytes == 0 {
+        let bounds = scratch_bounds(total_bytes, tail);
+        if bounds.windows(2).any(|w| w[1] - w[0] < 64 << 10) {
             return Err(Error::InvalidArgument(format!(
-                "a collection of {total_bytes} bytes leaves no scratch beside its {tail} bytes of \
-                 call counter and semaphores"
+                "a collection of {total_bytes} bytes leaves too little scratch beside its {tail} \
+                 bytes of call counter and semaphores"
             )));
         }
         // Zeroed memory is CallState::default(): every per-block slot at call 0.
-        let scratch = SharedScratch::with_private_tail(comm, bytes, tail)?;
+        let scratch = SharedScratch::with_private_tail(comm, bounds[3], tail)?;
         let resources = CollectionResources {
             peers: PeerPtrs::from_slice(&scratch.rank_ptrs())?,
-            bytes,
+            bounds,
             semaphore_blocks,
             scratch,
         };
@@ -181,27 +213,49 @@ impl CollectionResources {
         Ok(resources)
     }
 
-    /// Bytes of the shared scratch.
+    /// Bytes of the whole scratch.
     pub fn bytes(&self) -> usize {
-        self.bytes
+        self.bounds[3]
     }
 
-    /// Offset of the second half: whole LL128 lines and 16-byte vectors.
-    pub fn half_bytes(&self) -> usize {
-        self.bytes / 2 / 128 * 128
+    /// Byte range of `part` in the scratch.
+    fn range(&self, part: ScratchPart) -> (usize, usize) {
+        let b = &self.bounds;
+        match part {
+            ScratchPart::Ll16 => (b[0], b[1]),
+            ScratchPart::Staging => (b[1], b[2]),
+            ScratchPart::Ll128 => (b[2], b[3]),
+        }
     }
 
-    pub fn peers(&self) -> PeerPtrs {
-        self.peers
+    /// `part` of the scratch as the kernels see it.
+    pub fn region(&self, part: ScratchPart) -> ScratchRegion {
+        let (begin, end) = self.range(part);
+        self.region_between(begin, end)
     }
 
-    pub fn local_ptr(&self) -> DevicePtr {
-        self.scratch.local_ptr()
+    /// The copy-engine all-reduce's ring (staging then LL128), and the offset in it where the
+    /// LL128 part begins (what it must zero after use).
+    pub fn copy_engine_ring(&self) -> (ScratchRegion, usize) {
+        let (begin, ll128) = (self.bounds[1], self.bounds[2]);
+        (self.region_between(begin, self.bounds[3]), ll128 - begin)
+    }
+
+    fn region_between(&self, begin: usize, end: usize) -> ScratchRegion {
+        let mut peers = self.peers;
+        for p in peers.p.iter_mut().filter(|p| **p != 0) {
+            *p += begin as u64;
+        }
+        ScratchRegion {
+            peers,
+            local: self.scratch.local_ptr() + begin as u64,
+            bytes: end - begin,
+        }
     }
 
     /// The shared `coll::CallState`.
     pub fn state_ptr(&self) -> DevicePtr {
-        self.local_ptr() + self.bytes as u64
+        self.scratch.local_ptr() + self.bounds[3] as u64
     }
 
     /// The semaphore table, `[block][peer index]` as the kernels index it.
@@ -213,6 +267,18 @@ impl CollectionResources {
     pub fn semaphore_blocks(&self) -> u32 {
         self.semaphore_blocks
     }
+}
+
+/// Offsets of the parts (LL16, staging, LL128, end) in an allocation of `total_bytes` that ends with
+/// `tail` private bytes: 1/8 of the total LL16, 5/8 LL128, the staging part what is left; every part
+/// whole 64 KiB units, so every slot and line stays aligned.
+pub fn scratch_bounds(total_bytes: usize, tail: usize) -> [usize; 4] {
+    const UNIT: usize = 64 << 10;
+    let units = total_bytes.saturating_sub(tail) / UNIT;
+    let ll16 = (total_bytes / 8 / UNIT).min(units);
+    let ll128 = (total_bytes / 8 * 5 / UNIT).min(units - ll16);
+    let staging = units - ll16 - ll128;
+    [0, ll16 * UNIT, (ll16 + staging) * UNIT, units * UNIT]
 }
 
 /// Collective: `max_blocks` semaphores towards every peer, interleaved to `[block][peer index]`.
@@ -368,4 +434,25 @@ pub(crate) fn launch_with_args<A: mscclpp_core::device::DeviceRepr>(
     // caller picked `f` from; `args` outlives the call, and its device addresses are the caller's
     // checked buffers and our own live resources.
     unsafe { gpu.launch(f, cfg, stream, &mut params) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scratch_parts_tile_the_default_scratch() {
+        // 32 MiB less the call counter and an 8-rank, 256-block semaphore table.
+        let tail = std::mem::size_of::<CallState>() + 256 * 7 * 40;
+        let b = scratch_bounds(32 << 20, tail);
+        assert_eq!(b[0], 0);
+        assert_eq!(b[1], 4 << 20, "LL16");
+        assert_eq!(b[3] - b[2], 20 << 20, "LL128");
+        assert_eq!(b[2] - b[1], (8 << 20) - (128 << 10), "staging");
+        assert!(b[3] + tail <= 32 << 20);
+        for w in b.windows(2) {
+            assert_eq!(w[0] % (64 << 10), 0);
+            assert!(w[1] > w[0]);
+        }
+    }
 }

@@ -16,7 +16,7 @@ native_algorithm!(
 impl AllgatherFullmesh {
     // Byte-oriented: the kernel counts bytes, not elements.
     fn run(&self, args: &ExecuteArgs, _count: usize) -> Result<()> {
-        let scratch = 2 * self.base.resources().half_bytes();
+        let scratch = 2 * self.base.scratch()?.half_bytes();
         let bytes = args.input_bytes;
         let g = geometry::fullmesh_geometry(bytes, 1, scratch, self.base.comm().size());
         scratch_pipeline::launch(&self.base, args, bytes as u64, g)

@@ -16,7 +16,7 @@ native_algorithm!(
 impl AllreduceFullmesh {
     fn run(&self, args: &ExecuteArgs, count: usize) -> Result<()> {
         let (es, n) = (args.dtype.size(), self.base.comm().size());
-        let scratch = 2 * self.base.resources().half_bytes();
+        let scratch = 2 * self.base.scratch()?.half_bytes();
         let g = geometry::fullmesh_geometry(count, es, scratch, n);
         scratch_pipeline::launch(&self.base, args, count as u64, g)
     }

@@ -16,7 +16,7 @@ native_algorithm!(
 impl AllreduceRsag {
     fn run(&self, args: &ExecuteArgs, count: usize) -> Result<()> {
         let (es, n) = (args.dtype.size(), self.base.comm().size());
-        let half = self.base.resources().half_bytes();
+        let half = self.base.scratch()?.half_bytes();
         let g = geometry::rsag_geometry(count, es, half, n, false);
         scratch_pipeline::launch(&self.base, args, count as u64, g)
     }

@@ -10,8 +10,8 @@ use mscclpp_core::Result;
 use mscclpp_kernels_cu::collectives::MAX_PACKET_BLOCKS;
 
 /// Bytes of one rank's slot in a half of the scratch, by the kind's layout.
-fn slot_bytes(base: &NativeBase) -> usize {
-    let (s, n) = (base.resources().bytes(), base.comm().size());
+fn slot_bytes(base: &NativeBase, s: usize) -> usize {
+    let n = base.comm().size();
     match base.kind() {
         NativeKind::AllreducePacket => geometry::packet_slot_bytes(s, n),
         NativeKind::AllgatherPacket | NativeKind::ReducescatterPacket => {
@@ -45,16 +45,16 @@ pub fn launch(base: &NativeBase, args: &ExecuteArgs, count: u64) -> Result<()> {
         DEFAULT_THREADS,
         max_blocks,
     )?;
-    let resources = base.resources();
+    let scratch = base.scratch()?;
     let kernel_args = PacketArgs {
         input: args.input,
         output: args.output,
         count,
-        peer_scratch: resources.peers(),
-        local_scratch: resources.local_ptr(),
-        slot_bytes: slot_bytes(base) as u64,
-        half_bytes: resources.half_bytes() as u64,
-        state: resources.state_ptr(),
+        peer_scratch: scratch.peers,
+        local_scratch: scratch.local,
+        slot_bytes: slot_bytes(base, scratch.bytes) as u64,
+        half_bytes: scratch.half_bytes() as u64,
+        state: base.resources().state_ptr(),
         error_word: comm.error_word_device_ptr(),
         max_spin: 0,
         rank: comm.rank() as u32,

@@ -10,8 +10,8 @@ use mscclpp_core::{Error, Result};
 use mscclpp_kernels_cu::collectives::MAX_PACKET_BLOCKS;
 
 /// Launches the kind's pipeline kernel for a checked call of `units` (elements; bytes for the
-/// all-gather) cut by `geometry`. Every geometry lies in one half of the shared scratch, and the
-/// halves alternate by the shared counter (see `resources::CollectionResources`).
+/// all-gather) cut by `geometry`. Every geometry lies in one half of the staging part of the
+/// scratch, and the halves alternate by the shared counter (see `resources::CollectionResources`).
 pub fn launch(
     base: &NativeBase,
     args: &ExecuteArgs,
@@ -33,18 +33,18 @@ pub fn launch(
         DEFAULT_THREADS,
         max_blocks,
     )?;
-    let (comm, resources) = (base.comm(), base.resources());
+    let (comm, scratch) = (base.comm(), base.scratch()?);
     let kernel_args = PipelineArgs {
         input: args.input,
         output: args.output,
         count: units,
-        peer_scratch: resources.peers(),
-        local_scratch: resources.local_ptr(),
+        peer_scratch: scratch.peers,
+        local_scratch: scratch.local,
         slot_bytes: g.slot_bytes,
-        half_bytes: resources.half_bytes() as u64,
+        half_bytes: scratch.half_bytes() as u64,
         step: g.step,
         sems,
-        state: resources.state_ptr(),
+        state: base.resources().state_ptr(),
         error_word: comm.error_word_device_ptr(),
         max_spin: 0,
         rank: comm.rank() as u32,
