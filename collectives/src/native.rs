@@ -679,6 +679,44 @@ mod tests {
         }
     }
 
+    /// The default collection's parts hold every message the default selector sends to a packet
+    /// algorithm, at every world size, so the selection does not change with the shared scratch.
+    #[test]
+    fn default_parts_cover_the_selector_thresholds() {
+        use crate::resources::scratch_bounds;
+        use mscclpp_core::algorithm_collection::{
+            allpair_threshold, packet_gather_scatter_threshold, packet_threshold,
+        };
+        for n in 2..=MAX_RANKS {
+            // The call counter and a 256-block semaphore table towards n - 1 peers.
+            let tail = 8 * 1024 + 256 * (n - 1) * 40;
+            let b = scratch_bounds(PACKET_SCRATCH_SCALE * crate::DEFAULT_SCRATCH_BYTES, tail);
+            let (ll16, ll128) = (b[1] - b[0], b[3] - b[2]);
+            let max = |k| {
+                max_input_bytes(
+                    k,
+                    if k == NativeKind::AllreduceAllpairPacket {
+                        ll16
+                    } else {
+                        ll128
+                    },
+                    n,
+                )
+            };
+            assert!(
+                max(NativeKind::AllreduceAllpairPacket) >= allpair_threshold(n),
+                "{n}"
+            );
+            assert!(
+                max(NativeKind::AllreducePacket) >= packet_threshold(n),
+                "{n}"
+            );
+            let total = packet_gather_scatter_threshold(n);
+            assert!(max(NativeKind::AllgatherPacket) >= total / n, "{n}");
+            assert!(max(NativeKind::ReducescatterPacket) >= total, "{n}");
+        }
+    }
+
     #[test]
     fn every_kind_has_a_distinct_name() {
         let mut names: Vec<_> = NativeKind::ALL.iter().map(|k| k.name()).collect();
