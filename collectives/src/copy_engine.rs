@@ -382,8 +382,8 @@ mod tests {
         }
         // 2 ranks: three slots of 10.625 MiB (pieces were 32 MiB with the former own 96 MiB ring).
         assert_eq!(slot_bytes(scratch, 2), 170 * PIECE_ALIGN);
-        // The default collection's ring: staging + LL128, about 28 MiB: 9.25 MiB pieces at 2 ranks.
-        assert_eq!(slot_bytes((28 << 20) - (128 << 10), 2), 148 * PIECE_ALIGN);
+        // The default collection's ring, staging + LL128 (25.875 MiB): 8.625 MiB pieces at 2 ranks.
+        assert_eq!(slot_bytes((26 << 20) - (128 << 10), 2), 138 * PIECE_ALIGN);
         assert_eq!(slot_bytes(96 << 20, 2), 32 << 20);
         assert_eq!(slot_bytes(PIECE_ALIGN, 2), 0);
         // Small shares: at least MIN_PIECES pieces; large ones: pieces as large as a slot.

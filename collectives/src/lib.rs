@@ -30,20 +30,20 @@ use mscclpp_core::Result;
 use mscclpp_kernels_cu::collectives::MAX_RANKS;
 use std::sync::Arc;
 
-/// The builder's default `scratch_bytes`. The collection makes one allocation of
-/// `native::PACKET_SCRATCH_SCALE` times this, 32 MiB, and lends it to every algorithm
-/// (`resources::CollectionResources`): 4 MiB of LL16 packets, 20 MiB of LL128 lines, the rest
-/// (7.875 MiB) for staged data and, with the LL128 part, the copy engine's ring; the call counter
-/// and semaphores fill the last 78 KiB. Capacities (input per rank; before: each algorithm's own
-/// 8 MiB, 32 MiB for the two-phase all-reduce): two-phase packet all-reduce 4.69 MiB (7.5), all-pair
-/// 512 KiB at 2 ranks, 256 KiB at 4, 128 KiB at 8 (1 MiB, 512 KiB, 256 KiB), packet all-gather
-/// 4.69 MiB x 2 / nranks (1.875 MiB x 2 / nranks), packet reduce-scatter 9.4 MiB (3.75), one-step
-/// rsag 1.97 MiB (4), copy-engine pieces 9.25 MiB at 2 ranks (32). Every selector threshold stays
-/// within these, so the default selection is unchanged.
+/// The builder's default `scratch_bytes` s. The collection makes one allocation of 30 MiB from it
+/// and lends it to every algorithm (`resources::CollectionResources`, `resources::scratch_bounds`):
+/// s/2 = 4 MiB of LL16 packets, 9s/4 = 18 MiB of LL128 lines, s = 8 MiB (less the call counter
+/// and semaphores, 78 KiB) for staged data and, with the LL128 part, the copy engine's ring.
+/// Capacities (input per rank; before, from each algorithm's own 8 MiB, 32 MiB for the two-phase
+/// all-reduce): two-phase packet all-reduce 4.22 MiB (7.5), all-pair 512 KiB at 2 ranks, 256 KiB at
+/// 4, 128 KiB at 8 (1 MiB, 512 KiB, 256 KiB), packet all-gather 4.22 MiB x 2 / nranks (1.875 MiB x
+/// 2 / nranks), packet reduce-scatter 8.4 MiB (3.75), one-step rsag 1.97 MiB (4), copy-engine
+/// pieces 8.6 MiB at 2 ranks (32). Every selector threshold stays within these, so the default
+/// selection is unchanged (`native` tests).
 pub const DEFAULT_SCRATCH_BYTES: usize = 8 << 20;
 
 /// Collective: builds every native algorithm for `comm` into `builder`, lending them one scratch of
-/// `native::PACKET_SCRATCH_SCALE * scratch_bytes` bytes and one semaphore table
+/// about 3.75 x `scratch_bytes` bytes and one semaphore table
 /// (`resources::CollectionResources`: read its rule on streams), allocated here (not on first use: building
 /// is collective, so every rank maps every peer's scratch now, and a call under CUDA-graph capture
 /// never allocates), and installs the default selector with the limits that scratch gives. Returns
@@ -61,7 +61,7 @@ pub fn build_default_algorithms(
         .unwrap_or(0);
     let scratch = Arc::new(resources::CollectionResources::new(
         comm,
-        scratch_bytes.saturating_mul(native::PACKET_SCRATCH_SCALE),
+        scratch_bytes,
         semaphore_blocks,
     )?);
     let limit = |kind: NativeKind| {

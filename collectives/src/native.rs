@@ -198,10 +198,6 @@ impl NativeKind {
     }
 }
 
-/// The collection's one allocation is this many times the builder's `scratch_bytes` (the parts and
-/// the capacities they give are listed at `crate::DEFAULT_SCRATCH_BYTES`).
-pub const PACKET_SCRATCH_SCALE: usize = 4;
-
 /// Default threads per block of the native kernels.
 pub const DEFAULT_THREADS: u32 = 512;
 
@@ -690,7 +686,7 @@ mod tests {
         for n in 2..=MAX_RANKS {
             // The call counter and a 256-block semaphore table towards n - 1 peers.
             let tail = 8 * 1024 + 256 * (n - 1) * 40;
-            let b = scratch_bounds(PACKET_SCRATCH_SCALE * crate::DEFAULT_SCRATCH_BYTES, tail);
+            let b = scratch_bounds(crate::DEFAULT_SCRATCH_BYTES, tail);
             let (ll16, ll128) = (b[1] - b[0], b[3] - b[2]);
             let max = |k| {
                 max_input_bytes(

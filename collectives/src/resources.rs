@@ -124,14 +124,13 @@ impl Drop for SharedScratch {
 /// user puts its flags at the same 128-byte positions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ScratchPart {
-    /// LL16 packets (`default_allreduce_allpair_packet`): 1/8 of the scratch.
+    /// LL16 packets (`default_allreduce_allpair_packet`).
     Ll16,
-    /// LL128 lines (the two-phase packet all-reduce, the packet all-gather and reduce-scatter):
-    /// 5/8 of the scratch.
+    /// LL128 lines (the two-phase packet all-reduce, the packet all-gather and reduce-scatter).
     Ll128,
-    /// Raw staged data (the scratch pipelines): the rest. The copy-engine all-reduce's ring is this
-    /// part and the LL128 part behind it; it zeroes what it used of the LL128 part before its
-    /// last barrier (0 is never a flag).
+    /// Raw staged data (the scratch pipelines). The copy-engine all-reduce's ring is this part and
+    /// the LL128 part behind it; it zeroes what it used of the LL128 part before its last barrier
+    /// (0 is never a flag).
     Staging,
 }
 
@@ -181,21 +180,22 @@ pub struct CollectionResources {
 }
 
 impl CollectionResources {
-    /// Collective: allocates `total_bytes`, zeroed: the scratch every rank maps, then the call
-    /// counter and `semaphore_blocks` blocks of semaphores towards every peer.
+    /// Collective: allocates, zeroed, the scratch every rank maps (parts sized by
+    /// [`scratch_bounds`] from the builder's `scratch_bytes`), then the call counter and
+    /// `semaphore_blocks` blocks of semaphores towards every peer.
     pub fn new(
         comm: &Arc<Communicator>,
-        total_bytes: usize,
+        scratch_bytes: usize,
         semaphore_blocks: u32,
     ) -> Result<CollectionResources> {
         let table = semaphore_table(comm, semaphore_blocks)?;
         // The private tail: [CallState][semaphores [block][peer index]].
         let tail = std::mem::size_of::<CallState>() + std::mem::size_of_val(table.as_slice());
-        let bounds = scratch_bounds(total_bytes, tail);
-        if bounds.windows(2).any(|w| w[1] - w[0] < 64 << 10) {
+        let bounds = scratch_bounds(scratch_bytes, tail);
+        if bounds.windows(2).any(|w| w[1] <= w[0]) {
             return Err(Error::InvalidArgument(format!(
-                "a collection of {total_bytes} bytes leaves too little scratch beside its {tail} \
-                 bytes of call counter and semaphores"
+                "a scratch of {scratch_bytes} bytes is too small for a collection (its call \
+                 counter and semaphores take {tail} bytes)"
             )));
         }
         // Zeroed memory is CallState::default(): every per-block slot at call 0.
@@ -269,16 +269,17 @@ impl CollectionResources {
     }
 }
 
-/// Offsets of the parts (LL16, staging, LL128, end) in an allocation of `total_bytes` that ends with
-/// `tail` private bytes: 1/8 of the total LL16, 5/8 LL128, the staging part what is left; every part
-/// whole 64 KiB units, so every slot and line stays aligned.
-pub fn scratch_bounds(total_bytes: usize, tail: usize) -> [usize; 4] {
+/// Offsets of the parts (LL16, staging, LL128, end) for the builder's `scratch_bytes` s, with `tail`
+/// private bytes behind them: LL16 s/2, staging s less the tail, LL128 9s/4, each whole 64 KiB units
+/// (so every slot and line stays aligned). With the default 8 MiB: 4 + 7.875 + 18 MiB and the
+/// 78 KiB tail, one allocation of 30 MiB. See `crate::DEFAULT_SCRATCH_BYTES` for what they hold.
+pub fn scratch_bounds(scratch_bytes: usize, tail: usize) -> [usize; 4] {
     const UNIT: usize = 64 << 10;
-    let units = total_bytes.saturating_sub(tail) / UNIT;
-    let ll16 = (total_bytes / 8 / UNIT).min(units);
-    let ll128 = (total_bytes / 8 * 5 / UNIT).min(units - ll16);
-    let staging = units - ll16 - ll128;
-    [0, ll16 * UNIT, (ll16 + staging) * UNIT, units * UNIT]
+    let units = |bytes: usize| bytes / UNIT * UNIT;
+    let ll16 = units(scratch_bytes / 2);
+    let staging = units(scratch_bytes.saturating_sub(tail));
+    let ll128 = units(scratch_bytes / 4 * 9);
+    [0, ll16, ll16 + staging, ll16 + staging + ll128]
 }
 
 /// Collective: `max_blocks` semaphores towards every peer, interleaved to `[block][peer index]`.
@@ -442,14 +443,18 @@ mod tests {
 
     #[test]
     fn scratch_parts_tile_the_default_scratch() {
-        // 32 MiB less the call counter and an 8-rank, 256-block semaphore table.
+        // The default scratch, with the call counter and an 8-rank, 256-block semaphore table.
         let tail = std::mem::size_of::<CallState>() + 256 * 7 * 40;
-        let b = scratch_bounds(32 << 20, tail);
+        let b = scratch_bounds(8 << 20, tail);
         assert_eq!(b[0], 0);
         assert_eq!(b[1], 4 << 20, "LL16");
-        assert_eq!(b[3] - b[2], 20 << 20, "LL128");
+        assert_eq!(b[3] - b[2], 18 << 20, "LL128");
         assert_eq!(b[2] - b[1], (8 << 20) - (128 << 10), "staging");
-        assert!(b[3] + tail <= 32 << 20);
+        // One allocation of 30 MiB (Plain allocations are whole 2 MiB granules).
+        assert_eq!(
+            mscclpp_core::gpu::plain_allocation_bytes(b[3] + tail),
+            30 << 20
+        );
         for w in b.windows(2) {
             assert_eq!(w[0] % (64 << 10), 0);
             assert!(w[1] > w[0]);
