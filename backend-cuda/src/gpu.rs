@@ -598,23 +598,25 @@ impl Gpu for CudaGpu {
             ));
         }
         let ordinal = self.bind()?;
-        match kind {
+        let alloc = match kind {
             MemoryKind::Plain => {
                 let mut ptr: sys::CUdeviceptr = 0;
                 let reserved = plain_allocation_bytes(size);
                 // SAFETY: writes one address.
                 unsafe { cu!(cuMemAlloc_v2(&mut ptr, reserved)) }?;
-                Ok(Allocation {
+                Allocation {
                     ptr,
                     size,
                     reserved,
                     kind,
                     device: ordinal,
                     handle: 0,
-                })
+                }
             }
-            MemoryKind::Vmm => self.alloc_vmm(size, ordinal),
-        }
+            MemoryKind::Vmm => self.alloc_vmm(size, ordinal)?,
+        };
+        mscclpp_core::gpu::note_device_alloc(&alloc);
+        Ok(alloc)
     }
 
     fn free(&self, alloc: &Allocation) -> Result<()> {
@@ -627,7 +629,9 @@ impl Gpu for CudaGpu {
                 lock(&self.exported_fds).remove(&alloc.handle);
                 self.unmap_vmm(alloc.ptr, alloc.reserved, alloc.handle)
             }
-        }
+        }?;
+        mscclpp_core::gpu::note_device_free(alloc);
+        Ok(())
     }
 
     fn alloc_host_mapped(&self, size: usize) -> Result<HostMapped> {

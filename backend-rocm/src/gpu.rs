@@ -233,19 +233,23 @@ impl Gpu for RocmGpu {
         let reserved = plain_allocation_bytes(size);
         // SAFETY: valid out-pointer.
         self.check("hipMalloc", unsafe { (self.api.malloc)(&mut p, reserved) })?;
-        Ok(Allocation {
+        let alloc = Allocation {
             ptr: p as usize as u64,
             size,
             reserved,
             kind,
             device: self.current_device()?,
             handle: 0,
-        })
+        };
+        mscclpp_core::gpu::note_device_alloc(&alloc);
+        Ok(alloc)
     }
 
     fn free(&self, alloc: &Allocation) -> Result<()> {
         // SAFETY: the caller passes an allocation made by `alloc` (trait contract).
-        self.check("hipFree", unsafe { (self.api.free)(as_ptr(alloc.ptr)) })
+        self.check("hipFree", unsafe { (self.api.free)(as_ptr(alloc.ptr)) })?;
+        mscclpp_core::gpu::note_device_free(alloc);
+        Ok(())
     }
 
     fn alloc_host_mapped(&self, size: usize) -> Result<HostMapped> {

@@ -30,22 +30,24 @@
 //!   place, by that peer's own reduce-scatter pushes (it is its input too). Its pushes of piece k
 //!   are complete once the barrier of piece k has passed, and we gather piece k only after
 //!   reducing it, which follows that barrier.
-//! - Across calls: a peer pushes into our scratch only after the previous call's end barrier, which
-//!   we signal after our last reduction.
+//! - Across calls: the ring is the collection's staging and LL128 parts of the scratch, shared with
+//!   the scratch pipelines and the LL128 packet kinds (`resources::CollectionResources`), so a call
+//!   first barriers with every peer (each has finished whatever it ran before on the scratch), and
+//!   before its end barrier zeroes what it wrote of our LL128 part (raw data there could pass for
+//!   an LL128 flag; 0 never does). The first barrier costs a few microseconds, the zeroing a few
+//!   more where a call's pieces reach the LL128 part (large calls), on calls of tens of MiB.
 //!
 //! Every barrier is a kernel on S (bounded spins that report through the error word), and all
 //! signals go out on S in one order, so counting semaphores cannot mix them up. The whole sequence
 //! is capturable in a CUDA graph: C joins the capture through the fork event.
 
-use crate::resources::{param_ptr, SharedScratch};
+use crate::resources::{launch_with_args, CollectionResources};
 use mscclpp_core::communicator::Communicator;
+use mscclpp_core::device::CopyEngineArgs;
 use mscclpp_core::gpu::{DevicePtr, Event, Function, Gpu, LaunchConfig, Stream};
 use mscclpp_core::{Error, Result};
 use mscclpp_kernels_cu::collectives::PeerPtrs;
 use std::sync::{Arc, Mutex};
-
-/// Most scratch one rank gives the ring (pieces shrink with the world size to fit).
-pub const COPY_ENGINE_SCRATCH_BYTES: usize = 96 << 20;
 
 /// Largest piece from one peer. Each copy costs the copy engines about 2 µs beyond its bytes on
 /// 2xH200 (1 GiB all-reduce: 2912 µs with 16 MiB pieces, 2879 µs with 32 MiB).
@@ -65,24 +67,20 @@ pub const SLOTS: usize = 3;
 /// `allreduce_ce_sync` mode: signal every peer, then wait for every peer.
 const BARRIER: u32 = 3;
 
-/// Bytes of a scratch slot's place for one peer: the largest piece, for `nranks` ranks.
-pub fn slot_bytes(nranks: usize) -> usize {
-    let per_peer = COPY_ENGINE_SCRATCH_BYTES / (SLOTS * peer_count(nranks));
-    ((per_peer / PIECE_ALIGN).max(1) * PIECE_ALIGN).min(MAX_PIECE_BYTES)
+/// Bytes of a scratch slot's place for one peer (the largest piece) when the ring is cut from
+/// `scratch_bytes` for `nranks` ranks; 0 if the scratch is too small for one aligned piece each.
+pub fn slot_bytes(scratch_bytes: usize, nranks: usize) -> usize {
+    let per_peer = scratch_bytes / (SLOTS * peer_count(nranks));
+    (per_peer / PIECE_ALIGN * PIECE_ALIGN).min(MAX_PIECE_BYTES)
 }
 
-/// Bytes of one piece for a share of `share_bytes` on `nranks` ranks: [`MIN_PIECES`] pieces or
-/// more, each as large as the slot allows.
-pub fn piece_bytes(share_bytes: usize, nranks: usize) -> usize {
+/// Bytes of one piece for a share of `share_bytes` with slots of `slot_bytes`: [`MIN_PIECES`]
+/// pieces or more, each as large as the slot allows.
+pub fn piece_bytes(share_bytes: usize, slot_bytes: usize) -> usize {
     let want = share_bytes
         .div_ceil(MIN_PIECES)
         .next_multiple_of(PIECE_ALIGN);
-    want.clamp(PIECE_ALIGN, slot_bytes(nranks))
-}
-
-/// Scratch bytes of one rank's ring.
-pub fn scratch_bytes(nranks: usize) -> usize {
-    SLOTS * peer_count(nranks) * slot_bytes(nranks)
+    want.clamp(PIECE_ALIGN, slot_bytes.max(PIECE_ALIGN))
 }
 
 fn peer_count(nranks: usize) -> usize {
@@ -168,6 +166,8 @@ pub struct CallPlan<'a> {
     pub sync: Function,
     /// Device array of D2D semaphores, one per peer index.
     pub semaphores: DevicePtr,
+    /// The communicator's error word.
+    pub error_word: DevicePtr,
     /// Every rank's input and output (registered), by rank.
     pub inputs: &'a [DevicePtr],
     pub outputs: &'a [DevicePtr],
@@ -183,26 +183,42 @@ pub struct CopyEngine {
     /// Every rank's scratch ring, by rank (ours included).
     scratch_ptrs: Vec<DevicePtr>,
     slot_bytes: usize,
+    /// Where in the ring the LL128 packet part begins: what a call wrote beyond it is zeroed.
+    packet_offset: usize,
     /// Locked for a whole call: the copy stream and events are shared by every caller.
     pipeline: Mutex<Pipeline>,
-    // Last: freed after the copy stream is drained (Drop) and after the other fields.
-    _scratch: SharedScratch,
+    // Last: released after the copy stream is drained (Drop) and after the other fields.
+    _scratch: Arc<CollectionResources>,
 }
 
 impl CopyEngine {
-    /// Collective: every rank maps every other rank's scratch ring.
-    pub fn new(comm: &Arc<Communicator>) -> Result<CopyEngine> {
+    /// Its ring is the collection's `scratch` (every rank's, mapped here).
+    pub fn new(comm: &Arc<Communicator>, scratch: Arc<CollectionResources>) -> Result<CopyEngine> {
         let gpu = comm.gpu().clone();
         let n = comm.size();
-        let scratch = SharedScratch::new(comm, scratch_bytes(n))?;
+        let (ring, packet_offset) = scratch.copy_engine_ring();
+        let slot = slot_bytes(ring.bytes, n);
+        if slot == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "default_allreduce_copy_engine: a ring of {} bytes holds no {PIECE_ALIGN}-byte \
+                 piece per peer in each of {SLOTS} slots for {n} ranks",
+                ring.bytes
+            )));
+        }
         let pipeline = Pipeline::new(gpu.as_ref())?;
         Ok(CopyEngine {
             gpu,
-            scratch_ptrs: scratch.rank_ptrs(),
-            slot_bytes: slot_bytes(n),
+            scratch_ptrs: ring.peers.p[..n].to_vec(),
+            slot_bytes: slot,
+            packet_offset,
             pipeline: Mutex::new(pipeline),
             _scratch: scratch,
         })
+    }
+
+    /// Bytes of one peer's place in a slot (the largest piece).
+    pub fn slot_bytes(&self) -> usize {
+        self.slot_bytes
     }
 
     /// Address of `sender`'s piece in slot `slot` of `receiver`'s scratch ring.
@@ -220,7 +236,7 @@ impl CopyEngine {
             .map_err(|_| Error::Internal("copy-engine pipeline poisoned by a panic".into()))?;
         let es = plan.elem_bytes;
         let per = share_elements(plan.count, es, nranks);
-        let piece = piece_bytes(per * es, nranks) / es;
+        let piece = piece_bytes(per * es, self.slot_bytes) / es;
         // Every rank runs the same number of pieces (and so of barriers): those of a full share.
         let npieces = per.div_ceil(piece);
         // Elements [lo, hi) of pieces [first, last) of `owner`'s share; empty past its end.
@@ -234,24 +250,20 @@ impl CopyEngine {
         let peers: Vec<usize> = (1..nranks).map(|i| (rank + i) % nranks).collect();
         let c = p.copy_stream;
         let barrier = || -> Result<()> {
-            let mut sems = plan.semaphores;
-            let mut npeers = peers.len() as u32;
-            let mut mode = BARRIER;
-            let mut params = [
-                param_ptr(&mut sems),
-                param_ptr(&mut npeers),
-                param_ptr(&mut mode),
-            ];
-            // SAFETY: allreduce_ce_sync(const D2DSemaphoreHandle*, u32, u32); the semaphores
-            // live as long as the algorithm.
-            unsafe {
-                gpu.launch(
-                    plan.sync,
-                    LaunchConfig::linear(1, 32),
-                    plan.stream,
-                    &mut params,
-                )
-            }
+            let args = CopyEngineArgs {
+                sems: plan.semaphores,
+                error_word: plan.error_word,
+                npeers: peers.len() as u32,
+                mode: BARRIER,
+                ..CopyEngineArgs::default()
+            };
+            launch_with_args(
+                gpu,
+                plan.sync,
+                LaunchConfig::linear(1, 32),
+                plan.stream,
+                args,
+            )
         };
         // All-gather of pieces [first, last) of our share, after the latest recorded reduction.
         let gather = |first: usize, last: usize| -> Result<()> {
@@ -267,6 +279,8 @@ impl CopyEngine {
             }
             Ok(())
         };
+        // The scratch is shared: every peer must be done with what it ran on it before.
+        barrier()?;
         gpu.record_event(p.fork, plan.stream)?;
         gpu.stream_wait_event(c, p.fork)?;
         for k in 0..npieces {
@@ -303,27 +317,30 @@ impl CopyEngine {
                 for &peer in &peers {
                     srcs.p[peer] = self.slot_ptr(rank, slot, peer, nranks);
                 }
-                let mut nsrc = nranks as u32;
-                let mut out = plan.outputs[rank] + (lo * es) as u64;
-                let mut elems = (hi - lo) as u64;
-                let mut nr = nranks as u32;
-                let mut params = [
-                    param_ptr(&mut srcs),
-                    param_ptr(&mut nsrc),
-                    param_ptr(&mut out),
-                    param_ptr(&mut elems),
-                    param_ptr(&mut nr),
-                ];
-                // SAFETY: allreduce_ce_reduce(PeerPtrs, u32, void*, u64, u32); every source and
-                // the output hold `hi - lo` elements (our share of registered buffers, or a slot
-                // of our scratch, which holds a whole piece).
-                unsafe { gpu.launch(plan.reduce, plan.reduce_config, plan.stream, &mut params) }?;
+                // Every source and the output hold `hi - lo` elements (our share of registered
+                // buffers, or a slot of our scratch, which holds a whole piece).
+                let args = CopyEngineArgs {
+                    srcs,
+                    output: plan.outputs[rank] + (lo * es) as u64,
+                    count: (hi - lo) as u64,
+                    error_word: plan.error_word,
+                    nsrc: nranks as u32,
+                    nranks: nranks as u32,
+                    ..CopyEngineArgs::default()
+                };
+                launch_with_args(gpu, plan.reduce, plan.reduce_config, plan.stream, args)?;
             }
             gpu.record_event(p.reduced, plan.stream)?;
         }
         // The last piece (or, with one piece, the whole share).
         gather(npieces - 1, npieces)?;
-        // Join; the barrier publishes our pushes.
+        // Every peer's pieces in our ring are reduced: clear what reached the LL128 part.
+        let written = npieces.min(SLOTS) * peer_count(nranks) * self.slot_bytes;
+        if written > self.packet_offset {
+            let at = self.scratch_ptrs[rank] + self.packet_offset as u64;
+            gpu.memset_async(at, 0, written - self.packet_offset, plan.stream)?;
+        }
+        // Join; the barrier publishes our pushes (and the zeroing).
         gpu.record_event(p.join, c)?;
         gpu.stream_wait_event(plan.stream, p.join)?;
         barrier()
@@ -350,22 +367,29 @@ mod tests {
 
     #[test]
     fn pieces_fit_the_scratch_and_stay_aligned() {
+        // The default collection's shared scratch (4 x 8 MiB).
+        let scratch = 32 << 20;
         for n in 1..=8 {
-            let slot = slot_bytes(n);
+            let slot = slot_bytes(scratch, n);
             assert_eq!(slot % PIECE_ALIGN, 0, "{n} ranks");
-            assert!(slot <= MAX_PIECE_BYTES, "{n} ranks");
-            assert!(scratch_bytes(n) <= COPY_ENGINE_SCRATCH_BYTES, "{n} ranks");
+            assert!(slot > 0 && slot <= MAX_PIECE_BYTES, "{n} ranks");
+            assert!(SLOTS * peer_count(n) * slot <= scratch, "{n} ranks");
             for share in [1usize, 4096, 3 << 20, 64 << 20, 1 << 30] {
-                let piece = piece_bytes(share, n);
+                let piece = piece_bytes(share, slot);
                 assert_eq!(piece % PIECE_ALIGN, 0, "{n} ranks, share {share}");
                 assert!(piece <= slot, "{n} ranks, share {share}");
             }
         }
-        assert_eq!(slot_bytes(2), 32 << 20);
+        // 2 ranks: three slots of 10.625 MiB (pieces were 32 MiB with the former own 96 MiB ring).
+        assert_eq!(slot_bytes(scratch, 2), 170 * PIECE_ALIGN);
+        // The default collection's ring, staging + LL128 (25.875 MiB): 8.625 MiB pieces at 2 ranks.
+        assert_eq!(slot_bytes((26 << 20) - (128 << 10), 2), 138 * PIECE_ALIGN);
+        assert_eq!(slot_bytes(96 << 20, 2), 32 << 20);
+        assert_eq!(slot_bytes(PIECE_ALIGN, 2), 0);
         // Small shares: at least MIN_PIECES pieces; large ones: pieces as large as a slot.
-        assert_eq!(piece_bytes(32 << 20, 2), 8 << 20);
-        assert_eq!(piece_bytes(512 << 20, 2), 32 << 20);
-        assert_eq!(piece_bytes(256 << 20, 4), slot_bytes(4));
+        let slot2 = slot_bytes(scratch, 2);
+        assert_eq!(piece_bytes(32 << 20, slot2), 8 << 20);
+        assert_eq!(piece_bytes(512 << 20, slot2), slot2);
     }
 
     #[test]

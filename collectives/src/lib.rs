@@ -12,6 +12,7 @@
 //! [`build_default_algorithms`] builds them all for a communicator, with the default selector of
 //! `mscclpp_core::algorithm_collection`; `tune` fills a tuning table for `mscclpp_core::tuner`.
 
+pub mod algorithms;
 pub mod copy_engine;
 pub mod geometry;
 pub mod native;
@@ -22,7 +23,7 @@ pub mod single_rank;
 pub mod testing;
 pub mod tune;
 
-pub use native::{check_shape, max_input_bytes, NativeAlgorithm, NativeKind};
+pub use native::{check_shape, max_input_bytes, NativeBase, NativeKind};
 
 use mscclpp_core::algorithm_collection::{
     default_native_selector, AlgorithmCollection, AlgorithmCollectionBuilder, NativeLimits,
@@ -32,16 +33,24 @@ use mscclpp_core::Result;
 use mscclpp_kernels_cu::collectives::MAX_RANKS;
 use std::sync::Arc;
 
-/// Default per-rank scratch of each packet algorithm (the two-phase packet all-reduce takes
-/// `native::PACKET_SCRATCH_SCALE` times as much). Capacities, whatever the world size: 1 MiB for
-/// the all-pair all-reduce at 2 ranks (less with more), 7.5 MiB for the two-phase all-reduce,
-/// 1.875 MiB x 2 / nranks of all-gather input, 3.75 MiB of reduce-scatter input.
+/// The builder's default `scratch_bytes` s. The collection makes one allocation of 30 MiB from it
+/// and lends it to every algorithm (`resources::CollectionResources`, `resources::scratch_bounds`):
+/// s/2 = 4 MiB of LL16 packets, 9s/4 = 18 MiB of LL128 lines, s = 8 MiB (less the call counter
+/// and semaphores, 78 KiB) for staged data and, with the LL128 part, the copy engine's ring.
+/// Capacities (input per rank; before, from each algorithm's own 8 MiB, 32 MiB for the two-phase
+/// all-reduce): two-phase packet all-reduce 4.22 MiB (7.5), all-pair 512 KiB at 2 ranks, 256 KiB at
+/// 4, 128 KiB at 8 (1 MiB, 512 KiB, 256 KiB), packet all-gather 4.22 MiB x 2 / nranks (1.875 MiB x
+/// 2 / nranks), packet reduce-scatter 8.4 MiB (3.75), one-step rsag 1.97 MiB (4), copy-engine
+/// pieces 8.6 MiB at 2 ranks (32). Every selector threshold stays within these, so the default
+/// selection is unchanged (`native` tests).
 pub const DEFAULT_SCRATCH_BYTES: usize = 8 << 20;
 
-/// Collective: builds every native algorithm for `comm` (each packet algorithm gets its own
-/// `scratch_bytes` of scratch) into `builder`, and installs the default selector with the limits
-/// those scratches give. Returns the builder so callers can add plan algorithms or their own
-/// selector before `build()`.
+/// Collective: builds every native algorithm for `comm` into `builder`, lending them one scratch of
+/// about 3.75 x `scratch_bytes` bytes and one semaphore table
+/// (`resources::CollectionResources`: read its rule on streams), allocated here (not on first use: building
+/// is collective, so every rank maps every peer's scratch now, and a call under CUDA-graph capture
+/// never allocates), and installs the default selector with the limits that scratch gives. Returns
+/// the builder so callers can add plan algorithms or their own selector before `build()`.
 pub fn build_default_algorithms(
     comm: &Arc<Communicator>,
     scratch_bytes: usize,
@@ -54,34 +63,45 @@ pub fn build_default_algorithms(
             builder.add_algorithm(Arc::new(algo))?;
         }
     }
-    let mut limits = NativeLimits {
-        allpair_packet_max_bytes: 0,
-        packet_max_bytes: 0,
-        allgather_packet_max_bytes: 0,
-        reducescatter_packet_max_bytes: 0,
-        max_ranks: MAX_RANKS,
-    };
     if !comm.topology().is_single_host() {
-        // The NVLink kernels need every peer's memory mapped here; across hosts the flat
-        // PortChannel all-reduce runs (the hierarchical algorithms are still to come).
+        // The NVLink kernels and their shared scratch need every peer's memory mapped here; across
+        // hosts the flat PortChannel all-reduce runs (the hierarchical algorithms are still to
+        // come), and no packet algorithm is built.
+        let limits = NativeLimits {
+            allpair_packet_max_bytes: 0,
+            packet_max_bytes: 0,
+            allgather_packet_max_bytes: 0,
+            reducescatter_packet_max_bytes: 0,
+            max_ranks: MAX_RANKS,
+        };
         add_multi_host_algorithms(comm, scratch_bytes, &mut builder)?;
         builder.set_selector(default_native_selector(limits));
         return Ok(builder);
     }
+    let sm = comm.gpu().properties(comm.device())?.multiprocessors.max(1);
+    let semaphore_blocks = NativeKind::ALL
+        .iter()
+        .map(|k| k.semaphore_blocks(sm))
+        .max()
+        .unwrap_or(0);
+    let scratch = Arc::new(resources::CollectionResources::new(
+        comm,
+        scratch_bytes,
+        semaphore_blocks,
+    )?);
+    let limit = |kind: NativeKind| {
+        let part = kind.scratch_part().map_or(0, |p| scratch.region(p).bytes);
+        max_input_bytes(kind, part, comm.size())
+    };
+    let limits = NativeLimits {
+        allpair_packet_max_bytes: limit(NativeKind::AllreduceAllpairPacket),
+        packet_max_bytes: limit(NativeKind::AllreducePacket),
+        allgather_packet_max_bytes: limit(NativeKind::AllgatherPacket),
+        reducescatter_packet_max_bytes: limit(NativeKind::ReducescatterPacket),
+        max_ranks: MAX_RANKS,
+    };
     for kind in NativeKind::ALL {
-        let algo = NativeAlgorithm::new(kind, comm.clone(), scratch_bytes)?;
-        match kind {
-            NativeKind::AllreduceAllpairPacket => {
-                limits.allpair_packet_max_bytes = algo.max_bytes()
-            }
-            NativeKind::AllreducePacket => limits.packet_max_bytes = algo.max_bytes(),
-            NativeKind::AllgatherPacket => limits.allgather_packet_max_bytes = algo.max_bytes(),
-            NativeKind::ReducescatterPacket => {
-                limits.reducescatter_packet_max_bytes = algo.max_bytes()
-            }
-            _ => {}
-        }
-        builder.add_algorithm(Arc::new(algo))?;
+        builder.add_algorithm(algorithms::build(kind, comm, &scratch)?)?;
     }
     // NVLS (NVLink multicast) only behind its safety gate and on hardware that supports it; the
     // selector takes its NVLS branch only when the caller's SelectionContext allows it.

@@ -1,24 +1,21 @@
-//! The native algorithms: one [`NativeAlgorithm`] per (kind, communicator), implementing the core
-//! [`Algorithm`] trait. Construction is collective (every rank builds the same kinds in the same
-//! order); `execute` only enqueues work on `args.stream` (one kernel, or for the copy-engine
-//! all-reduce a sequence of copies, events and kernels on it and on one forked stream), with no host
-//! synchronisation, so it is legal during CUDA-graph capture.
+//! The native algorithms' common ground: [`NativeKind`] (names, collectives, kernels, scratch and
+//! semaphore needs), the checks of a call ([`check_shape`], [`max_input_bytes`]) and
+//! [`NativeBase`], what every algorithm of `crate::algorithms` holds. Construction is collective
+//! (every rank builds the same kinds in the same order); `execute` only enqueues work on
+//! `args.stream`, with no host synchronisation, so it is legal during CUDA-graph capture.
 
-use crate::copy_engine::{CallPlan, CopyEngine};
-use crate::geometry::{self, resident_blocks};
+use crate::geometry;
 use crate::resources::{
-    param_ptr, BlockSemaphores, DeviceBuffer, KernelTable, RegistrationCache, SharedScratch,
+    launch_with_args, CollectionResources, KernelTable, RegistrationCache, ScratchPart,
+    ScratchRegion,
 };
-use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
+use mscclpp_core::algorithm::{Collective, ExecuteArgs};
 use mscclpp_core::algorithm_collection::native_names as names;
 use mscclpp_core::communicator::Communicator;
+use mscclpp_core::device::DeviceRepr;
 use mscclpp_core::gpu::{DevicePtr, Function, LaunchConfig};
 use mscclpp_core::{Error, Result};
-use mscclpp_kernels_cu::collectives::{
-    resolve_accumulator, CallState, CollectiveFile, PeerPtrs, ReduceSpec, MAX_PACKET_BLOCKS,
-    MAX_RANKS,
-};
-use std::ffi::c_void;
+use mscclpp_kernels_cu::collectives::{resolve_accumulator, CollectiveFile, ReduceSpec, MAX_RANKS};
 use std::sync::Arc;
 
 /// The native algorithms.
@@ -140,16 +137,24 @@ impl NativeKind {
         )
     }
 
-    /// Whether the kind owns a scratch every peer maps (and a device call counter).
+    /// Whether the kind stages data in the collection's scratch (with the device call counter).
     pub const fn uses_scratch(self) -> bool {
         self.uses_packets() || self.uses_scratch_pipeline()
     }
 
-    /// Regions x nranks slots the kind's scratch is cut into (geometry.rs), for the minimum size.
-    const fn scratch_regions(self) -> usize {
+    /// The part of the collection's scratch the kind uses (the copy-engine all-reduce's ring is
+    /// `CollectionResources::copy_engine_ring`).
+    pub const fn scratch_part(self) -> Option<ScratchPart> {
         match self {
-            NativeKind::AllreducePacket | NativeKind::AllreduceRsagPipeline => 4,
-            _ => 2,
+            NativeKind::AllreduceAllpairPacket => Some(ScratchPart::Ll16),
+            NativeKind::AllreducePacket
+            | NativeKind::AllgatherPacket
+            | NativeKind::ReducescatterPacket => Some(ScratchPart::Ll128),
+            NativeKind::AllreduceRsag
+            | NativeKind::AllreduceRsagPipeline
+            | NativeKind::AllreduceFullmesh
+            | NativeKind::AllgatherFullmesh => Some(ScratchPart::Staging),
+            _ => None,
         }
     }
 
@@ -165,20 +170,10 @@ impl NativeKind {
         )
     }
 
-    /// Scratch of this kind when the collection's default is `default_bytes`. The two-phase
-    /// packet all-reduce gets [`PACKET_SCRATCH_SCALE`] times as much: on LL128 lines it beats the
-    /// zero-copy kernel at several MiB, which a default scratch cannot hold.
-    pub const fn scratch_bytes(self, default_bytes: usize) -> usize {
-        match self {
-            NativeKind::AllreducePacket => default_bytes.saturating_mul(PACKET_SCRATCH_SCALE),
-            _ => default_bytes,
-        }
-    }
-
     /// Payload bytes a packet kind's kernel handles per call, for sizing its grid (about one packet
     /// per thread): the all-gather receives its input from every peer; the others move about their
     /// input.
-    fn packet_work_bytes(self, input_bytes: usize, nranks: usize) -> usize {
+    pub fn packet_work_bytes(self, input_bytes: usize, nranks: usize) -> usize {
         match self {
             NativeKind::AllgatherPacket => {
                 input_bytes.saturating_mul(nranks.saturating_sub(1).max(1))
@@ -189,7 +184,7 @@ impl NativeKind {
 
     /// Semaphore blocks to reserve per peer (0 for the packet kinds, which need none). The
     /// all-reduce gets the most: it is the one tuned for bandwidth with 2 blocks per SM.
-    fn semaphore_blocks(self, sm: u32) -> u32 {
+    pub fn semaphore_blocks(self, sm: u32) -> u32 {
         match self {
             NativeKind::AllreduceAllpairPacket
             | NativeKind::AllreducePacket
@@ -203,11 +198,8 @@ impl NativeKind {
     }
 }
 
-/// Scratch multiplier of the two-phase packet all-reduce (see `NativeKind::scratch_bytes`).
-pub const PACKET_SCRATCH_SCALE: usize = 4;
-
 /// Default threads per block of the native kernels.
-const DEFAULT_THREADS: u32 = 512;
+pub const DEFAULT_THREADS: u32 = 512;
 
 /// Validates the shape of `args` for `kind` on `nranks` ranks (no device access): the element
 /// count (0 is a no-op), and for reductions the (dtype, accumulator) pair. Pure, so it is
@@ -278,86 +270,62 @@ pub fn check_shape(
     Ok(count)
 }
 
-/// One native algorithm bound to one communicator. See the module docs.
-pub struct NativeAlgorithm {
+/// What every native algorithm holds: its kind, its compiled kernels, the cache of registered user
+/// buffers, and the collection's resources it borrows. Each algorithm (`crate::algorithms`) is a
+/// small type around one of these.
+pub struct NativeBase {
     kind: NativeKind,
     // Field order is drop order: device resources go before the communicator they came from.
     kernels: KernelTable,
     registrations: RegistrationCache,
-    semaphores: Option<BlockSemaphores>,
-    scratch: Option<SharedScratch>,
-    copy_engine: Option<CopyEngine>,
-    /// Every rank's scratch address as a kernel parameter, built once (not on every call).
-    scratch_peers: PeerPtrs,
-    state: Option<DeviceBuffer>,
-    scratch_bytes: usize,
+    /// The collection's scratch, call counter and semaphores, lent to every algorithm.
+    resources: Arc<CollectionResources>,
     sm: u32,
     comm: Arc<Communicator>,
 }
 
-impl NativeAlgorithm {
-    /// Collective: sets up `kind` for `comm`. `scratch_bytes` is the collection's per-rank scratch
-    /// of the packet kinds, scaled by [`NativeKind::scratch_bytes`] (ignored by the zero-copy kinds).
-    pub fn new(kind: NativeKind, comm: Arc<Communicator>, scratch_bytes: usize) -> Result<Self> {
-        let scratch_bytes = kind.scratch_bytes(scratch_bytes);
-        let gpu = comm.gpu().clone();
-        let sm = gpu.properties(comm.device())?.multiprocessors.max(1);
-        let (scratch, state) = if kind.uses_scratch() {
+impl NativeBase {
+    /// Sets up `kind` for `comm`, borrowing the collection's `resources` (checked large enough).
+    pub fn new(
+        kind: NativeKind,
+        comm: Arc<Communicator>,
+        resources: Arc<CollectionResources>,
+    ) -> Result<Self> {
+        let sm = comm.gpu().properties(comm.device())?.multiprocessors.max(1);
+        if let Some(part) = kind.scratch_part() {
+            let bytes = resources.region(part).bytes;
             // A slot of one LL128 line (two-phase all-reduce, all-gather, reduce-scatter) or of two
-            // LL16 packets (all-pair); the pipelines need one 16-byte vector per slot.
-            let min = if kind == NativeKind::AllreducePacket {
-                4 * comm.size() * geometry::LL128_LINE_BYTES
-            } else if matches!(
-                kind,
-                NativeKind::AllgatherPacket | NativeKind::ReducescatterPacket
-            ) {
-                2 * comm.size() * geometry::LL128_LINE_BYTES
-            } else if kind.uses_packets() {
-                2 * 4 * comm.size() * geometry::PACKET_BYTES
-            } else {
-                kind.scratch_regions() * comm.size() * geometry::VECTOR_BYTES
+            // LL16 packets (all-pair) per half; the pipelines need one 16-byte vector per slot.
+            let n = comm.size();
+            let min = match kind {
+                NativeKind::AllreducePacket => 4 * n * geometry::LL128_LINE_BYTES,
+                NativeKind::AllgatherPacket | NativeKind::ReducescatterPacket => {
+                    2 * n * geometry::LL128_LINE_BYTES
+                }
+                NativeKind::AllreduceAllpairPacket => 2 * 4 * n * geometry::PACKET_BYTES,
+                _ => 4 * n * geometry::VECTOR_BYTES,
             };
-            if scratch_bytes < min {
+            if bytes < min {
                 return Err(Error::InvalidArgument(format!(
-                    "{}: scratch of {scratch_bytes} bytes holds no slot for {} ranks (at least \
-                     {min} bytes are needed)",
+                    "{}: scratch of {bytes} bytes holds no slot for {n} ranks (at least {min} bytes \
+                     are needed)",
                     kind.name(),
-                    comm.size()
                 )));
             }
-            (
-                Some(SharedScratch::new(&comm, scratch_bytes)?),
-                // Zeroed memory is CallState::default(): every per-block slot at call 0.
-                Some(DeviceBuffer::zeroed(
-                    &gpu,
-                    std::mem::size_of::<CallState>(),
-                )?),
-            )
-        } else {
-            (None, None)
-        };
-        let semaphores = match kind.semaphore_blocks(sm) {
-            0 => None,
-            n => Some(BlockSemaphores::new(&comm, n)?),
-        };
-        let copy_engine = match kind {
-            NativeKind::AllreduceCopyEngine => Some(CopyEngine::new(&comm)?),
-            _ => None,
-        };
-        let scratch_peers = match &scratch {
-            Some(s) => PeerPtrs::from_slice(&s.rank_ptrs())?,
-            None => PeerPtrs::default(),
-        };
-        Ok(NativeAlgorithm {
+        }
+        if kind.semaphore_blocks(sm) > resources.semaphore_blocks() {
+            return Err(Error::InvalidArgument(format!(
+                "{}: the collection holds semaphores for {} blocks, it needs {}",
+                kind.name(),
+                resources.semaphore_blocks(),
+                kind.semaphore_blocks(sm)
+            )));
+        }
+        Ok(NativeBase {
             kind,
             kernels: KernelTable::default(),
             registrations: RegistrationCache::default(),
-            semaphores,
-            scratch,
-            copy_engine,
-            scratch_peers,
-            state,
-            scratch_bytes,
+            resources,
             sm,
             comm,
         })
@@ -367,29 +335,59 @@ impl NativeAlgorithm {
         self.kind
     }
 
+    pub fn comm(&self) -> &Arc<Communicator> {
+        &self.comm
+    }
+
+    pub fn resources(&self) -> &Arc<CollectionResources> {
+        &self.resources
+    }
+
+    /// Multiprocessors of the GPU.
+    pub fn sm(&self) -> u32 {
+        self.sm
+    }
+
     /// Largest message (input bytes per rank) this algorithm takes; `usize::MAX` for zero-copy.
     pub fn max_bytes(&self) -> usize {
-        max_input_bytes(self.kind, self.scratch_bytes, self.comm.size())
+        max_input_bytes(self.kind, self.scratch_bytes(), self.comm.size())
     }
 
-    fn slot_bytes(&self) -> usize {
-        let n = self.comm.size();
-        match self.kind {
-            NativeKind::AllreducePacket => geometry::packet_slot_bytes(self.scratch_bytes, n),
-            NativeKind::AllgatherPacket | NativeKind::ReducescatterPacket => {
-                geometry::line_slot_bytes(self.scratch_bytes, n)
-            }
-            // All-pair layout: 2 parity halves x one slot per sending rank.
-            _ => geometry::allpair_slot_bytes(self.scratch_bytes, n),
-        }
+    /// Bytes of the kind's part of the scratch (0 for the kinds that use none).
+    pub fn scratch_bytes(&self) -> usize {
+        self.kind
+            .scratch_part()
+            .map_or(0, |part| self.resources.region(part).bytes)
     }
 
-    fn function(&self, args: &ExecuteArgs) -> Result<Function> {
+    /// The kind's part of the scratch.
+    pub fn scratch(&self) -> Result<ScratchRegion> {
+        self.kind
+            .scratch_part()
+            .map(|part| self.resources.region(part))
+            .ok_or_else(|| Error::Internal(format!("{} uses no scratch", self.kind.name())))
+    }
+
+    /// `Algorithm::check`: the shape and the scratch capacity.
+    pub fn check(&self, args: &ExecuteArgs) -> Result<()> {
+        check_shape(self.kind, args, self.comm.rank(), self.comm.size())?;
+        check_capacity(self.kind, args.input_bytes, self.max_bytes())
+    }
+
+    /// Checks `args`; the element count of a call that has work to do, None for an empty one.
+    pub fn begin(&self, args: &ExecuteArgs) -> Result<Option<usize>> {
+        self.check(args)?;
+        let count = args.input_count()?;
+        Ok((count > 0).then_some(count))
+    }
+
+    /// The kind's kernel, from the unit specialised for `args`.
+    pub fn function(&self, args: &ExecuteArgs) -> Result<Function> {
         self.entry_point(args, self.kind.file_and_entry().1)
     }
 
     /// Entry point `entry` of the kind's kernel file, from the unit specialised for `args`.
-    fn entry_point(&self, args: &ExecuteArgs, entry: &'static str) -> Result<Function> {
+    pub fn entry_point(&self, args: &ExecuteArgs, entry: &'static str) -> Result<Function> {
         let (file, _) = self.kind.file_and_entry();
         let spec = if file.reduces() {
             Some(ReduceSpec {
@@ -404,163 +402,40 @@ impl NativeAlgorithm {
             .function(self.comm.gpu().as_ref(), file, spec, entry)
     }
 
-    fn missing(&self, what: &str) -> Error {
-        Error::Internal(format!("{} was built without its {what}", self.kind.name()))
+    /// The collection's semaphore table and how many of its blocks this kind barriers with.
+    pub fn semaphores(&self) -> Result<(DevicePtr, u32)> {
+        match self.kind.semaphore_blocks(self.sm) {
+            0 => Err(Error::Internal(format!(
+                "{} barriers with no semaphores",
+                self.kind.name()
+            ))),
+            blocks => Ok((self.resources.semaphores_ptr(), blocks)),
+        }
     }
 
-    fn scratch(&self) -> Result<&SharedScratch> {
-        self.scratch.as_ref().ok_or_else(|| self.missing("scratch"))
+    /// Every rank's address of the user buffer `ptr` (`bytes` long), registered once and cached.
+    pub fn rank_ptrs(&self, ptr: DevicePtr, bytes: usize) -> Result<Vec<DevicePtr>> {
+        self.registrations.rank_ptrs(&self.comm, ptr, bytes)
     }
 
-    fn state(&self) -> Result<&DeviceBuffer> {
-        self.state
-            .as_ref()
-            .ok_or_else(|| self.missing("call state"))
-    }
-
-    fn semaphores(&self) -> Result<&BlockSemaphores> {
-        self.semaphores
-            .as_ref()
-            .ok_or_else(|| self.missing("semaphores"))
-    }
-
-    /// Launches a scratch pipeline kernel ("Scratch pipelines" in collective_common.cuh) for a
-    /// checked, non-empty call of `count` elements.
-    fn execute_pipeline(&self, f: Function, args: &ExecuteArgs, count: usize) -> Result<()> {
-        let sems = self.semaphores()?;
-        let scratch = self.scratch()?;
-        let state = self.state()?;
-        let threads = args.nthreads.unwrap_or(DEFAULT_THREADS);
-        // The step counter has MAX_PACKET_BLOCKS slots, and blocks wait for the peers' blocks.
-        let max_blocks = sems
-            .max_blocks()
-            .min(resident_blocks(self.sm, threads))
-            .min(MAX_PACKET_BLOCKS as u32);
-        let cfg = geometry::launch_config(
-            args.nblocks,
-            args.nthreads,
-            geometry::bandwidth_blocks(args.input_bytes, max_blocks),
-            DEFAULT_THREADS,
-            max_blocks,
-        )?;
-        let n = self.comm.size();
-        let es = args.dtype.size();
-        // The all-gather is byte-oriented: its units are bytes.
-        let (g, mut units) = match self.kind {
-            NativeKind::AllreduceRsag | NativeKind::AllreduceRsagPipeline => (
-                geometry::rsag_geometry(
-                    count,
-                    es,
-                    self.scratch_bytes,
-                    n,
-                    self.kind == NativeKind::AllreduceRsagPipeline,
-                ),
-                count as u64,
-            ),
-            NativeKind::AllreduceFullmesh => (
-                geometry::fullmesh_geometry(count, es, self.scratch_bytes, n),
-                count as u64,
-            ),
-            _ => (
-                geometry::fullmesh_geometry(args.input_bytes, 1, self.scratch_bytes, n),
-                args.input_bytes as u64,
-            ),
-        };
-        let g = g.map_err(|e| Error::InvalidArgument(format!("{}: {e}", self.kind.name())))?;
-        let mut input = args.input;
-        let mut output = args.output;
-        let mut peers = self.scratch_peers;
-        let mut local: DevicePtr = scratch.local_ptr();
-        let mut slot = g.slot_bytes;
-        let mut half = g.half_bytes;
-        let mut step = g.step;
-        let mut rank = self.comm.rank() as u32;
-        let mut nranks = n as u32;
-        let mut sem_ptr: DevicePtr = sems.ptr();
-        let mut state_ptr: DevicePtr = state.ptr();
-        let mut params = [
-            param_ptr(&mut input),
-            param_ptr(&mut output),
-            param_ptr(&mut units),
-            param_ptr(&mut peers),
-            param_ptr(&mut local),
-            param_ptr(&mut slot),
-            param_ptr(&mut half),
-            param_ptr(&mut step),
-            param_ptr(&mut rank),
-            param_ptr(&mut nranks),
-            param_ptr(&mut sem_ptr),
-            param_ptr(&mut state_ptr),
-        ];
-        self.launch(f, cfg, args, &mut params)
-    }
-
-    /// The copy-engine all-reduce (`copy_engine`) of a checked, non-empty call.
-    fn execute_copy_engine(
-        &self,
-        reduce: Function,
-        args: &ExecuteArgs,
-        count: usize,
-    ) -> Result<()> {
-        let engine = self
-            .copy_engine
-            .as_ref()
-            .ok_or_else(|| self.missing("copy engine"))?;
-        let sync = self.entry_point(args, "allreduce_ce_sync")?;
-        let inputs = self
-            .registrations
-            .rank_ptrs(&self.comm, args.input, args.input_bytes)?;
-        let outputs = if args.in_place() {
-            inputs.clone()
-        } else {
-            self.registrations
-                .rank_ptrs(&self.comm, args.output, args.input_bytes)?
-        };
-        let (n, rank) = (self.comm.size(), self.comm.rank());
-        // The reduction's grid is sized for the largest piece (a whole slot), whatever this call's.
-        let slot_vectors = crate::copy_engine::slot_bytes(n) / geometry::VECTOR_BYTES;
-        let threads = args.nthreads.unwrap_or(DEFAULT_THREADS);
-        let max_blocks = resident_blocks(self.sm, threads);
-        let reduce_config = geometry::launch_config(
-            args.nblocks,
-            args.nthreads,
-            (slot_vectors as u32).div_ceil(threads).min(self.sm),
-            DEFAULT_THREADS,
-            max_blocks,
-        )?;
-        let plan = CallPlan {
-            reduce,
-            sync,
-            semaphores: self.semaphores()?.ptr(),
-            inputs: &inputs,
-            outputs: &outputs,
-            count,
-            elem_bytes: args.dtype.size(),
-            stream: args.stream,
-            reduce_config,
-        };
-        engine.enqueue(&plan, rank, n)
-    }
-
-    fn launch(
+    /// Launches `f` with its argument struct on the caller's stream.
+    pub fn launch<A: DeviceRepr>(
         &self,
         f: Function,
         cfg: LaunchConfig,
         args: &ExecuteArgs,
-        params: &mut [*mut c_void],
+        kernel_args: A,
     ) -> Result<()> {
         // Every native kernel begins with wait_prior_grids(), so its launch may overlap the end
         // of the stream's previous kernel (the backend decides whether it can). Outside capture,
         // a cached one-kernel graph is cheaper for the calling thread (see LaunchConfig).
         let cfg = cfg.with_programmatic(true).with_cached_graph(true);
-        // SAFETY: every launch site builds `params` to match its kernel's signature in
-        // kernels-cu/src/kernels/*.cu, pointing at locals that outlive this call; the device
-        // addresses are the caller's buffers (checked non-null) and our own live resources.
-        unsafe { self.comm.gpu().launch(f, cfg, args.stream, params) }
+        launch_with_args(self.comm.gpu().as_ref(), f, cfg, args.stream, kernel_args)
     }
 }
 
-/// Largest input (bytes per rank) `kind` takes with `scratch_bytes` of scratch on `nranks` ranks;
+/// Largest input (bytes per rank) `kind` takes with `scratch_bytes` in its part of the scratch on
+/// `nranks` ranks;
 /// `usize::MAX` for the zero-copy and pipelined kinds. The packet all-gather sends its whole input to each peer's
 /// slot; the packet reduce-scatter sends one chunk (input / nranks) per slot.
 pub fn max_input_bytes(kind: NativeKind, scratch_bytes: usize, nranks: usize) -> usize {
@@ -571,7 +446,8 @@ pub fn max_input_bytes(kind: NativeKind, scratch_bytes: usize, nranks: usize) ->
         NativeKind::ReducescatterPacket => {
             geometry::line_slot_payload(scratch_bytes, nranks).saturating_mul(nranks.max(1))
         }
-        NativeKind::AllreduceRsag => geometry::rsag_max_bytes(scratch_bytes, nranks),
+        // One step in one half of the shared scratch (see CollectionResources).
+        NativeKind::AllreduceRsag => geometry::rsag_max_bytes(scratch_bytes / 2, nranks),
         NativeKind::AllreduceRsagZeroCopy
         | NativeKind::AllgatherFullmesh2
         | NativeKind::ReducescatterZeroCopy
@@ -595,183 +471,21 @@ fn check_capacity(kind: NativeKind, input_bytes: usize, max_bytes: usize) -> Res
     Ok(())
 }
 
-impl Algorithm for NativeAlgorithm {
-    fn name(&self) -> &str {
-        self.kind.name()
-    }
-
-    fn collective(&self) -> Collective {
-        self.kind.collective()
-    }
-
-    fn check(&self, args: &ExecuteArgs) -> Result<()> {
-        check_shape(self.kind, args, self.comm.rank(), self.comm.size())?;
-        check_capacity(self.kind, args.input_bytes, self.max_bytes())
-    }
-
-    fn execute(&self, args: &ExecuteArgs) -> Result<()> {
-        self.check(args)?;
-        let count = args.input_count()?;
-        if count == 0 {
-            return Ok(());
-        }
-        let f = self.function(args)?;
-        let mut rank = self.comm.rank() as u32;
-        let mut nranks = self.comm.size() as u32;
-        let threads = args.nthreads.unwrap_or(DEFAULT_THREADS);
-        let resident = resident_blocks(self.sm, threads);
-        let mut input = args.input;
-        let mut output = args.output;
-        match self.kind {
-            NativeKind::AllreduceAllpairPacket
-            | NativeKind::AllreducePacket
-            | NativeKind::AllgatherPacket
-            | NativeKind::ReducescatterPacket => {
-                let scratch = self.scratch()?;
-                let state = self.state()?;
-                // The per-block call counter has MAX_PACKET_BLOCKS slots (collective_common.cuh).
-                let max_blocks = self.sm.min(resident).min(MAX_PACKET_BLOCKS as u32);
-                let n = self.comm.size();
-                let cfg = geometry::launch_config(
-                    args.nblocks,
-                    args.nthreads,
-                    geometry::packet_blocks(
-                        self.kind.packet_work_bytes(args.input_bytes, n),
-                        threads,
-                        self.sm,
-                    ),
-                    DEFAULT_THREADS,
-                    max_blocks,
-                )?;
-                // The third parameter: elements (all-reduce), bytes (all-gather, byte-oriented),
-                // elements per chunk (reduce-scatter).
-                let mut count = match self.kind {
-                    NativeKind::AllgatherPacket => args.input_bytes as u64,
-                    NativeKind::ReducescatterPacket => (count / n) as u64,
-                    _ => count as u64,
-                };
-                let mut peers = self.scratch_peers;
-                let mut local: DevicePtr = scratch.local_ptr();
-                let mut slot = self.slot_bytes() as u64;
-                let mut state_ptr: DevicePtr = state.ptr();
-                let mut error_word: DevicePtr = self.comm.error_word_device_ptr();
-                let mut max_spin: u64 = 0;
-                let mut params = [
-                    param_ptr(&mut input),
-                    param_ptr(&mut output),
-                    param_ptr(&mut count),
-                    param_ptr(&mut peers),
-                    param_ptr(&mut local),
-                    param_ptr(&mut slot),
-                    param_ptr(&mut rank),
-                    param_ptr(&mut nranks),
-                    param_ptr(&mut state_ptr),
-                    param_ptr(&mut error_word),
-                    param_ptr(&mut max_spin),
-                ];
-                self.launch(f, cfg, args, &mut params)
-            }
-            NativeKind::AllreduceRsag
-            | NativeKind::AllreduceRsagPipeline
-            | NativeKind::AllreduceFullmesh
-            | NativeKind::AllgatherFullmesh => self.execute_pipeline(f, args, count),
-            NativeKind::AllreduceCopyEngine => self.execute_copy_engine(f, args, count),
-            NativeKind::AllreduceRsagZeroCopy
-            | NativeKind::AllgatherFullmesh2
-            | NativeKind::ReducescatterZeroCopy
-            | NativeKind::BroadcastZeroCopy => {
-                let sems = self.semaphores()?;
-                let max_blocks = sems.max_blocks().min(resident);
-                let cfg = geometry::launch_config(
-                    args.nblocks,
-                    args.nthreads,
-                    geometry::bandwidth_blocks(args.input_bytes, max_blocks),
-                    DEFAULT_THREADS,
-                    max_blocks,
-                )?;
-                let mut sem_ptr: DevicePtr = sems.ptr();
-                let n = self.comm.size();
-                let reg = |ptr: DevicePtr, bytes: usize| {
-                    self.registrations
-                        .rank_ptrs(&self.comm, ptr, bytes)
-                        .and_then(|v| PeerPtrs::from_slice(&v))
-                };
-                match self.kind {
-                    NativeKind::AllreduceRsagZeroCopy => {
-                        let mut inputs = reg(args.input, args.input_bytes)?;
-                        let mut outputs = if args.in_place() {
-                            inputs
-                        } else {
-                            reg(args.output, args.input_bytes)?
-                        };
-                        let mut count = count as u64;
-                        let mut params = [
-                            param_ptr(&mut inputs),
-                            param_ptr(&mut outputs),
-                            param_ptr(&mut count),
-                            param_ptr(&mut rank),
-                            param_ptr(&mut nranks),
-                            param_ptr(&mut sem_ptr),
-                        ];
-                        self.launch(f, cfg, args, &mut params)
-                    }
-                    NativeKind::AllgatherFullmesh2 => {
-                        let mut outputs = reg(args.output, n * args.input_bytes)?;
-                        let mut bytes = args.input_bytes as u64;
-                        let mut params = [
-                            param_ptr(&mut input),
-                            param_ptr(&mut outputs),
-                            param_ptr(&mut bytes),
-                            param_ptr(&mut rank),
-                            param_ptr(&mut nranks),
-                            param_ptr(&mut sem_ptr),
-                        ];
-                        self.launch(f, cfg, args, &mut params)
-                    }
-                    NativeKind::ReducescatterZeroCopy => {
-                        let mut inputs = reg(args.input, args.input_bytes)?;
-                        let mut chunk = (count / n) as u64;
-                        let mut params = [
-                            param_ptr(&mut inputs),
-                            param_ptr(&mut output),
-                            param_ptr(&mut chunk),
-                            param_ptr(&mut rank),
-                            param_ptr(&mut nranks),
-                            param_ptr(&mut sem_ptr),
-                        ];
-                        self.launch(f, cfg, args, &mut params)
-                    }
-                    _ => {
-                        let mut outputs = reg(args.output, args.input_bytes)?;
-                        let mut bytes = args.input_bytes as u64;
-                        let mut root = args.root as u32;
-                        let mut params = [
-                            param_ptr(&mut input),
-                            param_ptr(&mut outputs),
-                            param_ptr(&mut bytes),
-                            param_ptr(&mut rank),
-                            param_ptr(&mut root),
-                            param_ptr(&mut nranks),
-                            param_ptr(&mut sem_ptr),
-                        ];
-                        self.launch(f, cfg, args, &mut params)
-                    }
-                }
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     /// Building every native algorithm (plus the NVLS ones) must leave at least half of each
     /// peer's semaphore slots to user channels, on every GPU size we expect; running out fails
-    /// `build_default_algorithms` on the GPU only, so catch it here.
+    /// `build_default_algorithms` on the GPU only, so catch it here. The native kinds share one
+    /// table, as large as the largest kind's.
     #[test]
     fn default_algorithms_fit_the_semaphore_budget() {
         use mscclpp_core::communicator::SEMAPHORES_PER_PEER;
         for sm in [80u32, 108, 132, 148, 160, 256] {
-            let native: u32 = NativeKind::ALL.iter().map(|k| k.semaphore_blocks(sm)).sum();
+            let native: u32 = NativeKind::ALL
+                .iter()
+                .map(|k| k.semaphore_blocks(sm))
+                .max()
+                .unwrap_or(0);
             let nvls = 192;
             assert!(
                 (native + nvls) as usize <= SEMAPHORES_PER_PEER / 2,
@@ -783,6 +497,7 @@ mod tests {
     use super::*;
     use mscclpp_core::gpu::Stream;
     use mscclpp_core::{AccumType, DataType, ReduceOp};
+    use mscclpp_kernels_cu::collectives::MAX_PACKET_BLOCKS;
     use rstest::rstest;
 
     fn args(input_bytes: usize, output_bytes: usize) -> ExecuteArgs {
@@ -893,8 +608,8 @@ mod tests {
     #[case(NativeKind::ReducescatterZeroCopy, 0, 8, usize::MAX)]
     // Scratch-staged: rsag holds [RS][AG] x nranks slots of 2 MiB at 2 ranks; the pipelines take
     // any size.
-    #[case(NativeKind::AllreduceRsag, 8 << 20, 2, 4 << 20)]
-    #[case(NativeKind::AllreduceRsag, 8 << 20, 8, 4 << 20)]
+    #[case(NativeKind::AllreduceRsag, 8 << 20, 2, 2 << 20)]
+    #[case(NativeKind::AllreduceRsag, 8 << 20, 8, 2 << 20)]
     #[case(NativeKind::AllreduceRsagPipeline, 8 << 20, 8, usize::MAX)]
     #[case(NativeKind::AllreduceFullmesh, 8 << 20, 8, usize::MAX)]
     #[case(NativeKind::AllgatherFullmesh, 8 << 20, 8, usize::MAX)]
@@ -953,10 +668,48 @@ mod tests {
         // Whatever fits rsag's limit gets a one-step geometry; the pipeline takes 1 GiB.
         for n in 2..=MAX_RANKS {
             let max = max_input_bytes(NativeKind::AllreduceRsag, 8 << 20, n);
-            let g = geometry::rsag_geometry(max / 2, 2, 8 << 20, n, false).expect("fits");
+            let g = geometry::rsag_geometry(max / 2, 2, 4 << 20, n, false).expect("fits");
             assert_eq!(g.steps(max / 2, n, true), 1, "{n} ranks");
             let g = geometry::rsag_geometry((1 << 30) / 2, 2, 8 << 20, n, true).expect("pipelined");
             assert!(g.steps((1 << 30) / 2, n, true) > 1);
+        }
+    }
+
+    /// The default collection's parts hold every message the default selector sends to a packet
+    /// algorithm, at every world size, so the selection does not change with the shared scratch.
+    #[test]
+    fn default_parts_cover_the_selector_thresholds() {
+        use crate::resources::scratch_bounds;
+        use mscclpp_core::algorithm_collection::{
+            allpair_threshold, packet_gather_scatter_threshold, packet_threshold,
+        };
+        for n in 2..=MAX_RANKS {
+            // The call counter and a 256-block semaphore table towards n - 1 peers.
+            let tail = 8 * 1024 + 256 * (n - 1) * 40;
+            let b = scratch_bounds(crate::DEFAULT_SCRATCH_BYTES, tail);
+            let (ll16, ll128) = (b[1] - b[0], b[3] - b[2]);
+            let max = |k| {
+                max_input_bytes(
+                    k,
+                    if k == NativeKind::AllreduceAllpairPacket {
+                        ll16
+                    } else {
+                        ll128
+                    },
+                    n,
+                )
+            };
+            assert!(
+                max(NativeKind::AllreduceAllpairPacket) >= allpair_threshold(n),
+                "{n}"
+            );
+            assert!(
+                max(NativeKind::AllreducePacket) >= packet_threshold(n),
+                "{n}"
+            );
+            let total = packet_gather_scatter_threshold(n);
+            assert!(max(NativeKind::AllgatherPacket) >= total / n, "{n}");
+            assert!(max(NativeKind::ReducescatterPacket) >= total, "{n}");
         }
     }
 

@@ -2,9 +2,12 @@
 //! per-block semaphores, the cache of registered user buffers, and the compiled kernels.
 
 use mscclpp_core::communicator::{Communicator, RegisteredMemory};
+use mscclpp_core::device::{D2DSemaphoreHandle, DeviceRepr};
 use mscclpp_core::gpu::{Allocation, DevicePtr, Function, Gpu, MemoryKind, Module, Stream};
 use mscclpp_core::{Error, Result};
-use mscclpp_kernels_cu::collectives::{self as kc, CollectiveFile, ReduceSpec};
+use mscclpp_kernels_cu::collectives::{
+    self as kc, CallState, CollectiveFile, PeerPtrs, ReduceSpec,
+};
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -72,7 +75,18 @@ pub struct SharedScratch {
 impl SharedScratch {
     /// Collective: allocates and zeroes `bytes`, then exchanges it with every rank.
     pub fn new(comm: &Arc<Communicator>, bytes: usize) -> Result<SharedScratch> {
-        let local = DeviceBuffer::zeroed(comm.gpu(), bytes)?;
+        SharedScratch::with_private_tail(comm, bytes, 0)
+    }
+
+    /// As [`SharedScratch::new`], with `tail` more bytes after the shared ones that only this rank
+    /// uses (at `local_ptr() + bytes`): small device state then costs no allocation of its own
+    /// (each is rounded up to `PLAIN_ALLOCATION_GRANULE`, 2 MiB).
+    pub fn with_private_tail(
+        comm: &Arc<Communicator>,
+        bytes: usize,
+        tail: usize,
+    ) -> Result<SharedScratch> {
+        let local = DeviceBuffer::zeroed(comm.gpu(), bytes + tail)?;
         let reg = comm.register(local.allocation(), local.ptr(), bytes)?;
         let peers = comm.exchange(reg)?;
         Ok(SharedScratch {
@@ -104,6 +118,190 @@ impl Drop for SharedScratch {
     }
 }
 
+/// The three parts of a collection's scratch. Users of one part share it; parts never overlap, so
+/// a reader never mistakes another format's stale bytes for its own data: an LL16 reader would
+/// accept any stale word equal to its flag, and LL128 lines only stay safe because every LL128
+/// user puts its flags at the same 128-byte positions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScratchPart {
+    /// LL16 packets (`default_allreduce_allpair_packet`).
+    Ll16,
+    /// LL128 lines (the two-phase packet all-reduce, the packet all-gather and reduce-scatter).
+    Ll128,
+    /// Raw staged data (the scratch pipelines). The copy-engine all-reduce's ring is this part and
+    /// the LL128 part behind it; it zeroes what it used of the LL128 part before its last barrier
+    /// (0 is never a flag).
+    Staging,
+}
+
+/// One part of the scratch as the kernels see it.
+#[derive(Debug, Clone, Copy)]
+pub struct ScratchRegion {
+    /// Every rank's address of the part, by rank.
+    pub peers: PeerPtrs,
+    pub local: DevicePtr,
+    pub bytes: usize,
+}
+
+impl ScratchRegion {
+    /// Offset of the second half: whole LL128 lines and 16-byte vectors.
+    pub fn half_bytes(&self) -> usize {
+        self.bytes / 2 / 128 * 128
+    }
+}
+
+/// The device resources of a collection, owned once and lent to its algorithms: one scratch every
+/// peer maps, in three parts ([`ScratchPart`]), the call counter its users share, and one table of
+/// per-block semaphores (every kind that barriers uses its first blocks). Built once per
+/// collection (collective), at build time rather than on first use (building is collective, and a
+/// call being captured in a CUDA graph must not allocate); the counter and the table live in the
+/// scratch's allocation, past the shared bytes, so the whole is one allocation of the bytes asked.
+///
+/// Why sharing a part is safe: a call on a part uses its half `(calls & 1) * half_bytes` (the
+/// pipelines per step) and advances the one shared [`CallState`]. Whichever algorithm ran last, a
+/// call either follows the part's previous user directly (and takes the other half), or a
+/// collective call came in between, which this rank only completed once every peer had started it,
+/// so every peer had finished reading the part (stream order). Either way a peer still reading is
+/// never overwritten. The copy-engine all-reduce takes whole parts, between barriers with every
+/// peer. Sharing the semaphores is safe because every call signals and waits each semaphore it uses
+/// equally often on every rank, in stream order.
+///
+/// Rule for callers: the calls of one collection must be ordered on the device (one stream, or
+/// streams ordered by events), as NCCL requires of one communicator's collectives; calls on
+/// unordered streams would share halves and semaphores. Another collection has its own resources.
+pub struct CollectionResources {
+    /// Every rank's scratch address, by rank.
+    peers: PeerPtrs,
+    /// Byte offsets of the parts, in the order LL16, staging, LL128 (the copy engine's ring is the
+    /// last two, contiguous), and the end of the scratch.
+    bounds: [usize; 4],
+    semaphore_blocks: u32,
+    scratch: SharedScratch,
+}
+
+impl CollectionResources {
+    /// Collective: allocates, zeroed, the scratch every rank maps (parts sized by
+    /// [`scratch_bounds`] from the builder's `scratch_bytes`), then the call counter and
+    /// `semaphore_blocks` blocks of semaphores towards every peer.
+    pub fn new(
+        comm: &Arc<Communicator>,
+        scratch_bytes: usize,
+        semaphore_blocks: u32,
+    ) -> Result<CollectionResources> {
+        let table = semaphore_table(comm, semaphore_blocks)?;
+        // The private tail: [CallState][semaphores [block][peer index]].
+        let tail = std::mem::size_of::<CallState>() + std::mem::size_of_val(table.as_slice());
+        let bounds = scratch_bounds(scratch_bytes, tail);
+        if bounds.windows(2).any(|w| w[1] <= w[0]) {
+            return Err(Error::InvalidArgument(format!(
+                "a scratch of {scratch_bytes} bytes is too small for a collection (its call \
+                 counter and semaphores take {tail} bytes)"
+            )));
+        }
+        // Zeroed memory is CallState::default(): every per-block slot at call 0.
+        let scratch = SharedScratch::with_private_tail(comm, bounds[3], tail)?;
+        let resources = CollectionResources {
+            peers: PeerPtrs::from_slice(&scratch.rank_ptrs())?,
+            bounds,
+            semaphore_blocks,
+            scratch,
+        };
+        comm.gpu().copy_to_device(
+            resources.semaphores_ptr(),
+            DeviceRepr::slice_as_bytes(&table),
+        )?;
+        Ok(resources)
+    }
+
+    /// Bytes of the whole scratch.
+    pub fn bytes(&self) -> usize {
+        self.bounds[3]
+    }
+
+    /// Byte range of `part` in the scratch.
+    fn range(&self, part: ScratchPart) -> (usize, usize) {
+        let b = &self.bounds;
+        match part {
+            ScratchPart::Ll16 => (b[0], b[1]),
+            ScratchPart::Staging => (b[1], b[2]),
+            ScratchPart::Ll128 => (b[2], b[3]),
+        }
+    }
+
+    /// `part` of the scratch as the kernels see it.
+    pub fn region(&self, part: ScratchPart) -> ScratchRegion {
+        let (begin, end) = self.range(part);
+        self.region_between(begin, end)
+    }
+
+    /// The copy-engine all-reduce's ring (staging then LL128), and the offset in it where the
+    /// LL128 part begins (what it must zero after use).
+    pub fn copy_engine_ring(&self) -> (ScratchRegion, usize) {
+        let (begin, ll128) = (self.bounds[1], self.bounds[2]);
+        (self.region_between(begin, self.bounds[3]), ll128 - begin)
+    }
+
+    fn region_between(&self, begin: usize, end: usize) -> ScratchRegion {
+        let mut peers = self.peers;
+        for p in peers.p.iter_mut().filter(|p| **p != 0) {
+            *p += begin as u64;
+        }
+        ScratchRegion {
+            peers,
+            local: self.scratch.local_ptr() + begin as u64,
+            bytes: end - begin,
+        }
+    }
+
+    /// The shared `coll::CallState`.
+    pub fn state_ptr(&self) -> DevicePtr {
+        self.scratch.local_ptr() + self.bounds[3] as u64
+    }
+
+    /// The semaphore table, `[block][peer index]` as the kernels index it.
+    pub fn semaphores_ptr(&self) -> DevicePtr {
+        self.state_ptr() + std::mem::size_of::<CallState>() as u64
+    }
+
+    /// Blocks of semaphores the table holds: no kernel may barrier with more blocks.
+    pub fn semaphore_blocks(&self) -> u32 {
+        self.semaphore_blocks
+    }
+}
+
+/// Offsets of the parts (LL16, staging, LL128, end) for the builder's `scratch_bytes` s, with `tail`
+/// private bytes behind them: LL16 s/2, staging s less the tail, LL128 9s/4, each whole 64 KiB units
+/// (so every slot and line stays aligned). With the default 8 MiB: 4 + 7.875 + 18 MiB and the
+/// 78 KiB tail, one allocation of 30 MiB. See `crate::DEFAULT_SCRATCH_BYTES` for what they hold.
+pub fn scratch_bounds(scratch_bytes: usize, tail: usize) -> [usize; 4] {
+    const UNIT: usize = 64 << 10;
+    let units = |bytes: usize| bytes / UNIT * UNIT;
+    let ll16 = units(scratch_bytes / 2);
+    let staging = units(scratch_bytes.saturating_sub(tail));
+    let ll128 = units(scratch_bytes / 4 * 9);
+    [0, ll16, ll16 + staging, ll16 + staging + ll128]
+}
+
+/// Collective: `max_blocks` semaphores towards every peer, interleaved to `[block][peer index]`.
+fn semaphore_table(comm: &Communicator, max_blocks: u32) -> Result<Vec<D2DSemaphoreHandle>> {
+    let me = comm.rank();
+    let mut per_peer = Vec::new();
+    for peer in (0..comm.size()).filter(|&p| p != me) {
+        per_peer.push(comm.d2d_semaphores(peer, max_blocks as usize)?);
+    }
+    // Moving the handles out needs no Copy/Clone.
+    let mut columns: Vec<_> = per_peer.into_iter().map(Vec::into_iter).collect();
+    let mut table = Vec::with_capacity(max_blocks as usize * columns.len());
+    for b in 0..max_blocks {
+        for (i, column) in columns.iter_mut().enumerate() {
+            table.push(column.next().ok_or_else(|| {
+                Error::Internal(format!("semaphore {b} towards peer index {i} missing"))
+            })?);
+        }
+    }
+    Ok(table)
+}
+
 /// Semaphores for per-block barriers: `max_blocks` per peer, laid out `[block][peer index]` in
 /// device memory as the kernels index them.
 pub struct BlockSemaphores {
@@ -114,21 +312,7 @@ pub struct BlockSemaphores {
 impl BlockSemaphores {
     /// Collective: every rank builds the same algorithms in the same order.
     pub fn new(comm: &Communicator, max_blocks: u32) -> Result<BlockSemaphores> {
-        let me = comm.rank();
-        let mut per_peer = Vec::new();
-        for peer in (0..comm.size()).filter(|&p| p != me) {
-            per_peer.push(comm.d2d_semaphores(peer, max_blocks as usize)?);
-        }
-        // Interleave to [block][peer index]; moving the handles out needs no Copy/Clone.
-        let mut columns: Vec<_> = per_peer.into_iter().map(Vec::into_iter).collect();
-        let mut table = Vec::with_capacity(max_blocks as usize * columns.len());
-        for b in 0..max_blocks {
-            for (i, column) in columns.iter_mut().enumerate() {
-                table.push(column.next().ok_or_else(|| {
-                    Error::Internal(format!("semaphore {b} towards peer index {i} missing"))
-                })?);
-            }
-        }
+        let table = semaphore_table(comm, max_blocks)?;
         Ok(BlockSemaphores {
             buf: DeviceBuffer::upload(comm.gpu(), &table)?,
             max_blocks,
@@ -235,4 +419,45 @@ impl KernelTable {
 /// A kernel parameter slot for `Gpu::launch`: the address of a local holding the argument value.
 pub(crate) fn param_ptr<T>(v: &mut T) -> *mut c_void {
     v as *mut T as *mut c_void
+}
+
+/// Launches `f`, whose only parameter is the argument struct `args` (one of
+/// `mscclpp_core::device`'s `coll::*Args`, layout-checked against collective_common.cuh).
+pub(crate) fn launch_with_args<A: mscclpp_core::device::DeviceRepr>(
+    gpu: &dyn Gpu,
+    f: Function,
+    cfg: mscclpp_core::gpu::LaunchConfig,
+    stream: Stream,
+    mut args: A,
+) -> Result<()> {
+    let mut params = [param_ptr(&mut args)];
+    // SAFETY: every native kernel takes exactly one argument struct by value, of the family the
+    // caller picked `f` from; `args` outlives the call, and its device addresses are the caller's
+    // checked buffers and our own live resources.
+    unsafe { gpu.launch(f, cfg, stream, &mut params) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scratch_parts_tile_the_default_scratch() {
+        // The default scratch, with the call counter and an 8-rank, 256-block semaphore table.
+        let tail = std::mem::size_of::<CallState>() + 256 * 7 * 40;
+        let b = scratch_bounds(8 << 20, tail);
+        assert_eq!(b[0], 0);
+        assert_eq!(b[1], 4 << 20, "LL16");
+        assert_eq!(b[3] - b[2], 18 << 20, "LL128");
+        assert_eq!(b[2] - b[1], (8 << 20) - (128 << 10), "staging");
+        // One allocation of 30 MiB (Plain allocations are whole 2 MiB granules).
+        assert_eq!(
+            mscclpp_core::gpu::plain_allocation_bytes(b[3] + tail),
+            30 << 20
+        );
+        for w in b.windows(2) {
+            assert_eq!(w[0] % (64 << 10), 0);
+            assert!(w[1] > w[0]);
+        }
+    }
 }

@@ -232,6 +232,124 @@ unsafe impl DeviceRepr for PortChannelHandle {}
 unsafe impl DeviceRepr for SwitchChannelHandle {}
 unsafe impl DeviceRepr for LL16Packet {}
 unsafe impl DeviceRepr for LL8Packet {}
+unsafe impl DeviceRepr for PeerPtrs {}
+unsafe impl DeviceRepr for PacketArgs {}
+unsafe impl DeviceRepr for PipelineArgs {}
+unsafe impl DeviceRepr for ZeroCopyArgs {}
+unsafe impl DeviceRepr for CopyEngineArgs {}
+
+// ---------------------------------------------------------------------------------------------
+// Native collective kernel arguments (`mscclpp::coll`, kernels-cu/src/kernels/collective_common.cuh)
+// ---------------------------------------------------------------------------------------------
+
+/// Largest world size of the native collectives (`coll::kMaxRanks`).
+pub const COLL_MAX_RANKS: usize = 8;
+
+/// `coll::PeerPtrs`: one address per rank, by value inside the argument structs below.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PeerPtrs {
+    pub p: [DevicePtr; COLL_MAX_RANKS],
+}
+
+impl PeerPtrs {
+    /// Addresses indexed by rank; an error if there are more than [`COLL_MAX_RANKS`].
+    pub fn from_slice(ptrs: &[DevicePtr]) -> Result<PeerPtrs> {
+        if ptrs.len() > COLL_MAX_RANKS {
+            return Err(Error::Unsupported(format!(
+                "{} ranks: the native collectives support at most {COLL_MAX_RANKS} ranks on one host",
+                ptrs.len()
+            )));
+        }
+        let mut out = PeerPtrs::default();
+        out.p[..ptrs.len()].copy_from_slice(ptrs);
+        Ok(out)
+    }
+}
+
+/// `coll::PacketArgs`: the only parameter of the LL-packet kernels (`allreduce_allpair_packet`,
+/// `allreduce_packet`, `allgather_packet`, `reducescatter_packet`). `count` is in the kernel's
+/// units (elements; bytes for the all-gather; elements per chunk for the reduce-scatter). The
+/// call with counter value c uses the scratch half at `(c & 1) * half_bytes`, its slots of
+/// `slot_bytes` inside it.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PacketArgs {
+    pub input: DevicePtr,
+    pub output: DevicePtr,
+    pub count: u64,
+    pub peer_scratch: PeerPtrs,
+    pub local_scratch: DevicePtr,
+    pub slot_bytes: u64,
+    pub half_bytes: u64,
+    /// `coll::CallState*`, shared by every scratch user of the collection.
+    pub state: DevicePtr,
+    /// The communicator's error word (`u32*`).
+    pub error_word: DevicePtr,
+    /// Spin bound of every wait; 0 = [`DEFAULT_MAX_SPIN`].
+    pub max_spin: u64,
+    pub rank: u32,
+    pub nranks: u32,
+}
+
+/// `coll::PipelineArgs`: the only parameter of the scratch pipelines (`allreduce_rsag`,
+/// `allreduce_fullmesh`, `allgather_fullmesh`); see "Scratch pipelines" in collective_common.cuh.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PipelineArgs {
+    pub input: DevicePtr,
+    pub output: DevicePtr,
+    pub count: u64,
+    pub peer_scratch: PeerPtrs,
+    pub local_scratch: DevicePtr,
+    pub slot_bytes: u64,
+    pub half_bytes: u64,
+    pub step: u64,
+    /// `const D2DSemaphoreHandle*`, `[block][peer index]`.
+    pub sems: DevicePtr,
+    pub state: DevicePtr,
+    pub error_word: DevicePtr,
+    pub max_spin: u64,
+    pub rank: u32,
+    pub nranks: u32,
+}
+
+/// `coll::ZeroCopyArgs`: the only parameter of the kernels on registered user buffers
+/// (`allreduce_rsag_zero_copy`, `allgather_fullmesh2`, `reducescatter_zero_copy`,
+/// `broadcast_zero_copy`); each reads the fields its collective needs.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ZeroCopyArgs {
+    pub inputs: PeerPtrs,
+    pub outputs: PeerPtrs,
+    pub input: DevicePtr,
+    pub output: DevicePtr,
+    pub count: u64,
+    pub sems: DevicePtr,
+    pub error_word: DevicePtr,
+    pub max_spin: u64,
+    pub rank: u32,
+    pub root: u32,
+    pub nranks: u32,
+    pub pad: u32,
+}
+
+/// `coll::CopyEngineArgs`: the only parameter of the copy-engine all-reduce's kernels
+/// (`allreduce_ce_reduce` reads `srcs`..`nranks`, `allreduce_ce_sync` `sems`, `npeers`, `mode`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CopyEngineArgs {
+    pub srcs: PeerPtrs,
+    pub output: DevicePtr,
+    pub count: u64,
+    pub sems: DevicePtr,
+    pub error_word: DevicePtr,
+    pub max_spin: u64,
+    pub nsrc: u32,
+    pub nranks: u32,
+    pub npeers: u32,
+    pub mode: u32,
+}
 
 // ---------------------------------------------------------------------------------------------
 // Proxy trigger encoding
@@ -396,8 +514,11 @@ fn field_size<T, F>(_project: fn(&T) -> &F) -> usize {
 
 macro_rules! struct_layout {
     ($ty:ident { $($field:ident),+ $(,)? }) => {
+        struct_layout!("", $ty { $($field),+ })
+    };
+    ($prefix:literal, $ty:ident { $($field:ident),+ $(,)? }) => {
         StructLayout {
-            name: stringify!($ty),
+            name: concat!($prefix, stringify!($ty)),
             size: size_of::<$ty>(),
             align: align_of::<$ty>(),
             fields: vec![$(FieldLayout {
@@ -462,15 +583,100 @@ pub fn layouts() -> Vec<StructLayout> {
             flag2
         }),
         struct_layout!(LL8Packet { data, flag }),
+        struct_layout!("coll::", PeerPtrs { p }),
+        struct_layout!(
+            "coll::",
+            PacketArgs {
+                input,
+                output,
+                count,
+                peer_scratch,
+                local_scratch,
+                slot_bytes,
+                half_bytes,
+                state,
+                error_word,
+                max_spin,
+                rank,
+                nranks
+            }
+        ),
+        struct_layout!(
+            "coll::",
+            PipelineArgs {
+                input,
+                output,
+                count,
+                peer_scratch,
+                local_scratch,
+                slot_bytes,
+                half_bytes,
+                step,
+                sems,
+                state,
+                error_word,
+                max_spin,
+                rank,
+                nranks
+            }
+        ),
+        struct_layout!(
+            "coll::",
+            ZeroCopyArgs {
+                inputs,
+                outputs,
+                input,
+                output,
+                count,
+                sems,
+                error_word,
+                max_spin,
+                rank,
+                root,
+                nranks,
+                pad
+            }
+        ),
+        struct_layout!(
+            "coll::",
+            CopyEngineArgs {
+                srcs,
+                output,
+                count,
+                sems,
+                error_word,
+                max_spin,
+                nsrc,
+                nranks,
+                npeers,
+                mode
+            }
+        ),
     ]
+}
+
+/// Whether `layout` belongs to the native collectives (`mscclpp::coll`, declared in
+/// collective_common.cuh rather than in the device headers).
+pub fn is_collective_layout(layout: &StructLayout) -> bool {
+    layout.name.starts_with("coll::")
 }
 
 /// C++ `static_assert`s on sizeof/alignof/offsetof of every struct and field, computed from the
 /// Rust layout. Appended to a translation unit that includes the device headers, they make any
 /// drift between the two sides a compile error.
 pub fn layout_static_asserts() -> String {
+    static_asserts(layouts().iter().filter(|l| !is_collective_layout(l)))
+}
+
+/// [`layout_static_asserts`] for the native collectives' argument structs: append it to a unit of
+/// `mscclpp_kernels_cu::collectives` (which holds collective_common.cuh).
+pub fn collective_layout_static_asserts() -> String {
+    static_asserts(layouts().iter().filter(|l| is_collective_layout(l)))
+}
+
+fn static_asserts<'a>(structs: impl Iterator<Item = &'a StructLayout>) -> String {
     let mut out = String::from("// Generated by mscclpp_core::device::layout_static_asserts().\n");
-    for s in layouts() {
+    for s in structs {
         out += &format!(
             "static_assert(sizeof(mscclpp::{0}) == {1}, \"mscclpp::{0}: size differs from core/src/device.rs ({1})\");\n",
             s.name, s.size
@@ -508,6 +714,11 @@ mod tests {
     #[case("SwitchChannelHandle", 24, 8)]
     #[case("LL16Packet", 16, 16)]
     #[case("LL8Packet", 8, 8)]
+    #[case("coll::PeerPtrs", 64, 8)]
+    #[case("coll::PacketArgs", 144, 8)]
+    #[case("coll::PipelineArgs", 160, 8)]
+    #[case("coll::ZeroCopyArgs", 192, 8)]
+    #[case("coll::CopyEngineArgs", 120, 8)]
     fn sizes_match_the_abi_document(#[case] name: &str, #[case] size: usize, #[case] align: usize) {
         let l = layouts()
             .into_iter()
@@ -542,7 +753,7 @@ mod tests {
 
     #[test]
     fn static_asserts_cover_every_field() {
-        let text = layout_static_asserts();
+        let text = layout_static_asserts() + &collective_layout_static_asserts();
         for l in layouts() {
             assert!(text.contains(&format!("sizeof(mscclpp::{}) == {}", l.name, l.size)));
             for f in &l.fields {

@@ -22,6 +22,27 @@ use std::ffi::c_void;
 /// A device address (CUdeviceptr / hipDeviceptr_t).
 pub type DevicePtr = u64;
 
+/// Device memory this process holds through [`Gpu::alloc`], in bytes actually reserved (with the
+/// backend's rounding), over every backend instance. One process is one rank in every launcher we
+/// support, so this is the library's memory per rank; unlike a cuMemGetInfo delta it stays exact
+/// when ranks share a GPU (MPS). Peers' memory mapped here is not counted (it is theirs).
+static LIVE_DEVICE_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Bytes of device memory live through [`Gpu::alloc`] in this process (see `LIVE_DEVICE_BYTES`).
+pub fn live_device_bytes() -> u64 {
+    LIVE_DEVICE_BYTES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Backends call this after every successful [`Gpu::alloc`] with the allocation made.
+pub fn note_device_alloc(alloc: &Allocation) {
+    LIVE_DEVICE_BYTES.fetch_add(alloc.reserved as u64, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Backends call this after every successful [`Gpu::free`].
+pub fn note_device_free(alloc: &Allocation) {
+    LIVE_DEVICE_BYTES.fetch_sub(alloc.reserved as u64, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// A driver stream handle; `Stream::DEFAULT` (0) is the legacy default stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct Stream(pub u64);
@@ -469,5 +490,28 @@ pub trait Gpu: Send + Sync {
     /// Releases this process's reference to the object (created or imported).
     fn free_multicast(&self, _handle: &MulticastHandle) -> Result<()> {
         unsupported("NVLink multicast")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn live_device_bytes_counts_reserved_bytes_until_freed() {
+        let alloc = Allocation {
+            ptr: 0x1000,
+            size: 100,
+            reserved: 2 << 20,
+            kind: MemoryKind::Vmm,
+            device: 0,
+            handle: 1,
+        };
+        // Other tests of this crate allocate through mocks that do not report, so deltas are exact.
+        let before = live_device_bytes();
+        note_device_alloc(&alloc);
+        assert_eq!(live_device_bytes() - before, 2 << 20);
+        note_device_free(&alloc);
+        assert_eq!(live_device_bytes(), before);
     }
 }

@@ -3,9 +3,11 @@
 //!
 //! Each unit is `collective_common.cuh` followed by one kernel file. Reducing units are built for
 //! one (data type, accumulation type, op) triple, selected by `#define`s put in front, so a program
-//! compiles exactly the variants it uses and each variant is its own cache entry. The host mirrors
-//! of the kernels' parameter structs ([`PeerPtrs`], [`CallState`]) live here next to the sources
-//! they must match; a test compiles static_asserts of their layout through NVRTC.
+//! compiles exactly the variants it uses and each variant is its own cache entry. Every kernel takes
+//! one `#[repr(C)]` argument struct of its family ([`PacketArgs`], [`PipelineArgs`],
+//! [`ZeroCopyArgs`], [`CopyEngineArgs`], declared in `mscclpp_core::device` next to the channel
+//! handles); [`layout_asserts`] turns their Rust layout and [`CallState`]'s into static_asserts that
+//! a test compiles through NVRTC.
 
 use mscclpp_core::{AccumType, DataType, Error, ReduceOp, Result};
 
@@ -20,30 +22,9 @@ pub const REDUCE_SCATTER: &str = include_str!("kernels/reduce_scatter.cu");
 /// Broadcast kernels (byte-oriented).
 pub const BROADCAST: &str = include_str!("kernels/broadcast.cu");
 
-/// Largest world size of the native collectives (`coll::kMaxRanks`).
-pub const MAX_RANKS: usize = 8;
-
-/// `coll::PeerPtrs`: one address per rank, passed by value as a kernel parameter.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct PeerPtrs {
-    pub p: [u64; MAX_RANKS],
-}
-
-impl PeerPtrs {
-    /// Addresses indexed by rank; an error if there are more than [`MAX_RANKS`].
-    pub fn from_slice(ptrs: &[u64]) -> Result<PeerPtrs> {
-        if ptrs.len() > MAX_RANKS {
-            return Err(Error::Unsupported(format!(
-                "{} ranks: the native collectives support at most {MAX_RANKS} ranks on one host",
-                ptrs.len()
-            )));
-        }
-        let mut out = PeerPtrs::default();
-        out.p[..ptrs.len()].copy_from_slice(ptrs);
-        Ok(out)
-    }
-}
+pub use mscclpp_core::device::{
+    CopyEngineArgs, PacketArgs, PeerPtrs, PipelineArgs, ZeroCopyArgs, COLL_MAX_RANKS as MAX_RANKS,
+};
 
 /// Largest grid of a kernel that uses [`CallState`] (`coll::kMaxPacketBlocks`); hosts must cap the
 /// packet kernels' grids at this.
@@ -246,15 +227,14 @@ pub fn reduce_type_pairs() -> Vec<(DataType, DataType)> {
     out
 }
 
-/// A CUDA snippet of static_asserts checking the kernels' view of [`PeerPtrs`] and [`CallState`]
-/// against the Rust layout; append it to any unit and compile.
+/// A CUDA snippet of static_asserts checking the kernels' view of the argument structs,
+/// [`CallState`] and the limits against the Rust side; append it to any unit and compile.
 pub fn layout_asserts() -> String {
     format!(
-        "static_assert(sizeof(mscclpp::coll::PeerPtrs) == {}, \"PeerPtrs size\");\n\
-         static_assert(sizeof(mscclpp::coll::CallState) == {}, \"CallState size\");\n\
+        "{}static_assert(sizeof(mscclpp::coll::CallState) == {}, \"CallState size\");\n\
          static_assert(mscclpp::coll::kMaxRanks == {}, \"kMaxRanks\");\n\
          static_assert(mscclpp::coll::kMaxPacketBlocks == {}, \"kMaxPacketBlocks\");\n",
-        std::mem::size_of::<PeerPtrs>(),
+        mscclpp_core::device::collective_layout_static_asserts(),
         std::mem::size_of::<CallState>(),
         MAX_RANKS,
         MAX_PACKET_BLOCKS

@@ -51,6 +51,10 @@ pub struct RankContext {
     /// More ranks run on this host than it has GPUs, so some share one (see
     /// [`RankContext::from_launcher`]): results are checked as usual, timing targets are not.
     pub shares_gpu: bool,
+    /// Wall time of `Communicator::new` on this rank (bootstrap excluded).
+    pub comm_init: std::time::Duration,
+    /// `mscclpp_core::gpu::live_device_bytes()` right after the communicator was built.
+    pub bytes_after_comm_init: u64,
 }
 
 impl RankContext {
@@ -94,7 +98,9 @@ impl RankContext {
             );
         }
         let bootstrap: Arc<dyn Bootstrap> = Arc::new(TcpBootstrap::from_env(env)?);
+        let started = std::time::Instant::now();
         let comm = Arc::new(Communicator::new(bootstrap.clone(), gpu.clone(), device)?);
+        let comm_init = started.elapsed();
         Ok(Some(RankContext {
             env,
             gpu,
@@ -102,6 +108,8 @@ impl RankContext {
             comm,
             device,
             shares_gpu,
+            comm_init,
+            bytes_after_comm_init: mscclpp_core::gpu::live_device_bytes(),
         }))
     }
 

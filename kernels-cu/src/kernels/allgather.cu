@@ -18,9 +18,15 @@ using namespace mscclpp;
 using namespace mscclpp::coll;
 
 extern "C" __global__ void __launch_bounds__(1024, 1)
-    allgather_fullmesh2(const void* input, PeerPtrs outputs, u64 bytes, u32 rank, u32 nranks,
-                        const D2DSemaphoreHandle* sems) {
+    allgather_fullmesh2(const ZeroCopyArgs args) {
   wait_prior_grids();
+  if (aborted(args.error_word)) return;
+  const void* input = args.input;
+  const PeerPtrs& outputs = args.outputs;
+  const u64 bytes = args.count;
+  const u32 rank = args.rank;
+  const u32 nranks = args.nranks;
+  const D2DSemaphoreHandle* sems = args.sems;
   const u32 npeers = nranks - 1;
   u64 begin, end;
   block_range(bytes, 16, begin, end);
@@ -53,13 +59,23 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 // the input, so reading the input and writing the peers' slots never conflict.
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(1024, 1)
-    allgather_packet(const void* input, void* output, u64 bytes, PeerPtrs peer_scratch,
-                     const void* local_scratch, u64 slot_bytes, u32 rank, u32 nranks, CallState* state,
-                     u32* error_word, u64 max_spin) {
+    allgather_packet(const PacketArgs args) {
   wait_prior_grids();
+  if (aborted(args.error_word)) return;
+  const void* input = args.input;
+  void* output = args.output;
+  const u64 bytes = args.count;
+  const PeerPtrs& peer_scratch = args.peer_scratch;
+  const void* local_scratch = args.local_scratch;
+  const u64 slot_bytes = args.slot_bytes;
+  const u32 rank = args.rank;
+  const u32 nranks = args.nranks;
+  CallState* state = args.state;
+  u32* error_word = args.error_word;
+  const u64 max_spin = args.max_spin;
   const u64 calls = load_call_count(state);
   const u64 flag = call_flag(calls);
-  const u64 half = (calls & 1) * nranks * slot_bytes;
+  const u64 half = (calls & 1) * args.half_bytes;
   const u64 nlines = LL128::lines(bytes);
   const u8* in = static_cast<const u8*>(input);
   u8* out = static_cast<u8*>(output);
@@ -119,10 +135,21 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 // conflict with writes.
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(1024, 1)
-    allgather_fullmesh(const void* input, void* output, u64 bytes, PeerPtrs peer_scratch, void* local_scratch,
-                       u64 slot_bytes, u64 half_bytes, u64 step, u32 rank, u32 nranks,
-                       const D2DSemaphoreHandle* sems, CallState* state) {
+    allgather_fullmesh(const PipelineArgs args) {
   wait_prior_grids();
+  if (aborted(args.error_word)) return;
+  const void* input = args.input;
+  void* output = args.output;
+  const u64 bytes = args.count;
+  const PeerPtrs& peer_scratch = args.peer_scratch;
+  void* local_scratch = args.local_scratch;
+  const u64 slot_bytes = args.slot_bytes;
+  const u64 half_bytes = args.half_bytes;
+  const u64 step = args.step;
+  const u32 rank = args.rank;
+  const u32 nranks = args.nranks;
+  const D2DSemaphoreHandle* sems = args.sems;
+  CallState* state = args.state;
   const u64 calls = load_call_count(state);
   const u32 npeers = nranks - 1;
   const u64 nsteps = (bytes + step - 1) / step;

@@ -32,13 +32,23 @@ typedef LL16Packet Pkt;
 // The same thread handles payload j in both loops, so in-place (input == output) is safe.
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(1024, 1)
-    allreduce_allpair_packet(const void* input, void* output, u64 count, PeerPtrs peer_scratch,
-                             const void* local_scratch, u64 slot_bytes, u32 rank, u32 nranks,
-                             CallState* state, u32* error_word, u64 max_spin) {
+    allreduce_allpair_packet(const PacketArgs args) {
   wait_prior_grids();
+  if (aborted(args.error_word)) return;
+  const void* input = args.input;
+  void* output = args.output;
+  const u64 count = args.count;
+  const PeerPtrs& peer_scratch = args.peer_scratch;
+  const void* local_scratch = args.local_scratch;
+  const u64 slot_bytes = args.slot_bytes;
+  const u32 rank = args.rank;
+  const u32 nranks = args.nranks;
+  CallState* state = args.state;
+  u32* error_word = args.error_word;
+  const u64 max_spin = args.max_spin;
   const u64 calls = load_call_count(state);
   const u32 flag = call_flag(calls);
-  const u64 half = (calls & 1) * nranks * slot_bytes;
+  const u64 half = (calls & 1) * args.half_bytes;
   const u64 bytes = count * sizeof(CollT);
   const u64 npkt = packet_count<Pkt>(bytes);
   const u8* in = static_cast<const u8*>(input);
@@ -97,14 +107,24 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 // lines of chunk q, which read my input first.
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(1024, 1)
-    allreduce_packet(const void* input, void* output, u64 count, PeerPtrs peer_scratch,
-                     const void* local_scratch, u64 slot_bytes, u32 rank, u32 nranks, CallState* state,
-                     u32* error_word, u64 max_spin) {
+    allreduce_packet(const PacketArgs args) {
   wait_prior_grids();
+  if (aborted(args.error_word)) return;
+  const void* input = args.input;
+  void* output = args.output;
+  const u64 count = args.count;
+  const PeerPtrs& peer_scratch = args.peer_scratch;
+  const void* local_scratch = args.local_scratch;
+  const u64 slot_bytes = args.slot_bytes;
+  const u32 rank = args.rank;
+  const u32 nranks = args.nranks;
+  CallState* state = args.state;
+  u32* error_word = args.error_word;
+  const u64 max_spin = args.max_spin;
   const u64 calls = load_call_count(state);
   const u64 flag = call_flag(calls);
   const u64 region = nranks * slot_bytes;
-  const u64 half = (calls & 1) * 2 * region;
+  const u64 half = (calls & 1) * args.half_bytes;
   const u64 bytes = count * sizeof(CollT);
   const u64 nlines = LL128::lines(bytes);
   const u64 per = (nlines + nranks - 1) / nranks;
@@ -190,9 +210,15 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 // No call counter: semaphores are monotonic counters, so nothing here depends on the call number.
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(1024, 1)
-    allreduce_rsag_zero_copy(PeerPtrs inputs, PeerPtrs outputs, u64 count, u32 rank, u32 nranks,
-                             const D2DSemaphoreHandle* sems) {
+    allreduce_rsag_zero_copy(const ZeroCopyArgs args) {
   wait_prior_grids();
+  if (aborted(args.error_word)) return;
+  const PeerPtrs& inputs = args.inputs;
+  const PeerPtrs& outputs = args.outputs;
+  const u64 count = args.count;
+  const u32 rank = args.rank;
+  const u32 nranks = args.nranks;
+  const D2DSemaphoreHandle* sems = args.sems;
   constexpr u64 kVec = sizeof(uint4) / sizeof(CollT);
   const u32 npeers = nranks - 1;
   const u64 per = ((count + kVec - 1) / kVec + nranks - 1) / nranks * kVec;
@@ -222,16 +248,27 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 // barrier k + 2, so a pipelined call costs nsteps + 1 barriers, not 2 * nsteps.
 // Scratch reuse: B(k) writes AG half (k) of a peer, which that peer last read in C(k - 2), before its
 // barrier k + 1; A(k) writes RS half (k), last read in B(k - 2), before barrier k. Both barriers are
-// behind us when we write. half_bytes == 0 (default_allreduce_rsag: one buffer, more capacity) is
-// correct only for a single step, which the host guarantees (the message fits the scratch).
+// behind us when we write. default_allreduce_rsag is the same kernel on a message that fits one
+// step (the host guarantees it).
 // In place: A(k) reads window k before the barriers after which C(k) and B(k) write it, and B's
 // element e is read and written by the same thread; windows of different steps are disjoint.
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(1024, 1)
-    allreduce_rsag(const void* input, void* output, u64 count, PeerPtrs peer_scratch, void* local_scratch,
-                   u64 slot_bytes, u64 half_bytes, u64 per, u32 rank, u32 nranks,
-                   const D2DSemaphoreHandle* sems, CallState* state) {
+    allreduce_rsag(const PipelineArgs args) {
   wait_prior_grids();
+  if (aborted(args.error_word)) return;
+  const void* input = args.input;
+  void* output = args.output;
+  const u64 count = args.count;
+  const PeerPtrs& peer_scratch = args.peer_scratch;
+  void* local_scratch = args.local_scratch;
+  const u64 slot_bytes = args.slot_bytes;
+  const u64 half_bytes = args.half_bytes;
+  const u64 per = args.step;
+  const u32 rank = args.rank;
+  const u32 nranks = args.nranks;
+  const D2DSemaphoreHandle* sems = args.sems;
+  CallState* state = args.state;
   constexpr u64 kVec = sizeof(uint4) / sizeof(CollT);
   const u64 calls = load_call_count(state);
   const u32 npeers = nranks - 1;
@@ -311,10 +348,21 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 // in the thread that read it; windows of different steps are disjoint.
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(1024, 1)
-    allreduce_fullmesh(const void* input, void* output, u64 count, PeerPtrs peer_scratch, void* local_scratch,
-                       u64 slot_bytes, u64 half_bytes, u64 step, u32 rank, u32 nranks,
-                       const D2DSemaphoreHandle* sems, CallState* state) {
+    allreduce_fullmesh(const PipelineArgs args) {
   wait_prior_grids();
+  if (aborted(args.error_word)) return;
+  const void* input = args.input;
+  void* output = args.output;
+  const u64 count = args.count;
+  const PeerPtrs& peer_scratch = args.peer_scratch;
+  void* local_scratch = args.local_scratch;
+  const u64 slot_bytes = args.slot_bytes;
+  const u64 half_bytes = args.half_bytes;
+  const u64 step = args.step;
+  const u32 rank = args.rank;
+  const u32 nranks = args.nranks;
+  const D2DSemaphoreHandle* sems = args.sems;
+  CallState* state = args.state;
   constexpr u64 kVec = sizeof(uint4) / sizeof(CollT);
   const u64 calls = load_call_count(state);
   const u32 npeers = nranks - 1;
@@ -369,20 +417,22 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 //                        what the earlier kernels wrote), bit 1 waits for one signal of every peer.
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(1024, 1)
-    allreduce_ce_reduce(PeerPtrs srcs, u32 nsrc, void* output, u64 count, u32 nranks) {
+    allreduce_ce_reduce(const CopyEngineArgs args) {
   wait_prior_grids();
+  if (aborted(args.error_word)) return;
   PeerPtrs dsts;
-  dsts.p[0] = output;
-  reduce_to_all<CollT, CollAcc, kCollOp>(srcs, nsrc, 0, dsts, 1, 0, count, nranks, 0);
+  dsts.p[0] = args.output;
+  reduce_to_all<CollT, CollAcc, kCollOp>(args.srcs, args.nsrc, 0, dsts, 1, 0, args.count, args.nranks, 0);
 }
 
-extern "C" __global__ void allreduce_ce_sync(const D2DSemaphoreHandle* sems, u32 npeers, u32 mode) {
+extern "C" __global__ void allreduce_ce_sync(const CopyEngineArgs args) {
   wait_prior_grids();
-  if (threadIdx.x >= npeers) return;
-  const D2DSemaphoreHandle& s = sems[threadIdx.x];
-  if (mode & 1) {
+  if (aborted(args.error_word)) return;
+  if (threadIdx.x >= args.npeers) return;
+  const D2DSemaphoreHandle& s = args.sems[threadIdx.x];
+  if (args.mode & 1) {
     fence_acq_rel_sys();
     s.signal();
   }
-  if (mode & 2) s.wait();
+  if (args.mode & 2) s.wait();
 }

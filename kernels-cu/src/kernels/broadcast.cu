@@ -15,9 +15,16 @@ using namespace mscclpp;
 using namespace mscclpp::coll;
 
 extern "C" __global__ void __launch_bounds__(1024, 1)
-    broadcast_zero_copy(const void* input, PeerPtrs outputs, u64 bytes, u32 rank, u32 root, u32 nranks,
-                        const D2DSemaphoreHandle* sems) {
+    broadcast_zero_copy(const ZeroCopyArgs args) {
   wait_prior_grids();
+  if (aborted(args.error_word)) return;
+  const void* input = args.input;
+  const PeerPtrs& outputs = args.outputs;
+  const u64 bytes = args.count;
+  const u32 rank = args.rank;
+  const u32 root = args.root;
+  const u32 nranks = args.nranks;
+  const D2DSemaphoreHandle* sems = args.sems;
   const u32 npeers = nranks - 1;
   u64 begin, end;
   block_range(bytes, 16, begin, end);

@@ -11,9 +11,14 @@
 //   - Peers are numbered by "peer index" i in [0, nranks-1): i -> rank (i < rank ? i : i + 1).
 //   - Every kernel begins with wait_prior_grids(), so the host may launch it programmatically
 //     (LaunchConfig::programmatic): its launch overlaps the end of the stream's previous kernel.
+//   - Then `if (aborted(args.error_word)) return;`: after an abort or a timed-out wait anywhere on
+//     the communicator, every later kernel drains at once. The check comes after the wait, not
+//     before: a grid that returned before griddepcontrol.wait could complete while its predecessor
+//     still runs, and the stream's next kernel (waiting only on us) would then overlap it.
 #pragma once
 #include "mscclpp/common.cuh"
 #include "mscclpp/copy.cuh"
+#include "mscclpp/error.cuh"
 #include "mscclpp/packet.cuh"
 #include "mscclpp/reduce.cuh"
 #include "mscclpp/semaphore.cuh"
@@ -49,6 +54,78 @@ constexpr u32 kMaxPacketBlocks = 1024;
 // next call sees the writes because kernels on one stream are ordered.
 struct CallState {
   u64 calls[kMaxPacketBlocks];
+};
+
+// Kernel arguments: every native kernel takes exactly one of these structs by value, the one of its
+// family. Each is declared once here and once in Rust (mscclpp_core::device, same names and field
+// order); static_asserts generated from the Rust layout are compiled against this file
+// (mscclpp_kernels_cu::collectives::layout_asserts), so the two cannot drift. Every struct carries
+// the communicator's error word and the spin bound of every wait (0 = kDefaultMaxSpin).
+
+// The LL-packet kernels. `count`: elements (all-reduce), bytes (all-gather), elements per chunk
+// (reduce-scatter). The call with counter c uses the scratch half at (c & 1) * half_bytes.
+struct PacketArgs {
+  const void* input;
+  void* output;
+  u64 count;
+  PeerPtrs peer_scratch;
+  const void* local_scratch;
+  u64 slot_bytes;
+  u64 half_bytes;
+  CallState* state;
+  u32* error_word;
+  u64 max_spin;
+  u32 rank;
+  u32 nranks;
+};
+
+// The scratch pipelines (see "Scratch pipelines" below).
+struct PipelineArgs {
+  const void* input;
+  void* output;
+  u64 count;
+  PeerPtrs peer_scratch;
+  void* local_scratch;
+  u64 slot_bytes;
+  u64 half_bytes;
+  u64 step;
+  const D2DSemaphoreHandle* sems;
+  CallState* state;
+  u32* error_word;
+  u64 max_spin;
+  u32 rank;
+  u32 nranks;
+};
+
+// The kernels on registered user buffers; each reads the fields its collective needs.
+struct ZeroCopyArgs {
+  PeerPtrs inputs;
+  PeerPtrs outputs;
+  const void* input;
+  void* output;
+  u64 count;
+  const D2DSemaphoreHandle* sems;
+  u32* error_word;
+  u64 max_spin;
+  u32 rank;
+  u32 root;
+  u32 nranks;
+  u32 pad;
+};
+
+// The copy-engine all-reduce: allreduce_ce_reduce reads srcs..nranks, allreduce_ce_sync sems,
+// npeers and mode.
+struct CopyEngineArgs {
+  PeerPtrs srcs;
+  void* output;
+  u64 count;
+  const D2DSemaphoreHandle* sems;
+  u32* error_word;
+  u64 max_spin;
+  u32 nsrc;
+  u32 nranks;
+  u32 npeers;
+  u32 mode;
 };
 
 MSCCLPP_DEVICE_INLINE u32 peer_rank(u32 index, u32 rank) { return index < rank ? index : index + 1; }
@@ -126,9 +203,8 @@ MSCCLPP_DEVICE_INLINE bool block_barrier(const D2DSemaphoreHandle* sems, u32 npe
 //     last reads of half h were in step k - 2, before the barrier of step k - 1 that this rank
 //     already passed (for k < 2, the previous call: this rank's previous kernel passed every barrier
 //     of it, so every block of every peer finished its reads of that call).
-// Kernel parameters shared by the three: (input, output, count, peer_scratch, local_scratch,
-// slot_bytes, half_bytes, step, rank, nranks, sems, state); slot_bytes and half_bytes are multiples
-// of 16, step is in the kernel's units (elements or bytes) and a whole number of 16-byte vectors.
+// Their argument is PipelineArgs; slot_bytes and half_bytes are multiples of 16, step is in the
+// kernel's units (elements or bytes) and a whole number of 16-byte vectors.
 
 // Which half of a scratch pipeline step k of the call that read `calls` uses, as a byte offset.
 MSCCLPP_DEVICE_INLINE u64 pipeline_half(u64 calls, u64 k, u64 half_bytes) { return ((calls + k) & 1) * half_bytes; }

@@ -21,12 +21,17 @@ typedef MSCCLPP_COLL_ACC CollAcc;
 constexpr int kCollOp = MSCCLPP_COLL_OP;
 
 extern "C" __global__ void __launch_bounds__(1024, 1)
-    reducescatter_zero_copy(PeerPtrs inputs, void* output, u64 count, u32 rank, u32 nranks,
-                            const D2DSemaphoreHandle* sems) {
+    reducescatter_zero_copy(const ZeroCopyArgs args) {
   wait_prior_grids();
+  if (aborted(args.error_word)) return;
+  const PeerPtrs& inputs = args.inputs;
+  const u64 count = args.count;
+  const u32 rank = args.rank;
+  const u32 nranks = args.nranks;
+  const D2DSemaphoreHandle* sems = args.sems;
   const u32 npeers = nranks - 1;
   PeerPtrs out;
-  out.p[0] = output;
+  out.p[0] = args.output;
   if (block_barrier(sems, npeers, false)) {
     reduce_to_all<CollT, CollAcc, kCollOp>(inputs, nranks, static_cast<u64>(rank) * count, out, 1, 0,
                                            count, nranks, rank);
@@ -52,13 +57,23 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 // each word of my chunk is read and then overwritten by the same lane.
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(1024, 1)
-    reducescatter_packet(const void* input, void* output, u64 count, PeerPtrs peer_scratch,
-                         const void* local_scratch, u64 slot_bytes, u32 rank, u32 nranks,
-                         CallState* state, u32* error_word, u64 max_spin) {
+    reducescatter_packet(const PacketArgs args) {
   wait_prior_grids();
+  if (aborted(args.error_word)) return;
+  const void* input = args.input;
+  void* output = args.output;
+  const u64 count = args.count;
+  const PeerPtrs& peer_scratch = args.peer_scratch;
+  const void* local_scratch = args.local_scratch;
+  const u64 slot_bytes = args.slot_bytes;
+  const u32 rank = args.rank;
+  const u32 nranks = args.nranks;
+  CallState* state = args.state;
+  u32* error_word = args.error_word;
+  const u64 max_spin = args.max_spin;
   const u64 calls = load_call_count(state);
   const u64 flag = call_flag(calls);
-  const u64 half = (calls & 1) * nranks * slot_bytes;
+  const u64 half = (calls & 1) * args.half_bytes;
   const u64 bytes = count * sizeof(CollT);  // one chunk
   const u64 nlines = LL128::lines(bytes);
   const u8* in = static_cast<const u8*>(input);

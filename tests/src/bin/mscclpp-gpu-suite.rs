@@ -7,7 +7,8 @@
 //! exits 0.
 //!
 //! Flags: `--quick` (no per-algorithm matrix), `--only NAME[,NAME...]` (those sections alone:
-//! algorithm names for their matrices, `primitives`, `port_channel`, `port_allreduce`),
+//! algorithm names for their matrices, `primitives`, `port_channel`, `port_allreduce`,
+//! `resources`: device memory per rank and set-up times),
 //! `--primitives-only`, `--cpu-bind none` (leave the launcher's CPU placement; by default each
 //! rank's thread runs on its GPU's local CPUs, as in mscclpp-bench).
 
@@ -200,6 +201,10 @@ fn run() -> Result<i32> {
         let r = precompile_collectives(&mut suite);
         let ok = r.is_ok();
         suite.record("precompile collective kernels", r);
+        if ok && wants(RESOURCES) {
+            let r = resources(&mut suite);
+            suite.record("device memory and set-up time of the default collection", r);
+        }
         if ok {
             collectives_matrix(&mut suite, only.as_deref());
         }
@@ -214,6 +219,107 @@ fn run() -> Result<i32> {
     }
     println!("{} passed, {} failed", suite.passed, suite.failed);
     Ok(if suite.failed == 0 { 0 } else { 1 })
+}
+
+/// `--only` section: device memory per rank and set-up times (see [`resources`]).
+const RESOURCES: &str = "resources";
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / MIB as f64)
+}
+
+/// Device memory this rank's library holds (`live_device_bytes`, exact under MPS) after the
+/// communicator's init, after building the default collection, and after running each default
+/// algorithm once (small and 4 MiB messages: every scratch and semaphore a call touches is
+/// allocated by then; the check's own buffers are freed before each reading), with the
+/// communicator's init time and the collection's build time. Every rank prints its own line;
+/// rank 0's figures go to the measurements table.
+fn resources(s: &mut Suite) -> Result<String> {
+    use mscclpp::core::gpu::live_device_bytes;
+    use mscclpp_collectives::{testing::run_collective_check, NativeKind};
+    let comm = s.ctx.comm.clone();
+    let rank = s.ctx.rank();
+    let after_init = s.ctx.bytes_after_comm_init;
+    let before_build = live_device_bytes();
+    let started = Instant::now();
+    let coll = mscclpp_collectives::default_algorithm_collection(
+        &comm,
+        mscclpp_collectives::DEFAULT_SCRATCH_BYTES,
+    )?;
+    let build = started.elapsed();
+    let after_build = live_device_bytes();
+    let mut per_algorithm = Vec::new();
+    let mut wrong = Vec::new();
+    for (i, kind) in NativeKind::ALL.into_iter().enumerate() {
+        let algo = coll
+            .get(kind.collective(), kind.name())
+            .ok_or_else(|| Error::Internal(format!("{} missing", kind.name())))?;
+        for bytes in [4096usize, 4 * MIB] {
+            let seed = s.run_seed ^ (0x5e50 + i as u64 * 2 + (bytes > 4096) as u64);
+            let count = bytes / DataType::F32.size();
+            match run_collective_check(
+                &comm,
+                algo.as_ref(),
+                DataType::F32,
+                ReduceOp::Sum,
+                count,
+                false,
+                seed,
+            ) {
+                Ok(r) if r.wrong == 0 => {}
+                Ok(r) => wrong.push(format!("{} {bytes} B: {} wrong", kind.name(), r.wrong)),
+                // Beyond a packet algorithm's scratch: refused by design.
+                Err(Error::InvalidArgument(_)) => {}
+                Err(e) => wrong.push(format!("{} {bytes} B: {e}", kind.name())),
+            }
+        }
+        per_algorithm.push(format!("{} {}", kind.name(), mib(live_device_bytes())));
+    }
+    let after_all = live_device_bytes();
+    let line = format!(
+        "communicator init {:.1} ms, {}; default collection built in {:.1} ms, {} (+{}); after \
+         running every algorithm {} (+{} over init)",
+        s.ctx.comm_init.as_secs_f64() * 1e3,
+        mib(after_init),
+        build.as_secs_f64() * 1e3,
+        mib(after_build),
+        mib(after_build.saturating_sub(before_build)),
+        mib(after_all),
+        mib(after_all.saturating_sub(after_init)),
+    );
+    println!(
+        "[rank {rank}] resources: {line}\n[rank {rank}] resources per algorithm (after its calls): {}",
+        per_algorithm.join(", ")
+    );
+    if rank == 0 {
+        let n = s.ctx.size();
+        s.measurements.push((
+            format!("device memory per rank after communicator init ({n} ranks)"),
+            mib(after_init),
+        ));
+        s.measurements.push((
+            format!("device memory per rank, default collection built ({n} ranks)"),
+            mib(after_build),
+        ));
+        s.measurements.push((
+            format!("device memory per rank after every default algorithm ran ({n} ranks)"),
+            mib(after_all),
+        ));
+        s.measurements.push((
+            format!("communicator init ({n} ranks)"),
+            format!("{:.1} ms", s.ctx.comm_init.as_secs_f64() * 1e3),
+        ));
+        s.measurements.push((
+            format!("default collection build ({n} ranks)"),
+            format!("{:.1} ms", build.as_secs_f64() * 1e3),
+        ));
+    }
+    drop(coll);
+    if wrong.is_empty() {
+        Ok(line)
+    } else {
+        Err(Error::Internal(wrong.join("; ")))
+    }
 }
 
 /// `--only` section names: the channel primitives and the two PortChannel sections.

@@ -1,0 +1,87 @@
+//! `default_allreduce_copy_engine`: large all-reduces whose data the copy engines move while the
+//! SMs reduce (`crate::copy_engine` has the schedule; kernels `allreduce_ce_reduce` and
+//! `allreduce_ce_sync`). Its ring is the collection's scratch.
+
+use crate::copy_engine::{CallPlan, CopyEngine};
+use crate::geometry::{self, resident_blocks};
+use crate::native::{NativeBase, NativeKind, DEFAULT_THREADS};
+use crate::resources::CollectionResources;
+use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
+use mscclpp_core::communicator::Communicator;
+use mscclpp_core::Result;
+use std::sync::Arc;
+
+/// See the module docs.
+pub struct AllreduceCopyEngine {
+    // Before `base`: the copy stream drains before anything else goes.
+    engine: CopyEngine,
+    base: NativeBase,
+}
+
+impl AllreduceCopyEngine {
+    /// Collective: sets it up for `comm`, borrowing the collection's `resources`.
+    pub fn new(comm: Arc<Communicator>, resources: Arc<CollectionResources>) -> Result<Self> {
+        Ok(AllreduceCopyEngine {
+            engine: CopyEngine::new(&comm, resources.clone())?,
+            base: NativeBase::new(NativeKind::AllreduceCopyEngine, comm, resources)?,
+        })
+    }
+
+    fn run(&self, args: &ExecuteArgs, count: usize) -> Result<()> {
+        let base = &self.base;
+        let reduce = base.function(args)?;
+        let sync = base.entry_point(args, "allreduce_ce_sync")?;
+        let inputs = base.rank_ptrs(args.input, args.input_bytes)?;
+        let outputs = if args.in_place() {
+            inputs.clone()
+        } else {
+            base.rank_ptrs(args.output, args.input_bytes)?
+        };
+        let comm = base.comm();
+        let (n, rank) = (comm.size(), comm.rank());
+        // The reduction's grid is sized for the largest piece (a whole slot), whatever this call's.
+        let slot_vectors = self.engine.slot_bytes() / geometry::VECTOR_BYTES;
+        let threads = args.nthreads.unwrap_or(DEFAULT_THREADS);
+        let reduce_config = geometry::launch_config(
+            args.nblocks,
+            args.nthreads,
+            (slot_vectors as u32).div_ceil(threads).min(base.sm()),
+            DEFAULT_THREADS,
+            resident_blocks(base.sm(), threads),
+        )?;
+        let plan = CallPlan {
+            reduce,
+            sync,
+            semaphores: base.semaphores()?.0,
+            error_word: comm.error_word_device_ptr(),
+            inputs: &inputs,
+            outputs: &outputs,
+            count,
+            elem_bytes: args.dtype.size(),
+            stream: args.stream,
+            reduce_config,
+        };
+        self.engine.enqueue(&plan, rank, n)
+    }
+}
+
+impl Algorithm for AllreduceCopyEngine {
+    fn name(&self) -> &str {
+        self.base.kind().name()
+    }
+
+    fn collective(&self) -> Collective {
+        Collective::AllReduce
+    }
+
+    fn check(&self, args: &ExecuteArgs) -> Result<()> {
+        self.base.check(args)
+    }
+
+    fn execute(&self, args: &ExecuteArgs) -> Result<()> {
+        match self.base.begin(args)? {
+            Some(count) => self.run(args, count),
+            None => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,40 @@
+//! The zero-copy kernel family (`coll::ZeroCopyArgs`): kernels on the user's buffers, registered
+//! with every peer on first use (and cached), with block barriers through the collection's
+//! semaphores.
+
+use crate::geometry::{self, resident_blocks};
+use crate::native::{NativeBase, DEFAULT_THREADS};
+use mscclpp_core::algorithm::ExecuteArgs;
+use mscclpp_core::device::{PeerPtrs, ZeroCopyArgs};
+use mscclpp_core::gpu::DevicePtr;
+use mscclpp_core::Result;
+
+/// Every rank's address of the user buffer `ptr` (`bytes` long), as a kernel argument.
+pub fn peers(base: &NativeBase, ptr: DevicePtr, bytes: usize) -> Result<PeerPtrs> {
+    PeerPtrs::from_slice(&base.rank_ptrs(ptr, bytes)?)
+}
+
+/// Launches the kind's kernel for a checked call, with the collective-specific fields of
+/// `kernel_args` (buffers, count, root) filled by the caller and the rest here.
+pub fn launch(base: &NativeBase, args: &ExecuteArgs, kernel_args: ZeroCopyArgs) -> Result<()> {
+    let f = base.function(args)?;
+    let (sems, sem_blocks) = base.semaphores()?;
+    let threads = args.nthreads.unwrap_or(DEFAULT_THREADS);
+    let max_blocks = sem_blocks.min(resident_blocks(base.sm(), threads));
+    let cfg = geometry::launch_config(
+        args.nblocks,
+        args.nthreads,
+        geometry::bandwidth_blocks(args.input_bytes, max_blocks),
+        DEFAULT_THREADS,
+        max_blocks,
+    )?;
+    let comm = base.comm();
+    let kernel_args = ZeroCopyArgs {
+        sems,
+        error_word: comm.error_word_device_ptr(),
+        rank: comm.rank() as u32,
+        nranks: comm.size() as u32,
+        ..kernel_args
+    };
+    base.launch(f, cfg, args, kernel_args)
+}
