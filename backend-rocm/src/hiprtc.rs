@@ -47,6 +47,11 @@ struct Api {
     error_string: FnErrorString,
 }
 
+/// Held across each compilation, by every [`Hiprtc`] of the process: ROCm 5's hiprtc crashes
+/// (SIGSEGV, seen with Debian 12's 5.2) when two programs compile at once, one per thread.
+/// Compiles are rare and cached, so serialising them costs nothing that matters.
+static COMPILING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// A loaded hiprtc library.
 pub struct Hiprtc {
     api: Api,
@@ -202,6 +207,7 @@ impl Hiprtc {
             c_int::try_from(n).map_err(|_| Error::InvalidArgument(format!("too many {what}: {n}")))
         };
 
+        let _one_at_a_time = COMPILING.lock().unwrap_or_else(|p| p.into_inner());
         let mut prog: HiprtcProgram = std::ptr::null_mut();
         // SAFETY: all pointers are valid NUL-terminated strings living until the end of this call.
         let rc = unsafe {

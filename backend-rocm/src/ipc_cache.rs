@@ -243,7 +243,8 @@ mod tests {
                 .acquire(&k, || Ok(u64::from(k) << 12), no_close)
                 .unwrap();
         }
-        // 1 stays in use; 2 and 3 go idle, 3 used more recently than 2.
+        // 1 stays in use; 3 and then 2 go idle, but 3 is used again (no reopen) after that.
+        cache.release(0x3000).unwrap();
         cache.release(0x2000).unwrap();
         cache.acquire(&3, || unreachable!(), no_close).unwrap();
         cache.release(0x3000).unwrap();
