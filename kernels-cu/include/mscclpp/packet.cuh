@@ -306,7 +306,8 @@ struct LL128 {
 static_assert(LL128::kWordsPerLine * 8 == LL128::kPayloadBytes, "LL128 payload words");
 
 // Where a thread sits in the LL128 layout of a grid: lines go 8 lanes each, so 4 to a 32-lane warp
-// and 8 to a 64-lane wavefront; loops that read lines step by whole warps (`first`, `stride` in lines) so every lane votes in every round.
+// and 8 to a 64-lane wavefront; loops that read lines step by whole warps (`first`, `stride` in
+// lines) so every lane votes in every round.
 struct LineLanes {
   u32 t;        // my lane within my line
   u32 sub;      // my line among my warp's lines
