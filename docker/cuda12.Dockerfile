@@ -1,7 +1,11 @@
-# mscclpp-rs on CUDA12: builds the workspace and the benchmark. The CUDA driver and NVRTC are loaded at
-# run time, so the same binaries also run on hosts with a newer driver.
-FROM nvidia/cuda:12.8.1-devel-ubuntu22.04
+# mscclpp-rs on CUDA 12.9 (pinned by the base image's tag): builds the workspace and the benchmark. The
+# CUDA driver and NVRTC are loaded at run time, so the same binaries also run on hosts with a newer
+# driver. Lint: bash docker/lint.sh. In the container, the README's two commands work as written:
+#   cargo run --release -p mscclpp-bench      (the default command, already built)
+#   bash scripts/test.sh                      (every CPU test, kernels through NVRTC)
+FROM nvidia/cuda:12.9.1-devel-ubuntu22.04
 ENV DEBIAN_FRONTEND=noninteractive
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN apt-get update && apt-get install -y --no-install-recommends \
         curl ca-certificates build-essential pkg-config python3 python3-venv git \
         libibverbs-dev rdma-core \
@@ -13,5 +17,4 @@ ENV PATH=/root/.cargo/bin:$PATH \
 WORKDIR /opt/mscclpp-rs
 COPY . .
 RUN cargo build --release --workspace --features ib
-# Default: the benchmark over every visible GPU.
-CMD ["target/release/mscclpp-bench"]
+CMD ["cargo", "run", "--release", "-p", "mscclpp-bench"]

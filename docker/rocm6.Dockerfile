@@ -1,7 +1,11 @@
-# mscclpp-rs on ROCm 6: HIP and hiprtc are loaded at run time; the ROCm backend is selected with
-# MSCCLPP_GPU_BACKEND=rocm or by detection.
-FROM rocm/dev-ubuntu-22.04:6.2
+# mscclpp-rs on ROCm 6.4 (pinned by the base image's tag): HIP and hiprtc are loaded at run time;
+# the ROCm backend is selected with MSCCLPP_GPU_BACKEND=rocm or by detection. Lint: bash
+# docker/lint.sh. In the container, the README's two commands work as written:
+#   cargo run --release -p mscclpp-bench      (the default command, already built)
+#   bash scripts/test.sh                      (every CPU test)
+FROM rocm/dev-ubuntu-22.04:6.4
 ENV DEBIAN_FRONTEND=noninteractive
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN apt-get update && apt-get install -y --no-install-recommends \
         curl ca-certificates build-essential pkg-config python3 python3-venv git \
         libibverbs-dev rdma-core \
@@ -13,5 +17,5 @@ ENV PATH=/root/.cargo/bin:$PATH \
     MSCCLPP_CACHE_DIR=/var/cache/mscclpp
 WORKDIR /opt/mscclpp-rs
 COPY . .
-RUN cargo build --release --workspace --no-default-features --features rocm,ib
-CMD ["target/release/mscclpp-bench"]
+RUN cargo build --release --workspace --features ib
+CMD ["cargo", "run", "--release", "-p", "mscclpp-bench"]

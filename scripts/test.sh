@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # The test command of the README: every CPU test of the workspace, with every kernel compiled through
-# NVRTC (installed from PyPI, no GPU needed). GPU tests print why they skip on a machine without GPUs.
+# NVRTC (installed from PyPI, no GPU needed) and for AMD GPUs through hiprtc and clang (Debian 12).
+# GPU tests print why they skip on a machine without GPUs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/nvrtc-env.sh
 source scripts/nvrtc-env.sh
+# The HIP compile gate's toolchain (Debian 12 packages; every kernel for gfx90a and gfx942).
+# shellcheck source=scripts/hip-env.sh
+source scripts/hip-env.sh
 export MSCCLPP_DISABLE_IB_TESTS="${MSCCLPP_DISABLE_IB_TESTS:-1}"
 cargo test --workspace --all-targets "$@"
 # The CUDA 12 NVRTC must compile the same kernels (users run CUDA 12 and CUDA 13). The layout

@@ -11,7 +11,7 @@
 //! memory export; legacy IPC handles cover same-host sharing on ROCm.
 
 use crate::hiprtc::{CompileRequest, Hiprtc};
-use crate::ipc_cache::IpcCache;
+use crate::ipc_cache::{self, IpcCache};
 use crate::loader;
 use crate::sys::*;
 use mscclpp_core::env::Env;
@@ -77,14 +77,24 @@ impl RocmGpu {
     /// Loads the HIP runtime. Without it: `Error::BackendUnavailable` naming the library and every
     /// place looked in. Device waits are bounded by `MSCCLPP_DEVICE_WAIT_TIMEOUT`.
     pub fn new() -> Result<RocmGpu> {
-        let opened = loader::open_first("the HIP runtime", HIP_LIB_NAMES)?;
-        let api = HipApi::resolve(&opened.lib, &opened.location)?;
+        let (opened, api) = loader::open_first("the HIP runtime", HIP_LIB_NAMES, HipApi::resolve)?;
+        Self::with_api(opened, api)
+    }
+
+    /// Loads the HIP runtime from exactly `path` (a build of ROCm outside the search path, or a
+    /// test double). A missing file or a library that lacks an entry point we need (ROCm older
+    /// than 6) is `Error::BackendUnavailable` naming the path and the symbol.
+    pub fn load_from(path: &str) -> Result<RocmGpu> {
+        let (opened, api) = loader::open_path("the HIP runtime", path, HipApi::resolve)?;
+        Self::with_api(opened, api)
+    }
+
+    fn with_api(opened: loader::Opened, api: HipApi) -> Result<RocmGpu> {
         let wait_timeout = Env::get()?.device_wait_timeout;
-        tracing::debug!(target: target::GPU, "loaded HIP from {}", opened.location);
         Ok(RocmGpu {
             api,
             location: opened.location,
-            ipc: IpcCache::default(),
+            ipc: IpcCache::new(ipc_cache::system_limit()),
             hiprtc: OnceLock::new(),
             wait_timeout,
             lib: Arc::new(opened.lib),
@@ -120,6 +130,19 @@ impl RocmGpu {
         self.api.check(call, code)
     }
 
+    /// Unmaps a peer allocation the IPC cache no longer holds.
+    fn close_ipc_mapping(&self, base: u64) -> Result<()> {
+        // SAFETY: `base` came from hipIpcOpenMemHandle and no importer uses it any more.
+        self.check("hipIpcCloseMemHandle", unsafe {
+            (self.api.ipc_close_mem_handle)(as_ptr(base))
+        })
+    }
+
+    /// How many peer allocations are mapped (in use or kept idle by the IPC cache).
+    pub fn open_ipc_mappings(&self) -> usize {
+        self.ipc.open_count()
+    }
+
     /// Polls `query` until it stops answering "not ready", within the wait timeout. Spins briefly,
     /// then yields, then sleeps, so a short wait costs little latency and a long one little CPU.
     fn poll(
@@ -150,6 +173,14 @@ impl RocmGpu {
             } else {
                 std::thread::sleep(Duration::from_micros(50));
             }
+        }
+    }
+}
+
+impl Drop for RocmGpu {
+    fn drop(&mut self) {
+        if let Err(e) = self.ipc.close_idle(|base| self.close_ipc_mapping(base)) {
+            tracing::warn!(target: target::GPU, "closing idle IPC mappings: {e}");
         }
     }
 }
@@ -502,19 +533,23 @@ impl Gpu for RocmGpu {
                 bytes.len()
             ))
         })?;
-        let base = self.ipc.acquire(&key, || {
-            let mut p: *mut c_void = std::ptr::null_mut();
-            // SAFETY: valid out-pointer; the handle is passed by value as HIP expects.
-            let rc = unsafe {
-                (self.api.ipc_open_mem_handle)(
-                    &mut p,
-                    HipIpcMemHandle { reserved: key },
-                    HIP_IPC_MEM_LAZY_ENABLE_PEER_ACCESS,
-                )
-            };
-            self.check("hipIpcOpenMemHandle", rc)?;
-            Ok(p as usize as u64)
-        })?;
+        let base = self.ipc.acquire(
+            &key,
+            || {
+                let mut p: *mut c_void = std::ptr::null_mut();
+                // SAFETY: valid out-pointer; the handle is passed by value as HIP expects.
+                let rc = unsafe {
+                    (self.api.ipc_open_mem_handle)(
+                        &mut p,
+                        HipIpcMemHandle { reserved: key },
+                        HIP_IPC_MEM_LAZY_ENABLE_PEER_ACCESS,
+                    )
+                };
+                self.check("hipIpcOpenMemHandle", rc)?;
+                Ok(p as usize as u64)
+            },
+            |base| self.close_ipc_mapping(base),
+        )?;
         let size = usize::try_from(*size).map_err(|_| {
             Error::InvalidArgument(format!("imported size {size} does not fit in usize"))
         })?;
@@ -529,12 +564,9 @@ impl Gpu for RocmGpu {
     }
 
     fn close_imported(&self, mem: &ImportedMemory) -> Result<()> {
-        self.ipc.release(mem.base, |base| {
-            // SAFETY: `base` came from hipIpcOpenMemHandle and no importer uses it any more.
-            self.check("hipIpcCloseMemHandle", unsafe {
-                (self.api.ipc_close_mem_handle)(as_ptr(base))
-            })
-        })
+        // The mapping stays open for reuse until the cache's LRU bound needs its place (see
+        // `ipc_cache`), or the backend is dropped.
+        self.ipc.release(mem.base)
     }
 
     fn allocation_of(&self, ptr: DevicePtr) -> Result<Allocation> {
@@ -629,11 +661,12 @@ impl Gpu for RocmGpu {
 
     fn build_module(&self, name: &str, source: &str) -> Result<Module> {
         let arch = self.properties(self.current_device()?)?.arch;
+        let headers = mscclpp_kernels_hip::all_headers();
         let compiled = self.hiprtc()?.compile(&CompileRequest {
             name,
             source,
             arch: &arch,
-            headers: mscclpp_kernels_hip::HEADERS,
+            headers: &headers,
             options: &[],
         })?;
         if !compiled.log.is_empty() {

@@ -12,8 +12,14 @@ type HiprtcResult = c_int;
 type HiprtcProgram = *mut std::ffi::c_void;
 const HIPRTC_SUCCESS: HiprtcResult = 0;
 
-/// Names tried for the hiprtc library (see `loader` for the directories).
-pub const HIPRTC_LIB_NAMES: &[&str] = &["libhiprtc.so", "libhiprtc.so.6", "libhiprtc.so.5"];
+/// Names tried for the hiprtc library (see `loader` for the directories). ROCm 5.2 and older
+/// carry hiprtc inside the HIP runtime itself (Debian 12's libamdhip64-5 does), hence the last.
+pub const HIPRTC_LIB_NAMES: &[&str] = &[
+    "libhiprtc.so",
+    "libhiprtc.so.6",
+    "libhiprtc.so.5",
+    "libamdhip64.so.5",
+];
 
 type FnCreate = unsafe extern "C" fn(
     *mut HiprtcProgram,
@@ -40,6 +46,11 @@ struct Api {
     destroy: FnDestroy,
     error_string: FnErrorString,
 }
+
+/// Held across each compilation, by every [`Hiprtc`] of the process: ROCm 5's hiprtc crashes
+/// (SIGSEGV, seen with Debian 12's 5.2) when two programs compile at once, one per thread.
+/// Compiles are rare and cached, so serialising them costs nothing that matters.
+static COMPILING: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// A loaded hiprtc library.
 pub struct Hiprtc {
@@ -102,19 +113,21 @@ impl Drop for Program<'_> {
 impl Hiprtc {
     /// Loads hiprtc, or says which library was looked for and where.
     pub fn load() -> Result<Hiprtc> {
-        let opened = loader::open_first("the hiprtc library", HIPRTC_LIB_NAMES)?;
-        let (lib, location) = (opened.lib, opened.location);
-        let api = Api {
-            create: loader::symbol(&lib, &location, "hiprtcCreateProgram\0")?,
-            compile: loader::symbol(&lib, &location, "hiprtcCompileProgram\0")?,
-            log_size: loader::symbol(&lib, &location, "hiprtcGetProgramLogSize\0")?,
-            log: loader::symbol(&lib, &location, "hiprtcGetProgramLog\0")?,
-            code_size: loader::symbol(&lib, &location, "hiprtcGetCodeSize\0")?,
-            code: loader::symbol(&lib, &location, "hiprtcGetCode\0")?,
-            destroy: loader::symbol(&lib, &location, "hiprtcDestroyProgram\0")?,
-            error_string: loader::symbol(&lib, &location, "hiprtcGetErrorString\0")?,
-        };
-        let version_fn: FnVersion = loader::symbol(&lib, &location, "hiprtcVersion\0")?;
+        let (opened, (api, version_fn)) =
+            loader::open_first("the hiprtc library", HIPRTC_LIB_NAMES, |lib, location| {
+                let api = Api {
+                    create: loader::symbol(lib, location, "hiprtcCreateProgram\0")?,
+                    compile: loader::symbol(lib, location, "hiprtcCompileProgram\0")?,
+                    log_size: loader::symbol(lib, location, "hiprtcGetProgramLogSize\0")?,
+                    log: loader::symbol(lib, location, "hiprtcGetProgramLog\0")?,
+                    code_size: loader::symbol(lib, location, "hiprtcGetCodeSize\0")?,
+                    code: loader::symbol(lib, location, "hiprtcGetCode\0")?,
+                    destroy: loader::symbol(lib, location, "hiprtcDestroyProgram\0")?,
+                    error_string: loader::symbol(lib, location, "hiprtcGetErrorString\0")?,
+                };
+                let version_fn: FnVersion = loader::symbol(lib, location, "hiprtcVersion\0")?;
+                Ok((api, version_fn))
+            })?;
         let (mut major, mut minor) = (0, 0);
         // SAFETY: two valid out-pointers.
         let rc = unsafe { version_fn(&mut major, &mut minor) };
@@ -126,8 +139,8 @@ impl Hiprtc {
         Ok(Hiprtc {
             api,
             version,
-            location,
-            _lib: lib,
+            location: opened.location,
+            _lib: opened.lib,
         })
     }
 
@@ -194,6 +207,7 @@ impl Hiprtc {
             c_int::try_from(n).map_err(|_| Error::InvalidArgument(format!("too many {what}: {n}")))
         };
 
+        let _one_at_a_time = COMPILING.lock().unwrap_or_else(|p| p.into_inner());
         let mut prog: HiprtcProgram = std::ptr::null_mut();
         // SAFETY: all pointers are valid NUL-terminated strings living until the end of this call.
         let rc = unsafe {

@@ -37,33 +37,76 @@ pub fn candidates(names: &[&str], rocm_path: Option<&str>) -> Vec<String> {
     out
 }
 
-/// Opens the first candidate that loads. On failure the error lists every candidate and the
-/// loader's message for each, so a user sees both where we looked and why each failed.
-pub fn open_first(what: &str, names: &[&str]) -> Result<Opened> {
+/// Opens the first candidate that loads and that `resolve` accepts (it resolves the entry points
+/// the caller needs). A library that loads but lacks a symbol (an older ROCm) does not stop the
+/// search: a newer one may come later. On failure the error lists every candidate and why each
+/// was passed over, so a user sees both where we looked and what was wrong.
+pub fn open_first<T>(
+    what: &str,
+    names: &[&str],
+    resolve: impl Fn(&libloading::Library, &str) -> Result<T>,
+) -> Result<(Opened, T)> {
     let rocm_path = std::env::var("ROCM_PATH").ok();
+    let cands = candidates(names, rocm_path.as_deref());
+    open_any(what, &cands, resolve).map_err(|failures| Error::BackendUnavailable {
+        backend: "rocm".into(),
+        reason: format!(
+            "{what} ({}) not found; ROCM_PATH={}; tried: {failures}",
+            names.first().copied().unwrap_or_default(),
+            rocm_path.as_deref().unwrap_or("(unset)"),
+        ),
+    })
+}
+
+/// Opens exactly `path` (a user's explicit choice), with the same checks as [`open_first`].
+pub fn open_path<T>(
+    what: &str,
+    path: &str,
+    resolve: impl Fn(&libloading::Library, &str) -> Result<T>,
+) -> Result<(Opened, T)> {
+    open_any(what, &[path.to_string()], resolve).map_err(|failure| Error::BackendUnavailable {
+        backend: "rocm".into(),
+        reason: format!("{what} could not be used: {failure}"),
+    })
+}
+
+/// The first of `cands` that loads and resolves, or every failure joined with "; ".
+fn open_any<T>(
+    what: &str,
+    cands: &[String],
+    resolve: impl Fn(&libloading::Library, &str) -> Result<T>,
+) -> std::result::Result<(Opened, T), String> {
     let mut failures = Vec::new();
-    for cand in candidates(names, rocm_path.as_deref()) {
+    for cand in cands {
         // SAFETY: loading a library runs its initialisers; these are ROCm's own libraries, which
         // are designed to be dlopen'ed by language runtimes (PyTorch does the same).
-        match unsafe { libloading::Library::new(&cand) } {
-            Ok(lib) => {
-                return Ok(Opened {
-                    lib,
-                    location: cand,
-                })
-            }
+        match unsafe { libloading::Library::new(cand) } {
+            Ok(lib) => match resolve(&lib, cand) {
+                Ok(api) => {
+                    tracing::debug!(target: mscclpp_core::log::target::GPU, "{what}: {cand}");
+                    return Ok((
+                        Opened {
+                            lib,
+                            location: cand.clone(),
+                        },
+                        api,
+                    ));
+                }
+                Err(e) => failures.push(format!("{cand}: {}", reason_of(&e))),
+            },
             Err(e) => failures.push(format!("{cand}: {}", with_sources(&e))),
         }
     }
-    Err(Error::BackendUnavailable {
-        backend: "rocm".into(),
-        reason: format!(
-            "{what} ({}) not found; ROCM_PATH={}; tried: {}",
-            names.first().copied().unwrap_or_default(),
-            rocm_path.as_deref().unwrap_or("(unset)"),
-            failures.join("; ")
-        ),
-    })
+    Err(failures.join("; "))
+}
+
+/// The reason inside a `BackendUnavailable` (without its "backend is unavailable" preamble), or
+/// the whole message of any other error.
+fn reason_of(e: &Error) -> String {
+    match e {
+        Error::BackendUnavailable { reason, .. } => reason.clone(),
+        other => other.to_string(),
+    }
 }
 
 /// An error with its chain of causes: libloading's own text is only "dlopen failed"; the
@@ -120,10 +163,12 @@ mod tests {
 
     #[test]
     fn absent_library_error_lists_every_place() {
-        let err = open_first("test library", &["libmscclpp-surely-absent.so"])
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default();
+        let err = open_first("test library", &["libmscclpp-surely-absent.so"], |_, _| {
+            Ok(())
+        })
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
         assert!(err.contains("GPU backend rocm is unavailable"), "{err}");
         assert!(err.contains("libmscclpp-surely-absent.so:"), "{err}");
         assert!(

@@ -312,8 +312,8 @@ pub fn packet_gather_scatter_threshold(world_size: usize) -> usize {
 /// The built-in policy for the native algorithms (see the module docs for the NVLS rule): at world
 /// size 1 the single-rank algorithms (any device); on several hosts, or uneven ranks per host, the
 /// flat [`native_names::PORT_ALLREDUCE`] for all-reduce (the hierarchical multi-host algorithms
-/// are not written yet); else the NVLink kernels, CUDA sm_70 or newer, on one host of at most
-/// `limits.max_ranks` ranks.
+/// are not written yet); else the native kernels, on CUDA sm_70 or newer and on AMD CDNA (gfx90a,
+/// gfx942, gfx950), on one host of at most `limits.max_ranks` ranks.
 pub fn default_native_selector(limits: NativeLimits) -> Selector {
     Box::new(move |ctx: &SelectionContext| native_choice(&limits, ctx).map(str::to_string))
 }
@@ -329,6 +329,12 @@ fn sm_version(arch: &str) -> Option<u32> {
 
 fn cuda_arch_ok(arch: &str) -> bool {
     sm_version(arch).is_some_and(|v| v >= 70)
+}
+
+/// AMD CDNA targets the native kernels are built for (the HIP compile gate covers gfx90a and
+/// gfx942; gfx950 shares their wave64 and 8-byte-atomicity paths).
+fn amd_arch_ok(arch: &str) -> bool {
+    matches!(arch, "gfx90a" | "gfx942" | "gfx950")
 }
 
 /// The NVLS all-reduce for `ctx`, when NVLS is allowed (gate open and hardware able, which the
@@ -364,7 +370,8 @@ fn native_choice(limits: &NativeLimits, ctx: &SelectionContext) -> Option<&'stat
         return (ctx.collective == Collective::AllReduce && ctx.world_size <= limits.max_ranks)
             .then_some(PORT_ALLREDUCE);
     }
-    if !cuda_arch_ok(&ctx.arch)
+    let amd = amd_arch_ok(&ctx.arch);
+    if !(cuda_arch_ok(&ctx.arch) || amd)
         || ctx.world_size == 0
         || ctx.world_size > limits.max_ranks
         || ctx.local_world_size != ctx.world_size
@@ -382,6 +389,10 @@ fn native_choice(limits: &NativeLimits, ctx: &SelectionContext) -> Option<&'stat
                 Some(ALLREDUCE_ALLPAIR_PACKET)
             } else if bytes <= packet_threshold(ctx.world_size).min(limits.packet_max_bytes) {
                 Some(ALLREDUCE_PACKET)
+            } else if amd {
+                // As MSCCL++ on AMD: the full-mesh kernel for large messages (xGMI links
+                // every GPU to every other, and the zero-copy kernel's barriers cost more there).
+                Some(ALLREDUCE_FULLMESH)
             } else if copy_engine_threshold(ctx.world_size, ctx.capturing)
                 .is_some_and(|t| bytes >= t)
             {
@@ -563,7 +574,7 @@ mod tests {
     }
 
     #[rstest]
-    #[case("gfx942", 2, 2)]
+    #[case("gfx1100", 2, 2)]
     #[case("sm_60", 2, 2)]
     #[case("sm_90", 9, 9)]
     fn outside_the_native_domain_nothing_is_chosen(
@@ -640,6 +651,25 @@ mod tests {
                 "{msg}"
             );
         }
+    }
+
+    /// AMD (MSCCL++'s policy there): packets for small messages, the full-mesh kernel for large
+    /// all-reduce, never the copy engine or NVLS.
+    #[rstest]
+    #[case("gfx942", 1024, Some(ALLREDUCE_ALLPAIR_PACKET))]
+    #[case("gfx942", 4 << 20, Some(ALLREDUCE_PACKET))]
+    #[case("gfx942", (4 << 20) + 2, Some(ALLREDUCE_FULLMESH))]
+    #[case("gfx90a", 1 << 30, Some(ALLREDUCE_FULLMESH))]
+    #[case("gfx1100", 1 << 30, None)]
+    fn amd_takes_the_full_mesh_for_large_all_reduce(
+        #[case] arch: &str,
+        #[case] bytes: usize,
+        #[case] want: Option<&str>,
+    ) {
+        let mut c = ctx(Collective::AllReduce, bytes, 2);
+        c.arch = arch.into();
+        c.nvls_allowed = true;
+        assert_eq!(default_native_selector(LIMITS)(&c).as_deref(), want);
     }
 
     #[test]

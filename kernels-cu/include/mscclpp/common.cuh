@@ -9,8 +9,10 @@
 
 #if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC_RTC__) || defined(__HIP__)
 #define MSCCLPP_HIP 1
+#include "mscclpp_hip/wave64.h"  // MSCCLPP_WARP_SIZE: 64 on CDNA (kernels-hip)
 #else
 #define MSCCLPP_CUDA 1
+#define MSCCLPP_WARP_SIZE 32
 #endif
 
 #define MSCCLPP_DEVICE_INLINE __device__ __forceinline__

@@ -10,13 +10,30 @@
 // behaviour of cuda_fp8.h's __NV_SATFINITE); NaN becomes the format's NaN, or +max for e4m3b15,
 // which has none. On CUDA sm_89+ the OCP formats use cuda_fp8.h (hardware cvt instructions); every
 // other case uses the software path below, which is exact and branch-light. HIP's native gfx942
-// conversions live in kernels-hip.
+// FNUZ conversions live in kernels-hip (MSCCLPP_ROCM_USE_FNUZ_FP8 below).
 #pragma once
 #include "mscclpp/common.cuh"
 
 #if defined(MSCCLPP_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 890)
 #include <cuda_fp8.h>
 #define MSCCLPP_HW_FP8 1
+#endif
+
+// AMD, as MSCCL++: MSCCLPP_ROCM_USE_FNUZ_FP8=1 says the target's fp8 hardware is FNUZ (gfx940-942;
+// gfx950 is OCP), so fp8_e4m3fnuz converts with it (kernels-hip's fp8_fnuz.h); the OCP formats and
+// e4m3b15 stay in software. Default: on for gfx940-942, off elsewhere; a -D overrides it.
+#if defined(MSCCLPP_HIP)
+#if !defined(MSCCLPP_ROCM_USE_FNUZ_FP8)
+#if defined(__gfx940__) || defined(__gfx941__) || defined(__gfx942__)
+#define MSCCLPP_ROCM_USE_FNUZ_FP8 1
+#else
+#define MSCCLPP_ROCM_USE_FNUZ_FP8 0
+#endif
+#endif
+#if MSCCLPP_ROCM_USE_FNUZ_FP8
+#include "mscclpp_hip/fp8_fnuz.h"
+#define MSCCLPP_HW_FP8_FNUZ 1
+#endif
 #endif
 
 namespace mscclpp {
@@ -126,7 +143,13 @@ MSCCLPP_DEVICE_INLINE float fp8_to_float(fp8_e5m2 x) {
   return Fp8E5M2Format::decode(x.bits);
 #endif
 }
-MSCCLPP_DEVICE_INLINE float fp8_to_float(fp8_e4m3fnuz x) { return Fp8E4M3FnuzFormat::decode(x.bits); }
+MSCCLPP_DEVICE_INLINE float fp8_to_float(fp8_e4m3fnuz x) {
+#if defined(MSCCLPP_HW_FP8_FNUZ)
+  return mscclpp_hip::fp8_e4m3fnuz_to_float(x.bits);
+#else
+  return Fp8E4M3FnuzFormat::decode(x.bits);
+#endif
+}
 MSCCLPP_DEVICE_INLINE float fp8_to_float(fp8_e4m3b15 x) { return Fp8E4M3B15Format::decode(x.bits); }
 
 template <typename T>
@@ -149,7 +172,11 @@ MSCCLPP_DEVICE_INLINE fp8_e5m2 float_to_fp8<fp8_e5m2>(float x) {
 }
 template <>
 MSCCLPP_DEVICE_INLINE fp8_e4m3fnuz float_to_fp8<fp8_e4m3fnuz>(float x) {
+#if defined(MSCCLPP_HW_FP8_FNUZ)
+  return fp8_e4m3fnuz{mscclpp_hip::float_to_fp8_e4m3fnuz(x)};
+#else
   return fp8_e4m3fnuz{Fp8E4M3FnuzFormat::encode(x)};
+#endif
 }
 template <>
 MSCCLPP_DEVICE_INLINE fp8_e4m3b15 float_to_fp8<fp8_e4m3b15>(float x) {

@@ -206,14 +206,23 @@ MSCCLPP_DEVICE_INLINE bool get_packets(void* dst, const Pkt* src, u64 bytes, u32
 // 128-byte line travel as one NVLink write and the 8 lanes' loads are served as one read, so a
 // reader whose flag lane sees the new flag sees the new payload in the other 7 lanes too (the
 // property NCCL's LL128 protocol rests on, on NVLink-connected sm_70+ GPUs). Payload overhead is
-// 8/128 instead of LL16's 8/16. CUDA only: HIP documents only 8-byte single-copy atomicity.
-#if defined(MSCCLPP_CUDA)
+// 8/128 instead of LL16's 8/16.
+//
+// HIP documents only 8-byte single-copy atomicity, so there a line falls back to LL8: lane t's 16
+// bytes are one LL16Packet, i.e. two self-flagged {data, flag} words (see LL16Packet::write), and
+// a line carries 64 payload bytes (one payload word per lane, no flag lane). Kernels use the same
+// interface on both: `has_second(t)` says whether lane t carries a second payload word, and the
+// host sizes buffers with `kPayloadBytes` of the platform.
 struct LL128 {
   static constexpr u32 kLineBytes = 128;
+  static constexpr u32 kLanesPerLine = 8;
+#if defined(MSCCLPP_CUDA)
   static constexpr u32 kPayloadBytes = 120;
   static constexpr u32 kWordsPerLine = 15;  // payload words
-  static constexpr u32 kLanesPerLine = 8;
+  static constexpr u32 kWordsPerLane = 2;
   static constexpr u32 kFlagLane = 7;
+
+  MSCCLPP_DEVICE_INLINE static bool has_second(u32 t) { return t != kFlagLane; }
 
   // Lane `t` of the line's 8 lanes stores words {a, b} at their place (lane 7: b is the flag).
   MSCCLPP_DEVICE_INLINE static void store(void* line, u32 t, u64 a, u64 b) {
@@ -222,12 +231,38 @@ struct LL128 {
                  : "memory");
   }
 
-  MSCCLPP_DEVICE_INLINE static void load(const void* line, u32 t, u64& a, u64& b) {
+  // One attempt: lane t's words; true unless this is the flag lane and the flag is not `flag` yet.
+  MSCCLPP_DEVICE_INLINE static bool try_load(const void* line, u32 t, u64 flag, u64& a, u64& b) {
     asm volatile("ld.volatile.global.v2.u64 {%0,%1}, [%2];"
                  : "=l"(a), "=l"(b)
                  : "l"(static_cast<const u8*>(line) + 16 * t)
                  : "memory");
+    return t != kFlagLane || b == flag;
   }
+
+  MSCCLPP_DEVICE_INLINE static bool warp_all(bool ok) { return __all_sync(0xffffffffu, ok) != 0; }
+#else
+  static constexpr u32 kPayloadBytes = 64;
+  static constexpr u32 kWordsPerLine = 8;
+  static constexpr u32 kWordsPerLane = 1;
+
+  MSCCLPP_DEVICE_INLINE static bool has_second(u32) { return false; }
+
+  // Lane `t` stores payload word `a` flagged with `flag` (the low 32 bits, as LL8 flags are).
+  MSCCLPP_DEVICE_INLINE static void store(void* line, u32 t, u64 a, u64 flag) {
+    reinterpret_cast<LL16Packet*>(static_cast<u8*>(line) + 16 * t)->write(a, static_cast<u32>(flag));
+  }
+
+  // One attempt: true when both halves of lane t's packet carry `flag`; `b` is the flag.
+  MSCCLPP_DEVICE_INLINE static bool try_load(const void* line, u32 t, u64 flag, u64& a, u64& b) {
+    b = flag;
+    return reinterpret_cast<const LL16Packet*>(static_cast<const u8*>(line) + 16 * t)
+        ->try_read(static_cast<u32>(flag), a);
+  }
+
+  // A vote over the whole wavefront (64 lanes on CDNA).
+  MSCCLPP_DEVICE_INLINE static bool warp_all(bool ok) { return __all(ok) != 0; }
+#endif
 
   // Bounded wait until every active line of the warp carries `flag`; every lane of the warp must
   // call it together (it votes). Inactive lanes load nothing and agree. On timeout records
@@ -237,11 +272,8 @@ struct LL128 {
     return spin_until(
         [&] {
           bool ok = true;
-          if (active) {
-            load(line, t, a, b);
-            ok = t != kFlagLane || b == flag;
-          }
-          return __all_sync(0xffffffffu, ok) != 0;
+          if (active) ok = try_load(line, t, flag, a, b);
+          return warp_all(ok);
         },
         max_spin, error_word, kErrorPacketReadTimeout);
   }
@@ -249,44 +281,46 @@ struct LL128 {
   // Lines that carry `bytes`.
   MSCCLPP_DEVICE_INLINE static u64 lines(u64 bytes) { return (bytes + kPayloadBytes - 1) / kPayloadBytes; }
 
-  // Word k (0 or 1) of lane t's part of line j of a `bytes`-byte buffer; 0 past its end.
+  // Word k (0, or 1 where has_second(t)) of lane t's part of line j of a `bytes`-byte buffer; 0
+  // past its end.
   MSCCLPP_DEVICE_INLINE static u64 load_word(const u8* base, u64 bytes, bool aligned, u64 j, u32 t, u32 k) {
-    const u64 w = j * kWordsPerLine + 2 * t + k;
+    const u64 w = j * kWordsPerLine + kWordsPerLane * t + k;
     return w * 8 < bytes ? load_payload<LL16Packet>(base, bytes, w, aligned) : 0;
   }
   MSCCLPP_DEVICE_INLINE static void store_word(u8* base, u64 bytes, bool aligned, u64 j, u32 t, u32 k, u64 v) {
-    const u64 w = j * kWordsPerLine + 2 * t + k;
+    const u64 w = j * kWordsPerLine + kWordsPerLane * t + k;
     if (w * 8 < bytes) store_payload<LL16Packet>(base, bytes, w, v, aligned);
   }
 
   // Lane t's part of line j of `src` (a `bytes`-byte buffer) into `line`, flagged.
   MSCCLPP_DEVICE_INLINE static void send(void* line, const u8* src, u64 bytes, bool aligned, u64 j, u32 t,
                                          u64 flag) {
-    store(line, t, load_word(src, bytes, aligned, j, t, 0), t != kFlagLane ? load_word(src, bytes, aligned, j, t, 1) : flag);
+    store(line, t, load_word(src, bytes, aligned, j, t, 0), has_second(t) ? load_word(src, bytes, aligned, j, t, 1) : flag);
   }
-  // Lane t's words {a, b} of a line read, into line j of `dst` (lane 7's b is the flag, not data).
+  // Lane t's words {a, b} of a line read, into line j of `dst` (b is data only where has_second(t)).
   MSCCLPP_DEVICE_INLINE static void unpack(u8* dst, u64 bytes, bool aligned, u64 j, u32 t, u64 a, u64 b) {
     store_word(dst, bytes, aligned, j, t, 0, a);
-    if (t != kFlagLane) store_word(dst, bytes, aligned, j, t, 1, b);
+    if (has_second(t)) store_word(dst, bytes, aligned, j, t, 1, b);
   }
 };
+static_assert(LL128::kWordsPerLine * 8 == LL128::kPayloadBytes, "LL128 payload words");
 
-// Where a thread sits in the LL128 layout of a grid: lines go 4 to a warp, 8 lanes each; loops that
-// read lines step by whole warps (`first`, `stride` in lines) so every lane votes in every round.
+// Where a thread sits in the LL128 layout of a grid: lines go 8 lanes each, so 4 to a 32-lane warp
+// and 8 to a 64-lane wavefront; loops that read lines step by whole warps (`first`, `stride` in
+// lines) so every lane votes in every round.
 struct LineLanes {
   u32 t;        // my lane within my line
-  u32 sub;      // my line among my warp's 4
+  u32 sub;      // my line among my warp's lines
   u64 first;    // my warp's first line
   u64 stride;   // lines the grid covers per round
   MSCCLPP_DEVICE_INLINE LineLanes() {
-    const u32 lane = threadIdx.x % 32;
+    const u32 lane = threadIdx.x % MSCCLPP_WARP_SIZE;
     t = lane % LL128::kLanesPerLine;
     sub = lane / LL128::kLanesPerLine;
-    constexpr u32 kLinesPerWarp = 32 / LL128::kLanesPerLine;
-    first = global_thread_id() / 32 * kLinesPerWarp;
-    stride = global_num_threads() / 32 * kLinesPerWarp;
+    constexpr u32 kLinesPerWarp = MSCCLPP_WARP_SIZE / LL128::kLanesPerLine;
+    first = global_thread_id() / MSCCLPP_WARP_SIZE * kLinesPerWarp;
+    stride = global_num_threads() / MSCCLPP_WARP_SIZE * kLinesPerWarp;
   }
 };
-#endif
 
 }  // namespace mscclpp

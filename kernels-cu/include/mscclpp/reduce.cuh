@@ -19,10 +19,8 @@
 typedef __nv_bfloat16 mscclpp_bf16_t;
 typedef __nv_bfloat162 mscclpp_bf16x2_t;
 #else
-#include <hip/hip_bf16.h>
-#include <hip/hip_fp16.h>
-typedef __hip_bfloat16 mscclpp_bf16_t;
-typedef __hip_bfloat162 mscclpp_bf16x2_t;
+// f16/bf16 of our own (kernels-hip): hiprtc lacks hip_fp16.h / hip_bf16.h on some ROCm versions.
+#include "mscclpp_hip/half.h"
 #endif
 
 namespace mscclpp {

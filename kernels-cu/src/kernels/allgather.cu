@@ -86,7 +86,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
   const u32 npeers = nranks - 1;
   const LineLanes me;
   const u32 t = me.t;
-  const bool has_second = t != LL128::kFlagLane;
+  const bool has_second = LL128::has_second(t);
 
   // Send: each lane's words are loaded once and stored to every peer (remote stores do not wait),
   // and to the own slot of the output.

@@ -135,7 +135,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
   const u32 npeers = nranks - 1;
   const LineLanes me;
   const u32 t = me.t;
-  const bool has_second = t != LL128::kFlagLane;  // lane 7's second word is the flag
+  const bool has_second = LL128::has_second(t);  // CUDA: lane 7's second word is the flag
   const u8* scratch = static_cast<const u8*>(local_scratch) + half;
   const u64 my_begin = min(static_cast<u64>(rank) * per, nlines);
   const u64 my_end = min(my_begin + per, nlines);

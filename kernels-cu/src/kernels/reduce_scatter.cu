@@ -81,7 +81,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
   const u32 npeers = nranks - 1;
   const LineLanes me;
   const u32 t = me.t;
-  const bool has_second = t != LL128::kFlagLane;
+  const bool has_second = LL128::has_second(t);
 
   // Send: one flat loop over (peer index, line) so all warps stay busy whatever the sizes.
   for (u64 x = me.first + me.sub; x < npeers * nlines; x += me.stride) {
