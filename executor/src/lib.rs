@@ -6,6 +6,7 @@
 
 pub mod error;
 pub mod plan;
+pub mod reference;
 pub mod validate;
 
 pub use error::{PlanError, Result};

@@ -14,7 +14,6 @@ fn fixture_dir() -> Option<PathBuf> {
     candidates.into_iter().flatten().find(|p| p.is_dir())
 }
 
-#[allow(dead_code)] // not every test binary uses every helper
 pub fn fixtures() -> Vec<(String, Vec<u8>)> {
     let Some(dir) = fixture_dir() else {
         eprintln!("skipped: no fixture plans found (set MSCCLPP_PLAN_FIXTURES)");
