@@ -127,3 +127,37 @@ fn a_wrong_plan_is_caught() {
         "{err}"
     );
 }
+
+#[test]
+fn plan_check_lines() {
+    use mscclpp_executor::check::{check_file, plan_files};
+    let dir = std::env::temp_dir().join(format!("plan-check-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("bad.json"), br#"{"name": "x"}"#).unwrap();
+    let files = plan_files(&[dir.clone()]).unwrap();
+    let line = check_file(&files[0], None);
+    assert!(
+        !line.ok && line.text.ends_with("bad.json: FAILED: gpus: missing"),
+        "{}",
+        line.text
+    );
+    if let Some((name, bytes)) = common::fixtures()
+        .into_iter()
+        .find(|(n, _)| n == "reduce_2gpu.json")
+    {
+        std::fs::write(dir.join(&name), bytes).unwrap();
+        let ok = check_file(&dir.join(&name), Some(2));
+        assert!(
+            ok.ok && ok.text.contains("ok: allreduce (sum) over 2 ranks"),
+            "{}",
+            ok.text
+        );
+        let wrong = check_file(&dir.join(&name), Some(8));
+        assert!(
+            !wrong.ok && wrong.text.contains("written for 2 ranks, not 8"),
+            "{}",
+            wrong.text
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
