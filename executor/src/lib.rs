@@ -4,6 +4,7 @@
 //! names the JSON path of the offending value and the reason, so a user can fix a hand-edited or
 //! vendor-tuned plan without reading our code.
 
+pub mod builder;
 pub mod check;
 pub mod error;
 pub mod plan;

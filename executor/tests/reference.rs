@@ -134,7 +134,7 @@ fn plan_check_lines() {
     let dir = std::env::temp_dir().join(format!("plan-check-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("bad.json"), br#"{"name": "x"}"#).unwrap();
-    let files = plan_files(&[dir.clone()]).unwrap();
+    let files = plan_files(std::slice::from_ref(&dir)).unwrap();
     let line = check_file(&files[0], None);
     assert!(
         !line.ok && line.text.ends_with("bad.json: FAILED: gpus: missing"),
@@ -160,4 +160,21 @@ fn plan_check_lines() {
         );
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn eight_rank_plans_from_our_builder_are_proved() {
+    use mscclpp_executor::builder::allreduce;
+    use mscclpp_executor::{PlanReduceOp, Protocol};
+    for protocol in [Protocol::Simple, Protocol::Ll] {
+        for op in [
+            PlanReduceOp::Sum,
+            PlanReduceOp::Min,
+            PlanReduceOp::Max,
+            PlanReduceOp::Prod,
+        ] {
+            let plan = plan_of(&allreduce(8, protocol, op));
+            prove(&plan).unwrap_or_else(|e| panic!("{protocol:?} {op:?}: {e}"));
+        }
+    }
 }
