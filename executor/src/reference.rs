@@ -238,9 +238,19 @@ fn buffer_slot(b: BufferType) -> usize {
     }
 }
 
+/// The reference runs one OS thread per threadblock; more than this is not a plan to check here.
+const MAX_THREADS: usize = 4096;
+
 /// Runs the plan once and checks its outputs.
 pub fn run(plan: &Plan, cfg: RunConfig) -> Result<(), CheckError> {
     let reduce = plan_reduce_op(plan)?;
+    check_shape(plan)?;
+    let threads: usize = plan.gpus.iter().map(|g| g.threadblocks.len()).sum();
+    if threads > MAX_THREADS {
+        return Err(CheckError::Unsupported(format!(
+            "{threads} threadblocks in all, more than {MAX_THREADS}"
+        )));
+    }
     let machine = Machine::new(plan, cfg, reduce)?;
     let inputs = machine.fill_inputs();
     std::thread::scope(|s| {
@@ -770,6 +780,39 @@ impl<'a> Machine<'a> {
         }
         Ok(())
     }
+}
+
+/// The chunk counts every rank must have for the plan's collective (what the output check indexes).
+fn check_shape(plan: &Plan) -> Result<(), CheckError> {
+    let world = plan.gpus.len() as u32;
+    for (rank, g) in plan.gpus.iter().enumerate() {
+        let (i, o) = (g.input_chunks, g.output_chunks);
+        let first = &plan.gpus[0];
+        if (i, o) != (first.input_chunks, first.output_chunks) {
+            return Err(CheckError::Mismatch(format!(
+                "gpus[{rank}]: {i} input and {o} output chunks, rank 0 has {} and {}",
+                first.input_chunks, first.output_chunks
+            )));
+        }
+        let fits = match plan.collective {
+            Collective::Allreduce => i > 0 && (o == i || (plan.inplace && o == 0)),
+            Collective::Allgather => i > 0 && o == world * i,
+            Collective::Reducescatter => o > 0 && i == world * o,
+            Collective::Alltoall => i > 0 && i == o && i % world == 0,
+            other => {
+                return Err(CheckError::Unsupported(format!(
+                    "no reference for collective {other:?}"
+                )))
+            }
+        };
+        if !fits {
+            return Err(CheckError::Mismatch(format!(
+                "gpus[{rank}]: {i} input and {o} output chunks do not make a {:?} over {world} ranks",
+                plan.collective
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// In-place plans share memory between input and output: element `e` of `buffer` lives here.

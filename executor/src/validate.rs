@@ -7,6 +7,7 @@ use crate::plan::{BufferRef, BufferType, ChannelType, Gpu, Op, OpCode, Plan, Thr
 /// Upper bounds that keep device-side tables small; MSCCL++'s own plans stay far below them.
 const MAX_RANKS: usize = 1024;
 const MAX_THREADBLOCKS: usize = 1024;
+const MAX_CHUNKS: u32 = 1 << 16;
 
 /// Checks a parsed plan; the first problem found is returned with its JSON path.
 pub fn validate(plan: &Plan) -> Result<()> {
@@ -58,6 +59,18 @@ fn validate_gpu(plan: &Plan, rank: usize, gpu: &Gpu, path: &str) -> Result<()> {
                 gpu.id
             ),
         ));
+    }
+    for (key, chunks) in [
+        ("input_chunks", gpu.input_chunks),
+        ("output_chunks", gpu.output_chunks),
+        ("scratch_chunks", gpu.scratch_chunks),
+    ] {
+        if chunks > MAX_CHUNKS {
+            return Err(PlanError::new(
+                format!("{path}.{key}"),
+                format!("{chunks} chunks, more than {MAX_CHUNKS}"),
+            ));
+        }
     }
     for (c, ch) in gpu.channels.iter().enumerate() {
         let cpath = format!("{path}.channels[{c}]");

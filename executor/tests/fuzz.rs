@@ -76,3 +76,32 @@ fn mutated_fixtures_never_panic() {
     }
     eprintln!("{rejected} of {total} mutated plans rejected");
 }
+
+/// Mutated plans that still validate must get a result or a check error from the reference
+/// interpreter, never a panic or a hang.
+#[test]
+fn mutated_fixtures_never_panic_the_reference() {
+    use mscclpp_core::DataType;
+    use mscclpp_executor::reference::{run, RunConfig};
+    let mut rng = StdRng::seed_from_u64(81);
+    let mut ran = 0;
+    for (_, bytes) in common::fixtures() {
+        let base: Value = serde_json::from_slice(&bytes).unwrap();
+        for _ in 0..120 {
+            let mut v = base.clone();
+            mutate_value(&mut v, &mut rng);
+            if let Ok(plan) = Plan::from_json(&serde_json::to_vec(&v).unwrap()) {
+                ran += 1;
+                let _ = run(
+                    &plan,
+                    RunConfig {
+                        dtype: DataType::F32,
+                        elems_per_chunk: 2,
+                        seed: 3,
+                    },
+                );
+            }
+        }
+    }
+    eprintln!("{ran} mutated plans validated and ran");
+}
