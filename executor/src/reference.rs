@@ -173,6 +173,9 @@ struct Cell {
     last_write: Option<(usize, u32, usize)>,
     /// Clock of the packet's writer, joined by its reader (a packet read orders like a wait).
     packet_clock: Option<Vec<u32>>,
+    /// Reads since the last write (thread, its clock then, op), one entry per thread: a write
+    /// must be ordered after them.
+    readers: Vec<(usize, u32, usize)>,
 }
 
 /// A signal counter with the join of its signallers' clocks.
@@ -727,33 +730,52 @@ impl<'a> Machine<'a> {
         o: usize,
         op: &Op,
     ) -> Result<(), CheckError> {
-        let mut acc: Option<Vec<f64>> = None;
+        let mut spans = Vec::new();
         for r in &op.src_buff {
-            for span in self.resolve(rank, t, op, r)? {
-                let cells = &st.bufs[span.rank][buffer_slot(span.buffer)];
-                let values: Vec<f64> = span.elements().map(|e| cells[e].value).collect();
-                let clocks: Vec<Vec<u32>> = if span.packets {
-                    span.elements()
-                        .filter_map(|e| cells[e].packet_clock.clone())
-                        .collect()
-                } else {
-                    Vec::new()
-                };
-                for c in clocks {
-                    join(&mut st.clocks[tid], &c);
-                }
-                acc = Some(match acc {
-                    None => values,
-                    Some(a) => a
-                        .iter()
-                        .zip(&values)
-                        .map(|(&x, &y)| combine(self.op, x, y))
-                        .collect(),
-                });
+            spans.extend(self.resolve(rank, t, op, r)?);
+        }
+        // Packets order their reader after their writer, like a wait.
+        for span in spans.iter().filter(|s| s.packets) {
+            let cells = &st.bufs[span.rank][buffer_slot(span.buffer)];
+            let clocks: Vec<Vec<u32>> = span
+                .elements()
+                .filter_map(|e| cells[e].packet_clock.clone())
+                .collect();
+            for c in clocks {
+                join(&mut st.clocks[tid], &c);
             }
         }
-        let Some(values) = acc else { return Ok(()) };
         let clock = st.clocks[tid].clone();
+        let mut acc: Option<Vec<f64>> = None;
+        for span in &spans {
+            let mut values = Vec::with_capacity(span.elements().count());
+            for e in span.elements() {
+                let cell = &mut st.bufs[span.rank][buffer_slot(span.buffer)][e];
+                if let Some((w, c, wo)) = cell.last_write {
+                    if w != tid && clock[w] < c {
+                        return Err(CheckError::Race(format!(
+                            "rank {} {} element {e}: read by {} with no signal ordering it after the write by {}",
+                            span.rank,
+                            span.buffer.name(),
+                            self.labels[tid][o],
+                            self.labels[w][wo]
+                        )));
+                    }
+                }
+                cell.readers.retain(|r| r.0 != tid);
+                cell.readers.push((tid, clock[tid], o));
+                values.push(cell.value);
+            }
+            acc = Some(match acc {
+                None => values,
+                Some(a) => a
+                    .iter()
+                    .zip(&values)
+                    .map(|(&x, &y)| combine(self.op, x, y))
+                    .collect(),
+            });
+        }
+        let Some(values) = acc else { return Ok(()) };
         for r in &op.dst_buff {
             for span in self.resolve(rank, t, op, r)? {
                 for (e, &v) in span.elements().zip(&values) {
@@ -769,6 +791,20 @@ impl<'a> Machine<'a> {
                             )));
                         }
                     }
+                    if let Some(&(rt, _, ro)) = cell
+                        .readers
+                        .iter()
+                        .find(|&&(rt, rc, _)| rt != tid && clock[rt] < rc)
+                    {
+                        return Err(CheckError::Race(format!(
+                            "rank {} {} element {e}: written by {} while {} may still read it (no signal orders them)",
+                            span.rank,
+                            span.buffer.name(),
+                            self.labels[tid][o],
+                            self.labels[rt][ro]
+                        )));
+                    }
+                    cell.readers.clear();
                     cell.value = quantize(self.cfg.dtype, v);
                     cell.last_write = Some((tid, clock[tid], o));
                     if span.packets {

@@ -178,3 +178,18 @@ fn eight_rank_plans_from_our_builder_are_proved() {
         }
     }
 }
+
+#[test]
+fn a_read_no_signal_orders_is_a_race() {
+    let Some(mut v) = fixture_value("reduce_2gpu.json") else {
+        return;
+    };
+    // Rank 0 stops waiting for rank 1's "data ready" signal and reads rank 1's scratch anyway.
+    let ops = v["gpus"][0]["threadblocks"][0]["ops"]
+        .as_array_mut()
+        .unwrap();
+    let first_wait = ops.iter().position(|op| op["name"] == "wait").unwrap();
+    ops[first_wait] = serde_json::json!({"name": "nop"});
+    let err = f32_run(&plan_of(&v)).unwrap_err();
+    assert!(matches!(err, CheckError::Race(_)), "{err}");
+}
