@@ -390,6 +390,8 @@ impl<'a> Machine<'a> {
         let tid = self.tids[rank][t];
         let tb = &self.plan.gpus[rank].threadblocks[t];
         for (o, op) in tb.ops.iter().enumerate() {
+            // A pipeline repeats its ops over `unit_size` slices of their chunks; the host runs each
+            // once over whole chunks, which moves the same data under the same ordering.
             let ok = if op.name == OpCode::Pipeline {
                 op.ops.iter().all(|inner| self.step(rank, t, tid, o, inner))
             } else {
