@@ -9,6 +9,8 @@
 //! - `bootstrap`: the bootstrap self-check (8-byte all_gather and barrier latency).
 //! - `tune`: the tuner: grid-searches (algorithm, nblocks, nthreads) per power-of-two size and
 //!   writes a YAML tuning table (`tune --help`); `collective --tuning FILE` uses it.
+//! - `plan-check FILE|DIR... [--ranks N]`: proves MSCCL++ JSON execution plans on the CPU reference
+//!   interpreter; exits non-zero if any plan fails.
 //!
 //! Under a launcher (RANK/WORLD_SIZE, OMPI_COMM_WORLD_*, PMI_*, SLURM_*) the process is one rank.
 //! Launched plainly it spawns `-n` local ranks of itself on loopback (default: one per local GPU,
@@ -17,6 +19,7 @@
 mod collective;
 mod gpu_probe;
 mod nccl;
+mod plan_check;
 mod selfcheck;
 mod tune;
 
@@ -29,6 +32,7 @@ const USAGE: &str = "\
 usage: mscclpp-bench [auto|collective] [collective options; see `mscclpp-bench collective --help`]
        mscclpp-bench tune [-c NAME] [-d LIST] [-b SIZE] [-e SIZE] --out FILE [see `tune --help`]
        mscclpp-bench [auto|bootstrap] [-n RANKS] [--iters N] [--warmup N]
+       mscclpp-bench plan-check FILE|DIR... [--ranks N]
 
   auto        collective benchmark on GPUs; bootstrap self-check when no GPU is found (default)
   collective  collective benchmark (nccl-tests columns, --vs-nccl for the same-run NCCL ratio)
@@ -36,6 +40,7 @@ usage: mscclpp-bench [auto|collective] [collective options; see `mscclpp-bench c
   tune        tuner: best (algorithm, nblocks, nthreads) per power-of-two size, written as YAML
               (e.g. `tune -c allreduce -d bf16 -b 1K -e 1G --out table.yaml`); the collective
               benchmark reads it with --tuning FILE
+  plan-check  proves MSCCL++ JSON execution plans on the CPU reference interpreter (no GPU)
   -n RANKS    local ranks to spawn when not started by a launcher (default: local GPUs, or 8)
   --iters N   timed iterations (default 1000)
   --warmup N  untimed iterations first (default 100)
@@ -104,6 +109,9 @@ fn run(argv: &[String]) -> Result<()> {
     // The tuner, likewise, owns its arguments and needs GPUs (no fallback).
     if first == Some("tune") {
         return tune::run(&argv[1..], Env::get()?);
+    }
+    if first == Some("plan-check") {
+        return plan_check::run(&argv[1..]);
     }
     let collective_mode = match first {
         Some("collective") => Some(true),

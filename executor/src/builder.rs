@@ -1,0 +1,101 @@
+//! A small builder of our own for N-rank allreduce plans in MSCCL++'s JSON format (not a port of the
+//! DSL): the tests use it to run plans for 8 ranks, which the fixtures do not have.
+//!
+//! Both plans are in place, one threadblock per rank, rank r owning chunk r of N:
+//! - Simple: put chunk p to peer p's scratch slot r, signal/wait, reduce own chunk from scratch,
+//!   put it to every peer's input, signal/wait.
+//! - LL: the same two phases with packets (ppkt, repkt, ppkt, upkt) and no signals: every packet
+//!   read waits for its data.
+
+use crate::plan::{PlanReduceOp, Protocol};
+use serde_json::{json, Value};
+
+fn local(ty: &str, index: usize) -> Value {
+    json!({"type": ty, "index": index, "size": 1})
+}
+
+fn remote(buffer_id: usize, index: usize) -> Value {
+    json!({"buffer_id": buffer_id, "index": index, "size": 1})
+}
+
+/// An in-place allreduce plan for `ranks` ranks (2 or more) as JSON.
+pub fn allreduce(ranks: usize, protocol: Protocol, reduce_op: PlanReduceOp) -> Value {
+    let ll = protocol != Protocol::Simple;
+    let op_name = format!("{reduce_op:?}").to_lowercase();
+    let gpus: Vec<Value> = (0..ranks)
+        .map(|r| {
+            let peers: Vec<usize> = (0..ranks).filter(|&p| p != r).collect();
+            // Remote buffers: peer k's scratch at k, peer k's input at peers.len() + k (Simple only).
+            let mut remote_buffers: Vec<Value> = peers
+                .iter()
+                .map(|&p| json!({"rank": p, "type": "s", "access_channel_types": ["memory"]}))
+                .collect();
+            if !ll {
+                remote_buffers
+                    .extend(peers.iter().map(|&p| json!({"rank": p, "type": "i", "access_channel_types": ["memory"]})));
+            }
+            let all_channels: Vec<usize> = (0..peers.len()).collect();
+            let handshake = |ops: &mut Vec<Value>| {
+                ops.push(json!({"name": "signal", "channel_ids": all_channels, "channel_type": "memory"}));
+                ops.push(json!({"name": "wait", "channel_ids": all_channels, "channel_type": "memory"}));
+            };
+            // Scratch slot of a sender: Simple uses slot p for sender p; LL adds slots for phase 2.
+            let mut ops = Vec::new();
+            if !ll {
+                handshake(&mut ops);
+            }
+            for (k, &p) in peers.iter().enumerate() {
+                let name = if ll { "ppkt" } else { "put" };
+                ops.push(json!({"name": name, "src_buff": [local("i", p)], "dst_buff": [remote(k, r)],
+                                "channel_type": "memory"}));
+            }
+            if !ll {
+                handshake(&mut ops);
+            }
+            let mut srcs = vec![local("i", r)];
+            srcs.extend(peers.iter().map(|&p| local("s", p)));
+            ops.push(json!({"name": if ll { "repkt" } else { "re" }, "src_buff": srcs,
+                            "dst_buff": [local("i", r)], "reduce_op": op_name}));
+            for (k, _) in peers.iter().enumerate() {
+                let (name, dst) = if ll { ("ppkt", remote(k, ranks + r)) } else { ("put", remote(peers.len() + k, r)) };
+                ops.push(json!({"name": name, "src_buff": [local("i", r)], "dst_buff": [dst], "channel_type": "memory"}));
+            }
+            if ll {
+                for &p in &peers {
+                    ops.push(json!({"name": "upkt", "src_buff": [local("s", ranks + p)], "dst_buff": [local("i", p)]}));
+                }
+            } else {
+                handshake(&mut ops);
+            }
+            json!({
+                "id": r,
+                "input_chunks": ranks,
+                "output_chunks": ranks,
+                "scratch_chunks": if ll { 2 * ranks } else { ranks },
+                "channels": [{"channel_type": "memory", "connected_to": peers}],
+                "remote_buffers": remote_buffers,
+                "semaphores": [],
+                "threadblocks": [{
+                    "id": 0,
+                    "channels": [{"channel_type": "memory", "channel_ids": all_channels}],
+                    "remote_buffer_refs": [{"access_channel_type": "memory",
+                                            "remote_buffer_ids": (0..remote_buffers.len()).collect::<Vec<_>>()}],
+                    "ops": ops,
+                }],
+            })
+        })
+        .collect();
+    json!({
+        "name": format!("allreduce_{}_{ranks}rank", if ll { "packet" } else { "simple" }),
+        "collective": "allreduce",
+        "protocol": if ll { "LL" } else { "Simple" },
+        "inplace": true,
+        "reuse_resources": false,
+        "use_double_scratch_buffer": false,
+        "buffer_alignment": 16,
+        "num_threads_per_block": 1024,
+        "min_message_size": 0,
+        "max_message_size": u64::MAX,
+        "gpus": gpus,
+    })
+}

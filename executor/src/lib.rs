@@ -1,0 +1,19 @@
+//! MSCCL++ JSON execution plans: the plan model ([`plan`]) and its validation ([`validate`]).
+//!
+//! A plan is parsed and validated in one step by [`Plan::load`] / [`Plan::from_json`]; every error
+//! names the JSON path of the offending value and the reason, so a user can fix a hand-edited or
+//! vendor-tuned plan without reading our code.
+
+pub mod builder;
+pub mod check;
+pub mod error;
+pub mod plan;
+pub mod reference;
+pub mod validate;
+
+pub use error::{PlanError, Result};
+pub use plan::{
+    BufferRef, BufferType, Channel, ChannelType, Collective, Gpu, IterContext, Op, OpCode, Plan,
+    PlanReduceOp, Protocol, RankGroup, RemoteBuffer, RemoteBufferRef, Semaphore, TbChannels,
+    TbgInfo, Threadblock,
+};

@@ -1,0 +1,195 @@
+//! The CPU reference interpreter proves every fixture plan, and catches broken ones.
+
+mod common;
+
+use mscclpp_core::DataType;
+use mscclpp_executor::reference::{prove, run, CheckError, RunConfig};
+use mscclpp_executor::Plan;
+use serde_json::Value;
+
+#[test]
+fn every_fixture_plan_computes_its_collective() {
+    let mut failures = Vec::new();
+    for (name, bytes) in common::fixtures() {
+        let plan = Plan::from_json(&bytes).unwrap();
+        match prove(&plan) {
+            Ok(sizes) => eprintln!(
+                "{name}: {:?} proved, input bytes per rank {sizes:?}",
+                plan.collective
+            ),
+            Err(e) => failures.push(format!("{name}: {e}")),
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+fn fixture_value(name: &str) -> Option<Value> {
+    let bytes = common::fixtures().into_iter().find(|(n, _)| n == name)?.1;
+    Some(serde_json::from_slice(&bytes).unwrap())
+}
+
+fn plan_of(v: &Value) -> Plan {
+    Plan::from_json(&serde_json::to_vec(v).unwrap()).unwrap()
+}
+
+fn f32_run(plan: &Plan) -> Result<(), CheckError> {
+    run(
+        plan,
+        RunConfig {
+            dtype: DataType::F32,
+            elems_per_chunk: 3,
+            seed: 1,
+        },
+    )
+}
+
+/// Sets `reduce_op` on every reducing op (nested pipeline ops included).
+fn set_reduce_op(v: &mut Value, op: &str) {
+    match v {
+        Value::Object(o) => {
+            if o.contains_key("reduce_op") {
+                o.insert("reduce_op".into(), op.into());
+            }
+            o.values_mut().for_each(|x| set_reduce_op(x, op));
+        }
+        Value::Array(a) => a.iter_mut().for_each(|x| set_reduce_op(x, op)),
+        _ => {}
+    }
+}
+
+#[test]
+fn reduce_op_is_honoured() {
+    for name in [
+        "reduce_2gpu.json",
+        "allreduce_packet_4gpu.json",
+        "reduce_nvls_2gpu.json",
+    ] {
+        let Some(base) = fixture_value(name) else {
+            return;
+        };
+        for op in ["sum", "min", "max", "prod"] {
+            let mut v = base.clone();
+            set_reduce_op(&mut v, op);
+            prove(&plan_of(&v)).unwrap_or_else(|e| panic!("{name} {op}: {e}"));
+        }
+    }
+}
+
+#[test]
+fn a_missing_signal_is_a_deadlock_named_by_rank_threadblock_op() {
+    let Some(mut v) = fixture_value("reduce_2gpu.json") else {
+        return;
+    };
+    // Rank 1 never signals: rank 0's first wait can never finish.
+    for op in v["gpus"][1]["threadblocks"][0]["ops"]
+        .as_array_mut()
+        .unwrap()
+    {
+        if op["name"] == "signal" {
+            *op = serde_json::json!({"name": "nop"});
+        }
+    }
+    let err = f32_run(&plan_of(&v)).unwrap_err();
+    let CheckError::Deadlock(blocked) = &err else {
+        panic!("{err}")
+    };
+    assert!(
+        blocked
+            .iter()
+            .any(|b| b.starts_with("rank 0 threadblock 0 op 4 (wait)")),
+        "{err}"
+    );
+}
+
+#[test]
+fn two_unordered_writers_are_a_race() {
+    let Some(mut v) = fixture_value("allgather_packet_2gpu.json") else {
+        return;
+    };
+    // Rank 0 writes its own scratch chunk 1, which rank 1 also writes, with nothing ordering them.
+    v["gpus"][0]["threadblocks"][0]["ops"][0]["dst_buff"][0] =
+        serde_json::json!({"type": "s", "index": 1, "size": 1});
+    let err = f32_run(&plan_of(&v)).unwrap_err();
+    assert!(matches!(err, CheckError::Race(_)), "{err}");
+    assert!(err.to_string().contains("rank 0 scratch element"), "{err}");
+}
+
+#[test]
+fn a_wrong_plan_is_caught() {
+    let Some(mut v) = fixture_value("allgather_packet_2gpu.json") else {
+        return;
+    };
+    // Unpack into the wrong output chunk: the gathered output misses rank 1's data.
+    v["gpus"][0]["threadblocks"][1]["ops"][0]["dst_buff"][0]["index"] = 0.into();
+    let err = f32_run(&plan_of(&v)).unwrap_err();
+    assert!(
+        matches!(err, CheckError::Mismatch(_) | CheckError::Race(_)),
+        "{err}"
+    );
+}
+
+#[test]
+fn plan_check_lines() {
+    use mscclpp_executor::check::{check_file, plan_files};
+    let dir = std::env::temp_dir().join(format!("plan-check-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("bad.json"), br#"{"name": "x"}"#).unwrap();
+    let files = plan_files(std::slice::from_ref(&dir)).unwrap();
+    let line = check_file(&files[0], None);
+    assert!(
+        !line.ok && line.text.ends_with("bad.json: FAILED: gpus: missing"),
+        "{}",
+        line.text
+    );
+    if let Some((name, bytes)) = common::fixtures()
+        .into_iter()
+        .find(|(n, _)| n == "reduce_2gpu.json")
+    {
+        std::fs::write(dir.join(&name), bytes).unwrap();
+        let ok = check_file(&dir.join(&name), Some(2));
+        assert!(
+            ok.ok && ok.text.contains("ok: allreduce (sum) over 2 ranks"),
+            "{}",
+            ok.text
+        );
+        let wrong = check_file(&dir.join(&name), Some(8));
+        assert!(
+            !wrong.ok && wrong.text.contains("written for 2 ranks, not 8"),
+            "{}",
+            wrong.text
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn eight_rank_plans_from_our_builder_are_proved() {
+    use mscclpp_executor::builder::allreduce;
+    use mscclpp_executor::{PlanReduceOp, Protocol};
+    for protocol in [Protocol::Simple, Protocol::Ll] {
+        for op in [
+            PlanReduceOp::Sum,
+            PlanReduceOp::Min,
+            PlanReduceOp::Max,
+            PlanReduceOp::Prod,
+        ] {
+            let plan = plan_of(&allreduce(8, protocol, op));
+            prove(&plan).unwrap_or_else(|e| panic!("{protocol:?} {op:?}: {e}"));
+        }
+    }
+}
+
+#[test]
+fn a_read_no_signal_orders_is_a_race() {
+    let Some(mut v) = fixture_value("reduce_2gpu.json") else {
+        return;
+    };
+    // Rank 0 stops waiting for rank 1's "data ready" signal and reads rank 1's scratch anyway.
+    let ops = v["gpus"][0]["threadblocks"][0]["ops"]
+        .as_array_mut()
+        .unwrap();
+    let first_wait = ops.iter().position(|op| op["name"] == "wait").unwrap();
+    ops[first_wait] = serde_json::json!({"name": "nop"});
+    let err = f32_run(&plan_of(&v)).unwrap_err();
+    assert!(matches!(err, CheckError::Race(_)), "{err}");
+}
