@@ -4,7 +4,7 @@ CUDA or ROCm is loaded when first needed, so `import mscclpp` works on any machi
 need a GPU raise `MscclppError` saying why when there is none.
 """
 
-from . import utils
+from . import ext, utils
 from ._mscclpp import (
     Communicator,
     MscclppError,
@@ -40,5 +40,6 @@ __all__ = [
     "backend_name",
     "env",
     "is_nvls_supported",
+    "ext",
     "utils",
 ]

@@ -70,6 +70,7 @@ class Algorithm:
         waiting for the GPU, so it can be captured into a CUDA graph. `executor` is for execution
         plans, which this package does not run yet; `extras` is for algorithms that take extra
         pointers, which the default ones do not. `symmetric_memory` is a hint for selectors.
+        Returns 0 (MSCCL++'s success code); every failure raises instead.
         """
         if executor is not None:
             raise TypeError(f"{self.name} is a native algorithm: it takes no executor")
@@ -80,7 +81,7 @@ class Algorithm:
         if op == ReduceOp.NOP and self.collective in ("allreduce", "reducescatter"):
             raise ValueError(f"{self.name} reduces: op must not be ReduceOp.NOP")
         algo = self._collection._native(native, self)
-        algo.execute(
+        return algo.execute(
             native,
             int(input_buffer),
             int(output_buffer),
@@ -93,6 +94,12 @@ class Algorithm:
             int(nthreads_per_block),
             None if accum_dtype is None else _runtime_dtype(accum_dtype),
         )
+
+
+    def reset(self):
+        """MSCCL++ frees an algorithm's per-buffer contexts here. The runtime keeps them with the
+        collection (freed when it is), so there is nothing to free early; kept so programs
+        written for MSCCL++ run unchanged."""
 
 
 class AlgorithmCollection:

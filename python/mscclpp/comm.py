@@ -1,5 +1,6 @@
 """`CommGroup`: a rank's bootstrap and communicator, built the ways MSCCL++ users build it."""
 
+import os
 import sys
 
 from . import _mscclpp
@@ -80,6 +81,15 @@ class CommGroup:
     @property
     def nranks(self) -> int:
         return self.bootstrap.size
+
+    @property
+    def nranks_per_node(self) -> int:
+        """Ranks on this host: the launcher's local world size (LOCAL_WORLD_SIZE under torchrun,
+        OMPI_COMM_WORLD_LOCAL_SIZE under mpirun), else every rank."""
+        for var in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
+            if os.environ.get(var, "").isdigit():
+                return int(os.environ[var])
+        return self.nranks
 
     def barrier(self):
         self.bootstrap.barrier()

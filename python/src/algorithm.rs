@@ -100,7 +100,7 @@ impl PyAlgorithm {
         nthreads_per_block: u32,
         accum_dtype: Option<&str>,
         root: usize,
-    ) -> PyResult<()> {
+    ) -> PyResult<i32> {
         let args = ExecuteArgs {
             input,
             output,
@@ -122,7 +122,8 @@ impl PyAlgorithm {
             }
             algo.execute(&args)
         })
-        .map_err(to_py)
+        .map_err(to_py)?;
+        Ok(0)
     }
 }
 
