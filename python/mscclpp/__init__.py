@@ -7,7 +7,9 @@ need a GPU raise `MscclppError` saying why when there is none.
 from . import ext, utils
 from ._mscclpp import (
     Communicator,
+    MemoryChannels,
     MscclppError,
+    NativeModule,
     RawGpuBuffer,
     TcpBootstrap,
     TuningTable,
@@ -21,7 +23,9 @@ from .algorithm import (
     AlgorithmCollection,
     AlgorithmCollectionBuilder,
     CollectiveRequest,
+    CustomAlgorithm,
 )
+from .native import compile_native
 from .comm import CommGroup
 
 __all__ = [
@@ -31,6 +35,9 @@ __all__ = [
     "CollectiveRequest",
     "CommGroup",
     "Communicator",
+    "CustomAlgorithm",
+    "MemoryChannels",
+    "NativeModule",
     "DataType",
     "MscclppError",
     "RawGpuBuffer",
@@ -38,6 +45,7 @@ __all__ = [
     "TcpBootstrap",
     "TuningTable",
     "backend_name",
+    "compile_native",
     "env",
     "is_nvls_supported",
     "ext",

@@ -74,32 +74,54 @@ class Algorithm:
         """
         if executor is not None:
             raise TypeError(f"{self.name} is a native algorithm: it takes no executor")
-        if extras:
-            raise ValueError(f"{self.name} takes no extras (got {sorted(extras)})")
         native = _native_comm(comm)
-        runtime_op = "sum" if op == ReduceOp.NOP else ReduceOp(op).value
         if op == ReduceOp.NOP and self.collective in ("allreduce", "reducescatter"):
             raise ValueError(f"{self.name} reduces: op must not be ReduceOp.NOP")
-        algo = self._collection._native(native, self)
-        return algo.execute(
-            native,
-            int(input_buffer),
-            int(output_buffer),
-            int(input_size),
-            int(output_size),
-            _runtime_dtype(dtype),
-            runtime_op,
-            int(stream),
-            int(nblocks),
-            int(nthreads_per_block),
-            None if accum_dtype is None else _runtime_dtype(accum_dtype),
+        return self._launch(
+            native, int(input_buffer), int(output_buffer), int(input_size), int(output_size),
+            dtype, ReduceOp(op), int(stream), int(nblocks), int(nthreads_per_block),
+            accum_dtype, extras or {},
         )
 
+    def _launch(self, native, input_buffer, output_buffer, input_size, output_size, dtype, op,
+                stream, nblocks, nthreads_per_block, accum_dtype, extras):
+        if extras:
+            raise ValueError(f"{self.name} takes no extras (got {sorted(extras)})")
+        algo = self._collection._native(native, self, stream)
+        return algo.execute(
+            native, input_buffer, output_buffer, input_size, output_size,
+            _runtime_dtype(dtype),
+            "sum" if op == ReduceOp.NOP else op.value,  # ignored by collectives that do not reduce
+            stream, nblocks, nthreads_per_block,
+            None if accum_dtype is None else _runtime_dtype(accum_dtype),
+        )
 
     def reset(self):
         """MSCCL++ frees an algorithm's per-buffer contexts here. The runtime keeps them with the
         collection (freed when it is), so there is nothing to free early; kept so programs
         written for MSCCL++ run unchanged."""
+
+
+class CustomAlgorithm(Algorithm):
+    """An algorithm whose launch is written in Python, typically over a kernel compiled with
+    `mscclpp.compile_native` and channels from `Communicator.memory_channels`.
+
+    `launch(comm, input_buffer, output_buffer, input_size, output_size, dtype, op, stream,
+    nblocks, nthreads_per_block, extras)` enqueues the work (comm is the native Communicator);
+    `execute` checks its arguments as for every algorithm and calls it.
+    """
+
+    def __init__(self, name, collective, launch):
+        super().__init__(None, name, collective)
+        self._user_launch = launch
+
+    def _launch(self, native, input_buffer, output_buffer, input_size, output_size, dtype, op,
+                stream, nblocks, nthreads_per_block, accum_dtype, extras):
+        if accum_dtype is not None:
+            raise ValueError(f"{self.name} takes no accum_dtype")
+        self._user_launch(native, input_buffer, output_buffer, input_size, output_size, dtype, op,
+                          stream, nblocks, nthreads_per_block, extras)
+        return 0
 
 
 class AlgorithmCollection:
@@ -111,7 +133,7 @@ class AlgorithmCollection:
         self._rank = rank
         self._selector = selector
         self._tuning = None
-        self._built = {}  # id(native communicator) -> (communicator, native collection)
+        self._built = {}  # id(native communicator) -> (communicator, collection, by name)
         track(self)
 
     def __iter__(self):
@@ -127,8 +149,9 @@ class AlgorithmCollection:
             out.setdefault(a.collective, {})[a.name] = a
         return out
 
-    def native_collection(self, comm):
-        """The runtime's collection for `comm` (built on first use; collective)."""
+    def native_collection(self, comm, stream=0):
+        """The runtime's collection for `comm` (built on first use; collective; refused while
+        `stream` is being captured into a CUDA graph)."""
         native = _native_comm(comm)
         if self._rank is not None and native.rank != self._rank:
             raise ValueError(
@@ -136,15 +159,21 @@ class AlgorithmCollection:
             )
         entry = self._built.get(id(native))
         if entry is None:
-            entry = (native, _mscclpp.NativeAlgorithmCollection.build_default(native, self._scratch_bytes))
+            collection = _mscclpp.NativeAlgorithmCollection.build_default(
+                native, self._scratch_bytes, stream
+            )
+            by_name = {(a.collective, a.name): a for a in collection.algorithms()}
+            # The communicator is kept so its id cannot be reused while the entry lives.
+            entry = (native, collection, by_name)
             self._built[id(native)] = entry
         return entry[1]
 
-    def _native(self, native, algorithm):
-        for a in self.native_collection(native).algorithms():
-            if a.name == algorithm.name and a.collective == algorithm.collective:
-                return a
-        raise ValueError(f"{algorithm.name} is not available on this machine")
+    def _native(self, native, algorithm, stream):
+        self.native_collection(native, stream)
+        found = self._built[id(native)][2].get((algorithm.collective, algorithm.name))
+        if found is None:
+            raise ValueError(f"{algorithm.name} is not available on this machine")
+        return found
 
     def select(self, comm, collective, message_size, dtype, stream=0, symmetric_memory=False):
         """The Algorithm for a call: the user selector's answer if it gives one, else the tuning
@@ -162,7 +191,7 @@ class AlgorithmCollection:
             hit = self._tuning.lookup(collective, _runtime_dtype(dtype), native.size, message_size)
             name = hit and hit[0]
         if name is None:
-            name = self.native_collection(native).select(
+            name = self.native_collection(native, stream).select(
                 collective, message_size, _runtime_dtype(dtype), stream, symmetric_memory
             ).name
         return self.by_collective()[collective][name]

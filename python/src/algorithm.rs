@@ -4,7 +4,7 @@
 //! only spelling users see and an unknown name raises with the library's list of valid ones.
 
 use crate::comm::PyCommunicator;
-use crate::to_py;
+use crate::{to_py, MscclppError};
 use mscclpp::core::algorithm_collection::{AlgorithmCollection, SelectionContext};
 use mscclpp::core::gpu::Stream;
 use mscclpp::core::tuner::TuningTable;
@@ -137,17 +137,28 @@ pub struct PyCollection {
 #[pymethods]
 impl PyCollection {
     /// Collective: builds every default (native) algorithm for `comm`, each packet algorithm with
-    /// `scratch_bytes` of its own scratch (NVLS ones only behind the NVLS gate).
+    /// `scratch_bytes` of its own scratch (NVLS ones only behind the NVLS gate). Setting up
+    /// allocates and synchronises, which would break a CUDA-graph capture in progress on
+    /// `stream`: that is refused with an error saying what to do instead.
     #[staticmethod]
+    #[pyo3(signature = (comm, scratch_bytes, stream = 0))]
     fn build_default(
         py: Python<'_>,
         comm: &PyCommunicator,
         scratch_bytes: usize,
+        stream: u64,
     ) -> PyResult<Self> {
         let c = comm.inner.clone();
-        let inner = py
-            .detach(|| mscclpp_collectives::default_algorithm_collection(&c, scratch_bytes))
-            .map_err(to_py)?;
+        let inner = py.detach(|| -> PyResult<AlgorithmCollection> {
+            if c.gpu().is_capturing(Stream(stream)).map_err(to_py)? {
+                return Err(MscclppError::new_err(
+                    "the default algorithms are set up on their first call, which cannot run \
+                     while a CUDA graph is being captured: make one call (or \
+                     AlgorithmCollection.native_collection(comm)) before capturing",
+                ));
+            }
+            mscclpp_collectives::default_algorithm_collection(&c, scratch_bytes).map_err(to_py)
+        })?;
         Ok(PyCollection {
             inner: Arc::new(inner),
             comm: comm.inner.clone(),

@@ -155,6 +155,20 @@ impl PyCommunicator {
         self.inner.abort(reason);
     }
 
+    /// Collective: MemoryChannels from this rank to every peer over `buffer` (`size` bytes, the
+    /// same buffer role on every rank), for a kernel compiled with `compile_native`; the peer's
+    /// packets land in `packet_buffer` (0: none).
+    #[pyo3(signature = (buffer, size, packet_buffer = 0))]
+    fn memory_channels(
+        &self,
+        py: Python<'_>,
+        buffer: u64,
+        size: usize,
+        packet_buffer: u64,
+    ) -> PyResult<crate::native::PyMemoryChannels> {
+        crate::native::memory_channels(py, self, buffer, size, packet_buffer)
+    }
+
     /// The error the device or an abort left on this communicator, or None (one host load).
     fn async_error(&self) -> Option<String> {
         self.inner.async_error().map(|e| e.to_string())

@@ -14,6 +14,7 @@
 mod algorithm;
 mod buffer;
 mod comm;
+mod native;
 
 use mscclpp::core::gpu::Gpu;
 use mscclpp::{Env, Error};
@@ -113,5 +114,6 @@ fn _mscclpp(m: &Bound<'_, PyModule>) -> PyResult<()> {
     comm::register(m)?;
     buffer::register(m)?;
     algorithm::register(m)?;
+    native::register(m)?;
     Ok(())
 }

@@ -151,3 +151,23 @@ def test_bootstrap_from_a_unique_id():
     ctx = mp.get_context("spawn")
     results = _run_ranks(_rank_by_unique_id, 2, ctx.Queue())
     assert [r[2] for r in results] == [[b"\x00", b"\x01"]] * 2
+
+
+def test_custom_algorithm_checks_its_arguments():
+    calls = []
+    algo = mscclpp.CustomAlgorithm("mine", "allgather", lambda *args: calls.append(args))
+    assert (algo.name, algo.collective) == ("mine", "allgather")
+    with pytest.raises(TypeError, match="comm must be"):
+        algo.execute(object(), 0, 0, 4, 8, mscclpp.DataType.float32)
+    assert calls == []
+
+
+def test_compile_native_arguments():
+    with pytest.raises(ValueError, match="exactly one of file= and source="):
+        mscclpp.compile_native("k")
+
+
+@pytest.mark.skipif(_gpu_usable(), reason="a GPU backend is usable here")
+def test_compile_native_without_gpu_says_why():
+    with pytest.raises(mscclpp.MscclppError, match="unavailable"):
+        mscclpp.compile_native("k", source='extern "C" __global__ void k() {}')
