@@ -95,8 +95,8 @@ fn is_nvls_supported(py: Python<'_>) -> PyResult<bool> {
 
 /// The `MSCCLPP_*` (and launcher) variables the runtime recognised, name to value.
 #[pyfunction(name = "env")]
-fn env_vars() -> PyResult<Vec<(&'static str, String)>> {
-    Ok(env()?.recognized.clone())
+fn env_vars() -> PyResult<std::collections::BTreeMap<&'static str, String>> {
+    Ok(env()?.recognized.iter().cloned().collect())
 }
 
 /// Name of the GPU backend in use (`cuda` or `rocm`); raises when none is usable.

@@ -1,7 +1,10 @@
 """CPU tests of the package: import, enums, dtype maps, bootstrap across processes, errors."""
 
 import multiprocessing as mp
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -67,6 +70,21 @@ def test_execute_refuses_what_it_cannot_run():
 
 def test_nvls_is_off_unless_enabled():
     assert mscclpp.is_nvls_supported() is False
+
+
+def test_env_lists_the_recognised_variables():
+    # The environment is parsed once per process, so look at a fresh one.
+    code = "import mscclpp; print(mscclpp.env()['MSCCLPP_BOOTSTRAP_TIMEOUT'])"
+    env = dict(os.environ, MSCCLPP_BOOTSTRAP_TIMEOUT="17")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "17", out.stderr
+
+
+def test_an_invalid_variable_is_an_error_naming_it():
+    code = "import mscclpp; mscclpp.env()"
+    env = dict(os.environ, MSCCLPP_BOOTSTRAP_TIMEOUT="soon")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "MSCCLPP_BOOTSTRAP_TIMEOUT" in out.stderr
 
 
 def test_tuning_table_yaml_round_trip(tmp_path):
