@@ -12,6 +12,7 @@ use mscclpp::core::gpu::{Allocation, Gpu, MemoryKind};
 use pyo3::exceptions::PyValueError;
 use pyo3::ffi;
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 use std::ffi::{c_void, CStr};
 use std::sync::Arc;
 
@@ -176,6 +177,35 @@ impl PyRawGpuBuffer {
         self.inner.alloc.device
     }
 
+    /// Copies `data` to byte `offset` of the buffer and waits (the path without a framework).
+    #[pyo3(signature = (data, offset = 0))]
+    fn write(&self, py: Python<'_>, data: &[u8], offset: usize) -> PyResult<()> {
+        self.check_range(offset, data.len())?;
+        let data = data.to_vec();
+        let inner = self.inner.clone();
+        py.detach(|| {
+            inner
+                .gpu
+                .copy_to_device(inner.alloc.ptr + offset as u64, &data)
+        })
+        .map_err(to_py)
+    }
+
+    /// `nbytes` from byte `offset` of the buffer, after the device work before it completed.
+    #[pyo3(signature = (nbytes, offset = 0))]
+    fn read(&self, py: Python<'_>, nbytes: usize, offset: usize) -> PyResult<Py<PyBytes>> {
+        self.check_range(offset, nbytes)?;
+        let inner = self.inner.clone();
+        let mut out = vec![0u8; nbytes];
+        py.detach(|| {
+            inner
+                .gpu
+                .copy_from_device(&mut out, inner.alloc.ptr + offset as u64)
+        })
+        .map_err(to_py)?;
+        Ok(PyBytes::new(py, &out).unbind())
+    }
+
     /// A DLPack capsule viewing the whole buffer as a 1-D tensor of `data_type` (the buffer size
     /// must be a whole number of elements): `torch.utils.dlpack.from_dlpack(buf.to_dlpack(...))`.
     #[pyo3(signature = (data_type = "torch.uint8"))]
@@ -229,6 +259,18 @@ impl PyRawGpuBuffer {
         }
         // SAFETY: PyCapsule_New returned a new reference.
         Ok(unsafe { Bound::from_owned_ptr(py, capsule) }.unbind())
+    }
+}
+
+impl PyRawGpuBuffer {
+    fn check_range(&self, offset: usize, len: usize) -> PyResult<()> {
+        let size = self.inner.alloc.size;
+        if offset.checked_add(len).map_or(true, |end| end > size) {
+            return Err(PyValueError::new_err(format!(
+                "{len} bytes at offset {offset} do not fit the buffer's {size} bytes"
+            )));
+        }
+        Ok(())
     }
 }
 

@@ -1,9 +1,10 @@
 """GPU check of the package under torchrun (ranks may share one GPU): every default algorithm
 through `execute` with torch tensors of every dtype, out of place and in place, eager and under
-torch.cuda.graph, plus the RawGpuBuffer/DLPack round trip. Outputs are poisoned first and every
-element is checked (integers exact, floats against the float64 sum within 4 ulps of its largest
-sum of magnitudes, one rounding per term). A combination an algorithm declines (an unsupported type, a message beyond
-its scratch, a count that does not split into ranks) is listed, not failed. Exit status 1 on any wrong element or other error.
+torch.cuda.graph; the RawGpuBuffer/DLPack round trip; an all-reduce without torch (raw pointers).
+Outputs are poisoned first and every element is checked: integers exact, floats against the
+float64 reference within one rounding per summed term relative to the largest sum of magnitudes.
+A call an algorithm declines (an unsupported type, a message beyond its scratch, a count that does
+not split into ranks) is listed, not failed. Exit status 1 on any wrong element or other error.
 Run: torchrun --nproc_per_node=N gpu_check.py"""
 
 import os
@@ -106,11 +107,32 @@ def dlpack_round_trip(group):
     assert torch.equal(t.cpu(), torch.arange(t.numel(), dtype=torch.float32))
 
 
+def raw_pointer_allreduce(group, collection):
+    """The path without torch: VMM memory, host copies, a device pointer and the default stream."""
+    import array
+
+    n, rank, count = group.nranks, group.my_rank, 4099
+    buf = mscclpp.RawGpuBuffer(count * 4)
+    buf.write(array.array("f", [float(rank + 1 + i % 7) for i in range(count)]).tobytes())
+    group.barrier()
+    f32 = mscclpp.DataType.float32
+    algo = collection.select(group, "allreduce", count * 4, f32)
+    algo.execute(group.communicator, buf.data_ptr(), buf.data_ptr(), count * 4, count * 4, f32,
+                 op=mscclpp.ReduceOp.SUM, stream=0)
+    got = array.array("f")
+    got.frombytes(buf.read(count * 4))  # ordered after the default stream's work
+    want = [float(sum(r + 1 + i % 7 for r in range(n))) for i in range(count)]
+    wrong = sum(1 for g, w in zip(got, want) if g != w)
+    assert wrong == 0, f"raw-pointer allreduce with {algo.name}: {wrong} wrong elements"
+    group.barrier()
+
+
 def main():
     group = init_comm_group()
     rank = group.my_rank
     dlpack_round_trip(group)
     collection = mscclpp.AlgorithmCollectionBuilder().build_default_algorithms(rank=rank)
+    raw_pointer_allreduce(group, collection)
     passed, refused, failed = 0, [], []
     seed = 1
     for algo in collection:
