@@ -127,12 +127,26 @@ def raw_pointer_allreduce(group, collection):
     group.barrier()
 
 
+def user_selector(group):
+    """A selector set on the builder answers first; its None falls back to the default one."""
+    builder = mscclpp.AlgorithmCollectionBuilder()
+    builder.set_algorithm_selector(
+        lambda algos, req: algos[req.collective]["default_allreduce_fullmesh"]
+        if req.message_size <= 4096 else None
+    )
+    collection = builder.build_default_algorithms(rank=group.my_rank)
+    f32 = mscclpp.DataType.float32
+    assert collection.select(group, "allreduce", 1024, f32).name == "default_allreduce_fullmesh"
+    assert collection.select(group, "allreduce", 1 << 20, f32).collective == "allreduce"
+
+
 def main():
     group = init_comm_group()
     rank = group.my_rank
     dlpack_round_trip(group)
     collection = mscclpp.AlgorithmCollectionBuilder().build_default_algorithms(rank=rank)
     raw_pointer_allreduce(group, collection)
+    user_selector(group)
     passed, refused, failed = 0, [], []
     seed = 1
     for algo in collection:
