@@ -4,6 +4,10 @@
 # runs python/tests there. No GPU or CUDA toolkit needed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The environment of scripts/test.sh (CUDA_HOME is an input of dependencies' build scripts), so
+# cargo reuses what the test run compiled instead of rebuilding it for the wheel.
+# shellcheck source=scripts/nvrtc-env.sh
+source scripts/nvrtc-env.sh >/dev/null
 # shellcheck source=scripts/python-tools.sh
 source scripts/python-tools.sh
 rm -rf target/wheels
