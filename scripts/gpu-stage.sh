@@ -12,4 +12,13 @@ done
 # backtraces still name functions).
 if command -v strip >/dev/null; then strip --strip-debug .gpu/bin/*; fi
 cp scripts/gpu-run.sh scripts/simulate-hosts.sh scripts/fault-inject.py .gpu/
+# The Python package: a release wheel (abi3, any Python >= 3.9; the release profile shares the
+# dependencies just built), its GPU check and the examples. On the GPU machine:
+#   pip install --no-deps --target /tmp/site .gpu/*.whl && bash .gpu/python-run.sh
+# shellcheck source=scripts/python-tools.sh
+source scripts/python-tools.sh
+"$py_tools/bin/maturin" build -q --release --strip -m python/Cargo.toml -o .gpu
+mkdir -p .gpu/python && cp -r python/examples python/tests .gpu/python/
+rm -rf .gpu/python/*/__pycache__
+cp scripts/python-run.sh .gpu/
 ls -la .gpu/bin

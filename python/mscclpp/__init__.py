@@ -1,0 +1,53 @@
+"""mscclpp-rs: MSCCL++'s Python API (the Torch integration guide's) on the mscclpp-rs runtime.
+
+CUDA or ROCm is loaded when first needed, so `import mscclpp` works on any machine; calls that
+need a GPU raise `MscclppError` saying why when there is none.
+"""
+
+from . import ext, utils
+from ._mscclpp import (
+    Communicator,
+    MemoryChannels,
+    MscclppError,
+    NativeModule,
+    RawGpuBuffer,
+    TcpBootstrap,
+    TuningTable,
+    backend_name,
+    env,
+    is_nvls_supported,
+)
+from ._types import DataType, ReduceOp
+from .algorithm import (
+    Algorithm,
+    AlgorithmCollection,
+    AlgorithmCollectionBuilder,
+    CollectiveRequest,
+    CustomAlgorithm,
+)
+from .native import compile_native
+from .comm import CommGroup
+
+__all__ = [
+    "Algorithm",
+    "AlgorithmCollection",
+    "AlgorithmCollectionBuilder",
+    "CollectiveRequest",
+    "CommGroup",
+    "Communicator",
+    "CustomAlgorithm",
+    "MemoryChannels",
+    "NativeModule",
+    "DataType",
+    "MscclppError",
+    "RawGpuBuffer",
+    "ReduceOp",
+    "TcpBootstrap",
+    "TuningTable",
+    "backend_name",
+    "compile_native",
+    "env",
+    "is_nvls_supported",
+    "ext",
+    "utils",
+]

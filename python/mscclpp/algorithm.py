@@ -1,0 +1,239 @@
+"""Algorithms the MSCCL++ way: `AlgorithmCollectionBuilder().build_default_algorithms(...)` gives
+a collection of `Algorithm`s with `.name`, `.collective` and `.execute(comm, ...)`.
+
+MSCCL++ builds its default algorithms before any communicator is known and sets each up on its
+first `execute`; the runtime builds algorithms for a communicator. So an `Algorithm` here is a
+name, and the collection builds the runtime's algorithms for a communicator the first time any of
+them runs on it (collective: every rank makes the same first call, so every rank builds at the same
+point), then reuses them.
+"""
+
+from collections import namedtuple
+
+from . import _mscclpp
+from ._teardown import track
+from ._types import DataType, ReduceOp
+
+CollectiveRequest = namedtuple(
+    "CollectiveRequest",
+    "collective message_size dtype world_size rank stream symmetric_memory",
+)
+
+
+def _native_comm(comm):
+    """The native communicator of `comm`, which may be a CommGroup or its `.communicator`."""
+    native = getattr(comm, "communicator", comm)
+    if not isinstance(native, _mscclpp.Communicator):
+        raise TypeError(
+            f"comm must be an mscclpp Communicator or CommGroup, not {type(comm).__name__}"
+        )
+    return native
+
+
+def _runtime_dtype(dtype):
+    if isinstance(dtype, DataType):
+        return dtype.value
+    raise TypeError(f"dtype must be an mscclpp.DataType, not {dtype!r}")
+
+
+class Algorithm:
+    """One named algorithm of a collection."""
+
+    def __init__(self, collection, name, collective):
+        self._collection = collection
+        self.name = name
+        self.collective = collective
+
+    def __repr__(self):
+        return f"Algorithm({self.name!r}, {self.collective!r})"
+
+    def execute(
+        self,
+        comm,
+        input_buffer,
+        output_buffer,
+        input_size,
+        output_size,
+        dtype,
+        op=ReduceOp.NOP,
+        stream=0,
+        executor=None,
+        nblocks=0,
+        nthreads_per_block=0,
+        symmetric_memory=False,
+        accum_dtype=None,
+        extras=None,
+    ):
+        """Enqueues the collective on `stream` (an int handle: `torch.cuda.current_stream().cuda_stream`).
+
+        Buffers are device addresses (`tensor.data_ptr()`), sizes in bytes. Returns without
+        waiting for the GPU, so it can be captured into a CUDA graph. `executor` is for execution
+        plans, which this package does not run yet; `extras` is for algorithms that take extra
+        pointers, which the default ones do not. `symmetric_memory` is a hint for selectors.
+        Returns 0 (MSCCL++'s success code); every failure raises instead.
+        """
+        if executor is not None:
+            raise TypeError(f"{self.name} is a native algorithm: it takes no executor")
+        native = _native_comm(comm)
+        if op == ReduceOp.NOP and self.collective in ("allreduce", "reducescatter"):
+            raise ValueError(f"{self.name} reduces: op must not be ReduceOp.NOP")
+        return self._launch(
+            native, int(input_buffer), int(output_buffer), int(input_size), int(output_size),
+            dtype, ReduceOp(op), int(stream), int(nblocks), int(nthreads_per_block),
+            accum_dtype, extras or {},
+        )
+
+    def _launch(self, native, input_buffer, output_buffer, input_size, output_size, dtype, op,
+                stream, nblocks, nthreads_per_block, accum_dtype, extras):
+        if extras:
+            raise ValueError(f"{self.name} takes no extras (got {sorted(extras)})")
+        algo = self._collection._native(native, self, stream)
+        return algo.execute(
+            native, input_buffer, output_buffer, input_size, output_size,
+            _runtime_dtype(dtype),
+            "sum" if op == ReduceOp.NOP else op.value,  # ignored by collectives that do not reduce
+            stream, nblocks, nthreads_per_block,
+            None if accum_dtype is None else _runtime_dtype(accum_dtype),
+        )
+
+    def reset(self):
+        """MSCCL++ frees an algorithm's per-buffer contexts here. The runtime keeps them with the
+        collection (freed when it is), so there is nothing to free early; kept so programs
+        written for MSCCL++ run unchanged."""
+
+
+class CustomAlgorithm(Algorithm):
+    """An algorithm whose launch is written in Python, typically over a kernel compiled with
+    `mscclpp.compile_native` and channels from `Communicator.memory_channels`.
+
+    `launch(comm, input_buffer, output_buffer, input_size, output_size, dtype, op, stream,
+    nblocks, nthreads_per_block, extras)` enqueues the work (comm is the native Communicator);
+    `execute` checks its arguments as for every algorithm and calls it.
+    """
+
+    def __init__(self, name, collective, launch):
+        super().__init__(None, name, collective)
+        self._user_launch = launch
+
+    def _launch(self, native, input_buffer, output_buffer, input_size, output_size, dtype, op,
+                stream, nblocks, nthreads_per_block, accum_dtype, extras):
+        if accum_dtype is not None:
+            raise ValueError(f"{self.name} takes no accum_dtype")
+        self._user_launch(native, input_buffer, output_buffer, input_size, output_size, dtype, op,
+                          stream, nblocks, nthreads_per_block, extras)
+        return 0
+
+
+class AlgorithmCollection:
+    """The algorithms of a builder, iterable, plus selection and tuning."""
+
+    def __init__(self, names, scratch_bytes, rank, selector=None):
+        self._algorithms = [Algorithm(self, n, c) for n, c in names]
+        self._scratch_bytes = scratch_bytes
+        self._rank = rank
+        self._selector = selector
+        self._tuning = None
+        self._built = {}  # id(native communicator) -> (communicator, collection, by name)
+        track(self)
+
+    def __iter__(self):
+        return iter(self._algorithms)
+
+    def __len__(self):
+        return len(self._algorithms)
+
+    def by_collective(self):
+        """`{collective: {name: Algorithm}}`, what a selector is handed."""
+        out = {}
+        for a in self._algorithms:
+            out.setdefault(a.collective, {})[a.name] = a
+        return out
+
+    def native_collection(self, comm, stream=0):
+        """The runtime's collection for `comm` (built on first use; collective; refused while
+        `stream` is being captured into a CUDA graph)."""
+        native = _native_comm(comm)
+        if self._rank is not None and native.rank != self._rank:
+            raise ValueError(
+                f"the algorithms were built for rank {self._rank}, the communicator is rank {native.rank}"
+            )
+        entry = self._built.get(id(native))
+        if entry is None:
+            collection = _mscclpp.NativeAlgorithmCollection.build_default(
+                native, self._scratch_bytes, stream
+            )
+            by_name = {(a.collective, a.name): a for a in collection.algorithms()}
+            # Algorithms only some machines build (NVLS, behind its gate) join the list now.
+            known = {(a.collective, a.name) for a in self._algorithms}
+            self._algorithms += [Algorithm(self, n, c) for c, n in by_name if (c, n) not in known]
+            # The communicator is kept so its id cannot be reused while the entry lives.
+            entry = (native, collection, by_name)
+            self._built[id(native)] = entry
+        return entry[1]
+
+    def _native(self, native, algorithm, stream):
+        self.native_collection(native, stream)
+        found = self._built[id(native)][2].get((algorithm.collective, algorithm.name))
+        if found is None:
+            raise ValueError(f"{algorithm.name} is not available on this machine")
+        return found
+
+    def select(self, comm, collective, message_size, dtype, stream=0, symmetric_memory=False):
+        """The Algorithm for a call: the user selector's answer if it gives one, else the tuning
+        table's (see `load_tuning`), else the runtime's default selector."""
+        native = _native_comm(comm)
+        if self._selector is not None:
+            request = CollectiveRequest(
+                collective, message_size, dtype, native.size, native.rank, stream, symmetric_memory
+            )
+            chosen = self._selector(self.by_collective(), request)
+            if chosen is not None:
+                return chosen
+        name = None
+        if self._tuning is not None:
+            hit = self._tuning.lookup(collective, _runtime_dtype(dtype), native.size, message_size)
+            name = hit and hit[0]
+        if name is None:
+            name = self.native_collection(native, stream).select(
+                collective, message_size, _runtime_dtype(dtype), stream, symmetric_memory
+            ).name
+        return self.by_collective()[collective][name]
+
+    def tune(self, comm, collective, dtype, sizes, algorithms=None, nblocks=(0,),
+             nthreads_per_block=(0,), iters=20):
+        """Collective: the in-library tuner (CUDA graphs, every candidate checked); returns a
+        TuningTable (`.to_yaml()`, `.save_yaml(path)`, `.entries()`)."""
+        return self.native_collection(comm).tune(
+            collective, _runtime_dtype(dtype), list(sizes), algorithms, list(nblocks),
+            list(nthreads_per_block), iters,
+        )
+
+    def load_tuning(self, table):
+        """Makes `select` follow `table` (a TuningTable, or a YAML path) where it has an entry."""
+        if not isinstance(table, _mscclpp.TuningTable):
+            table = _mscclpp.TuningTable.load_yaml(str(table))
+        self._tuning = table
+
+    def _close(self):
+        self._built.clear()
+
+
+class AlgorithmCollectionBuilder:
+    """Builds an AlgorithmCollection (MSCCL++'s builder, minus execution plans for now)."""
+
+    def __init__(self):
+        self._selector = None
+
+    def set_algorithm_selector(self, selector):
+        """`selector(algorithms_by_collective, request) -> Algorithm or None` (None: default)."""
+        self._selector = selector
+
+    def build_default_algorithms(self, scratch_buffer=0, scratch_buffer_size=0, rank=None):
+        """The default algorithms. Until the runtime takes a caller's scratch, each scratch-staged
+        algorithm keeps its own of min(scratch_buffer_size, DEFAULT_SCRATCH_BYTES) bytes (the
+        default when 0) and `scratch_buffer` is only kept alive by the caller."""
+        limit = _mscclpp.DEFAULT_SCRATCH_BYTES
+        scratch = min(int(scratch_buffer_size), limit) if scratch_buffer_size else limit
+        return AlgorithmCollection(
+            _mscclpp.default_algorithm_names(), scratch, rank, self._selector
+        )

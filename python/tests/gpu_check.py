@@ -1,0 +1,182 @@
+"""GPU check of the package under torchrun (ranks may share one GPU): every default algorithm
+through `execute` with torch tensors of every dtype, out of place and in place, eager and under
+torch.cuda.graph; the RawGpuBuffer/DLPack round trip; an all-reduce without torch (raw pointers).
+Outputs are poisoned first and every element is checked: integers exact, floats against the
+float64 reference within one rounding per summed term relative to the largest sum of magnitudes.
+A call an algorithm declines (an unsupported type, a message beyond its scratch, a count that does
+not split into ranks) is listed, not failed. Exit status 1 on any wrong element or other error.
+Run: torchrun --nproc_per_node=N gpu_check.py"""
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import mscclpp  # noqa: E402
+import mscclpp.utils as mscclpp_utils  # noqa: E402
+from _common import check, init_comm_group  # noqa: E402
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+          torch.int32, torch.int64]
+COUNTS = [1, 1000, 33 * 1024 + 5, 1 << 20]
+# What an algorithm says when it declines a call it was not built for (not a wrong answer).
+REFUSALS = ("unsupported", "scratch capacity", "does not split into")
+
+
+def shapes(collective, count, n):
+    """(input count, output count) for `count` elements per rank of input."""
+    if collective == "allgather":
+        return count, count * n
+    if collective == "reducescatter":
+        return count * n, count
+    return count, count
+
+
+def random(dtype, count, seed):
+    gen = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(count, generator=gen).to(dtype)
+    lo, hi = (0, 8) if dtype == torch.uint8 else (-8, 8)
+    return torch.randint(lo, hi, (count,), generator=gen).to(dtype)
+
+
+def expected(collective, inputs, rank):
+    if collective == "allreduce":
+        return torch.stack([x.double() for x in inputs]).sum(0)
+    if collective == "allgather":
+        return torch.cat([x.double() for x in inputs])
+    if collective == "reducescatter":
+        total = torch.stack([x.double() for x in inputs]).sum(0)
+        return total.chunk(len(inputs))[rank]
+    return inputs[0].double()  # broadcast from rank 0
+
+
+def run_case(group, algo, dtype, count, in_place, graph, seed):
+    rank, n = group.my_rank, group.nranks
+    in_count, out_count = shapes(algo.collective, count, n)
+    inputs = [random(dtype, in_count, seed + r) for r in range(n)]
+    want = expected(algo.collective, inputs, rank)
+    out = torch.full((out_count,), 7, dtype=dtype, device="cuda")
+    if in_place:
+        if algo.collective == "allgather":
+            inp = out[rank * in_count:(rank + 1) * in_count]
+        elif algo.collective == "reducescatter":
+            inp = torch.empty(in_count, dtype=dtype, device="cuda")
+            out = inp[rank * out_count:(rank + 1) * out_count]
+        else:
+            inp = out
+    else:
+        inp = torch.empty(in_count, dtype=dtype, device="cuda")
+    stream = torch.cuda.Stream()
+    op = mscclpp.ReduceOp.SUM if algo.collective in ("allreduce", "reducescatter") else mscclpp.ReduceOp.NOP
+
+    def launch():
+        algo.execute(group.communicator, inp.data_ptr(), out.data_ptr(), inp.nbytes, out.nbytes,
+                     mscclpp_utils.torch_dtype_to_mscclpp_dtype(dtype), op=op,
+                     stream=stream.cuda_stream)
+
+    g = None
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=stream):
+            launch()
+    if in_place and algo.collective == "reducescatter":
+        inp.copy_(inputs[rank].cuda())
+    else:
+        if not in_place or algo.collective != "allgather":
+            out.fill_(7)
+        inp.copy_(inputs[rank].cuda())
+    torch.cuda.synchronize()
+    group.barrier()
+    with torch.cuda.stream(stream):
+        g.replay() if graph else launch()
+    stream.synchronize()
+    summed = inputs if algo.collective in ("allreduce", "reducescatter") else None
+    check(f"{algo.name} {dtype} count {count} in_place {in_place} graph {graph}", out, want, dtype,
+          summed)
+
+
+def dlpack_round_trip(group):
+    buf = mscclpp.RawGpuBuffer(3 << 20)
+    t = torch.utils.dlpack.from_dlpack(buf.to_dlpack(data_type=str(torch.float32)))
+    assert t.data_ptr() == buf.data_ptr() and t.numel() == (3 << 20) // 4 and t.is_cuda
+    t.copy_(torch.arange(t.numel(), dtype=torch.float32))
+    del buf  # the tensor keeps the memory alive
+    torch.cuda.synchronize()
+    assert torch.equal(t.cpu(), torch.arange(t.numel(), dtype=torch.float32))
+
+
+def raw_pointer_allreduce(group, collection):
+    """The path without torch: VMM memory, host copies, a device pointer and the default stream."""
+    import array
+
+    n, rank, count = group.nranks, group.my_rank, 4099
+    buf = mscclpp.RawGpuBuffer(count * 4)
+    buf.write(array.array("f", [float(rank + 1 + i % 7) for i in range(count)]).tobytes())
+    group.barrier()
+    f32 = mscclpp.DataType.float32
+    algo = collection.select(group, "allreduce", count * 4, f32)
+    algo.execute(group.communicator, buf.data_ptr(), buf.data_ptr(), count * 4, count * 4, f32,
+                 op=mscclpp.ReduceOp.SUM, stream=0)
+    got = array.array("f")
+    got.frombytes(buf.read(count * 4))  # ordered after the default stream's work
+    want = [float(sum(r + 1 + i % 7 for r in range(n))) for i in range(count)]
+    wrong = sum(1 for g, w in zip(got, want) if g != w)
+    assert wrong == 0, f"raw-pointer allreduce with {algo.name}: {wrong} wrong elements"
+    group.barrier()
+
+
+def user_selector(group):
+    """A selector set on the builder answers first; its None falls back to the default one."""
+    builder = mscclpp.AlgorithmCollectionBuilder()
+    builder.set_algorithm_selector(
+        lambda algos, req: algos[req.collective]["default_allreduce_fullmesh"]
+        if req.message_size <= 4096 else None
+    )
+    collection = builder.build_default_algorithms(rank=group.my_rank)
+    f32 = mscclpp.DataType.float32
+    assert collection.select(group, "allreduce", 1024, f32).name == "default_allreduce_fullmesh"
+    assert collection.select(group, "allreduce", 1 << 20, f32).collective == "allreduce"
+
+
+def main():
+    group = init_comm_group()
+    rank = group.my_rank
+    dlpack_round_trip(group)
+    collection = mscclpp.AlgorithmCollectionBuilder().build_default_algorithms(rank=rank)
+    raw_pointer_allreduce(group, collection)
+    user_selector(group)
+    passed, refused, failed = 0, [], []
+    seed = 1
+    for algo in collection:
+        for dtype in DTYPES:
+            for count in COUNTS:
+                for in_place in (False, True):
+                    for graph in (False, True):
+                        seed += 100
+                        try:
+                            run_case(group, algo, dtype, count, in_place, graph, seed)
+                            passed += 1
+                        except (mscclpp.MscclppError, ValueError) as e:
+                            if not any(w in str(e) for w in REFUSALS):
+                                raise
+                            refused.append(f"{algo.name} {dtype} {count} in_place={in_place}: {e}")
+                            torch.cuda.synchronize()
+                        except AssertionError as e:
+                            failed.append(str(e))
+                        group.barrier()
+        if rank == 0:
+            print(f"{algo.name}: done ({passed} passed so far, {len(failed)} failed)", flush=True)
+    if rank == 0:
+        for r in refused:
+            print("REFUSED", r)
+    for f in failed:
+        print(f"rank {rank} FAIL {f}", flush=True)
+    group.barrier()
+    print(f"rank {rank}: {passed} passed, {len(refused)} refused, {len(failed)} failed", flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

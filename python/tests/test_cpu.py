@@ -1,0 +1,191 @@
+"""CPU tests of the package: import, enums, dtype maps, bootstrap across processes, errors."""
+
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+import mscclpp
+import mscclpp.utils as mscclpp_utils
+
+
+def _gpu_usable():
+    try:
+        mscclpp.backend_name()
+        return True
+    except mscclpp.MscclppError:
+        return False
+
+
+def test_enums_use_the_runtime_spelling():
+    assert mscclpp.DataType.bfloat16.value == "bf16"
+    assert mscclpp.DataType.float8_e4m3.size == 1
+    assert mscclpp.DataType.int32.size == 4
+    assert mscclpp.DataType.uint64.size == 8
+    assert {op.name for op in mscclpp.ReduceOp} == {"NOP", "SUM", "PROD", "MIN", "MAX", "AVG"}
+
+
+@pytest.mark.parametrize(
+    "torch_name, expected",
+    [
+        ("torch.float16", mscclpp.DataType.float16),
+        ("torch.bfloat16", mscclpp.DataType.bfloat16),
+        ("torch.float32", mscclpp.DataType.float32),
+        ("torch.int32", mscclpp.DataType.int32),
+        ("torch.uint8", mscclpp.DataType.uint8),
+        ("torch.float8_e4m3fn", mscclpp.DataType.float8_e4m3),
+        ("torch.float8_e5m2", mscclpp.DataType.float8_e5m2),
+    ],
+)
+def test_torch_dtype_map(torch_name, expected):
+    assert mscclpp_utils.torch_dtype_to_mscclpp_dtype(torch_name) is expected
+
+
+def test_unknown_torch_dtype_is_a_value_error():
+    with pytest.raises(ValueError, match="torch.complex64 has no mscclpp DataType"):
+        mscclpp_utils.torch_dtype_to_mscclpp_dtype("torch.complex64")
+
+
+def test_default_algorithms_are_named_before_any_communicator():
+    collection = mscclpp.AlgorithmCollectionBuilder().build_default_algorithms(
+        scratch_buffer=0, scratch_buffer_size=1 << 27, rank=0
+    )
+    names = {(a.collective, a.name) for a in collection}
+    assert ("allreduce", "default_allreduce_packet") in names
+    assert ("allgather", "default_allgather_fullmesh2") in names
+    assert ("reducescatter", "default_reducescatter_packet") in names
+    assert ("broadcast", "default_broadcast_zero_copy") in names
+
+
+def test_execute_refuses_what_it_cannot_run():
+    algo = next(iter(mscclpp.AlgorithmCollectionBuilder().build_default_algorithms()))
+    with pytest.raises(TypeError, match="takes no executor"):
+        algo.execute(None, 0, 0, 4, 4, mscclpp.DataType.float32, executor=object())
+    with pytest.raises(TypeError, match="comm must be an mscclpp Communicator or CommGroup"):
+        algo.execute(None, 0, 0, 4, 4, mscclpp.DataType.float32, op=mscclpp.ReduceOp.SUM)
+
+
+def test_nvls_is_off_unless_enabled():
+    assert mscclpp.is_nvls_supported() is False
+
+
+def test_env_lists_the_recognised_variables():
+    # The environment is parsed once per process, so look at a fresh one.
+    code = "import mscclpp; print(mscclpp.env()['MSCCLPP_BOOTSTRAP_TIMEOUT'])"
+    env = dict(os.environ, MSCCLPP_BOOTSTRAP_TIMEOUT="17")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "17", out.stderr
+
+
+def test_an_invalid_variable_is_an_error_naming_it():
+    code = "import mscclpp; mscclpp.env()"
+    env = dict(os.environ, MSCCLPP_BOOTSTRAP_TIMEOUT="soon")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "MSCCLPP_BOOTSTRAP_TIMEOUT" in out.stderr
+
+
+def test_tuning_table_yaml_round_trip(tmp_path):
+    table = mscclpp.TuningTable()
+    path = tmp_path / "t.yaml"
+    table.save_yaml(str(path))
+    assert len(mscclpp.TuningTable.load_yaml(str(path))) == 0
+    with pytest.raises(Exception, match="bad.yaml"):
+        mscclpp.TuningTable.from_yaml("entries: [1, 2", "bad.yaml")
+
+
+@pytest.mark.skipif(_gpu_usable(), reason="a GPU backend is usable here")
+def test_no_gpu_is_an_exception_naming_why():
+    with pytest.raises(mscclpp.MscclppError, match="unavailable"):
+        mscclpp.RawGpuBuffer(1 << 20)
+    with pytest.raises(mscclpp.MscclppError, match="unavailable"):
+        mscclpp.CommGroup(interfaceIpPortTrio=f"127.0.0.1:{_free_port()}", rank=0, size=1)
+
+
+def test_comm_group_arguments_are_checked():
+    with pytest.raises(ValueError, match="needs rank and size"):
+        mscclpp.CommGroup(interfaceIpPortTrio="lo:127.0.0.1:1")
+    with pytest.raises(ValueError, match="takes one of"):
+        mscclpp.CommGroup(interfaceIpPortTrio="lo:127.0.0.1:1", store=object(), rank=0, size=1)
+
+
+def test_bad_bootstrap_arguments():
+    with pytest.raises(ValueError, match="rank 3 is not in 0..2"):
+        mscclpp.TcpBootstrap.from_address(f"127.0.0.1:{_free_port()}", 3, 2)
+    with pytest.raises(Exception, match="(?i)unique ?id"):
+        mscclpp.TcpBootstrap.from_unique_id(b"short", 0, 1)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_by_address(address, rank, size, out):
+    boot = mscclpp.TcpBootstrap.from_address(address, rank, size)
+    gathered = boot.all_gather(bytes([rank]) * (rank + 1))
+    root = boot.broadcast(0, b"from-root" if rank == 0 else b"")
+    boot.barrier()
+    out.put((rank, boot.size, gathered, root))
+
+
+def _rank_by_unique_id(ids, rank, size, out):
+    if rank == 0:
+        uid = mscclpp.TcpBootstrap.create_unique_id()
+        for _ in range(size - 1):
+            ids.put(uid)
+    else:
+        uid = ids.get(timeout=30)
+    boot = mscclpp.TcpBootstrap.from_unique_id(uid, rank, size)
+    out.put((rank, boot.size, boot.all_gather(bytes([rank])), b""))
+
+
+def _run_ranks(target, size, *args):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args, r, size, out)) for r in range(size)]
+    for p in procs:
+        p.start()
+    results = sorted(out.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    return results
+
+
+def test_bootstrap_across_processes_on_loopback():
+    size = 3
+    results = _run_ranks(_rank_by_address, size, f"127.0.0.1:{_free_port()}")
+    for rank, (r, n, gathered, root) in enumerate(results):
+        assert (r, n) == (rank, size)
+        assert gathered == [bytes([p]) * (p + 1) for p in range(size)]
+        assert root == b"from-root"
+
+
+def test_bootstrap_from_a_unique_id():
+    ctx = mp.get_context("spawn")
+    results = _run_ranks(_rank_by_unique_id, 2, ctx.Queue())
+    assert [r[2] for r in results] == [[b"\x00", b"\x01"]] * 2
+
+
+def test_custom_algorithm_checks_its_arguments():
+    calls = []
+    algo = mscclpp.CustomAlgorithm("mine", "allgather", lambda *args: calls.append(args))
+    assert (algo.name, algo.collective) == ("mine", "allgather")
+    with pytest.raises(TypeError, match="comm must be"):
+        algo.execute(object(), 0, 0, 4, 8, mscclpp.DataType.float32)
+    assert calls == []
+
+
+def test_compile_native_arguments():
+    with pytest.raises(ValueError, match="exactly one of file= and source="):
+        mscclpp.compile_native("k")
+
+
+@pytest.mark.skipif(_gpu_usable(), reason="a GPU backend is usable here")
+def test_compile_native_without_gpu_says_why():
+    with pytest.raises(mscclpp.MscclppError, match="unavailable"):
+        mscclpp.compile_native("k", source='extern "C" __global__ void k() {}')
