@@ -34,7 +34,7 @@
 //! | `MSCCLPP_FORCE_DISABLE_GDR` | `force_disable_gdr` | bool | false |
 //! | `MSCCLPP_NCCL_LIB_PATH` | `nccl_lib_path` | path of the real `libnccl.so` for fallback | unset |
 //! | `MSCCLPP_ENABLE_NCCL_FALLBACK` | `enable_nccl_fallback` | bool | false |
-//! | `MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION` | `force_nccl_fallback_operation` | comma list of `allreduce allgather reducescatter broadcast reduce alltoall send recv sendrecv` | empty |
+//! | `MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION` | `force_nccl_fallback_operation` | `all` or a comma list of `allreduce allgather reducescatter broadcast reduce alltoall send recv sendrecv gather scatter` | empty |
 //! | `MSCCLPP_NCCL_SYMMETRIC_MEMORY` | `nccl_symmetric_memory` | bool | false |
 //! | `MSCCLPP_EXECUTION_PLAN_DIR` | `execution_plan_dir` | directory of JSON plans | unset |
 //! | `MSCCLPP_NPKIT_DUMP_DIR` | `npkit_dump_dir` | directory | unset |
@@ -434,6 +434,7 @@ pub struct Env {
 
 /// Operation names accepted by `MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION` (NCCL's collectives).
 const FALLBACK_OPERATIONS: &[&str] = &[
+    "all",
     "allreduce",
     "allgather",
     "reducescatter",
@@ -443,6 +444,8 @@ const FALLBACK_OPERATIONS: &[&str] = &[
     "send",
     "recv",
     "sendrecv",
+    "gather",
+    "scatter",
 ];
 
 static GLOBAL: OnceLock<std::result::Result<Env, (&'static str, String, String)>> = OnceLock::new();
