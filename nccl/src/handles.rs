@@ -148,3 +148,25 @@ pub fn retire(comm: Arc<Comm>) {
         }
     });
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mscclpp::core::bootstrap::SECRET_LEN;
+
+    #[test]
+    fn handles_are_checked_not_dereferenced() {
+        let job = UniqueId::from_parts("127.0.0.1:1".parse().unwrap(), [1; SECRET_LEN]);
+        let h = register(Entry::initializing(job));
+        assert!(!h.is_null() && (h as usize) % 16 == 0);
+        let e = live(h).err().expect("an initialising comm is not live");
+        assert!(e.message.contains("still initialising"), "{e:?}");
+        assert!(remove(h).is_ok());
+        let e = lookup(h).err().expect("removed");
+        assert!(e.message.contains("not a live communicator"), "{e:?}");
+        let e = lookup(std::ptr::null_mut()).err().expect("null");
+        assert_eq!(e.code, crate::abi::INVALID_ARGUMENT);
+        let e = lookup(0x1234 as Handle).err().expect("made up");
+        assert!(e.message.contains("0x1234"), "{e:?}");
+    }
+}

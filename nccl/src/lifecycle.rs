@@ -299,13 +299,16 @@ nccl_export! {
             let state = std::mem::replace(&mut *entry.state(), State::Initializing);
             if let State::Ready(c) = state {
                 c.communicator.abort("ncclCommAbort");
-                if let comm::Fallback::Ready { real, comm: raw } = &c.fallback {
-                    // SAFETY: documented prototype; aborting is allowed from any thread.
-                    unsafe { (real.comm_abort)(*raw) };
-                }
-                // The real communicator is gone: its destroy must not run again on drop.
-                c.forget_fallback();
-                std::thread::spawn(move || handles::retire(c));
+                // The real NCCL's abort joins its own threads: off the caller's thread too.
+                std::thread::spawn(move || {
+                    if let comm::Fallback::Ready { real, comm: raw } = &c.fallback {
+                        // SAFETY: documented prototype; aborting is allowed from any thread.
+                        unsafe { (real.comm_abort)(*raw) };
+                        // The real communicator is gone: drop must not destroy it again.
+                        c.forget_fallback();
+                    }
+                    handles::retire(c);
+                });
             }
             Ok(SUCCESS)
         })
