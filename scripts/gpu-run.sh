@@ -49,7 +49,7 @@ if [ "$what" = nccl ]; then
   # every operation sent to PyTorch's NCCL (fallback). The real library is used from a copy, so
   # the shim's dlopen loads it afresh (RTLD_DEEPBIND) instead of finding PyTorch's already loaded.
   shim="$PWD/.gpu/lib/libmscclpp_nccl.so"
-  export MSCCLPP_NCCL_SHIM="$shim" MSCCLPP_DEVICE_WAIT_TIMEOUT="${MSCCLPP_DEVICE_WAIT_TIMEOUT:-10}"
+  export NCCL_SHIM_LIB="$shim" MSCCLPP_DEVICE_WAIT_TIMEOUT="${MSCCLPP_DEVICE_WAIT_TIMEOUT:-10}"
   if [ -n "${MSCCLPP_NCCL_LIB_PATH:-}" ]; then
     mkdir -p /tmp/real-nccl && cp "$MSCCLPP_NCCL_LIB_PATH" /tmp/real-nccl/libnccl.so.2
     export MSCCLPP_NCCL_LIB_PATH=/tmp/real-nccl/libnccl.so.2

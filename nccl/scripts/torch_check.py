@@ -33,7 +33,7 @@ def report(status, name, detail=""):
 
 
 def shim():
-    path = os.environ.get("MSCCLPP_NCCL_SHIM", ".gpu/lib/libmscclpp_nccl.so")
+    path = os.environ.get("NCCL_SHIM_LIB", ".gpu/lib/libmscclpp_nccl.so")
     lib = ctypes.CDLL(path)
     lib.ncclGetLastError.restype = ctypes.c_char_p
     lib.ncclGetErrorString.restype = ctypes.c_char_p

@@ -50,21 +50,6 @@ pub enum Fallback {
     Missing(String),
 }
 
-/// `MSCCLPP_NCCL_ACCUM_DTYPE`: the type fp8 reductions accumulate in (`f16`, `f32`, or `auto`,
-/// the input type). NCCL has no such option; unset keeps NCCL's behaviour.
-fn accum_from_env() -> CallResult<AccumType> {
-    const VAR: &str = "MSCCLPP_NCCL_ACCUM_DTYPE";
-    let value = std::env::var(VAR).unwrap_or_default();
-    match value.to_ascii_lowercase().as_str() {
-        "" | "auto" => Ok(AccumType::Auto),
-        "f16" | "fp16" | "half" | "float16" => Ok(AccumType::F16),
-        "f32" | "fp32" | "float" | "float32" => Ok(AccumType::F32),
-        _ => Err(Failure::invalid_usage(format!(
-            "environment variable {VAR}={value:?} is invalid: expected f16, f32 or auto"
-        ))),
-    }
-}
-
 /// One rank's communicator.
 pub struct Comm {
     pub rank: usize,
@@ -77,6 +62,7 @@ pub struct Comm {
     pub fallback: Fallback,
     /// Lower-case operation names `MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION` sends to the fallback.
     forced: Vec<String>,
+    /// What fp8 reductions accumulate in (`MSCCLPP_NCCL_ACCUM_DTYPE`).
     pub accum: AccumType,
     arch: String,
     /// Set once the real communicator was aborted (which frees it): drop must not destroy it.
@@ -120,7 +106,6 @@ impl Comm {
     /// so a rank that never joins is named by the timeout even on a machine without a GPU.
     pub fn connect(nranks: usize, rank: usize, id: &UniqueId, device: usize) -> CallResult<Comm> {
         let env = env()?;
-        let accum = accum_from_env()?;
         let config = BootstrapConfig::from_env(env);
         let bootstrap: Arc<dyn Bootstrap> = Arc::new(TcpBootstrap::new(rank, nranks, id, &config)?);
         let gpu = gpu()?;
@@ -150,7 +135,7 @@ impl Comm {
             communicator,
             fallback,
             forced: env.force_nccl_fallback_operation.clone(),
-            accum,
+            accum: env.nccl_accum_dtype,
             arch,
             real_released: AtomicBool::new(false),
         })
