@@ -12,7 +12,8 @@ use crate::guard::{CallResult, Failure};
 use std::cell::RefCell;
 use std::sync::Arc;
 
-pub type Job = Box<dyn FnOnce() + Send>;
+/// A grouped init: runs it and says how it ended.
+pub type Job = Box<dyn FnOnce() -> CallResult<()> + Send>;
 pub type Op = Box<dyn FnOnce() -> mscclpp::Result<()> + Send>;
 
 #[derive(Default)]
@@ -101,12 +102,23 @@ fn run_ops(ops: Vec<(Arc<Comm>, Op)>) -> mscclpp::Result<()> {
     })
 }
 
-fn run_inits(inits: Vec<Job>) {
+/// Runs the grouped inits together (they meet each other in the bootstrap); the first failure.
+fn run_inits(inits: Vec<Job>) -> CallResult<()> {
     std::thread::scope(|s| {
-        for job in inits {
-            s.spawn(job);
-        }
-    });
+        let joins: Vec<_> = inits.into_iter().map(|job| s.spawn(job)).collect();
+        let results: Vec<CallResult<()>> = joins
+            .into_iter()
+            .map(|j| {
+                j.join().unwrap_or_else(|_| {
+                    Err(Failure::new(
+                        crate::abi::INTERNAL_ERROR,
+                        "a grouped init panicked",
+                    ))
+                })
+            })
+            .collect();
+        results.into_iter().collect()
+    })
 }
 
 /// ncclGroupEnd.
@@ -114,7 +126,7 @@ pub fn end() -> CallResult {
     let Some(group) = close("ncclGroupEnd")? else {
         return Ok(SUCCESS);
     };
-    run_inits(group.inits);
+    let inits = run_inits(group.inits);
     let native = run_ops(group.ops);
     let real = match &group.real {
         // SAFETY: no arguments.
@@ -125,6 +137,7 @@ pub fn end() -> CallResult {
         ),
         None => Ok(SUCCESS),
     };
+    inits?;
     native?;
     real
 }
@@ -136,7 +149,7 @@ pub fn simulate_end() -> CallResult<NcclResult> {
     let Some(group) = close("ncclGroupSimulateEnd")? else {
         return Ok(SUCCESS);
     };
-    run_inits(group.inits);
+    run_inits(group.inits)?;
     if let Some(real) = &group.real {
         // The real group holds fallback calls already issued; NCCL's simulate discards them too.
         // SAFETY: a null sim info is refused by NCCL, so pass a valid one.

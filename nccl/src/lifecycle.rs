@@ -83,7 +83,10 @@ fn start_init(
     let handle = handles::register(entry.clone());
     // SAFETY: checked non-null above.
     unsafe { out.write(handle) };
-    let job = move || entry.finish(call, Comm::connect(nranks, rank, &id, device));
+    let job = move || {
+        entry.finish(call, Comm::connect(nranks, rank, &id, device));
+        entry.init_result().map(|_| ())
+    };
     if group::active() {
         group::defer_init(Box::new(job));
         return Ok(SUCCESS);
@@ -91,12 +94,13 @@ fn start_init(
     if !options.blocking {
         std::thread::Builder::new()
             .name(format!("mscclpp-nccl-init-{rank}"))
-            .spawn(job)
+            .spawn(move || {
+                let _ = job();
+            })
             .map_err(|e| Failure::new(SYSTEM_ERROR, format!("spawning the init thread: {e}")))?;
         return Ok(IN_PROGRESS);
     }
-    job();
-    let result = handles::lookup(handle)?.init_result();
+    let result = job().map(|_| SUCCESS);
     if result.is_err() {
         let _ = handles::remove(handle);
         // SAFETY: as above.

@@ -8,14 +8,13 @@ use std::process::Command;
 
 const CRATE: &str = env!("CARGO_MANIFEST_DIR");
 
-/// The cdylib cargo built next to this test's binary (target/<profile>/).
+/// The cdylib cargo built for this test run: next to the test binary in target/<profile>/deps/
+/// (`cargo test` does not copy it up to target/<profile>/, where an older `cargo build` may have
+/// left a stale one).
 fn shim_path() -> PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps/<test>");
-    let lib = profile_dir.join("libmscclpp_nccl.so");
+    let deps = exe.parent().expect("target/<profile>/deps/<test>");
+    let lib = deps.join("libmscclpp_nccl.so");
     assert!(lib.exists(), "{} was not built", lib.display());
     lib
 }

@@ -133,6 +133,33 @@ int main(void) {
   CHECK(r0.result == ncclSuccess || (r0.result != ncclRemoteError && strstr(r0.error, "GPU")),
         "two ranks with one id did not get past the bootstrap: %s", r0.error);
 
+  /* One thread, two ranks: grouped inits and ncclCommInitAll meet in the bootstrap (no timeout);
+   * without a GPU they then fail naming it. */
+  ncclUniqueId gid;
+  ncclComm_t pair[2] = {NULL, NULL};
+  CHECK(ncclGetUniqueId(&gid) == ncclSuccess, "id");
+  CHECK(ncclGroupStart() == ncclSuccess, "group start");
+  CHECK(ncclCommInitRank(&pair[0], 2, gid, 0) == ncclSuccess, "grouped init 0 is deferred");
+  CHECK(ncclCommInitRank(&pair[1], 2, gid, 1) == ncclSuccess, "grouped init 1 is deferred");
+  ncclResult_t g = ncclGroupEnd();
+  printf("ok grouped init of 2 ranks -> %s | %s\n", ncclGetErrorString(g), ncclGetLastError(NULL));
+  CHECK(g == ncclSuccess || (g != ncclRemoteError && strstr(ncclGetLastError(NULL), "GPU")),
+        "grouped init: %s", ncclGetLastError(NULL));
+  for (int i = 0; i < 2; i++) ncclCommDestroy(pair[i]);
+  int devs[2] = {0, 0};
+  ncclResult_t all = ncclCommInitAll(pair, 2, devs);
+  printf("ok ncclCommInitAll of 2 ranks -> %s | %s\n", ncclGetErrorString(all), ncclGetLastError(NULL));
+  CHECK(all == ncclSuccess || (all != ncclRemoteError && strstr(ncclGetLastError(NULL), "GPU")),
+        "ncclCommInitAll: %s", ncclGetLastError(NULL));
+  if (all == ncclSuccess) {
+    int dev = -1, rank = -1, n = 0;
+    CHECK(ncclCommCuDevice(pair[1], &dev) == ncclSuccess && dev == 0, "CuDevice %d", dev);
+    CHECK(ncclCommUserRank(pair[1], &rank) == ncclSuccess && rank == 1, "UserRank %d", rank);
+    CHECK(ncclCommCount(pair[1], &n) == ncclSuccess && n == 2, "Count %d", n);
+    for (int i = 0; i < 2; i++) CHECK(ncclCommDestroy(pair[i]) == ncclSuccess, "destroy %d", i);
+  }
+  expect("ncclCommInitAll ndev 0", ncclCommInitAll(pair, 0, NULL), ncclInvalidArgument, "nranks");
+
   /* Handles that are not communicators. */
   int count = 0;
   expect("count of NULL", ncclCommCount(NULL, &count), ncclInvalidArgument, "NULL");
