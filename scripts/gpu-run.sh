@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU suite and the benchmark on the device machine (from the repository root there).
 # Usage: [NGPU=k] [NRANKS=n] [MPS=1] [HOSTS=h] bash .gpu/gpu-run.sh [suite|bench|all] [extra args for the binary]
+#        [NRANKS=n] [MPS=1] bash .gpu/gpu-run.sh nccl [torch|initall|kill|abort|fallback]
 # Writes logs into $OUT (or ./gpu-out when $OUT is unset).
 set -uo pipefail
 # SAFETY: NVLink multicast can take shared GPUs out of service; it stays off for us and for NCCL.
@@ -45,5 +46,26 @@ if [ "$what" = suite ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   launch .gpu/bin/mscclpp-bench "$@" 2>&1 | tee "$out/bench.log"; rc=$((rc | PIPESTATUS[0]))
+fi
+if [ "$what" = nccl ]; then
+  # The NCCL shim: PyTorch's backend="nccl" with the shim preloaded (torch), one process driving
+  # NRANKS ranks (initall), faults (kill, abort: 2 ranks), and the fallback at world size 1 with
+  # every operation sent to PyTorch's NCCL (fallback). The real library is used from a copy, so
+  # the shim's dlopen loads it afresh (RTLD_DEEPBIND) instead of finding PyTorch's already loaded.
+  shim="$PWD/.gpu/lib/libmscclpp_nccl.so"
+  export NCCL_SHIM_LIB="$shim" MSCCLPP_DEVICE_WAIT_TIMEOUT="${MSCCLPP_DEVICE_WAIT_TIMEOUT:-10}"
+  if [ -n "${MSCCLPP_NCCL_LIB_PATH:-}" ]; then
+    mkdir -p /tmp/real-nccl && cp "$MSCCLPP_NCCL_LIB_PATH" /tmp/real-nccl/libnccl.so.2
+    export MSCCLPP_NCCL_LIB_PATH=/tmp/real-nccl/libnccl.so.2
+  fi
+  mode="${1:-torch}"
+  script=.gpu/torch_check.py
+  case "$mode" in
+    initall) NRANKS="$nranks" python3 "$script" initall ;;
+    kill|abort) env -u MSCCLPP_NCCL_LIB_PATH torchrun --nproc_per_node=2 --master_port="${PORT:-29511}" "$script" "$mode" ;;
+    fallback) LD_PRELOAD="$shim" MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION=all \
+                torchrun --nproc_per_node=1 --master_port="${PORT:-29511}" "$script" torch ;;
+    *) LD_PRELOAD="$shim" torchrun --nproc_per_node="$nranks" --master_port="${PORT:-29511}" "$script" torch ;;
+  esac 2>&1 | tee "$out/nccl-$mode.log"; rc=$((rc | PIPESTATUS[0]))
 fi
 exit $rc

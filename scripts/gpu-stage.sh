@@ -4,13 +4,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -p mscclpp-bench -p mscclpp-tests --bins
-rm -rf .gpu && mkdir -p .gpu/bin
+cargo build --release -p mscclpp-nccl
+rm -rf .gpu && mkdir -p .gpu/bin .gpu/lib
 for b in mscclpp-bench mscclpp-gpu-suite; do
   if [ -x "target/release/$b" ]; then cp "target/release/$b" .gpu/bin/; fi
 done
+# The NCCL shim and its checks (`bash .gpu/gpu-run.sh nccl [torch|initall|kill|abort|fallback]`).
+cp target/release/libmscclpp_nccl.so .gpu/lib/
+cp nccl/scripts/torch_check.py .gpu/
 # The device tool carries at most 64 MiB; debug info is most of each binary (symbols stay, so
 # backtraces still name functions).
-if command -v strip >/dev/null; then strip --strip-debug .gpu/bin/*; fi
+if command -v strip >/dev/null; then strip --strip-debug .gpu/bin/* .gpu/lib/*; fi
 cp scripts/gpu-run.sh scripts/simulate-hosts.sh scripts/fault-inject.py .gpu/
 # The Python package: a release wheel (abi3, any Python >= 3.9; the release profile shares the
 # dependencies just built), its GPU check and the examples. On the GPU machine:

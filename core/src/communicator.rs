@@ -40,6 +40,13 @@ pub struct MemoryDescriptor {
     pub ptr: DevicePtr,
     pub size: usize,
     pub ipc: IpcMemHandle,
+    /// The owner's process and device: a peer in the same process on the same device (several
+    /// ranks driven by one process, as ncclCommInitAll does) uses the buffer at its own address,
+    /// because the driver refuses to open an IPC handle in the process that exported it.
+    #[serde(default)]
+    pub pid: u32,
+    #[serde(default)]
+    pub device: usize,
 }
 
 /// Memory registered with the communicator: local (owned here) or a peer's, mapped into this process.
@@ -72,6 +79,8 @@ impl RegisteredMemory {
     pub fn rank(&self) -> usize {
         self.desc.rank
     }
+    /// Whether the memory is used at its owner's address (ours, or a peer's in this process on
+    /// this device), so nothing is unmapped when it is dropped.
     pub fn is_local(&self) -> bool {
         self.imported.is_none() && !self.other_host
     }
@@ -346,6 +355,8 @@ impl Communicator {
                 ptr,
                 size,
                 ipc,
+                pid: std::process::id(),
+                device: self.device,
             },
             local_ptr: ptr,
             imported: None,
@@ -372,6 +383,15 @@ impl Communicator {
                 "rank {}'s memory is on another host ({}); only same-host IPC is available",
                 desc.rank, desc.host_id
             )));
+        }
+        if desc.pid == std::process::id() && desc.device == self.device {
+            return Ok(RegisteredMemory {
+                local_ptr: desc.ptr,
+                desc,
+                imported: None,
+                other_host: false,
+                gpu: self.gpu.clone(),
+            });
         }
         let imported = self
             .gpu

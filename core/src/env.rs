@@ -34,8 +34,9 @@
 //! | `MSCCLPP_FORCE_DISABLE_GDR` | `force_disable_gdr` | bool | false |
 //! | `MSCCLPP_NCCL_LIB_PATH` | `nccl_lib_path` | path of the real `libnccl.so` for fallback | unset |
 //! | `MSCCLPP_ENABLE_NCCL_FALLBACK` | `enable_nccl_fallback` | bool | false |
-//! | `MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION` | `force_nccl_fallback_operation` | comma list of `allreduce allgather reducescatter broadcast reduce alltoall send recv sendrecv` | empty |
+//! | `MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION` | `force_nccl_fallback_operation` | `all` or a comma list of `allreduce allgather reducescatter broadcast reduce alltoall send recv sendrecv gather scatter` | empty |
 //! | `MSCCLPP_NCCL_SYMMETRIC_MEMORY` | `nccl_symmetric_memory` | bool | false |
+//! | `MSCCLPP_NCCL_ACCUM_DTYPE` | `nccl_accum_dtype` | `f16`, `f32` or `auto`: the type the NCCL shim's fp8 reductions accumulate in (NCCL has no such option) | `auto` (the input type) |
 //! | `MSCCLPP_EXECUTION_PLAN_DIR` | `execution_plan_dir` | directory of JSON plans | unset |
 //! | `MSCCLPP_NPKIT_DUMP_DIR` | `npkit_dump_dir` | directory | unset |
 //! | `MSCCLPP_DISABLE_CHANNEL_CACHE` | `disable_channel_cache` | bool | false |
@@ -95,6 +96,7 @@ pub const VARIABLES: &[&str] = &[
     "MSCCLPP_ENABLE_NCCL_FALLBACK",
     "MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION",
     "MSCCLPP_NCCL_SYMMETRIC_MEMORY",
+    "MSCCLPP_NCCL_ACCUM_DTYPE",
     "MSCCLPP_EXECUTION_PLAN_DIR",
     "MSCCLPP_NPKIT_DUMP_DIR",
     "MSCCLPP_DISABLE_CHANNEL_CACHE",
@@ -409,6 +411,7 @@ pub struct Env {
     /// Lower-case operation names (`allreduce`, ...) that always go to NCCL.
     pub force_nccl_fallback_operation: Vec<String>,
     pub nccl_symmetric_memory: bool,
+    pub nccl_accum_dtype: crate::dtype::AccumType,
     pub execution_plan_dir: Option<PathBuf>,
     pub npkit_dump_dir: Option<PathBuf>,
     pub disable_channel_cache: bool,
@@ -434,6 +437,7 @@ pub struct Env {
 
 /// Operation names accepted by `MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION` (NCCL's collectives).
 const FALLBACK_OPERATIONS: &[&str] = &[
+    "all",
     "allreduce",
     "allgather",
     "reducescatter",
@@ -443,6 +447,8 @@ const FALLBACK_OPERATIONS: &[&str] = &[
     "send",
     "recv",
     "sendrecv",
+    "gather",
+    "scatter",
 ];
 
 static GLOBAL: OnceLock<std::result::Result<Env, (&'static str, String, String)>> = OnceLock::new();
@@ -811,6 +817,21 @@ impl Env {
             Some(v) => comma_list("MSCCLPP_HCA_DEVICES", v)?,
             None => Vec::new(),
         };
+        let nccl_accum_dtype = match vars.raw("MSCCLPP_NCCL_ACCUM_DTYPE") {
+            None => crate::dtype::AccumType::Auto,
+            Some(v) => match v.to_ascii_lowercase().as_str() {
+                "auto" => crate::dtype::AccumType::Auto,
+                "f16" | "fp16" | "half" | "float16" => crate::dtype::AccumType::F16,
+                "f32" | "fp32" | "float" | "float32" => crate::dtype::AccumType::F32,
+                _ => {
+                    return Err(bad(
+                        "MSCCLPP_NCCL_ACCUM_DTYPE",
+                        v,
+                        "expected f16, f32 or auto",
+                    ))
+                }
+            },
+        };
         let force_nccl_fallback_operation = match vars.raw("MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION")
         {
             Some(v) => comma_list("MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION", v)?
@@ -889,6 +910,7 @@ impl Env {
             enable_nccl_fallback: vars.flag("MSCCLPP_ENABLE_NCCL_FALLBACK")?,
             force_nccl_fallback_operation,
             nccl_symmetric_memory: vars.flag("MSCCLPP_NCCL_SYMMETRIC_MEMORY")?,
+            nccl_accum_dtype,
             execution_plan_dir: vars.path("MSCCLPP_EXECUTION_PLAN_DIR"),
             npkit_dump_dir: vars.path("MSCCLPP_NPKIT_DUMP_DIR"),
             disable_channel_cache: vars.flag("MSCCLPP_DISABLE_CHANNEL_CACHE")?,
@@ -1372,6 +1394,20 @@ mod tests {
             msg.contains("RANK=4") && msg.contains("WORLD_SIZE=4"),
             "{msg}"
         );
+    }
+
+    #[test]
+    fn nccl_shim_variables() {
+        use crate::dtype::AccumType;
+        let e = env(&[("MSCCLPP_NCCL_ACCUM_DTYPE", "F32")]).unwrap();
+        assert_eq!(e.nccl_accum_dtype, AccumType::F32);
+        assert_eq!(env(&[]).unwrap().nccl_accum_dtype, AccumType::Auto);
+        assert_eq!(
+            err_var(&[("MSCCLPP_NCCL_ACCUM_DTYPE", "fp8")]),
+            "MSCCLPP_NCCL_ACCUM_DTYPE"
+        );
+        let e = env(&[("MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION", "all")]).unwrap();
+        assert_eq!(e.force_nccl_fallback_operation, ["all"]);
     }
 
     #[test]

@@ -1,0 +1,409 @@
+#!/usr/bin/env python3
+"""GPU checks of libmscclpp_nccl.so under PyTorch and from C (through ctypes).
+
+Modes (run through `.gpu/gpu-run.sh nccl MODE`, which preloads the shim and sets the launcher):
+  torch     under torchrun: every torch.distributed operation of backend="nccl", each result
+            checked element by element against a CPU reference computed from every rank's inputs
+            (integers exact, floats against float64 with a per-type tolerance);
+  initall   one process, NRANKS ranks through ncclCommInitAll (ranks may share one GPU);
+  kill      under torchrun, 2 ranks: rank 1 exits without teardown while rank 0 is in an
+            all-reduce; rank 0 must see ncclCommGetAsyncError report an error, not hang;
+  abort     under torchrun, 2 ranks: rank 0 is blocked in an all-reduce rank 1 never joins, and
+            another thread calls ncclCommAbort; it must return within 1 s and the stream drain.
+Prints one line per check (PASS / FAIL / UNSUPPORTED with the reason) and a summary; exits 1 on
+any FAIL. UNSUPPORTED means the shim refused the call with an error that says why (for example
+point-to-point without a native path and without a usable NCCL fallback), never a wrong result;
+SKIPPED means torch itself refused the combination (say AVG of booleans) before calling NCCL.
+"""
+import ctypes
+import os
+import sys
+import threading
+import time
+
+import torch
+
+RESULTS = {"PASS": 0, "FAIL": 0, "UNSUPPORTED": 0, "SKIPPED": 0}
+
+
+def report(status, name, detail=""):
+    RESULTS[status] += 1
+    rank = os.environ.get("RANK", "0")
+    print(f"[rank {rank}] {status:11s} {name} {detail}", flush=True)
+
+
+def shim():
+    path = os.environ.get("NCCL_SHIM_LIB", ".gpu/lib/libmscclpp_nccl.so")
+    lib = ctypes.CDLL(path)
+    lib.ncclGetLastError.restype = ctypes.c_char_p
+    lib.ncclGetErrorString.restype = ctypes.c_char_p
+    return lib
+
+
+def last_error(lib):
+    return lib.ncclGetLastError(None).decode(errors="replace")
+
+
+# ---------------------------------------------------------------- references
+
+def tolerance(dtype, nranks):
+    return {
+        torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 2e-3 * nranks,
+        torch.bfloat16: 1.6e-2 * nranks,
+    }.get(dtype, 0.13 * nranks)  # fp8: a few steps of the 3-bit (e4m3) mantissa
+
+
+def is_float(dtype):
+    return dtype.is_floating_point
+
+
+def make_input(dtype, count, rank, seed, op=None):
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (count,), generator=g).bool()
+    if is_float(dtype):
+        if op == "prod":
+            x = 0.75 + 0.5 * torch.rand(count, generator=g, dtype=torch.float64)
+        else:
+            x = torch.rand(count, generator=g, dtype=torch.float64) * 2 - 1
+        return x.to(dtype)
+    lo, hi = (-2, 3) if op == "prod" else (-20, 21)
+    if dtype == torch.uint8:
+        lo, hi = (0, 3) if op == "prod" else (0, 40)
+    return torch.randint(lo, hi, (count,), generator=g).to(dtype)
+
+
+def reduce_ref(inputs, op, dtype):
+    n = len(inputs)
+    if dtype == torch.bool:
+        stack = torch.stack(inputs)
+        return stack.any(0) if op in ("sum", "max") else stack.all(0)
+    wide = torch.float64 if is_float(dtype) else torch.int64
+    stack = torch.stack([x.to(wide) for x in inputs])
+    if op == "sum":
+        r = stack.sum(0)
+    elif op == "prod":
+        r = stack.prod(0)
+    elif op == "max":
+        r = stack.max(0).values
+    elif op == "min":
+        r = stack.min(0).values
+    else:  # avg
+        r = stack.sum(0) / n if is_float(dtype) else torch.div(stack.sum(0), n, rounding_mode="trunc")
+    return r
+
+
+def compare(got, want, dtype, nranks):
+    got = got.cpu()
+    if dtype == torch.bool or not is_float(dtype):
+        bad = (got.to(torch.int64) != want.to(dtype).to(torch.int64)).sum().item()
+        return bad, "exact"
+    g, w = got.to(torch.float64), want.to(torch.float64)
+    tol = tolerance(dtype, nranks) * max(1.0, w.abs().max().item())
+    bad = ((g - w).abs() > tol).sum().item() + torch.isnan(g).sum().item()
+    return bad, f"tol {tol:.3g}"
+
+
+def check(name, got, want, dtype, nranks):
+    bad, how = compare(got, want, dtype, nranks)
+    report("PASS" if bad == 0 else "FAIL", name, f"({got.numel()} elements, {how}, {bad} wrong)")
+
+
+def guarded(name, fn):
+    try:
+        fn()
+    except Exception as e:
+        text = str(e)
+        if "nccl" not in text.lower():
+            status = "SKIPPED"  # torch refused the combination before reaching NCCL
+        elif "no fallback" in text or "no native" in text:
+            status = "UNSUPPORTED"  # the shim refused, saying why
+        else:
+            status = "FAIL"
+        report(status, name, text.splitlines()[-1][:300] if text else repr(e))
+
+
+# ---------------------------------------------------------------- torch mode
+
+def torch_mode():
+    import torch.distributed as dist
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    dev = torch.device("cuda", local % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", device_id=dev)
+    print(f"[rank {rank}] torch {torch.__version__}, NCCL version seen {torch.cuda.nccl.version()}",
+          flush=True)
+    ops = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "max": dist.ReduceOp.MAX,
+           "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.AVG}
+    dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8,
+              torch.uint8, torch.int32, torch.int64, torch.bool]
+    for name in ("float8_e4m3fn", "float8_e5m2"):
+        if hasattr(torch, name):
+            dtypes.append(getattr(torch, name))
+    counts = [1, 1003, (1 << 20) + 5]
+    seed = 7
+
+    def inputs(dtype, count, op=None):
+        return [make_input(dtype, count, r, seed, op) for r in range(world)]
+
+    for dtype in dtypes:
+        for opname, op in ops.items():
+            for count in counts:
+                name = f"all_reduce {str(dtype)[6:]} {opname} n={count}"
+
+                def run(dtype=dtype, opname=opname, op=op, count=count, name=name):
+                    xs = inputs(dtype, count, opname)
+                    x = xs[rank].to(dev)
+                    dist.all_reduce(x, op=op)
+                    torch.cuda.synchronize()
+                    check(name, x, reduce_ref(xs, opname, dtype), dtype, world)
+                guarded(name, run)
+
+    for dtype in (torch.float32, torch.bfloat16, torch.int32, torch.uint8):
+        for count in (1, 4099, 1 << 18):
+            tag = f"{str(dtype)[6:]} n={count}"
+            xs = inputs(dtype, count)
+
+            def ag():
+                out = torch.full((world * count,), 0, dtype=dtype, device=dev)
+                dist.all_gather_into_tensor(out, xs[rank].to(dev))
+                torch.cuda.synchronize()
+                check(f"all_gather_into_tensor {tag}", out, torch.cat(xs), dtype, world)
+            guarded(f"all_gather_into_tensor {tag}", ag)
+
+            def ag_list():
+                outs = [torch.zeros(count, dtype=dtype, device=dev) for _ in range(world)]
+                dist.all_gather(outs, xs[rank].to(dev))
+                torch.cuda.synchronize()
+                check(f"all_gather {tag}", torch.cat(outs), torch.cat(xs), dtype, world)
+            guarded(f"all_gather {tag}", ag_list)
+
+            def rs():
+                big = inputs(dtype, count * world)
+                out = torch.zeros(count, dtype=dtype, device=dev)
+                dist.reduce_scatter_tensor(out, big[rank].to(dev))
+                torch.cuda.synchronize()
+                want = reduce_ref(big, "sum", dtype)[rank * count:(rank + 1) * count]
+                check(f"reduce_scatter_tensor {tag}", out, want, dtype, world)
+            guarded(f"reduce_scatter_tensor {tag}", rs)
+
+            for root in range(world):
+                def bc(root=root):
+                    x = xs[rank].to(dev)
+                    dist.broadcast(x, src=root)
+                    torch.cuda.synchronize()
+                    check(f"broadcast root={root} {tag}", x, xs[root], dtype, world)
+                guarded(f"broadcast root={root} {tag}", bc)
+
+            def rd():
+                x = xs[rank].to(dev)
+                dist.reduce(x, dst=0)
+                torch.cuda.synchronize()
+                if rank == 0:
+                    check(f"reduce {tag}", x, reduce_ref(xs, "sum", dtype), dtype, world)
+            guarded(f"reduce {tag}", rd)
+
+    def graph():
+        x_in = inputs(torch.float32, 1 << 16)
+        x = x_in[rank].to(dev)
+        out = torch.zeros(world * x.numel(), device=dev)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            dist.all_reduce(x.clone())
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            dist.all_reduce(x)
+            dist.all_gather_into_tensor(out, x)
+        for it in range(3):
+            fresh = inputs(torch.float32, 1 << 16)
+            x.copy_(fresh[rank].to(dev))
+            g.replay()
+            torch.cuda.synchronize()
+            want = reduce_ref(fresh, "sum", torch.float32)
+            check(f"cuda graph replay {it}: all_reduce", x, want, torch.float32, world)
+            check(f"cuda graph replay {it}: all_gather", out, want.repeat(world), torch.float32, world)
+    guarded("cuda graph capture", graph)
+
+    def subgroups():
+        evens, odds = list(range(0, world, 2)), list(range(1, world, 2))
+        groups = [dist.new_group(evens), dist.new_group(odds) if odds else None]
+        mine = evens if rank % 2 == 0 else odds
+        group = groups[rank % 2]
+        xs = inputs(torch.float32, 5000)
+        x = xs[rank].to(dev)
+        dist.all_reduce(x, group=group)
+        torch.cuda.synchronize()
+        check(f"new_group {mine} all_reduce", x, reduce_ref([xs[r] for r in mine], "sum",
+                                                            torch.float32), torch.float32, len(mine))
+    guarded("new_group", subgroups)
+    guarded("barrier", lambda: (dist.barrier(), report("PASS", "barrier")))
+
+    # Point-to-point last: without a native path they need a working NCCL fallback.
+    def a2a(uneven):
+        if uneven:
+            splits = [[(s + d) % 3 + 1 for d in range(world)] for s in range(world)]
+        else:
+            splits = [[64] * world for _ in range(world)]
+        xs = [make_input(torch.float32, sum(splits[r]), r, seed) for r in range(world)]
+        ins, outs = splits[rank], [splits[s][rank] for s in range(world)]
+        out = torch.zeros(sum(outs), device=dev)
+        dist.all_to_all_single(out, xs[rank].to(dev), output_split_sizes=outs, input_split_sizes=ins)
+        torch.cuda.synchronize()
+        want = torch.cat([xs[s][sum(splits[s][:rank]):sum(splits[s][:rank + 1])] for s in range(world)])
+        check(f"all_to_all_single {'uneven' if uneven else 'equal'}", out, want, torch.float32, world)
+    guarded("all_to_all_single equal", lambda: a2a(False))
+    guarded("all_to_all_single uneven", lambda: a2a(True))
+
+    def p2p(batched):
+        xs = inputs(torch.float32, 777)
+        nxt, prv = (rank + 1) % world, (rank - 1) % world
+        out = torch.zeros(777, device=dev)
+        if batched:
+            reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, xs[rank].to(dev), nxt),
+                                          dist.P2POp(dist.irecv, out, prv)])
+            for r in reqs:
+                r.wait()
+        elif rank % 2 == 0:
+            dist.send(xs[rank].to(dev), nxt)
+            dist.recv(out, prv)
+        else:
+            dist.recv(out, prv)
+            dist.send(xs[rank].to(dev), nxt)
+        torch.cuda.synchronize()
+        check(f"{'batch_isend_irecv' if batched else 'send/recv'} ring", out, xs[prv], torch.float32, world)
+    if world > 1:
+        guarded("send/recv", lambda: p2p(False))
+        guarded("batch_isend_irecv", lambda: p2p(True))
+
+    dist.destroy_process_group()
+    report("PASS", "destroy_process_group")
+
+
+# ---------------------------------------------------------------- ctypes modes
+
+NCCL_FLOAT, NCCL_SUM = 7, 0
+
+
+def initall_mode():
+    lib = shim()
+    n = int(os.environ.get("NRANKS", "2"))
+    ngpu = torch.cuda.device_count()
+    devs = [r % ngpu for r in range(n)]
+    comms = (ctypes.c_void_p * n)()
+    rc = lib.ncclCommInitAll(comms, n, (ctypes.c_int * n)(*devs))
+    if rc != 0:
+        report("FAIL", f"ncclCommInitAll {n} ranks on devices {devs}", last_error(lib))
+        return
+    report("PASS", f"ncclCommInitAll {n} ranks on devices {devs}")
+    for r in range(n):
+        d = ctypes.c_int(-1)
+        lib.ncclCommCuDevice(ctypes.c_void_p(comms[r]), ctypes.byref(d))
+        report("PASS" if d.value == devs[r] else "FAIL", f"ncclCommCuDevice rank {r}", f"= {d.value}")
+    count = 100003
+    xs = [make_input(torch.float32, count, r, 3) for r in range(n)]
+    bufs, streams = [], []
+    for r in range(n):
+        torch.cuda.set_device(devs[r])
+        bufs.append(xs[r].to(f"cuda:{devs[r]}"))
+        streams.append(torch.cuda.Stream(device=devs[r]))
+    outs = [torch.zeros(count * n, device=f"cuda:{devs[r]}") for r in range(n)]
+    lib.ncclGroupStart()
+    for r in range(n):
+        p = ctypes.c_void_p(bufs[r].data_ptr())
+        s = ctypes.c_void_p(streams[r].cuda_stream)
+        rc = lib.ncclAllReduce(p, p, ctypes.c_size_t(count), NCCL_FLOAT, NCCL_SUM,
+                               ctypes.c_void_p(comms[r]), s)
+        rc |= lib.ncclAllGather(p, ctypes.c_void_p(outs[r].data_ptr()),
+                                ctypes.c_size_t(count), NCCL_FLOAT, ctypes.c_void_p(comms[r]), s)
+        if rc:
+            report("FAIL", f"enqueue rank {r}", last_error(lib))
+    rc = lib.ncclGroupEnd()
+    report("PASS" if rc == 0 else "FAIL", "ncclGroupEnd over all communicators", last_error(lib) if rc else "")
+    torch.cuda.synchronize()
+    want = reduce_ref(xs, "sum", torch.float32)
+    for r in range(n):
+        check(f"initall all_reduce rank {r}", bufs[r], want, torch.float32, n)
+        check(f"initall all_gather (after all_reduce) rank {r}", outs[r], want.repeat(n), torch.float32, n)
+    lib.ncclGroupStart()
+    for r in range(n):
+        lib.ncclCommDestroy(ctypes.c_void_p(comms[r]))
+    lib.ncclGroupEnd()
+    report("PASS", "ncclCommDestroy of every rank")
+
+
+def comm_pair(lib):
+    """Two ranks under torchrun: the id goes through torchrun's store."""
+    import torch.distributed as dist
+    rank = int(os.environ["RANK"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 2, False)
+    uid = ctypes.create_string_buffer(128)
+    if rank == 0:
+        assert lib.ncclGetUniqueId(uid) == 0, last_error(lib)
+        store.set("mscclpp-nccl-fault-id", uid.raw)
+    else:
+        uid = ctypes.create_string_buffer(store.get("mscclpp-nccl-fault-id"), 128)
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+
+    class Id(ctypes.Structure):
+        _fields_ = [("internal", ctypes.c_ubyte * 128)]
+    comm = ctypes.c_void_p()
+    rc = lib.ncclCommInitRank(ctypes.byref(comm), 2, Id.from_buffer_copy(uid.raw), rank)
+    if rc:
+        raise RuntimeError(f"init: {last_error(lib)}")
+    return rank, comm, store
+
+
+def fault_mode(kind):
+    lib = shim()
+    rank, comm, store = comm_pair(lib)
+    x = torch.ones(1 << 20, device="cuda")
+    stream = torch.cuda.Stream()
+    if rank == 1:
+        store.set("rank1-ready", b"1")
+        if kind == "kill":
+            time.sleep(1)
+            os._exit(0)  # no teardown: the peer sees a rank vanish
+        time.sleep(30)  # abort: never joins the all-reduce
+        os._exit(0)
+    store.wait(["rank1-ready"])
+    time.sleep(2 if kind == "kill" else 0)
+    p = ctypes.c_void_p(x.data_ptr())
+    rc = lib.ncclAllReduce(p, p, ctypes.c_size_t(x.numel()), NCCL_FLOAT, NCCL_SUM, comm,
+                           ctypes.c_void_p(stream.cuda_stream))
+    start = time.time()
+    limit = float(os.environ.get("MSCCLPP_DEVICE_WAIT_TIMEOUT", "10")) + 15
+    if kind == "abort":
+        took = []
+        t = threading.Thread(target=lambda: (time.sleep(1), took.append(time.time()),
+                                             lib.ncclCommAbort(comm), took.append(time.time())))
+        t.start()
+        t.join()
+        dt = took[1] - took[0]
+        report("PASS" if dt < 1.0 else "FAIL", "ncclCommAbort returns within 1 s", f"({dt:.3f} s)")
+        while not stream.query() and time.time() - start < limit:
+            time.sleep(0.05)
+        drained = stream.query()
+        report("PASS" if drained else "FAIL", "the blocked all-reduce ends after the abort",
+               f"({time.time() - start:.1f} s; enqueue rc {rc})")
+        os._exit(0 if drained else 1)
+    state = ctypes.c_int(0)
+    while time.time() - start < limit:
+        lib.ncclCommGetAsyncError(comm, ctypes.byref(state))
+        if state.value not in (0, 7):
+            break
+        time.sleep(0.1)
+    ok = state.value in (2, 6)
+    report("PASS" if ok else "FAIL", "peer death reported by ncclCommGetAsyncError",
+           f"(code {state.value} after {time.time() - start:.1f} s; enqueue rc {rc}: {last_error(lib)})")
+    os._exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1] if len(sys.argv) > 1 else "torch"
+    {"torch": torch_mode, "initall": initall_mode, "kill": lambda: fault_mode("kill"),
+     "abort": lambda: fault_mode("abort")}[mode]()
+    print(f"[rank {os.environ.get('RANK', '0')}] SUMMARY {RESULTS}", flush=True)
+    sys.exit(1 if RESULTS["FAIL"] else 0)
