@@ -206,6 +206,14 @@ ncclResult_t ncclCommWindowRegister(ncclComm_t comm, void* buff, size_t size, nc
                                     int winFlags);
 ncclResult_t ncclCommWindowDeregister(ncclComm_t comm, ncclWindow_t win);
 
+/* NCCL's device API is not offered: these two exist so that programs linked against them load,
+ * and refuse with ncclInvalidUsage (ncclGetLastError says why). */
+typedef struct ncclDevCommRequirements ncclDevCommRequirements;
+typedef struct ncclDevComm ncclDevComm;
+ncclResult_t ncclDevCommCreate(ncclComm_t comm, const ncclDevCommRequirements* reqs,
+                               ncclDevComm* outDevComm);
+ncclResult_t ncclDevCommDestroy(ncclComm_t comm, const ncclDevComm* devComm);
+
 /* Custom reduction: sum of the inputs each multiplied by *scalar first. */
 ncclResult_t ncclRedOpCreatePreMulSum(ncclRedOp_t* op, void* scalar, ncclDataType_t datatype,
                                       ncclScalarResidence_t residence, ncclComm_t comm);

@@ -28,6 +28,7 @@ macro_rules! nccl_export {
 pub mod abi;
 pub mod comm;
 pub mod device;
+pub mod device_api;
 pub mod fallback;
 pub mod group;
 pub mod guard;

@@ -51,8 +51,10 @@ pub struct RankContext {
     /// More ranks run on this host than it has GPUs, so some share one (see
     /// [`RankContext::from_launcher`]): results are checked as usual, timing targets are not.
     pub shares_gpu: bool,
-    /// Wall time of `Communicator::new` on this rank (bootstrap excluded).
+    /// Wall time of `Communicator::new` on this rank (bootstrap and context creation excluded).
     pub comm_init: std::time::Duration,
+    /// Wall time of making the device current the first time (the driver creates its context).
+    pub context_init: std::time::Duration,
     /// `mscclpp_core::gpu::live_device_bytes()` right after the communicator was built.
     pub bytes_after_comm_init: u64,
 }
@@ -98,6 +100,11 @@ impl RankContext {
             );
         }
         let bootstrap: Arc<dyn Bootstrap> = Arc::new(TcpBootstrap::from_env(env)?);
+        // The device's context is created first, so `comm_init` is the communicator's own set-up
+        // (as a framework that already uses the GPU sees it), not the driver's context creation.
+        let started = std::time::Instant::now();
+        gpu.set_device(device)?;
+        let context_init = started.elapsed();
         let started = std::time::Instant::now();
         let comm = Arc::new(Communicator::new(bootstrap.clone(), gpu.clone(), device)?);
         let comm_init = started.elapsed();
@@ -109,6 +116,7 @@ impl RankContext {
             device,
             shares_gpu,
             comm_init,
+            context_init,
             bytes_after_comm_init: mscclpp_core::gpu::live_device_bytes(),
         }))
     }

@@ -277,8 +277,9 @@ fn resources(s: &mut Suite) -> Result<String> {
     }
     let after_all = live_device_bytes();
     let line = format!(
-        "communicator init {:.1} ms, {}; default collection built in {:.1} ms, {} (+{}); after \
-         running every algorithm {} (+{} over init)",
+        "context creation {:.1} ms; communicator init {:.1} ms, {}; default collection built in \
+         {:.1} ms, {} (+{}); after running every algorithm {} (+{} over init)",
+        s.ctx.context_init.as_secs_f64() * 1e3,
         s.ctx.comm_init.as_secs_f64() * 1e3,
         mib(after_init),
         build.as_secs_f64() * 1e3,
