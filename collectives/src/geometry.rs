@@ -4,7 +4,7 @@
 //! collective_common.cuh). The kernels are built with `__launch_bounds__(1024, 1)` (at most 64
 //! registers a thread), so an SM always holds 1024 of their threads: `sm * (1024 / threads)` blocks.
 
-use mscclpp_core::gpu::LaunchConfig;
+use mscclpp_core::gpu::{GpuVendor, LaunchConfig};
 use mscclpp_core::{Error, Result};
 
 /// Threads an SM is guaranteed to hold for our kernels (see the module docs).
@@ -68,6 +68,17 @@ pub fn allpair_max_bytes(scratch_bytes: usize, nranks: usize) -> usize {
 /// Bytes of an LL128 line (packet.cuh) and the payload it carries.
 pub const LL128_LINE_BYTES: usize = 128;
 pub const LL128_PAYLOAD: usize = 120;
+/// The payload of an LL128 line on AMD GPUs: HIP promises only 8-byte single-copy atomicity, so
+/// packet.cuh's HIP branch writes each lane's 16 bytes as two self-flagged 8-byte words.
+pub const LL128_PAYLOAD_HIP: usize = 64;
+
+/// Payload bytes of one LL128 line on `vendor`'s GPUs.
+pub const fn ll128_payload(vendor: GpuVendor) -> usize {
+    match vendor {
+        GpuVendor::Nvidia => LL128_PAYLOAD,
+        GpuVendor::Amd => LL128_PAYLOAD_HIP,
+    }
+}
 
 /// Scratch layout of the two-phase packet all-reduce: 2 parity halves x 2 phases x `nranks` slots
 /// of whole LL128 lines (every line 128-byte aligned: the scratch and the slots are).

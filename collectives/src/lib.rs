@@ -23,7 +23,7 @@ pub mod single_rank;
 pub mod testing;
 pub mod tune;
 
-pub use native::{check_shape, max_input_bytes, NativeBase, NativeKind};
+pub use native::{check_shape, max_input_bytes, max_input_bytes_on, NativeBase, NativeKind};
 
 use mscclpp_core::algorithm_collection::{
     default_native_selector, AlgorithmCollection, AlgorithmCollectionBuilder, NativeLimits,
@@ -78,7 +78,8 @@ pub fn build_default_algorithms(
         builder.set_selector(default_native_selector(limits));
         return Ok(builder);
     }
-    let sm = comm.gpu().properties(comm.device())?.multiprocessors.max(1);
+    let properties = comm.gpu().properties(comm.device())?;
+    let sm = properties.multiprocessors.max(1);
     let semaphore_blocks = NativeKind::ALL
         .iter()
         .map(|k| k.semaphore_blocks(sm))
@@ -91,7 +92,7 @@ pub fn build_default_algorithms(
     )?);
     let limit = |kind: NativeKind| {
         let part = kind.scratch_part().map_or(0, |p| scratch.region(p).bytes);
-        max_input_bytes(kind, part, comm.size())
+        max_input_bytes_on(kind, part, comm.size(), properties.vendor)
     };
     let limits = NativeLimits {
         allpair_packet_max_bytes: limit(NativeKind::AllreduceAllpairPacket),

@@ -13,7 +13,7 @@ use mscclpp_core::algorithm::{Collective, ExecuteArgs};
 use mscclpp_core::algorithm_collection::native_names as names;
 use mscclpp_core::communicator::Communicator;
 use mscclpp_core::device::DeviceRepr;
-use mscclpp_core::gpu::{DevicePtr, Function, LaunchConfig};
+use mscclpp_core::gpu::{DevicePtr, Function, GpuVendor, LaunchConfig};
 use mscclpp_core::{Error, Result};
 use mscclpp_kernels_cu::collectives::{resolve_accumulator, CollectiveFile, ReduceSpec, MAX_RANKS};
 use std::sync::Arc;
@@ -281,6 +281,8 @@ pub struct NativeBase {
     /// The collection's scratch, call counter and semaphores, lent to every algorithm.
     resources: Arc<CollectionResources>,
     sm: u32,
+    /// Whose GPU: an LL128 line's payload differs (see [`max_input_bytes_on`]).
+    vendor: GpuVendor,
     comm: Arc<Communicator>,
 }
 
@@ -291,7 +293,8 @@ impl NativeBase {
         comm: Arc<Communicator>,
         resources: Arc<CollectionResources>,
     ) -> Result<Self> {
-        let sm = comm.gpu().properties(comm.device())?.multiprocessors.max(1);
+        let properties = comm.gpu().properties(comm.device())?;
+        let (sm, vendor) = (properties.multiprocessors.max(1), properties.vendor);
         if let Some(part) = kind.scratch_part() {
             let bytes = resources.region(part).bytes;
             // A slot of one LL128 line (two-phase all-reduce, all-gather, reduce-scatter) or of two
@@ -327,6 +330,7 @@ impl NativeBase {
             registrations: RegistrationCache::default(),
             resources,
             sm,
+            vendor,
             comm,
         })
     }
@@ -350,7 +354,12 @@ impl NativeBase {
 
     /// Largest message (input bytes per rank) this algorithm takes; `usize::MAX` for zero-copy.
     pub fn max_bytes(&self) -> usize {
-        max_input_bytes(self.kind, self.scratch_bytes(), self.comm.size())
+        max_input_bytes_on(
+            self.kind,
+            self.scratch_bytes(),
+            self.comm.size(),
+            self.vendor,
+        )
     }
 
     /// Bytes of the kind's part of the scratch (0 for the kinds that use none).
@@ -434,8 +443,25 @@ impl NativeBase {
     }
 }
 
+/// [`max_input_bytes`] on `vendor`'s GPUs: an LL128 line carries
+/// [`geometry::ll128_payload`] bytes there, so the LL128 kinds take proportionally less on AMD
+/// (every LL128 capacity is a whole number of lines).
+pub fn max_input_bytes_on(
+    kind: NativeKind,
+    scratch_bytes: usize,
+    nranks: usize,
+    vendor: GpuVendor,
+) -> usize {
+    let max = max_input_bytes(kind, scratch_bytes, nranks);
+    if kind.scratch_part() == Some(ScratchPart::Ll128) && max != usize::MAX {
+        max / geometry::LL128_PAYLOAD * geometry::ll128_payload(vendor)
+    } else {
+        max
+    }
+}
+
 /// Largest input (bytes per rank) `kind` takes with `scratch_bytes` in its part of the scratch on
-/// `nranks` ranks;
+/// `nranks` ranks (CUDA's LL128 lines; [`max_input_bytes_on`] for any vendor);
 /// `usize::MAX` for the zero-copy and pipelined kinds. The packet all-gather sends its whole input to each peer's
 /// slot; the packet reduce-scatter sends one chunk (input / nranks) per slot.
 pub fn max_input_bytes(kind: NativeKind, scratch_bytes: usize, nranks: usize) -> usize {
@@ -592,6 +618,25 @@ mod tests {
             check_shape(NativeKind::AllreducePacket, &empty, 0, 2).expect("no-op"),
             0
         );
+    }
+
+    /// On AMD an LL128 line carries 64 payload bytes, not 120: the LL128 kinds' capacity shrinks
+    /// in proportion, so a call the kernels could not fit is refused; LL16 and the rest keep theirs.
+    #[test]
+    fn amd_ll128_capacity_follows_its_line_payload() {
+        for n in [2, 4, 8] {
+            for kind in NativeKind::ALL {
+                let cuda = max_input_bytes_on(kind, 18 << 20, n, GpuVendor::Nvidia);
+                let amd = max_input_bytes_on(kind, 18 << 20, n, GpuVendor::Amd);
+                assert_eq!(cuda, max_input_bytes(kind, 18 << 20, n), "{kind:?}");
+                if kind.scratch_part() == Some(ScratchPart::Ll128) {
+                    assert_eq!(amd, cuda / 120 * 64, "{kind:?} on {n} ranks");
+                    assert_eq!(cuda % 120, 0, "{kind:?}: whole lines");
+                } else {
+                    assert_eq!(amd, cuda, "{kind:?}");
+                }
+            }
+        }
     }
 
     #[rstest]
