@@ -10,6 +10,7 @@
 //! [`build_default_algorithms`] builds them all for a communicator, with the default selector of
 //! `mscclpp_core::algorithm_collection`; `tune` fills a tuning table for `mscclpp_core::tuner`.
 
+pub mod alltoall;
 pub mod copy_engine;
 pub mod geometry;
 pub mod native;

@@ -72,3 +72,19 @@ fn scratch_pipeline_kernels_compile_for_sm_80_and_sm_100() {
         assert!(has(&image, "allgather_fullmesh"), "{name} for {arch}");
     }
 }
+
+/// The all-to-all unit (its layout static_asserts included) on every architecture CI targets.
+#[test]
+fn alltoall_unit_compiles_for_every_arch() {
+    let Some(nvrtc) = nvrtc_or_skip("alltoall_unit_compiles_for_every_arch") else {
+        return;
+    };
+    let file = CollectiveFile::AllToAll;
+    let src = kc::unit_source(file, None).expect("source");
+    assert!(src.contains("static_assert(sizeof(AlltoallArgs) =="));
+    for arch in ["sm_80", "sm_90", "sm_100"] {
+        let image = compile_for(&nvrtc, &kc::unit_name(file, None), &src, arch);
+        let sym = b"alltoallv_zero_copy\0";
+        assert!(image.windows(sym.len()).any(|w| w == sym), "{arch}");
+    }
+}

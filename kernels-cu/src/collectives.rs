@@ -20,6 +20,9 @@ pub const REDUCE_SCATTER: &str = include_str!("kernels/reduce_scatter.cu");
 /// Broadcast kernels (byte-oriented).
 pub const BROADCAST: &str = include_str!("kernels/broadcast.cu");
 
+/// All-to-all family kernels (byte-oriented; see `crate::alltoall`).
+pub const ALLTOALL: &str = include_str!("kernels/alltoall.cu");
+
 /// Largest world size of the native collectives (`coll::kMaxRanks`).
 pub const MAX_RANKS: usize = 8;
 
@@ -73,14 +76,16 @@ pub enum CollectiveFile {
     AllGather,
     ReduceScatter,
     Broadcast,
+    AllToAll,
 }
 
 impl CollectiveFile {
-    pub const ALL: [CollectiveFile; 4] = [
+    pub const ALL: [CollectiveFile; 5] = [
         CollectiveFile::AllReduce,
         CollectiveFile::AllGather,
         CollectiveFile::ReduceScatter,
         CollectiveFile::Broadcast,
+        CollectiveFile::AllToAll,
     ];
 
     pub const fn source(self) -> &'static str {
@@ -89,6 +94,7 @@ impl CollectiveFile {
             CollectiveFile::AllGather => ALLGATHER,
             CollectiveFile::ReduceScatter => REDUCE_SCATTER,
             CollectiveFile::Broadcast => BROADCAST,
+            CollectiveFile::AllToAll => ALLTOALL,
         }
     }
 
@@ -98,6 +104,7 @@ impl CollectiveFile {
             CollectiveFile::AllGather => "allgather",
             CollectiveFile::ReduceScatter => "reduce_scatter",
             CollectiveFile::Broadcast => "broadcast",
+            CollectiveFile::AllToAll => "alltoall",
         }
     }
 
@@ -128,6 +135,7 @@ impl CollectiveFile {
             ],
             CollectiveFile::ReduceScatter => &["reducescatter_packet", "reducescatter_zero_copy"],
             CollectiveFile::Broadcast => &["broadcast_zero_copy"],
+            CollectiveFile::AllToAll => &["alltoallv_zero_copy"],
         }
     }
 }
@@ -216,6 +224,10 @@ pub fn unit_source(file: CollectiveFile, spec: Option<ReduceSpec>) -> Result<Str
     text.push_str(COMMON);
     text.push('\n');
     text.push_str(file.source());
+    if file == CollectiveFile::AllToAll {
+        // Its argument struct is declared in the unit: check it against the Rust layout there.
+        text.push_str(&crate::alltoall::layout_asserts());
+    }
     Ok(text)
 }
 

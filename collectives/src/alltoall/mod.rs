@@ -1,0 +1,10 @@
+//! The all-to-all family natively: all-to-all, all-to-all-v (per-peer counts and displacements),
+//! gather and scatter, as one exchange with different splits.
+//! - [`split`]: the split and displacement math and its validation (CPU-tested);
+//! - [`zero_copy`]: `default_alltoall_zero_copy` and the exchange engine over registered outputs.
+
+pub mod split;
+pub mod zero_copy;
+
+pub use split::{check_local, check_matrix, skewed_matrix, splits_of_matrix, Side, Split};
+pub use zero_copy::{AlltoallZeroCopy, Buffer, ALLTOALL_ZERO_COPY};

@@ -1,0 +1,352 @@
+//! `default_alltoall_zero_copy` and the exchange engine behind all-to-all-v, gather and scatter:
+//! one kernel (`alltoallv_zero_copy` in kernels/alltoall.cu) that pushes every rank's chunks
+//! straight into the receivers' registered outputs. Receivers publish their receive tables on the
+//! device, so callers pass only their own counts and displacements (host arrays), and a sender and
+//! receiver that disagree are caught on the device (`DEVICE_ERROR_COUNT_MISMATCH`) with nothing
+//! sent between them; [`check_local`] catches what one rank can see on the host first.
+//!
+//! Each call is one kernel on the caller's stream with no host synchronisation, so it is legal
+//! during CUDA-graph capture; the outputs are registered through the [`RegistrationCache`] (host
+//! only) on first use, which is collective: every rank calls with its buffers in the same pattern.
+//!
+//! Resources, owned here until the communicator-wide ones land (native.rs rewrite): per-block
+//! semaphores (`MAX_ALLTOALL_BLOCKS` x peers) and a 16 KiB table scratch per rank.
+
+use super::split::{check_local, Split};
+use crate::geometry::{self, resident_blocks};
+use crate::resources::{param_ptr, BlockSemaphores, KernelTable, RegistrationCache, SharedScratch};
+use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
+use mscclpp_core::communicator::Communicator;
+use mscclpp_core::gpu::{DevicePtr, Stream};
+use mscclpp_core::{Error, Result};
+use mscclpp_kernels_cu::alltoall::{AlltoallArgs, MAX_ALLTOALL_BLOCKS, TABLE_SCRATCH_BYTES};
+use mscclpp_kernels_cu::collectives::{CollectiveFile, PeerPtrs, MAX_RANKS};
+use std::sync::Arc;
+
+/// MSCCL++'s name for the large-message all-to-all.
+pub const ALLTOALL_ZERO_COPY: &str = "default_alltoall_zero_copy";
+
+/// Default threads per block (at least one per peer for the barriers).
+const DEFAULT_THREADS: u32 = 512;
+
+/// Blocks of an exchange whose per-rank sizes differ (all-to-all-v): every rank must launch the
+/// same grid, and no rank knows the others' sizes, so it cannot follow the message size.
+const EXCHANGE_BLOCKS: u32 = 32;
+
+/// One buffer of one rank's side of an exchange.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Buffer {
+    pub ptr: DevicePtr,
+    pub bytes: usize,
+}
+
+/// The zero-copy exchange engine of one communicator. See the module docs.
+pub struct AlltoallZeroCopy {
+    // Field order is drop order: device resources go before the communicator.
+    kernels: KernelTable,
+    registrations: RegistrationCache,
+    semaphores: BlockSemaphores,
+    tables: SharedScratch,
+    table_peers: PeerPtrs,
+    max_blocks: u32,
+    comm: Arc<Communicator>,
+}
+
+impl AlltoallZeroCopy {
+    /// Collective: reserves the semaphores and the table scratch on every rank.
+    pub fn new(comm: Arc<Communicator>) -> Result<Self> {
+        if comm.size() > MAX_RANKS {
+            return Err(Error::Unsupported(format!(
+                "{ALLTOALL_ZERO_COPY} on {} ranks: at most {MAX_RANKS} ranks on one host",
+                comm.size()
+            )));
+        }
+        let sm = comm.gpu().properties(comm.device())?.multiprocessors.max(1);
+        let max_blocks = (MAX_ALLTOALL_BLOCKS as u32)
+            .min(sm)
+            .min(resident_blocks(sm, DEFAULT_THREADS));
+        let semaphores = BlockSemaphores::new(&comm, max_blocks)?;
+        let tables = SharedScratch::new(&comm, TABLE_SCRATCH_BYTES)?;
+        let table_peers = PeerPtrs::from_slice(&tables.rank_ptrs())?;
+        Ok(AlltoallZeroCopy {
+            kernels: KernelTable::default(),
+            registrations: RegistrationCache::default(),
+            semaphores,
+            tables,
+            table_peers,
+            max_blocks,
+            comm,
+        })
+    }
+
+    pub fn comm(&self) -> &Arc<Communicator> {
+        &self.comm
+    }
+
+    /// All-to-all-v with this rank's host-side splits (bytes): sends `send.counts[p]` bytes at
+    /// `send.displs[p]` of `input` to rank `p`, which stores them at its own receive displacement
+    /// for this rank. Every rank must call (collective), each with the same `blocks` (`None`: the
+    /// fixed default) and `threads`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn alltoallv(
+        &self,
+        input: Buffer,
+        output: Buffer,
+        send: &Split,
+        recv: &Split,
+        stream: Stream,
+        blocks: Option<u32>,
+        threads: Option<u32>,
+    ) -> Result<()> {
+        self.exchange(
+            input,
+            output,
+            send,
+            recv,
+            stream,
+            blocks.or(Some(EXCHANGE_BLOCKS.min(self.max_blocks))),
+            threads,
+        )
+    }
+
+    /// Gather: every rank's `bytes` of `input` land in `root`'s output in rank order. `output` is
+    /// only read on the root (others may pass an empty buffer).
+    pub fn gather(
+        &self,
+        input: Buffer,
+        output: Buffer,
+        bytes: usize,
+        root: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        let (rank, n) = (self.comm.rank(), self.comm.size());
+        self.check_root("gather", root)?;
+        let send = Split::only(n, root, bytes);
+        let recv = if rank == root {
+            Split::uniform(n, bytes)
+        } else {
+            Split::only(n, root, 0)
+        };
+        let blocks = geometry::bandwidth_blocks(bytes.saturating_mul(n), self.max_blocks);
+        self.exchange(input, output, &send, &recv, stream, Some(blocks), None)
+    }
+
+    /// Scatter: chunk `p` (`bytes` at `p * bytes`) of `root`'s input lands in rank `p`'s output.
+    /// `input` is only read on the root.
+    pub fn scatter(
+        &self,
+        input: Buffer,
+        output: Buffer,
+        bytes: usize,
+        root: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        let (rank, n) = (self.comm.rank(), self.comm.size());
+        self.check_root("scatter", root)?;
+        let send = if rank == root {
+            Split::uniform(n, bytes)
+        } else {
+            Split::only(n, root, 0)
+        };
+        let recv = Split::only(n, root, bytes);
+        let blocks = geometry::bandwidth_blocks(bytes.saturating_mul(n), self.max_blocks);
+        self.exchange(input, output, &send, &recv, stream, Some(blocks), None)
+    }
+
+    fn check_root(&self, what: &str, root: usize) -> Result<()> {
+        if root >= self.comm.size() {
+            return Err(Error::InvalidArgument(format!(
+                "rank {}: {what} root {root} is not a rank of {}",
+                self.comm.rank(),
+                self.comm.size()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The stand-in registered for a rank whose output is empty: registration is collective, so
+    /// every rank registers something; nothing is written to it (all its receive counts are 0).
+    fn output_or_standin(&self, output: Buffer) -> Buffer {
+        if output.ptr == 0 || output.bytes == 0 {
+            Buffer {
+                ptr: self.tables.local_ptr(),
+                bytes: TABLE_SCRATCH_BYTES,
+            }
+        } else {
+            output
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn exchange(
+        &self,
+        input: Buffer,
+        output: Buffer,
+        send: &Split,
+        recv: &Split,
+        stream: Stream,
+        blocks: Option<u32>,
+        threads: Option<u32>,
+    ) -> Result<()> {
+        let (rank, n) = (self.comm.rank(), self.comm.size());
+        check_local(rank, n, send, input.bytes, recv, output.bytes)?;
+        let null = |what: &str| {
+            Error::InvalidArgument(format!(
+                "rank {rank}: null {what} pointer for a non-empty side"
+            ))
+        };
+        if send.total() > 0 && input.ptr == 0 {
+            return Err(null("input"));
+        }
+        if recv.total() > 0 && output.ptr == 0 {
+            return Err(null("output"));
+        }
+        let registered = self.output_or_standin(output);
+        let outputs = self
+            .registrations
+            .rank_ptrs(&self.comm, registered.ptr, registered.bytes)?;
+        let cfg = geometry::launch_config(blocks, threads, 1, DEFAULT_THREADS, self.max_blocks)?;
+        let mut args = AlltoallArgs {
+            input: input.ptr,
+            outputs: PeerPtrs::from_slice(&outputs)?,
+            tables: self.table_peers,
+            sems: self.semaphores.ptr(),
+            error_word: self.comm.error_word_device_ptr(),
+            max_spin: 0,
+            rank: rank as u32,
+            nranks: n as u32,
+            ..AlltoallArgs::default()
+        };
+        for p in 0..n {
+            args.send_counts[p] = send.counts[p] as u64;
+            args.send_displs[p] = send.displs[p] as u64;
+            args.recv_counts[p] = recv.counts[p] as u64;
+            args.recv_displs[p] = recv.displs[p] as u64;
+        }
+        let f = self.kernels.function(
+            self.comm.gpu().as_ref(),
+            CollectiveFile::AllToAll,
+            None,
+            "alltoallv_zero_copy",
+        )?;
+        let cfg = cfg.with_programmatic(true).with_cached_graph(true);
+        let mut params = [param_ptr(&mut args)];
+        // SAFETY: `params` matches the kernel's one `AlltoallArgs` parameter (layout checked by the
+        // unit's static_asserts); its addresses are the caller's checked buffers, the peers'
+        // registered outputs and our own live semaphores and table scratch.
+        unsafe { self.comm.gpu().launch(f, cfg, stream, &mut params) }
+    }
+}
+
+impl Algorithm for AlltoallZeroCopy {
+    fn name(&self) -> &str {
+        ALLTOALL_ZERO_COPY
+    }
+
+    fn collective(&self) -> Collective {
+        Collective::AllToAll
+    }
+
+    /// `input_bytes` is this rank's whole send buffer, cut into one equal chunk per rank (in
+    /// whole elements); the output receives one chunk from each rank, in rank order.
+    fn check(&self, args: &ExecuteArgs) -> Result<()> {
+        uniform_chunk(args, self.comm.rank(), self.comm.size()).map(|_| ())
+    }
+
+    fn execute(&self, args: &ExecuteArgs) -> Result<()> {
+        let n = self.comm.size();
+        let chunk = uniform_chunk(args, self.comm.rank(), n)?;
+        if chunk == 0 {
+            return Ok(());
+        }
+        let split = Split::uniform(n, chunk);
+        let blocks = args.nblocks.or(Some(geometry::bandwidth_blocks(
+            args.input_bytes,
+            self.max_blocks,
+        )));
+        self.exchange(
+            Buffer {
+                ptr: args.input,
+                bytes: args.input_bytes,
+            },
+            Buffer {
+                ptr: args.output,
+                bytes: args.output_bytes,
+            },
+            &split,
+            &split,
+            args.stream,
+            blocks,
+            args.nthreads,
+        )
+    }
+}
+
+/// Bytes of each rank's chunk of a uniform all-to-all; errors name the rank and the sizes.
+pub fn uniform_chunk(args: &ExecuteArgs, rank: usize, nranks: usize) -> Result<usize> {
+    let count = args.input_count()?;
+    if count % nranks.max(1) != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "rank {rank}: {ALLTOALL_ZERO_COPY}: {count} {} elements do not split into {nranks} \
+             equal chunks",
+            args.dtype
+        )));
+    }
+    if args.output_bytes < args.input_bytes {
+        return Err(Error::InvalidArgument(format!(
+            "rank {rank}: {ALLTOALL_ZERO_COPY}: the output holds {} bytes, the call needs {}",
+            args.output_bytes, args.input_bytes
+        )));
+    }
+    if args.in_place() && args.input_bytes > 0 {
+        return Err(Error::Unsupported(format!(
+            "rank {rank}: {ALLTOALL_ZERO_COPY} in place (peers would overwrite chunks not yet sent)"
+        )));
+    }
+    Ok(args.input_bytes / nranks.max(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mscclpp_core::{AccumType, DataType, ReduceOp};
+
+    fn args(input_bytes: usize, output_bytes: usize, dtype: DataType) -> ExecuteArgs {
+        ExecuteArgs {
+            input: 0x1000,
+            output: 0x9000_0000,
+            input_bytes,
+            output_bytes,
+            dtype,
+            op: ReduceOp::Sum,
+            accum: AccumType::Auto,
+            root: 0,
+            stream: Stream::DEFAULT,
+            nblocks: None,
+            nthreads: None,
+        }
+    }
+
+    #[test]
+    fn uniform_chunks_are_whole_elements() {
+        assert_eq!(
+            uniform_chunk(&args(64, 64, DataType::F32), 0, 4).unwrap(),
+            16
+        );
+        assert_eq!(uniform_chunk(&args(0, 0, DataType::F32), 0, 4).unwrap(), 0);
+        assert_eq!(uniform_chunk(&args(3, 3, DataType::U8), 0, 1).unwrap(), 3);
+        let e = uniform_chunk(&args(12, 12, DataType::F32), 2, 2).unwrap_err();
+        assert!(
+            e.to_string().contains("rank 2") && e.to_string().contains("3 f32"),
+            "{e}"
+        );
+        let e = uniform_chunk(&args(16, 8, DataType::U8), 1, 2).unwrap_err();
+        assert!(e.to_string().contains("output holds 8 bytes"), "{e}");
+        let mut a = args(16, 16, DataType::U8);
+        a.output = a.input;
+        assert!(matches!(
+            uniform_chunk(&a, 0, 2),
+            Err(Error::Unsupported(_))
+        ));
+    }
+}

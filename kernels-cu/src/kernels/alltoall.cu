@@ -1,0 +1,74 @@
+// mscclpp-rs native all-to-all family (see collective_common.cuh for the shared conventions).
+// Byte-oriented: one unit serves every data type, and all-to-all, all-to-all-v, gather and scatter
+// are the same exchange with different (count, displacement) tables.
+//
+// alltoallv_zero_copy (registered outputs): every rank pushes, with SM stores over NVLink, the bytes
+// it sends to each rank straight into that rank's output.
+//   1. Each block writes this rank's receive table (how many bytes it expects from each rank and where
+//      they go in its output) into its own slot of this rank's table scratch, which every peer maps.
+//   2. Start barrier (publishing): the tables are visible, and every output may be written.
+//   3. Per destination (self first, then rank + 1, ...), the block reads the destination's table from
+//      its own slot, checks that the destination expects exactly the bytes this rank sends (else
+//      records kErrorCountMismatch and sends nothing to it), and copies its share of the chunk.
+//   4. End barrier (publishing): every rank's output is complete before its kernel ends, and no rank
+//      overwrites its table (next call) before every peer's same-numbered block read it.
+// Block b only ever reads slot b of a peer's table, and the end barrier of block b orders those reads
+// before the peer's next write of slot b, so the tables need no per-call flag.
+// Every rank must launch the same grid (blocks pair up with the peers' same-numbered blocks).
+
+using namespace mscclpp;
+using namespace mscclpp::coll;
+
+// What one rank expects from every rank, by source rank, in bytes. Mirrored by
+// mscclpp_kernels_cu::alltoall::RecvTable.
+struct RecvTable {
+  u64 counts[kMaxRanks];
+  u64 displs[kMaxRanks];
+};
+
+// The one kernel argument. Mirrored by mscclpp_kernels_cu::alltoall::AlltoallArgs (424 bytes; the
+// unit's static_asserts, generated from the Rust layout, check every offset).
+struct AlltoallArgs {
+  const u8* input;
+  PeerPtrs outputs;  // every rank's output, mapped here
+  PeerPtrs tables;   // every rank's RecvTable[kMaxAlltoallBlocks] scratch, mapped here
+  u64 send_counts[kMaxRanks];
+  u64 send_displs[kMaxRanks];
+  u64 recv_counts[kMaxRanks];
+  u64 recv_displs[kMaxRanks];
+  const D2DSemaphoreHandle* sems;  // sems[b * (nranks - 1) + i]
+  u32* error_word;
+  u64 max_spin;  // reserved for waits of future protocols; the semaphores carry their own bound
+  u32 rank;
+  u32 nranks;
+};
+
+// Largest grid of alltoallv_zero_copy (slots per rank in the table scratch). Mirrored by
+// mscclpp_kernels_cu::alltoall::MAX_ALLTOALL_BLOCKS.
+constexpr u32 kMaxAlltoallBlocks = 128;
+
+extern "C" __global__ void __launch_bounds__(1024, 1) alltoallv_zero_copy(AlltoallArgs args) {
+  wait_prior_grids();
+  if (aborted(args.error_word)) return;
+  const u32 npeers = args.nranks - 1;
+  RecvTable* mine = reinterpret_cast<RecvTable*>(args.tables.p[args.rank]) + blockIdx.x;
+  for (u32 r = threadIdx.x; r < args.nranks; r += blockDim.x) {
+    mine->counts[r] = args.recv_counts[r];
+    mine->displs[r] = args.recv_displs[r];
+  }
+  if (!block_barrier(args.sems, npeers, true)) return;
+  for (u32 i = 0; i < args.nranks; ++i) {
+    const u32 dst = (args.rank + i) % args.nranks;
+    const RecvTable* theirs = reinterpret_cast<const RecvTable*>(args.tables.p[dst]) + blockIdx.x;
+    const u64 bytes = args.send_counts[dst];
+    if (theirs->counts[args.rank] != bytes) {
+      if (threadIdx.x == 0) record_error(args.error_word, kErrorCountMismatch);
+      continue;
+    }
+    u64 begin, end;
+    block_range(bytes, 16, begin, end);
+    u8* out = static_cast<u8*>(args.outputs.p[dst]) + theirs->displs[args.rank];
+    copy(out + begin, args.input + args.send_displs[dst] + begin, end - begin, threadIdx.x, blockDim.x);
+  }
+  block_barrier(args.sems, npeers, true);
+}
