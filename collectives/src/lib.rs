@@ -69,6 +69,7 @@ pub fn build_default_algorithms(
     }
     // NVLS (NVLink multicast) only behind its safety gate and on hardware that supports it; the
     // selector takes its NVLS branch only when the caller's SelectionContext allows it.
+    builder.add_algorithm(Arc::new(alltoall::AlltoallZeroCopy::new(comm.clone())?))?;
     let env = mscclpp_core::env::Env::get()?;
     nvls::add_nvls_algorithms(comm, scratch_bytes, &mut builder, env)?;
     builder.set_selector(default_native_selector(limits));

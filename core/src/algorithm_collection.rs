@@ -169,6 +169,8 @@ pub mod native_names {
     pub const REDUCESCATTER_ZERO_COPY: &str = "default_reducescatter_zero_copy";
     pub const REDUCESCATTER_PACKET: &str = "default_reducescatter_packet";
     pub const BROADCAST_ZERO_COPY: &str = "default_broadcast_zero_copy";
+    /// Pushes every chunk into the receivers' registered outputs (`collectives::alltoall`).
+    pub const ALLTOALL_ZERO_COPY: &str = "default_alltoall_zero_copy";
     /// Scratch-staged algorithms for unregistered buffers (MSCCL++'s names); selectable by name,
     /// not chosen by the default selector.
     pub const ALLREDUCE_RSAG: &str = "default_allreduce_rsag";
@@ -353,7 +355,8 @@ fn native_choice(limits: &NativeLimits, ctx: &SelectionContext) -> Option<&'stat
             }
         }
         Collective::Broadcast => Some(BROADCAST_ZERO_COPY),
-        Collective::AllToAll | Collective::SendRecv => None,
+        Collective::AllToAll => Some(ALLTOALL_ZERO_COPY),
+        Collective::SendRecv => None,
     }
 }
 
@@ -414,6 +417,7 @@ mod tests {
             (REDUCESCATTER_ZERO_COPY, Collective::ReduceScatter),
             (REDUCESCATTER_PACKET, Collective::ReduceScatter),
             (BROADCAST_ZERO_COPY, Collective::Broadcast),
+            (ALLTOALL_ZERO_COPY, Collective::AllToAll),
         ] {
             b.add_algorithm(Arc::new(Fake(n, c))).expect("add");
         }
@@ -452,6 +456,7 @@ mod tests {
     #[case(Collective::ReduceScatter, 512 << 10, 8, REDUCESCATTER_PACKET)]
     #[case(Collective::ReduceScatter, (512 << 10) + 8, 8, REDUCESCATTER_ZERO_COPY)]
     #[case(Collective::Broadcast, 1, 2, BROADCAST_ZERO_COPY)]
+    #[case(Collective::AllToAll, 1 << 20, 8, ALLTOALL_ZERO_COPY)]
     fn default_policy(
         #[case] c: Collective,
         #[case] bytes: usize,

@@ -23,8 +23,7 @@ use mscclpp_kernels_cu::alltoall::{AlltoallArgs, MAX_ALLTOALL_BLOCKS, TABLE_SCRA
 use mscclpp_kernels_cu::collectives::{CollectiveFile, PeerPtrs, MAX_RANKS};
 use std::sync::Arc;
 
-/// MSCCL++'s name for the large-message all-to-all.
-pub const ALLTOALL_ZERO_COPY: &str = "default_alltoall_zero_copy";
+pub use mscclpp_core::algorithm_collection::native_names::ALLTOALL_ZERO_COPY;
 
 /// Default threads per block (at least one per peer for the barriers).
 const DEFAULT_THREADS: u32 = 512;
