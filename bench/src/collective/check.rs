@@ -165,11 +165,14 @@ fn check_range(
                     (value != want).then(|| format!("element {i}: got {value}, expected {want}"))
                 }
             }
-            Collective::AllGather | Collective::Broadcast => {
-                let (src_rank, src_index) = if shape.collective == Collective::AllGather {
-                    (i / shape.per_rank_count, i % shape.per_rank_count)
-                } else {
-                    (root, i)
+            Collective::AllGather | Collective::Broadcast | Collective::AllToAll => {
+                // Data movement: which rank's input element lands at output element i (for
+                // all-to-all, chunk s of the output is chunk `rank` of rank s's input).
+                let c = shape.per_rank_count.max(1);
+                let (src_rank, src_index) = match shape.collective {
+                    Collective::AllGather => (i / c, i % c),
+                    Collective::AllToAll => (i / c, rank * c + i % c),
+                    _ => (root, i),
                 };
                 let e = &mut expect_bytes[..esize];
                 super::data::encode(dtype, spec.value(src_rank, src_index), e);
@@ -220,6 +223,10 @@ mod tests {
                     encode(s.dtype, s.value(r, j), chunk)
                 }
                 Collective::Broadcast => encode(s.dtype, s.value(0, i), chunk),
+                Collective::AllToAll => {
+                    let c = shape.per_rank_count;
+                    encode(s.dtype, s.value(i / c, rank * c + i % c), chunk)
+                }
                 c => {
                     let off = if c == Collective::ReduceScatter {
                         rank * shape.per_rank_count
@@ -250,6 +257,7 @@ mod tests {
     #[case(Collective::ReduceScatter, DataType::I8, ReduceOp::Avg)]
     #[case(Collective::AllGather, DataType::Fp8E5M2, ReduceOp::Sum)]
     #[case(Collective::Broadcast, DataType::U32, ReduceOp::Sum)]
+    #[case(Collective::AllToAll, DataType::Bf16, ReduceOp::Sum)]
     fn correct_outputs_pass_and_corruption_is_counted(
         #[case] c: Collective,
         #[case] dtype: DataType,

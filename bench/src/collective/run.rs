@@ -47,7 +47,7 @@ pub struct RankSetup {
     pub env: &'static Env,
     pub gpu: Arc<dyn Gpu>,
     pub bootstrap: Arc<dyn Bootstrap>,
-    /// The GPU this rank drives.
+    /// The launcher's LOCAL_RANK: the rank drives GPU `device % GPUs visible`.
     pub device: usize,
     /// Ranks on this host.
     pub local_size: usize,
@@ -239,11 +239,20 @@ impl<'a> Bench<'a> {
                 opts.root
             )));
         }
+        // Rank r runs on GPU LOCAL_RANK % GPUs, as the GPU suite does: with more local ranks than
+        // GPUs, ranks share one (results are checked as usual; timings are not comparable). NCCL
+        // refuses two ranks of one communicator on one GPU, so only its baseline is refused there.
         let count = gpu.device_count()?;
-        if device >= count {
+        if count == 0 {
             return Err(Error::InvalidArgument(format!(
-                "rank {rank} wants GPU {device} but only {count} are visible (LOCAL_RANK vs \
-                 CUDA_VISIBLE_DEVICES)"
+                "rank {rank}: no GPU is visible (CUDA_VISIBLE_DEVICES)"
+            )));
+        }
+        let device = device % count;
+        if local_size > count && opts.vs_nccl {
+            return Err(Error::InvalidArgument(format!(
+                "rank {rank}: --vs-nccl needs a GPU per rank, but {local_size} local ranks share \
+                 {count} GPU(s) (NCCL refuses two ranks on one GPU)"
             )));
         }
         let props = gpu.properties(device)?;
