@@ -290,7 +290,8 @@ fn two_streams(ctx: &RankContext, engines: [&AlltoallZeroCopy; 2], key: u64) -> 
 }
 
 /// Rank 0 expects one byte more from the last rank than that rank sends: the last rank's kernel
-/// reports the mismatch (device error code 7), writes nothing to rank 0, and every rank finishes.
+/// reports the mismatch (device error code 7), writes nothing to rank 0, and every rank finishes;
+/// with the debug host check the call is refused on every rank with both ranks named.
 fn count_mismatch(ctx: &RankContext, engine: &AlltoallZeroCopy) -> Result<String> {
     let (rank, n) = (ctx.rank(), ctx.size());
     let last = n - 1;
@@ -320,7 +321,29 @@ fn count_mismatch(ctx: &RankContext, engine: &AlltoallZeroCopy) -> Result<String
             "expected only rank {last} to report the mismatch, got ranks {who:?}"
         )));
     }
-    Ok(format!("rank {last} reported it; no hang"))
+    // The debug host check refuses the same call on every rank, naming both ranks.
+    let checked = AlltoallZeroCopy::new(ctx.comm.clone())?.with_host_check(true);
+    let named =
+        format!("rank {last} sends to rank 0 8 bytes, but rank 0 receives from rank {last} 9");
+    match checked.alltoallv(
+        b.input(),
+        b.output(),
+        send,
+        recv,
+        Stream::DEFAULT,
+        None,
+        None,
+    ) {
+        Err(Error::InvalidArgument(m)) if m.contains(&named) => {}
+        other => {
+            return Err(Error::Internal(format!(
+                "the host check should have refused with \"{named}\", got {other:?}"
+            )))
+        }
+    }
+    Ok(format!(
+        "rank {last}'s kernel reported it, no hang; the host check named both ranks"
+    ))
 }
 
 /// Runs the all-to-all family checks on this rank; returns (check name, outcome) in order.

@@ -3,7 +3,8 @@
 //! straight into the receivers' registered outputs. Receivers publish their receive tables on the
 //! device, so callers pass only their own counts and displacements (host arrays), and a sender and
 //! receiver that disagree are caught on the device (`DEVICE_ERROR_COUNT_MISMATCH`) with nothing
-//! sent between them; [`check_local`] catches what one rank can see on the host first.
+//! sent between them; [`check_local`] catches what one rank can see on the host first, and the
+//! debug host check ([`AlltoallZeroCopy::with_host_check`]) names the two ranks that disagree.
 //!
 //! Each call is one kernel on the caller's stream with no host synchronisation, so it is legal
 //! during CUDA-graph capture; the outputs are registered through the [`RegistrationCache`] (host
@@ -12,7 +13,7 @@
 //! Resources, owned here until the communicator-wide ones land (native.rs rewrite): per-block
 //! semaphores (`MAX_ALLTOALL_BLOCKS` x peers) and a 16 KiB table scratch per rank.
 
-use super::split::{check_local, Split};
+use super::split::{check_local, check_matrix, Split};
 use crate::geometry::{self, resident_blocks};
 use crate::resources::{param_ptr, BlockSemaphores, KernelTable, RegistrationCache, SharedScratch};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
@@ -48,6 +49,7 @@ pub struct AlltoallZeroCopy {
     tables: SharedScratch,
     table_peers: PeerPtrs,
     max_blocks: u32,
+    host_check: bool,
     comm: Arc<Communicator>,
 }
 
@@ -74,8 +76,61 @@ impl AlltoallZeroCopy {
             tables,
             table_peers,
             max_blocks,
+            host_check: false,
             comm,
         })
+    }
+
+    /// Debug mode: before every exchange the ranks gather each other's counts over the bootstrap
+    /// (host only, so still legal during capture, but a round trip per call) and fail with an
+    /// error naming the sender, the receiver and both counts when they disagree. Every rank must
+    /// choose the same.
+    pub fn with_host_check(mut self, on: bool) -> Self {
+        self.host_check = on;
+        self
+    }
+
+    /// The debug host check (see [`Self::with_host_check`]).
+    /// `splits` is `None` where this rank's own arguments are invalid (it then reports that).
+    fn check_across_ranks(&self, splits: Option<(&Split, &Split)>) -> Result<()> {
+        let mut mine = Vec::new();
+        if let Some((send, recv)) = splits {
+            for c in send.counts.iter().chain(&recv.counts) {
+                mine.extend_from_slice(&(*c as u64).to_le_bytes());
+            }
+        }
+        let all = self.comm.bootstrap().all_gather(&mine)?;
+        if splits.is_none() {
+            return Ok(());
+        }
+        let n = self.comm.size();
+        if let Some(r) = all.iter().position(Vec::is_empty) {
+            return Err(Error::InvalidArgument(format!(
+                "rank {}: rank {r} called the exchange with invalid arguments (its error names them)",
+                self.comm.rank()
+            )));
+        }
+        let (mut sends, mut recvs) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for (r, bytes) in all.iter().enumerate() {
+            let counts: Vec<usize> = bytes
+                .chunks_exact(8)
+                .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()) as usize)
+                .collect();
+            if counts.len() != 2 * n {
+                return Err(Error::Internal(format!(
+                    "rank {r} sent {} bytes of counts, expected {}",
+                    bytes.len(),
+                    16 * n
+                )));
+            }
+            let split = |c: &[usize]| Split {
+                counts: c.to_vec(),
+                displs: vec![0; n],
+            };
+            sends.push(split(&counts[..n]));
+            recvs.push(split(&counts[n..]));
+        }
+        check_matrix(&sends, &recvs)
     }
 
     pub fn comm(&self) -> &Arc<Communicator> {
@@ -188,7 +243,12 @@ impl AlltoallZeroCopy {
         threads: Option<u32>,
     ) -> Result<()> {
         let (rank, n) = (self.comm.rank(), self.comm.size());
-        check_local(rank, n, send, input.bytes, recv, output.bytes)?;
+        let local = check_local(rank, n, send, input.bytes, recv, output.bytes);
+        if self.host_check {
+            // Every rank joins the gather, so one rank's bad arguments fail all of them at once.
+            self.check_across_ranks(local.is_ok().then_some((send, recv)))?;
+        }
+        local?;
         let null = |what: &str| {
             Error::InvalidArgument(format!(
                 "rank {rank}: null {what} pointer for a non-empty side"
