@@ -4,7 +4,9 @@
 //!   the copy-engine all-reduce for large messages (`copy_engine`), and, behind the NVLS gate, the four NVLS variants (`nvls`);
 //! - all-gather: packets, zero-copy fullmesh2, scratch-staged fullmesh;
 //! - reduce-scatter: packets and zero-copy; broadcast: zero-copy;
-//! - an all-reduce over PortChannels (`port_allreduce`).
+//! - an all-reduce over PortChannels (`port_allreduce`);
+//! - the all-to-all family (`alltoall`): packet and zero-copy all-to-all, all-to-all-v, gather,
+//!   scatter.
 //!
 //! Kernels are in `mscclpp-kernels-cu` (collectives.rs, nvls_units.rs).
 //! [`build_default_algorithms`] builds them all for a communicator, with the default selector of
@@ -70,6 +72,7 @@ pub fn build_default_algorithms(
     // NVLS (NVLink multicast) only behind its safety gate and on hardware that supports it; the
     // selector takes its NVLS branch only when the caller's SelectionContext allows it.
     builder.add_algorithm(Arc::new(alltoall::AlltoallZeroCopy::new(comm.clone())?))?;
+    builder.add_algorithm(Arc::new(alltoall::AlltoallPacket::new(comm.clone())?))?;
     let env = mscclpp_core::env::Env::get()?;
     nvls::add_nvls_algorithms(comm, scratch_bytes, &mut builder, env)?;
     builder.set_selector(default_native_selector(limits));

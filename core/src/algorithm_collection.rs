@@ -171,6 +171,8 @@ pub mod native_names {
     pub const BROADCAST_ZERO_COPY: &str = "default_broadcast_zero_copy";
     /// Pushes every chunk into the receivers' registered outputs (`collectives::alltoall`).
     pub const ALLTOALL_ZERO_COPY: &str = "default_alltoall_zero_copy";
+    /// LL128 lines through the peers' scratch, for small chunks (`collectives::alltoall`).
+    pub const ALLTOALL_PACKET: &str = "default_alltoall_packet";
     /// Scratch-staged algorithms for unregistered buffers (MSCCL++'s names); selectable by name,
     /// not chosen by the default selector.
     pub const ALLREDUCE_RSAG: &str = "default_allreduce_rsag";
@@ -192,6 +194,10 @@ pub mod native_names {
 /// rounds of the multicast kernels. A starting point; retune with `mscclpp-bench` on NVSwitch
 /// hardware. `default_allreduce_nvls_packet` is built with scratch for at least this much.
 pub const NVLS_PACKET_THRESHOLD: usize = 256 << 10;
+
+/// Chunk (bytes per peer) up to which the default selector takes `default_alltoall_packet`; below
+/// its scratch's capacity at 8 ranks (120 KiB). A starting point; retune with `mscclpp-bench`.
+pub const ALLTOALL_PACKET_MAX_CHUNK: usize = 64 << 10;
 
 /// Limits the default selector needs from the algorithms as built (their scratch capacity).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -355,7 +361,14 @@ fn native_choice(limits: &NativeLimits, ctx: &SelectionContext) -> Option<&'stat
             }
         }
         Collective::Broadcast => Some(BROADCAST_ZERO_COPY),
-        Collective::AllToAll => Some(ALLTOALL_ZERO_COPY),
+        // `bytes` is this rank's whole send buffer, one chunk per rank.
+        Collective::AllToAll => {
+            if bytes / ctx.world_size <= ALLTOALL_PACKET_MAX_CHUNK {
+                Some(ALLTOALL_PACKET)
+            } else {
+                Some(ALLTOALL_ZERO_COPY)
+            }
+        }
         Collective::SendRecv => None,
     }
 }
@@ -418,6 +431,7 @@ mod tests {
             (REDUCESCATTER_PACKET, Collective::ReduceScatter),
             (BROADCAST_ZERO_COPY, Collective::Broadcast),
             (ALLTOALL_ZERO_COPY, Collective::AllToAll),
+            (ALLTOALL_PACKET, Collective::AllToAll),
         ] {
             b.add_algorithm(Arc::new(Fake(n, c))).expect("add");
         }
@@ -457,6 +471,9 @@ mod tests {
     #[case(Collective::ReduceScatter, (512 << 10) + 8, 8, REDUCESCATTER_ZERO_COPY)]
     #[case(Collective::Broadcast, 1, 2, BROADCAST_ZERO_COPY)]
     #[case(Collective::AllToAll, 1 << 20, 8, ALLTOALL_ZERO_COPY)]
+    #[case(Collective::AllToAll, 512 << 10, 8, ALLTOALL_PACKET)]
+    #[case(Collective::AllToAll, (512 << 10) + 8, 8, ALLTOALL_ZERO_COPY)]
+    #[case(Collective::AllToAll, 128 << 10, 2, ALLTOALL_PACKET)]
     fn default_policy(
         #[case] c: Collective,
         #[case] bytes: usize,

@@ -1,5 +1,6 @@
 //! GPU checks of the all-to-all family (`mscclpp_collectives::alltoall`): `default_alltoall_zero_copy`
-//! through the `Algorithm` trait, all-to-all-v on skewed splits, gather and scatter. Every rank of
+//! and `default_alltoall_packet` through the `Algorithm` trait, all-to-all-v on skewed splits,
+//! gather and scatter. Every rank of
 //! the job takes part; the suite calls [`run`] on every rank and prints one PASS/FAIL line per entry.
 //!
 //! Bytes move unchanged, so data is bytes: the byte `i` that rank `s` sends to rank `d` is a hash of
@@ -7,8 +8,8 @@
 //! whole output is poisoned first and checked whole: every received region byte for byte, and every
 //! byte outside them still poisoned (nothing written where nothing was due).
 //!
-//! Matrix: per-peer chunks of 0, 1, 3, 4 KiB + 8 B, 1 MiB - 1 B and 64 MiB / nranks (all-to-all,
-//! gather, scatter); all-to-all-v of 0, 1, 3, 4 KiB + 8, 1 MiB - 1 and 64 MiB per rank split with
+//! Matrix: per-peer chunks of 0, 1, 3, 4 KiB + 8 B, 1 MiB - 1 B and 64 MiB / nranks (zero-copy
+//! all-to-all, gather, scatter), of 0, 1, 3, 4 KiB + 8, 64 KiB and the scratch's capacity (packet); all-to-all-v of 0, 1, 3, 4 KiB + 8, 1 MiB - 1 and 64 MiB per rank split with
 //! skews 0, 1.5 and 20 (the last leaves far peers at zero bytes); each eager and as a CUDA graph
 //! replayed twice on fresh data. Then two engines with calls in flight on two streams at once, and
 //! a deliberate count mismatch (the sender's kernel reports it, nothing is written, nothing hangs).
@@ -18,10 +19,12 @@
 
 use crate::RankContext;
 use mscclpp::core::algorithm::{Algorithm, ExecuteArgs};
+use mscclpp::core::algorithm_collection::native_names::ALLTOALL_PACKET;
 use mscclpp::core::gpu::{Gpu, MemoryKind, Stream};
 use mscclpp::core::{AccumType, DataType, Error, ReduceOp, Result};
 use mscclpp_collectives::alltoall::{
-    skewed_matrix, splits_of_matrix, AlltoallZeroCopy, Buffer, Split, ALLTOALL_ZERO_COPY,
+    skewed_matrix, splits_of_matrix, AlltoallPacket, AlltoallZeroCopy, Buffer, Split,
+    ALLTOALL_ZERO_COPY,
 };
 use std::sync::Arc;
 
@@ -49,8 +52,9 @@ fn byte(key: u64, src: usize, dst: usize, i: usize) -> u8 {
 /// One exchange of the matrix: every rank's splits (bytes), and how to run it.
 #[derive(Clone, Copy)]
 enum Op {
-    /// Through `Algorithm::execute` with a uniform chunk.
+    /// Through `Algorithm::execute` with a uniform chunk: zero-copy, or packets.
     Alltoall,
+    AlltoallPacket,
     Alltoallv,
     Gather(usize),
     Scatter(usize),
@@ -59,7 +63,7 @@ enum Op {
 /// Every rank's (send, receive) split for `op` with `bytes` (per peer, or per rank for v).
 fn splits(op: Op, n: usize, bytes: usize, skew: f64) -> Result<Vec<(Split, Split)>> {
     Ok(match op {
-        Op::Alltoall => (0..n)
+        Op::Alltoall | Op::AlltoallPacket => (0..n)
             .map(|_| (Split::uniform(n, bytes), Split::uniform(n, bytes)))
             .collect(),
         Op::Alltoallv => {
@@ -178,9 +182,15 @@ impl Drop for Buffers {
     }
 }
 
+/// The algorithm objects under test.
+struct Engines {
+    zero_copy: AlltoallZeroCopy,
+    packet: AlltoallPacket,
+}
+
 /// Enqueues `op` on `stream` (every rank does the same).
 fn enqueue(
-    engine: &AlltoallZeroCopy,
+    engines: &Engines,
     op: Op,
     b: &Buffers,
     send: &Split,
@@ -188,8 +198,13 @@ fn enqueue(
     bytes: usize,
     stream: Stream,
 ) -> Result<()> {
+    let engine = &engines.zero_copy;
+    let uniform: &dyn Algorithm = match op {
+        Op::AlltoallPacket => &engines.packet,
+        _ => engine,
+    };
     match op {
-        Op::Alltoall => engine.execute(&ExecuteArgs {
+        Op::Alltoall | Op::AlltoallPacket => uniform.execute(&ExecuteArgs {
             input: b.input.ptr,
             output: b.output.ptr,
             input_bytes: b.in_bytes,
@@ -211,7 +226,7 @@ fn enqueue(
 /// One checked exchange, eager or captured once and replayed twice on fresh data.
 fn check_one(
     ctx: &RankContext,
-    engine: &AlltoallZeroCopy,
+    engines: &Engines,
     op: Op,
     bytes: usize,
     skew: f64,
@@ -229,13 +244,13 @@ fn check_one(
     let result = (|| {
         if !graph {
             b.fill(key, rank, send)?;
-            enqueue(engine, op, &b, send, recv, bytes, stream)?;
+            enqueue(engines, op, &b, send, recv, bytes, stream)?;
             gpu.synchronize_stream(stream)?;
             ctx.comm.check_device_errors()?;
             return b.verify(key, rank, recv);
         }
         gpu.begin_capture(stream)?;
-        let enqueued = enqueue(engine, op, &b, send, recv, bytes, stream);
+        let enqueued = enqueue(engines, op, &b, send, recv, bytes, stream);
         let ended = gpu.end_capture(stream);
         enqueued?;
         let g = ended?;
@@ -349,20 +364,34 @@ fn count_mismatch(ctx: &RankContext, engine: &AlltoallZeroCopy) -> Result<String
 /// Runs the all-to-all family checks on this rank; returns (check name, outcome) in order.
 pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
     let n = ctx.size();
-    let engine = match AlltoallZeroCopy::new(ctx.comm.clone()) {
+    let built = AlltoallZeroCopy::new(ctx.comm.clone()).and_then(|zero_copy| {
+        Ok(Engines {
+            zero_copy,
+            packet: AlltoallPacket::new(ctx.comm.clone())?,
+        })
+    });
+    let engines = match built {
         Ok(e) => e,
-        Err(e) => return vec![(format!("{ALLTOALL_ZERO_COPY} setup"), Err(e))],
+        Err(e) => return vec![("alltoall setup".into(), Err(e))],
     };
+    let engine = &engines.zero_copy;
+    let packet_max = engines.packet.max_chunk_bytes();
     let run_seed = match shared_seed(ctx) {
         Ok(s) => s,
         Err(e) => return vec![("alltoall run seed".into(), Err(e))],
     };
     let root = n / 2;
-    let rows: [(String, Op, Vec<usize>, &[f64]); 4] = [
+    let rows: [(String, Op, Vec<usize>, &[f64]); 5] = [
         (
             ALLTOALL_ZERO_COPY.to_string(),
             Op::Alltoall,
             chunk_sizes(n),
+            &[0.0],
+        ),
+        (
+            ALLTOALL_PACKET.to_string(),
+            Op::AlltoallPacket,
+            vec![0, 1, 3, 4096 + 8, 64 << 10, packet_max],
             &[0.0],
         ),
         (
@@ -402,7 +431,7 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
                         "{bytes} B skew {skew} {}",
                         if graph { "graph" } else { "eager" }
                     );
-                    let r = check_one(ctx, &engine, op, bytes, skew, key, graph);
+                    let r = check_one(ctx, &engines, op, bytes, skew, key, graph);
                     let completed = !matches!(&r, Err(e) if !matches!(e, Error::Internal(_)));
                     match r {
                         Ok(()) => passed += 1,
@@ -426,7 +455,7 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
     }
     if aborted.is_none() {
         let second = AlltoallZeroCopy::new(ctx.comm.clone());
-        let r = second.and_then(|s| two_streams(ctx, [&engine, &s], run_seed ^ 0xABCD));
+        let r = second.and_then(|s| two_streams(ctx, [engine, &s], run_seed ^ 0xABCD));
         out.push((
             "alltoallv: two engines in flight on two streams".into(),
             r.map(|()| "both exchanges correct".into()),
@@ -434,7 +463,7 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
         if n >= 2 {
             out.push((
                 "alltoallv: count mismatch -> device error".into(),
-                count_mismatch(ctx, &engine),
+                count_mismatch(ctx, engine),
             ));
         }
     }
@@ -493,6 +522,7 @@ mod tests {
         for n in [1, 2, 4, 8] {
             let ops = [
                 Op::Alltoall,
+                Op::AlltoallPacket,
                 Op::Alltoallv,
                 Op::Gather(n / 2),
                 Op::Scatter(n - 1),

@@ -6,6 +6,7 @@
 //! all a pair of splits per rank (send, receive); an exchange is consistent when every rank's send
 //! count to a peer equals that peer's receive count from it ([`check_matrix`]).
 
+use mscclpp_core::algorithm::ExecuteArgs;
 use mscclpp_core::{Error, Result};
 
 /// Which buffer a split describes, for error messages.
@@ -274,9 +275,37 @@ pub fn splits_of_matrix(
     ))
 }
 
+/// Bytes of each rank's chunk of a uniform all-to-all (`ExecuteArgs`: the whole send buffer, one
+/// equal chunk per rank in whole elements; out of place); errors name the algorithm, the rank and
+/// the sizes.
+pub fn uniform_chunk(name: &str, args: &ExecuteArgs, rank: usize, nranks: usize) -> Result<usize> {
+    let count = args.input_count()?;
+    if count % nranks.max(1) != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "rank {rank}: {name}: {count} {} elements do not split into {nranks} \
+             equal chunks",
+            args.dtype
+        )));
+    }
+    if args.output_bytes < args.input_bytes {
+        return Err(Error::InvalidArgument(format!(
+            "rank {rank}: {name}: the output holds {} bytes, the call needs {}",
+            args.output_bytes, args.input_bytes
+        )));
+    }
+    if args.in_place() && args.input_bytes > 0 {
+        return Err(Error::Unsupported(format!(
+            "rank {rank}: {name} in place (peers would overwrite chunks not yet sent)"
+        )));
+    }
+    Ok(args.input_bytes / nranks.max(1))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use mscclpp_core::gpu::Stream;
+    use mscclpp_core::{AccumType, DataType, ReduceOp};
 
     fn msg(r: Result<impl std::fmt::Debug>) -> String {
         match r {
@@ -420,5 +449,50 @@ mod tests {
         // A large skew leaves far peers at zero (zero-length peers in the exchange).
         let steep = skewed_matrix(8, 100, 20.0);
         assert!(steep[0][7] == 0 && steep[0][0] == 100);
+    }
+
+    fn args(input_bytes: usize, output_bytes: usize, dtype: DataType) -> ExecuteArgs {
+        ExecuteArgs {
+            input: 0x1000,
+            output: 0x9000_0000,
+            input_bytes,
+            output_bytes,
+            dtype,
+            op: ReduceOp::Sum,
+            accum: AccumType::Auto,
+            root: 0,
+            stream: Stream::DEFAULT,
+            nblocks: None,
+            nthreads: None,
+        }
+    }
+
+    #[test]
+    fn uniform_chunks_are_whole_elements() {
+        assert_eq!(
+            uniform_chunk("a2a", &args(64, 64, DataType::F32), 0, 4).unwrap(),
+            16
+        );
+        assert_eq!(
+            uniform_chunk("a2a", &args(0, 0, DataType::F32), 0, 4).unwrap(),
+            0
+        );
+        assert_eq!(
+            uniform_chunk("a2a", &args(3, 3, DataType::U8), 0, 1).unwrap(),
+            3
+        );
+        let e = uniform_chunk("a2a", &args(12, 12, DataType::F32), 2, 2).unwrap_err();
+        assert!(
+            e.to_string().contains("rank 2") && e.to_string().contains("3 f32"),
+            "{e}"
+        );
+        let e = uniform_chunk("a2a", &args(16, 8, DataType::U8), 1, 2).unwrap_err();
+        assert!(e.to_string().contains("output holds 8 bytes"), "{e}");
+        let mut a = args(16, 16, DataType::U8);
+        a.output = a.input;
+        assert!(matches!(
+            uniform_chunk("a2a", &a, 0, 2),
+            Err(Error::Unsupported(_))
+        ));
     }
 }

@@ -13,7 +13,7 @@
 //! Resources, owned here until the communicator-wide ones land (native.rs rewrite): per-block
 //! semaphores (`MAX_ALLTOALL_BLOCKS` x peers) and a 16 KiB table scratch per rank.
 
-use super::split::{check_local, check_matrix, Split};
+use super::split::{check_local, check_matrix, uniform_chunk, Split};
 use crate::geometry::{self, resident_blocks};
 use crate::resources::{param_ptr, BlockSemaphores, KernelTable, RegistrationCache, SharedScratch};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
@@ -309,12 +309,12 @@ impl Algorithm for AlltoallZeroCopy {
     /// `input_bytes` is this rank's whole send buffer, cut into one equal chunk per rank (in
     /// whole elements); the output receives one chunk from each rank, in rank order.
     fn check(&self, args: &ExecuteArgs) -> Result<()> {
-        uniform_chunk(args, self.comm.rank(), self.comm.size()).map(|_| ())
+        uniform_chunk(ALLTOALL_ZERO_COPY, args, self.comm.rank(), self.comm.size()).map(|_| ())
     }
 
     fn execute(&self, args: &ExecuteArgs) -> Result<()> {
         let n = self.comm.size();
-        let chunk = uniform_chunk(args, self.comm.rank(), n)?;
+        let chunk = uniform_chunk(ALLTOALL_ZERO_COPY, args, self.comm.rank(), n)?;
         if chunk == 0 {
             return Ok(());
         }
@@ -338,74 +338,5 @@ impl Algorithm for AlltoallZeroCopy {
             blocks,
             args.nthreads,
         )
-    }
-}
-
-/// Bytes of each rank's chunk of a uniform all-to-all; errors name the rank and the sizes.
-pub fn uniform_chunk(args: &ExecuteArgs, rank: usize, nranks: usize) -> Result<usize> {
-    let count = args.input_count()?;
-    if count % nranks.max(1) != 0 {
-        return Err(Error::InvalidArgument(format!(
-            "rank {rank}: {ALLTOALL_ZERO_COPY}: {count} {} elements do not split into {nranks} \
-             equal chunks",
-            args.dtype
-        )));
-    }
-    if args.output_bytes < args.input_bytes {
-        return Err(Error::InvalidArgument(format!(
-            "rank {rank}: {ALLTOALL_ZERO_COPY}: the output holds {} bytes, the call needs {}",
-            args.output_bytes, args.input_bytes
-        )));
-    }
-    if args.in_place() && args.input_bytes > 0 {
-        return Err(Error::Unsupported(format!(
-            "rank {rank}: {ALLTOALL_ZERO_COPY} in place (peers would overwrite chunks not yet sent)"
-        )));
-    }
-    Ok(args.input_bytes / nranks.max(1))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use mscclpp_core::{AccumType, DataType, ReduceOp};
-
-    fn args(input_bytes: usize, output_bytes: usize, dtype: DataType) -> ExecuteArgs {
-        ExecuteArgs {
-            input: 0x1000,
-            output: 0x9000_0000,
-            input_bytes,
-            output_bytes,
-            dtype,
-            op: ReduceOp::Sum,
-            accum: AccumType::Auto,
-            root: 0,
-            stream: Stream::DEFAULT,
-            nblocks: None,
-            nthreads: None,
-        }
-    }
-
-    #[test]
-    fn uniform_chunks_are_whole_elements() {
-        assert_eq!(
-            uniform_chunk(&args(64, 64, DataType::F32), 0, 4).unwrap(),
-            16
-        );
-        assert_eq!(uniform_chunk(&args(0, 0, DataType::F32), 0, 4).unwrap(), 0);
-        assert_eq!(uniform_chunk(&args(3, 3, DataType::U8), 0, 1).unwrap(), 3);
-        let e = uniform_chunk(&args(12, 12, DataType::F32), 2, 2).unwrap_err();
-        assert!(
-            e.to_string().contains("rank 2") && e.to_string().contains("3 f32"),
-            "{e}"
-        );
-        let e = uniform_chunk(&args(16, 8, DataType::U8), 1, 2).unwrap_err();
-        assert!(e.to_string().contains("output holds 8 bytes"), "{e}");
-        let mut a = args(16, 16, DataType::U8);
-        a.output = a.input;
-        assert!(matches!(
-            uniform_chunk(&a, 0, 2),
-            Err(Error::Unsupported(_))
-        ));
     }
 }

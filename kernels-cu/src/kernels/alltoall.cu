@@ -72,3 +72,74 @@ extern "C" __global__ void __launch_bounds__(1024, 1) alltoallv_zero_copy(Alltoa
   }
   block_barrier(args.sems, npeers, true);
 }
+
+// ------------------------------------------------------------------------------------------------
+// alltoall_packet (small messages, any buffers): chunk d of every rank's input goes, in LL128 lines
+// (packet.cuh), into slot `rank` of the current half of rank d's scratch; each rank unpacks slot s
+// of its own scratch into chunk s of its output. No semaphores, no barriers: the lines' flags are
+// the only synchronisation, and parity double buffering (call count) keeps one call's lines from
+// overwriting those of the call before, for the reason given at allgather_packet: a rank that
+// starts call N+2 has finished call N+1, so every peer has sent it call N+1's lines, which each peer
+// sends only after its call-N kernel (all its reads of that half) ended.
+// Own chunk: copied directly. In place is not supported (the host refuses it).
+// ------------------------------------------------------------------------------------------------
+
+// The one argument of alltoall_packet. Mirrored by mscclpp_kernels_cu::alltoall::AlltoallPacketArgs.
+struct AlltoallPacketArgs {
+  const u8* input;
+  u8* output;
+  u64 bytes;             // per chunk (input and output hold nranks chunks)
+  PeerPtrs peer_scratch; // every rank's scratch mapped here
+  const u8* local_scratch;
+  u64 slot_bytes;        // >= LL128::lines(bytes) * 128; scratch = 2 halves x nranks slots
+  CallState* state;
+  u32* error_word;
+  u64 max_spin;
+  u32 rank;
+  u32 nranks;
+};
+
+extern "C" __global__ void __launch_bounds__(1024, 1) alltoall_packet(AlltoallPacketArgs args) {
+  wait_prior_grids();
+  if (aborted(args.error_word)) return;
+  const u64 calls = load_call_count(args.state);
+  const u64 flag = call_flag(calls);
+  const u32 rank = args.rank, nranks = args.nranks, npeers = nranks - 1;
+  const u64 bytes = args.bytes;
+  const u64 half = (calls & 1) * nranks * args.slot_bytes;
+  const u64 nlines = LL128::lines(bytes);
+  const u64 total = npeers * nlines;
+  const LineLanes me;
+  const u32 t = me.t;
+  // Send: line j of chunk d -> slot `rank` of rank d's current half.
+  for (u64 x = me.first + me.sub; x < total; x += me.stride) {
+    const u32 d = peer_rank(static_cast<u32>(x / nlines), rank);
+    const u64 j = x % nlines;
+    const u8* src = args.input + static_cast<u64>(d) * bytes;
+    u8* line = static_cast<u8*>(args.peer_scratch.p[d]) + half + static_cast<u64>(rank) * args.slot_bytes +
+               j * LL128::kLineBytes;
+    LL128::send(line, src, bytes, reinterpret_cast<u64>(src) % 8 == 0, j, t, flag);
+  }
+  // Own chunk.
+  u64 begin, end;
+  block_range(bytes, 16, begin, end);
+  const u64 own = static_cast<u64>(rank) * bytes;
+  copy(args.output + own + begin, args.input + own + begin, end - begin, threadIdx.x, blockDim.x);
+  // Receive: one warp-uniform loop over (peer index, line) (reads vote).
+  const u8* scratch = args.local_scratch + half;
+  bool ok = true;
+  for (u64 base = me.first; ok && base < total; base += me.stride) {
+    const u64 x = base + me.sub;
+    const bool active = x < total;
+    const u32 s = peer_rank(static_cast<u32>(min(x, total - 1) / nlines), rank);
+    const u64 j = x % nlines;
+    u64 a = 0, b = 0;
+    ok = LL128::read(scratch + s * args.slot_bytes + j * LL128::kLineBytes, t, active, flag, a, b, args.max_spin,
+                     args.error_word);
+    if (ok && active) {
+      u8* dst = args.output + static_cast<u64>(s) * bytes;
+      LL128::unpack(dst, bytes, reinterpret_cast<u64>(dst) % 8 == 0, j, t, a, b);
+    }
+  }
+  finish_call(args.state, calls);
+}
