@@ -288,7 +288,8 @@ fn two_streams(ctx: &RankContext, engines: [&AlltoallZeroCopy; 2], key: u64) -> 
     let mut result = Ok(());
     for (j, (send, recv, b, stream)) in jobs.iter().enumerate() {
         result = result.and_then(|()| {
-            engines[j].alltoallv(b.input(), b.output(), send, recv, *stream, None, None)
+            // Two blocks each: both grids stay co-resident however many ranks share the GPU.
+            engines[j].alltoallv(b.input(), b.output(), send, recv, *stream, Some(2), None)
         });
     }
     for (_, _, _, stream) in &jobs {

@@ -11,11 +11,14 @@
 //! only) on first use, which is collective: every rank calls with its buffers in the same pattern.
 //!
 //! Resources, owned here until the communicator-wide ones land (native.rs rewrite): per-block
-//! semaphores (`MAX_ALLTOALL_BLOCKS` x peers) and a 16 KiB table scratch per rank.
+//! semaphores (`MAX_ALLTOALL_BLOCKS` x peers), a 16 KiB table scratch per rank and a 4 KiB
+//! stand-in output.
 
 use super::split::{check_local, check_matrix, uniform_chunk, Split};
 use crate::geometry::{self, resident_blocks};
-use crate::resources::{param_ptr, BlockSemaphores, KernelTable, RegistrationCache, SharedScratch};
+use crate::resources::{
+    param_ptr, BlockSemaphores, DeviceBuffer, KernelTable, RegistrationCache, SharedScratch,
+};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::communicator::Communicator;
 use mscclpp_core::gpu::{DevicePtr, Stream};
@@ -33,6 +36,10 @@ const DEFAULT_THREADS: u32 = 512;
 /// same grid, and no rank knows the others' sizes, so it cannot follow the message size.
 const EXCHANGE_BLOCKS: u32 = 32;
 
+/// Bytes of the buffer registered in place of an empty output (a buffer of its own, so that no
+/// allocation is registered twice).
+const STANDIN_BYTES: usize = 4096;
+
 /// One buffer of one rank's side of an exchange.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Buffer {
@@ -46,8 +53,11 @@ pub struct AlltoallZeroCopy {
     kernels: KernelTable,
     registrations: RegistrationCache,
     semaphores: BlockSemaphores,
-    tables: SharedScratch,
+    /// Owned for its lifetime only: the kernel reaches it through `table_peers`.
+    _tables: SharedScratch,
     table_peers: PeerPtrs,
+    /// Registered in place of an empty output (see `output_or_standin`).
+    standin: DeviceBuffer,
     max_blocks: u32,
     host_check: bool,
     comm: Arc<Communicator>,
@@ -69,12 +79,14 @@ impl AlltoallZeroCopy {
         let semaphores = BlockSemaphores::new(&comm, max_blocks)?;
         let tables = SharedScratch::new(&comm, TABLE_SCRATCH_BYTES)?;
         let table_peers = PeerPtrs::from_slice(&tables.rank_ptrs())?;
+        let standin = DeviceBuffer::zeroed(comm.gpu(), STANDIN_BYTES)?;
         Ok(AlltoallZeroCopy {
             kernels: KernelTable::default(),
             registrations: RegistrationCache::default(),
             semaphores,
-            tables,
+            _tables: tables,
             table_peers,
+            standin,
             max_blocks,
             host_check: false,
             comm,
@@ -223,8 +235,8 @@ impl AlltoallZeroCopy {
     fn output_or_standin(&self, output: Buffer) -> Buffer {
         if output.ptr == 0 || output.bytes == 0 {
             Buffer {
-                ptr: self.tables.local_ptr(),
-                bytes: TABLE_SCRATCH_BYTES,
+                ptr: self.standin.ptr(),
+                bytes: STANDIN_BYTES,
             }
         } else {
             output
