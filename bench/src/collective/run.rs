@@ -841,6 +841,14 @@ impl<'a> Bench<'a> {
             Collective::Broadcast => {
                 nccl.broadcast(input, output, shape.count, dtype, root, stream)
             }
+            Collective::AllToAll => nccl.all_to_all(
+                input,
+                output,
+                shape.per_rank_count,
+                dtype,
+                shape.nranks,
+                stream,
+            ),
             other => Err(Error::Unsupported(format!("NCCL baseline for {other}"))),
         };
         let timed = self.time(&call);
