@@ -474,6 +474,40 @@ impl NcclComm {
         nranks: usize,
         stream: Stream,
     ) -> Result<()> {
+        let chunk = (count * dtype.size()) as u64;
+        let chunks: Vec<(usize, DevicePtr, DevicePtr)> = (0..nranks)
+            .map(|p| (p, send + p as u64 * chunk, recv + p as u64 * chunk))
+            .collect();
+        let (sends, recvs): (Vec<_>, Vec<_>) =
+            chunks.iter().map(|&(p, s, r)| ((p, s), (p, r))).unzip();
+        self.p2p_group(&sends, &recvs, count, dtype, stream)
+    }
+
+    /// nccl-tests' `sendrecv`: `count` elements of `send` to rank `to`, and from rank `from` into
+    /// `recv`, as one group.
+    #[allow(clippy::too_many_arguments)]
+    pub fn send_recv(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: usize,
+        dtype: DataType,
+        to: usize,
+        from: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        self.p2p_group(&[(to, send)], &[(from, recv)], count, dtype, stream)
+    }
+
+    /// One group of `ncclSend`s and `ncclRecv`s of `count` elements each, by (peer, buffer).
+    fn p2p_group(
+        &self,
+        sends: &[(usize, DevicePtr)],
+        recvs: &[(usize, DevicePtr)],
+        count: usize,
+        dtype: DataType,
+        stream: Stream,
+    ) -> Result<()> {
         let t = nccl_dtype(dtype)?;
         let p2p = self.nccl.api.p2p.as_ref().ok_or_else(|| {
             Error::Unsupported(format!(
@@ -481,25 +515,32 @@ impl NcclComm {
                 self.nccl.version_string()
             ))
         })?;
-        let chunk = (count * dtype.size()) as u64;
+        let peer = |p: usize| {
+            c_int::try_from(p)
+                .map_err(|_| Error::InvalidArgument(format!("peer {p} does not fit an int")))
+        };
         // SAFETY: group calls take no arguments.
         let r = unsafe { (p2p.group_start)() };
         self.nccl.check("ncclGroupStart", r, Some(self.comm))?;
         let mut queued = Ok(());
-        for peer in 0..nranks {
-            let p = peer as c_int;
-            let off = peer as u64 * chunk;
-            // SAFETY: `send` and `recv` hold nranks chunks of `count` elements, owned by the
-            // caller and live until the stream has run the group; the communicator is live.
-            let (rs, rr) = unsafe {
-                (
-                    (p2p.send)(ptr(send + off), count, t, p, self.comm, raw_stream(stream)),
-                    (p2p.recv)(ptr(recv + off), count, t, p, self.comm, raw_stream(stream)),
-                )
-            };
-            queued = queued
-                .and_then(|()| self.nccl.check("ncclSend", rs, Some(self.comm)))
-                .and_then(|()| self.nccl.check("ncclRecv", rr, Some(self.comm)));
+        for &(p, buf) in sends {
+            queued = queued.and_then(|()| {
+                // SAFETY: `buf` holds `count` elements, owned by the caller and live until the
+                // stream has run the group; the communicator is live.
+                let r = unsafe {
+                    (p2p.send)(ptr(buf), count, t, peer(p)?, self.comm, raw_stream(stream))
+                };
+                self.nccl.check("ncclSend", r, Some(self.comm))
+            });
+        }
+        for &(p, buf) in recvs {
+            queued = queued.and_then(|()| {
+                // SAFETY: as for the sends.
+                let r = unsafe {
+                    (p2p.recv)(ptr(buf), count, t, peer(p)?, self.comm, raw_stream(stream))
+                };
+                self.nccl.check("ncclRecv", r, Some(self.comm))
+            });
         }
         // The group must end even when a call failed.
         // SAFETY: as above.

@@ -26,7 +26,8 @@ Grid-searches (algorithm, nblocks, nthreads) for every power-of-two size under C
 rank takes the same decision; rank 0 writes the winners as a YAML tuning table.
 
 Options:
-  -c, --collective NAME    allreduce allgather reducescatter broadcast alltoall (default allreduce)
+  -c, --collective NAME    allreduce allgather reducescatter broadcast alltoall sendrecv
+                           (default allreduce)
   -d, --datatype LIST      element types, comma-separated, or all (default bf16)
   -b, --minbytes SIZE      smallest size, rounded up to a power of two (default 1K)
   -e, --maxbytes SIZE      largest size, rounded down to a power of two (default 1G)
@@ -351,7 +352,7 @@ mod tests {
     #[case("--out t.yaml --nthreads x", "--nthreads \"x\"")]
     #[case("--out t.yaml --algos ,", "--algos")]
     #[case("--out t.yaml -n 0", "-n \"0\"")]
-    #[case("--out t.yaml -c sendrecv", "sendrecv")]
+    #[case("--out t.yaml -c gather", "gather")]
     #[case("--out t.yaml --frob", "--frob")]
     #[case("--out", "--out needs a value")]
     fn bad_arguments_name_the_problem(#[case] args: &str, #[case] needle: &str) {

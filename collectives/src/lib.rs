@@ -71,7 +71,9 @@ pub fn build_default_algorithms(
     }
     // NVLS (NVLink multicast) only behind its safety gate and on hardware that supports it; the
     // selector takes its NVLS branch only when the caller's SelectionContext allows it.
-    builder.add_algorithm(Arc::new(alltoall::AlltoallZeroCopy::new(comm.clone())?))?;
+    let exchange = Arc::new(alltoall::AlltoallZeroCopy::new(comm.clone())?);
+    builder.add_algorithm(exchange.clone())?;
+    builder.add_algorithm(Arc::new(alltoall::ShiftSendRecv::new(exchange)))?;
     builder.add_algorithm(Arc::new(alltoall::AlltoallPacket::new(comm.clone())?))?;
     let env = mscclpp_core::env::Env::get()?;
     nvls::add_nvls_algorithms(comm, scratch_bytes, &mut builder, env)?;

@@ -173,6 +173,9 @@ pub mod native_names {
     pub const ALLTOALL_ZERO_COPY: &str = "default_alltoall_zero_copy";
     /// LL128 lines through the peers' scratch, for small chunks (`collectives::alltoall`).
     pub const ALLTOALL_PACKET: &str = "default_alltoall_packet";
+    /// Ours: the shift exchange (`root` = shift; 1 is nccl-tests' `sendrecv` ring) on the
+    /// all-to-all engine.
+    pub const SENDRECV_ZERO_COPY: &str = "default_sendrecv_zero_copy";
     /// Scratch-staged algorithms for unregistered buffers (MSCCL++'s names); selectable by name,
     /// not chosen by the default selector.
     pub const ALLREDUCE_RSAG: &str = "default_allreduce_rsag";
@@ -369,7 +372,7 @@ fn native_choice(limits: &NativeLimits, ctx: &SelectionContext) -> Option<&'stat
                 Some(ALLTOALL_ZERO_COPY)
             }
         }
-        Collective::SendRecv => None,
+        Collective::SendRecv => Some(SENDRECV_ZERO_COPY),
     }
 }
 
@@ -432,6 +435,7 @@ mod tests {
             (BROADCAST_ZERO_COPY, Collective::Broadcast),
             (ALLTOALL_ZERO_COPY, Collective::AllToAll),
             (ALLTOALL_PACKET, Collective::AllToAll),
+            (SENDRECV_ZERO_COPY, Collective::SendRecv),
         ] {
             b.add_algorithm(Arc::new(Fake(n, c))).expect("add");
         }
@@ -474,6 +478,7 @@ mod tests {
     #[case(Collective::AllToAll, 512 << 10, 8, ALLTOALL_PACKET)]
     #[case(Collective::AllToAll, (512 << 10) + 8, 8, ALLTOALL_ZERO_COPY)]
     #[case(Collective::AllToAll, 128 << 10, 2, ALLTOALL_PACKET)]
+    #[case(Collective::SendRecv, 1 << 20, 4, SENDRECV_ZERO_COPY)]
     fn default_policy(
         #[case] c: Collective,
         #[case] bytes: usize,

@@ -1,5 +1,5 @@
 //! GPU checks of the all-to-all family (`mscclpp_collectives::alltoall`): `default_alltoall_zero_copy`
-//! and `default_alltoall_packet` through the `Algorithm` trait, all-to-all-v on skewed splits,
+//! and `default_alltoall_packet` through the `Algorithm` trait, the ring `default_sendrecv_zero_copy`, all-to-all-v on skewed splits,
 //! gather and scatter. Every rank of
 //! the job takes part; the suite calls [`run`] on every rank and prints one PASS/FAIL line per entry.
 //!
@@ -19,12 +19,13 @@
 
 use crate::RankContext;
 use mscclpp::core::algorithm::{Algorithm, ExecuteArgs};
-use mscclpp::core::algorithm_collection::native_names::ALLTOALL_PACKET;
+use mscclpp::core::algorithm_collection::native_names::{ALLTOALL_PACKET, SENDRECV_ZERO_COPY};
 use mscclpp::core::gpu::{Gpu, MemoryKind, Stream};
 use mscclpp::core::{AccumType, DataType, Error, ReduceOp, Result};
+use mscclpp_collectives::alltoall::shift::shift_splits;
 use mscclpp_collectives::alltoall::{
-    skewed_matrix, splits_of_matrix, AlltoallPacket, AlltoallZeroCopy, Buffer, Split,
-    ALLTOALL_ZERO_COPY,
+    skewed_matrix, splits_of_matrix, AlltoallPacket, AlltoallZeroCopy, Buffer, ShiftSendRecv,
+    Split, ALLTOALL_ZERO_COPY,
 };
 use std::sync::Arc;
 
@@ -55,6 +56,8 @@ enum Op {
     /// Through `Algorithm::execute` with a uniform chunk: zero-copy, or packets.
     Alltoall,
     AlltoallPacket,
+    /// `default_sendrecv_zero_copy` with shift 1 (the ring).
+    SendRecv,
     Alltoallv,
     Gather(usize),
     Scatter(usize),
@@ -66,6 +69,7 @@ fn splits(op: Op, n: usize, bytes: usize, skew: f64) -> Result<Vec<(Split, Split
         Op::Alltoall | Op::AlltoallPacket => (0..n)
             .map(|_| (Split::uniform(n, bytes), Split::uniform(n, bytes)))
             .collect(),
+        Op::SendRecv => (0..n).map(|r| shift_splits(r, n, 1, bytes)).collect(),
         Op::Alltoallv => {
             let m = skewed_matrix(n, bytes, skew);
             (0..n)
@@ -184,8 +188,9 @@ impl Drop for Buffers {
 
 /// The algorithm objects under test.
 struct Engines {
-    zero_copy: AlltoallZeroCopy,
+    zero_copy: Arc<AlltoallZeroCopy>,
     packet: AlltoallPacket,
+    shift: ShiftSendRecv,
 }
 
 /// Enqueues `op` on `stream` (every rank does the same).
@@ -201,10 +206,11 @@ fn enqueue(
     let engine = &engines.zero_copy;
     let uniform: &dyn Algorithm = match op {
         Op::AlltoallPacket => &engines.packet,
-        _ => engine,
+        Op::SendRecv => &engines.shift,
+        _ => engine.as_ref(),
     };
     match op {
-        Op::Alltoall | Op::AlltoallPacket => uniform.execute(&ExecuteArgs {
+        Op::Alltoall | Op::AlltoallPacket | Op::SendRecv => uniform.execute(&ExecuteArgs {
             input: b.input.ptr,
             output: b.output.ptr,
             input_bytes: b.in_bytes,
@@ -212,7 +218,8 @@ fn enqueue(
             dtype: DataType::U8,
             op: ReduceOp::Sum,
             accum: AccumType::Auto,
-            root: 0,
+            // The shift of the sendrecv (ignored by the all-to-alls).
+            root: 1,
             stream,
             nblocks: None,
             nthreads: None,
@@ -366,7 +373,9 @@ fn count_mismatch(ctx: &RankContext, engine: &AlltoallZeroCopy) -> Result<String
 pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
     let n = ctx.size();
     let built = AlltoallZeroCopy::new(ctx.comm.clone()).and_then(|zero_copy| {
+        let zero_copy = Arc::new(zero_copy);
         Ok(Engines {
+            shift: ShiftSendRecv::new(zero_copy.clone()),
             zero_copy,
             packet: AlltoallPacket::new(ctx.comm.clone())?,
         })
@@ -382,7 +391,13 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
         Err(e) => return vec![("alltoall run seed".into(), Err(e))],
     };
     let root = n / 2;
-    let rows: [(String, Op, Vec<usize>, &[f64]); 5] = [
+    let rows: [(String, Op, Vec<usize>, &[f64]); 6] = [
+        (
+            format!("{SENDRECV_ZERO_COPY} (ring)"),
+            Op::SendRecv,
+            chunk_sizes(1),
+            &[0.0],
+        ),
         (
             ALLTOALL_ZERO_COPY.to_string(),
             Op::Alltoall,
@@ -524,6 +539,7 @@ mod tests {
             let ops = [
                 Op::Alltoall,
                 Op::AlltoallPacket,
+                Op::SendRecv,
                 Op::Alltoallv,
                 Op::Gather(n / 2),
                 Op::Scatter(n - 1),

@@ -19,7 +19,7 @@
 //! failure ends the run with the rank and its error, so no rank waits for a peer that gave up.
 //! Host waits on the stream are bounded by `MSCCLPP_DEVICE_WAIT_TIMEOUT`.
 
-use super::check::{check_output, CheckResult, TOLERANCE_TEXT};
+use super::check::{check_output, sendrecv_peers, CheckResult, TOLERANCE_TEXT};
 use super::data::{poison_byte, InputSpec};
 use super::device_line;
 use super::options::{AlgoChoice, BenchOptions, Placement};
@@ -632,7 +632,12 @@ impl<'a> Bench<'a> {
             dtype: shape.dtype,
             op: op.unwrap_or(ReduceOp::Sum),
             accum: AccumType::Auto,
-            root: self.opts.root,
+            // For sendrecv the root is the shift of `default_sendrecv_zero_copy`: 1, the ring.
+            root: if shape.collective == Collective::SendRecv {
+                1
+            } else {
+                self.opts.root
+            },
             stream: self.stream,
             nblocks: self.opts.nblocks,
             nthreads: self.opts.nthreads,
@@ -841,6 +846,10 @@ impl<'a> Bench<'a> {
             Collective::Broadcast => {
                 nccl.broadcast(input, output, shape.count, dtype, root, stream)
             }
+            Collective::SendRecv => {
+                let (to, from) = sendrecv_peers(self.rank(), shape.nranks);
+                nccl.send_recv(input, output, shape.count, dtype, to, from, stream)
+            }
             Collective::AllToAll => nccl.all_to_all(
                 input,
                 output,
@@ -849,7 +858,6 @@ impl<'a> Bench<'a> {
                 shape.nranks,
                 stream,
             ),
-            other => Err(Error::Unsupported(format!("NCCL baseline for {other}"))),
         };
         let timed = self.time(&call);
         Ok(self

@@ -2,7 +2,8 @@
 //!
 //! A size on the command line is the collective's "total" bytes as nccl-tests reports it: the
 //! whole buffer for all-reduce and broadcast, the gathered output for all-gather, the scattered
-//! input for reduce-scatter, each rank's whole send buffer for all-to-all. The count column is
+//! input for reduce-scatter, each rank's whole send buffer for all-to-all, what each rank sends
+//! to the next for sendrecv (nccl-tests' ring exchange). The count column is
 //! nccl-tests' too: elements per rank for all-gather (sent) and reduce-scatter (received), the
 //! whole buffer otherwise. Sizes that do not
 //! split evenly are rounded down to whole elements per rank, as nccl-tests does.
@@ -38,7 +39,7 @@ impl Shape {
         let e = dtype.size();
         let n = nranks.max(1);
         let (count, input_bytes, output_bytes) = match collective {
-            Collective::AllReduce | Collective::Broadcast => {
+            Collective::AllReduce | Collective::Broadcast | Collective::SendRecv => {
                 let c = size / e;
                 (c, c * e, c * e)
             }
@@ -53,12 +54,6 @@ impl Shape {
             Collective::AllToAll => {
                 let c = size / e / n;
                 (c * n, c * e * n, c * e * n)
-            }
-            other => {
-                return Err(Error::Unsupported(format!(
-                    "the benchmark covers allreduce, allgather, reducescatter, broadcast and \
-                     alltoall, not {other}"
-                )))
             }
         };
         let per_rank_count = match collective {
@@ -108,7 +103,7 @@ impl Shape {
 }
 
 /// nccl-tests' bus-bandwidth factors: all-reduce `2(n-1)/n`, all-gather and reduce-scatter
-/// `(n-1)/n`, broadcast 1, all-to-all `(n-1)/n`.
+/// `(n-1)/n`, broadcast 1, all-to-all `(n-1)/n`, sendrecv 1.
 pub fn bus_factor(collective: Collective, nranks: usize) -> f64 {
     let n = nranks.max(1) as f64;
     match collective {
@@ -130,6 +125,7 @@ mod tests {
     #[case(Collective::ReduceScatter, 4, 3.0 / 4.0)]
     #[case(Collective::Broadcast, 8, 1.0)]
     #[case(Collective::AllToAll, 4, 3.0 / 4.0)]
+    #[case(Collective::SendRecv, 4, 1.0)]
     fn bus_factors(#[case] c: Collective, #[case] n: usize, #[case] want: f64) {
         assert!((bus_factor(c, n) - want).abs() < 1e-12);
     }
@@ -143,6 +139,7 @@ mod tests {
     #[case(Collective::ReduceScatter, DataType::U8, 1000, 3, (333, 999, 333, 999))]
     #[case(Collective::Broadcast, DataType::Fp8E4M3, 7, 8, (7, 7, 7, 7))]
     #[case(Collective::AllToAll, DataType::F32, 100, 3, (24, 96, 96, 96))]
+    #[case(Collective::SendRecv, DataType::F32, 100, 3, (25, 100, 100, 100))]
     fn shapes_follow_nccl_tests(
         #[case] c: Collective,
         #[case] dtype: DataType,
@@ -158,7 +155,6 @@ mod tests {
     fn too_small_and_unsupported() {
         let e = Shape::new(Collective::AllGather, DataType::F32, 4, 2).unwrap_err();
         assert!(e.to_string().contains("4 bytes"), "{e}");
-        assert!(Shape::new(Collective::SendRecv, DataType::F32, 1024, 2).is_err());
         let e = Shape::new(Collective::AllToAll, DataType::F32, 12, 4).unwrap_err();
         assert!(e.to_string().contains("12 bytes"), "{e}");
     }

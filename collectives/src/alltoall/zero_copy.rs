@@ -149,6 +149,11 @@ impl AlltoallZeroCopy {
         &self.comm
     }
 
+    /// Largest grid a call may ask for.
+    pub fn max_blocks(&self) -> u32 {
+        self.max_blocks
+    }
+
     /// All-to-all-v with this rank's host-side splits (bytes): sends `send.counts[p]` bytes at
     /// `send.displs[p]` of `input` to rank `p`, which stores them at its own receive displacement
     /// for this rank. Every rank must call (collective), each with the same `blocks` (`None`: the
