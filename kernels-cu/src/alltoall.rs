@@ -44,6 +44,28 @@ pub struct AlltoallArgs {
     pub nranks: u32,
 }
 
+/// `AlltoallDeviceArgs`: the one argument of `alltoallv_device_counts` (send counts in device
+/// memory, both sides packed in rank order).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct AlltoallDeviceArgs {
+    pub input: u64,
+    pub input_bytes: u64,
+    pub outputs: PeerPtrs,
+    pub tables: PeerPtrs,
+    /// `const u64*`: `nranks` send counts in units of `unit_bytes`.
+    pub send_counts: u64,
+    /// `u64*`: `nranks` receive counts, written by the kernel.
+    pub recv_counts: u64,
+    pub unit_bytes: u64,
+    pub output_bytes: u64,
+    pub sems: u64,
+    pub error_word: u64,
+    pub max_spin: u64,
+    pub rank: u32,
+    pub nranks: u32,
+}
+
 /// `AlltoallPacketArgs`: the one argument of `alltoall_packet` (uniform chunks of `bytes`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -73,102 +95,22 @@ pub fn layout_asserts() -> String {
             "static_assert(offsetof({ty}, {field}) == {offset}, \"{ty}::{field}: offset differs from kernels-cu/src/alltoall.rs\");\n"
         );
     };
-    check("RecvTable", "counts", offset_of!(RecvTable, counts));
-    check("RecvTable", "displs", offset_of!(RecvTable, displs));
-    check("AlltoallArgs", "input", offset_of!(AlltoallArgs, input));
-    check("AlltoallArgs", "outputs", offset_of!(AlltoallArgs, outputs));
-    check("AlltoallArgs", "tables", offset_of!(AlltoallArgs, tables));
-    check(
-        "AlltoallArgs",
-        "send_counts",
-        offset_of!(AlltoallArgs, send_counts),
-    );
-    check(
-        "AlltoallArgs",
-        "send_displs",
-        offset_of!(AlltoallArgs, send_displs),
-    );
-    check(
-        "AlltoallArgs",
-        "recv_counts",
-        offset_of!(AlltoallArgs, recv_counts),
-    );
-    check(
-        "AlltoallArgs",
-        "recv_displs",
-        offset_of!(AlltoallArgs, recv_displs),
-    );
-    check("AlltoallArgs", "sems", offset_of!(AlltoallArgs, sems));
-    check(
-        "AlltoallArgs",
-        "error_word",
-        offset_of!(AlltoallArgs, error_word),
-    );
-    check(
-        "AlltoallArgs",
-        "max_spin",
-        offset_of!(AlltoallArgs, max_spin),
-    );
-    check("AlltoallArgs", "rank", offset_of!(AlltoallArgs, rank));
-    check("AlltoallArgs", "nranks", offset_of!(AlltoallArgs, nranks));
-    check(
-        "AlltoallPacketArgs",
-        "input",
-        offset_of!(AlltoallPacketArgs, input),
-    );
-    check(
-        "AlltoallPacketArgs",
-        "output",
-        offset_of!(AlltoallPacketArgs, output),
-    );
-    check(
-        "AlltoallPacketArgs",
-        "bytes",
-        offset_of!(AlltoallPacketArgs, bytes),
-    );
-    check(
-        "AlltoallPacketArgs",
-        "peer_scratch",
-        offset_of!(AlltoallPacketArgs, peer_scratch),
-    );
-    check(
-        "AlltoallPacketArgs",
-        "local_scratch",
-        offset_of!(AlltoallPacketArgs, local_scratch),
-    );
-    check(
-        "AlltoallPacketArgs",
-        "slot_bytes",
-        offset_of!(AlltoallPacketArgs, slot_bytes),
-    );
-    check(
-        "AlltoallPacketArgs",
-        "state",
-        offset_of!(AlltoallPacketArgs, state),
-    );
-    check(
-        "AlltoallPacketArgs",
-        "error_word",
-        offset_of!(AlltoallPacketArgs, error_word),
-    );
-    check(
-        "AlltoallPacketArgs",
-        "max_spin",
-        offset_of!(AlltoallPacketArgs, max_spin),
-    );
-    check(
-        "AlltoallPacketArgs",
-        "rank",
-        offset_of!(AlltoallPacketArgs, rank),
-    );
-    check(
-        "AlltoallPacketArgs",
-        "nranks",
-        offset_of!(AlltoallPacketArgs, nranks),
-    );
+    macro_rules! fields {
+        ($ty:ident: $($f:ident),+) => {
+            $(check(stringify!($ty), stringify!($f), offset_of!($ty, $f));)+
+        };
+    }
+    fields!(RecvTable: counts, displs);
+    fields!(AlltoallArgs: input, outputs, tables, send_counts, send_displs, recv_counts,
+        recv_displs, sems, error_word, max_spin, rank, nranks);
+    fields!(AlltoallDeviceArgs: input, input_bytes, outputs, tables, send_counts, recv_counts,
+        unit_bytes, output_bytes, sems, error_word, max_spin, rank, nranks);
+    fields!(AlltoallPacketArgs: input, output, bytes, peer_scratch, local_scratch, slot_bytes,
+        state, error_word, max_spin, rank, nranks);
     for (ty, size) in [
         ("RecvTable", size_of::<RecvTable>()),
         ("AlltoallArgs", size_of::<AlltoallArgs>()),
+        ("AlltoallDeviceArgs", size_of::<AlltoallDeviceArgs>()),
         ("AlltoallPacketArgs", size_of::<AlltoallPacketArgs>()),
     ] {
         out += &format!(
@@ -193,6 +135,8 @@ mod tests {
         let asserts = layout_asserts();
         assert!(asserts.contains("offsetof(AlltoallArgs, nranks) == 420"));
         assert_eq!(size_of::<AlltoallPacketArgs>(), 136);
+        assert_eq!(size_of::<AlltoallDeviceArgs>(), 208);
+        assert!(asserts.contains("offsetof(AlltoallDeviceArgs, nranks) == 204"));
         assert!(asserts.contains("offsetof(AlltoallPacketArgs, state) == 104"));
     }
 }

@@ -135,7 +135,11 @@ impl CollectiveFile {
             ],
             CollectiveFile::ReduceScatter => &["reducescatter_packet", "reducescatter_zero_copy"],
             CollectiveFile::Broadcast => &["broadcast_zero_copy"],
-            CollectiveFile::AllToAll => &["alltoallv_zero_copy", "alltoall_packet"],
+            CollectiveFile::AllToAll => &[
+                "alltoallv_zero_copy",
+                "alltoallv_device_counts",
+                "alltoall_packet",
+            ],
         }
     }
 }

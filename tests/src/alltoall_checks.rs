@@ -11,7 +11,8 @@
 //! Matrix: per-peer chunks of 0, 1, 3, 4 KiB + 8 B, 1 MiB - 1 B and 64 MiB / nranks (zero-copy
 //! all-to-all, gather, scatter), of 0, 1, 3, 4 KiB + 8, 64 KiB and the scratch's capacity (packet); all-to-all-v of 0, 1, 3, 4 KiB + 8, 1 MiB - 1 and 64 MiB per rank split with
 //! skews 0, 1.5 and 20 (the last leaves far peers at zero bytes); each eager and as a CUDA graph
-//! replayed twice on fresh data. Then two engines with calls in flight on two streams at once, and
+//! replayed twice on fresh data. Then two engines with calls in flight on two streams at once,
+//! all-to-all-v with device-resident counts (MoE routing), and
 //! a deliberate count mismatch (the sender's kernel reports it, nothing is written, nothing hangs).
 //!
 //! After every check the ranks agree (bootstrap all-gather) on whether it completed; after a
@@ -312,6 +313,122 @@ fn two_streams(ctx: &RankContext, engines: [&AlltoallZeroCopy; 2], key: u64) -> 
     result
 }
 
+/// All-to-all-v with the send counts in device memory (MoE routing): rows of 24 bytes split with
+/// skew 1.5, counts uploaded to the device, the output 64 bytes larger than needed (which must stay
+/// poisoned), the receive counts the kernel writes checked against the matrix; eager, then one
+/// capture replayed twice on fresh data.
+fn device_counts(ctx: &RankContext, engine: &AlltoallZeroCopy, key: u64) -> Result<String> {
+    const UNIT: usize = 24;
+    let (rank, n) = (ctx.rank(), ctx.size());
+    let gpu = &ctx.gpu;
+    let m = skewed_matrix(n, 40_000, 1.5);
+    let (send, recv) = splits_of_matrix(&m, rank, UNIT)?;
+    let in_bytes = send.total();
+    let out_bytes = recv.total() + 64;
+    let b = Buffers::new(gpu, in_bytes, out_bytes)?;
+    let counts = DeviceCounts::new(gpu, &m[rank])?;
+    let stream = gpu.create_stream()?;
+    let call = || {
+        engine.alltoallv_device_counts(
+            b.input(),
+            b.output(),
+            counts.send.ptr,
+            counts.recv.ptr,
+            UNIT,
+            stream,
+            None,
+        )
+    };
+    let want: Vec<u64> = m.iter().map(|row| row[rank] as u64).collect();
+    let check = |key: u64| -> Result<()> {
+        gpu.synchronize_stream(stream)?;
+        ctx.comm.check_device_errors()?;
+        b.verify(key, rank, &recv)?;
+        let got = counts.received()?;
+        if got != want {
+            return Err(Error::Internal(format!(
+                "rank {rank}: receive counts {got:?}, expected {want:?}"
+            )));
+        }
+        Ok(())
+    };
+    let result = (|| {
+        counts.reset()?;
+        b.fill(key, rank, &send)?;
+        call()?;
+        check(key)?;
+        gpu.begin_capture(stream)?;
+        let captured = call();
+        let ended = gpu.end_capture(stream);
+        captured?;
+        let g = ended?;
+        let replays = (1..=2u64).try_for_each(|replay| {
+            let key = key ^ replay.wrapping_mul(0xD6E8_FEB8_6659_FD93);
+            counts.reset()?;
+            b.fill(key, rank, &send)?;
+            gpu.launch_graph(g, stream)?;
+            check(key)
+        });
+        let _ = gpu.destroy_graph(g);
+        replays
+    })();
+    let _ = gpu.destroy_stream(stream);
+    result.map(|()| {
+        format!(
+            "received {:?} rows; eager and 2 graph replays correct",
+            want
+        )
+    })
+}
+
+/// The two device count arrays of [`device_counts`].
+struct DeviceCounts {
+    send: mscclpp::core::gpu::Allocation,
+    recv: mscclpp::core::gpu::Allocation,
+    n: usize,
+    gpu: Arc<dyn Gpu>,
+}
+
+impl DeviceCounts {
+    fn new(gpu: &Arc<dyn Gpu>, send_counts: &[usize]) -> Result<DeviceCounts> {
+        let n = send_counts.len();
+        let c = DeviceCounts {
+            send: gpu.alloc(8 * n, MemoryKind::Plain)?,
+            recv: gpu.alloc(8 * n, MemoryKind::Plain)?,
+            n,
+            gpu: gpu.clone(),
+        };
+        let bytes: Vec<u8> = send_counts
+            .iter()
+            .flat_map(|&v| (v as u64).to_le_bytes())
+            .collect();
+        gpu.copy_to_device(c.send.ptr, &bytes)?;
+        Ok(c)
+    }
+
+    /// Poisons the receive counts.
+    fn reset(&self) -> Result<()> {
+        self.gpu
+            .copy_to_device(self.recv.ptr, &vec![0xEE; 8 * self.n])
+    }
+
+    fn received(&self) -> Result<Vec<u64>> {
+        let mut bytes = vec![0u8; 8 * self.n];
+        self.gpu.copy_from_device(&mut bytes, self.recv.ptr)?;
+        Ok(bytes
+            .chunks_exact(8)
+            .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()))
+            .collect())
+    }
+}
+
+impl Drop for DeviceCounts {
+    fn drop(&mut self) {
+        let _ = self.gpu.free(&self.send);
+        let _ = self.gpu.free(&self.recv);
+    }
+}
+
 /// Rank 0 expects one byte more from the last rank than that rank sends: the last rank's kernel
 /// reports the mismatch (device error code 7), writes nothing to rank 0, and every rank finishes;
 /// with the debug host check the call is refused on every rank with both ranks named.
@@ -475,6 +592,10 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
         out.push((
             "alltoallv: two engines in flight on two streams".into(),
             r.map(|()| "both exchanges correct".into()),
+        ));
+        out.push((
+            "alltoallv: device counts (MoE routing)".into(),
+            device_counts(ctx, engine, run_seed ^ 0x5EED),
         ));
         if n >= 2 {
             out.push((

@@ -23,7 +23,9 @@ use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::communicator::Communicator;
 use mscclpp_core::gpu::{DevicePtr, Stream};
 use mscclpp_core::{Error, Result};
-use mscclpp_kernels_cu::alltoall::{AlltoallArgs, MAX_ALLTOALL_BLOCKS, TABLE_SCRATCH_BYTES};
+use mscclpp_kernels_cu::alltoall::{
+    AlltoallArgs, AlltoallDeviceArgs, MAX_ALLTOALL_BLOCKS, TABLE_SCRATCH_BYTES,
+};
 use mscclpp_kernels_cu::collectives::{CollectiveFile, PeerPtrs, MAX_RANKS};
 use std::sync::Arc;
 
@@ -277,14 +279,9 @@ impl AlltoallZeroCopy {
         if recv.total() > 0 && output.ptr == 0 {
             return Err(null("output"));
         }
-        let registered = self.output_or_standin(output);
-        let outputs = self
-            .registrations
-            .rank_ptrs(&self.comm, registered.ptr, registered.bytes)?;
-        let cfg = geometry::launch_config(blocks, threads, 1, DEFAULT_THREADS, self.max_blocks)?;
         let mut args = AlltoallArgs {
             input: input.ptr,
-            outputs: PeerPtrs::from_slice(&outputs)?,
+            outputs: self.rank_outputs(output)?,
             tables: self.table_peers,
             sems: self.semaphores.ptr(),
             error_word: self.comm.error_word_device_ptr(),
@@ -299,17 +296,99 @@ impl AlltoallZeroCopy {
             args.recv_counts[p] = recv.counts[p] as u64;
             args.recv_displs[p] = recv.displs[p] as u64;
         }
+        // SAFETY: `AlltoallArgs` is the kernel's one parameter (layout checked by the unit's
+        // static_asserts); its addresses are the caller's checked buffers, the peers' registered
+        // outputs and our own live semaphores and table scratch.
+        unsafe { self.launch("alltoallv_zero_copy", &mut args, stream, blocks, threads) }
+    }
+
+    /// All-to-all-v with the send counts in device memory, as MoE routing produces them (no host
+    /// round trip, so it can sit inside a CUDA graph with the routing): `send_counts` holds
+    /// `nranks` u64 counts in units of `unit_bytes` (e.g. one token's row), both buffers are
+    /// packed in rank order, and the kernel writes what this rank received from each rank (units)
+    /// to `recv_counts` (`nranks` u64). Counts that overflow a buffer are a device error
+    /// (`DEVICE_ERROR_COUNT_MISMATCH`) and move nothing to that destination. Collective; every rank
+    /// passes the same `blocks` (`None`: the fixed default).
+    #[allow(clippy::too_many_arguments)]
+    pub fn alltoallv_device_counts(
+        &self,
+        input: Buffer,
+        output: Buffer,
+        send_counts: DevicePtr,
+        recv_counts: DevicePtr,
+        unit_bytes: usize,
+        stream: Stream,
+        blocks: Option<u32>,
+    ) -> Result<()> {
+        let rank = self.comm.rank();
+        if unit_bytes == 0 || send_counts == 0 || recv_counts == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "rank {rank}: alltoallv with device counts needs a unit size (got {unit_bytes}) \
+                 and both count arrays (send {send_counts:#x}, receive {recv_counts:#x})"
+            )));
+        }
+        let mut args = AlltoallDeviceArgs {
+            input: input.ptr,
+            input_bytes: if input.ptr == 0 {
+                0
+            } else {
+                input.bytes as u64
+            },
+            outputs: self.rank_outputs(output)?,
+            tables: self.table_peers,
+            send_counts,
+            recv_counts,
+            unit_bytes: unit_bytes as u64,
+            output_bytes: if output.ptr == 0 {
+                0
+            } else {
+                output.bytes as u64
+            },
+            sems: self.semaphores.ptr(),
+            error_word: self.comm.error_word_device_ptr(),
+            max_spin: 0,
+            rank: rank as u32,
+            nranks: self.comm.size() as u32,
+        };
+        let blocks = blocks.or(Some(EXCHANGE_BLOCKS.min(self.max_blocks)));
+        // SAFETY: `AlltoallDeviceArgs` is the kernel's one parameter (layout checked by the unit's
+        // static_asserts); the count arrays are the caller's device memory of `nranks` u64 each,
+        // the kernel never touches more of a buffer than its given size, and the rest are our own
+        // live resources.
+        unsafe { self.launch("alltoallv_device_counts", &mut args, stream, blocks, None) }
+    }
+
+    /// Every rank's output, registered (collective; see `output_or_standin`).
+    fn rank_outputs(&self, output: Buffer) -> Result<PeerPtrs> {
+        let registered = self.output_or_standin(output);
+        let outputs = self
+            .registrations
+            .rank_ptrs(&self.comm, registered.ptr, registered.bytes)?;
+        PeerPtrs::from_slice(&outputs)
+    }
+
+    /// Launches `entry` of the all-to-all unit with its one argument struct `args`.
+    ///
+    /// # Safety
+    /// `A` must be the entry point's parameter type and every address in it valid for the call.
+    unsafe fn launch<A>(
+        &self,
+        entry: &'static str,
+        args: &mut A,
+        stream: Stream,
+        blocks: Option<u32>,
+        threads: Option<u32>,
+    ) -> Result<()> {
+        let cfg = geometry::launch_config(blocks, threads, 1, DEFAULT_THREADS, self.max_blocks)?;
         let f = self.kernels.function(
             self.comm.gpu().as_ref(),
             CollectiveFile::AllToAll,
             None,
-            "alltoallv_zero_copy",
+            entry,
         )?;
         let cfg = cfg.with_programmatic(true).with_cached_graph(true);
-        let mut params = [param_ptr(&mut args)];
-        // SAFETY: `params` matches the kernel's one `AlltoallArgs` parameter (layout checked by the
-        // unit's static_asserts); its addresses are the caller's checked buffers, the peers'
-        // registered outputs and our own live semaphores and table scratch.
+        let mut params = [param_ptr(args)];
+        // SAFETY: per this function's contract.
         unsafe { self.comm.gpu().launch(f, cfg, stream, &mut params) }
     }
 }

@@ -74,6 +74,68 @@ extern "C" __global__ void __launch_bounds__(1024, 1) alltoallv_zero_copy(Alltoa
 }
 
 // ------------------------------------------------------------------------------------------------
+// alltoallv_device_counts (MoE routing: counts decided on the device, registered outputs): the same
+// exchange as alltoallv_zero_copy, but each rank gives only its send counts, in device memory, and
+// both sides are packed in rank order. Each block publishes this rank's send counts (bytes) and its
+// output capacity in its table slot (counts[], displs[0]); after the start barrier every rank knows
+// every rank's counts, so rank r's bytes for rank d land in d's output after those of ranks < r.
+// Block 0 writes what this rank receives from each rank (in units) to `recv_counts`, for the caller.
+// A destination whose incoming total exceeds its capacity (or a sender whose counts exceed its
+// input) gets nothing from anyone and kErrorCountMismatch is recorded; nothing hangs.
+// ------------------------------------------------------------------------------------------------
+
+// Mirrored by mscclpp_kernels_cu::alltoall::AlltoallDeviceArgs.
+struct AlltoallDeviceArgs {
+  const u8* input;
+  u64 input_bytes;
+  PeerPtrs outputs;
+  PeerPtrs tables;
+  const u64* send_counts;  // device, nranks entries, in units of unit_bytes
+  u64* recv_counts;        // device, nranks entries, written by the kernel (units)
+  u64 unit_bytes;
+  u64 output_bytes;        // this rank's output capacity
+  const D2DSemaphoreHandle* sems;
+  u32* error_word;
+  u64 max_spin;  // reserved, as in AlltoallArgs
+  u32 rank;
+  u32 nranks;
+};
+
+extern "C" __global__ void __launch_bounds__(1024, 1) alltoallv_device_counts(AlltoallDeviceArgs args) {
+  wait_prior_grids();
+  if (aborted(args.error_word)) return;
+  const u32 n = args.nranks, rank = args.rank, npeers = n - 1;
+  RecvTable* mine = reinterpret_cast<RecvTable*>(args.tables.p[rank]) + blockIdx.x;
+  for (u32 r = threadIdx.x; r < n; r += blockDim.x) mine->counts[r] = args.send_counts[r] * args.unit_bytes;
+  if (threadIdx.x == 0) mine->displs[0] = args.output_bytes;
+  if (!block_barrier(args.sems, npeers, true)) return;
+  auto table = [&](u32 r) { return reinterpret_cast<const RecvTable*>(args.tables.p[r]) + blockIdx.x; };
+  if (blockIdx.x == 0) {
+    for (u32 s = threadIdx.x; s < n; s += blockDim.x) args.recv_counts[s] = table(s)->counts[rank] / args.unit_bytes;
+  }
+  u64 send_off = 0;
+  for (u32 d = 0; d < n; ++d) {
+    const u64 bytes = mine->counts[d];
+    u64 recv_off = 0, total = 0;
+    for (u32 s = 0; s < n; ++s) {
+      const u64 c = table(s)->counts[d];
+      if (s < rank) recv_off += c;
+      total += c;
+    }
+    if (total > table(d)->displs[0] || send_off + bytes > args.input_bytes) {
+      if (threadIdx.x == 0) record_error(args.error_word, kErrorCountMismatch);
+    } else {
+      u64 begin, end;
+      block_range(bytes, 16, begin, end);
+      u8* out = static_cast<u8*>(args.outputs.p[d]) + recv_off;
+      copy(out + begin, args.input + send_off + begin, end - begin, threadIdx.x, blockDim.x);
+    }
+    send_off += bytes;
+  }
+  block_barrier(args.sems, npeers, true);
+}
+
+// ------------------------------------------------------------------------------------------------
 // alltoall_packet (small messages, any buffers): chunk d of every rank's input goes, in LL128 lines
 // (packet.cuh), into slot `rank` of the current half of rank d's scratch; each rank unpacks slot s
 // of its own scratch into chunk s of its output. No semaphores, no barriers: the lines' flags are
