@@ -1,7 +1,7 @@
 //! Host mirrors of the all-to-all family's kernel arguments (`kernels/alltoall.cu`): one
-//! `#[repr(C)]` struct per kernel, passed by value, checked against the CUDA declaration by static_asserts that
-//! [`layout_asserts`] generates and `collectives::unit_source` appends to the unit, so every
-//! compile of the unit (at run time and in the NVRTC tests) checks the layout.
+//! `#[repr(C)]` struct per kernel, passed by value, checked against the CUDA declarations by the
+//! static_asserts [`layout_asserts`] generates, which the NVRTC tests append to the unit (they use
+//! `offsetof`, which NVRTC has only from CUDA 13.5, so the run-time compile goes without them).
 
 use crate::collectives::{PeerPtrs, MAX_RANKS};
 use std::mem::{offset_of, size_of};

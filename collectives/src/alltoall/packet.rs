@@ -143,7 +143,7 @@ impl Algorithm for AlltoallPacket {
         let cfg = cfg.with_programmatic(true).with_cached_graph(true);
         let mut params = [param_ptr(&mut kargs)];
         // SAFETY: `params` matches the kernel's one `AlltoallPacketArgs` parameter (layout checked
-        // by the unit's static_asserts); the addresses are the caller's checked buffers and our own
+        // by the NVRTC test's static_asserts); the addresses are the caller's checked buffers and our own
         // live scratch and call counter.
         unsafe { self.comm.gpu().launch(f, cfg, args.stream, &mut params) }
     }

@@ -296,7 +296,7 @@ impl AlltoallZeroCopy {
             args.recv_counts[p] = recv.counts[p] as u64;
             args.recv_displs[p] = recv.displs[p] as u64;
         }
-        // SAFETY: `AlltoallArgs` is the kernel's one parameter (layout checked by the unit's
+        // SAFETY: `AlltoallArgs` is the kernel's one parameter (layout checked by the NVRTC test's
         // static_asserts); its addresses are the caller's checked buffers, the peers' registered
         // outputs and our own live semaphores and table scratch.
         unsafe { self.launch("alltoallv_zero_copy", &mut args, stream, blocks, threads) }
@@ -351,7 +351,7 @@ impl AlltoallZeroCopy {
             nranks: self.comm.size() as u32,
         };
         let blocks = blocks.or(Some(EXCHANGE_BLOCKS.min(self.max_blocks)));
-        // SAFETY: `AlltoallDeviceArgs` is the kernel's one parameter (layout checked by the unit's
+        // SAFETY: `AlltoallDeviceArgs` is the kernel's one parameter (layout checked by the NVRTC test's
         // static_asserts); the count arrays are the caller's device memory of `nranks` u64 each,
         // the kernel never touches more of a buffer than its given size, and the rest are our own
         // live resources.

@@ -27,7 +27,7 @@ struct RecvTable {
 };
 
 // The one kernel argument. Mirrored by mscclpp_kernels_cu::alltoall::AlltoallArgs (424 bytes; the
-// unit's static_asserts, generated from the Rust layout, check every offset).
+// static_asserts the NVRTC test generates from the Rust layout check every offset).
 struct AlltoallArgs {
   const u8* input;
   PeerPtrs outputs;  // every rank's output, mapped here
