@@ -15,7 +15,7 @@ ngpu="${NGPU:-$(nvidia-smi -L | wc -l)}"
 if [ -n "${NGPU:-}" ]; then export CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((NGPU - 1)))"; fi
 # NRANKS=n runs n ranks (default: one per GPU). More ranks than GPUs share them, which checks the
 # suite's results at a world size the machine lacks GPUs for (NCCL refuses shared GPUs, so the
-# benchmark does not run that way). MPS=1 starts an MPS server first so the sharing ranks' kernels
+# benchmark runs that way only without --vs-nccl). MPS=1 starts an MPS server first so the sharing ranks' kernels
 # run side by side instead of time-slicing; it goes away with the machine. Every native kernel needs
 # its whole grid resident while it waits for its peers, so each sharing rank is held to its share of
 # the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, which the SM count the rank reads reflects). MPS

@@ -68,6 +68,9 @@ type BroadcastFn = unsafe extern "C" fn(
     RawComm,
     RawStream,
 ) -> c_int;
+type SendFn = unsafe extern "C" fn(*const c_void, usize, c_int, c_int, RawComm, RawStream) -> c_int;
+type RecvFn = unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, RawComm, RawStream) -> c_int;
+type GroupFn = unsafe extern "C" fn() -> c_int;
 type GetErrorStringFn = unsafe extern "C" fn(c_int) -> *const c_char;
 type GetLastErrorFn = unsafe extern "C" fn(RawComm) -> *const c_char;
 
@@ -80,9 +83,19 @@ struct Api {
     all_gather: AllGatherFn,
     reduce_scatter: ReduceScatterFn,
     broadcast: BroadcastFn,
+    /// Point-to-point (NCCL 2.7+): the all-to-all baseline is a group of sends and receives, as
+    /// nccl-tests runs it.
+    p2p: Option<P2pApi>,
     get_error_string: GetErrorStringFn,
     /// Added in NCCL 2.13; absent from older libraries.
     get_last_error: Option<GetLastErrorFn>,
+}
+
+struct P2pApi {
+    send: SendFn,
+    recv: RecvFn,
+    group_start: GroupFn,
+    group_end: GroupFn,
 }
 
 /// A loaded NCCL/RCCL library. `Send + Sync`: it only holds function pointers.
@@ -178,6 +191,15 @@ impl Nccl {
             all_gather: symbol(&lib, loc, "ncclAllGather")?,
             reduce_scatter: symbol(&lib, loc, "ncclReduceScatter")?,
             broadcast: symbol(&lib, loc, "ncclBroadcast")?,
+            p2p: (|| -> Result<P2pApi> {
+                Ok(P2pApi {
+                    send: symbol(&lib, loc, "ncclSend")?,
+                    recv: symbol(&lib, loc, "ncclRecv")?,
+                    group_start: symbol(&lib, loc, "ncclGroupStart")?,
+                    group_end: symbol(&lib, loc, "ncclGroupEnd")?,
+                })
+            })()
+            .ok(),
             get_error_string: symbol(&lib, loc, "ncclGetErrorString")?,
             get_last_error: symbol(&lib, loc, "ncclGetLastError").ok(),
         };
@@ -439,6 +461,91 @@ impl NcclComm {
             )
         };
         self.nccl.check("ncclBroadcast", r, Some(self.comm))
+    }
+
+    /// All-to-all of `count` elements per peer among `nranks` ranks, as one group of
+    /// `ncclSend`/`ncclRecv` (chunk p of `send` to rank p, chunk p of `recv` from it).
+    pub fn all_to_all(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: usize,
+        dtype: DataType,
+        nranks: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        let chunk = (count * dtype.size()) as u64;
+        let chunks: Vec<(usize, DevicePtr, DevicePtr)> = (0..nranks)
+            .map(|p| (p, send + p as u64 * chunk, recv + p as u64 * chunk))
+            .collect();
+        let (sends, recvs): (Vec<_>, Vec<_>) =
+            chunks.iter().map(|&(p, s, r)| ((p, s), (p, r))).unzip();
+        self.p2p_group(&sends, &recvs, count, dtype, stream)
+    }
+
+    /// nccl-tests' `sendrecv`: `count` elements of `send` to rank `to`, and from rank `from` into
+    /// `recv`, as one group.
+    #[allow(clippy::too_many_arguments)]
+    pub fn send_recv(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: usize,
+        dtype: DataType,
+        to: usize,
+        from: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        self.p2p_group(&[(to, send)], &[(from, recv)], count, dtype, stream)
+    }
+
+    /// One group of `ncclSend`s and `ncclRecv`s of `count` elements each, by (peer, buffer).
+    fn p2p_group(
+        &self,
+        sends: &[(usize, DevicePtr)],
+        recvs: &[(usize, DevicePtr)],
+        count: usize,
+        dtype: DataType,
+        stream: Stream,
+    ) -> Result<()> {
+        let t = nccl_dtype(dtype)?;
+        let p2p = self.nccl.api.p2p.as_ref().ok_or_else(|| {
+            Error::Unsupported(format!(
+                "NCCL {} has no ncclSend/ncclRecv",
+                self.nccl.version_string()
+            ))
+        })?;
+        let peer = |p: usize| {
+            c_int::try_from(p)
+                .map_err(|_| Error::InvalidArgument(format!("peer {p} does not fit an int")))
+        };
+        // SAFETY: group calls take no arguments.
+        let r = unsafe { (p2p.group_start)() };
+        self.nccl.check("ncclGroupStart", r, Some(self.comm))?;
+        let mut queued = Ok(());
+        for &(p, buf) in sends {
+            queued = queued.and_then(|()| {
+                // SAFETY: `buf` holds `count` elements, owned by the caller and live until the
+                // stream has run the group; the communicator is live.
+                let r = unsafe {
+                    (p2p.send)(ptr(buf), count, t, peer(p)?, self.comm, raw_stream(stream))
+                };
+                self.nccl.check("ncclSend", r, Some(self.comm))
+            });
+        }
+        for &(p, buf) in recvs {
+            queued = queued.and_then(|()| {
+                // SAFETY: as for the sends.
+                let r = unsafe {
+                    (p2p.recv)(ptr(buf), count, t, peer(p)?, self.comm, raw_stream(stream))
+                };
+                self.nccl.check("ncclRecv", r, Some(self.comm))
+            });
+        }
+        // The group must end even when a call failed.
+        // SAFETY: as above.
+        let r = unsafe { (p2p.group_end)() };
+        queued.and_then(|()| self.nccl.check("ncclGroupEnd", r, Some(self.comm)))
     }
 }
 

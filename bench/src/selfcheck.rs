@@ -8,8 +8,10 @@
 use mscclpp_core::bootstrap::{Bootstrap, TcpBootstrap};
 use mscclpp_core::env::Env;
 use mscclpp_core::{Error, Result};
+use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
-use std::process::{Child, Command};
+use std::process::{Child, ChildStderr, Command, Stdio};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// What one self-check run does.
@@ -118,12 +120,13 @@ fn free_loopback_port() -> Result<u16> {
 
 /// Spawns `n` ranks of this executable (same arguments) on loopback and waits for them. Each
 /// rank bounds its own waits by the bootstrap timeout; `deadline` is a last resort against a
-/// child that hangs anyway.
+/// child that hangs anyway. The ranks' stderr passes through; a failure is reported as the first
+/// failing rank's own error (`Error::Peer`), not as a failure of the spawn.
 pub fn spawn_local(n: usize, passthrough: &[String], env: &Env) -> Result<()> {
     let exe = std::env::current_exe()
         .map_err(|e| Error::io("locating the mscclpp-bench executable", e))?;
     let port = free_loopback_port()?;
-    let mut kids: Vec<(usize, Child)> = Vec::with_capacity(n);
+    let mut kids: Vec<(usize, Child, Option<StderrTail>)> = Vec::with_capacity(n);
     for rank in 0..n {
         let spawned = Command::new(&exe)
             .args(passthrough)
@@ -133,11 +136,15 @@ pub fn spawn_local(n: usize, passthrough: &[String], env: &Env) -> Result<()> {
             .env("LOCAL_WORLD_SIZE", n.to_string())
             .env("MSCCLPP_MASTER_ADDR", "127.0.0.1")
             .env("MSCCLPP_MASTER_PORT", port.to_string())
+            .stderr(Stdio::piped())
             .spawn();
         match spawned {
-            Ok(c) => kids.push((rank, c)),
+            Ok(mut c) => {
+                let stderr = c.stderr.take();
+                kids.push((rank, c, stderr.map(forward_stderr)));
+            }
             Err(e) => {
-                for (_, c) in &mut kids {
+                for (_, c, _) in &mut kids {
                     let _ = c.kill();
                     let _ = c.wait();
                 }
@@ -147,7 +154,8 @@ pub fn spawn_local(n: usize, passthrough: &[String], env: &Env) -> Result<()> {
     }
     let deadline = Instant::now() + env.bootstrap_timeout * 4 + Duration::from_secs(600);
     let mut failed = Vec::new();
-    for (rank, c) in &mut kids {
+    let mut first_error: Option<(usize, String)> = None;
+    for (rank, c, stderr) in &mut kids {
         let status = loop {
             match c.try_wait() {
                 Ok(Some(st)) => break Some(st),
@@ -160,20 +168,57 @@ pub fn spawn_local(n: usize, passthrough: &[String], env: &Env) -> Result<()> {
                 Err(e) => return Err(Error::io(format!("waiting for rank {rank}"), e)),
             }
         };
+        let said = stderr.take().and_then(|h| h.join().ok().flatten());
         match status {
-            Some(st) if st.success() => {}
+            Some(st) if st.success() => continue,
             Some(st) => failed.push(format!("rank {rank} exited with {st}")),
             None => failed.push(format!("rank {rank} hung and was killed")),
         }
+        if first_error.is_none() {
+            first_error = said.map(|m| (*rank, m));
+        }
     }
-    if failed.is_empty() {
-        Ok(())
-    } else {
-        Err(Error::Bootstrap(format!(
+    match (first_error, failed.is_empty()) {
+        (_, true) => Ok(()),
+        (Some((rank, message)), false) => Err(Error::Peer {
+            rank,
+            message: format!("{message} ({})", failed.join("; ")),
+        }),
+        (None, false) => Err(Error::Bootstrap(format!(
             "self-check failed: {}",
             failed.join("; ")
-        )))
+        ))),
     }
+}
+
+/// A failure of [`spawn_local`] as the caller reports it: a rank's own error as it is, anything
+/// else (a hang, a crash without a message) under `what`.
+pub fn ranks_failed(what: &str, e: Error) -> Error {
+    match e {
+        Error::Peer { .. } => e,
+        other => Error::Internal(format!("{what}: {other}")),
+    }
+}
+
+/// The thread forwarding one rank's stderr; it answers the rank's last error message.
+type StderrTail = JoinHandle<Option<String>>;
+
+/// Copies a rank's stderr to ours line by line; returns the text of its last error line (what
+/// `main` prints after "error: "), if any.
+fn forward_stderr(stderr: ChildStderr) -> StderrTail {
+    std::thread::spawn(move || {
+        let mut last = None;
+        for line in BufReader::new(stderr)
+            .lines()
+            .map_while(std::io::Result::ok)
+        {
+            eprintln!("{line}");
+            if let Some((_, message)) = line.split_once(": error: ") {
+                last = Some(message.to_string());
+            }
+        }
+        last
+    })
 }
 
 #[cfg(test)]

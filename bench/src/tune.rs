@@ -26,7 +26,8 @@ Grid-searches (algorithm, nblocks, nthreads) for every power-of-two size under C
 rank takes the same decision; rank 0 writes the winners as a YAML tuning table.
 
 Options:
-  -c, --collective NAME    allreduce allgather reducescatter broadcast (default allreduce)
+  -c, --collective NAME    allreduce allgather reducescatter broadcast alltoall sendrecv
+                           (default allreduce)
   -d, --datatype LIST      element types, comma-separated, or all (default bf16)
   -b, --minbytes SIZE      smallest size, rounded up to a power of two (default 1K)
   -e, --maxbytes SIZE      largest size, rounded down to a power of two (default 1G)
@@ -206,11 +207,13 @@ pub fn run(args: &[String], env: &'static Env) -> Result<()> {
         let mut child = vec!["tune".to_string()];
         child.extend(rest);
         return selfcheck::spawn_local(n, &child, env)
-            .map_err(|e| Error::Internal(format!("tuning did not finish: {e}")));
+            .map_err(|e| selfcheck::ranks_failed("tuning did not finish", e));
     };
     mscclpp::init_logging(env)?;
     let bootstrap: Arc<dyn Bootstrap> = Arc::new(TcpBootstrap::from_env(env)?);
-    let comm = Arc::new(Communicator::new(bootstrap, gpu, launcher.local_rank)?);
+    // Rank r on GPU LOCAL_RANK % GPUs, as the benchmark and the GPU suite place it.
+    let device = launcher.local_rank % gpu.device_count()?.max(1);
+    let comm = Arc::new(Communicator::new(bootstrap, gpu, device)?);
     let collection = mscclpp_collectives::default_algorithm_collection(
         &comm,
         mscclpp_collectives::DEFAULT_SCRATCH_BYTES,
@@ -349,7 +352,7 @@ mod tests {
     #[case("--out t.yaml --nthreads x", "--nthreads \"x\"")]
     #[case("--out t.yaml --algos ,", "--algos")]
     #[case("--out t.yaml -n 0", "-n \"0\"")]
-    #[case("--out t.yaml -c alltoall", "alltoall")]
+    #[case("--out t.yaml -c gather", "gather")]
     #[case("--out t.yaml --frob", "--frob")]
     #[case("--out", "--out needs a value")]
     fn bad_arguments_name_the_problem(#[case] args: &str, #[case] needle: &str) {

@@ -6,13 +6,16 @@
 //! - reduce-scatter: packets and zero-copy; broadcast: zero-copy;
 //! - an all-reduce over PortChannels (`port_allreduce`), CudaIpc on a host and Ethernet between
 //!   hosts: the default for ranks on several hosts;
-//! - at world size 1, every collective as one device copy (`single_rank`).
+//! - at world size 1, every collective as one device copy (`single_rank`);
+//! - the all-to-all family (`alltoall`): packet and zero-copy all-to-all, all-to-all-v, gather,
+//!   scatter.
 //!
 //! Kernels are in `mscclpp-kernels-cu` (collectives.rs, nvls_units.rs).
 //! [`build_default_algorithms`] builds them all for a communicator, with the default selector of
 //! `mscclpp_core::algorithm_collection`; `tune` fills a tuning table for `mscclpp_core::tuner`.
 
 pub mod algorithms;
+pub mod alltoall;
 pub mod copy_engine;
 pub mod geometry;
 pub mod native;
@@ -106,6 +109,10 @@ pub fn build_default_algorithms(
     }
     // NVLS (NVLink multicast) only behind its safety gate and on hardware that supports it; the
     // selector takes its NVLS branch only when the caller's SelectionContext allows it.
+    let exchange = Arc::new(alltoall::AlltoallZeroCopy::new(comm.clone())?);
+    builder.add_algorithm(exchange.clone())?;
+    builder.add_algorithm(Arc::new(alltoall::ShiftSendRecv::new(exchange)))?;
+    builder.add_algorithm(Arc::new(alltoall::AlltoallPacket::new(comm.clone())?))?;
     let env = mscclpp_core::env::Env::get()?;
     nvls::add_nvls_algorithms(comm, scratch_bytes, &mut builder, env)?;
     builder.set_selector(default_native_selector(limits));

@@ -72,3 +72,23 @@ fn scratch_pipeline_kernels_compile_for_sm_80_and_sm_100() {
         assert!(has(&image, "allgather_fullmesh"), "{name} for {arch}");
     }
 }
+
+/// The all-to-all unit with the static_asserts of its argument structs against the Rust layout,
+/// on every architecture CI targets.
+#[test]
+fn alltoall_unit_compiles_for_every_arch() {
+    let Some(nvrtc) = nvrtc_or_skip("alltoall_unit_compiles_for_every_arch") else {
+        return;
+    };
+    let file = CollectiveFile::AllToAll;
+    let mut src = kc::unit_source(file, None).expect("source");
+    src.push_str(&mscclpp_kernels_cu::alltoall::layout_asserts());
+    for arch in ["sm_80", "sm_90", "sm_100"] {
+        let image = compile_for(&nvrtc, &kc::unit_name(file, None), &src, arch);
+        for entry in file.entry_points() {
+            let sym = format!("{entry}\0");
+            let found = image.windows(sym.len()).any(|w| w == sym.as_bytes());
+            assert!(found, "{entry} missing for {arch}");
+        }
+    }
+}

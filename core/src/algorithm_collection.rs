@@ -201,6 +201,13 @@ pub mod native_names {
     pub const REDUCESCATTER_ZERO_COPY: &str = "default_reducescatter_zero_copy";
     pub const REDUCESCATTER_PACKET: &str = "default_reducescatter_packet";
     pub const BROADCAST_ZERO_COPY: &str = "default_broadcast_zero_copy";
+    /// Pushes every chunk into the receivers' registered outputs (`collectives::alltoall`).
+    pub const ALLTOALL_ZERO_COPY: &str = "default_alltoall_zero_copy";
+    /// LL128 lines through the peers' scratch, for small chunks (`collectives::alltoall`).
+    pub const ALLTOALL_PACKET: &str = "default_alltoall_packet";
+    /// Ours: the shift exchange (`root` = shift; 1 is nccl-tests' `sendrecv` ring) on the
+    /// all-to-all engine.
+    pub const SENDRECV_ZERO_COPY: &str = "default_sendrecv_zero_copy";
     /// Scratch-staged algorithms for unregistered buffers (MSCCL++'s names); selectable by name,
     /// not chosen by the default selector.
     pub const ALLREDUCE_RSAG: &str = "default_allreduce_rsag";
@@ -241,6 +248,10 @@ pub mod native_names {
 /// rounds of the multicast kernels. A starting point; retune with `mscclpp-bench` on NVSwitch
 /// hardware. `default_allreduce_nvls_packet` is built with scratch for at least this much.
 pub const NVLS_PACKET_THRESHOLD: usize = 256 << 10;
+
+/// Chunk (bytes per peer) up to which the default selector takes `default_alltoall_packet`; below
+/// its scratch's capacity at 8 ranks (120 KiB). A starting point; retune with `mscclpp-bench`.
+pub const ALLTOALL_PACKET_MAX_CHUNK: usize = 64 << 10;
 
 /// Limits the default selector needs from the algorithms as built (their scratch capacity).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -425,7 +436,15 @@ fn native_choice(limits: &NativeLimits, ctx: &SelectionContext) -> Option<&'stat
             }
         }
         Collective::Broadcast => Some(BROADCAST_ZERO_COPY),
-        Collective::AllToAll | Collective::SendRecv => None,
+        // `bytes` is this rank's whole send buffer, one chunk per rank.
+        Collective::AllToAll => {
+            if bytes / ctx.world_size <= ALLTOALL_PACKET_MAX_CHUNK {
+                Some(ALLTOALL_PACKET)
+            } else {
+                Some(ALLTOALL_ZERO_COPY)
+            }
+        }
+        Collective::SendRecv => Some(SENDRECV_ZERO_COPY),
     }
 }
 
@@ -486,6 +505,9 @@ mod tests {
             (REDUCESCATTER_ZERO_COPY, Collective::ReduceScatter),
             (REDUCESCATTER_PACKET, Collective::ReduceScatter),
             (BROADCAST_ZERO_COPY, Collective::Broadcast),
+            (ALLTOALL_ZERO_COPY, Collective::AllToAll),
+            (ALLTOALL_PACKET, Collective::AllToAll),
+            (SENDRECV_ZERO_COPY, Collective::SendRecv),
         ] {
             b.add_algorithm(Arc::new(Fake(n, c))).expect("add");
         }
@@ -524,6 +546,11 @@ mod tests {
     #[case(Collective::ReduceScatter, 512 << 10, 8, REDUCESCATTER_PACKET)]
     #[case(Collective::ReduceScatter, (512 << 10) + 8, 8, REDUCESCATTER_ZERO_COPY)]
     #[case(Collective::Broadcast, 1, 2, BROADCAST_ZERO_COPY)]
+    #[case(Collective::AllToAll, 1 << 20, 8, ALLTOALL_ZERO_COPY)]
+    #[case(Collective::AllToAll, 512 << 10, 8, ALLTOALL_PACKET)]
+    #[case(Collective::AllToAll, (512 << 10) + 8, 8, ALLTOALL_ZERO_COPY)]
+    #[case(Collective::AllToAll, 128 << 10, 2, ALLTOALL_PACKET)]
+    #[case(Collective::SendRecv, 1 << 20, 4, SENDRECV_ZERO_COPY)]
     fn default_policy(
         #[case] c: Collective,
         #[case] bytes: usize,

@@ -33,6 +33,10 @@ pub const DEVICE_ERROR_TRIGGER_OVERFLOW: u32 = 5;
 /// another stream): kernels return at entry and every wait gives up at once.
 pub const DEVICE_ERROR_ABORTED: u32 = 6;
 
+/// An all-to-all sender and receiver disagreed on the bytes between them: the kernel sent nothing
+/// to that receiver (`collectives::alltoall` names the ranks when its host check is on).
+pub const DEVICE_ERROR_COUNT_MISMATCH: u32 = 7;
+
 /// Spin bound (iterations) the device uses when a handle's `max_spin` is 0.
 pub const DEFAULT_MAX_SPIN: u64 = 1 << 32;
 
@@ -66,6 +70,9 @@ pub fn describe_device_error(code: u32) -> String {
             "a port-channel offset did not fit in a proxy trigger (code 5)".to_string()
         }
         DEVICE_ERROR_ABORTED => "the communicator was aborted (code 6)".to_string(),
+        DEVICE_ERROR_COUNT_MISMATCH => {
+            "an all-to-all sender and receiver disagreed on a count (code 7)".to_string()
+        }
         other => format!("unknown device error code {other}"),
     }
 }

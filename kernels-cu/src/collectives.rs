@@ -25,6 +25,8 @@ pub const BROADCAST: &str = include_str!("kernels/broadcast.cu");
 pub use mscclpp_core::device::{
     CopyEngineArgs, PacketArgs, PeerPtrs, PipelineArgs, ZeroCopyArgs, COLL_MAX_RANKS as MAX_RANKS,
 };
+/// All-to-all family kernels (byte-oriented; see `crate::alltoall`).
+pub const ALLTOALL: &str = include_str!("kernels/alltoall.cu");
 
 /// Largest grid of a kernel that uses [`CallState`] (`coll::kMaxPacketBlocks`); hosts must cap the
 /// packet kernels' grids at this.
@@ -54,14 +56,16 @@ pub enum CollectiveFile {
     AllGather,
     ReduceScatter,
     Broadcast,
+    AllToAll,
 }
 
 impl CollectiveFile {
-    pub const ALL: [CollectiveFile; 4] = [
+    pub const ALL: [CollectiveFile; 5] = [
         CollectiveFile::AllReduce,
         CollectiveFile::AllGather,
         CollectiveFile::ReduceScatter,
         CollectiveFile::Broadcast,
+        CollectiveFile::AllToAll,
     ];
 
     pub const fn source(self) -> &'static str {
@@ -70,6 +74,7 @@ impl CollectiveFile {
             CollectiveFile::AllGather => ALLGATHER,
             CollectiveFile::ReduceScatter => REDUCE_SCATTER,
             CollectiveFile::Broadcast => BROADCAST,
+            CollectiveFile::AllToAll => ALLTOALL,
         }
     }
 
@@ -79,6 +84,7 @@ impl CollectiveFile {
             CollectiveFile::AllGather => "allgather",
             CollectiveFile::ReduceScatter => "reduce_scatter",
             CollectiveFile::Broadcast => "broadcast",
+            CollectiveFile::AllToAll => "alltoall",
         }
     }
 
@@ -109,6 +115,11 @@ impl CollectiveFile {
             ],
             CollectiveFile::ReduceScatter => &["reducescatter_packet", "reducescatter_zero_copy"],
             CollectiveFile::Broadcast => &["broadcast_zero_copy"],
+            CollectiveFile::AllToAll => &[
+                "alltoallv_zero_copy",
+                "alltoallv_device_counts",
+                "alltoall_packet",
+            ],
         }
     }
 }

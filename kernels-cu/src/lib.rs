@@ -7,6 +7,7 @@
 //! Kernel translation units are small on purpose: the all-reduce kernels are one unit per data
 //! type (`simple_allreduce_<dtype>`), so a program compiles only the types it uses.
 
+pub mod alltoall;
 pub mod collectives;
 pub mod nvls_units;
 

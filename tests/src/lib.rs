@@ -1,6 +1,7 @@
 //! Shared pieces of the integration tests and the GPU suite: per-rank setup under a launcher,
 //! kernel launch parameter packing, reproducible random data and host-side float64 references.
 
+pub mod alltoall_checks;
 pub mod port_allreduce_checks;
 pub mod port_channel_checks;
 

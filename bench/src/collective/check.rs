@@ -119,6 +119,12 @@ pub fn check_output(
     total
 }
 
+/// nccl-tests' sendrecv ring: (the rank `rank` sends to, the rank it receives from).
+pub fn sendrecv_peers(rank: usize, nranks: usize) -> (usize, usize) {
+    let n = nranks.max(1);
+    ((rank + 1) % n, (rank + n - 1) % n)
+}
+
 fn check_range(
     shape: &Shape,
     spec: &InputSpec,
@@ -165,11 +171,18 @@ fn check_range(
                     (value != want).then(|| format!("element {i}: got {value}, expected {want}"))
                 }
             }
-            Collective::AllGather | Collective::Broadcast => {
-                let (src_rank, src_index) = if shape.collective == Collective::AllGather {
-                    (i / shape.per_rank_count, i % shape.per_rank_count)
-                } else {
-                    (root, i)
+            Collective::AllGather
+            | Collective::Broadcast
+            | Collective::AllToAll
+            | Collective::SendRecv => {
+                // Data movement: which rank's input element lands at output element i (for
+                // all-to-all, chunk s of the output is chunk `rank` of rank s's input).
+                let c = shape.per_rank_count.max(1);
+                let (src_rank, src_index) = match shape.collective {
+                    Collective::AllGather => (i / c, i % c),
+                    Collective::AllToAll => (i / c, rank * c + i % c),
+                    Collective::SendRecv => (sendrecv_peers(rank, n).1, i),
+                    _ => (root, i),
                 };
                 let e = &mut expect_bytes[..esize];
                 super::data::encode(dtype, spec.value(src_rank, src_index), e);
@@ -180,7 +193,6 @@ fn check_range(
                     )
                 })
             }
-            other => Some(format!("{other} is not benchmarked")),
         };
         if let Some(m) = mismatch {
             out.wrong += 1;
@@ -220,6 +232,13 @@ mod tests {
                     encode(s.dtype, s.value(r, j), chunk)
                 }
                 Collective::Broadcast => encode(s.dtype, s.value(0, i), chunk),
+                Collective::AllToAll => {
+                    let c = shape.per_rank_count;
+                    encode(s.dtype, s.value(i / c, rank * c + i % c), chunk)
+                }
+                Collective::SendRecv => {
+                    encode(s.dtype, s.value(sendrecv_peers(rank, s.nranks).1, i), chunk)
+                }
                 c => {
                     let off = if c == Collective::ReduceScatter {
                         rank * shape.per_rank_count
@@ -250,6 +269,8 @@ mod tests {
     #[case(Collective::ReduceScatter, DataType::I8, ReduceOp::Avg)]
     #[case(Collective::AllGather, DataType::Fp8E5M2, ReduceOp::Sum)]
     #[case(Collective::Broadcast, DataType::U32, ReduceOp::Sum)]
+    #[case(Collective::AllToAll, DataType::Bf16, ReduceOp::Sum)]
+    #[case(Collective::SendRecv, DataType::I64, ReduceOp::Sum)]
     fn correct_outputs_pass_and_corruption_is_counted(
         #[case] c: Collective,
         #[case] dtype: DataType,

@@ -79,7 +79,7 @@ pub fn run(args: &[String], env: &'static Env, explicit: bool) -> Result<Start> 
         let mut child = vec!["collective".to_string()];
         child.extend(bench_args);
         selfcheck::spawn_local(n, &child, env)
-            .map_err(|e| Error::Internal(format!("the collective benchmark did not pass: {e}")))?;
+            .map_err(|e| selfcheck::ranks_failed("the collective benchmark did not pass", e))?;
         return Ok(Start::Done);
     };
     mscclpp::init_logging(env)?;

@@ -14,7 +14,8 @@ Options:
   -d, --datatype LIST      f32 f16 bf16 f64 i8 u8 i32 u32 i64 u64 fp8_e4m3 fp8_e5m2 fp8_e4m3fnuz
                            fp8_e4m3b15, comma-separated, or all (default f32)
   -o, --op LIST            sum prod min max avg, comma-separated, or all (default sum)
-  -c, --collective NAME    allreduce allgather reducescatter broadcast (default allreduce)
+  -c, --collective NAME    allreduce allgather reducescatter broadcast alltoall sendrecv
+                           (sendrecv: each rank to the next, as nccl-tests; default allreduce)
   -r, --root N             broadcast root (default 0)
   -n, --iters N            timed calls per batch (default 20)
   -w, --warmup_iters N     warm-up calls (default 5)
@@ -169,8 +170,11 @@ pub fn parse_collective(s: &str) -> Result<Collective> {
         "allgather" => Ok(Collective::AllGather),
         "reducescatter" => Ok(Collective::ReduceScatter),
         "broadcast" => Ok(Collective::Broadcast),
+        "alltoall" => Ok(Collective::AllToAll),
+        "sendrecv" => Ok(Collective::SendRecv),
         _ => Err(Error::InvalidArgument(format!(
-            "unknown collective {s:?} (expected allreduce, allgather, reducescatter or broadcast)"
+            "unknown collective {s:?} (expected allreduce, allgather, reducescatter, broadcast, \
+             alltoall or sendrecv)"
         ))),
     }
 }
@@ -436,7 +440,7 @@ mod tests {
     #[case(&["-b", "1X"], "\"1X\"")]
     #[case(&["-d", "f128"], "f128")]
     #[case(&["-o", "xor"], "xor")]
-    #[case(&["-c", "alltoall"], "alltoall")]
+    #[case(&["-c", "gather"], "gather")]
     #[case(&["-b", "2M", "-e", "1M"], "larger than")]
     #[case(&["-n", "0"], "iters")]
     #[case(&["-f", "1", "-e", "4M"], "stepfactor")]

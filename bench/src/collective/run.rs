@@ -19,7 +19,7 @@
 //! failure ends the run with the rank and its error, so no rank waits for a peer that gave up.
 //! Host waits on the stream are bounded by `MSCCLPP_DEVICE_WAIT_TIMEOUT`.
 
-use super::check::{check_output, CheckResult, TOLERANCE_TEXT};
+use super::check::{check_output, sendrecv_peers, CheckResult, TOLERANCE_TEXT};
 use super::data::{poison_byte, InputSpec};
 use super::device_line;
 use super::options::{AlgoChoice, BenchOptions, Placement};
@@ -47,7 +47,7 @@ pub struct RankSetup {
     pub env: &'static Env,
     pub gpu: Arc<dyn Gpu>,
     pub bootstrap: Arc<dyn Bootstrap>,
-    /// The GPU this rank drives.
+    /// The launcher's LOCAL_RANK: the rank drives GPU `device % GPUs visible`.
     pub device: usize,
 }
 
@@ -236,13 +236,16 @@ impl<'a> Bench<'a> {
                 opts.root
             )));
         }
+        // Rank r runs on GPU LOCAL_RANK % GPUs, as the GPU suite does: with more local ranks than
+        // GPUs, ranks share one (results are checked as usual; timings are not comparable). NCCL
+        // refuses two ranks of one communicator on one GPU, so only its baseline is refused there.
         let count = gpu.device_count()?;
-        if device >= count {
+        if count == 0 {
             return Err(Error::InvalidArgument(format!(
-                "rank {rank} wants GPU {device} but only {count} are visible (LOCAL_RANK vs \
-                 CUDA_VISIBLE_DEVICES)"
+                "rank {rank}: no GPU is visible (CUDA_VISIBLE_DEVICES)"
             )));
         }
+        let device = device % count;
         let props = gpu.properties(device)?;
         // Before the communicator allocates its pinned host memory, so that lands nearby too.
         let cpu_binding = if opts.cpu_bind {
@@ -254,6 +257,12 @@ impl<'a> Bench<'a> {
         // Ranks that share a host by identity (MSCCLPP_HOSTID can split one machine), not by the
         // launcher's LOCAL_WORLD_SIZE: that is what decides which algorithms can run.
         let local_size = comm.topology().local_size(rank);
+        if local_size > count && opts.vs_nccl {
+            return Err(Error::InvalidArgument(format!(
+                "rank {rank}: --vs-nccl needs a GPU per rank, but {local_size} local ranks share \
+                 {count} GPU(s) (NCCL refuses two ranks on one GPU)"
+            )));
+        }
         let algos = mscclpp_collectives::default_algorithm_collection(
             &comm,
             mscclpp_collectives::DEFAULT_SCRATCH_BYTES,
@@ -634,7 +643,12 @@ impl<'a> Bench<'a> {
             dtype: shape.dtype,
             op: op.unwrap_or(ReduceOp::Sum),
             accum: AccumType::Auto,
-            root: self.opts.root,
+            // For sendrecv the root is the shift of `default_sendrecv_zero_copy`: 1, the ring.
+            root: if shape.collective == Collective::SendRecv {
+                1
+            } else {
+                self.opts.root
+            },
             stream: self.stream,
             nblocks: self.opts.nblocks,
             nthreads: self.opts.nthreads,
@@ -851,7 +865,18 @@ impl<'a> Bench<'a> {
             Collective::Broadcast => {
                 nccl.broadcast(input, output, shape.count, dtype, root, stream)
             }
-            other => Err(Error::Unsupported(format!("NCCL baseline for {other}"))),
+            Collective::SendRecv => {
+                let (to, from) = sendrecv_peers(self.rank(), shape.nranks);
+                nccl.send_recv(input, output, shape.count, dtype, to, from, stream)
+            }
+            Collective::AllToAll => nccl.all_to_all(
+                input,
+                output,
+                shape.per_rank_count,
+                dtype,
+                shape.nranks,
+                stream,
+            ),
         };
         let timed = self.time(&call);
         Ok(self

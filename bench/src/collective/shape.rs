@@ -2,8 +2,10 @@
 //!
 //! A size on the command line is the collective's "total" bytes as nccl-tests reports it: the
 //! whole buffer for all-reduce and broadcast, the gathered output for all-gather, the scattered
-//! input for reduce-scatter. The count column is nccl-tests' too: elements per rank for
-//! all-gather (sent) and reduce-scatter (received), the whole buffer otherwise. Sizes that do not
+//! input for reduce-scatter, each rank's whole send buffer for all-to-all, what each rank sends
+//! to the next for sendrecv (nccl-tests' ring exchange). The count column is
+//! nccl-tests' too: elements per rank for all-gather (sent) and reduce-scatter (received), the
+//! whole buffer otherwise. Sizes that do not
 //! split evenly are rounded down to whole elements per rank, as nccl-tests does.
 
 use mscclpp_core::{Collective, DataType, Error, Result};
@@ -18,7 +20,8 @@ pub struct Shape {
     pub size_bytes: usize,
     /// The count column (elements).
     pub count: usize,
-    /// Elements each rank contributes (all-gather) or receives (reduce-scatter); equal to `count`.
+    /// Elements each rank contributes (all-gather) or receives (reduce-scatter), equal to `count`;
+    /// for all-to-all, the elements each rank sends to each rank (`count / nranks`).
     pub per_rank_count: usize,
     pub input_bytes: usize,
     pub output_bytes: usize,
@@ -36,7 +39,7 @@ impl Shape {
         let e = dtype.size();
         let n = nranks.max(1);
         let (count, input_bytes, output_bytes) = match collective {
-            Collective::AllReduce | Collective::Broadcast => {
+            Collective::AllReduce | Collective::Broadcast | Collective::SendRecv => {
                 let c = size / e;
                 (c, c * e, c * e)
             }
@@ -48,11 +51,14 @@ impl Shape {
                 let c = size / e / n;
                 (c, c * e * n, c * e)
             }
-            other => {
-                return Err(Error::Unsupported(format!(
-                    "the benchmark covers allreduce, allgather, reducescatter and broadcast, not {other}"
-                )))
+            Collective::AllToAll => {
+                let c = size / e / n;
+                (c * n, c * e * n, c * e * n)
             }
+        };
+        let per_rank_count = match collective {
+            Collective::AllToAll => count / n,
+            _ => count,
         };
         if count == 0 {
             return Err(Error::InvalidArgument(format!(
@@ -65,7 +71,7 @@ impl Shape {
             nranks: n,
             size_bytes: input_bytes.max(output_bytes),
             count,
-            per_rank_count: count,
+            per_rank_count,
             input_bytes,
             output_bytes,
         })
@@ -97,12 +103,12 @@ impl Shape {
 }
 
 /// nccl-tests' bus-bandwidth factors: all-reduce `2(n-1)/n`, all-gather and reduce-scatter
-/// `(n-1)/n`, broadcast 1.
+/// `(n-1)/n`, broadcast 1, all-to-all `(n-1)/n`, sendrecv 1.
 pub fn bus_factor(collective: Collective, nranks: usize) -> f64 {
     let n = nranks.max(1) as f64;
     match collective {
         Collective::AllReduce => 2.0 * (n - 1.0) / n,
-        Collective::AllGather | Collective::ReduceScatter => (n - 1.0) / n,
+        Collective::AllGather | Collective::ReduceScatter | Collective::AllToAll => (n - 1.0) / n,
         _ => 1.0,
     }
 }
@@ -118,6 +124,8 @@ mod tests {
     #[case(Collective::AllGather, 8, 7.0 / 8.0)]
     #[case(Collective::ReduceScatter, 4, 3.0 / 4.0)]
     #[case(Collective::Broadcast, 8, 1.0)]
+    #[case(Collective::AllToAll, 4, 3.0 / 4.0)]
+    #[case(Collective::SendRecv, 4, 1.0)]
     fn bus_factors(#[case] c: Collective, #[case] n: usize, #[case] want: f64) {
         assert!((bus_factor(c, n) - want).abs() < 1e-12);
     }
@@ -130,6 +138,8 @@ mod tests {
     #[case(Collective::AllGather, DataType::F32, 100, 3, (8, 32, 96, 96))]
     #[case(Collective::ReduceScatter, DataType::U8, 1000, 3, (333, 999, 333, 999))]
     #[case(Collective::Broadcast, DataType::Fp8E4M3, 7, 8, (7, 7, 7, 7))]
+    #[case(Collective::AllToAll, DataType::F32, 100, 3, (24, 96, 96, 96))]
+    #[case(Collective::SendRecv, DataType::F32, 100, 3, (25, 100, 100, 100))]
     fn shapes_follow_nccl_tests(
         #[case] c: Collective,
         #[case] dtype: DataType,
@@ -145,7 +155,8 @@ mod tests {
     fn too_small_and_unsupported() {
         let e = Shape::new(Collective::AllGather, DataType::F32, 4, 2).unwrap_err();
         assert!(e.to_string().contains("4 bytes"), "{e}");
-        assert!(Shape::new(Collective::AllToAll, DataType::F32, 1024, 2).is_err());
+        let e = Shape::new(Collective::AllToAll, DataType::F32, 12, 4).unwrap_err();
+        assert!(e.to_string().contains("12 bytes"), "{e}");
     }
 
     #[test]

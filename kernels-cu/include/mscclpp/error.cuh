@@ -20,6 +20,8 @@ constexpr u32 kErrorFifoFlushTimeout = 4;
 constexpr u32 kErrorTriggerOverflow = 5;
 // The communicator was aborted (by the host, a dead peer, or a wait that timed out elsewhere).
 constexpr u32 kErrorAborted = 6;
+// An all-to-all sender and receiver disagree on the bytes between them (alltoall.cu).
+constexpr u32 kErrorCountMismatch = 7;
 
 // Records `code` unless an earlier error is already recorded. `word` may be null (no reporting).
 MSCCLPP_DEVICE_INLINE void record_error(u32* word, u32 code) {

@@ -8,6 +8,7 @@
 //!
 //! Flags: `--quick` (no per-algorithm matrix), `--only NAME[,NAME...]` (those sections alone:
 //! algorithm names for their matrices, `primitives`, `port_channel`, `port_allreduce`,
+//! `alltoall`,
 //! `resources`: device memory per rank and set-up times),
 //! `--primitives-only`, `--cpu-bind none` (leave the launcher's CPU placement; by default each
 //! rank's thread runs on its GPU's local CPUs, as in mscclpp-bench).
@@ -196,6 +197,12 @@ fn run() -> Result<i32> {
             suite.record(&name, result);
         }
     }
+    // The all-to-all family (alltoall, alltoallv, gather, scatter) over every rank.
+    if wants(mscclpp_collectives::alltoall::ALLTOALL_ZERO_COPY) || wants(ALLTOALL) {
+        for (name, result) in mscclpp_tests::alltoall_checks::run(&suite.ctx) {
+            suite.record(&name, result);
+        }
+    }
     let only_primitives = std::env::args().any(|a| a == "--primitives-only");
     if !only_primitives && !multi_host {
         let r = precompile_collectives(&mut suite);
@@ -326,6 +333,8 @@ fn resources(s: &mut Suite) -> Result<String> {
 /// `--only` section names: the channel primitives and the two PortChannel sections.
 const PRIMITIVES: &str = "primitives";
 const PORT_CHANNEL: &str = "port_channel";
+/// `--only` name of the all-to-all family's checks (also `default_alltoall_zero_copy`).
+const ALLTOALL: &str = "alltoall";
 
 /// The names given to `--only`, if it was given.
 fn only_sections() -> Option<Vec<String>> {

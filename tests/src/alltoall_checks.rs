@@ -1,0 +1,686 @@
+//! GPU checks of the all-to-all family (`mscclpp_collectives::alltoall`): `default_alltoall_zero_copy`
+//! and `default_alltoall_packet` through the `Algorithm` trait, the ring `default_sendrecv_zero_copy`, all-to-all-v on skewed splits,
+//! gather and scatter. Every rank of
+//! the job takes part; the suite calls [`run`] on every rank and prints one PASS/FAIL line per entry.
+//!
+//! Bytes move unchanged, so data is bytes: the byte `i` that rank `s` sends to rank `d` is a hash of
+//! (run seed, case, s, d, i), so every receiver computes what it must get without any exchange. The
+//! whole output is poisoned first and checked whole: every received region byte for byte, and every
+//! byte outside them still poisoned (nothing written where nothing was due).
+//!
+//! Matrix: per-peer chunks of 0, 1, 3, 4 KiB + 8 B, 1 MiB - 1 B and 64 MiB / nranks (zero-copy
+//! all-to-all, gather, scatter), of 0, 1, 3, 4 KiB + 8, 64 KiB and the scratch's capacity (packet); all-to-all-v of 0, 1, 3, 4 KiB + 8, 1 MiB - 1 and 64 MiB per rank split with
+//! skews 0, 1.5 and 20 (the last leaves far peers at zero bytes); each eager and as a CUDA graph
+//! replayed twice on fresh data. Then two engines with calls in flight on two streams at once,
+//! all-to-all-v with device-resident counts (MoE routing), and
+//! a deliberate count mismatch (the sender's kernel reports it, nothing is written, nothing hangs).
+//!
+//! After every check the ranks agree (bootstrap all-gather) on whether it completed; after a
+//! failure the remaining checks are skipped on every rank instead of each timing out.
+
+use crate::RankContext;
+use mscclpp::core::algorithm::{Algorithm, ExecuteArgs};
+use mscclpp::core::algorithm_collection::native_names::{ALLTOALL_PACKET, SENDRECV_ZERO_COPY};
+use mscclpp::core::gpu::{Gpu, MemoryKind, Stream};
+use mscclpp::core::{AccumType, DataType, Error, ReduceOp, Result};
+use mscclpp_collectives::alltoall::shift::shift_splits;
+use mscclpp_collectives::alltoall::{
+    skewed_matrix, splits_of_matrix, AlltoallPacket, AlltoallZeroCopy, Buffer, ShiftSendRecv,
+    Split, ALLTOALL_ZERO_COPY,
+};
+use std::sync::Arc;
+
+const MIB: usize = 1 << 20;
+const POISON: u8 = 0xA5;
+
+/// Per-peer chunk sizes (bytes) of the all-to-all, gather and scatter checks on `n` ranks.
+pub fn chunk_sizes(n: usize) -> Vec<usize> {
+    vec![0, 1, 3, 4096 + 8, MIB - 1, 64 * MIB / n.max(1)]
+}
+
+/// Bytes each rank sends in all in the all-to-all-v checks.
+pub const ALLTOALLV_SIZES: [usize; 6] = [0, 1, 3, 4096 + 8, MIB - 1, 64 * MIB];
+
+/// Skews of the all-to-all-v checks (`skewed_matrix`).
+pub const SKEWS: [f64; 3] = [0.0, 1.5, 20.0];
+
+/// The byte `i` of what rank `src` sends to rank `dst` in case `key`.
+fn byte(key: u64, src: usize, dst: usize, i: usize) -> u8 {
+    let k = key ^ ((src as u64) << 40) ^ ((dst as u64) << 48);
+    let k = k.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (k.wrapping_mul(i as u64 + 1) >> 56) as u8
+}
+
+/// One exchange of the matrix: every rank's splits (bytes), and how to run it.
+#[derive(Clone, Copy)]
+enum Op {
+    /// Through `Algorithm::execute` with a uniform chunk: zero-copy, or packets.
+    Alltoall,
+    AlltoallPacket,
+    /// `default_sendrecv_zero_copy` with shift 1 (the ring).
+    SendRecv,
+    Alltoallv,
+    Gather(usize),
+    Scatter(usize),
+}
+
+/// Every rank's (send, receive) split for `op` with `bytes` (per peer, or per rank for v).
+fn splits(op: Op, n: usize, bytes: usize, skew: f64) -> Result<Vec<(Split, Split)>> {
+    Ok(match op {
+        Op::Alltoall | Op::AlltoallPacket => (0..n)
+            .map(|_| (Split::uniform(n, bytes), Split::uniform(n, bytes)))
+            .collect(),
+        Op::SendRecv => (0..n).map(|r| shift_splits(r, n, 1, bytes)).collect(),
+        Op::Alltoallv => {
+            let m = skewed_matrix(n, bytes, skew);
+            (0..n)
+                .map(|r| splits_of_matrix(&m, r, 1))
+                .collect::<Result<_>>()?
+        }
+        Op::Gather(root) => (0..n)
+            .map(|r| {
+                let recv = if r == root {
+                    Split::uniform(n, bytes)
+                } else {
+                    Split::only(n, root, 0)
+                };
+                (Split::only(n, root, bytes), recv)
+            })
+            .collect(),
+        Op::Scatter(root) => (0..n)
+            .map(|r| {
+                let send = if r == root {
+                    Split::uniform(n, bytes)
+                } else {
+                    Split::only(n, root, 0)
+                };
+                (send, Split::only(n, root, bytes))
+            })
+            .collect(),
+    })
+}
+
+/// Device buffers of one rank for one exchange, filled and poisoned.
+struct Buffers {
+    input: mscclpp::core::gpu::Allocation,
+    output: mscclpp::core::gpu::Allocation,
+    in_bytes: usize,
+    out_bytes: usize,
+    gpu: Arc<dyn Gpu>,
+}
+
+impl Buffers {
+    fn new(gpu: &Arc<dyn Gpu>, in_bytes: usize, out_bytes: usize) -> Result<Buffers> {
+        Ok(Buffers {
+            input: gpu.alloc(in_bytes.max(16), MemoryKind::Plain)?,
+            output: gpu.alloc(out_bytes.max(16), MemoryKind::Plain)?,
+            in_bytes,
+            out_bytes,
+            gpu: gpu.clone(),
+        })
+    }
+
+    /// Uploads this rank's send data for `key` and poisons the output.
+    fn fill(&self, key: u64, rank: usize, send: &Split) -> Result<()> {
+        let mut data = vec![POISON; self.in_bytes];
+        for (dst, (&c, &d)) in send.counts.iter().zip(&send.displs).enumerate() {
+            for (i, b) in data[d..d + c].iter_mut().enumerate() {
+                *b = byte(key, rank, dst, i);
+            }
+        }
+        self.gpu.copy_to_device(self.input.ptr, &data)?;
+        self.gpu.memset_async(
+            self.output.ptr,
+            POISON,
+            self.out_bytes.max(16),
+            Stream::DEFAULT,
+        )?;
+        self.gpu.synchronize_stream(Stream::DEFAULT)
+    }
+
+    /// Checks the whole output; the first wrong byte is described.
+    fn verify(&self, key: u64, rank: usize, recv: &Split) -> Result<()> {
+        let mut got = vec![0u8; self.out_bytes];
+        self.gpu.copy_from_device(&mut got, self.output.ptr)?;
+        let mut want = vec![POISON; self.out_bytes];
+        for (src, (&c, &d)) in recv.counts.iter().zip(&recv.displs).enumerate() {
+            for (i, b) in want[d..d + c].iter_mut().enumerate() {
+                *b = byte(key, src, rank, i);
+            }
+        }
+        if let Some(at) = (0..got.len()).find(|&i| got[i] != want[i]) {
+            let region = (0..recv.counts.len())
+                .find(|&s| {
+                    recv.counts[s] > 0
+                        && (recv.displs[s]..recv.displs[s] + recv.counts[s]).contains(&at)
+                })
+                .map_or("outside every region".to_string(), |s| {
+                    format!("from rank {s}")
+                });
+            let wrong = got.iter().zip(&want).filter(|(g, w)| g != w).count();
+            return Err(Error::Internal(format!(
+                "rank {rank}: {wrong} wrong bytes, first at {at} ({region}): got {:#04x}, want {:#04x}",
+                got[at], want[at]
+            )));
+        }
+        Ok(())
+    }
+
+    fn input(&self) -> Buffer {
+        Buffer {
+            ptr: self.input.ptr,
+            bytes: self.in_bytes,
+        }
+    }
+    fn output(&self) -> Buffer {
+        Buffer {
+            ptr: self.output.ptr,
+            bytes: self.out_bytes,
+        }
+    }
+}
+
+impl Drop for Buffers {
+    fn drop(&mut self) {
+        let _ = self.gpu.free(&self.input);
+        let _ = self.gpu.free(&self.output);
+    }
+}
+
+/// The algorithm objects under test.
+struct Engines {
+    zero_copy: Arc<AlltoallZeroCopy>,
+    packet: AlltoallPacket,
+    shift: ShiftSendRecv,
+}
+
+/// Enqueues `op` on `stream` (every rank does the same).
+fn enqueue(
+    engines: &Engines,
+    op: Op,
+    b: &Buffers,
+    send: &Split,
+    recv: &Split,
+    bytes: usize,
+    stream: Stream,
+) -> Result<()> {
+    let engine = &engines.zero_copy;
+    let uniform: &dyn Algorithm = match op {
+        Op::AlltoallPacket => &engines.packet,
+        Op::SendRecv => &engines.shift,
+        _ => engine.as_ref(),
+    };
+    match op {
+        Op::Alltoall | Op::AlltoallPacket | Op::SendRecv => uniform.execute(&ExecuteArgs {
+            input: b.input.ptr,
+            output: b.output.ptr,
+            input_bytes: b.in_bytes,
+            output_bytes: b.out_bytes,
+            dtype: DataType::U8,
+            op: ReduceOp::Sum,
+            accum: AccumType::Auto,
+            // The shift of the sendrecv (ignored by the all-to-alls).
+            root: 1,
+            stream,
+            nblocks: None,
+            nthreads: None,
+        }),
+        Op::Alltoallv => engine.alltoallv(b.input(), b.output(), send, recv, stream, None, None),
+        Op::Gather(root) => engine.gather(b.input(), b.output(), bytes, root, stream),
+        Op::Scatter(root) => engine.scatter(b.input(), b.output(), bytes, root, stream),
+    }
+}
+
+/// One checked exchange, eager or captured once and replayed twice on fresh data.
+fn check_one(
+    ctx: &RankContext,
+    engines: &Engines,
+    op: Op,
+    bytes: usize,
+    skew: f64,
+    key: u64,
+    graph: bool,
+) -> Result<()> {
+    let (rank, n) = (ctx.rank(), ctx.size());
+    let all = splits(op, n, bytes, skew)?;
+    let (send, recv) = &all[rank];
+    let in_bytes = send.extent(rank, mscclpp_collectives::alltoall::Side::Send)?;
+    let out_bytes = recv.extent(rank, mscclpp_collectives::alltoall::Side::Recv)?;
+    let b = Buffers::new(&ctx.gpu, in_bytes, out_bytes)?;
+    let gpu = &ctx.gpu;
+    let stream = gpu.create_stream()?;
+    let result = (|| {
+        if !graph {
+            b.fill(key, rank, send)?;
+            enqueue(engines, op, &b, send, recv, bytes, stream)?;
+            gpu.synchronize_stream(stream)?;
+            ctx.comm.check_device_errors()?;
+            return b.verify(key, rank, recv);
+        }
+        gpu.begin_capture(stream)?;
+        let enqueued = enqueue(engines, op, &b, send, recv, bytes, stream);
+        let ended = gpu.end_capture(stream);
+        enqueued?;
+        let g = ended?;
+        let replays = (0..2u64).try_for_each(|replay| {
+            let key = key ^ (replay + 1).wrapping_mul(0xD6E8_FEB8_6659_FD93);
+            b.fill(key, rank, send)?;
+            gpu.launch_graph(g, stream)?;
+            gpu.synchronize_stream(stream)?;
+            ctx.comm.check_device_errors()?;
+            b.verify(key, rank, recv)
+        });
+        let _ = gpu.destroy_graph(g);
+        replays
+    })();
+    let _ = gpu.destroy_stream(stream);
+    result
+}
+
+/// Two engines with an all-to-all-v each in flight on two streams at once.
+fn two_streams(ctx: &RankContext, engines: [&AlltoallZeroCopy; 2], key: u64) -> Result<()> {
+    let (rank, n) = (ctx.rank(), ctx.size());
+    let gpu = &ctx.gpu;
+    let mut jobs = Vec::new();
+    for (j, skew) in [1.0, 0.0].into_iter().enumerate() {
+        let all = splits(Op::Alltoallv, n, MIB + 5 + j, skew)?;
+        let (send, recv) = all[rank].clone();
+        let b = Buffers::new(
+            gpu,
+            send.extent(rank, mscclpp_collectives::alltoall::Side::Send)?,
+            recv.extent(rank, mscclpp_collectives::alltoall::Side::Recv)?,
+        )?;
+        b.fill(key + j as u64, rank, &send)?;
+        jobs.push((send, recv, b, gpu.create_stream()?));
+    }
+    let mut result = Ok(());
+    for (j, (send, recv, b, stream)) in jobs.iter().enumerate() {
+        result = result.and_then(|()| {
+            // Two blocks each: both grids stay co-resident however many ranks share the GPU.
+            engines[j].alltoallv(b.input(), b.output(), send, recv, *stream, Some(2), None)
+        });
+    }
+    for (_, _, _, stream) in &jobs {
+        result = result.and(gpu.synchronize_stream(*stream));
+    }
+    result = result.and_then(|()| ctx.comm.check_device_errors());
+    for (j, (_, recv, b, _)) in jobs.iter().enumerate() {
+        result = result.and_then(|()| b.verify(key + j as u64, rank, recv));
+    }
+    for (_, _, _, stream) in jobs {
+        let _ = gpu.destroy_stream(stream);
+    }
+    result
+}
+
+/// All-to-all-v with the send counts in device memory (MoE routing): rows of 24 bytes split with
+/// skew 1.5, counts uploaded to the device, the output 64 bytes larger than needed (which must stay
+/// poisoned), the receive counts the kernel writes checked against the matrix; eager, then one
+/// capture replayed twice on fresh data.
+fn device_counts(ctx: &RankContext, engine: &AlltoallZeroCopy, key: u64) -> Result<String> {
+    const UNIT: usize = 24;
+    let (rank, n) = (ctx.rank(), ctx.size());
+    let gpu = &ctx.gpu;
+    let m = skewed_matrix(n, 40_000, 1.5);
+    let (send, recv) = splits_of_matrix(&m, rank, UNIT)?;
+    let in_bytes = send.total();
+    let out_bytes = recv.total() + 64;
+    let b = Buffers::new(gpu, in_bytes, out_bytes)?;
+    let counts = DeviceCounts::new(gpu, &m[rank])?;
+    let stream = gpu.create_stream()?;
+    let call = || {
+        engine.alltoallv_device_counts(
+            b.input(),
+            b.output(),
+            counts.send.ptr,
+            counts.recv.ptr,
+            UNIT,
+            stream,
+            None,
+        )
+    };
+    let want: Vec<u64> = m.iter().map(|row| row[rank] as u64).collect();
+    let check = |key: u64| -> Result<()> {
+        gpu.synchronize_stream(stream)?;
+        ctx.comm.check_device_errors()?;
+        b.verify(key, rank, &recv)?;
+        let got = counts.received()?;
+        if got != want {
+            return Err(Error::Internal(format!(
+                "rank {rank}: receive counts {got:?}, expected {want:?}"
+            )));
+        }
+        Ok(())
+    };
+    let result = (|| {
+        counts.reset()?;
+        b.fill(key, rank, &send)?;
+        call()?;
+        check(key)?;
+        gpu.begin_capture(stream)?;
+        let captured = call();
+        let ended = gpu.end_capture(stream);
+        captured?;
+        let g = ended?;
+        let replays = (1..=2u64).try_for_each(|replay| {
+            let key = key ^ replay.wrapping_mul(0xD6E8_FEB8_6659_FD93);
+            counts.reset()?;
+            b.fill(key, rank, &send)?;
+            gpu.launch_graph(g, stream)?;
+            check(key)
+        });
+        let _ = gpu.destroy_graph(g);
+        replays
+    })();
+    let _ = gpu.destroy_stream(stream);
+    result.map(|()| {
+        format!(
+            "received {:?} rows; eager and 2 graph replays correct",
+            want
+        )
+    })
+}
+
+/// The two device count arrays of [`device_counts`].
+struct DeviceCounts {
+    send: mscclpp::core::gpu::Allocation,
+    recv: mscclpp::core::gpu::Allocation,
+    n: usize,
+    gpu: Arc<dyn Gpu>,
+}
+
+impl DeviceCounts {
+    fn new(gpu: &Arc<dyn Gpu>, send_counts: &[usize]) -> Result<DeviceCounts> {
+        let n = send_counts.len();
+        let c = DeviceCounts {
+            send: gpu.alloc(8 * n, MemoryKind::Plain)?,
+            recv: gpu.alloc(8 * n, MemoryKind::Plain)?,
+            n,
+            gpu: gpu.clone(),
+        };
+        let bytes: Vec<u8> = send_counts
+            .iter()
+            .flat_map(|&v| (v as u64).to_le_bytes())
+            .collect();
+        gpu.copy_to_device(c.send.ptr, &bytes)?;
+        Ok(c)
+    }
+
+    /// Poisons the receive counts.
+    fn reset(&self) -> Result<()> {
+        self.gpu
+            .copy_to_device(self.recv.ptr, &vec![0xEE; 8 * self.n])
+    }
+
+    fn received(&self) -> Result<Vec<u64>> {
+        let mut bytes = vec![0u8; 8 * self.n];
+        self.gpu.copy_from_device(&mut bytes, self.recv.ptr)?;
+        Ok(bytes
+            .chunks_exact(8)
+            .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()))
+            .collect())
+    }
+}
+
+impl Drop for DeviceCounts {
+    fn drop(&mut self) {
+        let _ = self.gpu.free(&self.send);
+        let _ = self.gpu.free(&self.recv);
+    }
+}
+
+/// Rank 0 expects one byte more from the last rank than that rank sends: the last rank's kernel
+/// reports the mismatch (device error code 7), writes nothing to rank 0, and every rank finishes;
+/// with the debug host check the call is refused on every rank with both ranks named.
+fn count_mismatch(ctx: &RankContext, engine: &AlltoallZeroCopy) -> Result<String> {
+    let (rank, n) = (ctx.rank(), ctx.size());
+    let last = n - 1;
+    let mut all = splits(Op::Alltoall, n, 8, 0.0)?;
+    all[0].1.counts[last] = 9;
+    all[0].1.displs = (0..n).map(|p| p * 16).collect();
+    let (send, recv) = &all[rank];
+    let b = Buffers::new(&ctx.gpu, 8 * n, 16 * n)?;
+    b.fill(7, rank, send)?;
+    engine.alltoallv(
+        b.input(),
+        b.output(),
+        send,
+        recv,
+        Stream::DEFAULT,
+        None,
+        None,
+    )?;
+    ctx.gpu.synchronize_stream(Stream::DEFAULT)?;
+    let reported = ctx.comm.check_device_errors().is_err();
+    let everyone = ctx.bootstrap.all_gather(&[u8::from(reported)])?;
+    let who: Vec<usize> = (0..n)
+        .filter(|&r| everyone[r].first() == Some(&1))
+        .collect();
+    if who != vec![last] {
+        return Err(Error::Internal(format!(
+            "expected only rank {last} to report the mismatch, got ranks {who:?}"
+        )));
+    }
+    // The debug host check refuses the same call on every rank, naming both ranks.
+    let checked = AlltoallZeroCopy::new(ctx.comm.clone())?.with_host_check(true);
+    let named =
+        format!("rank {last} sends to rank 0 8 bytes, but rank 0 receives from rank {last} 9");
+    match checked.alltoallv(
+        b.input(),
+        b.output(),
+        send,
+        recv,
+        Stream::DEFAULT,
+        None,
+        None,
+    ) {
+        Err(Error::InvalidArgument(m)) if m.contains(&named) => {}
+        other => {
+            return Err(Error::Internal(format!(
+                "the host check should have refused with \"{named}\", got {other:?}"
+            )))
+        }
+    }
+    Ok(format!(
+        "rank {last}'s kernel reported it, no hang; the host check named both ranks"
+    ))
+}
+
+/// Runs the all-to-all family checks on this rank; returns (check name, outcome) in order.
+pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
+    let n = ctx.size();
+    let built = AlltoallZeroCopy::new(ctx.comm.clone()).and_then(|zero_copy| {
+        let zero_copy = Arc::new(zero_copy);
+        Ok(Engines {
+            shift: ShiftSendRecv::new(zero_copy.clone()),
+            zero_copy,
+            packet: AlltoallPacket::new(ctx.comm.clone())?,
+        })
+    });
+    let engines = match built {
+        Ok(e) => e,
+        Err(e) => return vec![("alltoall setup".into(), Err(e))],
+    };
+    let engine = &engines.zero_copy;
+    let packet_max = engines.packet.max_chunk_bytes();
+    let run_seed = match shared_seed(ctx) {
+        Ok(s) => s,
+        Err(e) => return vec![("alltoall run seed".into(), Err(e))],
+    };
+    let root = n / 2;
+    let rows: [(String, Op, Vec<usize>, &[f64]); 6] = [
+        (
+            format!("{SENDRECV_ZERO_COPY} (ring)"),
+            Op::SendRecv,
+            chunk_sizes(1),
+            &[0.0],
+        ),
+        (
+            ALLTOALL_ZERO_COPY.to_string(),
+            Op::Alltoall,
+            chunk_sizes(n),
+            &[0.0],
+        ),
+        (
+            ALLTOALL_PACKET.to_string(),
+            Op::AlltoallPacket,
+            vec![0, 1, 3, 4096 + 8, 64 << 10, packet_max],
+            &[0.0],
+        ),
+        (
+            "alltoallv (skewed)".into(),
+            Op::Alltoallv,
+            ALLTOALLV_SIZES.to_vec(),
+            &SKEWS,
+        ),
+        (
+            format!("gather (root {root})"),
+            Op::Gather(root),
+            chunk_sizes(n),
+            &[0.0],
+        ),
+        (
+            format!("scatter (root {root})"),
+            Op::Scatter(root),
+            chunk_sizes(n),
+            &[0.0],
+        ),
+    ];
+    let mut out = Vec::new();
+    let mut aborted: Option<String> = None;
+    let mut case = 0u64;
+    for (name, op, sizes, skews) in rows {
+        if let Some(why) = &aborted {
+            out.push((name, Err(Error::Internal(format!("not run: {why}")))));
+            continue;
+        }
+        let (mut passed, mut failures) = (0usize, Vec::new());
+        'row: for &bytes in &sizes {
+            for &skew in skews {
+                for graph in [false, true] {
+                    case += 1;
+                    let key = run_seed ^ case.wrapping_mul(0x2545_f491_4f6c_dd1d);
+                    let what = format!(
+                        "{bytes} B skew {skew} {}",
+                        if graph { "graph" } else { "eager" }
+                    );
+                    let r = check_one(ctx, &engines, op, bytes, skew, key, graph);
+                    let completed = !matches!(&r, Err(e) if !matches!(e, Error::Internal(_)));
+                    match r {
+                        Ok(()) => passed += 1,
+                        Err(e) => failures.push(format!("{what}: {e}")),
+                    }
+                    match all_completed(ctx, completed) {
+                        Ok(true) => {}
+                        Ok(false) => {
+                            aborted = Some(format!("a rank failed to complete {name} {what}"));
+                            break 'row;
+                        }
+                        Err(e) => {
+                            aborted = Some(format!("agreeing on {name} {what}: {e}"));
+                            break 'row;
+                        }
+                    }
+                }
+            }
+        }
+        out.push((name, summary(passed, failures, &aborted, &sizes, n)));
+    }
+    if aborted.is_none() {
+        let second = AlltoallZeroCopy::new(ctx.comm.clone());
+        let r = second.and_then(|s| two_streams(ctx, [engine, &s], run_seed ^ 0xABCD));
+        out.push((
+            "alltoallv: two engines in flight on two streams".into(),
+            r.map(|()| "both exchanges correct".into()),
+        ));
+        out.push((
+            "alltoallv: device counts (MoE routing)".into(),
+            device_counts(ctx, engine, run_seed ^ 0x5EED),
+        ));
+        if n >= 2 {
+            out.push((
+                "alltoallv: count mismatch -> device error".into(),
+                count_mismatch(ctx, engine),
+            ));
+        }
+    }
+    out
+}
+
+fn summary(
+    passed: usize,
+    mut failures: Vec<String>,
+    aborted: &Option<String>,
+    sizes: &[usize],
+    n: usize,
+) -> Result<String> {
+    if failures.is_empty() && aborted.is_none() {
+        return Ok(format!(
+            "{passed} checks passed (sizes {sizes:?} bytes, eager and graph with 2 replays, on \
+             {n} ranks)"
+        ));
+    }
+    if let Some(why) = aborted {
+        failures.push(format!("remaining checks skipped: {why}"));
+    }
+    Err(Error::Internal(format!(
+        "{} failed, {passed} passed: {}",
+        failures.len(),
+        failures.join("; ")
+    )))
+}
+
+/// A seed chosen by rank 0 for this run.
+fn shared_seed(ctx: &RankContext) -> Result<u64> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(1);
+    let b = ctx.bootstrap.broadcast(0, &now.to_le_bytes())?;
+    b.get(..8)
+        .and_then(|s| s.try_into().ok())
+        .map(u64::from_le_bytes)
+        .ok_or_else(|| Error::Internal("run seed broadcast: short message".into()))
+}
+
+/// Whether every rank completed its last check (with or without wrong bytes).
+fn all_completed(ctx: &RankContext, completed: bool) -> Result<bool> {
+    let all = ctx.bootstrap.all_gather(&[u8::from(completed)])?;
+    Ok(all.iter().all(|v| v.first() == Some(&1)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mscclpp_collectives::alltoall::check_matrix;
+
+    #[test]
+    fn every_op_of_the_matrix_is_a_consistent_exchange() {
+        for n in [1, 2, 4, 8] {
+            let ops = [
+                Op::Alltoall,
+                Op::AlltoallPacket,
+                Op::SendRecv,
+                Op::Alltoallv,
+                Op::Gather(n / 2),
+                Op::Scatter(n - 1),
+            ];
+            for op in ops {
+                for bytes in chunk_sizes(n).into_iter().chain(ALLTOALLV_SIZES) {
+                    for skew in SKEWS {
+                        let all = splits(op, n, bytes, skew).unwrap();
+                        let (s, r): (Vec<_>, Vec<_>) = all.into_iter().unzip();
+                        check_matrix(&s, &r).unwrap();
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_data_differs_by_sender_receiver_and_position() {
+        assert_ne!(byte(1, 0, 1, 5), byte(1, 1, 0, 5));
+        let row: Vec<u8> = (0..64).map(|i| byte(9, 2, 3, i)).collect();
+        assert!(row.windows(2).any(|w| w[0] != w[1]));
+    }
+}
