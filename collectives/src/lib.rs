@@ -82,17 +82,7 @@ pub fn build_default_algorithms(
         return Ok(builder);
     }
     let properties = comm.gpu().properties(comm.device())?;
-    let sm = properties.multiprocessors.max(1);
-    let semaphore_blocks = NativeKind::ALL
-        .iter()
-        .map(|k| k.semaphore_blocks(sm))
-        .max()
-        .unwrap_or(0);
-    let scratch = Arc::new(resources::CollectionResources::new(
-        comm,
-        scratch_bytes,
-        semaphore_blocks,
-    )?);
+    let scratch = collection_resources(comm, scratch_bytes)?;
     let limit = |kind: NativeKind| {
         let part = kind.scratch_part().map_or(0, |p| scratch.region(p).bytes);
         max_input_bytes_on(kind, part, comm.size(), properties.vendor)
@@ -107,16 +97,44 @@ pub fn build_default_algorithms(
     for kind in NativeKind::ALL {
         builder.add_algorithm(algorithms::build(kind, comm, &scratch)?)?;
     }
-    // NVLS (NVLink multicast) only behind its safety gate and on hardware that supports it; the
-    // selector takes its NVLS branch only when the caller's SelectionContext allows it.
-    let exchange = Arc::new(alltoall::AlltoallZeroCopy::new(comm.clone())?);
+    // The all-to-all family borrows the same resources (`resources::CollectionResources`).
+    let exchange = Arc::new(alltoall::AlltoallZeroCopy::with_resources(
+        comm.clone(),
+        scratch.clone(),
+    )?);
     builder.add_algorithm(exchange.clone())?;
     builder.add_algorithm(Arc::new(alltoall::ShiftSendRecv::new(exchange)))?;
-    builder.add_algorithm(Arc::new(alltoall::AlltoallPacket::new(comm.clone())?))?;
+    builder.add_algorithm(Arc::new(alltoall::AlltoallPacket::with_resources(
+        comm.clone(),
+        scratch.clone(),
+    )?))?;
+    // NVLS (NVLink multicast) only behind its safety gate and on hardware that supports it; the
+    // selector takes its NVLS branch only when the caller's SelectionContext allows it.
     let env = mscclpp_core::env::Env::get()?;
     nvls::add_nvls_algorithms(comm, scratch_bytes, &mut builder, env)?;
     builder.set_selector(default_native_selector(limits));
     Ok(builder)
+}
+
+/// Collective: the resources a default collection lends its algorithms (one scratch of about
+/// 3.75 x `scratch_bytes`, the call counter, semaphores for the kind that barriers with the most
+/// blocks, the all-to-all state), as [`build_default_algorithms`] builds them; for tests and
+/// callers that build the algorithms themselves (`with_resources` constructors).
+pub fn collection_resources(
+    comm: &Arc<Communicator>,
+    scratch_bytes: usize,
+) -> Result<Arc<resources::CollectionResources>> {
+    let sm = comm.gpu().properties(comm.device())?.multiprocessors.max(1);
+    let semaphore_blocks = NativeKind::ALL
+        .iter()
+        .map(|k| k.semaphore_blocks(sm))
+        .max()
+        .unwrap_or(0);
+    Ok(Arc::new(resources::CollectionResources::new(
+        comm,
+        scratch_bytes,
+        semaphore_blocks,
+    )?))
 }
 
 /// The algorithms of a job whose ranks span hosts: `port_allreduce` with segments of

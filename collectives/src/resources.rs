@@ -5,6 +5,7 @@ use mscclpp_core::communicator::{Communicator, RegisteredMemory};
 use mscclpp_core::device::{D2DSemaphoreHandle, DeviceRepr};
 use mscclpp_core::gpu::{Allocation, DevicePtr, Function, Gpu, MemoryKind, Module, Stream};
 use mscclpp_core::{Error, Result};
+use mscclpp_kernels_cu::alltoall::{AlltoallState, TABLE_SCRATCH_BYTES};
 use mscclpp_kernels_cu::collectives::{
     self as kc, CallState, CollectiveFile, PeerPtrs, ReduceSpec,
 };
@@ -151,8 +152,9 @@ impl ScratchRegion {
 }
 
 /// The device resources of a collection, owned once and lent to its algorithms: one scratch every
-/// peer maps, in three parts ([`ScratchPart`]), the call counter its users share, and one table of
-/// per-block semaphores (every kind that barriers uses its first blocks). Built once per
+/// peer maps, in three parts ([`ScratchPart`]), the call counter its users share, one table of
+/// per-block semaphores (every kind that barriers uses its first blocks), and the all-to-all
+/// exchange's state (`AlltoallState`: its failure count and mismatch report). Built once per
 /// collection (collective), at build time rather than on first use (building is collective, and a
 /// call being captured in a CUDA graph must not allocate); the counter and the table live in the
 /// scratch's allocation, past the shared bytes, so the whole is one allocation of the bytes asked.
@@ -164,7 +166,16 @@ impl ScratchRegion {
 /// so every peer had finished reading the part (stream order). Either way a peer still reading is
 /// never overwritten. The copy-engine all-reduce takes whole parts, between barriers with every
 /// peer. Sharing the semaphores is safe because every call signals and waits each semaphore it uses
-/// equally often on every rank, in stream order.
+/// equally often on every rank, in stream order (the all-to-all exchange passes both its barriers
+/// on every rank even when the counts disagree, see kernels/alltoall.cu).
+///
+/// The all-to-all exchange's tables ([`Self::alltoall_tables`]) are the first
+/// `TABLE_SCRATCH_BYTES` of the staging part, in neither half in particular: an exchange is a full
+/// barrier at both ends (every block of every rank pairs with every peer before its first read of
+/// a table and after its last), so no call before it still writes there when it writes its table,
+/// and no call after it writes there before every peer read it. Stale table bytes are harmless to
+/// the staging part's other users, which read only what a peer pushed in the same step, after a
+/// barrier (no flags there, unlike the packet parts).
 ///
 /// Rule for callers: the calls of one collection must be ordered on the device (one stream, or
 /// streams ordered by events), as NCCL requires of one communicator's collectives; calls on
@@ -176,6 +187,8 @@ pub struct CollectionResources {
     /// last two, contiguous), and the end of the scratch.
     bounds: [usize; 4],
     semaphore_blocks: u32,
+    /// Bytes of the semaphore table (the tail's second field).
+    semaphore_table_bytes: usize,
     scratch: SharedScratch,
 }
 
@@ -189,8 +202,11 @@ impl CollectionResources {
         semaphore_blocks: u32,
     ) -> Result<CollectionResources> {
         let table = semaphore_table(comm, semaphore_blocks)?;
-        // The private tail: [CallState][semaphores [block][peer index]].
-        let tail = std::mem::size_of::<CallState>() + std::mem::size_of_val(table.as_slice());
+        // The private tail: [CallState][semaphores [block][peer index]][AlltoallState].
+        let semaphore_table_bytes = std::mem::size_of_val(table.as_slice());
+        let tail = std::mem::size_of::<CallState>()
+            + semaphore_table_bytes
+            + std::mem::size_of::<AlltoallState>();
         let bounds = scratch_bounds(scratch_bytes, tail);
         if bounds.windows(2).any(|w| w[1] <= w[0]) {
             return Err(Error::InvalidArgument(format!(
@@ -198,12 +214,14 @@ impl CollectionResources {
                  counter and semaphores take {tail} bytes)"
             )));
         }
-        // Zeroed memory is CallState::default(): every per-block slot at call 0.
+        // Zeroed memory is CallState::default() (every per-block slot at call 0) and
+        // AlltoallState::default().
         let scratch = SharedScratch::with_private_tail(comm, bounds[3], tail)?;
         let resources = CollectionResources {
             peers: PeerPtrs::from_slice(&scratch.rank_ptrs())?,
             bounds,
             semaphore_blocks,
+            semaphore_table_bytes,
             scratch,
         };
         comm.gpu().copy_to_device(
@@ -266,6 +284,25 @@ impl CollectionResources {
     /// Blocks of semaphores the table holds: no kernel may barrier with more blocks.
     pub fn semaphore_blocks(&self) -> u32 {
         self.semaphore_blocks
+    }
+
+    /// The all-to-all exchange's `AlltoallState`, after the semaphore table.
+    pub fn alltoall_state_ptr(&self) -> DevicePtr {
+        self.semaphores_ptr() + self.semaphore_table_bytes as u64
+    }
+
+    /// The all-to-all exchange's table space (see the type's docs): the start of the staging part,
+    /// or an error naming the sizes where the builder's scratch leaves it too small.
+    pub fn alltoall_tables(&self) -> Result<ScratchRegion> {
+        let (begin, end) = self.range(ScratchPart::Staging);
+        if end - begin < TABLE_SCRATCH_BYTES {
+            return Err(Error::InvalidArgument(format!(
+                "the collection's staging part ({} bytes) cannot hold the all-to-all tables \
+                 ({TABLE_SCRATCH_BYTES} bytes): give the builder a larger scratch",
+                end - begin
+            )));
+        }
+        Ok(self.region_between(begin, begin + TABLE_SCRATCH_BYTES))
     }
 }
 
@@ -443,8 +480,10 @@ mod tests {
 
     #[test]
     fn scratch_parts_tile_the_default_scratch() {
-        // The default scratch, with the call counter and an 8-rank, 256-block semaphore table.
-        let tail = std::mem::size_of::<CallState>() + 256 * 7 * 40;
+        // The default scratch, with the call counter, an 8-rank, 256-block semaphore table and the
+        // all-to-all state: the whole collection, all-to-all family included, is one allocation.
+        let tail =
+            std::mem::size_of::<CallState>() + 256 * 7 * 40 + std::mem::size_of::<AlltoallState>();
         let b = scratch_bounds(8 << 20, tail);
         assert_eq!(b[0], 0);
         assert_eq!(b[1], 4 << 20, "LL16");
@@ -459,5 +498,33 @@ mod tests {
             assert_eq!(w[0] % (64 << 10), 0);
             assert!(w[1] > w[0]);
         }
+        assert!(
+            b[2] - b[1] >= TABLE_SCRATCH_BYTES,
+            "all-to-all tables in staging"
+        );
+    }
+
+    #[test]
+    fn standalone_alltoall_collections_fit_one_or_two_granules() {
+        use crate::alltoall::{packet, zero_copy};
+        // AlltoallZeroCopy::new: 128 KiB scratch, 128 blocks of semaphores at 8 ranks.
+        let tail =
+            std::mem::size_of::<CallState>() + 128 * 7 * 40 + std::mem::size_of::<AlltoallState>();
+        let b = scratch_bounds(zero_copy::STANDALONE_SCRATCH_BYTES, tail);
+        assert!(b[2] - b[1] >= TABLE_SCRATCH_BYTES);
+        assert_eq!(
+            mscclpp_core::gpu::plain_allocation_bytes(b[3] + tail),
+            2 << 20
+        );
+        // AlltoallPacket::new: 1 MiB scratch, no semaphores; each LL128 half holds 8 slots of
+        // PACKET_SCRATCH_BYTES / 16, so the packet limits are those of PACKET_SCRATCH_BYTES.
+        let tail = std::mem::size_of::<CallState>() + std::mem::size_of::<AlltoallState>();
+        let b = scratch_bounds(packet::STANDALONE_SCRATCH_BYTES, tail);
+        let ll128 = b[3] - b[2];
+        assert!(ll128 / 2 / 128 * 128 >= packet::PACKET_SCRATCH_BYTES / 2);
+        assert_eq!(
+            mscclpp_core::gpu::plain_allocation_bytes(b[3] + tail),
+            4 << 20
+        );
     }
 }

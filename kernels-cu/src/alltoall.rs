@@ -6,30 +6,89 @@
 use crate::collectives::{PeerPtrs, MAX_RANKS};
 use std::mem::{offset_of, size_of};
 
-/// Largest grid of `alltoallv_zero_copy`: the slots per rank of its table scratch
+/// Largest grid of the exchange kernels: the slots per rank of their table space
 /// (`kMaxAlltoallBlocks`).
 pub const MAX_ALLTOALL_BLOCKS: usize = 128;
 
-/// `RecvTable`: the bytes one rank expects from every rank and where they go in its output.
+/// `ExchangeTable`: what one rank publishes to every peer for one exchange (one copy per block
+/// slot): the bytes it sends to and expects from every rank, and the displacement of the side its
+/// peers address (its receive displacements where peers push, its send displacements where they
+/// pull). Every rank reads every table, so every rank sees every disagreement.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct RecvTable {
-    pub counts: [u64; MAX_RANKS],
+pub struct ExchangeTable {
+    pub send: [u64; MAX_RANKS],
+    pub recv: [u64; MAX_RANKS],
     pub displs: [u64; MAX_RANKS],
 }
 
-/// Bytes of one rank's table scratch (one [`RecvTable`] per block slot).
-pub const TABLE_SCRATCH_BYTES: usize = MAX_ALLTOALL_BLOCKS * size_of::<RecvTable>();
+/// Bytes of one rank's table space (one [`ExchangeTable`] per block slot), which every peer maps.
+pub const TABLE_SCRATCH_BYTES: usize = MAX_ALLTOALL_BLOCKS * size_of::<ExchangeTable>();
 
-/// `AlltoallArgs`: the one argument of `alltoallv_zero_copy`. Counts and displacements are in
-/// bytes, indexed by rank; entries at and beyond `nranks` are zero.
+/// `CountMismatch`: the first disagreement an exchange found, as every rank saw it. `sender` or
+/// `receiver` is `u32::MAX` where all ranks of that side together are meant (device counts: the
+/// senders' total beyond a receiver's capacity, or a sender's counts beyond its input).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CountMismatch {
+    pub sender: u32,
+    pub receiver: u32,
+    /// Bytes the sender sends (or all senders together).
+    pub sent: u64,
+    /// Bytes the receiver expects (or its capacity, or the sender's input).
+    pub expected: u64,
+}
+
+/// `AlltoallState`: per-rank device state of the exchange kernels (in the collection's private
+/// tail, zeroed at build). `finished` counts the blocks of a failing call that are done, so that
+/// the last one records the error only once every block of the grid passed its barriers; `found`
+/// is set with `mismatch`, never cleared (the communicator is failed from then on).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct AlltoallState {
+    pub finished: u32,
+    pub found: u32,
+    pub mismatch: CountMismatch,
+}
+
+impl AlltoallState {
+    /// The state from its device bytes (little-endian, as read back); `None` if `b` is short.
+    pub fn from_le_bytes(b: &[u8]) -> Option<AlltoallState> {
+        let u32_at = |i: usize| Some(u32::from_le_bytes(b.get(i..i + 4)?.try_into().ok()?));
+        let u64_at = |i: usize| Some(u64::from_le_bytes(b.get(i..i + 8)?.try_into().ok()?));
+        Some(AlltoallState {
+            finished: u32_at(offset_of!(AlltoallState, finished))?,
+            found: u32_at(offset_of!(AlltoallState, found))?,
+            mismatch: CountMismatch {
+                sender: u32_at(
+                    offset_of!(AlltoallState, mismatch) + offset_of!(CountMismatch, sender),
+                )?,
+                receiver: u32_at(
+                    offset_of!(AlltoallState, mismatch) + offset_of!(CountMismatch, receiver),
+                )?,
+                sent: u64_at(
+                    offset_of!(AlltoallState, mismatch) + offset_of!(CountMismatch, sent),
+                )?,
+                expected: u64_at(
+                    offset_of!(AlltoallState, mismatch) + offset_of!(CountMismatch, expected),
+                )?,
+            },
+        })
+    }
+}
+
+/// `AlltoallArgs`: the one argument of `alltoallv_zero_copy` (push: this rank stores into the
+/// peers' registered outputs) and `alltoallv_zero_copy_pull` (this rank loads from the peers'
+/// registered inputs). Counts and displacements are in bytes, indexed by rank; entries at and
+/// beyond `nranks` are zero.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct AlltoallArgs {
-    pub input: u64,
-    /// Every rank's output as mapped in this process.
-    pub outputs: PeerPtrs,
-    /// Every rank's table scratch ([`TABLE_SCRATCH_BYTES`]) as mapped in this process.
+    /// This rank's own side: its input (push) or its output (pull).
+    pub local: u64,
+    /// Every rank's registered side as mapped in this process: outputs (push) or inputs (pull).
+    pub remote: PeerPtrs,
+    /// Every rank's table space ([`TABLE_SCRATCH_BYTES`]) as mapped in this process.
     pub tables: PeerPtrs,
     pub send_counts: [u64; MAX_RANKS],
     pub send_displs: [u64; MAX_RANKS],
@@ -37,6 +96,8 @@ pub struct AlltoallArgs {
     pub recv_displs: [u64; MAX_RANKS],
     /// `D2DSemaphoreHandle[blocks][nranks - 1]`.
     pub sems: u64,
+    /// `AlltoallState*` of this rank.
+    pub state: u64,
     /// `Communicator::error_word_device_ptr()`.
     pub error_word: u64,
     pub max_spin: u64,
@@ -60,6 +121,8 @@ pub struct AlltoallDeviceArgs {
     pub unit_bytes: u64,
     pub output_bytes: u64,
     pub sems: u64,
+    /// `AlltoallState*` of this rank.
+    pub state: u64,
     pub error_word: u64,
     pub max_spin: u64,
     pub rank: u32,
@@ -76,9 +139,11 @@ pub struct AlltoallPacketArgs {
     /// Every rank's packet scratch as mapped in this process.
     pub peer_scratch: PeerPtrs,
     pub local_scratch: u64,
-    /// Stride of the scratch slots (2 halves x nranks slots); at least the chunk's LL128 lines.
+    /// Stride of the slots (nranks per half); at least the chunk's LL128 lines.
     pub slot_bytes: u64,
-    /// `CallState*` of the algorithm object.
+    /// Offset of the second half (the collection's LL128 part: `ScratchRegion::half_bytes`).
+    pub half_bytes: u64,
+    /// The collection's shared `CallState*`.
     pub state: u64,
     pub error_word: u64,
     pub max_spin: u64,
@@ -100,15 +165,19 @@ pub fn layout_asserts() -> String {
             $(check(stringify!($ty), stringify!($f), offset_of!($ty, $f));)+
         };
     }
-    fields!(RecvTable: counts, displs);
-    fields!(AlltoallArgs: input, outputs, tables, send_counts, send_displs, recv_counts,
-        recv_displs, sems, error_word, max_spin, rank, nranks);
+    fields!(ExchangeTable: send, recv, displs);
+    fields!(CountMismatch: sender, receiver, sent, expected);
+    fields!(AlltoallState: finished, found, mismatch);
+    fields!(AlltoallArgs: local, remote, tables, send_counts, send_displs, recv_counts,
+        recv_displs, sems, state, error_word, max_spin, rank, nranks);
     fields!(AlltoallDeviceArgs: input, input_bytes, outputs, tables, send_counts, recv_counts,
-        unit_bytes, output_bytes, sems, error_word, max_spin, rank, nranks);
+        unit_bytes, output_bytes, sems, state, error_word, max_spin, rank, nranks);
     fields!(AlltoallPacketArgs: input, output, bytes, peer_scratch, local_scratch, slot_bytes,
-        state, error_word, max_spin, rank, nranks);
+        half_bytes, state, error_word, max_spin, rank, nranks);
     for (ty, size) in [
-        ("RecvTable", size_of::<RecvTable>()),
+        ("ExchangeTable", size_of::<ExchangeTable>()),
+        ("CountMismatch", size_of::<CountMismatch>()),
+        ("AlltoallState", size_of::<AlltoallState>()),
         ("AlltoallArgs", size_of::<AlltoallArgs>()),
         ("AlltoallDeviceArgs", size_of::<AlltoallDeviceArgs>()),
         ("AlltoallPacketArgs", size_of::<AlltoallPacketArgs>()),
@@ -129,14 +198,37 @@ mod tests {
 
     #[test]
     fn args_layout_is_the_documented_one() {
-        assert_eq!(size_of::<RecvTable>(), 128);
-        assert_eq!(size_of::<AlltoallArgs>(), 424);
+        assert_eq!(size_of::<ExchangeTable>(), 192);
+        assert_eq!(TABLE_SCRATCH_BYTES, 24 << 10);
+        assert_eq!(size_of::<AlltoallState>(), 32);
+        assert_eq!(size_of::<AlltoallArgs>(), 432);
         assert_eq!(offset_of!(AlltoallArgs, sems), 392);
         let asserts = layout_asserts();
-        assert!(asserts.contains("offsetof(AlltoallArgs, nranks) == 420"));
-        assert_eq!(size_of::<AlltoallPacketArgs>(), 136);
-        assert_eq!(size_of::<AlltoallDeviceArgs>(), 208);
-        assert!(asserts.contains("offsetof(AlltoallDeviceArgs, nranks) == 204"));
-        assert!(asserts.contains("offsetof(AlltoallPacketArgs, state) == 104"));
+        assert!(asserts.contains("offsetof(AlltoallArgs, nranks) == 428"));
+        assert_eq!(size_of::<AlltoallPacketArgs>(), 144);
+        assert_eq!(size_of::<AlltoallDeviceArgs>(), 216);
+        assert!(asserts.contains("offsetof(AlltoallDeviceArgs, nranks) == 212"));
+        assert!(asserts.contains("offsetof(AlltoallPacketArgs, state) == 112"));
+    }
+
+    #[test]
+    fn state_reads_back_from_its_bytes() {
+        let mut b = vec![0u8; size_of::<AlltoallState>()];
+        b[4] = 1;
+        b[8] = 3;
+        b[16] = 8;
+        b[24] = 9;
+        let s = AlltoallState::from_le_bytes(&b).expect("whole state");
+        assert_eq!(s.found, 1);
+        assert_eq!(
+            s.mismatch,
+            CountMismatch {
+                sender: 3,
+                receiver: 0,
+                sent: 8,
+                expected: 9
+            }
+        );
+        assert!(AlltoallState::from_le_bytes(&b[..31]).is_none());
     }
 }

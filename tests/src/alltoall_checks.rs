@@ -1,7 +1,8 @@
 //! GPU checks of the all-to-all family (`mscclpp_collectives::alltoall`): `default_alltoall_zero_copy`
-//! and `default_alltoall_packet` through the `Algorithm` trait, the ring `default_sendrecv_zero_copy`, all-to-all-v on skewed splits,
-//! gather and scatter. Every rank of
-//! the job takes part; the suite calls [`run`] on every rank and prints one PASS/FAIL line per entry.
+//! and `default_alltoall_packet` through the `Algorithm` trait, the ring `default_sendrecv_zero_copy`,
+//! all-to-all-v on skewed splits, gather and scatter, all borrowing one set of collection resources
+//! as in the default collection (`collection_resources`). Every rank of the job takes part; the
+//! suite calls [`run`] on every rank and prints one PASS/FAIL line per entry.
 //!
 //! Bytes move unchanged, so data is bytes: the byte `i` that rank `s` sends to rank `d` is a hash of
 //! (run seed, case, s, d, i), so every receiver computes what it must get without any exchange. The
@@ -11,21 +12,24 @@
 //! Matrix: per-peer chunks of 0, 1, 3, 4 KiB + 8 B, 1 MiB - 1 B and 64 MiB / nranks (zero-copy
 //! all-to-all, gather, scatter), of 0, 1, 3, 4 KiB + 8, 64 KiB and the scratch's capacity (packet); all-to-all-v of 0, 1, 3, 4 KiB + 8, 1 MiB - 1 and 64 MiB per rank split with
 //! skews 0, 1.5 and 20 (the last leaves far peers at zero bytes); each eager and as a CUDA graph
-//! replayed twice on fresh data. Then two engines with calls in flight on two streams at once,
-//! all-to-all-v with device-resident counts (MoE routing), and
-//! a deliberate count mismatch (the sender's kernel reports it, nothing is written, nothing hangs).
+//! replayed twice on fresh data. Then two engines (the collection's and a stand-alone one, with
+//! resources of its own) with calls in flight on two streams at once, all-to-all-v with
+//! device-resident counts (MoE routing), and a deliberate count mismatch on a communicator of its
+//! own (every rank's kernel detects it, nothing is written anywhere, every rank's error names the
+//! two ranks, nothing hangs; the job's communicator stays healthy for later sections).
 //!
 //! After every check the ranks agree (bootstrap all-gather) on whether it completed; after a
 //! failure the remaining checks are skipped on every rank instead of each timing out.
 
 use crate::RankContext;
-use mscclpp::core::algorithm::{Algorithm, ExecuteArgs};
+use mscclpp::core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp::core::algorithm_collection::native_names::{ALLTOALL_PACKET, SENDRECV_ZERO_COPY};
+use mscclpp::core::communicator::Communicator;
 use mscclpp::core::gpu::{Gpu, MemoryKind, Stream};
 use mscclpp::core::{AccumType, DataType, Error, ReduceOp, Result};
 use mscclpp_collectives::alltoall::shift::shift_splits;
 use mscclpp_collectives::alltoall::{
-    skewed_matrix, splits_of_matrix, AlltoallPacket, AlltoallZeroCopy, Buffer, ShiftSendRecv,
+    skewed_matrix, splits_of_matrix, AlltoallPacket, AlltoallZeroCopy, Buffer, ShiftSendRecv, Side,
     Split, ALLTOALL_ZERO_COPY,
 };
 use std::sync::Arc;
@@ -194,6 +198,24 @@ struct Engines {
     shift: ShiftSendRecv,
 }
 
+/// A uniform exchange through `algo`'s `execute` (the sendrecv ring with shift 1).
+fn execute_uniform(algo: &dyn Algorithm, b: &Buffers, stream: Stream) -> Result<()> {
+    algo.execute(&ExecuteArgs {
+        input: b.input.ptr,
+        output: b.output.ptr,
+        input_bytes: b.in_bytes,
+        output_bytes: b.out_bytes,
+        dtype: DataType::U8,
+        op: ReduceOp::Sum,
+        accum: AccumType::Auto,
+        // The shift of the sendrecv (ignored by the all-to-alls).
+        root: 1,
+        stream,
+        nblocks: None,
+        nthreads: None,
+    })
+}
+
 /// Enqueues `op` on `stream` (every rank does the same).
 fn enqueue(
     engines: &Engines,
@@ -205,30 +227,43 @@ fn enqueue(
     stream: Stream,
 ) -> Result<()> {
     let engine = &engines.zero_copy;
-    let uniform: &dyn Algorithm = match op {
-        Op::AlltoallPacket => &engines.packet,
-        Op::SendRecv => &engines.shift,
-        _ => engine.as_ref(),
-    };
     match op {
-        Op::Alltoall | Op::AlltoallPacket | Op::SendRecv => uniform.execute(&ExecuteArgs {
-            input: b.input.ptr,
-            output: b.output.ptr,
-            input_bytes: b.in_bytes,
-            output_bytes: b.out_bytes,
-            dtype: DataType::U8,
-            op: ReduceOp::Sum,
-            accum: AccumType::Auto,
-            // The shift of the sendrecv (ignored by the all-to-alls).
-            root: 1,
-            stream,
-            nblocks: None,
-            nthreads: None,
-        }),
+        Op::Alltoall => execute_uniform(engine.as_ref(), b, stream),
+        Op::AlltoallPacket => execute_uniform(&engines.packet, b, stream),
+        Op::SendRecv => execute_uniform(&engines.shift, b, stream),
         Op::Alltoallv => engine.alltoallv(b.input(), b.output(), send, recv, stream, None, None),
         Op::Gather(root) => engine.gather(b.input(), b.output(), bytes, root, stream),
         Op::Scatter(root) => engine.scatter(b.input(), b.output(), bytes, root, stream),
     }
+}
+
+/// One eager exchange of `bytes` per peer through `algo` (an all-to-all of a collection, or its
+/// sendrecv ring with shift 1), checked whole: the suite's `resources` section runs the
+/// collection's all-to-all family with it.
+pub fn check_uniform(
+    ctx: &RankContext,
+    algo: &dyn Algorithm,
+    bytes: usize,
+    key: u64,
+) -> Result<()> {
+    let (rank, n) = (ctx.rank(), ctx.size());
+    let op = if algo.collective() == Collective::SendRecv {
+        Op::SendRecv
+    } else {
+        Op::Alltoall
+    };
+    let all = splits(op, n, bytes, 0.0)?;
+    let (send, recv) = &all[rank];
+    let b = Buffers::new(
+        &ctx.gpu,
+        send.extent(rank, Side::Send)?,
+        recv.extent(rank, Side::Recv)?,
+    )?;
+    b.fill(key, rank, send)?;
+    execute_uniform(algo, &b, Stream::DEFAULT)?;
+    ctx.gpu.synchronize_stream(Stream::DEFAULT)?;
+    ctx.comm.check_device_errors()?;
+    b.verify(key, rank, recv)
 }
 
 /// One checked exchange, eager or captured once and replayed twice on fresh data.
@@ -244,8 +279,8 @@ fn check_one(
     let (rank, n) = (ctx.rank(), ctx.size());
     let all = splits(op, n, bytes, skew)?;
     let (send, recv) = &all[rank];
-    let in_bytes = send.extent(rank, mscclpp_collectives::alltoall::Side::Send)?;
-    let out_bytes = recv.extent(rank, mscclpp_collectives::alltoall::Side::Recv)?;
+    let in_bytes = send.extent(rank, Side::Send)?;
+    let out_bytes = recv.extent(rank, Side::Recv)?;
     let b = Buffers::new(&ctx.gpu, in_bytes, out_bytes)?;
     let gpu = &ctx.gpu;
     let stream = gpu.create_stream()?;
@@ -287,8 +322,8 @@ fn two_streams(ctx: &RankContext, engines: [&AlltoallZeroCopy; 2], key: u64) -> 
         let (send, recv) = all[rank].clone();
         let b = Buffers::new(
             gpu,
-            send.extent(rank, mscclpp_collectives::alltoall::Side::Send)?,
-            recv.extent(rank, mscclpp_collectives::alltoall::Side::Recv)?,
+            send.extent(rank, Side::Send)?,
+            recv.extent(rank, Side::Recv)?,
         )?;
         b.fill(key + j as u64, rank, &send)?;
         jobs.push((send, recv, b, gpu.create_stream()?));
@@ -429,10 +464,12 @@ impl Drop for DeviceCounts {
     }
 }
 
-/// Rank 0 expects one byte more from the last rank than that rank sends: the last rank's kernel
-/// reports the mismatch (device error code 7), writes nothing to rank 0, and every rank finishes;
-/// with the debug host check the call is refused on every rank with both ranks named.
-fn count_mismatch(ctx: &RankContext, engine: &AlltoallZeroCopy) -> Result<String> {
+/// Rank 0 expects one byte more from the last rank than that rank sends, on a communicator made
+/// for the purpose (the mismatch fails it for good). With the debug host check the call is refused
+/// on every rank before any launch; without it every rank's kernel sees the disagreement, nothing
+/// is written anywhere (every output still poisoned), and every rank's
+/// `AlltoallZeroCopy::check_device_errors` names both ranks, with no rank left waiting.
+fn count_mismatch(ctx: &RankContext, comm: Arc<Communicator>) -> Result<String> {
     let (rank, n) = (ctx.rank(), ctx.size());
     let last = n - 1;
     let mut all = splits(Op::Alltoall, n, 8, 0.0)?;
@@ -441,39 +478,22 @@ fn count_mismatch(ctx: &RankContext, engine: &AlltoallZeroCopy) -> Result<String
     let (send, recv) = &all[rank];
     let b = Buffers::new(&ctx.gpu, 8 * n, 16 * n)?;
     b.fill(7, rank, send)?;
-    engine.alltoallv(
-        b.input(),
-        b.output(),
-        send,
-        recv,
-        Stream::DEFAULT,
-        None,
-        None,
-    )?;
-    ctx.gpu.synchronize_stream(Stream::DEFAULT)?;
-    let reported = ctx.comm.check_device_errors().is_err();
-    let everyone = ctx.bootstrap.all_gather(&[u8::from(reported)])?;
-    let who: Vec<usize> = (0..n)
-        .filter(|&r| everyone[r].first() == Some(&1))
-        .collect();
-    if who != vec![last] {
-        return Err(Error::Internal(format!(
-            "expected only rank {last} to report the mismatch, got ranks {who:?}"
-        )));
-    }
-    // The debug host check refuses the same call on every rank, naming both ranks.
-    let checked = AlltoallZeroCopy::new(ctx.comm.clone())?.with_host_check(true);
     let named =
         format!("rank {last} sends to rank 0 8 bytes, but rank 0 receives from rank {last} 9");
-    match checked.alltoallv(
-        b.input(),
-        b.output(),
-        send,
-        recv,
-        Stream::DEFAULT,
-        None,
-        None,
-    ) {
+    let call = |engine: &AlltoallZeroCopy| {
+        engine.alltoallv(
+            b.input(),
+            b.output(),
+            send,
+            recv,
+            Stream::DEFAULT,
+            None,
+            None,
+        )
+    };
+    // The debug host check refuses the call on every rank, naming both ranks.
+    let engine = AlltoallZeroCopy::new(comm.clone())?.with_host_check(true);
+    match call(&engine) {
         Err(Error::InvalidArgument(m)) if m.contains(&named) => {}
         other => {
             return Err(Error::Internal(format!(
@@ -481,23 +501,55 @@ fn count_mismatch(ctx: &RankContext, engine: &AlltoallZeroCopy) -> Result<String
             )))
         }
     }
+    // On the device: every rank must fail with both ranks named.
+    let engine = engine.with_host_check(false);
+    call(&engine)?;
+    ctx.gpu.synchronize_stream(Stream::DEFAULT)?;
+    let outcome = match engine.check_device_errors() {
+        Err(e) if e.to_string().contains(&named) => Ok(()),
+        Err(e) => Err(Error::Internal(format!(
+            "rank {rank}: the error does not name the two ranks (\"{named}\"): {e}"
+        ))),
+        Ok(()) => Err(Error::Internal(format!(
+            "rank {rank}: no device error after the mismatch"
+        ))),
+    };
+    // Nothing written anywhere: the whole output is still poison.
+    let nothing = Split {
+        counts: vec![0; n],
+        displs: vec![0; n],
+    };
+    let outcome = outcome.and_then(|()| b.verify(7, rank, &nothing));
+    let everyone = ctx.bootstrap.all_gather(&[u8::from(outcome.is_ok())])?;
+    let failed: Vec<usize> = (0..n)
+        .filter(|&r| everyone[r].first() != Some(&1))
+        .collect();
+    outcome?;
+    if !failed.is_empty() {
+        return Err(Error::Internal(format!(
+            "ranks {failed:?} did not report the mismatch as expected (see their lines)"
+        )));
+    }
     Ok(format!(
-        "rank {last}'s kernel reported it, no hang; the host check named both ranks"
+        "the host check refused it; on the device every rank failed naming ranks {last} and 0, \
+         nothing written, no hang"
     ))
 }
 
 /// Runs the all-to-all family checks on this rank; returns (check name, outcome) in order.
-/// Runs the family's checks. `gather_scatter` adds the gather and scatter rows, which the suite
-/// runs only when asked by name (`--only gather_scatter`): on one shared H100 they time out at
-/// 1 B with 4 and 8 ranks (2026-11-25), and the sticky failure would stop every later section.
-pub fn run(ctx: &RankContext, gather_scatter: bool) -> Vec<(String, Result<String>)> {
+pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
     let n = ctx.size();
-    let built = AlltoallZeroCopy::new(ctx.comm.clone()).and_then(|zero_copy| {
-        let zero_copy = Arc::new(zero_copy);
+    let comm = &ctx.comm;
+    let scratch = mscclpp_collectives::DEFAULT_SCRATCH_BYTES;
+    let built = mscclpp_collectives::collection_resources(comm, scratch).and_then(|resources| {
+        let zero_copy = Arc::new(AlltoallZeroCopy::with_resources(
+            comm.clone(),
+            resources.clone(),
+        )?);
         Ok(Engines {
             shift: ShiftSendRecv::new(zero_copy.clone()),
             zero_copy,
-            packet: AlltoallPacket::new(ctx.comm.clone())?,
+            packet: AlltoallPacket::with_resources(comm.clone(), resources)?,
         })
     });
     let engines = match built {
@@ -553,9 +605,6 @@ pub fn run(ctx: &RankContext, gather_scatter: bool) -> Vec<(String, Result<Strin
     let mut aborted: Option<String> = None;
     let mut case = 0u64;
     for (name, op, sizes, skews) in rows {
-        if !gather_scatter && matches!(op, Op::Gather(_) | Op::Scatter(_)) {
-            continue;
-        }
         if let Some(why) = &aborted {
             out.push((name, Err(Error::Internal(format!("not run: {why}")))));
             continue;
@@ -604,10 +653,10 @@ pub fn run(ctx: &RankContext, gather_scatter: bool) -> Vec<(String, Result<Strin
             device_counts(ctx, engine, run_seed ^ 0x5EED),
         ));
         if n >= 2 {
-            out.push((
-                "alltoallv: count mismatch -> device error".into(),
-                count_mismatch(ctx, engine),
-            ));
+            let r = ctx
+                .fresh_communicator()
+                .and_then(|comm| count_mismatch(ctx, comm));
+            out.push(("alltoallv: count mismatch -> device error".into(), r));
         }
     }
     out

@@ -128,6 +128,27 @@ impl RankContext {
     pub fn size(&self) -> usize {
         self.bootstrap.size()
     }
+
+    /// Collective: a second communicator of the same ranks, with its own bootstrap (from a
+    /// UniqueId rank 0 creates) and so its own error word: a check that fails a communicator on
+    /// purpose runs on one, and the job's goes on healthy.
+    pub fn fresh_communicator(&self) -> Result<Arc<Communicator>> {
+        use mscclpp::core::bootstrap::{BootstrapConfig, UniqueId};
+        let config = BootstrapConfig::from_env(self.env);
+        let (rank, size) = (self.rank(), self.size());
+        let id = if rank == 0 {
+            TcpBootstrap::create_unique_id(&config)?.to_bytes().to_vec()
+        } else {
+            Vec::new()
+        };
+        let id = UniqueId::from_bytes(&self.bootstrap.broadcast(0, &id)?)?;
+        let bootstrap: Arc<dyn Bootstrap> = Arc::new(TcpBootstrap::new(rank, size, &id, &config)?);
+        Ok(Arc::new(Communicator::new(
+            bootstrap,
+            self.gpu.clone(),
+            self.device,
+        )?))
+    }
 }
 
 /// Device memory freed on drop.

@@ -2,25 +2,29 @@
 //! (`alltoall_packet` in kernels/alltoall.cu). No barriers and no registration: any buffers, one
 //! kernel on the caller's stream, and a device call counter that keeps graph replays in step.
 //!
-//! Resources, owned here until the communicator-wide ones land (native.rs rewrite): a packet
-//! scratch of [`PACKET_SCRATCH_BYTES`] per rank and an 8 KiB call counter.
+//! Resources are the collection's ([`CollectionResources`]): up to [`PACKET_SCRATCH_BYTES`] of its
+//! LL128 part (`nranks` slots in each half, the halves alternating by its shared call counter) and
+//! that counter. [`AlltoallPacket::new`] builds a small collection of its own (one 4 MiB
+//! allocation) for an engine used apart from the default collection.
 
 use super::split::uniform_chunk;
 use crate::geometry::{self, LL128_LINE_BYTES, LL128_PAYLOAD};
-use crate::resources::{param_ptr, DeviceBuffer, KernelTable, SharedScratch};
+use crate::resources::{param_ptr, CollectionResources, KernelTable, ScratchPart, ScratchRegion};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::algorithm_collection::native_names::ALLTOALL_PACKET;
 use mscclpp_core::communicator::Communicator;
 use mscclpp_core::{Error, Result};
 use mscclpp_kernels_cu::alltoall::AlltoallPacketArgs;
-use mscclpp_kernels_cu::collectives::{
-    CallState, CollectiveFile, PeerPtrs, MAX_PACKET_BLOCKS, MAX_RANKS,
-};
+use mscclpp_kernels_cu::collectives::{CollectiveFile, MAX_PACKET_BLOCKS, MAX_RANKS};
 use std::sync::Arc;
 
-/// Scratch per rank: 2 halves x nranks slots; 2 MiB holds chunks up to 480 KiB at 2 ranks and
-/// 120 KiB at 8.
+/// Scratch per rank it uses at most: 2 halves x nranks slots; 2 MiB holds chunks up to 480 KiB at
+/// 2 ranks and 120 KiB at 8 (the default collection's LL128 part, 18 MiB, has room for it).
 pub const PACKET_SCRATCH_BYTES: usize = 2 << 20;
+
+/// `scratch_bytes` of the collection a stand-alone engine builds ([`AlltoallPacket::new`]): the
+/// smallest whose LL128 part's halves hold [`PACKET_SCRATCH_BYTES`] / 2 each.
+pub(crate) const STANDALONE_SCRATCH_BYTES: usize = 1 << 20;
 
 const DEFAULT_THREADS: u32 = 512;
 
@@ -38,40 +42,53 @@ pub fn max_chunk_bytes(scratch_bytes: usize, nranks: usize) -> usize {
 pub struct AlltoallPacket {
     // Field order is drop order: device resources go before the communicator.
     kernels: KernelTable,
-    scratch: SharedScratch,
-    scratch_peers: PeerPtrs,
-    state: DeviceBuffer,
+    resources: Arc<CollectionResources>,
+    /// The collection's LL128 part.
+    region: ScratchRegion,
+    /// Slot stride: `nranks` slots fit in each half of `region`.
+    slot_bytes: usize,
     sm: u32,
     comm: Arc<Communicator>,
 }
 
 impl AlltoallPacket {
-    /// Collective: allocates and exchanges the scratch on every rank.
+    /// Collective: an engine with a small collection of resources of its own (scratch and call
+    /// counter: one 4 MiB allocation per rank), for use apart from a default collection (which
+    /// lends its own through [`Self::with_resources`]).
     pub fn new(comm: Arc<Communicator>) -> Result<Self> {
-        if comm.size() > MAX_RANKS {
+        let resources = CollectionResources::new(&comm, STANDALONE_SCRATCH_BYTES, 0)?;
+        Self::with_resources(comm, Arc::new(resources))
+    }
+
+    /// The engine of a collection: borrows `resources` (see the module docs). Its calls follow the
+    /// collection's rule on streams (`CollectionResources`). Not collective.
+    pub fn with_resources(
+        comm: Arc<Communicator>,
+        resources: Arc<CollectionResources>,
+    ) -> Result<Self> {
+        let n = comm.size();
+        if n > MAX_RANKS {
             return Err(Error::Unsupported(format!(
-                "{ALLTOALL_PACKET} on {} ranks: at most {MAX_RANKS} ranks on one host",
-                comm.size()
+                "{ALLTOALL_PACKET} on {n} ranks: at most {MAX_RANKS} ranks on one host"
             )));
         }
         let sm = comm.gpu().properties(comm.device())?.multiprocessors.max(1);
-        let scratch = SharedScratch::new(&comm, PACKET_SCRATCH_BYTES)?;
-        let scratch_peers = PeerPtrs::from_slice(&scratch.rank_ptrs())?;
-        // Zeroed memory is CallState::default(): every per-block slot at call 0.
-        let state = DeviceBuffer::zeroed(comm.gpu(), std::mem::size_of::<CallState>())?;
+        let region = resources.region(ScratchPart::Ll128);
+        let slot_bytes = slot_bytes(PACKET_SCRATCH_BYTES.min(2 * region.half_bytes()), n);
         Ok(AlltoallPacket {
             kernels: KernelTable::default(),
-            scratch,
-            scratch_peers,
-            state,
+            resources,
+            region,
+            slot_bytes,
             sm,
             comm,
         })
     }
 
-    /// Largest chunk (bytes per peer) this object takes.
+    /// Largest chunk (bytes per peer) this object takes: [`max_chunk_bytes`] of
+    /// [`PACKET_SCRATCH_BYTES`] unless the collection's LL128 part is smaller.
     pub fn max_chunk_bytes(&self) -> usize {
-        max_chunk_bytes(PACKET_SCRATCH_BYTES, self.comm.size())
+        self.slot_bytes / LL128_LINE_BYTES * LL128_PAYLOAD
     }
 
     fn chunk(&self, args: &ExecuteArgs) -> Result<usize> {
@@ -125,10 +142,11 @@ impl Algorithm for AlltoallPacket {
             input: args.input,
             output: args.output,
             bytes: chunk as u64,
-            peer_scratch: self.scratch_peers,
-            local_scratch: self.scratch.local_ptr(),
-            slot_bytes: slot_bytes(PACKET_SCRATCH_BYTES, n) as u64,
-            state: self.state.ptr(),
+            peer_scratch: self.region.peers,
+            local_scratch: self.region.local,
+            slot_bytes: self.slot_bytes as u64,
+            half_bytes: self.region.half_bytes() as u64,
+            state: self.resources.state_ptr(),
             error_word: self.comm.error_word_device_ptr(),
             max_spin: 0,
             rank: self.comm.rank() as u32,
@@ -143,8 +161,8 @@ impl Algorithm for AlltoallPacket {
         let cfg = cfg.with_programmatic(true).with_cached_graph(true);
         let mut params = [param_ptr(&mut kargs)];
         // SAFETY: `params` matches the kernel's one `AlltoallPacketArgs` parameter (layout checked
-        // by the NVRTC test's static_asserts); the addresses are the caller's checked buffers and our own
-        // live scratch and call counter.
+        // by the NVRTC test's static_asserts); the addresses are the caller's checked buffers and
+        // the collection's live scratch and call counter.
         unsafe { self.comm.gpu().launch(f, cfg, args.stream, &mut params) }
     }
 }

@@ -48,7 +48,7 @@ impl Algorithm for ShiftSendRecv {
                 args.output_bytes, args.input_bytes
             )));
         }
-        if args.in_place() && args.input_bytes > 0 && args.root % self.engine.comm().size() != 0 {
+        if args.in_place() && args.input_bytes > 0 {
             return Err(Error::Unsupported(format!(
                 "rank {rank}: {SENDRECV_ZERO_COPY} in place (the peer would overwrite the input \
                  before it is sent)"

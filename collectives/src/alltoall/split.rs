@@ -224,15 +224,22 @@ pub fn check_matrix(sends: &[Split], recvs: &[Split]) -> Result<()> {
                 .copied()
                 .unwrap_or(0);
             if sent != expected {
-                return Err(Error::InvalidArgument(format!(
-                    "rank {src} {} rank {dst} {sent} bytes, but rank {dst} {} rank {src} {expected}",
-                    Side::Send.verb(),
-                    Side::Recv.verb()
+                return Err(Error::InvalidArgument(mismatch_message(
+                    src, dst, sent, expected,
                 )));
             }
         }
     }
     Ok(())
+}
+
+/// Words for a sender `src` and receiver `dst` that disagree: what `src` sends and `dst` expects.
+pub fn mismatch_message(src: usize, dst: usize, sent: usize, expected: usize) -> String {
+    format!(
+        "rank {src} {} rank {dst} {sent} bytes, but rank {dst} {} rank {src} {expected}",
+        Side::Send.verb(),
+        Side::Recv.verb()
+    )
 }
 
 /// A skewed traffic matrix in elements, as MoE routing makes it: `m[src][dst]` is what `src` sends

@@ -1,30 +1,36 @@
 //! `default_alltoall_zero_copy` and the exchange engine behind all-to-all-v, gather and scatter:
 //! one kernel (`alltoallv_zero_copy` in kernels/alltoall.cu) that pushes every rank's chunks
-//! straight into the receivers' registered outputs. Receivers publish their receive tables on the
-//! device, so callers pass only their own counts and displacements (host arrays), and a sender and
-//! receiver that disagree are caught on the device (`DEVICE_ERROR_COUNT_MISMATCH`) with nothing
-//! sent between them; [`check_local`] catches what one rank can see on the host first, and the
-//! debug host check ([`AlltoallZeroCopy::with_host_check`]) names the two ranks that disagree.
+//! straight into the receivers' registered outputs (or, for gather, `alltoallv_zero_copy_pull`,
+//! which pulls them from the senders' registered inputs). Every rank publishes its counts on the
+//! device, so callers pass only their own counts and displacements (host arrays), and senders and
+//! receivers that disagree are caught on the device by every rank alike: nothing is sent anywhere,
+//! every rank's communicator fails with `DEVICE_ERROR_COUNT_MISMATCH` and
+//! [`AlltoallZeroCopy::check_device_errors`] names the two ranks on every rank. [`check_local`]
+//! catches what one rank can see on the host first, and the debug host check
+//! ([`AlltoallZeroCopy::with_host_check`]) refuses the call before any launch.
 //!
 //! Each call is one kernel on the caller's stream with no host synchronisation, so it is legal
-//! during CUDA-graph capture; the outputs are registered through the [`RegistrationCache`] (host
-//! only) on first use, which is collective: every rank calls with its buffers in the same pattern.
+//! during CUDA-graph capture; the registered side is registered through the [`RegistrationCache`]
+//! (host only) on first use, which is collective: every rank calls with its buffers in the same
+//! pattern (a buffer new on one rank is new on every rank). So that this holds whatever the other
+//! ranks pass, the registered side is one every rank has: all-to-all(-v) and scatter push into the
+//! receivers' outputs (every rank receives), gather pulls from the senders' inputs (every rank
+//! sends; the non-roots' outputs are never touched, and may be null).
 //!
-//! Resources, owned here until the communicator-wide ones land (native.rs rewrite): per-block
-//! semaphores (`MAX_ALLTOALL_BLOCKS` x peers), a 16 KiB table scratch per rank and a 4 KiB
-//! stand-in output.
+//! Resources are the collection's ([`CollectionResources`]): the first blocks of its semaphore
+//! table, its `AlltoallState` and the start of its staging part for the tables (see there why
+//! sharing them is safe). [`AlltoallZeroCopy::new`] builds a small collection of its own
+//! (one 2 MiB allocation) for an engine used apart from the default collection.
 
-use super::split::{check_local, check_matrix, uniform_chunk, Split};
+use super::split::{check_local, check_matrix, mismatch_message, uniform_chunk, Split};
 use crate::geometry::{self, resident_blocks};
-use crate::resources::{
-    param_ptr, BlockSemaphores, DeviceBuffer, KernelTable, RegistrationCache, SharedScratch,
-};
+use crate::resources::{param_ptr, CollectionResources, KernelTable, RegistrationCache};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::communicator::Communicator;
 use mscclpp_core::gpu::{DevicePtr, Stream};
 use mscclpp_core::{Error, Result};
 use mscclpp_kernels_cu::alltoall::{
-    AlltoallArgs, AlltoallDeviceArgs, MAX_ALLTOALL_BLOCKS, TABLE_SCRATCH_BYTES,
+    AlltoallArgs, AlltoallDeviceArgs, AlltoallState, MAX_ALLTOALL_BLOCKS,
 };
 use mscclpp_kernels_cu::collectives::{CollectiveFile, PeerPtrs, MAX_RANKS};
 use std::sync::Arc;
@@ -38,9 +44,9 @@ const DEFAULT_THREADS: u32 = 512;
 /// same grid, and no rank knows the others' sizes, so it cannot follow the message size.
 const EXCHANGE_BLOCKS: u32 = 32;
 
-/// Bytes of the buffer registered in place of an empty output (a buffer of its own, so that no
-/// allocation is registered twice).
-const STANDIN_BYTES: usize = 4096;
+/// `scratch_bytes` of the collection a stand-alone engine builds ([`AlltoallZeroCopy::new`]): the
+/// smallest whose staging part holds the tables at 8 ranks (one 2 MiB allocation in all).
+pub(crate) const STANDALONE_SCRATCH_BYTES: usize = 128 << 10;
 
 /// One buffer of one rank's side of an exchange.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,25 +55,65 @@ pub struct Buffer {
     pub bytes: usize,
 }
 
+/// Which side of an exchange is registered and addressed by the peers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    /// Senders store into the receivers' registered outputs (`alltoallv_zero_copy`).
+    Push,
+    /// Receivers load from the senders' registered inputs (`alltoallv_zero_copy_pull`).
+    Pull,
+}
+
 /// The zero-copy exchange engine of one communicator. See the module docs.
 pub struct AlltoallZeroCopy {
     // Field order is drop order: device resources go before the communicator.
     kernels: KernelTable,
     registrations: RegistrationCache,
-    semaphores: BlockSemaphores,
-    /// Owned for its lifetime only: the kernel reaches it through `table_peers`.
-    _tables: SharedScratch,
-    table_peers: PeerPtrs,
-    /// Registered in place of an empty output (see `output_or_standin`).
-    standin: DeviceBuffer,
+    resources: Arc<CollectionResources>,
+    /// Every rank's table space (in `resources`' staging part).
+    tables: PeerPtrs,
     max_blocks: u32,
     host_check: bool,
     comm: Arc<Communicator>,
 }
 
 impl AlltoallZeroCopy {
-    /// Collective: reserves the semaphores and the table scratch on every rank.
+    /// Collective: an engine with a small collection of resources of its own (semaphores, tables,
+    /// state: one 2 MiB allocation per rank), for use apart from a default collection (which lends
+    /// its own through [`Self::with_resources`]). Two engines built this way may run on unordered
+    /// streams at once.
     pub fn new(comm: Arc<Communicator>) -> Result<Self> {
+        let max_blocks = Self::grid_limit(&comm)?;
+        let resources = CollectionResources::new(&comm, STANDALONE_SCRATCH_BYTES, max_blocks)?;
+        Self::with_resources(comm, Arc::new(resources))
+    }
+
+    /// The engine of a collection: borrows `resources` (see the module docs). Its calls follow the
+    /// collection's rule on streams (`CollectionResources`). Not collective.
+    pub fn with_resources(
+        comm: Arc<Communicator>,
+        resources: Arc<CollectionResources>,
+    ) -> Result<Self> {
+        let max_blocks = Self::grid_limit(&comm)?.min(resources.semaphore_blocks());
+        if max_blocks == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{ALLTOALL_ZERO_COPY}: the collection reserved no semaphores"
+            )));
+        }
+        let tables = resources.alltoall_tables()?.peers;
+        Ok(AlltoallZeroCopy {
+            kernels: KernelTable::default(),
+            registrations: RegistrationCache::default(),
+            resources,
+            tables,
+            max_blocks,
+            host_check: false,
+            comm,
+        })
+    }
+
+    /// Largest grid on this communicator's GPU: co-resident, and within the table slots.
+    fn grid_limit(comm: &Communicator) -> Result<u32> {
         if comm.size() > MAX_RANKS {
             return Err(Error::Unsupported(format!(
                 "{ALLTOALL_ZERO_COPY} on {} ranks: at most {MAX_RANKS} ranks on one host",
@@ -75,24 +121,43 @@ impl AlltoallZeroCopy {
             )));
         }
         let sm = comm.gpu().properties(comm.device())?.multiprocessors.max(1);
-        let max_blocks = (MAX_ALLTOALL_BLOCKS as u32)
+        Ok((MAX_ALLTOALL_BLOCKS as u32)
             .min(sm)
-            .min(resident_blocks(sm, DEFAULT_THREADS));
-        let semaphores = BlockSemaphores::new(&comm, max_blocks)?;
-        let tables = SharedScratch::new(&comm, TABLE_SCRATCH_BYTES)?;
-        let table_peers = PeerPtrs::from_slice(&tables.rank_ptrs())?;
-        let standin = DeviceBuffer::zeroed(comm.gpu(), STANDIN_BYTES)?;
-        Ok(AlltoallZeroCopy {
-            kernels: KernelTable::default(),
-            registrations: RegistrationCache::default(),
-            semaphores,
-            _tables: tables,
-            table_peers,
-            standin,
-            max_blocks,
-            host_check: false,
-            comm,
-        })
+            .min(resident_blocks(sm, DEFAULT_THREADS)))
+    }
+
+    /// The communicator's device error (as [`Communicator::check_device_errors`]), naming the two
+    /// ranks (and both counts) where an exchange of this engine found senders and receivers
+    /// disagreeing: every rank of that exchange fails with the same pair. Reads the report with a
+    /// blocking copy, so call it after synchronising the stream, as that check.
+    pub fn check_device_errors(&self) -> Result<()> {
+        let Err(e) = self.comm.check_device_errors() else {
+            return Ok(());
+        };
+        let mut bytes = vec![0u8; std::mem::size_of::<AlltoallState>()];
+        self.comm
+            .gpu()
+            .copy_from_device(&mut bytes, self.resources.alltoall_state_ptr())?;
+        let Some(state) = AlltoallState::from_le_bytes(&bytes).filter(|s| s.found != 0) else {
+            return Err(e);
+        };
+        let m = state.mismatch;
+        let what = match (m.sender, m.receiver) {
+            (u32::MAX, r) => format!(
+                "the senders to rank {r} send {} bytes in all, beyond its output's {}",
+                m.sent, m.expected
+            ),
+            (s, u32::MAX) => format!(
+                "rank {s}'s counts take {} bytes, beyond its input's {}",
+                m.sent, m.expected
+            ),
+            (s, r) => {
+                mismatch_message(s as usize, r as usize, m.sent as usize, m.expected as usize)
+            }
+        };
+        Err(Error::InvalidArgument(format!(
+            "{e}: {what}; nothing was sent"
+        )))
     }
 
     /// Debug mode: before every exchange the ranks gather each other's counts over the bootstrap
@@ -159,7 +224,9 @@ impl AlltoallZeroCopy {
     /// All-to-all-v with this rank's host-side splits (bytes): sends `send.counts[p]` bytes at
     /// `send.displs[p]` of `input` to rank `p`, which stores them at its own receive displacement
     /// for this rank. Every rank must call (collective), each with the same `blocks` (`None`: the
-    /// fixed default) and `threads`.
+    /// fixed default) and `threads`. Every rank passes an output buffer (non-null, even of 0
+    /// bytes where it receives nothing): the outputs are what is registered (module docs).
+    /// Not in place (peers would overwrite input not yet sent).
     #[allow(clippy::too_many_arguments)]
     pub fn alltoallv(
         &self,
@@ -171,7 +238,14 @@ impl AlltoallZeroCopy {
         blocks: Option<u32>,
         threads: Option<u32>,
     ) -> Result<()> {
+        if send.total() > 0 && recv.total() > 0 && input.ptr == output.ptr {
+            return Err(Error::Unsupported(format!(
+                "rank {}: all-to-all in place (peers would overwrite regions not yet sent)",
+                self.comm.rank()
+            )));
+        }
         self.exchange(
+            Direction::Push,
             input,
             output,
             send,
@@ -183,7 +257,8 @@ impl AlltoallZeroCopy {
     }
 
     /// Gather: every rank's `bytes` of `input` land in `root`'s output in rank order. `output` is
-    /// only read on the root (others may pass an empty buffer).
+    /// only read on the root (others may pass an empty or null buffer). The root pulls from the
+    /// registered inputs, so every rank's input is what is registered (module docs).
     pub fn gather(
         &self,
         input: Buffer,
@@ -194,6 +269,10 @@ impl AlltoallZeroCopy {
     ) -> Result<()> {
         let (rank, n) = (self.comm.rank(), self.comm.size());
         self.check_root("gather", root)?;
+        // The same on every rank: nothing to move anywhere.
+        if bytes == 0 {
+            return Ok(());
+        }
         let send = Split::only(n, root, bytes);
         let recv = if rank == root {
             Split::uniform(n, bytes)
@@ -201,11 +280,21 @@ impl AlltoallZeroCopy {
             Split::only(n, root, 0)
         };
         let blocks = geometry::bandwidth_blocks(bytes.saturating_mul(n), self.max_blocks);
-        self.exchange(input, output, &send, &recv, stream, Some(blocks), None)
+        self.exchange(
+            Direction::Pull,
+            input,
+            output,
+            &send,
+            &recv,
+            stream,
+            Some(blocks),
+            None,
+        )
     }
 
     /// Scatter: chunk `p` (`bytes` at `p * bytes`) of `root`'s input lands in rank `p`'s output.
-    /// `input` is only read on the root.
+    /// `input` is only read on the root (others may pass an empty or null buffer); every rank's
+    /// output is what is registered (module docs).
     pub fn scatter(
         &self,
         input: Buffer,
@@ -216,6 +305,9 @@ impl AlltoallZeroCopy {
     ) -> Result<()> {
         let (rank, n) = (self.comm.rank(), self.comm.size());
         self.check_root("scatter", root)?;
+        if bytes == 0 {
+            return Ok(());
+        }
         let send = if rank == root {
             Split::uniform(n, bytes)
         } else {
@@ -223,7 +315,16 @@ impl AlltoallZeroCopy {
         };
         let recv = Split::only(n, root, bytes);
         let blocks = geometry::bandwidth_blocks(bytes.saturating_mul(n), self.max_blocks);
-        self.exchange(input, output, &send, &recv, stream, Some(blocks), None)
+        self.exchange(
+            Direction::Push,
+            input,
+            output,
+            &send,
+            &recv,
+            stream,
+            Some(blocks),
+            None,
+        )
     }
 
     fn check_root(&self, what: &str, root: usize) -> Result<()> {
@@ -237,22 +338,10 @@ impl AlltoallZeroCopy {
         Ok(())
     }
 
-    /// The stand-in registered for a rank whose output is empty: registration is collective, so
-    /// every rank registers something; nothing is written to it (all its receive counts are 0).
-    fn output_or_standin(&self, output: Buffer) -> Buffer {
-        if output.ptr == 0 || output.bytes == 0 {
-            Buffer {
-                ptr: self.standin.ptr(),
-                bytes: STANDIN_BYTES,
-            }
-        } else {
-            output
-        }
-    }
-
     #[allow(clippy::too_many_arguments)]
     fn exchange(
         &self,
+        direction: Direction,
         input: Buffer,
         output: Buffer,
         send: &Split,
@@ -279,11 +368,16 @@ impl AlltoallZeroCopy {
         if recv.total() > 0 && output.ptr == 0 {
             return Err(null("output"));
         }
+        let (local, registered, entry) = match direction {
+            Direction::Push => (input.ptr, output, "alltoallv_zero_copy"),
+            Direction::Pull => (output.ptr, input, "alltoallv_zero_copy_pull"),
+        };
         let mut args = AlltoallArgs {
-            input: input.ptr,
-            outputs: self.rank_outputs(output)?,
-            tables: self.table_peers,
-            sems: self.semaphores.ptr(),
+            local,
+            remote: self.registered(registered)?,
+            tables: self.tables,
+            sems: self.resources.semaphores_ptr(),
+            state: self.resources.alltoall_state_ptr(),
             error_word: self.comm.error_word_device_ptr(),
             max_spin: 0,
             rank: rank as u32,
@@ -298,17 +392,18 @@ impl AlltoallZeroCopy {
         }
         // SAFETY: `AlltoallArgs` is the kernel's one parameter (layout checked by the NVRTC test's
         // static_asserts); its addresses are the caller's checked buffers, the peers' registered
-        // outputs and our own live semaphores and table scratch.
-        unsafe { self.launch("alltoallv_zero_copy", &mut args, stream, blocks, threads) }
+        // buffers and the collection's live semaphores, tables and state.
+        unsafe { self.launch(entry, &mut args, stream, blocks, threads) }
     }
 
     /// All-to-all-v with the send counts in device memory, as MoE routing produces them (no host
     /// round trip, so it can sit inside a CUDA graph with the routing): `send_counts` holds
     /// `nranks` u64 counts in units of `unit_bytes` (e.g. one token's row), both buffers are
     /// packed in rank order, and the kernel writes what this rank received from each rank (units)
-    /// to `recv_counts` (`nranks` u64). Counts that overflow a buffer are a device error
-    /// (`DEVICE_ERROR_COUNT_MISMATCH`) and move nothing to that destination. Collective; every rank
-    /// passes the same `blocks` (`None`: the fixed default).
+    /// to `recv_counts` (`nranks` u64). Counts that overflow a buffer anywhere are a device error
+    /// on every rank (`DEVICE_ERROR_COUNT_MISMATCH`, described by [`Self::check_device_errors`])
+    /// and move nothing at all. Collective; every rank passes the same `blocks` (`None`: the fixed
+    /// default) and an output buffer (non-null: the outputs are what is registered).
     #[allow(clippy::too_many_arguments)]
     pub fn alltoallv_device_counts(
         &self,
@@ -334,17 +429,14 @@ impl AlltoallZeroCopy {
             } else {
                 input.bytes as u64
             },
-            outputs: self.rank_outputs(output)?,
-            tables: self.table_peers,
+            outputs: self.registered(output)?,
+            tables: self.tables,
             send_counts,
             recv_counts,
             unit_bytes: unit_bytes as u64,
-            output_bytes: if output.ptr == 0 {
-                0
-            } else {
-                output.bytes as u64
-            },
-            sems: self.semaphores.ptr(),
+            output_bytes: output.bytes as u64,
+            sems: self.resources.semaphores_ptr(),
+            state: self.resources.alltoall_state_ptr(),
             error_word: self.comm.error_word_device_ptr(),
             max_spin: 0,
             rank: rank as u32,
@@ -353,18 +445,25 @@ impl AlltoallZeroCopy {
         let blocks = blocks.or(Some(EXCHANGE_BLOCKS.min(self.max_blocks)));
         // SAFETY: `AlltoallDeviceArgs` is the kernel's one parameter (layout checked by the NVRTC test's
         // static_asserts); the count arrays are the caller's device memory of `nranks` u64 each,
-        // the kernel never touches more of a buffer than its given size, and the rest are our own
-        // live resources.
+        // the kernel never touches more of a buffer than its given size, and the rest are the
+        // collection's live resources.
         unsafe { self.launch("alltoallv_device_counts", &mut args, stream, blocks, None) }
     }
 
-    /// Every rank's output, registered (collective; see `output_or_standin`).
-    fn rank_outputs(&self, output: Buffer) -> Result<PeerPtrs> {
-        let registered = self.output_or_standin(output);
-        let outputs = self
+    /// Every rank's `buffer` (the registered side of this call), registered (collective; see the
+    /// module docs for why every rank has one).
+    fn registered(&self, buffer: Buffer) -> Result<PeerPtrs> {
+        if buffer.ptr == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "rank {}: {ALLTOALL_ZERO_COPY}: a null buffer where every rank registers one \
+                 (pass a buffer even of 0 bytes: registration is collective)",
+                self.comm.rank()
+            )));
+        }
+        let ptrs = self
             .registrations
-            .rank_ptrs(&self.comm, registered.ptr, registered.bytes)?;
-        PeerPtrs::from_slice(&outputs)
+            .rank_ptrs(&self.comm, buffer.ptr, buffer.bytes)?;
+        PeerPtrs::from_slice(&ptrs)
     }
 
     /// Launches `entry` of the all-to-all unit with its one argument struct `args`.
@@ -419,7 +518,9 @@ impl Algorithm for AlltoallZeroCopy {
             args.input_bytes,
             self.max_blocks,
         )));
+        // In place is refused by `uniform_chunk`.
         self.exchange(
+            Direction::Push,
             Buffer {
                 ptr: args.input,
                 bytes: args.input_bytes,

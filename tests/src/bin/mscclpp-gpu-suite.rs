@@ -8,8 +8,8 @@
 //!
 //! Flags: `--quick` (no per-algorithm matrix), `--only NAME[,NAME...]` (those sections alone:
 //! algorithm names for their matrices, `primitives`, `port_channel`, `port_allreduce`,
-//! `alltoall`, `gather_scatter` (only by name: they time out at 4 and 8 ranks today),
-//! `resources`: device memory per rank and set-up times),
+//! `alltoall` (the whole all-to-all family, gather and scatter included), `resources`: device
+//! memory per rank, which fails above 32 MiB, and set-up times),
 //! `--primitives-only`, `--cpu-bind none` (leave the launcher's CPU placement; by default each
 //! rank's thread runs on its GPU's local CPUs, as in mscclpp-bench).
 
@@ -197,14 +197,12 @@ fn run() -> Result<i32> {
             suite.record(&name, result);
         }
     }
-    // The all-to-all family (alltoall, alltoallv, sendrecv; gather and scatter only by name, see
-    // alltoall_checks::run) over every rank.
-    let gather_scatter = only
-        .as_deref()
-        .is_some_and(|o| o.iter().any(|s| s == GATHER_SCATTER));
-    if wants(mscclpp_collectives::alltoall::ALLTOALL_ZERO_COPY) || wants(ALLTOALL) || gather_scatter
+    // The all-to-all family (alltoall, alltoallv, sendrecv, gather, scatter) over every rank.
+    if wants(mscclpp_collectives::alltoall::ALLTOALL_ZERO_COPY)
+        || wants(ALLTOALL)
+        || wants(GATHER_SCATTER)
     {
-        for (name, result) in mscclpp_tests::alltoall_checks::run(&suite.ctx, gather_scatter) {
+        for (name, result) in mscclpp_tests::alltoall_checks::run(&suite.ctx) {
             suite.record(&name, result);
         }
     }
@@ -236,15 +234,31 @@ fn run() -> Result<i32> {
 /// `--only` section: device memory per rank and set-up times (see [`resources`]).
 const RESOURCES: &str = "resources";
 
+/// Device memory one rank's library may hold with the default collection (issue #24): the
+/// `resources` section fails above it.
+const MAX_DEVICE_BYTES_PER_RANK: u64 = 32 << 20;
+
+/// The default collection's all-to-all family, as the `resources` section runs it.
+const ALLTOALL_FAMILY: [(mscclpp::core::algorithm::Collective, &str); 3] = {
+    use mscclpp::core::algorithm::Collective;
+    use mscclpp::core::algorithm_collection::native_names as names;
+    [
+        (Collective::AllToAll, names::ALLTOALL_ZERO_COPY),
+        (Collective::AllToAll, names::ALLTOALL_PACKET),
+        (Collective::SendRecv, names::SENDRECV_ZERO_COPY),
+    ]
+};
+
 fn mib(bytes: u64) -> String {
     format!("{:.1} MiB", bytes as f64 / MIB as f64)
 }
 
 /// Device memory this rank's library holds (`live_device_bytes`, exact under MPS) after the
 /// communicator's init, after building the default collection, and after running each default
-/// algorithm once (small and 4 MiB messages: every scratch and semaphore a call touches is
-/// allocated by then; the check's own buffers are freed before each reading), with the
-/// communicator's init time and the collection's build time. Every rank prints its own line;
+/// algorithm once (small and 4 MiB messages, and 4 KiB per peer for the all-to-all family: every
+/// scratch and semaphore a call touches is allocated by then; the check's own buffers are freed
+/// before each reading), with the communicator's init time and the collection's build time. Fails
+/// when the per-rank total passes [`MAX_DEVICE_BYTES_PER_RANK`]. Every rank prints its own line;
 /// rank 0's figures go to the measurements table.
 fn resources(s: &mut Suite) -> Result<String> {
     use mscclpp::core::gpu::live_device_bytes;
@@ -287,10 +301,30 @@ fn resources(s: &mut Suite) -> Result<String> {
         }
         per_algorithm.push(format!("{} {}", kind.name(), mib(live_device_bytes())));
     }
+    // The all-to-all family borrows the same resources: run it too.
+    for (i, (collective, name)) in ALLTOALL_FAMILY.into_iter().enumerate() {
+        let algo = coll
+            .get(collective, name)
+            .ok_or_else(|| Error::Internal(format!("{name} missing")))?;
+        let seed = s.run_seed ^ (0xa11 + i as u64);
+        let r = mscclpp_tests::alltoall_checks::check_uniform(&s.ctx, algo.as_ref(), 4096, seed);
+        if let Err(e) = r {
+            wrong.push(format!("{name} 4096 B per peer: {e}"));
+        }
+        per_algorithm.push(format!("{name} {}", mib(live_device_bytes())));
+    }
     let after_all = live_device_bytes();
+    if after_all > MAX_DEVICE_BYTES_PER_RANK {
+        wrong.push(format!(
+            "device memory per rank {} exceeds the {} budget",
+            mib(after_all),
+            mib(MAX_DEVICE_BYTES_PER_RANK)
+        ));
+    }
     let line = format!(
         "context creation {:.1} ms; communicator init {:.1} ms, {}; default collection built in \
-         {:.1} ms, {} (+{}); after running every algorithm {} (+{} over init)",
+         {:.1} ms, {} (+{}); after running every algorithm {} (+{} over init): per-rank total {} \
+         (budget {})",
         s.ctx.context_init.as_secs_f64() * 1e3,
         s.ctx.comm_init.as_secs_f64() * 1e3,
         mib(after_init),
@@ -299,6 +333,8 @@ fn resources(s: &mut Suite) -> Result<String> {
         mib(after_build.saturating_sub(before_build)),
         mib(after_all),
         mib(after_all.saturating_sub(after_init)),
+        mib(after_all),
+        mib(MAX_DEVICE_BYTES_PER_RANK),
     );
     println!(
         "[rank {rank}] resources: {line}\n[rank {rank}] resources per algorithm (after its calls): {}",
@@ -340,8 +376,7 @@ const PRIMITIVES: &str = "primitives";
 const PORT_CHANNEL: &str = "port_channel";
 /// `--only` name of the all-to-all family's checks (also `default_alltoall_zero_copy`).
 const ALLTOALL: &str = "alltoall";
-/// `--only` section: the gather and scatter checks (not in the default run: see
-/// `alltoall_checks::run`).
+/// Another `--only` name of the all-to-all family's checks (kept for the commands of earlier runs).
 const GATHER_SCATTER: &str = "gather_scatter";
 
 /// The names given to `--only`, if it was given.
@@ -1025,20 +1060,8 @@ fn two_communicators(
     coll1: &mscclpp::core::algorithm_collection::AlgorithmCollection,
 ) -> Result<String> {
     use mscclpp::core::algorithm::Collective;
-    use mscclpp::core::bootstrap::{Bootstrap, BootstrapConfig, TcpBootstrap, UniqueId};
-    use mscclpp::core::communicator::Communicator;
     use mscclpp_collectives::testing::run_collective_check_mode;
-    use std::sync::Arc;
-    let config = BootstrapConfig::from_env(s.ctx.env);
-    let (rank, size) = (s.ctx.rank(), s.ctx.size());
-    let id = if rank == 0 {
-        TcpBootstrap::create_unique_id(&config)?.to_bytes().to_vec()
-    } else {
-        Vec::new()
-    };
-    let id = UniqueId::from_bytes(&s.ctx.bootstrap.broadcast(0, &id)?)?;
-    let boot2: Arc<dyn Bootstrap> = Arc::new(TcpBootstrap::new(rank, size, &id, &config)?);
-    let comm2 = Arc::new(Communicator::new(boot2, s.ctx.gpu.clone(), s.ctx.device)?);
+    let comm2 = s.ctx.fresh_communicator()?;
     let coll2 = mscclpp_collectives::default_algorithm_collection(
         &comm2,
         mscclpp_collectives::DEFAULT_SCRATCH_BYTES,
