@@ -117,6 +117,7 @@ impl CollectiveFile {
             CollectiveFile::Broadcast => &["broadcast_zero_copy"],
             CollectiveFile::AllToAll => &[
                 "alltoallv_zero_copy",
+                "alltoallv_zero_copy_pull",
                 "alltoallv_device_counts",
                 "alltoall_packet",
             ],
