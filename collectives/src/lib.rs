@@ -37,7 +37,9 @@ use mscclpp_kernels_cu::collectives::MAX_RANKS;
 use std::sync::Arc;
 
 /// The builder's default `scratch_bytes` s. The collection makes one allocation of 30 MiB from it
-/// and lends it to every algorithm (`resources::CollectionResources`, `resources::scratch_bounds`):
+/// and lends it to every algorithm, the all-to-all family included (its exchange tables take the
+/// first 24 KiB of the staging part, its packets up to 2 MiB of the LL128 part), at 2, 4 and 8
+/// ranks alike (`resources::CollectionResources`, `resources::scratch_bounds`):
 /// s/2 = 4 MiB of LL16 packets, 9s/4 = 18 MiB of LL128 lines, s = 8 MiB (less the call counter
 /// and semaphores, 78 KiB) for staged data and, with the LL128 part, the copy engine's ring.
 /// Capacities (input per rank; before, from each algorithm's own 8 MiB, 32 MiB for the two-phase
