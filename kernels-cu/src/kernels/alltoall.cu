@@ -49,7 +49,7 @@ constexpr u32 kMaxAlltoallBlocks = 128;
 
 extern "C" __global__ void __launch_bounds__(1024, 1) alltoallv_zero_copy(AlltoallArgs args) {
   wait_prior_grids();
-  if (aborted(args.error_word)) return;
+  if (block_aborted(args.error_word)) return;
   const u32 npeers = args.nranks - 1;
   RecvTable* mine = reinterpret_cast<RecvTable*>(args.tables.p[args.rank]) + blockIdx.x;
   for (u32 r = threadIdx.x; r < args.nranks; r += blockDim.x) {
@@ -103,7 +103,7 @@ struct AlltoallDeviceArgs {
 
 extern "C" __global__ void __launch_bounds__(1024, 1) alltoallv_device_counts(AlltoallDeviceArgs args) {
   wait_prior_grids();
-  if (aborted(args.error_word)) return;
+  if (block_aborted(args.error_word)) return;
   const u32 n = args.nranks, rank = args.rank, npeers = n - 1;
   RecvTable* mine = reinterpret_cast<RecvTable*>(args.tables.p[rank]) + blockIdx.x;
   for (u32 r = threadIdx.x; r < n; r += blockDim.x) mine->counts[r] = args.send_counts[r] * args.unit_bytes;
@@ -163,7 +163,7 @@ struct AlltoallPacketArgs {
 
 extern "C" __global__ void __launch_bounds__(1024, 1) alltoall_packet(AlltoallPacketArgs args) {
   wait_prior_grids();
-  if (aborted(args.error_word)) return;
+  if (block_aborted(args.error_word)) return;
   const u64 calls = load_call_count(args.state);
   const u64 flag = call_flag(calls);
   const u32 rank = args.rank, nranks = args.nranks, npeers = nranks - 1;
