@@ -23,8 +23,8 @@ Workloads (the bench's options; each run is a long loop the signal lands in):
           hosts by MSCCLPP_HOSTID (CudaIpc within a half, the Ethernet transport between halves;
           the host proxy threads carry every transfer)
 
-Configurations are every combination of --ranks, --signals, --workloads and --mps, run one after
-another (never concurrently: ranks of two jobs sharing the GPU would slow each other and the times
+Configurations are every combination of --ranks, --signals, --workloads and --mps (or the
+--config list), run one after another (never concurrently: ranks of two jobs sharing the GPU would slow each other and the times
 would not be the job's own). --budget S shares S seconds equally among the configurations: each
 runs until it has --runs runs or its share is spent (at least one run), so one command fits a
 device call's time limit whatever the machine's speed.
@@ -248,6 +248,9 @@ def main():
     p.add_argument("--signals", default="KILL,STOP", help="KILL, STOP (comma list)")
     p.add_argument("--workloads", default="eager,graph", help=f"{', '.join(WORKLOADS)} (comma list)")
     p.add_argument("--mps", default="0", help="0, 1 or 0,1: without / with an MPS server")
+    p.add_argument("--config", action="append", default=[], help="RANKS:SIGNAL:WORKLOAD:MPS, e.g. "
+                   "4:KILL:graph:0 (repeatable): run these configurations instead of every "
+                   "combination of --ranks, --signals, --workloads and --mps")
     p.add_argument("--runs", type=int, default=3, help="runs per configuration")
     p.add_argument("--victim", type=int, default=-1, help="rank to signal (default: the last)")
     p.add_argument("--delay", type=float, default=0.0, help="seconds from launch to the signal "
@@ -274,9 +277,17 @@ def main():
     logdir = os.path.join(a.out, "fault-inject")
     os.makedirs(logdir, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="mscclpp-fault-")
-    configs = list(itertools.product(
-        [int(x) for x in a.ranks.split(",")], a.signals.upper().split(","),
-        a.workloads.split(","), [x == "1" for x in a.mps.split(",")]))
+    if a.config:
+        configs = []
+        for c in a.config:
+            parts = c.split(":")
+            if len(parts) != 4:
+                raise SystemExit(f"--config {c!r}: expected RANKS:SIGNAL:WORKLOAD:MPS, e.g. 4:KILL:graph:0")
+            configs.append((int(parts[0]), parts[1].upper(), parts[2], parts[3] == "1"))
+    else:
+        configs = list(itertools.product(
+            [int(x) for x in a.ranks.split(",")], a.signals.upper().split(","),
+            a.workloads.split(","), [x == "1" for x in a.mps.split(",")]))
     print(f"fault injection: {ngpu} GPU(s), MSCCLPP_DEVICE_WAIT_TIMEOUT={a.timeout}, pass within "
           f"{a.timeout + a.slack} s, {a.runs} run(s) per configuration, logs in {logdir}", flush=True)
     for _, sig, workload, _ in configs:
