@@ -665,7 +665,7 @@ fn result_of(out: &mut impl Read) -> String {
 /// those ranks make no bootstrap call at all.
 #[test]
 fn stopped_rank_is_blamed_by_the_heartbeat() {
-    let (n, victim, liveness) = (4, 1, Duration::from_millis(1000));
+    let (n, victim, liveness) = (4, 1, Duration::from_millis(1500));
     let addr = format!("127.0.0.1:{}", free_port());
     let ms = liveness.as_millis().to_string();
     let mut kids: Vec<Child> = (0..n)
@@ -711,8 +711,10 @@ fn stopped_rank_is_blamed_by_the_heartbeat() {
                 && line.contains(&format!("rank {victim} stalled: no heartbeat for")),
             "rank {r}: {line}"
         );
+        // The victim's last beat came up to one period (liveness / 10) before the stop; the
+        // upper bound leaves room for a loaded CI machine.
         assert!(
-            after >= liveness && after < liveness + Duration::from_millis(800),
+            after + liveness / 10 >= liveness && after < liveness + Duration::from_secs(2),
             "rank {r} heard after {after:?}: {line}"
         );
         eprintln!("rank {r}: stall seen {after:?} after the SIGSTOP");
