@@ -3,10 +3,13 @@
 fast, with an error naming that rank.
 
 Each run starts N ranks of `mscclpp-bench collective` on this machine's GPU(s) (several ranks share
-a GPU when N exceeds the GPUs, optionally under MPS), waits --delay seconds, then SIGKILLs or
-SIGSTOPs one rank (the victim). It passes when every survivor exits non-zero within
-MSCCLPP_DEVICE_WAIT_TIMEOUT + --slack seconds of the signal and its error output names the
-victim ("rank V"). Survivors still running at --hang-after seconds are killed and the run fails.
+a GPU when N exceeds the GPUs, optionally under MPS), waits until rank 0 has printed its table
+header (communicator and algorithms up) and --settle seconds more (the loop is running, its launch
+queue full), or --delay seconds in all when given, then SIGKILLs or SIGSTOPs one rank (the victim).
+It passes when every survivor exits non-zero within MSCCLPP_DEVICE_WAIT_TIMEOUT + --slack seconds
+of the signal and its error output names the victim ("rank V"). Survivors still running at
+--hang-after seconds are killed and the run fails. The liveness timeout (MSCCLPP_LIVENESS_TIMEOUT)
+follows MSCCLPP_DEVICE_WAIT_TIMEOUT unless the environment sets it.
 
 Ranks are started directly with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 MASTER_PORT), not under torchrun: torchrun's agent tears the job down itself when one worker dies,
@@ -16,12 +19,23 @@ Workloads (the bench's options; each run is a long loop the signal lands in):
   eager   allreduce (--size), launched back to back: a deep launch queue behind the failure
   graph   allreduce captured into a CUDA graph of --graph-calls calls, replayed many times
   small   as eager with 1 KiB messages (packet kernels, many launches per second)
+  port    PortChannel traffic: port_allreduce (1 MiB, eager), the ranks split into two simulated
+          hosts by MSCCLPP_HOSTID (CudaIpc within a half, the Ethernet transport between halves;
+          the host proxy threads carry every transfer)
+
+Configurations are every combination of --ranks, --signals, --workloads and --mps (or the
+--config list), run one after another (never concurrently: ranks of two jobs sharing the GPU would slow each other and the times
+would not be the job's own). --budget S shares S seconds equally among the configurations: each
+runs until it has --runs runs or its share is spent (at least one run), so one command fits a
+device call's time limit whatever the machine's speed.
 
 Examples (from the repository root on the GPU machine, after scripts/gpu-stage.sh):
   python3 .gpu/fault-inject.py --ranks 2,4 --signals KILL,STOP --workloads eager,graph \
       --mps 0,1 --runs 3
-Prints one line per run and a table per configuration (min/median/max of the slowest survivor's
-time, pass count). Exit status 0 only when every run passed.
+Prints one line per run and a summary table: per configuration the runs passed, the
+min/median/max of the slowest survivor's time, the kind of error the survivors reported (died,
+stalled, device timeout, other) with one example, and whether a new process could still create a
+CUDA context afterwards (MPS health). Exit status 0 only when every run passed.
 """
 
 import argparse
@@ -44,6 +58,9 @@ NVLS_OFF = {
 SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
 
 
+WORKLOADS = ("eager", "small", "graph", "port")
+
+
 def workload_args(name, size, short=False):
     """The bench's arguments; `short` makes a run of a few calls (to fill the kernel cache)."""
     common = ["collective", "-c", "allreduce", "-d", "bf16", "-w", "1", "-m", "1", "--inplace-only"]
@@ -53,7 +70,18 @@ def workload_args(name, size, short=False):
         return common + ["-b", "1K", "-e", "1K", "-n", "5" if short else "100000000"]
     if name == "graph":
         return common + ["-b", size, "-e", size, "-n", "20", "-G", "2" if short else "1000000"]
-    raise SystemExit(f"unknown workload {name!r} (eager, small, graph)")
+    if name == "port":
+        return common + ["-b", "1M", "-e", "1M", "--algo", "port_allreduce",
+                         "-n", "5" if short else "1000000"]
+    raise SystemExit(f"unknown workload {name!r} ({', '.join(WORKLOADS)})")
+
+
+def rank_env(workload, rank, nranks):
+    """Per-rank variables beyond the launcher's: the port workload's simulated host."""
+    env = {"RANK": str(rank), "LOCAL_RANK": str(rank)}
+    if workload == "port":
+        env["MSCCLPP_HOSTID"] = f"sim-host-{rank * 2 // nranks}"
+    return env
 
 
 def gpu_count():
@@ -110,7 +138,7 @@ def warm_up(a, nranks, workload, extra_env, port, logdir):
     procs = []
     with open(os.path.join(logdir, f"warm-n{nranks}-{workload}.log"), "w") as log:
         for r in range(nranks):
-            procs.append(subprocess.Popen(args, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            procs.append(subprocess.Popen(args, env={**env, **rank_env(workload, r, nranks)},
                                           stdout=log, stderr=subprocess.STDOUT))
         for p in procs:
             try:
@@ -118,6 +146,36 @@ def warm_up(a, nranks, workload, extra_env, port, logdir):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def wait_until_running(a, procs, log0):
+    """Returns once the loop the signal must land in runs: --delay seconds after the start when
+    given, else --settle seconds after rank 0 printed its table header (the bench prints it once
+    the communicator and the algorithms are up), or when a rank ended early."""
+    if a.delay > 0 or a.bench_args:
+        # Another command prints no bench header: a fixed delay.
+        time.sleep(a.delay or 3.0)
+        return
+    start = time.monotonic()
+    while time.monotonic() - start < a.hang_after:
+        if any(p.poll() is not None for p in procs):
+            return
+        log0.seek(0)
+        if "# rank 0 thread:" in log0.read():
+            break
+        time.sleep(0.05)
+    time.sleep(a.settle)
+
+
+def classify(error):
+    """The kind of failure a survivor reported, for the summary."""
+    if "stalled" in error:
+        return "stalled"
+    if "died" in error:
+        return "died"
+    if "device-side timeout" in error or "timed out" in error:
+        return "timeout"
+    return "other"
 
 
 def one_run(a, nranks, sig, workload, extra_env, port, logdir, tag):
@@ -133,10 +191,10 @@ def one_run(a, nranks, sig, workload, extra_env, port, logdir, tag):
     procs, logs = [], []
     for r in range(nranks):
         log = open(os.path.join(logdir, f"{tag}.rank{r}.log"), "w+")
-        rank_env = {**env, "RANK": str(r), "LOCAL_RANK": str(r)}
-        procs.append(subprocess.Popen(args, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(subprocess.Popen(args, env={**env, **rank_env(workload, r, nranks)},
+                                      stdout=log, stderr=subprocess.STDOUT))
         logs.append(log)
-    time.sleep(a.delay)
+    wait_until_running(a, procs, logs[0])
     early = [r for r, p in enumerate(procs) if p.poll() is not None]
     sent = time.monotonic()
     if not early:
@@ -163,6 +221,7 @@ def one_run(a, nranks, sig, workload, extra_env, port, logdir, tag):
         # The bench's last word: "mscclpp-bench (rank R): error: ...".
         errors = [l for l in text.splitlines() if ": error:" in l]
         last = errors[-1] if errors else (text.strip().splitlines() or [""])[-1]
+        last = re.sub(r"^mscclpp-bench \(rank \d+\): error: ", "", last)
         t = ended.get(r)
         if early:
             why = f"rank(s) {early} ended before the signal"
@@ -187,11 +246,19 @@ def main():
     p.add_argument("--bench", default=".gpu/bin/mscclpp-bench")
     p.add_argument("--ranks", default="2", help="comma list of rank counts (default 2)")
     p.add_argument("--signals", default="KILL,STOP", help="KILL, STOP (comma list)")
-    p.add_argument("--workloads", default="eager,graph", help="eager, small, graph (comma list)")
+    p.add_argument("--workloads", default="eager,graph", help=f"{', '.join(WORKLOADS)} (comma list)")
     p.add_argument("--mps", default="0", help="0, 1 or 0,1: without / with an MPS server")
+    p.add_argument("--config", action="append", default=[], help="RANKS:SIGNAL:WORKLOAD:MPS, e.g. "
+                   "4:KILL:graph:0 (repeatable): run these configurations instead of every "
+                   "combination of --ranks, --signals, --workloads and --mps")
     p.add_argument("--runs", type=int, default=3, help="runs per configuration")
     p.add_argument("--victim", type=int, default=-1, help="rank to signal (default: the last)")
-    p.add_argument("--delay", type=float, default=8.0, help="seconds from launch to the signal")
+    p.add_argument("--delay", type=float, default=0.0, help="seconds from launch to the signal "
+                   "(default: --settle seconds after rank 0's table header)")
+    p.add_argument("--settle", type=float, default=1.5, help="seconds from rank 0's table header "
+                   "to the signal (warm-up call, graph capture, a full launch queue)")
+    p.add_argument("--budget", type=float, default=0.0, help="seconds for the whole matrix, shared "
+                   "equally among the configurations (0: no limit, --runs each)")
     p.add_argument("--timeout", type=int, default=3, help="MSCCLPP_DEVICE_WAIT_TIMEOUT (seconds)")
     p.add_argument("--slack", type=float, default=2.0, help="allowed beyond the timeout (seconds)")
     p.add_argument("--bootstrap-timeout", type=int, default=30, help="MSCCLPP_BOOTSTRAP_TIMEOUT")
@@ -210,26 +277,46 @@ def main():
     logdir = os.path.join(a.out, "fault-inject")
     os.makedirs(logdir, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="mscclpp-fault-")
-    configs = list(itertools.product(
-        [int(x) for x in a.ranks.split(",")], a.signals.upper().split(","),
-        a.workloads.split(","), [x == "1" for x in a.mps.split(",")]))
+    if a.config:
+        configs = []
+        for c in a.config:
+            parts = c.split(":")
+            if len(parts) != 4:
+                raise SystemExit(f"--config {c!r}: expected RANKS:SIGNAL:WORKLOAD:MPS, e.g. 4:KILL:graph:0")
+            configs.append((int(parts[0]), parts[1].upper(), parts[2], parts[3] == "1"))
+    else:
+        configs = list(itertools.product(
+            [int(x) for x in a.ranks.split(",")], a.signals.upper().split(","),
+            a.workloads.split(","), [x == "1" for x in a.mps.split(",")]))
     print(f"fault injection: {ngpu} GPU(s), MSCCLPP_DEVICE_WAIT_TIMEOUT={a.timeout}, pass within "
           f"{a.timeout + a.slack} s, {a.runs} run(s) per configuration, logs in {logdir}", flush=True)
-    table, port, all_ok, warmed = [], 29600, True, set()
-    for nranks, sig, workload, mps in configs:
+    for _, sig, workload, _ in configs:
         if sig not in SIGNALS:
             raise SystemExit(f"unknown signal {sig} (KILL, STOP)")
+        if workload not in WORKLOADS and not a.bench_args:
+            raise SystemExit(f"unknown workload {workload!r} ({', '.join(WORKLOADS)})")
+    table, port, all_ok, warmed = [], 29600, True, set()
+    matrix_start = time.monotonic()
+    for index, (nranks, sig, workload, mps) in enumerate(configs):
         name = f"{nranks} ranks {sig:4} {workload:5} {'MPS' if mps else 'no MPS'}"
+        config_start = time.monotonic()
+        share = None
+        if a.budget > 0:
+            share = (a.budget - (config_start - matrix_start)) / (len(configs) - index)
         server = Mps(nranks, ngpu, workdir) if mps else None
         extra = server.env if server else {}
         if server:
             server.start()
-        times, passed = [], 0
+        times, passed, errors, runs = [], 0, [], 0
         if not a.bench_args and (nranks, workload) not in warmed:
             port += 10
             warm_up(a, nranks, workload, extra, port, logdir)
             warmed.add((nranks, workload))
         for run in range(a.runs):
+            if run > 0 and share is not None and time.monotonic() - config_start > share:
+                print(f"[{name}] budget share of {share:.0f} s spent after {run} run(s)", flush=True)
+                break
+            runs += 1
             port += 10  # the bootstrap root takes MASTER_PORT + 1
             tag = f"n{nranks}-{sig}-{workload}-{'mps' if mps else 'nomps'}-{run}"
             victim, verdicts = one_run(a, nranks, sig, workload, extra, port, logdir, tag)
@@ -238,6 +325,7 @@ def main():
             if slowest is not None:
                 times.append(slowest)
             passed += not failed
+            errors += [last for _, _, _, last in verdicts]
             status = "PASS" if not failed else "FAIL"
             shown = f"{slowest:.2f} s" if slowest is not None else "-"
             print(f"[{name}] run {run}: {status}, victim rank {victim}, slowest survivor {shown}",
@@ -252,15 +340,24 @@ def main():
         if not usable:
             print(f"[{name}] WARNING: a new process could not create a CUDA context afterwards",
                   flush=True)
-        ok = passed == a.runs and usable
+        ok = passed == runs and usable
         all_ok &= ok
-        table.append((name, passed, a.runs, times, usable))
-    print("\n| configuration | pass | min s | median s | max s | GPU usable after |")
-    print("|---|---|---|---|---|---|")
-    for name, passed, runs, times, usable in table:
+        table.append((name, passed, runs, times, errors, usable))
+    print(f"\nfault injection: {time.monotonic() - matrix_start:.0f} s in all; times are the slowest "
+          f"survivor's, from the signal to its exit; pass within {a.timeout + a.slack} s")
+    print("\n| configuration | pass | min s | median s | max s | survivors' errors | example | "
+          "GPU usable after |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, passed, runs, times, errors, usable in table:
         stats = (f"{min(times):.2f} | {statistics.median(times):.2f} | {max(times):.2f}"
                  if times else "- | - | -")
-        print(f"| {name} | {passed}/{runs} | {stats} | {'yes' if usable else 'NO'} |")
+        kinds = {}
+        for e in errors:
+            kinds[classify(e)] = kinds.get(classify(e), 0) + 1
+        kinds_text = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
+        example = (errors[0][:110].replace("|", "/") if errors else "-")
+        print(f"| {name} | {passed}/{runs} | {stats} | {kinds_text or '-'} | {example} | "
+              f"{'yes' if usable else 'NO'} |")
     return 0 if all_ok else 1
 
 

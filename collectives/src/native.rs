@@ -383,8 +383,11 @@ impl NativeBase {
         check_capacity(self.kind, args.input_bytes, self.max_bytes())
     }
 
-    /// Checks `args`; the element count of a call that has work to do, None for an empty one.
+    /// Checks the communicator's health (one host load: after a failure, nothing more is queued
+    /// and the error names the peer) and `args`; the element count of a call that has work to
+    /// do, None for an empty one.
     pub fn begin(&self, args: &ExecuteArgs) -> Result<Option<usize>> {
+        self.comm.check(self.kind.name())?;
         self.check(args)?;
         let count = args.input_count()?;
         Ok((count > 0).then_some(count))

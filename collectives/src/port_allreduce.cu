@@ -30,10 +30,14 @@ constexpr int kPortOp = MSCCLPP_COLL_OP;
 
 // chans[i]: the channel towards peer index i (peer_rank(i, rank)), dst = that peer's scratch,
 // src = this rank's staging buffer. Launched with one block of 32 threads; npeers <= 31.
-// Every lane runs its put, flush and wait even after an earlier failure (recorded in the error
-// word), so signal counts stay balanced with the peers; the counter advances exactly once.
+// Every lane runs its put, flush and wait even after a failure during this call (recorded in the
+// error word), so signal counts stay balanced with the peers; the counter advances exactly once.
+// A call that starts after a failure (the word is sticky: the communicator is finished) pushes
+// nothing: the proxy would copy into a peer that may be dead, and a queue of calls behind the
+// failure drains without a round trip through the proxy each.
 extern "C" __global__ void port_allreduce_exchange(const PortChannelHandle* chans, u32 npeers, u64 bytes,
                                                    u64 slot_stride, u32 rank, u32 nranks, u64* calls) {
+  if (block_aborted(chans[0].fifo.error_word)) return;
   const u64 call = *calls;
   const u32 lane = threadIdx.x;
   if (blockIdx.x == 0 && lane < npeers) {

@@ -344,6 +344,8 @@ impl Algorithm for PortAllreduce {
     }
 
     fn execute(&self, args: &ExecuteArgs) -> Result<()> {
+        // A failed communicator (dead or stalled peer, abort) queues nothing more: one host load.
+        self.comm.check(NAME)?;
         let count = check_args(args)?;
         // A proxy failure of an earlier call surfaces here at the latest (host-only check).
         self.check_proxy()?;

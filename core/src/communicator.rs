@@ -58,6 +58,9 @@ pub struct RegisteredMemory {
     /// A peer's memory on another host: not mapped here (see [`RegisteredMemory::ptr`]).
     other_host: bool,
     gpu: Arc<dyn Gpu>,
+    /// The registering communicator's health: an import is unmapped only once that
+    /// communicator's kernels are done with it (see the drop).
+    health: Weak<Health>,
 }
 
 impl RegisteredMemory {
@@ -89,6 +92,15 @@ impl RegisteredMemory {
 impl Drop for RegisteredMemory {
     fn drop(&mut self) {
         if let Some(imported) = self.imported.take() {
+            // After a failure, kernels queued before it may still be draining (each returns at its
+            // entry check, or within 256 polls of a wait): unmapping under one that still touches
+            // this memory would fault the context, and under MPS every client of the GPU. A
+            // healthy communicator's owner has synchronised its work before dropping buffers.
+            if FailureFlag(self.health.clone()).is_set() {
+                if let Err(e) = self.gpu.synchronize_device() {
+                    tracing::warn!(target: "mscclpp::conn", "draining kernels before unmapping rank {}'s memory: {e}", self.desc.rank);
+                }
+            }
             if let Err(e) = self.gpu.close_imported(&imported) {
                 tracing::warn!(target: "mscclpp::conn", "unmapping rank {}'s memory failed: {e}", self.desc.rank);
             }
@@ -146,6 +158,11 @@ impl Health {
         );
     }
 
+    /// Whether any error (a device wait that gave up, an abort) was recorded.
+    fn failed(&self) -> bool {
+        self.code().load(Ordering::Acquire) != crate::device::DEVICE_ERROR_NONE
+    }
+
     fn error(&self) -> Option<Error> {
         let code = self.code().load(Ordering::Acquire);
         if code == crate::device::DEVICE_ERROR_NONE {
@@ -180,6 +197,23 @@ impl Drop for Health {
         if let Err(e) = self.gpu.free_host_mapped(&self.word) {
             tracing::warn!(target: "mscclpp::conn", "freeing the error word failed: {e}");
         }
+    }
+}
+
+/// Whether a communicator has failed, for threads that work for it between calls (the PortChannel
+/// proxy): one atomic load, and false once the communicator is gone.
+#[derive(Clone)]
+pub struct FailureFlag(Weak<Health>);
+
+impl FailureFlag {
+    pub fn is_set(&self) -> bool {
+        self.0.upgrade().is_some_and(|h| h.failed())
+    }
+}
+
+impl std::fmt::Debug for FailureFlag {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "FailureFlag({})", self.is_set())
     }
 }
 
@@ -300,6 +334,12 @@ impl Communicator {
         self.health.error()
     }
 
+    /// [`async_error`](Self::async_error)'s yes/no, as a handle that does not keep the
+    /// communicator alive.
+    pub fn failure_flag(&self) -> FailureFlag {
+        FailureFlag(Arc::downgrade(&self.health))
+    }
+
     /// The check made before every operation on the communicator (one host load while healthy):
     /// the communicator's error, prefixed with `op`. The first time it finds a device wait timed
     /// out for no known reason, it asks the peers over the bootstrap who is alive (up to
@@ -362,6 +402,7 @@ impl Communicator {
             imported: None,
             other_host: false,
             gpu: self.gpu.clone(),
+            health: Arc::downgrade(&self.health),
         })
     }
 
@@ -391,6 +432,7 @@ impl Communicator {
                 imported: None,
                 other_host: false,
                 gpu: self.gpu.clone(),
+                health: Arc::downgrade(&self.health),
             });
         }
         let imported = self
@@ -406,6 +448,7 @@ impl Communicator {
             imported: Some(imported),
             other_host: false,
             gpu: self.gpu.clone(),
+            health: Arc::downgrade(&self.health),
         })
     }
 
@@ -440,6 +483,7 @@ impl Communicator {
                     imported: None,
                     other_host: true,
                     gpu: self.gpu.clone(),
+                    health: Arc::downgrade(&self.health),
                 });
                 continue;
             }
@@ -540,15 +584,8 @@ impl Communicator {
 
 impl Drop for Communicator {
     fn drop(&mut self) {
-        // After a failure our own kernels may still be in flight (draining: they return at the
-        // error word's first check); unmapping a peer's memory under them would fault this
-        // context, and under MPS every client with it. Wait for them first (bounded by
-        // MSCCLPP_DEVICE_WAIT_TIMEOUT in the backends).
-        if self.health.error().is_some() {
-            if let Err(e) = self.gpu.synchronize_device() {
-                tracing::warn!(target: "mscclpp::conn", "draining a failed communicator's kernels: {e}");
-            }
-        }
+        // After a failure, unmapping the peers' slabs first waits for our kernels still in
+        // flight (RegisteredMemory's drop).
         // Peers' mappings of our slab must be gone before it is freed; best effort, since a dead
         // peer must not make teardown hang forever (the bootstrap barrier has a timeout).
         self.slab.peers.clear();

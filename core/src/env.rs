@@ -52,6 +52,7 @@
 //! | `MSCCLPP_GPU_BACKEND` | `gpu_backend` | `cuda rocm auto` | unset (= auto) |
 //! | `MSCCLPP_BOOTSTRAP_TIMEOUT` | `bootstrap_timeout` | seconds | 30 |
 //! | `MSCCLPP_DEVICE_WAIT_TIMEOUT` | `device_wait_timeout` | seconds the host waits for the device (stream sync, proxy flush), and the wall-clock budget of every device-side wait (docs/fail-fast.md) | 60 |
+//! | `MSCCLPP_LIVENESS_TIMEOUT` | `liveness_timeout` | seconds without a bootstrap heartbeat after which a peer counts as stalled (stopped, hung) and the job is aborted (docs/fail-fast.md) | `MSCCLPP_DEVICE_WAIT_TIMEOUT` |
 //! | `RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE` | `launcher` (torchrun) | integers | - |
 //! | `OMPI_COMM_WORLD_RANK _SIZE _LOCAL_RANK _LOCAL_SIZE` | `launcher` (Open MPI) | integers | - |
 //! | `PMI_RANK PMI_SIZE MPI_LOCALRANKID MPI_LOCALNRANKS` | `launcher` (PMI: MPICH, Intel MPI) | integers | - |
@@ -113,6 +114,7 @@ pub const VARIABLES: &[&str] = &[
     "MSCCLPP_GPU_BACKEND",
     "MSCCLPP_BOOTSTRAP_TIMEOUT",
     "MSCCLPP_DEVICE_WAIT_TIMEOUT",
+    "MSCCLPP_LIVENESS_TIMEOUT",
     "RANK",
     "WORLD_SIZE",
     "LOCAL_RANK",
@@ -427,6 +429,7 @@ pub struct Env {
     pub gpu_backend: Option<BackendChoice>,
     pub bootstrap_timeout: Duration,
     pub device_wait_timeout: Duration,
+    pub liveness_timeout: Duration,
     pub launcher: Option<Launcher>,
     pub torch_master: Option<(String, u16)>,
     /// The recognised variables that were set (non-empty), for logging what was in effect.
@@ -889,6 +892,8 @@ impl Env {
             .filter(|k| k.starts_with("MSCCLPP_") && !VARIABLES.contains(&k.as_str()))
             .cloned()
             .collect();
+        let device_wait_timeout =
+            vars.seconds("MSCCLPP_DEVICE_WAIT_TIMEOUT", DEFAULT_DEVICE_WAIT_TIMEOUT)?;
 
         Ok(Env {
             log_level,
@@ -932,8 +937,9 @@ impl Env {
             gpu_backend: vars.parse("MSCCLPP_GPU_BACKEND")?,
             bootstrap_timeout: vars
                 .seconds("MSCCLPP_BOOTSTRAP_TIMEOUT", DEFAULT_BOOTSTRAP_TIMEOUT)?,
-            device_wait_timeout: vars
-                .seconds("MSCCLPP_DEVICE_WAIT_TIMEOUT", DEFAULT_DEVICE_WAIT_TIMEOUT)?,
+            device_wait_timeout,
+            // A stalled peer is one whose device work would time out: the same budget.
+            liveness_timeout: vars.seconds("MSCCLPP_LIVENESS_TIMEOUT", device_wait_timeout)?,
             launcher: parse_launcher(&vars)?,
             torch_master,
             recognized,
@@ -1331,6 +1337,23 @@ mod tests {
                 .device_wait_timeout,
             want
         );
+        assert_eq!(
+            env(&[("MSCCLPP_LIVENESS_TIMEOUT", value)])
+                .unwrap()
+                .liveness_timeout,
+            want
+        );
+    }
+
+    /// Without its own variable the liveness timeout follows the device wait budget.
+    #[test]
+    fn liveness_timeout_defaults_to_the_device_wait_timeout() {
+        let e = env(&[("MSCCLPP_DEVICE_WAIT_TIMEOUT", "3")]).unwrap();
+        assert_eq!(e.liveness_timeout, Duration::from_secs(3));
+        assert_eq!(
+            env(&[]).unwrap().liveness_timeout,
+            DEFAULT_DEVICE_WAIT_TIMEOUT
+        );
     }
 
     #[rstest]
@@ -1348,6 +1371,10 @@ mod tests {
         assert_eq!(
             err_var(&[("MSCCLPP_DEVICE_WAIT_TIMEOUT", value)]),
             "MSCCLPP_DEVICE_WAIT_TIMEOUT"
+        );
+        assert_eq!(
+            err_var(&[("MSCCLPP_LIVENESS_TIMEOUT", value)]),
+            "MSCCLPP_LIVENESS_TIMEOUT"
         );
     }
 

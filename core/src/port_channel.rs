@@ -36,7 +36,7 @@
 //! copy in turn) until the device wait times out. [`shared_queue_hazard`] says so; the service
 //! warns once per process, and `port_allreduce` refuses to start.
 
-use crate::communicator::{Communicator, RegisteredMemory};
+use crate::communicator::{Communicator, FailureFlag, RegisteredMemory};
 use crate::device::{D2DSemaphoreHandle, FifoHandle, H2DSemaphoreHandle, PortChannelHandle};
 use crate::env::Env;
 use crate::error::{Error, Result};
@@ -257,7 +257,14 @@ pub struct PortChannelService {
     memories: Vec<MemoryRegion>,
     /// Device halves of the registered semaphores, by id.
     semaphores: Vec<H2DSemaphoreHandle>,
+    /// The communicator's health (services made by [`new`](Self::new)).
+    failed: Option<FailureFlag>,
 }
+
+/// How long stopping the proxy of a failed communicator waits for a handler still running: it is
+/// in a transfer to a peer that died or stopped, which would otherwise hold up the rank's exit for
+/// the whole stop timeout.
+pub const FAILED_STOP_TIMEOUT: Duration = Duration::from_millis(500);
 
 impl std::fmt::Debug for PortChannelService {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -273,13 +280,22 @@ impl std::fmt::Debug for PortChannelService {
 
 impl PortChannelService {
     /// A service on the communicator's device, reporting device-side timeouts into its error word.
+    /// Once the communicator failed, the proxy pops triggers without carrying them out
+    /// ([`TransportProxyHandler::skip_after_failure`]) and stopping it waits at most
+    /// [`FAILED_STOP_TIMEOUT`] for a transfer still under way.
     pub fn new(comm: &Communicator, config: PortChannelConfig) -> Result<Self> {
-        Self::with_gpu(
+        let mut svc = Self::with_gpu(
             comm.gpu().clone(),
             comm.device(),
             comm.error_word_device_ptr(),
             config,
-        )
+        )?;
+        let flag = comm.failure_flag();
+        if let Some(p) = svc.pending.as_mut() {
+            p.handler.skip_after_failure(flag.clone());
+        }
+        svc.failed = Some(flag);
+        Ok(svc)
     }
 
     /// A service on `device` of `gpu` without a communicator; `error_word` is the device address
@@ -307,6 +323,7 @@ impl PortChannelService {
             pusher,
             memories: Vec::new(),
             semaphores: Vec::new(),
+            failed: None,
         })
     }
 
@@ -488,8 +505,13 @@ impl PortChannelService {
     /// configured stop timeout); returns its final counters or its first unreported error.
     /// Stopping a service that never started, or twice, is fine.
     pub fn stop(&mut self) -> Result<ProxyStats> {
+        let timeout = if self.failed.as_ref().is_some_and(FailureFlag::is_set) {
+            self.config.stop_timeout.min(FAILED_STOP_TIMEOUT)
+        } else {
+            self.config.stop_timeout
+        };
         match self.proxy.as_mut() {
-            Some(p) => p.stop(self.config.stop_timeout),
+            Some(p) => p.stop(timeout),
             None => Ok(ProxyStats::default()),
         }
     }
@@ -795,6 +817,66 @@ mod tests {
 
     fn pattern(rank: usize, len: usize) -> Vec<u8> {
         (0..len).map(|i| (i * 7 + rank * 131 + 3) as u8).collect()
+    }
+
+    /// After the communicator failed, the proxy pops triggers without carrying them out: no data
+    /// reaches the peer, no signal either, and the pusher's sync still returns.
+    #[test]
+    fn a_failed_communicator_s_triggers_are_skipped() {
+        let gpu: Arc<dyn Gpu> = Arc::new(HostGpu::new());
+        let cfg = BootstrapConfig::default().with_timeout(T);
+        let id = TcpBootstrap::create_unique_id(&cfg).expect("unique id");
+        let bytes = 4096;
+        let threads: Vec<_> = (0..2)
+            .map(|rank| {
+                let (gpu, id, cfg) = (gpu.clone(), id.clone(), cfg.clone());
+                std::thread::spawn(move || -> Result<()> {
+                    let boot: Arc<dyn Bootstrap> = Arc::new(TcpBootstrap::new(rank, 2, &id, &cfg)?);
+                    let comm = Communicator::new(boot.clone(), gpu.clone(), 0)?;
+                    let peer = 1 - rank;
+                    let src = gpu.alloc(bytes, MemoryKind::Plain)?;
+                    let dst = gpu.alloc(bytes, MemoryKind::Plain)?;
+                    gpu.copy_to_device(src.ptr, &pattern(rank, bytes))?;
+                    gpu.memset_async(dst.ptr, 0xee, bytes, crate::gpu::Stream::DEFAULT)?;
+                    let mems = comm.exchange(comm.register(&dst, dst.ptr, bytes)?)?;
+                    let local_src = comm.register(&src, src.ptr, bytes)?;
+                    let mut svc = PortChannelService::new(&comm, PortChannelConfig::default())?;
+                    let dst_id = svc.add_memory(&mems[peer])?;
+                    let src_id = svc.add_memory(&local_src)?;
+                    let conn = Arc::new(CudaIpcTransport::new(gpu.clone(), 0, peer)?);
+                    let sem = svc.add_semaphore(&comm, conn)?;
+                    let chan = svc.port_channel(sem, dst_id, src_id)?;
+                    svc.start()?;
+                    comm.abort("the test gave up");
+                    let pusher = svc.host_pusher();
+                    let t = trigger(
+                        &chan,
+                        TriggerType::DATA | TriggerType::FLAG,
+                        0,
+                        bytes as u64,
+                    );
+                    let pos = pusher.push(t, T)?;
+                    pusher.sync(pos, T)?;
+                    boot.barrier()?;
+                    let mut got = vec![0u8; bytes];
+                    gpu.copy_from_device(&mut got, dst.ptr)?;
+                    assert!(got.iter().all(|&b| b == 0xee), "rank {rank}: data arrived");
+                    // SAFETY: on the host test GPU device words are live, aligned heap words.
+                    let signals =
+                        unsafe { AtomicU64::from_ptr(chan.semaphore.inbound as *mut u64) };
+                    assert_eq!(signals.load(Ordering::Acquire), 0, "rank {rank}: signalled");
+                    assert_eq!(svc.stop()?.handled, 1);
+                    drop((svc, mems, local_src));
+                    gpu.free(&src)?;
+                    gpu.free(&dst)
+                })
+            })
+            .collect();
+        for (rank, t) in threads.into_iter().enumerate() {
+            t.join()
+                .expect("rank thread")
+                .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        }
     }
 
     /// Two ranks as threads, each with a communicator, a service and a CudaIpc connection to the

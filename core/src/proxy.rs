@@ -11,6 +11,7 @@
 //! first [`Proxy::check`] that sees it, else by [`Proxy::stop`]. `stop` lets the thread drain every
 //! trigger whose position was taken before the deadline, then joins it, all within its timeout.
 
+use crate::communicator::FailureFlag;
 use crate::device::{trigger_bits, ProxyTrigger, TriggerType};
 use crate::error::{Error, Result};
 use crate::fifo::{Backoff, Fifo};
@@ -257,6 +258,8 @@ pub struct TransportProxyHandler {
     memories: Vec<MemoryRegion>,
     semaphores: Vec<Arc<Host2DeviceSemaphore>>,
     flush_timeout: Duration,
+    /// Set once the owning communicator failed: triggers are then popped without effect.
+    failed: Option<FailureFlag>,
 }
 
 impl TransportProxyHandler {
@@ -266,7 +269,16 @@ impl TransportProxyHandler {
             memories: Vec::new(),
             semaphores: Vec::new(),
             flush_timeout,
+            failed: None,
         }
+    }
+
+    /// Once `flag` is set (the communicator failed), triggers are popped without being carried
+    /// out: a transfer to a peer that died would touch its freed memory (docs/fail-fast.md), one
+    /// to a stopped peer would block the proxy until the transport's timeout, and the kernels
+    /// that pushed them give up on their waits anyway.
+    pub fn skip_after_failure(&mut self, flag: FailureFlag) {
+        self.failed = Some(flag);
     }
 
     /// Adds a memory region (local source or remote destination) and returns its trigger id.
@@ -304,6 +316,9 @@ fn push_limited<T>(table: &mut Vec<T>, item: T, max_id: u64, what: &str) -> Resu
 
 impl ProxyHandler for TransportProxyHandler {
     fn handle(&mut self, trigger: ProxyTrigger) -> Result<ProxyAction> {
+        if self.failed.as_ref().is_some_and(FailureFlag::is_set) {
+            return Ok(ProxyAction::Continue);
+        }
         let f = trigger.decode().ok_or_else(|| {
             Error::Internal(format!(
                 "proxy handed an empty FIFO slot to the handler: {trigger:?}"

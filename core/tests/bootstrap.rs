@@ -15,6 +15,8 @@ use std::sync::{mpsc, Arc, Mutex, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 const ROLE_VAR: &str = "BOOTSTRAP_TEST_ROLE";
+/// The children's liveness timeout in milliseconds, when set.
+const LIVENESS_VAR: &str = "BT_LIVENESS_MS";
 
 fn config(timeout_s: u64) -> BootstrapConfig {
     BootstrapConfig::default().with_timeout(Duration::from_secs(timeout_s))
@@ -333,7 +335,11 @@ fn child_rank_entry() {
     let var = |k: &str| std::env::var(k).unwrap().parse::<usize>().unwrap();
     let (rank, size) = (var("BT_RANK"), var("BT_SIZE"));
     let addr = std::env::var("BT_ADDR").unwrap();
-    let b = TcpBootstrap::from_address(rank, size, &addr, &config(2)).unwrap();
+    let mut cfg = config(2);
+    if let Ok(ms) = std::env::var(LIVENESS_VAR) {
+        cfg = cfg.with_liveness_timeout(Duration::from_millis(ms.parse().unwrap()));
+    }
+    let b = TcpBootstrap::from_address(rank, size, &addr, &cfg).unwrap();
     match role.as_str() {
         "ok" => {
             let (mut ag, mut bar) = (Vec::new(), Vec::new());
@@ -395,6 +401,28 @@ fn child_rank_entry() {
             drop(b);
             std::process::exit(3);
         }
+        "busy" => {
+            // Subscribes, then keeps its main thread busy on the host (no bootstrap call) for
+            // several liveness timeouts: the heartbeat thread must keep it alive meanwhile.
+            let (tx, rx) = mpsc::channel();
+            let listener = Arc::new(Notify(Mutex::new(tx)));
+            let weak: Weak<dyn FailureListener> = Arc::downgrade(&listener) as _;
+            b.watch_failures(weak);
+            b.barrier().unwrap();
+            let until = Instant::now() + Duration::from_secs(3);
+            let mut x = 0u64;
+            while Instant::now() < until {
+                x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+            }
+            let barrier = b.barrier();
+            match (rx.try_recv(), barrier) {
+                (Err(_), Ok(())) => println!("RESULT ok"),
+                (failed, barrier) => println!("RESULT failed {failed:?} {barrier:?}"),
+            }
+            std::io::stdout().flush().unwrap();
+            drop(b);
+            std::process::exit(0);
+        }
         "ping" => {
             b.barrier().unwrap();
             println!("READY");
@@ -440,7 +468,18 @@ fn wait_for_line(out: &mut impl BufRead, what: &str) {
 }
 
 fn spawn_rank(role: &str, rank: usize, size: usize, addr: &str) -> Child {
+    spawn_rank_with(role, rank, size, addr, &[])
+}
+
+fn spawn_rank_with(
+    role: &str,
+    rank: usize,
+    size: usize,
+    addr: &str,
+    env: &[(&str, &str)],
+) -> Child {
     Command::new(std::env::current_exe().unwrap())
+        .envs(env.iter().copied())
         .args([
             "child_rank_entry",
             "--exact",
@@ -610,4 +649,91 @@ fn stopped_rank_is_named_unresponsive() {
         rest.contains(&format!("RESULT silent=[{}]", n - 1)),
         "rank 0: {rest}"
     );
+}
+
+/// The RESULT line a child prints.
+fn result_of(out: &mut impl Read) -> String {
+    let mut rest = String::new();
+    out.read_to_string(&mut rest).unwrap();
+    rest.lines()
+        .find_map(|l| l.find("RESULT").map(|at| l[at..].to_string()))
+        .unwrap_or_default()
+}
+
+/// A SIGSTOPped rank (sockets open, every thread stopped) is blamed by the heartbeat: every other
+/// rank's listener fires within the liveness timeout plus a beat, naming it as stalled, while
+/// those ranks make no bootstrap call at all.
+#[test]
+fn stopped_rank_is_blamed_by_the_heartbeat() {
+    let (n, victim, liveness) = (4, 1, Duration::from_millis(1500));
+    let addr = format!("127.0.0.1:{}", free_port());
+    let ms = liveness.as_millis().to_string();
+    let mut kids: Vec<Child> = (0..n)
+        .map(|r| spawn_rank_with("watch", r, n, &addr, &[(LIVENESS_VAR, ms.as_str())]))
+        .collect();
+    let mut outs: Vec<_> = kids
+        .iter_mut()
+        .map(|c| BufReader::new(c.stdout.take().unwrap()))
+        .collect();
+    for out in &mut outs {
+        wait_for_line(out, "READY");
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let pid = kids[victim].id().to_string();
+    let stopped_at = unix_ns();
+    assert!(Command::new("kill")
+        .args(["-STOP", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut results = Vec::new();
+    for (r, c) in kids.iter_mut().enumerate() {
+        if r != victim {
+            let st = wait_with_deadline(c, deadline);
+            results.push((r, st, result_of(&mut outs[r])));
+        }
+    }
+    let _ = Command::new("kill").args(["-CONT", &pid]).status();
+    let _ = kids[victim].kill();
+    let _ = kids[victim].wait();
+    for (r, st, line) in results {
+        assert_eq!(st.code(), Some(3), "rank {r}: {st} {line}");
+        let at: u128 = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("at_unix_ns="))
+            .unwrap_or_else(|| panic!("rank {r}: {line}"))
+            .parse()
+            .unwrap();
+        let after = Duration::from_nanos(at.saturating_sub(stopped_at) as u64);
+        assert!(
+            line.contains(&format!("blamed={victim} "))
+                && line.contains(&format!("rank {victim} stalled: no heartbeat for")),
+            "rank {r}: {line}"
+        );
+        // The victim's last beat came up to one period (liveness / 10) before the stop; the
+        // upper bound leaves room for a loaded CI machine.
+        assert!(
+            after + liveness / 10 >= liveness && after < liveness + Duration::from_secs(2),
+            "rank {r} heard after {after:?}: {line}"
+        );
+        eprintln!("rank {r}: stall seen {after:?} after the SIGSTOP");
+    }
+}
+
+/// Ranks whose main threads are busy on the host for three liveness timeouts, with no bootstrap
+/// call, are not blamed: the heartbeat runs on its own thread.
+#[test]
+fn busy_ranks_are_not_blamed() {
+    let n = 3;
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut kids: Vec<Child> = (0..n)
+        .map(|r| spawn_rank_with("busy", r, n, &addr, &[(LIVENESS_VAR, "1000")]))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for (r, c) in kids.iter_mut().enumerate() {
+        let st = wait_with_deadline(c, deadline);
+        let line = result_line(c);
+        assert!(st.success() && line == "RESULT ok", "rank {r}: {st} {line}");
+    }
 }

@@ -20,6 +20,11 @@ pub struct BootstrapConfig {
     /// Bound on every blocking step: joining, connecting, each send and receive, each collective.
     /// `MSCCLPP_BOOTSTRAP_TIMEOUT`.
     pub timeout: Duration,
+    /// A peer whose heartbeat (sent every few hundred milliseconds by a thread of its own once a
+    /// communicator watches the bootstrap's failures) has been silent this long is stalled
+    /// (stopped, hung): the job is aborted, blaming it. `MSCCLPP_LIVENESS_TIMEOUT`, by default
+    /// `MSCCLPP_DEVICE_WAIT_TIMEOUT`.
+    pub liveness_timeout: Duration,
     /// Job secret for address-based bootstraps (`from_address`, `from_env`), where no UniqueId
     /// carries a random one. `None`: derived from the root address, which keeps other jobs from
     /// joining by accident but is no protection against someone who knows the address.
@@ -36,6 +41,7 @@ impl BootstrapConfig {
             interface: env.socket_ifname.clone(),
             family: env.socket_family,
             timeout: env.bootstrap_timeout,
+            liveness_timeout: env.liveness_timeout,
             secret: None,
         }
     }
@@ -43,6 +49,12 @@ impl BootstrapConfig {
     /// Same settings with another timeout (handy in tests).
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self
+    }
+
+    /// Same settings with another liveness timeout (handy in tests).
+    pub fn with_liveness_timeout(mut self, timeout: Duration) -> Self {
+        self.liveness_timeout = timeout;
         self
     }
 }
@@ -53,6 +65,7 @@ impl Default for BootstrapConfig {
             interface: None,
             family: None,
             timeout: Self::DEFAULT_TIMEOUT,
+            liveness_timeout: crate::env::DEFAULT_DEVICE_WAIT_TIMEOUT,
             secret: None,
         }
     }
@@ -65,6 +78,7 @@ impl std::fmt::Debug for BootstrapConfig {
             .field("interface", &self.interface)
             .field("family", &self.family)
             .field("timeout", &self.timeout)
+            .field("liveness_timeout", &self.liveness_timeout)
             .field("secret", &self.secret.map(|_| "<redacted>"))
             .finish()
     }

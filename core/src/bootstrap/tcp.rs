@@ -29,9 +29,20 @@
 //! peer, floods the abort and tells the [`FailureListener`]s (communicators abort themselves). For
 //! every death to be seen, [`watch_failures`](Bootstrap::watch_failures) opens each rank's link
 //! to its ring successor, so every rank has a reader on its predecessor; the flood then goes round
-//! the ring, one local TCP hop per rank. A stopped process keeps its sockets open: it is named by
-//! [`unresponsive_peers`](Bootstrap::unresponsive_peers) (pings answered by reader threads) once a
-//! device wait timed out.
+//! the ring, one local TCP hop per rank.
+//!
+//! A stopped or hung process keeps its sockets open, so the same call also starts a heartbeat
+//! thread: every [`heartbeat_period`] it sends a `Heartbeat` frame to the ring successor and
+//! checks when the last frame (of any kind) came from the ring predecessor. A predecessor silent
+//! for `BootstrapConfig::liveness_timeout` is stalled: the job is aborted blaming it ("rank P
+//! stalled: no heartbeat for 3.0 s"), which floods on round the ring. The thread is the only one
+//! that has to run for a rank to count as alive, so a rank busy on the host (a long NVRTC compile,
+//! a blocked launch, the Python interpreter) is not blamed; a SIGSTOPped process stops all its
+//! threads, the heartbeat included, and is. A rank that was itself stopped (or starved of CPU)
+//! sees every peer silent when it resumes: its thread notices its own gap and gives its
+//! predecessor a fresh timeout instead of blaming it. [`unresponsive_peers`]
+//! (Bootstrap::unresponsive_peers) (pings answered by reader threads) names the stopped rank when a
+//! device wait timed out first.
 
 use super::collectives::{self, Exchange};
 use super::config::BootstrapConfig;
@@ -69,6 +80,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub struct TcpBootstrap {
     inner: Arc<Inner>,
     acceptor: Option<JoinHandle<()>>,
+    /// Started by the first `watch_failures`; see the module docs (Liveness).
+    heartbeat: Mutex<Option<JoinHandle<()>>>,
     root: Option<RootServer>,
 }
 
@@ -97,6 +110,12 @@ struct Inner {
     listeners: Mutex<Vec<Weak<dyn FailureListener>>>,
     /// Nonces of liveness pings, so a late answer to an old ping is never taken for a new one.
     ping_nonce: AtomicU64,
+    /// See [`BootstrapConfig::liveness_timeout`].
+    liveness_timeout: Duration,
+    /// Origin of the `heard` timestamps.
+    epoch: Instant,
+    /// Per peer: nanoseconds after `epoch` when its last frame was read (0: none yet).
+    heard: Vec<AtomicU64>,
 }
 
 impl TcpBootstrap {
@@ -219,6 +238,9 @@ impl TcpBootstrap {
             collective_seq: AtomicU64::new(0),
             listeners: Mutex::new(Vec::new()),
             ping_nonce: AtomicU64::new(0),
+            liveness_timeout: config.liveness_timeout,
+            epoch: Instant::now(),
+            heard: (0..size).map(|_| AtomicU64::new(0)).collect(),
         });
         let acceptor = {
             let inner = Arc::clone(&inner);
@@ -234,6 +256,7 @@ impl TcpBootstrap {
         Ok(TcpBootstrap {
             inner,
             acceptor: Some(acceptor),
+            heartbeat: Mutex::new(None),
             root,
         })
     }
@@ -496,23 +519,28 @@ fn serve_connection(inner: &Arc<Inner>, mut stream: TcpStream, from: SocketAddr)
     }
     loop {
         match read_frame(&mut stream) {
-            Ok(FrameRead::Frame { kind, tag, payload }) => match kind {
-                FrameKind::User | FrameKind::Collective => {
-                    inner.mailbox.push((peer, kind, tag), payload)
+            Ok(FrameRead::Frame { kind, tag, payload }) => {
+                // Any frame shows the peer's process runs, not only heartbeats.
+                inner.heard_from(peer);
+                match kind {
+                    FrameKind::User | FrameKind::Collective => {
+                        inner.mailbox.push((peer, kind, tag), payload)
+                    }
+                    FrameKind::Goodbye => {
+                        inner
+                            .mailbox
+                            .goodbye(peer, format!("rank {peer} shut down its bootstrap"));
+                        return;
+                    }
+                    FrameKind::Abort => {
+                        let (blamed, reason) = parse_abort(&payload, peer);
+                        inner.abort_job(blamed, reason);
+                    }
+                    FrameKind::Ping => inner.answer_ping(peer, tag),
+                    FrameKind::Pong => inner.mailbox.push((peer, kind, tag), payload),
+                    FrameKind::Heartbeat => {}
                 }
-                FrameKind::Goodbye => {
-                    inner
-                        .mailbox
-                        .goodbye(peer, format!("rank {peer} shut down its bootstrap"));
-                    return;
-                }
-                FrameKind::Abort => {
-                    let (blamed, reason) = parse_abort(&payload, peer);
-                    inner.abort_job(blamed, reason);
-                }
-                FrameKind::Ping => inner.answer_ping(peer, tag),
-                FrameKind::Pong => inner.mailbox.push((peer, kind, tag), payload),
-            },
+            }
             Ok(FrameRead::Closed) => {
                 let why = "connection closed unexpectedly (the process exited or crashed)";
                 inner.mailbox.close_peer(peer, why.into());
@@ -529,6 +557,12 @@ fn serve_connection(inner: &Arc<Inner>, mut stream: TcpStream, from: SocketAddr)
             }
         }
     }
+}
+
+/// How often the heartbeat thread beats and looks: often enough that a stall is seen within a
+/// few percent of the liveness timeout, rarely enough to cost nothing (a 17-byte frame).
+fn heartbeat_period(liveness_timeout: Duration) -> Duration {
+    (liveness_timeout / 10).clamp(Duration::from_millis(10), Duration::from_millis(200))
 }
 
 fn encode_abort(blamed: usize, reason: &str) -> Vec<u8> {
@@ -705,6 +739,98 @@ impl Inner {
         }
     }
 
+    fn heard_from(&self, peer: usize) {
+        let at = self.epoch.elapsed().as_nanos().max(1);
+        self.heard[peer].store(u64::try_from(at).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+
+    /// When `peer`'s last frame was read, if any.
+    fn last_heard(&self, peer: usize) -> Option<Instant> {
+        match self.heard[peer].load(Ordering::Relaxed) {
+            0 => None,
+            ns => Some(self.epoch + Duration::from_nanos(ns)),
+        }
+    }
+
+    /// Sends a heartbeat on the existing link to `peer`. Skipped while another thread holds the
+    /// link: its send is traffic the peer hears too (or, if that send is blocked, the peer is
+    /// not reading, and its own successor will tell).
+    fn send_heartbeat(&self, peer: usize) {
+        let Ok(mut slot) = self.out[peer].try_lock() else {
+            return;
+        };
+        if let Some(s) = slot.as_mut() {
+            if let Err(e) = write_frame(s, FrameKind::Heartbeat, 0, &[]) {
+                tracing::debug!(
+                    "bootstrap rank {}: heartbeat to rank {peer}: {e}",
+                    self.rank
+                );
+                let _ = s.shutdown(Shutdown::Both);
+                *slot = None;
+            }
+        }
+    }
+
+    /// The heartbeat thread (module docs, Liveness): beats to the ring successor and blames the
+    /// ring predecessor once it has been silent for `liveness_timeout`. Ends at drop or once
+    /// the job failed (the abort's flood tells the peers from then on).
+    fn heartbeat_loop(self: &Arc<Inner>) {
+        let (next, prev) = (
+            (self.rank + 1) % self.size,
+            (self.rank + self.size - 1) % self.size,
+        );
+        let timeout = self.liveness_timeout;
+        let period = heartbeat_period(timeout);
+        let started = Instant::now();
+        // Silence is counted from here at the earliest: the start, or the end of a gap in which
+        // this thread itself did not run (so it could not have heard anything either).
+        let mut counting_from = started;
+        let mut last_tick = started;
+        loop {
+            self.send_heartbeat(next);
+            std::thread::park_timeout(period);
+            if self.stop.load(Ordering::Acquire) || self.mailbox.aborted().is_some() {
+                return;
+            }
+            let now = Instant::now();
+            if now - last_tick > period + timeout / 2 {
+                tracing::debug!(
+                    "bootstrap rank {}: the heartbeat thread did not run for {:?} (this process \
+                     was stopped or starved): restarting the liveness count",
+                    self.rank,
+                    now - last_tick
+                );
+                counting_from = now;
+            }
+            last_tick = now;
+            if self.mailbox.said_goodbye(prev) {
+                continue;
+            }
+            let heard = self.last_heard(prev).filter(|&t| t > started);
+            // Until the predecessor's first beat, allow for it reaching `watch_failures` later
+            // than this rank (it is collective, but ranks leave the preceding barrier apart).
+            let allowed = if heard.is_some() {
+                timeout
+            } else {
+                timeout + self.timeout
+            };
+            let since = heard.map_or(counting_from, |t| t.max(counting_from));
+            let silent = now.saturating_duration_since(since);
+            if silent > allowed {
+                self.abort_job(
+                    prev,
+                    format!(
+                        "rank {prev} stalled: no heartbeat for {:.1} s (the process is stopped, \
+                         hung or starved; MSCCLPP_LIVENESS_TIMEOUT is {:.1} s)",
+                        silent.as_secs_f64(),
+                        timeout.as_secs_f64()
+                    ),
+                );
+                return;
+            }
+        }
+    }
+
     /// Answers `peer`'s liveness ping on a thread of its own: the reader must keep draining its
     /// socket, and the link to `peer` may be busy with a large send or still to be opened.
     fn answer_ping(self: &Arc<Inner>, peer: usize, nonce: u64) {
@@ -864,6 +990,21 @@ impl Bootstrap for TcpBootstrap {
                     ),
                 }
             }
+            drop(slot);
+            let mut heartbeat = lock(&self.heartbeat);
+            if heartbeat.is_none() {
+                let beating = Arc::clone(inner);
+                let spawned = std::thread::Builder::new()
+                    .name(format!("mscclpp-bootstrap-heartbeat-{}", inner.rank))
+                    .spawn(move || beating.heartbeat_loop());
+                match spawned {
+                    Ok(h) => *heartbeat = Some(h),
+                    Err(e) => tracing::warn!(
+                        "bootstrap rank {}: cannot spawn the heartbeat thread: {e}",
+                        inner.rank
+                    ),
+                }
+            }
         }
     }
     fn unresponsive_peers(&self, within: Duration) -> Vec<usize> {
@@ -875,6 +1016,12 @@ impl Drop for TcpBootstrap {
     fn drop(&mut self) {
         let inner = &self.inner;
         inner.stop.store(true, Ordering::Release);
+        if let Some(h) = lock(&self.heartbeat).take() {
+            h.thread().unpark();
+            if h.join().is_err() {
+                tracing::error!("bootstrap rank {}: heartbeat thread panicked", inner.rank);
+            }
+        }
         lock(&inner.incoming).closed = true;
         // Goodbye first, so peers read it as a clean shutdown rather than a crash. A short write
         // timeout: a peer that stopped reading must not hold up our exit. A failed job's abort

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 /// Leads every handshake and the [`UniqueId`](super::UniqueId): "MSCLPPRS".
 pub(crate) const MAGIC: [u8; 8] = *b"MSCLPPRS";
 /// Bumped whenever a layout in this file changes; both ends must agree.
-pub(crate) const PROTOCOL_VERSION: u16 = 1;
+pub(crate) const PROTOCOL_VERSION: u16 = 2;
 /// Length of the per-job secret carried by the UniqueId and every handshake.
 pub const SECRET_LEN: usize = 16;
 /// The per-job secret: random for a UniqueId, derived from the address for `ip:port` bootstraps.
@@ -171,6 +171,9 @@ pub(crate) enum FrameKind {
     Ping = 4,
     /// Liveness answer, sent by the reader thread (so a rank busy in a device wait still answers).
     Pong = 5,
+    /// "Still here": sent to the ring successor every few hundred milliseconds by a thread of
+    /// its own, so a stopped or hung process is told from a busy one (tcp.rs, Liveness).
+    Heartbeat = 6,
 }
 
 impl FrameKind {
@@ -182,6 +185,7 @@ impl FrameKind {
             3 => Some(FrameKind::Abort),
             4 => Some(FrameKind::Ping),
             5 => Some(FrameKind::Pong),
+            6 => Some(FrameKind::Heartbeat),
             _ => None,
         }
     }

@@ -37,6 +37,15 @@ MSCCLPP_DEVICE_INLINE bool aborted(const u32* word) {
   return word != nullptr && atomic_load_acquire_sys(word) != kErrorNone;
 }
 
+// aborted() at a kernel's entry, where every thread of the block calls it: thread 0 alone reads the
+// word and the block shares the answer. The word is host memory: every warp reading it made 4,224
+// PCIe reads of one address per launch of a 132-block, 1024-thread grid, and a queue of CUDA-graph
+// replays (20 kernels each) behind a failure took 13 s to drain with 4 ranks on one H100, 15 times
+// the eager queue's time, which fits a per-launch cost of that size (inferred, not profiled).
+MSCCLPP_DEVICE_INLINE bool block_aborted(const u32* word) {
+  return __syncthreads_or(threadIdx.x == 0 && aborted(word)) != 0;
+}
+
 // The error word's page: the host allocates 8 bytes, `word[0]` is the error code above and
 // `word[1]` the wait budget in milliseconds the host wrote at setup (MSCCLPP_DEVICE_WAIT_TIMEOUT;
 // 0 = no time budget, only the spin bound). Layout mirrored in core/src/device.rs.

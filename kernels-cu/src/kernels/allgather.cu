@@ -20,7 +20,7 @@ using namespace mscclpp::coll;
 extern "C" __global__ void __launch_bounds__(1024, 1)
     allgather_fullmesh2(const ZeroCopyArgs args) {
   wait_prior_grids();
-  if (aborted(args.error_word)) return;
+  if (block_aborted(args.error_word)) return;
   const void* input = args.input;
   const PeerPtrs& outputs = args.outputs;
   const u64 bytes = args.count;
@@ -61,7 +61,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 extern "C" __global__ void __launch_bounds__(1024, 1)
     allgather_packet(const PacketArgs args) {
   wait_prior_grids();
-  if (aborted(args.error_word)) return;
+  if (block_aborted(args.error_word)) return;
   const void* input = args.input;
   void* output = args.output;
   const u64 bytes = args.count;
@@ -137,7 +137,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 extern "C" __global__ void __launch_bounds__(1024, 1)
     allgather_fullmesh(const PipelineArgs args) {
   wait_prior_grids();
-  if (aborted(args.error_word)) return;
+  if (block_aborted(args.error_word)) return;
   const void* input = args.input;
   void* output = args.output;
   const u64 bytes = args.count;

@@ -34,7 +34,7 @@ typedef LL16Packet Pkt;
 extern "C" __global__ void __launch_bounds__(1024, 1)
     allreduce_allpair_packet(const PacketArgs args) {
   wait_prior_grids();
-  if (aborted(args.error_word)) return;
+  if (block_aborted(args.error_word)) return;
   const void* input = args.input;
   void* output = args.output;
   const u64 count = args.count;
@@ -109,7 +109,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 extern "C" __global__ void __launch_bounds__(1024, 1)
     allreduce_packet(const PacketArgs args) {
   wait_prior_grids();
-  if (aborted(args.error_word)) return;
+  if (block_aborted(args.error_word)) return;
   const void* input = args.input;
   void* output = args.output;
   const u64 count = args.count;
@@ -212,7 +212,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 extern "C" __global__ void __launch_bounds__(1024, 1)
     allreduce_rsag_zero_copy(const ZeroCopyArgs args) {
   wait_prior_grids();
-  if (aborted(args.error_word)) return;
+  if (block_aborted(args.error_word)) return;
   const PeerPtrs& inputs = args.inputs;
   const PeerPtrs& outputs = args.outputs;
   const u64 count = args.count;
@@ -256,7 +256,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 extern "C" __global__ void __launch_bounds__(1024, 1)
     allreduce_rsag(const PipelineArgs args) {
   wait_prior_grids();
-  if (aborted(args.error_word)) return;
+  if (block_aborted(args.error_word)) return;
   const void* input = args.input;
   void* output = args.output;
   const u64 count = args.count;
@@ -350,7 +350,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 extern "C" __global__ void __launch_bounds__(1024, 1)
     allreduce_fullmesh(const PipelineArgs args) {
   wait_prior_grids();
-  if (aborted(args.error_word)) return;
+  if (block_aborted(args.error_word)) return;
   const void* input = args.input;
   void* output = args.output;
   const u64 count = args.count;
@@ -419,7 +419,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 extern "C" __global__ void __launch_bounds__(1024, 1)
     allreduce_ce_reduce(const CopyEngineArgs args) {
   wait_prior_grids();
-  if (aborted(args.error_word)) return;
+  if (block_aborted(args.error_word)) return;
   PeerPtrs dsts;
   dsts.p[0] = args.output;
   reduce_to_all<CollT, CollAcc, kCollOp>(args.srcs, args.nsrc, 0, dsts, 1, 0, args.count, args.nranks, 0);
@@ -427,7 +427,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 
 extern "C" __global__ void allreduce_ce_sync(const CopyEngineArgs args) {
   wait_prior_grids();
-  if (aborted(args.error_word)) return;
+  if (block_aborted(args.error_word)) return;
   if (threadIdx.x >= args.npeers) return;
   const D2DSemaphoreHandle& s = args.sems[threadIdx.x];
   if (args.mode & 1) {

@@ -187,7 +187,7 @@ struct AlltoallDeviceArgs {
 
 extern "C" __global__ void __launch_bounds__(1024, 1) alltoallv_device_counts(AlltoallDeviceArgs args) {
   wait_prior_grids();
-  if (aborted(args.error_word)) return;
+  if (block_aborted(args.error_word)) return;
   const u32 n = args.nranks, rank = args.rank, npeers = n - 1;
   ExchangeTable* mine = table_of(args.tables, rank);
   for (u32 r = threadIdx.x; r < n; r += blockDim.x) mine->send[r] = args.send_counts[r] * args.unit_bytes;
@@ -276,7 +276,7 @@ struct AlltoallPacketArgs {
 
 extern "C" __global__ void __launch_bounds__(1024, 1) alltoall_packet(AlltoallPacketArgs args) {
   wait_prior_grids();
-  if (aborted(args.error_word)) return;
+  if (block_aborted(args.error_word)) return;
   const u64 calls = load_call_count(args.state);
   const u64 flag = call_flag(calls);
   const u32 rank = args.rank, nranks = args.nranks, npeers = nranks - 1;

@@ -17,7 +17,7 @@ using namespace mscclpp::coll;
 extern "C" __global__ void __launch_bounds__(1024, 1)
     broadcast_zero_copy(const ZeroCopyArgs args) {
   wait_prior_grids();
-  if (aborted(args.error_word)) return;
+  if (block_aborted(args.error_word)) return;
   const void* input = args.input;
   const PeerPtrs& outputs = args.outputs;
   const u64 bytes = args.count;

@@ -11,7 +11,7 @@
 //   - Peers are numbered by "peer index" i in [0, nranks-1): i -> rank (i < rank ? i : i + 1).
 //   - Every kernel begins with wait_prior_grids(), so the host may launch it programmatically
 //     (LaunchConfig::programmatic): its launch overlaps the end of the stream's previous kernel.
-//   - Then `if (aborted(args.error_word)) return;`: after an abort or a timed-out wait anywhere on
+//   - Then `if (block_aborted(args.error_word)) return;`: after an abort or a timed-out wait anywhere on
 //     the communicator, every later kernel drains at once. The check comes after the wait, not
 //     before: a grid that returned before griddepcontrol.wait could complete while its predecessor
 //     still runs, and the stream's next kernel (waiting only on us) would then overlap it.

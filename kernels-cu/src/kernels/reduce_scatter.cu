@@ -23,7 +23,7 @@ constexpr int kCollOp = MSCCLPP_COLL_OP;
 extern "C" __global__ void __launch_bounds__(1024, 1)
     reducescatter_zero_copy(const ZeroCopyArgs args) {
   wait_prior_grids();
-  if (aborted(args.error_word)) return;
+  if (block_aborted(args.error_word)) return;
   const PeerPtrs& inputs = args.inputs;
   const u64 count = args.count;
   const u32 rank = args.rank;
@@ -59,7 +59,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 extern "C" __global__ void __launch_bounds__(1024, 1)
     reducescatter_packet(const PacketArgs args) {
   wait_prior_grids();
-  if (aborted(args.error_word)) return;
+  if (block_aborted(args.error_word)) return;
   const void* input = args.input;
   void* output = args.output;
   const u64 count = args.count;
