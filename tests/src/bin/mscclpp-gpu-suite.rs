@@ -8,7 +8,7 @@
 //!
 //! Flags: `--quick` (no per-algorithm matrix), `--only NAME[,NAME...]` (those sections alone:
 //! algorithm names for their matrices, `primitives`, `port_channel`, `port_allreduce`,
-//! `alltoall`, `gather_scatter` (only by name: they time out at 4 and 8 ranks today),
+//! `p2p` (the point-to-point engine), `alltoall`, `gather_scatter` (only by name: they time out at 4 and 8 ranks today),
 //! `resources`: device memory per rank and set-up times),
 //! `--primitives-only`, `--cpu-bind none` (leave the launcher's CPU placement; by default each
 //! rank's thread runs on its GPU's local CPUs, as in mscclpp-bench).
@@ -197,6 +197,13 @@ fn run() -> Result<i32> {
             suite.record(&name, result);
         }
     }
+    // The point-to-point engine over every rank; before the all-to-all family, whose count-mismatch
+    // check leaves the shared communicator failed on one rank.
+    if wants(P2P) {
+        for (name, result) in mscclpp_tests::p2p_checks::run(&suite.ctx) {
+            suite.record(&name, result);
+        }
+    }
     // The all-to-all family (alltoall, alltoallv, sendrecv; gather and scatter only by name, see
     // alltoall_checks::run) over every rank.
     let gather_scatter = only
@@ -338,6 +345,8 @@ fn resources(s: &mut Suite) -> Result<String> {
 /// `--only` section names: the channel primitives and the two PortChannel sections.
 const PRIMITIVES: &str = "primitives";
 const PORT_CHANNEL: &str = "port_channel";
+/// `--only` name of the point-to-point engine's checks (`p2p_checks`).
+const P2P: &str = "p2p";
 /// `--only` name of the all-to-all family's checks (also `default_alltoall_zero_copy`).
 const ALLTOALL: &str = "alltoall";
 /// `--only` section: the gather and scatter checks (not in the default run: see
