@@ -9,6 +9,10 @@ use std::mem::{offset_of, size_of};
 pub const MAX_OPS: usize = 48;
 /// Entries of each peer's post ring (`kP2pPosts`); more than twice [`MAX_OPS`] (see p2p.cu).
 pub const POSTS: usize = 128;
+const _: () = assert!(
+    POSTS > 2 * MAX_OPS,
+    "the post ring must not lap (see p2p.cu)"
+);
 
 /// `P2pOpArgs::kind` values.
 pub const KIND_SEND: u32 = 0;
@@ -131,7 +135,6 @@ mod tests {
         assert_eq!(size_of::<P2pArgs>(), 152 + MAX_OPS * 56);
         // Kernel parameters are limited to 4 KiB.
         assert!(size_of::<P2pArgs>() <= 4096);
-        assert!(POSTS > 2 * MAX_OPS);
         let asserts = layout_asserts();
         assert!(asserts.contains("offsetof(P2pArgs, nops) == 148"));
         assert!(asserts.contains("static_assert(kP2pPosts == 128"));
