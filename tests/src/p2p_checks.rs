@@ -13,8 +13,8 @@
 //! CUDA graph replayed twice on fresh data; an all-pairs group of uneven sizes (each pair its own
 //! size from that list); three sends to the same peer in one group (order) interleaved with the
 //! receives; 20 repeated groups; two engines with groups in flight on two streams; and a size
-//! mismatch (rank 0 sends 100 bytes, rank 1 receives 64) on a fresh communicator, which must end
-//! with an error naming rank and peer on both ranks and no hang.
+//! mismatch (rank 0 sends 1 MiB + 100 bytes, rank 1 receives 1 MiB) on a fresh communicator, which
+//! must end with an error naming rank and peer on both ranks and no hang.
 
 use crate::RankContext;
 use mscclpp::core::bootstrap::{Bootstrap, BootstrapConfig, TcpBootstrap, UniqueId};
@@ -286,10 +286,13 @@ fn two_streams(ctx: &RankContext, engines: [&P2pEngine; 2], key: u64) -> Result<
     result
 }
 
-/// Rank 0 sends 100 bytes to rank 1, which receives 64, on a fresh communicator (the error is
-/// sticky): both ranks must report an error naming both ranks, rank 1's buffer must stay poisoned,
-/// and nothing may hang. Other ranks only take part in building the communicator.
+/// Rank 0 sends 1 MiB + 100 bytes to rank 1, which receives 1 MiB, on a fresh communicator (the
+/// error is sticky): both ranks must report an error naming both ranks, rank 1's buffer must stay
+/// poisoned, and nothing may hang. The message is larger than the channel's slots at any world
+/// size, so the sender meets the receiver's post while it waits for credit and its check does not
+/// depend on launch timing. Other ranks only take part in building the communicator.
 fn size_mismatch(ctx: &RankContext) -> Result<String> {
+    const SENT: usize = MIB + 100;
     let config = BootstrapConfig::from_env(ctx.env);
     let (rank, size) = (ctx.rank(), ctx.size());
     let id = if rank == 0 {
@@ -302,13 +305,15 @@ fn size_mismatch(ctx: &RankContext) -> Result<String> {
     let comm = Arc::new(Communicator::new(boot, ctx.gpu.clone(), ctx.device)?);
     let engine = P2pEngine::new(comm.clone())?;
     let msgs = match rank {
-        0 => tagged(vec![(P2pKind::Send, 1, 100)]),
-        1 => tagged(vec![(P2pKind::Recv, 0, 64)]),
+        0 => tagged(vec![(P2pKind::Send, 1, SENT)]),
+        1 => tagged(vec![(P2pKind::Recv, 0, MIB)]),
         _ => Vec::new(),
     };
     let g = Group::new(&ctx.gpu, rank, msgs)?;
     g.fill(0xBAD)?;
     let stream = ctx.gpu.create_stream()?;
+    // Launch together: the sender checks the receiver's post only within 1 ms of its last chunk.
+    ctx.bootstrap.barrier()?;
     let started = std::time::Instant::now();
     engine.run(&g.ops(), &stream)?;
     ctx.gpu.synchronize_stream(stream)?;
@@ -323,7 +328,7 @@ fn size_mismatch(ctx: &RankContext) -> Result<String> {
                     "rank {rank}: the error does not name rank {me} and peer {peer}: {m}"
                 )))
             } else if rank == 1 {
-                let mut got = vec![0u8; 64 + GUARD];
+                let mut got = vec![0u8; MIB + GUARD];
                 ctx.gpu.copy_from_device(&mut got, g.bufs[0].ptr)?;
                 match got.iter().position(|&b| b != POISON) {
                     Some(at) => Err(Error::Internal(format!(

@@ -19,8 +19,9 @@
 // Size check on both sides. The receiver posts what it expects, (message seq, bytes), into the
 // sender's region at the start of each receive (`posts`, a ring of kP2pPosts entries per peer). The
 // receiver compares the header's byte count with its own on every chunk; the sender, after writing
-// its last chunk, waits for the receiver's post of that message and compares too (and while waiting
-// for slot credit it gives up as soon as a mismatching post is there). Either side that finds a
+// its last chunk, compares with the receiver's post of that message if it comes within
+// kP2pPostGraceNs (and while waiting for slot credit it gives up as soon as a mismatching post is
+// there, so a message larger than the slots is always checked on both sides). Either side that finds a
 // mismatch fills the engine's host-mapped P2pMismatch record (peer and both counts) and records
 // kErrorCountMismatch; the receiver never copies a chunk whose header disagrees, so nothing is
 // written beyond its buffer. The ring cannot lap: the host caps the ops per (peer, direction) of one
@@ -40,6 +41,9 @@ using namespace mscclpp::coll;
 constexpr u32 kP2pMaxOps = 48;
 // Entries of each peer's post ring. Mirrored by mscclpp_kernels_cu::p2p::POSTS.
 constexpr u32 kP2pPosts = 128;
+
+// How long a send waits at its end for the receiver's post of the message (see p2p_send).
+constexpr u64 kP2pPostGraceNs = 1000000;
 
 constexpr u32 kP2pSend = 0;
 constexpr u32 kP2pRecv = 1;
@@ -175,13 +179,16 @@ MSCCLPP_DEVICE_INLINE void p2p_send(const P2pArgs& a, const P2pOpArgs& op, u32 j
       atomic_store_release_sys(&headers[slot].ready, g + 1);
     }
   }
-  // The size check on this side: wait for the receiver's post of this message.
+  // The size check on this side: the receiver's post of this message, waited for at most
+  // kP2pPostGraceNs (a message that needed credit found it long ago). A send must not wait for its
+  // receiver beyond that: NCCL completes a small send into the peer's buffer without it, and code
+  // that sends before it receives on both sides relies on that. Past the grace the receiver's own
+  // check stands alone.
   if (j == 0 && threadIdx.x == 0) {
-    if (spin_until([&] { return p2p_post_is(atomic_load_acquire_sys(post), msg); }, a.max_spin, a.error_word,
-                   kErrorSemaphoreWaitTimeout) &&
-        refused()) {
-      p2p_mismatch(a, true, peer, op.bytes, p2p_post_bytes(atomic_load_acquire_sys(post)));
+    const u64 start = wall_clock_ns();
+    while (!p2p_post_is(atomic_load_acquire_sys(post), msg) && wall_clock_ns() - start < kP2pPostGraceNs) {
     }
+    if (refused()) p2p_mismatch(a, true, peer, op.bytes, p2p_post_bytes(atomic_load_acquire_sys(post)));
   }
 }
 
