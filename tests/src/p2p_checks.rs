@@ -12,7 +12,8 @@
 //! each size of {0, 1, 3, 4 KiB + 8, 1 MiB - 1, 64 MiB} (all-pairs: 64 MiB / n), eager and as a
 //! CUDA graph replayed twice on fresh data; an all-pairs group of uneven sizes (each pair its own
 //! size from that list); three sends to the same peer in one group (order) interleaved with the
-//! receives; 20 repeated groups; two engines with groups in flight on two streams; and a size
+//! receives; 20 repeated groups; two engines with groups in flight on two streams, and one engine
+//! used from two streams (which it orders); and a size
 //! mismatch (rank 0 sends 1 MiB + 100 bytes, rank 1 receives 1 MiB) on a fresh communicator, which
 //! must end with an error naming rank and peer on both ranks and no hang.
 
@@ -244,7 +245,8 @@ fn check_group(
     result
 }
 
-/// Two engines, each with a ring group (opposite directions) in flight on its own stream.
+/// Two ring groups (opposite directions) on two streams without a host sync between them: on two
+/// engines they run at once; on one engine the second waits for the first.
 fn two_streams(ctx: &RankContext, engines: [&P2pEngine; 2], key: u64) -> Result<()> {
     let (rank, n) = (ctx.rank(), ctx.size());
     let gpu = &ctx.gpu;
@@ -470,6 +472,10 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
     out.push((
         "p2p: two engines in flight on two streams".into(),
         r.map(|()| "both rings correct".into()),
+    ));
+    out.push((
+        "p2p: one engine on two streams (ordered by the engine)".into(),
+        two_streams(ctx, [&engine, &engine], seed ^ 0xBCDE).map(|()| "both rings correct".into()),
     ));
     if n >= 2 {
         out.push((

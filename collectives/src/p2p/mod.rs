@@ -6,20 +6,23 @@
 //! peer's k-th receive from that rank, within a group and across groups, as in NCCL.
 //! - [`plan`]: the region layout, chunking and a group's plan (CPU-tested).
 //!
-//! One engine serves one stream at a time: two groups in flight on two streams need two engines
-//! (or the caller orders the streams), since both would advance the same counters.
+//! The counters are the engine's, so its groups must not overlap on the device: a group on another
+//! stream than the engine's previous one waits for it (an event recorded after every group and
+//! waited for on a stream change, no host block). Under CUDA-graph capture the caller orders the
+//! captured work (events of other streams cannot join a capture); for two groups really in flight
+//! at once, use two engines.
 
 pub mod plan;
 
 use crate::geometry;
 use crate::resources::{param_ptr, KernelTable, SharedScratch};
 use mscclpp_core::communicator::Communicator;
-use mscclpp_core::gpu::{DevicePtr, HostMapped, Stream};
+use mscclpp_core::gpu::{DevicePtr, Event, HostMapped, LaunchConfig, Stream};
 use mscclpp_core::{Error, Result};
 use mscclpp_kernels_cu::collectives::{CollectiveFile, PeerPtrs, MAX_RANKS};
 use mscclpp_kernels_cu::p2p::{P2pArgs, P2pMismatch, P2pOpArgs, P2pState, MAX_OPS};
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// Threads of a `p2p_group` block.
 const THREADS: u32 = 512;
@@ -59,6 +62,8 @@ pub struct P2pEngine {
     regions: PeerPtrs,
     layout: plan::Layout,
     mismatch: HostMapped,
+    /// The stream of the last group launched outside a capture, and an event recorded after it.
+    order: Mutex<(Option<Stream>, Event)>,
     max_blocks: u32,
     comm: Arc<Communicator>,
 }
@@ -89,12 +94,20 @@ impl P2pEngine {
         let mismatch = comm
             .gpu()
             .alloc_host_mapped(std::mem::size_of::<P2pMismatch>())?;
+        let event = match comm.gpu().create_event() {
+            Ok(e) => e,
+            Err(e) => {
+                let _ = comm.gpu().free_host_mapped(&mismatch);
+                return Err(e);
+            }
+        };
         Ok(P2pEngine {
             kernels: KernelTable::default(),
             region,
             regions,
             layout,
             mismatch,
+            order: Mutex::new((None, event)),
             max_blocks: geometry::resident_blocks(sm, THREADS),
             comm,
         })
@@ -178,17 +191,36 @@ impl P2pEngine {
             None,
             "p2p_group",
         )?;
-        let cfg = mscclpp_core::gpu::LaunchConfig::linear(blocks, THREADS).with_programmatic(true);
+        let cfg = LaunchConfig::linear(blocks, THREADS).with_programmatic(true);
         let mut params = [param_ptr(&mut kargs)];
+        let gpu = self.comm.gpu();
         // SAFETY: `params` matches the kernel's one `P2pArgs` parameter (layout checked by the NVRTC
         // test's static_asserts); the op buffers are the caller's, checked non-null where they
         // carry bytes, and the region, counters and record are ours and live.
-        unsafe { self.comm.gpu().launch(f, cfg, *stream, &mut params) }
+        let launch =
+            |params: &mut [*mut std::ffi::c_void]| unsafe { gpu.launch(f, cfg, *stream, params) };
+        if gpu.is_capturing(*stream)? {
+            return launch(&mut params);
+        }
+        let mut order = self.order.lock().map_err(|_| {
+            Error::Internal("the p2p engine's stream order was poisoned by a panic".into())
+        })?;
+        let (last, event) = &mut *order;
+        if last.is_some_and(|s| s != *stream) {
+            gpu.stream_wait_event(*stream, *event)?;
+        }
+        launch(&mut params)?;
+        gpu.record_event(*event, *stream)?;
+        *last = Some(*stream);
+        Ok(())
     }
 }
 
 impl Drop for P2pEngine {
     fn drop(&mut self) {
+        if let Ok((_, event)) = self.order.get_mut().map(|o| *o) {
+            let _ = self.comm.gpu().destroy_event(event);
+        }
         if let Err(e) = self.comm.gpu().free_host_mapped(&self.mismatch) {
             tracing::warn!(target: "mscclpp::coll", "freeing the p2p mismatch record failed: {e}");
         }
