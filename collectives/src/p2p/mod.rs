@@ -4,7 +4,8 @@
 //! in a CUDA graph; the message and chunk counters live on the device and the kernel advances
 //! them, so replays stay matched with the peers. The k-th send from a rank to a peer matches the
 //! peer's k-th receive from that rank, within a group and across groups, as in NCCL.
-//! - [`plan`]: the region layout, chunking and a group's plan (CPU-tested).
+//! - [`plan`]: the region layout, chunking and a group's plan (CPU-tested);
+//! - [`sendrecv`]: `default_sendrecv_p2p`, nccl-tests' shift exchange as an `Algorithm`.
 //!
 //! The counters are the engine's, so its groups must not overlap on the device: a group on another
 //! stream than the engine's previous one waits for it (an event recorded after every group and
@@ -13,6 +14,7 @@
 //! at once, use two engines.
 
 pub mod plan;
+pub mod sendrecv;
 
 use crate::geometry;
 use crate::resources::{param_ptr, KernelTable, SharedScratch};
