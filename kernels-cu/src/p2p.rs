@@ -6,9 +6,9 @@ use crate::collectives::{PeerPtrs, MAX_RANKS};
 use std::mem::{offset_of, size_of};
 
 /// Most ops one `p2p_group` launch takes (`kP2pMaxOps`).
-pub const MAX_OPS: usize = 48;
+pub const MAX_OPS: usize = 64;
 /// Entries of each peer's post ring (`kP2pPosts`); more than twice [`MAX_OPS`] (see p2p.cu).
-pub const POSTS: usize = 128;
+pub const POSTS: usize = 256;
 const _: () = assert!(
     POSTS > 2 * MAX_OPS,
     "the post ring must not lap (see p2p.cu)"
@@ -137,6 +137,6 @@ mod tests {
         assert!(size_of::<P2pArgs>() <= 4096);
         let asserts = layout_asserts();
         assert!(asserts.contains("offsetof(P2pArgs, nops) == 148"));
-        assert!(asserts.contains("static_assert(kP2pPosts == 128"));
+        assert!(asserts.contains("static_assert(kP2pPosts == 256"));
     }
 }

@@ -307,6 +307,6 @@ mod tests {
         assert!(plan(0, 2, &[huge], 4096, 100).is_err());
         let many: Vec<P2pOp> = (0..=MAX_OPS).map(|_| op(P2pKind::Send, 1, 0)).collect();
         let err = plan(0, 2, &many, 4096, 1000).unwrap_err();
-        assert!(err.to_string().contains("at most 48"), "{err}");
+        assert!(err.to_string().contains("at most 64"), "{err}");
     }
 }

@@ -38,9 +38,9 @@ using namespace mscclpp::coll;
 
 // Most ops one kernel takes (the argument struct carries them by value). Mirrored by
 // mscclpp_kernels_cu::p2p::MAX_OPS.
-constexpr u32 kP2pMaxOps = 48;
+constexpr u32 kP2pMaxOps = 64;
 // Entries of each peer's post ring. Mirrored by mscclpp_kernels_cu::p2p::POSTS.
-constexpr u32 kP2pPosts = 128;
+constexpr u32 kP2pPosts = 256;
 
 // How long a send waits at its end for the receiver's post of the message (see p2p_send).
 constexpr u64 kP2pPostGraceNs = 1000000;
