@@ -20,6 +20,7 @@ pub mod copy_engine;
 pub mod geometry;
 pub mod native;
 pub mod nvls;
+pub mod p2p;
 pub mod port_allreduce;
 pub mod resources;
 pub mod single_rank;

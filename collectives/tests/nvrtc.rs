@@ -92,3 +92,23 @@ fn alltoall_unit_compiles_for_every_arch() {
         }
     }
 }
+
+/// The point-to-point unit with the static_asserts of its structs against the Rust layout, on
+/// every architecture CI targets.
+#[test]
+fn p2p_unit_compiles_for_every_arch() {
+    let Some(nvrtc) = nvrtc_or_skip("p2p_unit_compiles_for_every_arch") else {
+        return;
+    };
+    let file = CollectiveFile::P2p;
+    let mut src = kc::unit_source(file, None).expect("source");
+    src.push_str(&mscclpp_kernels_cu::p2p::layout_asserts());
+    for arch in ["sm_80", "sm_90", "sm_100"] {
+        let image = compile_for(&nvrtc, &kc::unit_name(file, None), &src, arch);
+        for entry in file.entry_points() {
+            let sym = format!("{entry}\0");
+            let found = image.windows(sym.len()).any(|w| w == sym.as_bytes());
+            assert!(found, "{entry} missing for {arch}");
+        }
+    }
+}

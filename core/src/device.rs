@@ -71,7 +71,8 @@ pub fn describe_device_error(code: u32) -> String {
         }
         DEVICE_ERROR_ABORTED => "the communicator was aborted (code 6)".to_string(),
         DEVICE_ERROR_COUNT_MISMATCH => {
-            "an all-to-all sender and receiver disagreed on a count (code 7)".to_string()
+            "a sender and a receiver (all-to-all, send/recv) disagreed on a count (code 7)"
+                .to_string()
         }
         other => format!("unknown device error code {other}"),
     }

@@ -27,6 +27,8 @@ pub use mscclpp_core::device::{
 };
 /// All-to-all family kernels (byte-oriented; see `crate::alltoall`).
 pub const ALLTOALL: &str = include_str!("kernels/alltoall.cu");
+/// The point-to-point engine's kernel (byte-oriented; see `crate::p2p`).
+pub const P2P: &str = include_str!("kernels/p2p.cu");
 
 /// Largest grid of a kernel that uses [`CallState`] (`coll::kMaxPacketBlocks`); hosts must cap the
 /// packet kernels' grids at this.
@@ -57,15 +59,17 @@ pub enum CollectiveFile {
     ReduceScatter,
     Broadcast,
     AllToAll,
+    P2p,
 }
 
 impl CollectiveFile {
-    pub const ALL: [CollectiveFile; 5] = [
+    pub const ALL: [CollectiveFile; 6] = [
         CollectiveFile::AllReduce,
         CollectiveFile::AllGather,
         CollectiveFile::ReduceScatter,
         CollectiveFile::Broadcast,
         CollectiveFile::AllToAll,
+        CollectiveFile::P2p,
     ];
 
     pub const fn source(self) -> &'static str {
@@ -75,6 +79,7 @@ impl CollectiveFile {
             CollectiveFile::ReduceScatter => REDUCE_SCATTER,
             CollectiveFile::Broadcast => BROADCAST,
             CollectiveFile::AllToAll => ALLTOALL,
+            CollectiveFile::P2p => P2P,
         }
     }
 
@@ -85,6 +90,7 @@ impl CollectiveFile {
             CollectiveFile::ReduceScatter => "reduce_scatter",
             CollectiveFile::Broadcast => "broadcast",
             CollectiveFile::AllToAll => "alltoall",
+            CollectiveFile::P2p => "p2p",
         }
     }
 
@@ -121,6 +127,7 @@ impl CollectiveFile {
                 "alltoallv_device_counts",
                 "alltoall_packet",
             ],
+            CollectiveFile::P2p => &["p2p_group"],
         }
     }
 }

@@ -10,6 +10,7 @@
 pub mod alltoall;
 pub mod collectives;
 pub mod nvls_units;
+pub mod p2p;
 
 use mscclpp_core::{AccumType, DataType, Error, Result};
 

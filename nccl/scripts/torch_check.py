@@ -243,7 +243,8 @@ def torch_mode():
     guarded("new_group", subgroups)
     guarded("barrier", lambda: (dist.barrier(), report("PASS", "barrier")))
 
-    # Point-to-point last: without a native path they need a working NCCL fallback.
+    # All-to-all and point-to-point last (send/recv run natively, also with ranks sharing a GPU;
+    # all_to_all_single still needs a working NCCL fallback).
     def a2a(uneven):
         if uneven:
             splits = [[(s + d) % 3 + 1 for d in range(world)] for s in range(world)]
@@ -276,9 +277,43 @@ def torch_mode():
             dist.send(xs[rank].to(dev), nxt)
         torch.cuda.synchronize()
         check(f"{'batch_isend_irecv' if batched else 'send/recv'} ring", out, xs[prv], torch.float32, world)
+    def p2p_all_pairs(dtype):
+        # One batch: every rank sends to and receives from every other rank, each pair its own
+        # size (1 element up to 64 Ki + 3), plus two more messages to the next rank whose order
+        # must hold (the k-th isend to p matches p's k-th irecv from us).
+        size = lambda s, d: [1, 3, 1027, 65539][(s + 2 * d) % 4]
+        xs = {(s, d, k): make_input(dtype, size(s, d) + k * 5, s * 64 + d * 8 + k, seed)
+              for s in range(world) for d in range(world) for k in range(3) if s != d}
+        nxt, prv = (rank + 1) % world, (rank - 1) % world
+        ops, outs = [], {}
+        for k in range(3):
+            for d in range(world):
+                if d == rank or (k > 0 and d != nxt):
+                    continue
+                ops.append(dist.P2POp(dist.isend, xs[(rank, d, k)].to(dev), d))
+            for s in range(world):
+                if s == rank or (k > 0 and s != prv):
+                    continue
+                outs[(s, k)] = torch.zeros(size(s, rank) + k * 5, dtype=dtype, device=dev)
+                ops.append(dist.P2POp(dist.irecv, outs[(s, k)], s))
+        for r in dist.batch_isend_irecv(ops):
+            r.wait()
+        torch.cuda.synchronize()
+        got = torch.cat([outs[key].cpu() for key in sorted(outs)])
+        want = torch.cat([xs[(s, rank, k)] for (s, k) in sorted(outs)])
+        if torch.equal(got, want):  # bytes move unchanged: exact, floats too
+            report("PASS", f"batch_isend_irecv all pairs + order {dtype}", f"{got.numel()} elements")
+        else:
+            bad = (got != want).nonzero()
+            report("FAIL", f"batch_isend_irecv all pairs + order {dtype}",
+                   f"{bad.numel()} wrong elements, first at {bad[0].item() if bad.numel() else '?'}")
+
     if world > 1:
         guarded("send/recv", lambda: p2p(False))
         guarded("batch_isend_irecv", lambda: p2p(True))
+        for dtype in (torch.float32, torch.bfloat16, torch.int8):
+            guarded(f"batch_isend_irecv all pairs + order {dtype}",
+                    lambda dtype=dtype: p2p_all_pairs(dtype))
 
     dist.destroy_process_group()
     report("PASS", "destroy_process_group")

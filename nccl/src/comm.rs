@@ -7,8 +7,10 @@ use crate::guard::{CallResult, Failure};
 use mscclpp::core::algorithm_collection::{AlgorithmCollection, SelectionContext};
 use mscclpp::core::bootstrap::{Bootstrap, BootstrapConfig, TcpBootstrap, UniqueId};
 use mscclpp::core::communicator::Communicator;
+use mscclpp::core::gpu::Stream;
 use mscclpp::core::{AccumType, Algorithm, Collective, ExecuteArgs};
 use mscclpp::{Env, Gpu, GpuBackend};
+use mscclpp_collectives::p2p::{P2pEngine, P2pOp};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -58,6 +60,8 @@ pub struct Comm {
     pub job: UniqueId,
     pub gpu: Arc<dyn Gpu>,
     pub algorithms: AlgorithmCollection,
+    /// ncclSend/ncclRecv natively, or why not (then they go to the fallback).
+    p2p: Result<P2pEngine, String>,
     pub communicator: Arc<Communicator>,
     pub fallback: Fallback,
     /// Lower-case operation names `MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION` sends to the fallback.
@@ -115,6 +119,7 @@ impl Comm {
             &communicator,
             mscclpp_collectives::DEFAULT_SCRATCH_BYTES,
         )?;
+        let p2p = P2pEngine::new(communicator.clone()).map_err(|e| e.to_string());
         let arch = gpu.properties(device)?.arch;
         let fallback = connect_fallback(env, bootstrap.as_ref());
         if let Fallback::Missing(why) = &fallback {
@@ -132,6 +137,7 @@ impl Comm {
             job: id.clone(),
             gpu,
             algorithms,
+            p2p,
             communicator,
             fallback,
             forced: env.force_nccl_fallback_operation.clone(),
@@ -165,6 +171,32 @@ impl Comm {
         self.forced
             .iter()
             .any(|o| o == "all" || o == operation || (o == "sendrecv" && p2p))
+    }
+
+    /// Why ncclSend/ncclRecv do not run natively on this communicator, if they do not.
+    pub fn p2p_unavailable(&self) -> Option<&str> {
+        self.p2p.as_ref().err().map(String::as_str)
+    }
+
+    /// Runs one group of sends and receives of this communicator on `stream` natively.
+    pub fn run_p2p(&self, ops: &[P2pOp], stream: Stream) -> mscclpp::Result<()> {
+        match &self.p2p {
+            Ok(engine) => {
+                self.gpu.set_device(self.device)?;
+                engine.run(ops, &stream)
+            }
+            Err(why) => Err(mscclpp::Error::Unsupported(why.clone())),
+        }
+    }
+
+    /// The communicator's asynchronous error: a send/recv size mismatch (naming rank and peer)
+    /// first, else the core communicator's.
+    pub fn async_error(&self) -> Option<mscclpp::Error> {
+        match &self.p2p {
+            Ok(engine) => engine.mismatch().map(mscclpp::Error::InvalidArgument),
+            Err(_) => None,
+        }
+        .or_else(|| self.communicator.async_error())
     }
 
     /// The native algorithm that runs `args`, checked; the error says why none does.

@@ -2,13 +2,16 @@
 //! launched at the outermost End. Grouped inits run together (one thread may init several ranks
 //! of one job); grouped native operations run per communicator, each communicator's on its own
 //! thread when the group spans several (one thread driving several ranks: the first call on a new
-//! buffer exchanges its registration with the peers); fallback operations go into one real NCCL
-//! group opened at the first of them.
+//! buffer exchanges its registration with the peers); sends and receives are collected per
+//! (communicator, stream) and run as one point-to-point group each, after that communicator's
+//! other operations; fallback operations go into one real NCCL group opened at the first of them.
 
 use crate::abi::{NcclResult, SUCCESS};
 use crate::comm::Comm;
 use crate::fallback::RealNccl;
 use crate::guard::{CallResult, Failure};
+use mscclpp::core::gpu::Stream;
+use mscclpp_collectives::p2p::P2pOp;
 use std::cell::RefCell;
 use std::sync::Arc;
 
@@ -21,6 +24,7 @@ struct Group {
     depth: u32,
     inits: Vec<Job>,
     ops: Vec<(Arc<Comm>, Op)>,
+    p2p: Vec<(Arc<Comm>, Stream, Vec<P2pOp>)>,
     real: Option<Arc<RealNccl>>,
 }
 
@@ -42,6 +46,21 @@ pub fn defer_init(job: Job) {
 
 pub fn defer_op(comm: Arc<Comm>, op: Op) {
     GROUP.with(|g| g.borrow_mut().ops.push((comm, op)));
+}
+
+/// Adds a send or receive to the group of (`comm`, `stream`), in call order.
+pub fn defer_p2p(comm: Arc<Comm>, stream: Stream, op: P2pOp) {
+    GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        match g
+            .p2p
+            .iter_mut()
+            .find(|(c, s, _)| Arc::ptr_eq(c, &comm) && *s == stream)
+        {
+            Some((_, _, list)) => list.push(op),
+            None => g.p2p.push((comm, stream, vec![op])),
+        }
+    });
 }
 
 /// Opens the real NCCL's group for this group's fallback calls, once.
@@ -127,7 +146,12 @@ pub fn end() -> CallResult {
         return Ok(SUCCESS);
     };
     let inits = run_inits(group.inits);
-    let native = run_ops(group.ops);
+    let mut ops = group.ops;
+    for (comm, stream, list) in group.p2p {
+        let c = comm.clone();
+        ops.push((comm, Box::new(move || c.run_p2p(&list, stream))));
+    }
+    let native = run_ops(ops);
     let real = match &group.real {
         // SAFETY: no arguments.
         Some(real) => real.check(

@@ -342,7 +342,7 @@ nccl_export! {
                 Err(f) => f.code,
                 Ok(_) => {
                     let c = handles::live(comm)?;
-                    match c.communicator.async_error() {
+                    match c.async_error() {
                         Some(e) => {
                             let f = Failure::from(e);
                             guard::record("ncclCommGetAsyncError", &f);

@@ -1,5 +1,6 @@
 //! Collectives, point-to-point and groups. Each call runs natively when a native algorithm takes
-//! it (all-reduce, all-gather, reduce-scatter, broadcast: every NCCL type and built-in op), else
+//! it (all-reduce, all-gather, reduce-scatter, broadcast: every NCCL type and built-in op; send
+//! and receive through the point-to-point engine), else
 //! through the real NCCL, else fails with the reason for both. Everything is enqueued on the
 //! caller's stream without host synchronisation, so it can be captured in a CUDA graph.
 
@@ -11,6 +12,7 @@ use crate::guard::{ffi, CallResult, Failure};
 use crate::handles::{self, Handle};
 use mscclpp::core::gpu::Stream;
 use mscclpp::core::{Collective, DataType, ExecuteArgs, ReduceOp};
+use mscclpp_collectives::p2p::{P2pKind, P2pOp};
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 
@@ -205,15 +207,38 @@ nccl_export! {
     }
 }
 
-const P2P_PENDING: &str = "point-to-point has no native path until the native send/recv lands";
+/// One send or receive: natively through the communicator's point-to-point engine (deferred to
+/// the outermost ncclGroupEnd inside a group, else a group of one), or through the fallback when
+/// `MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION` names it or the engine is unavailable.
+fn p2p(
+    c: &Arc<Comm>,
+    operation: &str,
+    op: P2pOp,
+    stream: *mut c_void,
+    fallback: FallbackCall<'_>,
+) -> CallResult {
+    let unavailable = c.p2p_unavailable();
+    if unavailable.is_none() && !c.forced(operation) {
+        let stream = Stream(stream as u64);
+        if group::active() {
+            group::defer_p2p(c.clone(), stream, op);
+        } else {
+            c.run_p2p(&[op], stream)?;
+        }
+        return Ok(SUCCESS);
+    }
+    let why = unavailable.map_or_else(String::new, |w| format!("no point-to-point engine ({w})"));
+    submit(c, operation, Native::None(why), fallback)
+}
 
 nccl_export! {
     fn ncclSend / pncclSend(sendbuff: *const c_void, count: usize, datatype: c_int, peer: c_int, comm: Handle, stream: *mut c_void) -> NcclResult {
         ffi("ncclSend", || {
             let c = handles::ready(comm)?;
-            dtype(datatype)?;
-            check_rank(&c, "peer", peer)?;
-            submit(&c, "send", Native::None(P2P_PENDING.into()),
+            let b = bytes(count, dtype(datatype)?, 1)?;
+            let p = check_rank(&c, "peer", peer)?;
+            let op = P2pOp { kind: P2pKind::Send, peer: p, ptr: sendbuff as u64, bytes: b };
+            p2p(&c, "send", op, stream,
                 Box::new(|r, rc| unsafe { (r.send)(sendbuff, count, datatype, peer, rc, stream_of(stream)) }))
         })
     }
@@ -223,9 +248,10 @@ nccl_export! {
     fn ncclRecv / pncclRecv(recvbuff: *mut c_void, count: usize, datatype: c_int, peer: c_int, comm: Handle, stream: *mut c_void) -> NcclResult {
         ffi("ncclRecv", || {
             let c = handles::ready(comm)?;
-            dtype(datatype)?;
-            check_rank(&c, "peer", peer)?;
-            submit(&c, "recv", Native::None(P2P_PENDING.into()),
+            let b = bytes(count, dtype(datatype)?, 1)?;
+            let p = check_rank(&c, "peer", peer)?;
+            let op = P2pOp { kind: P2pKind::Recv, peer: p, ptr: recvbuff as u64, bytes: b };
+            p2p(&c, "recv", op, stream,
                 Box::new(|r, rc| unsafe { (r.recv)(recvbuff, count, datatype, peer, rc, stream_of(stream)) }))
         })
     }

@@ -15,7 +15,8 @@ Options:
                            fp8_e4m3b15, comma-separated, or all (default f32)
   -o, --op LIST            sum prod min max avg, comma-separated, or all (default sum)
   -c, --collective NAME    allreduce allgather reducescatter broadcast alltoall sendrecv
-                           (sendrecv: each rank to the next, as nccl-tests; default allreduce)
+                           (sendrecv: each rank to the next, as nccl-tests, on the point-to-point
+                           engine, default_sendrecv_p2p; default allreduce)
   -r, --root N             broadcast root (default 0)
   -n, --iters N            timed calls per batch (default 20)
   -w, --warmup_iters N     warm-up calls (default 5)

@@ -26,6 +26,7 @@ use super::options::{AlgoChoice, BenchOptions, Placement};
 use super::report::{self, JsonReport, Measure, Outcome, Row};
 use super::shape::Shape;
 use crate::nccl::{Nccl, NcclComm};
+use mscclpp_collectives::p2p::sendrecv::{P2pSendRecv, SENDRECV_P2P};
 use mscclpp_collectives::resources::DeviceBuffer;
 use mscclpp_core::algorithm_collection::{AlgorithmCollection, SelectionContext};
 use mscclpp_core::bootstrap::Bootstrap;
@@ -263,10 +264,17 @@ impl<'a> Bench<'a> {
                  {count} GPU(s) (NCCL refuses two ranks on one GPU)"
             )));
         }
-        let algos = mscclpp_collectives::default_algorithm_collection(
+        let mut builder = mscclpp_collectives::build_default_algorithms(
             &comm,
             mscclpp_collectives::DEFAULT_SCRATCH_BYTES,
+            AlgorithmCollection::builder(),
         )?;
+        if opts.collective == Collective::SendRecv {
+            // The ring through the point-to-point engine (any buffers), the default below.
+            let engine = mscclpp_collectives::p2p::P2pEngine::new(comm.clone())?;
+            builder.add_algorithm(Arc::new(P2pSendRecv::new(engine)))?;
+        }
+        let algos = builder.build();
         if let AlgoChoice::Named(name) = &opts.algo {
             if algos.get(opts.collective, name).is_none() {
                 return Err(Error::InvalidArgument(format!(
@@ -597,6 +605,11 @@ impl<'a> Bench<'a> {
                 .algos
                 .get(shape.collective, name)
                 .ok_or_else(|| format!("no {} algorithm named {name}", shape.collective))?,
+            // nccl-tests' sendrecv is a point-to-point exchange: the engine NCCL's send/recv use.
+            AlgoChoice::Auto if shape.collective == Collective::SendRecv => self
+                .algos
+                .get(shape.collective, SENDRECV_P2P)
+                .ok_or_else(|| format!("no {SENDRECV_P2P} algorithm"))?,
             AlgoChoice::Auto => {
                 let ctx = SelectionContext {
                     collective: shape.collective,

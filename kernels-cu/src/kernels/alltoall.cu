@@ -145,13 +145,13 @@ MSCCLPP_DEVICE_INLINE void exchange(const AlltoallArgs& args) {
 
 extern "C" __global__ void __launch_bounds__(1024, 1) alltoallv_zero_copy(AlltoallArgs args) {
   wait_prior_grids();
-  if (aborted(args.error_word)) return;
+  if (block_aborted(args.error_word)) return;
   exchange<false>(args);
 }
 
 extern "C" __global__ void __launch_bounds__(1024, 1) alltoallv_zero_copy_pull(AlltoallArgs args) {
   wait_prior_grids();
-  if (aborted(args.error_word)) return;
+  if (block_aborted(args.error_word)) return;
   exchange<true>(args);
 }
 

@@ -8,8 +8,8 @@
 //!
 //! Flags: `--quick` (no per-algorithm matrix), `--only NAME[,NAME...]` (those sections alone:
 //! algorithm names for their matrices, `primitives`, `port_channel`, `port_allreduce`,
-//! `alltoall` (the whole all-to-all family, gather and scatter included), `resources`: device
-//! memory per rank, which fails above 32 MiB, and set-up times),
+//! `p2p` (the point-to-point engine), `alltoall` (the whole all-to-all family, gather and scatter
+//! included), `resources`: device memory per rank, which fails above 32 MiB, and set-up times),
 //! `--primitives-only`, `--cpu-bind none` (leave the launcher's CPU placement; by default each
 //! rank's thread runs on its GPU's local CPUs, as in mscclpp-bench).
 
@@ -197,6 +197,12 @@ fn run() -> Result<i32> {
             suite.record(&name, result);
         }
     }
+    // The point-to-point engine over every rank.
+    if wants(P2P) {
+        for (name, result) in mscclpp_tests::p2p_checks::run(&suite.ctx) {
+            suite.record(&name, result);
+        }
+    }
     // The all-to-all family (alltoall, alltoallv, sendrecv, gather, scatter) over every rank.
     if wants(mscclpp_collectives::alltoall::ALLTOALL_ZERO_COPY)
         || wants(ALLTOALL)
@@ -374,6 +380,8 @@ fn resources(s: &mut Suite) -> Result<String> {
 /// `--only` section names: the channel primitives and the two PortChannel sections.
 const PRIMITIVES: &str = "primitives";
 const PORT_CHANNEL: &str = "port_channel";
+/// `--only` name of the point-to-point engine's checks (`p2p_checks`).
+const P2P: &str = "p2p";
 /// `--only` name of the all-to-all family's checks (also `default_alltoall_zero_copy`).
 const ALLTOALL: &str = "alltoall";
 /// Another `--only` name of the all-to-all family's checks (kept for the commands of earlier runs).

@@ -1,0 +1,230 @@
+//! Point-to-point: NCCL-style groups of sends and receives on any device buffers, one kernel per
+//! group on the caller's stream (`p2p_group` in kernels-cu/src/kernels/p2p.cu, where the protocol
+//! is described). No host synchronisation and no allocation per call, so a group can be captured
+//! in a CUDA graph; the message and chunk counters live on the device and the kernel advances
+//! them, so replays stay matched with the peers. The k-th send from a rank to a peer matches the
+//! peer's k-th receive from that rank, within a group and across groups, as in NCCL.
+//! - [`plan`]: the region layout, chunking and a group's plan (CPU-tested);
+//! - [`sendrecv`]: `default_sendrecv_p2p`, nccl-tests' shift exchange as an `Algorithm`.
+//!
+//! The counters are the engine's, so its groups must not overlap on the device: a group on another
+//! stream than the engine's previous one waits for it (an event recorded after every group and
+//! waited for on a stream change, no host block). Under CUDA-graph capture the caller orders the
+//! captured work (events of other streams cannot join a capture); for two groups really in flight
+//! at once, use two engines.
+
+pub mod plan;
+pub mod sendrecv;
+
+use crate::geometry;
+use crate::resources::{param_ptr, KernelTable, SharedScratch};
+use mscclpp_core::communicator::Communicator;
+use mscclpp_core::gpu::{DevicePtr, Event, HostMapped, LaunchConfig, Stream};
+use mscclpp_core::{Error, Result};
+use mscclpp_kernels_cu::collectives::{CollectiveFile, PeerPtrs, MAX_RANKS};
+use mscclpp_kernels_cu::p2p::{P2pArgs, P2pMismatch, P2pOpArgs, P2pState, MAX_OPS};
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+/// Threads of a `p2p_group` block.
+const THREADS: u32 = 512;
+
+/// The direction of a point-to-point op.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum P2pKind {
+    Send,
+    Recv,
+}
+
+impl fmt::Display for P2pKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            P2pKind::Send => "send to",
+            P2pKind::Recv => "recv from",
+        })
+    }
+}
+
+/// One send or receive of a group: `bytes` at `ptr` (any device memory of this rank's GPU).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct P2pOp {
+    pub kind: P2pKind,
+    pub peer: usize,
+    pub ptr: DevicePtr,
+    pub bytes: usize,
+}
+
+/// The point-to-point engine of one communicator: the region every peer writes its chunks into
+/// (under 1 MiB per rank at 8 ranks), the device counters, and a host-mapped record of the first
+/// size mismatch, all allocated at [`P2pEngine::new`].
+pub struct P2pEngine {
+    // Field order is drop order: device resources go before the communicator.
+    kernels: KernelTable,
+    region: SharedScratch,
+    regions: PeerPtrs,
+    layout: plan::Layout,
+    mismatch: HostMapped,
+    /// The stream of the last group launched outside a capture, and an event recorded after it.
+    order: Mutex<(Option<Stream>, Event)>,
+    max_blocks: u32,
+    comm: Arc<Communicator>,
+}
+
+// SAFETY: `mismatch` is pinned host memory owned by the engine until drop; the host only reads it
+// (volatile), the device writes it.
+unsafe impl Send for P2pEngine {}
+unsafe impl Sync for P2pEngine {}
+
+impl P2pEngine {
+    /// Collective: every rank calls it once; allocates and exchanges the region.
+    pub fn new(comm: Arc<Communicator>) -> Result<Self> {
+        if comm.size() > MAX_RANKS {
+            return Err(Error::Unsupported(format!(
+                "point-to-point engine on {} ranks: at most {MAX_RANKS} ranks on one host",
+                comm.size()
+            )));
+        }
+        let layout = plan::layout(comm.size());
+        let sm = comm.gpu().properties(comm.device())?.multiprocessors.max(1);
+        // Zeroed memory is P2pState::default(): no message sent or received yet.
+        let region = SharedScratch::with_private_tail(
+            &comm,
+            layout.region_bytes,
+            std::mem::size_of::<P2pState>(),
+        )?;
+        let regions = PeerPtrs::from_slice(&region.rank_ptrs())?;
+        let mismatch = comm
+            .gpu()
+            .alloc_host_mapped(std::mem::size_of::<P2pMismatch>())?;
+        let event = match comm.gpu().create_event() {
+            Ok(e) => e,
+            Err(e) => {
+                let _ = comm.gpu().free_host_mapped(&mismatch);
+                return Err(e);
+            }
+        };
+        Ok(P2pEngine {
+            kernels: KernelTable::default(),
+            region,
+            regions,
+            layout,
+            mismatch,
+            order: Mutex::new((None, event)),
+            max_blocks: geometry::resident_blocks(sm, THREADS),
+            comm,
+        })
+    }
+
+    pub fn comm(&self) -> &Arc<Communicator> {
+        &self.comm
+    }
+
+    /// Bytes of device memory the engine holds on this rank.
+    pub fn device_bytes(&self) -> usize {
+        self.layout.region_bytes + std::mem::size_of::<P2pState>()
+    }
+
+    /// The first send/receive size mismatch the device saw on this rank, naming both ranks.
+    pub fn mismatch(&self) -> Option<String> {
+        let record = self.mismatch.host_ptr as *const P2pMismatch;
+        // SAFETY: the record is live pinned memory of the right size; the device writes it before it
+        // raises the error word, and a torn read only garbles the message of an error already raised.
+        let m = unsafe { std::ptr::read_volatile(record) };
+        (m.claimed != 0).then(|| {
+            let rank = self.comm.rank();
+            let (verb, dir, their_verb) = if m.is_send != 0 {
+                ("send", "to", "receives")
+            } else {
+                ("recv", "from", "sends")
+            };
+            format!(
+                "rank {rank}: {verb} of {} bytes {dir} rank {}, but rank {} {their_verb} {} bytes \
+                 (a send/recv pair with mismatched sizes; nothing was copied for it)",
+                m.mine, m.peer, m.peer, m.theirs
+            )
+        })
+    }
+
+    /// The engine's health, one host load or two, no sync: a size mismatch seen on the device
+    /// (naming rank and peer), else the communicator's error.
+    pub fn check(&self) -> Result<()> {
+        if let Some(m) = self.mismatch() {
+            return Err(Error::InvalidArgument(m));
+        }
+        self.comm.check("send/recv")
+    }
+
+    /// Runs one group: every op of `ops` as one kernel on `stream`, without waiting for it.
+    /// Every rank named as a peer must run its matching ops (in the same order per direction);
+    /// errors on the device (a mismatch, a dead peer) show up in [`check`](Self::check) and the
+    /// communicator's `async_error`.
+    pub fn run(&self, ops: &[P2pOp], stream: &Stream) -> Result<()> {
+        self.check()?;
+        if ops.is_empty() {
+            return Ok(());
+        }
+        let (rank, n) = (self.comm.rank(), self.comm.size());
+        let planned = plan::plan(rank, n, ops, self.layout.slot_bytes, self.max_blocks)?;
+        let Some(last) = planned.last() else {
+            return Ok(());
+        };
+        let blocks = last.first_block + last.nblocks;
+        let mut kargs = P2pArgs {
+            regions: self.regions,
+            local: self.region.local_ptr(),
+            state: self.region.local_ptr() + self.layout.region_bytes as u64,
+            mismatch: self.mismatch.device_ptr,
+            error_word: self.comm.error_word_device_ptr(),
+            max_spin: 0,
+            slot_bytes: self.layout.slot_bytes as u64,
+            headers_offset: self.layout.headers_offset as u64,
+            acks_offset: self.layout.acks_offset as u64,
+            posts_offset: self.layout.posts_offset as u64,
+            slots: plan::SLOTS as u32,
+            rank: rank as u32,
+            nranks: n as u32,
+            nops: planned.len() as u32,
+            ops: [P2pOpArgs::default(); MAX_OPS],
+        };
+        kargs.ops[..planned.len()].copy_from_slice(&planned);
+        let f = self.kernels.function(
+            self.comm.gpu().as_ref(),
+            CollectiveFile::P2p,
+            None,
+            "p2p_group",
+        )?;
+        let cfg = LaunchConfig::linear(blocks, THREADS).with_programmatic(true);
+        let mut params = [param_ptr(&mut kargs)];
+        let gpu = self.comm.gpu();
+        // SAFETY: `params` matches the kernel's one `P2pArgs` parameter (layout checked by the NVRTC
+        // test's static_asserts); the op buffers are the caller's, checked non-null where they
+        // carry bytes, and the region, counters and record are ours and live.
+        let launch =
+            |params: &mut [*mut std::ffi::c_void]| unsafe { gpu.launch(f, cfg, *stream, params) };
+        if gpu.is_capturing(*stream)? {
+            return launch(&mut params);
+        }
+        let mut order = self.order.lock().map_err(|_| {
+            Error::Internal("the p2p engine's stream order was poisoned by a panic".into())
+        })?;
+        let (last, event) = &mut *order;
+        if last.is_some_and(|s| s != *stream) {
+            gpu.stream_wait_event(*stream, *event)?;
+        }
+        launch(&mut params)?;
+        gpu.record_event(*event, *stream)?;
+        *last = Some(*stream);
+        Ok(())
+    }
+}
+
+impl Drop for P2pEngine {
+    fn drop(&mut self) {
+        if let Ok((_, event)) = self.order.get_mut().map(|o| *o) {
+            let _ = self.comm.gpu().destroy_event(event);
+        }
+        if let Err(e) = self.comm.gpu().free_host_mapped(&self.mismatch) {
+            tracing::warn!(target: "mscclpp::coll", "freeing the p2p mismatch record failed: {e}");
+        }
+    }
+}

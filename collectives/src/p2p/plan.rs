@@ -1,0 +1,312 @@
+//! The host half of the point-to-point protocol (kernels-cu/src/kernels/p2p.cu), pure and
+//! CPU-tested: the engine region's layout (slots, chunk size, offsets), the chunk count of a
+//! message, and a group's plan: validation, self send/recv pairing, per-(peer, direction) message
+//! and chunk offsets, and the split of the grid among the ops.
+
+use super::{P2pKind, P2pOp};
+use mscclpp_core::{Error, Result};
+use mscclpp_kernels_cu::p2p::{P2pOpArgs, KIND_COPY, KIND_RECV, KIND_SEND, MAX_OPS, POSTS};
+
+/// Slots of one channel (sender, receiver): chunks in flight between them.
+pub const SLOTS: usize = 8;
+/// Data bytes of one rank's region over all its incoming channels: 896 KiB keeps the engine under
+/// 1 MiB per rank at 8 ranks (7 channels x 8 slots x 16 KiB plus headers, acks and posts).
+pub const DATA_BUDGET: usize = 896 << 10;
+/// Chunk (slot) size bounds: below 4 KiB a chunk costs more in flags than it moves; 64 KiB slots
+/// already keep the copy engines-free path busy at 2 ranks.
+pub const MIN_SLOT_BYTES: usize = 4 << 10;
+pub const MAX_SLOT_BYTES: usize = 64 << 10;
+/// A message's byte count travels in the low 40 bits of a post word.
+pub const MAX_MESSAGE_BYTES: usize = (1 << 40) - 1;
+/// Bytes of a slot header (`ready`, `bytes`).
+const HEADER_BYTES: usize = 16;
+
+/// Where things are in each rank's region (the same on every rank of a communicator).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    pub slot_bytes: usize,
+    pub headers_offset: usize,
+    pub acks_offset: usize,
+    pub posts_offset: usize,
+    /// Bytes of the region every peer maps.
+    pub region_bytes: usize,
+}
+
+/// The region layout for `nranks` ranks: per peer index, `SLOTS` data slots, then the slot
+/// headers, the acks (credits this rank's receivers return) and the posts (what they expect).
+pub fn layout(nranks: usize) -> Layout {
+    let npeers = nranks.saturating_sub(1).max(1);
+    let slot_bytes = (DATA_BUDGET / (npeers * SLOTS) / MIN_SLOT_BYTES * MIN_SLOT_BYTES)
+        .clamp(MIN_SLOT_BYTES, MAX_SLOT_BYTES);
+    let headers_offset = npeers * SLOTS * slot_bytes;
+    let acks_offset = headers_offset + npeers * SLOTS * HEADER_BYTES;
+    let posts_offset = acks_offset + npeers * SLOTS * 8;
+    Layout {
+        slot_bytes,
+        headers_offset,
+        acks_offset,
+        posts_offset,
+        region_bytes: posts_offset + npeers * POSTS * 8,
+    }
+}
+
+/// Chunks of a message of `bytes`: at least one, so a zero-byte message still matches.
+pub fn chunks(bytes: usize, slot_bytes: usize) -> u64 {
+    bytes.div_ceil(slot_bytes).max(1) as u64
+}
+
+/// Blocks an op would like: one per chunk up to one per slot (a block moves one chunk at a time);
+/// a self copy, one per 256 KiB up to the same bound.
+fn wanted_blocks(op: &P2pOpArgs, slot_bytes: usize) -> u32 {
+    let units = if op.kind == KIND_COPY {
+        (op.bytes as usize).div_ceil(256 << 10).max(1) as u64
+    } else {
+        chunks(op.bytes as usize, slot_bytes)
+    };
+    units.min(SLOTS as u64) as u32
+}
+
+/// The kernel's ops for one group of `rank` of `nranks`, in the caller's order (self sends and
+/// receives paired into copies at the receive), with offsets and blocks filled in; the grid is the
+/// last op's `first_block + nblocks` (at most `max_blocks`). Errors name the rank and the op.
+pub fn plan(
+    rank: usize,
+    nranks: usize,
+    ops: &[P2pOp],
+    slot_bytes: usize,
+    max_blocks: u32,
+) -> Result<Vec<P2pOpArgs>> {
+    for (i, op) in ops.iter().enumerate() {
+        let what = || format!("rank {rank}: op {i} ({} peer {})", op.kind, op.peer);
+        if op.peer >= nranks {
+            return Err(Error::InvalidArgument(format!(
+                "{}: peer {} is not a rank of this communicator (0..{nranks})",
+                what(),
+                op.peer
+            )));
+        }
+        if op.bytes > MAX_MESSAGE_BYTES {
+            return Err(Error::InvalidArgument(format!(
+                "{}: {} bytes exceed the largest message ({MAX_MESSAGE_BYTES})",
+                what(),
+                op.bytes
+            )));
+        }
+        if op.bytes > 0 && op.ptr == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{}: null buffer for {} bytes",
+                what(),
+                op.bytes
+            )));
+        }
+    }
+    let self_sends: Vec<&P2pOp> = ops
+        .iter()
+        .filter(|o| o.peer == rank && o.kind == P2pKind::Send)
+        .collect();
+    let self_recvs = ops
+        .iter()
+        .filter(|o| o.peer == rank && o.kind == P2pKind::Recv)
+        .count();
+    if self_sends.len() != self_recvs {
+        return Err(Error::InvalidArgument(format!(
+            "rank {rank}: a group with {} sends to itself and {self_recvs} receives from itself \
+             (each self send needs its self receive in the same group)",
+            self_sends.len()
+        )));
+    }
+    let mut out = Vec::with_capacity(ops.len());
+    let mut self_pairs = self_sends.into_iter();
+    // Per (peer, direction): ops and chunks so far in this group.
+    let mut seen = vec![[(0u32, 0u64); 2]; nranks];
+    for op in ops {
+        let mut args = P2pOpArgs {
+            ptr: op.ptr,
+            bytes: op.bytes as u64,
+            peer: op.peer as u32,
+            ..P2pOpArgs::default()
+        };
+        if op.peer == rank {
+            if op.kind == P2pKind::Send {
+                continue;
+            }
+            let send = self_pairs.next().ok_or_else(|| {
+                Error::Internal(format!("rank {rank}: self receive without its send"))
+            })?;
+            if send.bytes != op.bytes {
+                return Err(Error::InvalidArgument(format!(
+                    "rank {rank}: send/recv to itself with mismatched sizes: the send has {} \
+                     bytes, the receive {}",
+                    send.bytes, op.bytes
+                )));
+            }
+            args.kind = KIND_COPY;
+            args.src = send.ptr;
+        } else {
+            let dir = match op.kind {
+                P2pKind::Send => 0,
+                P2pKind::Recv => 1,
+            };
+            args.kind = if dir == 0 { KIND_SEND } else { KIND_RECV };
+            let (msgs, chunk_total) = &mut seen[op.peer][dir];
+            args.msg_offset = *msgs;
+            args.chunk_offset = *chunk_total;
+            *msgs += 1;
+            *chunk_total += chunks(op.bytes, slot_bytes);
+        }
+        out.push(args);
+    }
+    if out.len() > MAX_OPS {
+        return Err(Error::Unsupported(format!(
+            "rank {rank}: a group of {} sends and receives (after pairing those to itself); one \
+             group takes at most {MAX_OPS}",
+            out.len()
+        )));
+    }
+    if out.len() > max_blocks as usize {
+        return Err(Error::Unsupported(format!(
+            "rank {rank}: a group of {} sends and receives needs one resident block each, and this \
+             GPU holds {max_blocks}",
+            out.len()
+        )));
+    }
+    let mut blocks: Vec<u32> = out.iter().map(|o| wanted_blocks(o, slot_bytes)).collect();
+    while blocks.iter().sum::<u32>() > max_blocks {
+        if let Some(most) = blocks.iter_mut().max() {
+            *most -= 1;
+        }
+    }
+    let mut first = 0;
+    for (op, n) in out.iter_mut().zip(blocks) {
+        op.first_block = first;
+        op.nblocks = n;
+        first += n;
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rstest::rstest;
+
+    fn op(kind: P2pKind, peer: usize, bytes: usize) -> P2pOp {
+        P2pOp {
+            kind,
+            peer,
+            ptr: 0x1000 + peer as u64,
+            bytes,
+        }
+    }
+
+    #[rstest]
+    #[case(2, 64 << 10)]
+    #[case(3, 56 << 10)]
+    #[case(4, 36 << 10)]
+    #[case(8, 16 << 10)]
+    #[case(1, 64 << 10)]
+    fn layout_fits_the_budget(#[case] nranks: usize, #[case] slot: usize) {
+        let l = layout(nranks);
+        assert_eq!(l.slot_bytes, slot);
+        assert_eq!(l.slot_bytes % 16, 0);
+        assert!(l.region_bytes <= 1 << 20, "{l:?}");
+        assert!(l.headers_offset % 16 == 0 && l.acks_offset % 8 == 0 && l.posts_offset % 8 == 0);
+        assert!(l.region_bytes > l.posts_offset);
+    }
+
+    #[test]
+    fn chunk_counts() {
+        assert_eq!(chunks(0, 4096), 1);
+        assert_eq!(chunks(1, 4096), 1);
+        assert_eq!(chunks(4096, 4096), 1);
+        assert_eq!(chunks(4097, 4096), 2);
+        assert_eq!(chunks(1 << 30, 16 << 10), 65536);
+    }
+
+    #[test]
+    fn offsets_follow_order_per_peer_and_direction() {
+        let s = 4096;
+        let ops = [
+            op(P2pKind::Send, 1, 10_000), // 3 chunks
+            op(P2pKind::Recv, 1, 0),
+            op(P2pKind::Send, 2, 5),
+            op(P2pKind::Send, 1, 0),
+            op(P2pKind::Recv, 1, 4097),
+            op(P2pKind::Send, 1, 1),
+        ];
+        let p = plan(0, 3, &ops, s, 1000).unwrap();
+        let got: Vec<(u32, u32, u64)> = p
+            .iter()
+            .map(|o| (o.kind, o.msg_offset, o.chunk_offset))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (KIND_SEND, 0, 0),
+                (KIND_RECV, 0, 0),
+                (KIND_SEND, 0, 0),
+                (KIND_SEND, 1, 3),
+                (KIND_RECV, 1, 1),
+                (KIND_SEND, 2, 4),
+            ]
+        );
+        // Blocks: contiguous, in order, one per chunk up to SLOTS.
+        assert_eq!(p[0].nblocks, 3);
+        assert_eq!(p[4].nblocks, 2);
+        for w in p.windows(2) {
+            assert_eq!(w[1].first_block, w[0].first_block + w[0].nblocks);
+        }
+    }
+
+    #[test]
+    fn blocks_shrink_to_the_resident_limit_but_every_op_keeps_one() {
+        let ops: Vec<P2pOp> = (1..4)
+            .flat_map(|p| [op(P2pKind::Send, p, 1 << 30), op(P2pKind::Recv, p, 1 << 30)])
+            .collect();
+        let p = plan(0, 4, &ops, 4096, 10).unwrap();
+        let total: u32 = p.iter().map(|o| o.nblocks).sum();
+        assert_eq!(total, 10);
+        assert!(p.iter().all(|o| o.nblocks >= 1));
+        let err = plan(0, 4, &ops, 4096, 5).unwrap_err().to_string();
+        assert!(err.contains("rank 0") && err.contains("resident"), "{err}");
+    }
+
+    #[test]
+    fn self_pairs_become_copies_and_mismatches_name_the_rank() {
+        let ops = [
+            op(P2pKind::Send, 2, 100),
+            op(P2pKind::Recv, 1, 8),
+            op(P2pKind::Recv, 2, 100),
+        ];
+        let p = plan(2, 3, &ops, 4096, 100).unwrap();
+        assert_eq!(p.len(), 2);
+        assert_eq!(p[1].kind, KIND_COPY);
+        assert_eq!(p[1].src, 0x1002);
+        let bad = [op(P2pKind::Send, 2, 100), op(P2pKind::Recv, 2, 99)];
+        let err = plan(2, 3, &bad, 4096, 100).unwrap_err().to_string();
+        assert!(
+            err.contains("rank 2") && err.contains("mismatched"),
+            "{err}"
+        );
+        let lonely = [op(P2pKind::Send, 2, 100)];
+        let err = plan(2, 3, &lonely, 4096, 100).unwrap_err().to_string();
+        assert!(err.contains("rank 2"), "{err}");
+    }
+
+    #[test]
+    fn bad_ops_are_refused() {
+        let err = plan(0, 2, &[op(P2pKind::Send, 2, 1)], 4096, 100).unwrap_err();
+        assert!(err.to_string().contains("peer 2 is not a rank"), "{err}");
+        let mut null = op(P2pKind::Recv, 1, 8);
+        null.ptr = 0;
+        let err = plan(0, 2, &[null], 4096, 100).unwrap_err();
+        assert!(err.to_string().contains("null buffer"), "{err}");
+        null.bytes = 0;
+        assert!(plan(0, 2, &[null], 4096, 100).is_ok());
+        let huge = op(P2pKind::Send, 1, MAX_MESSAGE_BYTES + 1);
+        assert!(plan(0, 2, &[huge], 4096, 100).is_err());
+        let many: Vec<P2pOp> = (0..=MAX_OPS).map(|_| op(P2pKind::Send, 1, 0)).collect();
+        let err = plan(0, 2, &many, 4096, 1000).unwrap_err();
+        assert!(err.to_string().contains("at most 64"), "{err}");
+    }
+}

@@ -1,0 +1,280 @@
+// mscclpp-rs point-to-point engine (collectives/src/p2p): one kernel runs one NCCL-style group of
+// sends and receives to many peers, on any (unregistered) buffers.
+//
+// Channels. Every ordered pair (sender s, receiver r) has a channel in r's engine region, which every
+// rank maps: `slots` slots of `slot_bytes` data each, plus a 16-byte header per slot (ready, bytes).
+// The sender writes chunk g of the channel (g counts chunks over the channel's whole life) into slot
+// g % slots, then the message's byte count into the header and `ready = g + 1` with a release store.
+// The receiver waits for `ready >= g + 1`, checks the header's byte count against its own, copies the
+// chunk out, and returns the slot's credit by storing `ack = g + 1` into the sender's region. The
+// sender reuses a slot for chunk g only once `ack + slots > g` (chunk g - slots was copied out).
+// A message of n bytes is max(1, ceil(n / slot_bytes)) chunks, so a zero-byte message still matches.
+//
+// Order. The k-th send from s to r matches r's k-th receive from s because both sides number the
+// channel's messages and chunks from device-resident counters (P2pState) that the kernel itself
+// advances at its end (the last block to finish adds the group's totals), so graph replays stay in
+// step with no host involvement. Within a group the host gives each op its offsets (msg_offset,
+// chunk_offset) after the earlier ops of the same (peer, direction).
+//
+// Size check on both sides. The receiver posts what it expects, (message seq, bytes), into the
+// sender's region at the start of each receive (`posts`, a ring of kP2pPosts entries per peer). The
+// receiver compares the header's byte count with its own on every chunk; the sender, after writing
+// its last chunk, compares with the receiver's post of that message if it comes within
+// kP2pPostGraceNs (and while waiting for slot credit it gives up as soon as a mismatching post is
+// there, so a message larger than the slots is always checked on both sides). Either side that finds a
+// mismatch fills the engine's host-mapped P2pMismatch record (peer and both counts) and records
+// kErrorCountMismatch; the receiver never copies a chunk whose header disagrees, so nothing is
+// written beyond its buffer. The ring cannot lap: the host caps the ops per (peer, direction) of one
+// group at kP2pMaxOps and kP2pPosts > 2 * kP2pMaxOps, while a receiver can post at most one group
+// ahead of the sender it waits for.
+//
+// Blocks. The host gives every op its own blocks (first_block, nblocks; 1 to `slots` of them): ops
+// never wait for one another inside a kernel, so any set of groups that NCCL completes completes
+// here. Block j of an op handles chunks j, j + nblocks, ... A self op (copy) splits its bytes among
+// its blocks. Every wait is spin_until (bounded, error word, wait budget).
+
+using namespace mscclpp;
+using namespace mscclpp::coll;
+
+// Most ops one kernel takes (the argument struct carries them by value). Mirrored by
+// mscclpp_kernels_cu::p2p::MAX_OPS.
+constexpr u32 kP2pMaxOps = 64;
+// Entries of each peer's post ring. Mirrored by mscclpp_kernels_cu::p2p::POSTS.
+constexpr u32 kP2pPosts = 256;
+
+// How long a send waits at its end for the receiver's post of the message (see p2p_send).
+constexpr u64 kP2pPostGraceNs = 1000000;
+
+constexpr u32 kP2pSend = 0;
+constexpr u32 kP2pRecv = 1;
+constexpr u32 kP2pCopy = 2;
+
+// One op of a group. Mirrored by mscclpp_kernels_cu::p2p::P2pOpArgs (56 bytes).
+struct P2pOpArgs {
+  u64 ptr;           // send: source; recv and copy: destination
+  u64 src;           // copy: source; else 0
+  u64 bytes;
+  u64 chunk_offset;  // chunks of the earlier ops of this (peer, direction) in the group
+  u32 kind;          // kP2pSend, kP2pRecv, kP2pCopy
+  u32 peer;
+  u32 first_block;
+  u32 nblocks;
+  u32 msg_offset;    // earlier ops of this (peer, direction) in the group
+  u32 pad;
+};
+
+// Device-resident counters of one engine (private memory, zero at creation). Mirrored by
+// mscclpp_kernels_cu::p2p::P2pState.
+struct P2pState {
+  u64 arrivals;                  // blocks of the running kernel that finished
+  u64 pad;
+  u64 counters[kMaxRanks][4];    // per peer: send msgs, send chunks, recv msgs, recv chunks
+};
+
+// Host-mapped record of the first size mismatch this rank saw. Mirrored by
+// mscclpp_kernels_cu::p2p::P2pMismatch.
+struct P2pMismatch {
+  u32 claimed;  // 0 until a mismatch is recorded (first one wins)
+  u32 is_send;  // 1: this rank's send, 0: its receive
+  u64 peer;
+  u64 mine;     // this rank's byte count
+  u64 theirs;   // the peer's
+};
+
+// The one kernel argument. Mirrored by mscclpp_kernels_cu::p2p::P2pArgs.
+struct P2pArgs {
+  PeerPtrs regions;     // every rank's engine region, mapped here
+  u8* local;            // this rank's region
+  P2pState* state;
+  P2pMismatch* mismatch;
+  u32* error_word;
+  u64 max_spin;
+  u64 slot_bytes;       // data bytes per slot, a multiple of 16
+  u64 headers_offset;   // region offsets (bytes) of the slot headers, the acks and the posts
+  u64 acks_offset;
+  u64 posts_offset;
+  u32 slots;
+  u32 rank;
+  u32 nranks;
+  u32 nops;
+  P2pOpArgs ops[kP2pMaxOps];
+};
+
+struct P2pSlotHeader {
+  u64 ready;  // chunk sequence + 1 of the data in the slot
+  u64 bytes;  // byte count of the message the chunk belongs to
+};
+
+// Index of `rank` among the peers of `owner` (the region layout is per peer index).
+MSCCLPP_DEVICE_INLINE u32 p2p_peer_index(u32 rank, u32 owner) { return rank < owner ? rank : rank - 1; }
+
+// Post word: (message seq mod 2^24 - 1) + 1 in the high 24 bits, bytes in the low 40 (the host
+// refuses messages of 2^40 bytes or more). Never 0, so a fresh ring holds no post.
+MSCCLPP_DEVICE_INLINE u64 p2p_post(u64 msg, u64 bytes) { return ((msg % 0xFFFFFFull + 1) << 40) | bytes; }
+MSCCLPP_DEVICE_INLINE bool p2p_post_is(u64 post, u64 msg) { return (post >> 40) == msg % 0xFFFFFFull + 1; }
+MSCCLPP_DEVICE_INLINE u64 p2p_post_bytes(u64 post) { return post & ((1ull << 40) - 1); }
+
+MSCCLPP_DEVICE_INLINE u64 p2p_chunks(u64 bytes, u64 slot_bytes) {
+  return bytes == 0 ? 1 : (bytes + slot_bytes - 1) / slot_bytes;
+}
+
+// Fills the mismatch record (first one wins) and raises the error word. One thread.
+MSCCLPP_DEVICE_INLINE void p2p_mismatch(const P2pArgs& a, bool is_send, u32 peer, u64 mine, u64 theirs) {
+  P2pMismatch* m = a.mismatch;
+  if (m != nullptr && atomic_cas_relaxed_sys(&m->claimed, 0u, 1u) == 0u) {
+    m->is_send = is_send ? 1u : 0u;
+    m->peer = peer;
+    m->mine = mine;
+    m->theirs = theirs;
+    fence_acq_rel_sys();
+  }
+  record_error(a.error_word, kErrorCountMismatch);
+}
+
+// Thread 0 decides, the block follows.
+MSCCLPP_DEVICE_INLINE bool p2p_block_agrees(bool ok) {
+  __shared__ int shared_ok;
+  if (threadIdx.x == 0) shared_ok = ok ? 1 : 0;
+  __syncthreads();
+  const bool r = shared_ok != 0;
+  __syncthreads();
+  return r;
+}
+
+MSCCLPP_DEVICE_INLINE void p2p_send(const P2pArgs& a, const P2pOpArgs& op, u32 j, const u64* counters) {
+  const u32 peer = op.peer;
+  const u64 msg = counters[0] + op.msg_offset;
+  const u64 first = counters[1] + op.chunk_offset;
+  const u64 nchunks = p2p_chunks(op.bytes, a.slot_bytes);
+  const u32 me_there = p2p_peer_index(a.rank, peer), peer_here = p2p_peer_index(peer, a.rank);
+  u8* remote = static_cast<u8*>(a.regions.p[peer]);
+  u8* data = remote + static_cast<u64>(me_there) * a.slots * a.slot_bytes;
+  P2pSlotHeader* headers = reinterpret_cast<P2pSlotHeader*>(remote + a.headers_offset) + me_there * a.slots;
+  const u64* acks = reinterpret_cast<const u64*>(a.local + a.acks_offset) + peer_here * a.slots;
+  const u64* post = reinterpret_cast<const u64*>(a.local + a.posts_offset) + peer_here * kP2pPosts + msg % kP2pPosts;
+  // A post of this message with another count: the receiver stopped, so credit will never come.
+  auto refused = [&]() {
+    const u64 p = atomic_load_acquire_sys(post);
+    return p2p_post_is(p, msg) && p2p_post_bytes(p) != op.bytes;
+  };
+  for (u64 c = j; c < nchunks; c += op.nblocks) {
+    const u64 g = first + c;
+    const u32 slot = static_cast<u32>(g % a.slots);
+    bool ok = true;
+    if (threadIdx.x == 0) {
+      ok = spin_until([&] { return atomic_load_acquire_sys(&acks[slot]) + a.slots > g || refused(); }, a.max_spin,
+                      a.error_word, kErrorSemaphoreWaitTimeout);
+      if (ok && refused()) {
+        p2p_mismatch(a, true, peer, op.bytes, p2p_post_bytes(atomic_load_acquire_sys(post)));
+        ok = false;
+      }
+    }
+    if (!p2p_block_agrees(ok)) return;
+    const u64 begin = c * a.slot_bytes;
+    const u64 n = min(a.slot_bytes, op.bytes - min(begin, op.bytes));
+    copy(data + slot * a.slot_bytes, reinterpret_cast<const u8*>(op.ptr) + begin, n, threadIdx.x, blockDim.x);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      atomic_store_relaxed_sys(&headers[slot].bytes, op.bytes);
+      atomic_store_release_sys(&headers[slot].ready, g + 1);
+    }
+  }
+  // The size check on this side: the receiver's post of this message, waited for at most
+  // kP2pPostGraceNs (a message that needed credit found it long ago). A send must not wait for its
+  // receiver beyond that: NCCL completes a small send into the peer's buffer without it, and code
+  // that sends before it receives on both sides relies on that. Past the grace the receiver's own
+  // check stands alone.
+  if (j == 0 && threadIdx.x == 0) {
+    const u64 start = wall_clock_ns();
+    while (!p2p_post_is(atomic_load_acquire_sys(post), msg) && wall_clock_ns() - start < kP2pPostGraceNs) {
+    }
+    if (refused()) p2p_mismatch(a, true, peer, op.bytes, p2p_post_bytes(atomic_load_acquire_sys(post)));
+  }
+}
+
+MSCCLPP_DEVICE_INLINE void p2p_recv(const P2pArgs& a, const P2pOpArgs& op, u32 j, const u64* counters) {
+  const u32 peer = op.peer;
+  const u64 msg = counters[2] + op.msg_offset;
+  const u64 first = counters[3] + op.chunk_offset;
+  const u64 nchunks = p2p_chunks(op.bytes, a.slot_bytes);
+  const u32 me_there = p2p_peer_index(a.rank, peer), peer_here = p2p_peer_index(peer, a.rank);
+  u8* remote = static_cast<u8*>(a.regions.p[peer]);
+  const u8* data = a.local + static_cast<u64>(peer_here) * a.slots * a.slot_bytes;
+  const P2pSlotHeader* headers = reinterpret_cast<const P2pSlotHeader*>(a.local + a.headers_offset) + peer_here * a.slots;
+  u64* acks = reinterpret_cast<u64*>(remote + a.acks_offset) + me_there * a.slots;
+  if (j == 0 && threadIdx.x == 0) {
+    u64* post = reinterpret_cast<u64*>(remote + a.posts_offset) + me_there * kP2pPosts + msg % kP2pPosts;
+    atomic_store_release_sys(post, p2p_post(msg, op.bytes));
+  }
+  for (u64 c = j; c < nchunks; c += op.nblocks) {
+    const u64 g = first + c;
+    const u32 slot = static_cast<u32>(g % a.slots);
+    bool ok = true;
+    if (threadIdx.x == 0) {
+      ok = spin_until([&] { return atomic_load_acquire_sys(&headers[slot].ready) > g; }, a.max_spin, a.error_word,
+                      kErrorSemaphoreWaitTimeout);
+      if (ok) {
+        const u64 theirs = atomic_load_relaxed_sys(&headers[slot].bytes);
+        if (theirs != op.bytes) {
+          p2p_mismatch(a, false, peer, op.bytes, theirs);
+          ok = false;
+        }
+      }
+    }
+    if (!p2p_block_agrees(ok)) return;
+    const u64 begin = c * a.slot_bytes;
+    const u64 n = min(a.slot_bytes, op.bytes - min(begin, op.bytes));
+    copy(reinterpret_cast<u8*>(op.ptr) + begin, data + slot * a.slot_bytes, n, threadIdx.x, blockDim.x);
+    // Every thread's reads of the slot are done before the credit goes back.
+    __syncthreads();
+    if (threadIdx.x == 0) atomic_store_release_sys(&acks[slot], g + 1);
+  }
+}
+
+MSCCLPP_DEVICE_INLINE void p2p_copy(const P2pOpArgs& op, u32 j) {
+  const u64 per = ((op.bytes + op.nblocks - 1) / op.nblocks + 15) / 16 * 16;
+  const u64 begin = min(static_cast<u64>(j) * per, op.bytes);
+  const u64 end = min(begin + per, op.bytes);
+  copy(reinterpret_cast<u8*>(op.ptr) + begin, reinterpret_cast<const u8*>(op.src) + begin, end - begin, threadIdx.x,
+       blockDim.x);
+}
+
+// Called by every block last (also after a failure): the last block to arrive adds the group's
+// totals to the counters. Every block read its counters before arriving, so none reads a new value.
+MSCCLPP_DEVICE_INLINE void p2p_finish(const P2pArgs& a) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  __threadfence();
+  if (atomicAdd(reinterpret_cast<unsigned long long*>(&a.state->arrivals), 1ull) != gridDim.x - 1) return;
+  __threadfence();
+  for (u32 i = 0; i < a.nops; ++i) {
+    const P2pOpArgs& op = a.ops[i];
+    if (op.kind == kP2pCopy) continue;
+    u64* c = a.state->counters[op.peer] + (op.kind == kP2pSend ? 0 : 2);
+    c[0] += 1;
+    c[1] += p2p_chunks(op.bytes, a.slot_bytes);
+  }
+  a.state->arrivals = 0;
+  __threadfence();
+}
+
+extern "C" __global__ void __launch_bounds__(1024, 1) p2p_group(P2pArgs args) {
+  wait_prior_grids();
+  if (!aborted(args.error_word)) {
+    u32 o = 0;
+    while (o + 1 < args.nops && blockIdx.x >= args.ops[o + 1].first_block) ++o;
+    const P2pOpArgs& op = args.ops[o];
+    const u32 j = blockIdx.x - op.first_block;
+    __shared__ u64 counters[4];
+    if (threadIdx.x < 4 && op.kind != kP2pCopy) counters[threadIdx.x] = args.state->counters[op.peer][threadIdx.x];
+    __syncthreads();
+    if (op.kind == kP2pSend) {
+      p2p_send(args, op, j, counters);
+    } else if (op.kind == kP2pRecv) {
+      p2p_recv(args, op, j, counters);
+    } else {
+      p2p_copy(op, j);
+    }
+  }
+  p2p_finish(args);
+}

@@ -1,0 +1,528 @@
+//! GPU checks of the point-to-point engine (`mscclpp_collectives::p2p`): groups of sends and
+//! receives run as one kernel each, on any buffers. Every rank of the job takes part; the suite calls
+//! [`run`] on every rank (section `p2p`) and prints one PASS/FAIL line per entry. Works with several
+//! ranks sharing one GPU.
+//!
+//! Data: byte `i` of the `tag`-th message from rank `s` to rank `d` is a hash of (case key, s, d,
+//! tag, i), so a receiver knows what it must get without any exchange, and a message delivered out
+//! of order shows up as wrong bytes. Every receive buffer has a 16-byte poisoned tail after the
+//! message, which must stay poisoned; the whole buffer is checked.
+//!
+//! Checks: a ring and an all-pairs group (every rank to and from every rank, itself included) at
+//! each size of {0, 1, 3, 4 KiB + 8, 1 MiB - 1, 64 MiB} (all-pairs: 64 MiB / n), eager and as a
+//! CUDA graph replayed twice on fresh data; an all-pairs group of uneven sizes (each pair its own
+//! size from that list); three sends to the same peer in one group (order) interleaved with the
+//! receives; 20 repeated groups; two engines with groups in flight on two streams, and one engine
+//! used from two streams (which it orders); and a size
+//! mismatch (rank 0 sends 1 MiB + 100 bytes, rank 1 receives 1 MiB) on a fresh communicator, which
+//! must end with an error naming rank and peer on both ranks and no hang.
+
+use crate::RankContext;
+use mscclpp::core::bootstrap::{Bootstrap, BootstrapConfig, TcpBootstrap, UniqueId};
+use mscclpp::core::communicator::Communicator;
+use mscclpp::core::gpu::{Allocation, Gpu, MemoryKind, Stream};
+use mscclpp::core::{Error, Result};
+use mscclpp_collectives::p2p::{P2pEngine, P2pKind, P2pOp};
+use std::sync::Arc;
+
+const MIB: usize = 1 << 20;
+const POISON: u8 = 0x5A;
+/// Poisoned bytes after every received message.
+const GUARD: usize = 16;
+
+/// Message sizes of the checks on `n` ranks (the largest shrinks with n in all-pairs groups).
+pub fn sizes(largest: usize) -> [usize; 6] {
+    [0, 1, 3, 4096 + 8, MIB - 1, largest]
+}
+
+/// Byte `i` of message `tag` from `src` to `dst` in case `key`.
+fn byte(key: u64, src: usize, dst: usize, tag: usize, i: usize) -> u8 {
+    let k = key ^ ((src as u64) << 40) ^ ((dst as u64) << 48) ^ ((tag as u64) << 56);
+    let k = k.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (k.wrapping_mul(i as u64 + 1) >> 56) as u8
+}
+
+/// One op of a rank's group: direction, peer, bytes, and its tag (index among this rank's ops
+/// of the same direction and peer in the group).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Msg {
+    kind: P2pKind,
+    peer: usize,
+    bytes: usize,
+    tag: usize,
+}
+
+/// A group as lists of (kind, peer, bytes) per rank; tags are filled in.
+fn tagged(list: Vec<(P2pKind, usize, usize)>) -> Vec<Msg> {
+    let mut out: Vec<Msg> = Vec::new();
+    for (kind, peer, bytes) in list {
+        let tag = out
+            .iter()
+            .filter(|m| m.kind == kind && m.peer == peer)
+            .count();
+        out.push(Msg {
+            kind,
+            peer,
+            bytes,
+            tag,
+        });
+    }
+    out
+}
+
+/// Rank `rank`'s group of the ring: send to the next rank, receive from the previous.
+fn ring(rank: usize, n: usize, bytes: usize) -> Vec<Msg> {
+    tagged(vec![
+        (P2pKind::Send, (rank + 1) % n, bytes),
+        (P2pKind::Recv, (rank + n - 1) % n, bytes),
+    ])
+}
+
+/// Every rank sends to and receives from every rank (itself too); `size(src, dst)`.
+fn all_pairs(rank: usize, n: usize, size: impl Fn(usize, usize) -> usize) -> Vec<Msg> {
+    let mut list = Vec::new();
+    for d in 1..=n {
+        let to = (rank + d) % n;
+        let from = (rank + n - d % n) % n;
+        list.push((P2pKind::Send, to, size(rank, to)));
+        list.push((P2pKind::Recv, from, size(from, rank)));
+    }
+    tagged(list)
+}
+
+/// Three messages to the next rank and three from the previous, receives interleaved.
+fn ordered(rank: usize, n: usize) -> Vec<Msg> {
+    let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
+    let sizes = [70_001, 5, 0];
+    let mut list = Vec::new();
+    for &b in &sizes {
+        list.push((P2pKind::Send, next, b));
+        list.push((P2pKind::Recv, prev, b));
+    }
+    // Receives first in this rank's call order: the matching is per direction, not per call.
+    list.sort_by_key(|(k, _, _)| *k == P2pKind::Send);
+    tagged(list)
+}
+
+/// One rank's buffers for a group, one per op.
+struct Group {
+    msgs: Vec<Msg>,
+    bufs: Vec<Allocation>,
+    gpu: Arc<dyn Gpu>,
+    rank: usize,
+}
+
+impl Group {
+    fn new(gpu: &Arc<dyn Gpu>, rank: usize, msgs: Vec<Msg>) -> Result<Group> {
+        let mut bufs = Vec::new();
+        for m in &msgs {
+            bufs.push(gpu.alloc(m.bytes + GUARD, MemoryKind::Plain)?);
+        }
+        Ok(Group {
+            msgs,
+            bufs,
+            gpu: gpu.clone(),
+            rank,
+        })
+    }
+
+    fn ops(&self) -> Vec<P2pOp> {
+        self.msgs
+            .iter()
+            .zip(&self.bufs)
+            .map(|(m, b)| P2pOp {
+                kind: m.kind,
+                peer: m.peer,
+                ptr: b.ptr,
+                bytes: m.bytes,
+            })
+            .collect()
+    }
+
+    /// Fresh send data for `key`; receive buffers poisoned.
+    fn fill(&self, key: u64) -> Result<()> {
+        for (m, b) in self.msgs.iter().zip(&self.bufs) {
+            match m.kind {
+                P2pKind::Send => {
+                    let data: Vec<u8> = (0..m.bytes)
+                        .map(|i| byte(key, self.rank, m.peer, m.tag, i))
+                        .collect();
+                    self.gpu.copy_to_device(b.ptr, &data)?;
+                }
+                P2pKind::Recv => {
+                    self.gpu
+                        .memset_async(b.ptr, POISON, m.bytes + GUARD, Stream::DEFAULT)?
+                }
+            }
+        }
+        self.gpu.synchronize_stream(Stream::DEFAULT)
+    }
+
+    /// Every byte of every receive buffer, guard included.
+    fn verify(&self, key: u64) -> Result<()> {
+        for (m, b) in self.msgs.iter().zip(&self.bufs) {
+            if m.kind != P2pKind::Recv {
+                continue;
+            }
+            let mut got = vec![0u8; m.bytes + GUARD];
+            self.gpu.copy_from_device(&mut got, b.ptr)?;
+            let want = |i: usize| {
+                if i < m.bytes {
+                    byte(key, m.peer, self.rank, m.tag, i)
+                } else {
+                    POISON
+                }
+            };
+            if let Some(at) = (0..got.len()).find(|&i| got[i] != want(i)) {
+                let wrong = (0..got.len()).filter(|&i| got[i] != want(i)).count();
+                return Err(Error::Internal(format!(
+                    "rank {}: recv #{} of {} bytes from rank {}: {wrong} wrong bytes, first at {at}{}: \
+                     got {:#04x}, want {:#04x}",
+                    self.rank,
+                    m.tag,
+                    m.bytes,
+                    m.peer,
+                    if at >= m.bytes { " (past the message)" } else { "" },
+                    got[at],
+                    want(at)
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        for b in &self.bufs {
+            let _ = self.gpu.free(b);
+        }
+    }
+}
+
+/// Runs `msgs` once (eager, `repeats` times with fresh data) or captured once and replayed twice.
+fn check_group(
+    ctx: &RankContext,
+    engine: &P2pEngine,
+    msgs: Vec<Msg>,
+    key: u64,
+    graph: bool,
+    repeats: u64,
+) -> Result<()> {
+    let gpu = &ctx.gpu;
+    let g = Group::new(gpu, ctx.rank(), msgs)?;
+    let ops = g.ops();
+    let stream = gpu.create_stream()?;
+    let result = (|| {
+        if !graph {
+            for k in 0..repeats {
+                let key = key ^ k.wrapping_mul(0xD6E8_FEB8_6659_FD93);
+                g.fill(key)?;
+                engine.run(&ops, &stream)?;
+                gpu.synchronize_stream(stream)?;
+                engine.check()?;
+                g.verify(key)?;
+            }
+            return Ok(());
+        }
+        gpu.begin_capture(stream)?;
+        let enqueued = engine.run(&ops, &stream);
+        let ended = gpu.end_capture(stream);
+        enqueued?;
+        let graph = ended?;
+        let replays = (0..2u64).try_for_each(|replay| {
+            let key = key ^ (replay + 1).wrapping_mul(0xD6E8_FEB8_6659_FD93);
+            g.fill(key)?;
+            gpu.launch_graph(graph, stream)?;
+            gpu.synchronize_stream(stream)?;
+            engine.check()?;
+            g.verify(key)
+        });
+        let _ = gpu.destroy_graph(graph);
+        replays
+    })();
+    let _ = gpu.destroy_stream(stream);
+    result
+}
+
+/// Two ring groups (opposite directions) on two streams without a host sync between them: on two
+/// engines they run at once; on one engine the second waits for the first.
+fn two_streams(ctx: &RankContext, engines: [&P2pEngine; 2], key: u64) -> Result<()> {
+    let (rank, n) = (ctx.rank(), ctx.size());
+    let gpu = &ctx.gpu;
+    let reverse = |r: usize| (n - r) % n;
+    let groups = [
+        Group::new(gpu, rank, ring(rank, n, MIB + 5))?,
+        // The reverse ring, relabelled back to real ranks.
+        Group::new(
+            gpu,
+            rank,
+            ring(reverse(rank), n, MIB + 6)
+                .into_iter()
+                .map(|m| Msg {
+                    peer: reverse(m.peer),
+                    ..m
+                })
+                .collect(),
+        )?,
+    ];
+    let streams = [gpu.create_stream()?, gpu.create_stream()?];
+    let mut result = Ok(());
+    for (j, g) in groups.iter().enumerate() {
+        result = result.and_then(|()| g.fill(key + j as u64));
+    }
+    for j in 0..2 {
+        result = result.and_then(|()| engines[j].run(&groups[j].ops(), &streams[j]));
+    }
+    for s in streams {
+        result = result.and(gpu.synchronize_stream(s));
+    }
+    for (j, g) in groups.iter().enumerate() {
+        result = result
+            .and_then(|()| engines[j].check())
+            .and_then(|()| g.verify(key + j as u64));
+    }
+    for s in streams {
+        let _ = gpu.destroy_stream(s);
+    }
+    result
+}
+
+/// Rank 0 sends 1 MiB + 100 bytes to rank 1, which receives 1 MiB, on a fresh communicator (the
+/// error is sticky): both ranks must report an error naming both ranks, rank 1's buffer must stay
+/// poisoned, and nothing may hang. The message is larger than the channel's slots at any world
+/// size, so the sender meets the receiver's post while it waits for credit and its check does not
+/// depend on launch timing. Other ranks only take part in building the communicator.
+fn size_mismatch(ctx: &RankContext) -> Result<String> {
+    const SENT: usize = MIB + 100;
+    let config = BootstrapConfig::from_env(ctx.env);
+    let (rank, size) = (ctx.rank(), ctx.size());
+    let id = if rank == 0 {
+        TcpBootstrap::create_unique_id(&config)?.to_bytes().to_vec()
+    } else {
+        Vec::new()
+    };
+    let id = UniqueId::from_bytes(&ctx.bootstrap.broadcast(0, &id)?)?;
+    let boot: Arc<dyn Bootstrap> = Arc::new(TcpBootstrap::new(rank, size, &id, &config)?);
+    let comm = Arc::new(Communicator::new(boot, ctx.gpu.clone(), ctx.device)?);
+    let engine = P2pEngine::new(comm.clone())?;
+    let msgs = match rank {
+        0 => tagged(vec![(P2pKind::Send, 1, SENT)]),
+        1 => tagged(vec![(P2pKind::Recv, 0, MIB)]),
+        _ => Vec::new(),
+    };
+    let g = Group::new(&ctx.gpu, rank, msgs)?;
+    g.fill(0xBAD)?;
+    let stream = ctx.gpu.create_stream()?;
+    // Launch together: the sender checks the receiver's post only within 1 ms of its last chunk.
+    ctx.bootstrap.barrier()?;
+    let started = std::time::Instant::now();
+    engine.run(&g.ops(), &stream)?;
+    ctx.gpu.synchronize_stream(stream)?;
+    let took = started.elapsed();
+    let _ = ctx.gpu.destroy_stream(stream);
+    let report = engine.check();
+    let result = match (rank, &report) {
+        (0 | 1, Err(Error::InvalidArgument(m))) => {
+            let (me, peer) = if rank == 0 { (0, 1) } else { (1, 0) };
+            if !(m.contains(&format!("rank {me}:")) && m.contains(&format!("rank {peer}"))) {
+                Err(Error::Internal(format!(
+                    "rank {rank}: the error does not name rank {me} and peer {peer}: {m}"
+                )))
+            } else if rank == 1 {
+                let mut got = vec![0u8; MIB + GUARD];
+                ctx.gpu.copy_from_device(&mut got, g.bufs[0].ptr)?;
+                match got.iter().position(|&b| b != POISON) {
+                    Some(at) => Err(Error::Internal(format!(
+                        "rank 1: byte {at} of the receive buffer was written despite the mismatch"
+                    ))),
+                    None => Ok(format!("rank 1: {m} ({took:.1?})")),
+                }
+            } else {
+                Ok(format!("rank 0: {m} ({took:.1?})"))
+            }
+        }
+        (0 | 1, other) => Err(Error::Internal(format!(
+            "rank {rank}: expected a size-mismatch error naming both ranks, got {other:?}"
+        ))),
+        _ => Ok("not involved".into()),
+    };
+    // Every rank reaches this point (no hang), then the communicator goes.
+    ctx.bootstrap.barrier()?;
+    drop(g);
+    drop(engine);
+    result
+}
+
+/// Whether every rank's last check completed (wrong bytes count as completed).
+fn all_completed(ctx: &RankContext, completed: bool) -> Result<bool> {
+    let all = ctx.bootstrap.all_gather(&[u8::from(completed)])?;
+    Ok(all.iter().all(|v| v.first() == Some(&1)))
+}
+
+/// A seed chosen by rank 0 for this run.
+fn shared_seed(ctx: &RankContext) -> Result<u64> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(1);
+    let b = ctx.bootstrap.broadcast(0, &now.to_le_bytes())?;
+    b.get(..8)
+        .and_then(|s| s.try_into().ok())
+        .map(u64::from_le_bytes)
+        .ok_or_else(|| Error::Internal("run seed broadcast: short message".into()))
+}
+
+/// Runs the point-to-point checks on this rank; returns (check name, outcome) in order. After a
+/// check that did not complete on some rank, the remaining ones are reported as not run.
+pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
+    let (rank, n) = (ctx.rank(), ctx.size());
+    let engine = match P2pEngine::new(ctx.comm.clone()) {
+        Ok(e) => e,
+        Err(e) => return vec![("p2p setup".into(), Err(e))],
+    };
+    let seed = match shared_seed(ctx) {
+        Ok(s) => s,
+        Err(e) => return vec![("p2p run seed".into(), Err(e))],
+    };
+    let mut out: Vec<(String, Result<String>)> = vec![(
+        "p2p engine device memory".into(),
+        Ok(format!("{} bytes per rank", engine.device_bytes())),
+    )];
+    let mut stopped: Option<String> = None;
+    let mut case = 0u64;
+    let pair_sizes = sizes(64 * MIB / n);
+    let mut rows: Vec<(String, Vec<Msg>, bool, u64)> = Vec::new();
+    for bytes in sizes(64 * MIB) {
+        for graph in [false, true] {
+            rows.push((format!("ring {bytes} B"), ring(rank, n, bytes), graph, 1));
+        }
+    }
+    for bytes in pair_sizes {
+        for graph in [false, true] {
+            rows.push((
+                format!("all-pairs {bytes} B"),
+                all_pairs(rank, n, |_, _| bytes),
+                graph,
+                1,
+            ));
+        }
+    }
+    let uneven = |s: usize, d: usize| pair_sizes[(s + 2 * d) % pair_sizes.len()];
+    for graph in [false, true] {
+        rows.push((
+            "all-pairs uneven sizes".into(),
+            all_pairs(rank, n, uneven),
+            graph,
+            1,
+        ));
+        rows.push((
+            "three sends to one peer (order)".into(),
+            ordered(rank, n),
+            graph,
+            1,
+        ));
+    }
+    rows.push((
+        "20 repeated groups".into(),
+        ring(rank, n, 4096 + 8),
+        false,
+        20,
+    ));
+    let (mut passed, mut failures) = (0usize, Vec::new());
+    for (name, msgs, graph, repeats) in rows {
+        case += 1;
+        let what = format!("{name} {}", if graph { "graph" } else { "eager" });
+        if stopped.is_some() {
+            continue;
+        }
+        let key = seed ^ case.wrapping_mul(0x2545_f491_4f6c_dd1d);
+        let r = check_group(ctx, &engine, msgs, key, graph, repeats);
+        let completed = !matches!(&r, Err(e) if !matches!(e, Error::Internal(_)));
+        match r {
+            Ok(()) => passed += 1,
+            Err(e) => failures.push(format!("{what}: {e}")),
+        }
+        match all_completed(ctx, completed) {
+            Ok(true) => {}
+            Ok(false) => stopped = Some(format!("a rank failed to complete {what}")),
+            Err(e) => stopped = Some(format!("agreeing on {what}: {e}")),
+        }
+    }
+    out.push((
+        "p2p groups (ring, all-pairs, uneven, order, repeats; eager and graph)".into(),
+        if failures.is_empty() && stopped.is_none() {
+            Ok(format!("{passed} checks passed on {n} ranks, every byte"))
+        } else {
+            if let Some(why) = &stopped {
+                failures.push(format!("remaining checks skipped: {why}"));
+            }
+            Err(Error::Internal(format!(
+                "{} failed, {passed} passed: {}",
+                failures.len(),
+                failures.join("; ")
+            )))
+        },
+    ));
+    if stopped.is_some() {
+        return out;
+    }
+    let r = P2pEngine::new(ctx.comm.clone())
+        .and_then(|second| two_streams(ctx, [&engine, &second], seed ^ 0xABCD));
+    out.push((
+        "p2p: two engines in flight on two streams".into(),
+        r.map(|()| "both rings correct".into()),
+    ));
+    out.push((
+        "p2p: one engine on two streams (ordered by the engine)".into(),
+        two_streams(ctx, [&engine, &engine], seed ^ 0xBCDE).map(|()| "both rings correct".into()),
+    ));
+    if n >= 2 {
+        out.push((
+            "p2p: size mismatch -> error naming rank and peer".into(),
+            size_mismatch(ctx),
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every rank's k-th send to p has the same size as p's k-th receive from it.
+    fn consistent(groups: &[Vec<Msg>]) {
+        for (r, g) in groups.iter().enumerate() {
+            for m in g.iter().filter(|m| m.kind == P2pKind::Send) {
+                let other = groups[m.peer]
+                    .iter()
+                    .find(|o| o.kind == P2pKind::Recv && o.peer == r && o.tag == m.tag)
+                    .unwrap_or_else(|| {
+                        panic!("rank {r}'s send #{} to {} unmatched", m.tag, m.peer)
+                    });
+                assert_eq!(other.bytes, m.bytes);
+            }
+        }
+    }
+
+    #[test]
+    fn groups_of_the_checks_match_up() {
+        for n in [1, 2, 3, 4, 8] {
+            let s = sizes(64 * MIB / n);
+            let uneven = |a: usize, b: usize| s[(a + 2 * b) % s.len()];
+            consistent(&(0..n).map(|r| ring(r, n, 7)).collect::<Vec<_>>());
+            consistent(&(0..n).map(|r| all_pairs(r, n, uneven)).collect::<Vec<_>>());
+            consistent(&(0..n).map(|r| ordered(r, n)).collect::<Vec<_>>());
+            let g = all_pairs(0, n, uneven);
+            assert_eq!(g.len(), 2 * n);
+        }
+    }
+
+    #[test]
+    fn data_differs_by_tag() {
+        assert_ne!(
+            (0..16).map(|i| byte(1, 0, 1, 0, i)).collect::<Vec<_>>(),
+            (0..16).map(|i| byte(1, 0, 1, 1, i)).collect::<Vec<_>>()
+        );
+    }
+}
