@@ -1,4 +1,4 @@
-//! The native collective kernels (all-reduce, all-gather, reduce-scatter, broadcast) as run-time
+//! The native collective kernels (all-reduce, all-gather, reduce-scatter, broadcast, reduce) as run-time
 //! compiled translation units.
 //!
 //! Each unit is `collective_common.cuh` followed by one kernel file. Reducing units are built for
@@ -21,6 +21,8 @@ pub const ALLGATHER: &str = include_str!("kernels/allgather.cu");
 pub const REDUCE_SCATTER: &str = include_str!("kernels/reduce_scatter.cu");
 /// Broadcast kernels (byte-oriented).
 pub const BROADCAST: &str = include_str!("kernels/broadcast.cu");
+/// Reduce (to one root) kernels (reducing).
+pub const REDUCE: &str = include_str!("kernels/reduce.cu");
 
 pub use mscclpp_core::device::{
     CopyEngineArgs, PacketArgs, PeerPtrs, PipelineArgs, ZeroCopyArgs, COLL_MAX_RANKS as MAX_RANKS,
@@ -57,15 +59,17 @@ pub enum CollectiveFile {
     ReduceScatter,
     Broadcast,
     AllToAll,
+    Reduce,
 }
 
 impl CollectiveFile {
-    pub const ALL: [CollectiveFile; 5] = [
+    pub const ALL: [CollectiveFile; 6] = [
         CollectiveFile::AllReduce,
         CollectiveFile::AllGather,
         CollectiveFile::ReduceScatter,
         CollectiveFile::Broadcast,
         CollectiveFile::AllToAll,
+        CollectiveFile::Reduce,
     ];
 
     pub const fn source(self) -> &'static str {
@@ -75,6 +79,7 @@ impl CollectiveFile {
             CollectiveFile::ReduceScatter => REDUCE_SCATTER,
             CollectiveFile::Broadcast => BROADCAST,
             CollectiveFile::AllToAll => ALLTOALL,
+            CollectiveFile::Reduce => REDUCE,
         }
     }
 
@@ -85,6 +90,7 @@ impl CollectiveFile {
             CollectiveFile::ReduceScatter => "reduce_scatter",
             CollectiveFile::Broadcast => "broadcast",
             CollectiveFile::AllToAll => "alltoall",
+            CollectiveFile::Reduce => "reduce",
         }
     }
 
@@ -92,7 +98,7 @@ impl CollectiveFile {
     pub const fn reduces(self) -> bool {
         matches!(
             self,
-            CollectiveFile::AllReduce | CollectiveFile::ReduceScatter
+            CollectiveFile::AllReduce | CollectiveFile::ReduceScatter | CollectiveFile::Reduce
         )
     }
 
@@ -120,6 +126,7 @@ impl CollectiveFile {
                 "alltoallv_device_counts",
                 "alltoall_packet",
             ],
+            CollectiveFile::Reduce => &["reduce_zero_copy"],
         }
     }
 }

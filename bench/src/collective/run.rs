@@ -877,6 +877,13 @@ impl<'a> Bench<'a> {
                 shape.nranks,
                 stream,
             ),
+            // Shape::new refuses them.
+            Collective::Reduce | Collective::Gather | Collective::Scatter => {
+                return Err(Error::Unsupported(format!(
+                    "no NCCL baseline for {}",
+                    shape.collective
+                )))
+            }
         };
         let timed = self.time(&call);
         Ok(self
