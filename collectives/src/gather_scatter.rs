@@ -185,8 +185,14 @@ mod tests {
         assert!(e.to_string().contains("32"), "{e}");
         let e = chunk_bytes(s, &args(16, 8, 1), 1, 4).unwrap_err();
         assert!(e.to_string().contains("input holds 16"), "{e}");
-        assert!(chunk_bytes(g, &args(6, 24, 0), 0, 4).is_err(), "not whole f32s");
-        assert!(chunk_bytes(g, &args(8, 32, 4), 0, 4).is_err(), "root 4 of 4");
+        assert!(
+            chunk_bytes(g, &args(6, 24, 0), 0, 4).is_err(),
+            "not whole f32s"
+        );
+        assert!(
+            chunk_bytes(g, &args(8, 32, 4), 0, 4).is_err(),
+            "root 4 of 4"
+        );
         // In place: the root's chunk at its own slot; any other overlap is refused.
         let mut same = args(8, 32, 2);
         same.input = same.output + 16;

@@ -11,7 +11,10 @@ Modes (run through `.gpu/gpu-run.sh nccl MODE`, which preloads the shim and sets
   abort     under torchrun, 2 ranks: rank 0 is blocked in an all-reduce rank 1 never joins, and
             another thread calls ncclCommAbort; it must return within 1 s and the stream drain.
 SHIM_CHECK_QUICK=1 makes the all_reduce matrix's largest size 65541 elements instead of 1 Mi + 5
-(the CPU references dominate the run time when ranks share a GPU).
+and the other operations' 65537 instead of 1 Mi (the CPU references dominate the run time when
+ranks share a GPU): with it, 4 ranks sharing one GPU (NRANKS=4 MPS=1) finish in a few minutes.
+Rooted operations (broadcast, reduce, gather, scatter) run at every root; data movement
+(all-to-all, gather, scatter) is checked bit-exact, off-root reduce buffers must stay unchanged.
 Prints one line per check (PASS / FAIL / UNSUPPORTED with the reason) and a summary; exits 1 on
 any FAIL. UNSUPPORTED means the shim refused the call with an error that says why (for example
 point-to-point without a native path and without a usable NCCL fallback), never a wrong result;
@@ -111,6 +114,17 @@ def check(name, got, want, dtype, nranks):
     report("PASS" if bad == 0 else "FAIL", name, f"({got.numel()} elements, {how}, {bad} wrong)")
 
 
+def check_exact(name, got, want):
+    """Data that is moved, not combined: every element bit for bit (NaN payloads included)."""
+    g, w = got.cpu().contiguous(), want.cpu().contiguous()
+    if g.shape != w.shape:
+        report("FAIL", name, f"(shape {tuple(g.shape)}, expected {tuple(w.shape)})")
+        return
+    bad = (g.view(torch.uint8).reshape(g.numel(), -1) != w.view(torch.uint8).reshape(w.numel(), -1)).any(1)
+    report("PASS" if not bad.any() else "FAIL", name,
+           f"({g.numel()} elements, exact, {bad.sum().item()} wrong)")
+
+
 def guarded(name, fn):
     try:
         fn()
@@ -143,7 +157,8 @@ def torch_mode():
     for name in ("float8_e4m3fn", "float8_e5m2"):
         if hasattr(torch, name):
             dtypes.append(getattr(torch, name))
-    counts = [1, 1003, 65541 if os.environ.get("SHIM_CHECK_QUICK") == "1" else (1 << 20) + 5]
+    quick = os.environ.get("SHIM_CHECK_QUICK") == "1"
+    counts = [1, 1003, 65541 if quick else (1 << 20) + 5]
     seed = 7
 
     def inputs(dtype, count, op=None):
@@ -163,7 +178,7 @@ def torch_mode():
                 guarded(name, run)
 
     for dtype in (torch.float32, torch.bfloat16, torch.int32, torch.uint8):
-        for count in (1, 4099, 1 << 18):
+        for count in (1, 4099, 65537 if quick else 1 << 20):
             tag = f"{str(dtype)[6:]} n={count}"
             xs = inputs(dtype, count)
 
@@ -198,13 +213,30 @@ def torch_mode():
                     check(f"broadcast root={root} {tag}", x, xs[root], dtype, world)
                 guarded(f"broadcast root={root} {tag}", bc)
 
-            def rd():
+            for root in range(world):
+                def rd(root=root):
+                    x = xs[rank].to(dev)
+                    dist.reduce(x, dst=root)
+                    torch.cuda.synchronize()
+                    if rank == root:
+                        check(f"reduce root={root} {tag}", x, reduce_ref(xs, "sum", dtype), dtype, world)
+                    else:  # NCCL leaves a non-root's receive buffer (here its input) alone
+                        check_exact(f"reduce root={root} {tag} (non-root unchanged)", x, xs[rank])
+                guarded(f"reduce root={root} {tag}", rd)
+
+    # Every op of reduce, on the last rank as root.
+    for dtype in (torch.float32, torch.float16, torch.int32, torch.int64):
+        for opname, op in ops.items():
+            name = f"reduce {str(dtype)[6:]} {opname} root={world - 1} n=3001"
+
+            def rd_op(dtype=dtype, opname=opname, op=op, name=name):
+                xs = inputs(dtype, 3001, opname)
                 x = xs[rank].to(dev)
-                dist.reduce(x, dst=0)
+                dist.reduce(x, dst=world - 1, op=op)
                 torch.cuda.synchronize()
-                if rank == 0:
-                    check(f"reduce {tag}", x, reduce_ref(xs, "sum", dtype), dtype, world)
-            guarded(f"reduce {tag}", rd)
+                if rank == world - 1:
+                    check(name, x, reduce_ref(xs, opname, dtype), dtype, world)
+            guarded(name, rd_op)
 
     def graph():
         x_in = inputs(torch.float32, 1 << 16)
@@ -243,21 +275,52 @@ def torch_mode():
     guarded("new_group", subgroups)
     guarded("barrier", lambda: (dist.barrier(), report("PASS", "barrier")))
 
-    # Point-to-point last: without a native path they need a working NCCL fallback.
-    def a2a(uneven):
+    # All-to-all, gather, scatter and point-to-point last: torch runs the uneven all-to-all, gather
+    # and scatter as grouped sends and receives, which need the native point-to-point path or a
+    # working NCCL fallback. Equal splits go through ncclAlltoAll where torch's NCCL has it.
+    def a2a(uneven, dtype, chunk):
         if uneven:
-            splits = [[(s + d) % 3 + 1 for d in range(world)] for s in range(world)]
+            splits = [[(s + d) % 3 + 1 + chunk * ((s + d) % 2) for d in range(world)] for s in range(world)]
         else:
-            splits = [[64] * world for _ in range(world)]
-        xs = [make_input(torch.float32, sum(splits[r]), r, seed) for r in range(world)]
+            splits = [[chunk] * world for _ in range(world)]
+        xs = [make_input(dtype, sum(splits[r]), r, seed) for r in range(world)]
         ins, outs = splits[rank], [splits[s][rank] for s in range(world)]
-        out = torch.zeros(sum(outs), device=dev)
+        out = torch.zeros(sum(outs), dtype=dtype, device=dev)
         dist.all_to_all_single(out, xs[rank].to(dev), output_split_sizes=outs, input_split_sizes=ins)
         torch.cuda.synchronize()
         want = torch.cat([xs[s][sum(splits[s][:rank]):sum(splits[s][:rank + 1])] for s in range(world)])
-        check(f"all_to_all_single {'uneven' if uneven else 'equal'}", out, want, torch.float32, world)
-    guarded("all_to_all_single equal", lambda: a2a(False))
-    guarded("all_to_all_single uneven", lambda: a2a(True))
+        check_exact(f"all_to_all_single {'uneven' if uneven else 'equal'} {str(dtype)[6:]} chunk~{chunk}",
+                    out, want)
+    for dtype in (torch.float32, torch.int32, torch.bfloat16):
+        for chunk in (1, 64, 33333):
+            for uneven in (False, True):
+                guarded(f"all_to_all_single {'uneven' if uneven else 'equal'} {str(dtype)[6:]} chunk~{chunk}",
+                        lambda u=uneven, d=dtype, c=chunk: a2a(u, d, c))
+
+    def gather(root, dtype, count):
+        xs = inputs(dtype, count)
+        outs = [torch.zeros(count, dtype=dtype, device=dev) for _ in range(world)] if rank == root else None
+        dist.gather(xs[rank].to(dev), gather_list=outs, dst=root)
+        torch.cuda.synchronize()
+        if rank == root:
+            check_exact(f"gather root={root} {str(dtype)[6:]} n={count}", torch.cat(outs), torch.cat(xs))
+
+    def scatter(root, dtype, count):
+        xs = inputs(dtype, count * world)
+        chunks = [x.to(dev) for x in xs[root].chunk(world)] if rank == root else None
+        out = torch.zeros(count, dtype=dtype, device=dev)
+        dist.scatter(out, scatter_list=chunks, src=root)
+        torch.cuda.synchronize()
+        check_exact(f"scatter root={root} {str(dtype)[6:]} n={count}", out,
+                    xs[root][rank * count:(rank + 1) * count])
+    for root in range(world):
+        for dtype, count in ((torch.float32, 1), (torch.int32, 4099), (torch.bfloat16, 65537)):
+            if hasattr(dist, "gather"):
+                guarded(f"gather root={root} {str(dtype)[6:]} n={count}",
+                        lambda r=root, d=dtype, c=count: gather(r, d, c))
+            if hasattr(dist, "scatter"):
+                guarded(f"scatter root={root} {str(dtype)[6:]} n={count}",
+                        lambda r=root, d=dtype, c=count: scatter(r, d, c))
 
     def p2p(batched):
         xs = inputs(torch.float32, 777)

@@ -27,7 +27,10 @@ fn table() -> BTreeMap<String, String> {
     for line in read("../docs/nccl-shim.md").lines() {
         let cells: Vec<&str> = line.split('|').map(str::trim).collect();
         // "| `name` | served | how |" splits into ["", "`name`", served, how, ""].
-        let Some(name) = cells.get(1).and_then(|c| c.strip_prefix('`')?.strip_suffix('`')) else {
+        let Some(name) = cells
+            .get(1)
+            .and_then(|c| c.strip_prefix('`')?.strip_suffix('`'))
+        else {
             continue;
         };
         let served = cells.get(2).copied().unwrap_or_default().to_string();
@@ -53,7 +56,10 @@ fn the_table_has_one_row_per_export() {
         );
     }
     for name in rows.keys() {
-        assert!(names.contains(name), "docs/nccl-shim.md lists {name}, which exports.txt lacks");
+        assert!(
+            names.contains(name),
+            "docs/nccl-shim.md lists {name}, which exports.txt lacks"
+        );
     }
 }
 
@@ -69,7 +75,10 @@ fn operations_are_served_as_their_code_says() {
             continue;
         };
         let name = name.split_whitespace().next().unwrap_or_default();
-        let (run, none) = (block.contains("Native::Run("), block.contains("Native::None("));
+        let (run, none) = (
+            block.contains("Native::Run("),
+            block.contains("Native::None("),
+        );
         if !run && !none {
             continue;
         }
@@ -78,5 +87,8 @@ fn operations_are_served_as_their_code_says() {
         assert_eq!(served, Some(want), "{name} in docs/nccl-shim.md");
         checked += 1;
     }
-    assert!(checked >= 10, "only {checked} operations found in src/ops.rs");
+    assert!(
+        checked >= 10,
+        "only {checked} operations found in src/ops.rs"
+    );
 }

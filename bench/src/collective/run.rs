@@ -878,12 +878,9 @@ impl<'a> Bench<'a> {
                 stream,
             ),
             // Shape::new refuses them.
-            Collective::Reduce | Collective::Gather | Collective::Scatter => {
-                return Err(Error::Unsupported(format!(
-                    "no NCCL baseline for {}",
-                    shape.collective
-                )))
-            }
+            Collective::Reduce | Collective::Gather | Collective::Scatter => Err(
+                Error::Unsupported(format!("no NCCL baseline for {}", shape.collective)),
+            ),
         };
         let timed = self.time(&call);
         Ok(self
