@@ -1,14 +1,20 @@
 //! `default_gather_zero_copy` and `default_scatter_zero_copy`: gather and scatter as collection
 //! algorithms (`Collective::Gather`, `Collective::Scatter`, root in `ExecuteArgs::root`) on the
-//! all-to-all exchange engine they share with `default_alltoall_zero_copy`
-//! ([`AlltoallZeroCopy::gather`], [`AlltoallZeroCopy::scatter`]). Ours: MSCCL++ has neither.
+//! all-to-all exchange engine they share with `default_alltoall_zero_copy`. Ours: MSCCL++ has
+//! neither. Scatter is [`AlltoallZeroCopy::scatter`]. Gather is the engine's all-to-all-v with the
+//! gather's splits, where a rank off the root offers its own input as the receive buffer to
+//! register (it receives nothing, so nothing is written there): the engine registers every
+//! rank's receive buffer on first use, collectively, and a buffer that follows the caller's (as
+//! the root's output does) keeps the ranks' first uses in step where a fixed stand-in would not
+//! (the root registering a new output while the others hit their cache would wait forever).
 //!
 //! Sizes in `ExecuteArgs`, as NCCL's `ncclGather` / `ncclScatter` give them: gather's input is
 //! one rank's chunk and the root's output holds `nranks` chunks; scatter's root input holds
 //! `nranks` chunks and every output one. The buffers a rank does not use (gather's output and
 //! scatter's input off the root) are never touched, so they may be null.
 
-use crate::alltoall::{AlltoallZeroCopy, Buffer};
+use crate::alltoall::{AlltoallZeroCopy, Buffer, Split};
+use crate::geometry;
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::algorithm_collection::native_names::{GATHER_ZERO_COPY, SCATTER_ZERO_COPY};
 use mscclpp_core::{Error, Result};
@@ -128,24 +134,33 @@ impl Algorithm for GatherScatter {
         if chunk == 0 {
             return Ok(());
         }
-        let on_root = self.engine.comm().rank() == args.root;
-        let buffer = |ptr, bytes, used: bool| {
-            if used {
-                Buffer { ptr, bytes }
-            } else {
-                Buffer { ptr: 0, bytes: 0 }
-            }
-        };
-        let gather = self.collective == Collective::Gather;
-        let input = buffer(args.input, args.input_bytes, gather || on_root);
-        let output = buffer(args.output, args.output_bytes, !gather || on_root);
-        if gather {
-            self.engine
-                .gather(input, output, chunk, args.root, args.stream)
-        } else {
-            self.engine
-                .scatter(input, output, chunk, args.root, args.stream)
+        let (rank, n) = (self.engine.comm().rank(), self.engine.comm().size());
+        let on_root = rank == args.root;
+        let buffer = |ptr, bytes| Buffer { ptr, bytes };
+        let input = buffer(args.input, args.input_bytes);
+        let output = buffer(args.output, args.output_bytes);
+        if self.collective == Collective::Scatter {
+            let input = if on_root { input } else { buffer(0, 0) };
+            return self
+                .engine
+                .scatter(input, output, chunk, args.root, args.stream);
         }
+        let send = Split::only(n, args.root, chunk);
+        let (recv, output) = if on_root {
+            (Split::uniform(n, chunk), output)
+        } else {
+            (Split::only(n, args.root, 0), input)
+        };
+        let blocks = geometry::bandwidth_blocks(chunk.saturating_mul(n), self.engine.max_blocks());
+        self.engine.alltoallv(
+            input,
+            output,
+            &send,
+            &recv,
+            args.stream,
+            Some(args.nblocks.unwrap_or(blocks)),
+            args.nthreads,
+        )
     }
 }
 
