@@ -5,7 +5,9 @@ Modes (run through `.gpu/gpu-run.sh nccl MODE`, which preloads the shim and sets
   torch     under torchrun: every torch.distributed operation of backend="nccl", each result
             checked element by element against a CPU reference computed from every rank's inputs
             (integers exact, floats against float64 with a per-type tolerance);
-  initall   one process, NRANKS ranks through ncclCommInitAll (ranks may share one GPU);
+  initall   one process, NRANKS ranks through ncclCommInitAll (ranks may share one GPU):
+            all-reduce and all-gather in one group, then ncclReduce, ncclGather, ncclScatter at
+            every root and ncclAlltoAll, each a group over every communicator;
   kill      under torchrun, 2 ranks: rank 1 exits without teardown while rank 0 is in an
             all-reduce; rank 0 must see ncclCommGetAsyncError report an error, not hang;
   abort     under torchrun, 2 ranks: rank 0 is blocked in an all-reduce rank 1 never joins, and
@@ -349,7 +351,70 @@ def torch_mode():
 
 # ---------------------------------------------------------------- ctypes modes
 
-NCCL_FLOAT, NCCL_SUM = 7, 0
+NCCL_INT32, NCCL_FLOAT, NCCL_SUM, NCCL_MAX = 2, 7, 0, 2
+
+
+def grouped(lib, name, streams, call):
+    """call(r) enqueues rank r's part; one group over every communicator, then every stream."""
+    n = len(streams)
+    for s in streams:  # the inputs and poisoned outputs were written on the default streams
+        torch.cuda.synchronize(s.device)
+    lib.ncclGroupStart()
+    bad = [r for r in range(n) if call(r) != 0]
+    if bad:
+        report("FAIL", f"{name}: enqueue on ranks {bad}", last_error(lib))
+    rc = lib.ncclGroupEnd()
+    if rc != 0:
+        report("FAIL", f"{name}: ncclGroupEnd", last_error(lib))
+    for s in streams:
+        s.synchronize()
+    return not bad and rc == 0
+
+
+def rooted_and_exchanges(lib, comms, devs, streams):
+    """ncclReduce, ncclGather, ncclScatter at every root and ncclAlltoAll, called directly (torch
+    runs gather and scatter as sends and receives): integers exact, moved data bit-exact."""
+    n = len(comms)
+    size_t, ptr = ctypes.c_size_t, lambda t: ctypes.c_void_p(t.data_ptr())
+    comm = [ctypes.c_void_p(c) for c in comms]
+    stream = [ctypes.c_void_p(s.cuda_stream) for s in streams]
+    on = [f"cuda:{d}" for d in devs]
+    count = 4099
+    for root in range(n):
+        for dtype, code, opname, op in ((torch.int32, NCCL_INT32, "sum", NCCL_SUM),
+                                        (torch.float32, NCCL_FLOAT, "max", NCCL_MAX)):
+            xs = [make_input(dtype, count, r, 11 + root, opname) for r in range(n)]
+            ins = [xs[r].to(on[r]) for r in range(n)]
+            outs = [torch.full((count,), -7, dtype=dtype, device=on[r]) for r in range(n)]
+            name = f"initall ncclReduce {str(dtype)[6:]} {opname} root={root}"
+            if grouped(lib, name, streams, lambda r: lib.ncclReduce(
+                    ptr(ins[r]), ptr(outs[r]), size_t(count), code, op, root, comm[r], stream[r])):
+                check(name, outs[root], reduce_ref(xs, opname, dtype), dtype, n)
+        xs = [make_input(torch.float32, count, r, 13 + root) for r in range(n)]
+        ins = [xs[r].to(on[r]) for r in range(n)]
+        outs = [torch.zeros(count * n, device=on[r]) for r in range(n)]
+        name = f"initall ncclGather root={root}"
+        if grouped(lib, name, streams, lambda r: lib.ncclGather(
+                ptr(ins[r]), ptr(outs[r]), size_t(count), NCCL_FLOAT, root, comm[r], stream[r])):
+            check_exact(name, outs[root], torch.cat(xs))
+        big = make_input(torch.int32, count * n, root, 17)
+        ins = [big.to(on[r]) for r in range(n)]
+        outs = [torch.zeros(count, dtype=torch.int32, device=on[r]) for r in range(n)]
+        name = f"initall ncclScatter root={root}"
+        if grouped(lib, name, streams, lambda r: lib.ncclScatter(
+                ptr(ins[r]), ptr(outs[r]), size_t(count), NCCL_INT32, root, comm[r], stream[r])):
+            for r in range(n):
+                check_exact(f"{name} rank {r}", outs[r], big[r * count:(r + 1) * count])
+    for chunk in (1, 3, 70001):
+        xs = [make_input(torch.float32, chunk * n, r, 19) for r in range(n)]
+        ins = [xs[r].to(on[r]) for r in range(n)]
+        outs = [torch.zeros(chunk * n, device=on[r]) for r in range(n)]
+        name = f"initall ncclAlltoAll chunk={chunk}"
+        if grouped(lib, name, streams, lambda r: lib.ncclAlltoAll(
+                ptr(ins[r]), ptr(outs[r]), size_t(chunk), NCCL_FLOAT, comm[r], stream[r])):
+            for r in range(n):
+                want = torch.cat([xs[s][r * chunk:(r + 1) * chunk] for s in range(n)])
+                check_exact(f"{name} rank {r}", outs[r], want)
 
 
 def initall_mode():
@@ -392,6 +457,7 @@ def initall_mode():
     for r in range(n):
         check(f"initall all_reduce rank {r}", bufs[r], want, torch.float32, n)
         check(f"initall all_gather (after all_reduce) rank {r}", outs[r], want.repeat(n), torch.float32, n)
+    rooted_and_exchanges(lib, list(comms), devs, streams)
     lib.ncclGroupStart()
     for r in range(n):
         lib.ncclCommDestroy(ctypes.c_void_p(comms[r]))
