@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU suite and the benchmark on the device machine (from the repository root there).
 # Usage: [NGPU=k] [NRANKS=n] [MPS=1] [HOSTS=h] bash .gpu/gpu-run.sh [suite|bench|all] [extra args for the binary]
-#        [NRANKS=n] [MPS=1] bash .gpu/gpu-run.sh nccl [torch|initall|kill|abort|fallback]
+#        [NRANKS=n] [MPS=1] [SHIM_CHECK_QUICK=1] bash .gpu/gpu-run.sh nccl [torch|initall|kill|abort|fallback]
 # Writes logs into $OUT (or ./gpu-out when $OUT is unset).
 set -uo pipefail
 # SAFETY: NVLink multicast can take shared GPUs out of service; it stays off for us and for NCCL.
@@ -65,7 +65,11 @@ if [ "$what" = nccl ]; then
     kill|abort) env -u MSCCLPP_NCCL_LIB_PATH torchrun --nproc_per_node=2 --master_port="${PORT:-29511}" "$script" "$mode" ;;
     fallback) LD_PRELOAD="$shim" MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION=all \
                 torchrun --nproc_per_node=1 --master_port="${PORT:-29511}" "$script" torch ;;
-    *) LD_PRELOAD="$shim" torchrun --nproc_per_node="$nranks" --master_port="${PORT:-29511}" "$script" torch ;;
+    # A hang must not eat the machine: the whole run is bounded (SHIM_CHECK_TIMEOUT seconds).
+    *) start=$SECONDS
+       timeout -k 10 "${SHIM_CHECK_TIMEOUT:-540}" \
+         env LD_PRELOAD="$shim" torchrun --nproc_per_node="$nranks" --master_port="${PORT:-29511}" "$script" torch
+       code=$?; echo "nccl torch: $nranks ranks in $((SECONDS - start)) s (exit $code)"; exit $code ;;
   esac 2>&1 | tee "$out/nccl-$mode.log"; rc=$((rc | PIPESTATUS[0]))
 fi
 exit $rc

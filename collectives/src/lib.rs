@@ -8,7 +8,8 @@
 //!   hosts: the default for ranks on several hosts;
 //! - at world size 1, every collective as one device copy (`single_rank`);
 //! - the all-to-all family (`alltoall`): packet and zero-copy all-to-all, all-to-all-v, gather,
-//!   scatter.
+//!   scatter (`gather_scatter` serves the last two as collection algorithms);
+//! - reduce to one root: zero-copy (`algorithms::reduce_zero_copy`).
 //!
 //! Kernels are in `mscclpp-kernels-cu` (collectives.rs, nvls_units.rs).
 //! [`build_default_algorithms`] builds them all for a communicator, with the default selector of
@@ -17,6 +18,7 @@
 pub mod algorithms;
 pub mod alltoall;
 pub mod copy_engine;
+pub mod gather_scatter;
 pub mod geometry;
 pub mod native;
 pub mod nvls;
@@ -106,7 +108,11 @@ pub fn build_default_algorithms(
         scratch.clone(),
     )?);
     builder.add_algorithm(exchange.clone())?;
-    builder.add_algorithm(Arc::new(alltoall::ShiftSendRecv::new(exchange)))?;
+    builder.add_algorithm(Arc::new(alltoall::ShiftSendRecv::new(exchange.clone())))?;
+    builder.add_algorithm(Arc::new(gather_scatter::GatherScatter::gather(
+        exchange.clone(),
+    )))?;
+    builder.add_algorithm(Arc::new(gather_scatter::GatherScatter::scatter(exchange)))?;
     builder.add_algorithm(Arc::new(alltoall::AlltoallPacket::with_resources(
         comm.clone(),
         scratch.clone(),

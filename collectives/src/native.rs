@@ -40,10 +40,12 @@ pub enum NativeKind {
     AllgatherFullmesh,
     /// Large messages: the copy engines move the data, the SMs reduce (`copy_engine`).
     AllreduceCopyEngine,
+    /// The root reduces every rank's registered input into its output.
+    ReduceZeroCopy,
 }
 
 impl NativeKind {
-    pub const ALL: [NativeKind; 13] = [
+    pub const ALL: [NativeKind; 14] = [
         NativeKind::AllreduceAllpairPacket,
         NativeKind::AllreducePacket,
         NativeKind::AllreduceRsagZeroCopy,
@@ -57,6 +59,7 @@ impl NativeKind {
         NativeKind::AllreduceFullmesh,
         NativeKind::AllgatherFullmesh,
         NativeKind::AllreduceCopyEngine,
+        NativeKind::ReduceZeroCopy,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -74,6 +77,7 @@ impl NativeKind {
             NativeKind::AllreduceFullmesh => names::ALLREDUCE_FULLMESH,
             NativeKind::AllgatherFullmesh => names::ALLGATHER_FULLMESH,
             NativeKind::AllreduceCopyEngine => names::ALLREDUCE_COPY_ENGINE,
+            NativeKind::ReduceZeroCopy => names::REDUCE_ZERO_COPY,
         }
     }
 
@@ -93,6 +97,7 @@ impl NativeKind {
                 Collective::ReduceScatter
             }
             NativeKind::BroadcastZeroCopy => Collective::Broadcast,
+            NativeKind::ReduceZeroCopy => Collective::Reduce,
         }
     }
 
@@ -122,6 +127,7 @@ impl NativeKind {
             NativeKind::AllgatherFullmesh => (CollectiveFile::AllGather, "allgather_fullmesh"),
             // The reduction of one staged piece; the unit also holds `allreduce_ce_sync`.
             NativeKind::AllreduceCopyEngine => (CollectiveFile::AllReduce, "allreduce_ce_reduce"),
+            NativeKind::ReduceZeroCopy => (CollectiveFile::Reduce, "reduce_zero_copy"),
         }
     }
 
@@ -241,14 +247,16 @@ pub fn check_shape(
             }
             need("the output", args.output_bytes, args.input_bytes / nranks)?
         }
-        Collective::Broadcast => {
+        Collective::Broadcast | Collective::Reduce => {
             if args.root >= nranks {
                 return Err(Error::InvalidArgument(format!(
                     "{name}: root {} is not a rank of {nranks}",
                     args.root
                 )));
             }
-            need("the output", args.output_bytes, args.input_bytes)?
+            if output_needed(kind, rank, args.root) {
+                need("the output", args.output_bytes, args.input_bytes)?
+            }
         }
         other => {
             return Err(Error::Internal(format!(
@@ -256,7 +264,7 @@ pub fn check_shape(
             )));
         }
     }
-    if count > 0 && args.output == 0 {
+    if count > 0 && output_needed(kind, rank, args.root) && args.output == 0 {
         return Err(Error::InvalidArgument(format!(
             "{name}: null output pointer"
         )));
@@ -268,6 +276,12 @@ pub fn check_shape(
         )));
     }
     Ok(count)
+}
+
+/// Whether `rank` writes an output: a reduce writes only on its root (NCCL ignores the others'
+/// receive buffers, so they may be null).
+fn output_needed(kind: NativeKind, rank: usize, root: usize) -> bool {
+    kind.collective() != Collective::Reduce || rank == root
 }
 
 /// What every native algorithm holds: its kind, its compiled kernels, the cache of registered user
@@ -481,6 +495,7 @@ pub fn max_input_bytes(kind: NativeKind, scratch_bytes: usize, nranks: usize) ->
         | NativeKind::AllgatherFullmesh2
         | NativeKind::ReducescatterZeroCopy
         | NativeKind::BroadcastZeroCopy
+        | NativeKind::ReduceZeroCopy
         | NativeKind::AllreduceRsagPipeline
         | NativeKind::AllreduceFullmesh
         | NativeKind::AllgatherFullmesh
@@ -600,6 +615,24 @@ mod tests {
             2,
         )
         .expect("allgather ignores accum");
+    }
+
+    #[test]
+    fn reduce_needs_an_output_on_its_root_only() {
+        let mut a = args(64, 0);
+        a.root = 1;
+        a.output = 0;
+        check_shape(NativeKind::ReduceZeroCopy, &a, 0, 2).expect("non-root output may be null");
+        let e = check_shape(NativeKind::ReduceZeroCopy, &a, 1, 2).unwrap_err();
+        assert!(e.to_string().contains("default_reduce_zero_copy"), "{e}");
+        a.output = 0x2000;
+        a.output_bytes = 64;
+        check_shape(NativeKind::ReduceZeroCopy, &a, 1, 2).expect("root with its output");
+        a.input = 0;
+        assert!(check_shape(NativeKind::ReduceZeroCopy, &a, 0, 2).is_err());
+        a.root = 2;
+        assert!(check_shape(NativeKind::ReduceZeroCopy, &args(64, 64), 0, 2).is_ok());
+        assert!(check_shape(NativeKind::ReduceZeroCopy, &a, 0, 2).is_err());
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! CUDA graph) and an in-place call does nothing. Any reduction of one value is that value (the
 //! average divides by one).
 //!
-//! One small type serves all four collectives; the default selector picks it whenever the world
+//! One small type serves every collective but send/recv; the default selector picks it whenever the world
 //! size is 1, on any GPU the backend drives (no kernel is involved).
 
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
@@ -13,11 +13,15 @@ use mscclpp_core::{Error, Result};
 use std::sync::Arc;
 
 /// The collectives [`SingleRank`] serves.
-pub const COLLECTIVES: [Collective; 4] = [
+pub const COLLECTIVES: [Collective; 8] = [
     Collective::AllReduce,
     Collective::AllGather,
     Collective::ReduceScatter,
     Collective::Broadcast,
+    Collective::Reduce,
+    Collective::AllToAll,
+    Collective::Gather,
+    Collective::Scatter,
 ];
 
 /// One collective of a one-rank job. See the module docs.
@@ -73,7 +77,11 @@ fn check_args(collective: Collective, name: &str, args: &ExecuteArgs) -> Result<
             args.output_bytes, args.input_bytes
         )));
     }
-    if collective == Collective::Broadcast && args.root != 0 {
+    let rooted = matches!(
+        collective,
+        Collective::Broadcast | Collective::Reduce | Collective::Gather | Collective::Scatter
+    );
+    if rooted && args.root != 0 {
         return Err(Error::InvalidArgument(format!(
             "{name}: root {} in a job of one rank",
             args.root
@@ -138,11 +146,13 @@ mod tests {
         rooted.root = 1;
         let e = check_args(Collective::Broadcast, BROADCAST_SINGLE_RANK, &rooted).unwrap_err();
         assert!(e.to_string().contains("root 1"), "{e}");
+        let e = check_args(Collective::Reduce, REDUCE_SINGLE_RANK, &rooted).unwrap_err();
+        assert!(e.to_string().contains("root 1"), "{e}");
         assert!(check_args(Collective::AllReduce, ALLREDUCE_SINGLE_RANK, &rooted).is_ok());
         assert!(
             check_args(Collective::AllReduce, "x", &args(1, 2, 10)).is_err(),
             "10 bytes of f32"
         );
-        assert_eq!(single_rank_name(Collective::AllToAll), None);
+        assert_eq!(single_rank_name(Collective::SendRecv), None);
     }
 }

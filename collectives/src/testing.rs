@@ -323,7 +323,8 @@ fn check_output(
             let i = c * per + j;
             // `terms`: whether the element combines one value per rank (in `vals`).
             let (want, terms) = match collective {
-                Collective::AllReduce | Collective::ReduceScatter => {
+                // A reduce's output is checked on its root only (see `run_check_at_root`).
+                Collective::AllReduce | Collective::ReduceScatter | Collective::Reduce => {
                     // A reduce-scatter's output is this rank's slice of the reduction.
                     let at = match collective {
                         Collective::ReduceScatter => rank * count + i,
@@ -408,11 +409,29 @@ pub fn run_collective_check_mode(
     seed: u64,
     graph: bool,
 ) -> Result<CheckReport> {
+    let root = (seed % comm.size() as u64) as usize;
+    run_check_at_root(comm, algo, dtype, op, count, in_place, seed, graph, root)
+}
+
+/// [`run_collective_check_mode`] with the root of rooted collectives given. A reduce's output is
+/// the reduction on `root`; elsewhere it must be untouched: the poison out of place, the rank's
+/// own input in place.
+#[allow(clippy::too_many_arguments)]
+pub fn run_check_at_root(
+    comm: &Communicator,
+    algo: &dyn Algorithm,
+    dtype: DataType,
+    op: ReduceOp,
+    count: usize,
+    in_place: bool,
+    seed: u64,
+    graph: bool,
+    root: usize,
+) -> Result<CheckReport> {
     let gpu = comm.gpu();
     let (rank, n) = (comm.rank(), comm.size());
     let collective = algo.collective();
     let es = dtype.size();
-    let root = (seed % n as u64) as usize;
     let (in_count, out_count) = match collective {
         Collective::AllGather => (count, count * n),
         Collective::ReduceScatter => (count * n, count),
@@ -477,7 +496,11 @@ pub fn run_collective_check_mode(
         comm.check_device_errors()?;
         let mut got = vec![0u8; out_count * es];
         gpu.copy_from_device(&mut got, out_ptr)?;
-        let (wrong, first_wrong) = check_output(&got, &inputs, collective, rank, count, root);
+        let (wrong, first_wrong) = if collective == Collective::Reduce && rank != root {
+            untouched(&got, in_place.then_some(&inputs), rank, dtype)
+        } else {
+            check_output(&got, &inputs, collective, rank, count, root)
+        };
         let tol = rtol(dtype, n);
         Ok(CheckReport {
             algorithm: algo.name().to_string(),
@@ -512,6 +535,32 @@ pub fn run_collective_check_mode(
     }
     let _ = gpu.free(&first);
     result
+}
+
+/// The mismatches of an output the call must not have written: the poison byte everywhere, or
+/// with `own` (in place) this rank's own input. Same report as [`check_output`].
+fn untouched(
+    got: &[u8],
+    own: Option<&Inputs>,
+    rank: usize,
+    dtype: DataType,
+) -> (usize, Vec<(usize, f64, f64)>) {
+    let es = dtype.size();
+    let mut want = vec![0xA5u8; got.len()];
+    if let Some(inputs) = own {
+        want = encode_all(got.len() / es, dtype, |i| inputs.value(rank, i));
+    }
+    let mut wrong = 0;
+    let mut first = Vec::new();
+    for (i, (g, w)) in got.chunks(es).zip(want.chunks(es)).enumerate() {
+        if g != w {
+            wrong += 1;
+            if first.len() < 8 {
+                first.push((i, decode(got, i, dtype).0, decode(&want, i, dtype).0));
+            }
+        }
+    }
+    (wrong, first)
 }
 
 /// A value that must arrive unchanged (gathers and broadcasts copy, they do not combine).
@@ -681,6 +730,22 @@ mod tests {
         assert_eq!(n_wrong, wrong.len());
         let first: Vec<usize> = first.iter().map(|(i, _, _)| *i).collect();
         assert_eq!(first, wrong[..8]);
+    }
+
+    #[test]
+    fn untouched_outputs_keep_the_poison_or_the_input() {
+        let dtype = DataType::I32;
+        let inputs = Inputs::new(3, 4, dtype, ReduceOp::Sum);
+        let poison = vec![0xA5u8; 40];
+        assert_eq!(untouched(&poison, None, 1, dtype).0, 0);
+        let own = encode_all(10, dtype, |i| inputs.value(1, i));
+        assert_eq!(untouched(&own, Some(&inputs), 1, dtype).0, 0);
+        let (wrong, first) = untouched(&own, None, 1, dtype);
+        assert!(wrong > 0 && first[0].0 == 0, "{wrong} {first:?}");
+        let mut hit = poison.clone();
+        hit[13] = 0;
+        let (wrong, first) = untouched(&hit, None, 1, dtype);
+        assert_eq!((wrong, first[0].0), (1, 3));
     }
 
     #[test]

@@ -32,6 +32,12 @@ pub enum Collective {
     Broadcast,
     AllToAll,
     SendRecv,
+    /// Every rank's input reduced into the root's output.
+    Reduce,
+    /// Every rank's input, in rank order, into the root's output.
+    Gather,
+    /// Chunk `p` of the root's input into rank `p`'s output.
+    Scatter,
 }
 
 impl Collective {
@@ -44,12 +50,18 @@ impl Collective {
             Collective::Broadcast => "broadcast",
             Collective::AllToAll => "alltoall",
             Collective::SendRecv => "sendrecv",
+            Collective::Reduce => "reduce",
+            Collective::Gather => "gather",
+            Collective::Scatter => "scatter",
         }
     }
 
     /// Whether the collective combines values (so `op` and the accumulation type matter).
     pub const fn reduces(self) -> bool {
-        matches!(self, Collective::AllReduce | Collective::ReduceScatter)
+        matches!(
+            self,
+            Collective::AllReduce | Collective::ReduceScatter | Collective::Reduce
+        )
     }
 }
 
@@ -69,7 +81,7 @@ pub struct ExecuteArgs {
     pub dtype: DataType,
     pub op: ReduceOp,
     pub accum: AccumType,
-    /// Root rank for rooted collectives (broadcast); ignored otherwise.
+    /// Root rank for rooted collectives (broadcast, reduce, gather, scatter); ignored otherwise.
     pub root: usize,
     pub stream: Stream,
     /// Launch geometry; `None` lets the algorithm choose.

@@ -201,6 +201,11 @@ pub mod native_names {
     pub const REDUCESCATTER_ZERO_COPY: &str = "default_reducescatter_zero_copy";
     pub const REDUCESCATTER_PACKET: &str = "default_reducescatter_packet";
     pub const BROADCAST_ZERO_COPY: &str = "default_broadcast_zero_copy";
+    /// Ours (MSCCL++ has no reduce algorithm): the root reduces every rank's registered input.
+    pub const REDUCE_ZERO_COPY: &str = "default_reduce_zero_copy";
+    /// Ours: gather and scatter on the all-to-all exchange engine (`collectives::alltoall`).
+    pub const GATHER_ZERO_COPY: &str = "default_gather_zero_copy";
+    pub const SCATTER_ZERO_COPY: &str = "default_scatter_zero_copy";
     /// Pushes every chunk into the receivers' registered outputs (`collectives::alltoall`).
     pub const ALLTOALL_ZERO_COPY: &str = "default_alltoall_zero_copy";
     /// LL128 lines through the peers' scratch, for small chunks (`collectives::alltoall`).
@@ -227,6 +232,10 @@ pub mod native_names {
     pub const ALLGATHER_SINGLE_RANK: &str = "default_allgather_single_rank";
     pub const REDUCESCATTER_SINGLE_RANK: &str = "default_reducescatter_single_rank";
     pub const BROADCAST_SINGLE_RANK: &str = "default_broadcast_single_rank";
+    pub const REDUCE_SINGLE_RANK: &str = "default_reduce_single_rank";
+    pub const ALLTOALL_SINGLE_RANK: &str = "default_alltoall_single_rank";
+    pub const GATHER_SINGLE_RANK: &str = "default_gather_single_rank";
+    pub const SCATTER_SINGLE_RANK: &str = "default_scatter_single_rank";
     /// Ours: the flat all-reduce over PortChannels (CudaIpc on a host, Ethernet between hosts),
     /// the default for ranks on several hosts until the hierarchical algorithms land.
     pub const PORT_ALLREDUCE: &str = "port_allreduce";
@@ -238,7 +247,11 @@ pub mod native_names {
             Collective::AllGather => Some(ALLGATHER_SINGLE_RANK),
             Collective::ReduceScatter => Some(REDUCESCATTER_SINGLE_RANK),
             Collective::Broadcast => Some(BROADCAST_SINGLE_RANK),
-            Collective::AllToAll | Collective::SendRecv => None,
+            Collective::Reduce => Some(REDUCE_SINGLE_RANK),
+            Collective::AllToAll => Some(ALLTOALL_SINGLE_RANK),
+            Collective::Gather => Some(GATHER_SINGLE_RANK),
+            Collective::Scatter => Some(SCATTER_SINGLE_RANK),
+            Collective::SendRecv => None,
         }
     }
 }
@@ -445,6 +458,9 @@ fn native_choice(limits: &NativeLimits, ctx: &SelectionContext) -> Option<&'stat
             }
         }
         Collective::SendRecv => Some(SENDRECV_ZERO_COPY),
+        Collective::Reduce => Some(REDUCE_ZERO_COPY),
+        Collective::Gather => Some(GATHER_ZERO_COPY),
+        Collective::Scatter => Some(SCATTER_ZERO_COPY),
     }
 }
 
@@ -508,6 +524,9 @@ mod tests {
             (ALLTOALL_ZERO_COPY, Collective::AllToAll),
             (ALLTOALL_PACKET, Collective::AllToAll),
             (SENDRECV_ZERO_COPY, Collective::SendRecv),
+            (REDUCE_ZERO_COPY, Collective::Reduce),
+            (GATHER_ZERO_COPY, Collective::Gather),
+            (SCATTER_ZERO_COPY, Collective::Scatter),
         ] {
             b.add_algorithm(Arc::new(Fake(n, c))).expect("add");
         }
@@ -551,6 +570,10 @@ mod tests {
     #[case(Collective::AllToAll, (512 << 10) + 8, 8, ALLTOALL_ZERO_COPY)]
     #[case(Collective::AllToAll, 128 << 10, 2, ALLTOALL_PACKET)]
     #[case(Collective::SendRecv, 1 << 20, 4, SENDRECV_ZERO_COPY)]
+    #[case(Collective::Reduce, 1, 8, REDUCE_ZERO_COPY)]
+    #[case(Collective::Reduce, 1 << 30, 2, REDUCE_ZERO_COPY)]
+    #[case(Collective::Gather, 8, 4, GATHER_ZERO_COPY)]
+    #[case(Collective::Scatter, 1 << 20, 2, SCATTER_ZERO_COPY)]
     fn default_policy(
         #[case] c: Collective,
         #[case] bytes: usize,
@@ -629,6 +652,10 @@ mod tests {
     #[case(Collective::AllGather, ALLGATHER_SINGLE_RANK)]
     #[case(Collective::ReduceScatter, REDUCESCATTER_SINGLE_RANK)]
     #[case(Collective::Broadcast, BROADCAST_SINGLE_RANK)]
+    #[case(Collective::Reduce, REDUCE_SINGLE_RANK)]
+    #[case(Collective::AllToAll, ALLTOALL_SINGLE_RANK)]
+    #[case(Collective::Gather, GATHER_SINGLE_RANK)]
+    #[case(Collective::Scatter, SCATTER_SINGLE_RANK)]
     fn one_rank_takes_the_single_rank_algorithm(#[case] c: Collective, #[case] want: &str) {
         for arch in ["sm_90", "sm_60", "gfx942"] {
             for bytes in [0, 4, 1 << 30] {
@@ -638,7 +665,7 @@ mod tests {
                 assert_eq!(default_native_selector(LIMITS)(&x).as_deref(), Some(want));
             }
         }
-        let mut x = ctx(Collective::AllToAll, 4, 1);
+        let mut x = ctx(Collective::SendRecv, 4, 1);
         x.local_world_size = 1;
         assert_eq!(default_native_selector(LIMITS)(&x), None);
     }

@@ -324,7 +324,7 @@ pub struct PipelineArgs {
 
 /// `coll::ZeroCopyArgs`: the only parameter of the kernels on registered user buffers
 /// (`allreduce_rsag_zero_copy`, `allgather_fullmesh2`, `reducescatter_zero_copy`,
-/// `broadcast_zero_copy`); each reads the fields its collective needs.
+/// `broadcast_zero_copy`, `reduce_zero_copy`); each reads the fields its collective needs.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ZeroCopyArgs {

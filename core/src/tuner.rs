@@ -77,6 +77,9 @@ fn collective_index(c: Collective) -> u8 {
         Collective::Broadcast => 3,
         Collective::AllToAll => 4,
         Collective::SendRecv => 5,
+        Collective::Reduce => 6,
+        Collective::Gather => 7,
+        Collective::Scatter => 8,
     }
 }
 

@@ -1,4 +1,4 @@
-//! The native collective kernels (all-reduce, all-gather, reduce-scatter, broadcast) as run-time
+//! The native collective kernels (all-reduce, all-gather, reduce-scatter, broadcast, reduce) as run-time
 //! compiled translation units.
 //!
 //! Each unit is `collective_common.cuh` followed by one kernel file. Reducing units are built for
@@ -21,6 +21,8 @@ pub const ALLGATHER: &str = include_str!("kernels/allgather.cu");
 pub const REDUCE_SCATTER: &str = include_str!("kernels/reduce_scatter.cu");
 /// Broadcast kernels (byte-oriented).
 pub const BROADCAST: &str = include_str!("kernels/broadcast.cu");
+/// Reduce (to one root) kernels (reducing).
+pub const REDUCE: &str = include_str!("kernels/reduce.cu");
 
 pub use mscclpp_core::device::{
     CopyEngineArgs, PacketArgs, PeerPtrs, PipelineArgs, ZeroCopyArgs, COLL_MAX_RANKS as MAX_RANKS,
@@ -60,6 +62,7 @@ pub enum CollectiveFile {
     Broadcast,
     AllToAll,
     P2p,
+    Reduce,
 }
 
 impl CollectiveFile {
@@ -70,6 +73,7 @@ impl CollectiveFile {
         CollectiveFile::Broadcast,
         CollectiveFile::AllToAll,
         CollectiveFile::P2p,
+        CollectiveFile::Reduce,
     ];
 
     pub const fn source(self) -> &'static str {
@@ -80,6 +84,7 @@ impl CollectiveFile {
             CollectiveFile::Broadcast => BROADCAST,
             CollectiveFile::AllToAll => ALLTOALL,
             CollectiveFile::P2p => P2P,
+            CollectiveFile::Reduce => REDUCE,
         }
     }
 
@@ -91,6 +96,7 @@ impl CollectiveFile {
             CollectiveFile::Broadcast => "broadcast",
             CollectiveFile::AllToAll => "alltoall",
             CollectiveFile::P2p => "p2p",
+            CollectiveFile::Reduce => "reduce",
         }
     }
 
@@ -98,7 +104,7 @@ impl CollectiveFile {
     pub const fn reduces(self) -> bool {
         matches!(
             self,
-            CollectiveFile::AllReduce | CollectiveFile::ReduceScatter
+            CollectiveFile::AllReduce | CollectiveFile::ReduceScatter | CollectiveFile::Reduce
         )
     }
 
@@ -128,6 +134,7 @@ impl CollectiveFile {
                 "alltoall_packet",
             ],
             CollectiveFile::P2p => &["p2p_group"],
+            CollectiveFile::Reduce => &["reduce_zero_copy"],
         }
     }
 }

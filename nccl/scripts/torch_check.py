@@ -5,13 +5,18 @@ Modes (run through `.gpu/gpu-run.sh nccl MODE`, which preloads the shim and sets
   torch     under torchrun: every torch.distributed operation of backend="nccl", each result
             checked element by element against a CPU reference computed from every rank's inputs
             (integers exact, floats against float64 with a per-type tolerance);
-  initall   one process, NRANKS ranks through ncclCommInitAll (ranks may share one GPU);
+  initall   one process, NRANKS ranks through ncclCommInitAll (ranks may share one GPU):
+            all-reduce and all-gather in one group, then ncclReduce, ncclGather, ncclScatter at
+            every root and ncclAlltoAll, each a group over every communicator;
   kill      under torchrun, 2 ranks: rank 1 exits without teardown while rank 0 is in an
             all-reduce; rank 0 must see ncclCommGetAsyncError report an error, not hang;
   abort     under torchrun, 2 ranks: rank 0 is blocked in an all-reduce rank 1 never joins, and
             another thread calls ncclCommAbort; it must return within 1 s and the stream drain.
 SHIM_CHECK_QUICK=1 makes the all_reduce matrix's largest size 65541 elements instead of 1 Mi + 5
-(the CPU references dominate the run time when ranks share a GPU).
+and the other operations' 65537 instead of 1 Mi (the CPU references dominate the run time when
+ranks share a GPU): with it, 4 ranks sharing one GPU (NRANKS=4 MPS=1) finish in a few minutes.
+Rooted operations (broadcast, reduce, gather, scatter) run at every root; data movement
+(all-to-all, gather, scatter) is checked bit-exact, off-root reduce buffers must stay unchanged.
 Prints one line per check (PASS / FAIL / UNSUPPORTED with the reason) and a summary; exits 1 on
 any FAIL. UNSUPPORTED means the shim refused the call with an error that says why (for example
 point-to-point without a native path and without a usable NCCL fallback), never a wrong result;
@@ -111,6 +116,17 @@ def check(name, got, want, dtype, nranks):
     report("PASS" if bad == 0 else "FAIL", name, f"({got.numel()} elements, {how}, {bad} wrong)")
 
 
+def check_exact(name, got, want):
+    """Data that is moved, not combined: every element bit for bit (NaN payloads included)."""
+    g, w = got.cpu().contiguous(), want.cpu().contiguous()
+    if g.shape != w.shape:
+        report("FAIL", name, f"(shape {tuple(g.shape)}, expected {tuple(w.shape)})")
+        return
+    bad = (g.view(torch.uint8).reshape(g.numel(), -1) != w.view(torch.uint8).reshape(w.numel(), -1)).any(1)
+    report("PASS" if not bad.any() else "FAIL", name,
+           f"({g.numel()} elements, exact, {bad.sum().item()} wrong)")
+
+
 def guarded(name, fn):
     try:
         fn()
@@ -143,7 +159,8 @@ def torch_mode():
     for name in ("float8_e4m3fn", "float8_e5m2"):
         if hasattr(torch, name):
             dtypes.append(getattr(torch, name))
-    counts = [1, 1003, 65541 if os.environ.get("SHIM_CHECK_QUICK") == "1" else (1 << 20) + 5]
+    quick = os.environ.get("SHIM_CHECK_QUICK") == "1"
+    counts = [1, 1003, 65541 if quick else (1 << 20) + 5]
     seed = 7
 
     def inputs(dtype, count, op=None):
@@ -163,7 +180,7 @@ def torch_mode():
                 guarded(name, run)
 
     for dtype in (torch.float32, torch.bfloat16, torch.int32, torch.uint8):
-        for count in (1, 4099, 1 << 18):
+        for count in (1, 4099, 65537 if quick else 1 << 20):
             tag = f"{str(dtype)[6:]} n={count}"
             xs = inputs(dtype, count)
 
@@ -198,13 +215,30 @@ def torch_mode():
                     check(f"broadcast root={root} {tag}", x, xs[root], dtype, world)
                 guarded(f"broadcast root={root} {tag}", bc)
 
-            def rd():
+            for root in range(world):
+                def rd(root=root):
+                    x = xs[rank].to(dev)
+                    dist.reduce(x, dst=root)
+                    torch.cuda.synchronize()
+                    if rank == root:
+                        check(f"reduce root={root} {tag}", x, reduce_ref(xs, "sum", dtype), dtype, world)
+                    else:  # NCCL leaves a non-root's receive buffer (here its input) alone
+                        check_exact(f"reduce root={root} {tag} (non-root unchanged)", x, xs[rank])
+                guarded(f"reduce root={root} {tag}", rd)
+
+    # Every op of reduce, on the last rank as root.
+    for dtype in (torch.float32, torch.float16, torch.int32, torch.int64):
+        for opname, op in ops.items():
+            name = f"reduce {str(dtype)[6:]} {opname} root={world - 1} n=3001"
+
+            def rd_op(dtype=dtype, opname=opname, op=op, name=name):
+                xs = inputs(dtype, 3001, opname)
                 x = xs[rank].to(dev)
-                dist.reduce(x, dst=0)
+                dist.reduce(x, dst=world - 1, op=op)
                 torch.cuda.synchronize()
-                if rank == 0:
-                    check(f"reduce {tag}", x, reduce_ref(xs, "sum", dtype), dtype, world)
-            guarded(f"reduce {tag}", rd)
+                if rank == world - 1:
+                    check(name, x, reduce_ref(xs, opname, dtype), dtype, world)
+            guarded(name, rd_op)
 
     def graph():
         x_in = inputs(torch.float32, 1 << 16)
@@ -243,22 +277,52 @@ def torch_mode():
     guarded("new_group", subgroups)
     guarded("barrier", lambda: (dist.barrier(), report("PASS", "barrier")))
 
-    # All-to-all and point-to-point last (send/recv run natively, also with ranks sharing a GPU;
-    # all_to_all_single still needs a working NCCL fallback).
-    def a2a(uneven):
+    # All-to-all, gather, scatter and point-to-point last: torch runs the uneven all-to-all, gather
+    # and scatter as grouped sends and receives, which run on the native point-to-point engine (also
+    # with ranks sharing a GPU). Equal splits go through ncclAlltoAll where torch's NCCL has it.
+    def a2a(uneven, dtype, chunk):
         if uneven:
-            splits = [[(s + d) % 3 + 1 for d in range(world)] for s in range(world)]
+            splits = [[(s + d) % 3 + 1 + chunk * ((s + d) % 2) for d in range(world)] for s in range(world)]
         else:
-            splits = [[64] * world for _ in range(world)]
-        xs = [make_input(torch.float32, sum(splits[r]), r, seed) for r in range(world)]
+            splits = [[chunk] * world for _ in range(world)]
+        xs = [make_input(dtype, sum(splits[r]), r, seed) for r in range(world)]
         ins, outs = splits[rank], [splits[s][rank] for s in range(world)]
-        out = torch.zeros(sum(outs), device=dev)
+        out = torch.zeros(sum(outs), dtype=dtype, device=dev)
         dist.all_to_all_single(out, xs[rank].to(dev), output_split_sizes=outs, input_split_sizes=ins)
         torch.cuda.synchronize()
         want = torch.cat([xs[s][sum(splits[s][:rank]):sum(splits[s][:rank + 1])] for s in range(world)])
-        check(f"all_to_all_single {'uneven' if uneven else 'equal'}", out, want, torch.float32, world)
-    guarded("all_to_all_single equal", lambda: a2a(False))
-    guarded("all_to_all_single uneven", lambda: a2a(True))
+        check_exact(f"all_to_all_single {'uneven' if uneven else 'equal'} {str(dtype)[6:]} chunk~{chunk}",
+                    out, want)
+    for dtype in (torch.float32, torch.int32, torch.bfloat16):
+        for chunk in (1, 64, 33333):
+            for uneven in (False, True):
+                guarded(f"all_to_all_single {'uneven' if uneven else 'equal'} {str(dtype)[6:]} chunk~{chunk}",
+                        lambda u=uneven, d=dtype, c=chunk: a2a(u, d, c))
+
+    def gather(root, dtype, count):
+        xs = inputs(dtype, count)
+        outs = [torch.zeros(count, dtype=dtype, device=dev) for _ in range(world)] if rank == root else None
+        dist.gather(xs[rank].to(dev), gather_list=outs, dst=root)
+        torch.cuda.synchronize()
+        if rank == root:
+            check_exact(f"gather root={root} {str(dtype)[6:]} n={count}", torch.cat(outs), torch.cat(xs))
+
+    def scatter(root, dtype, count):
+        xs = inputs(dtype, count * world)
+        chunks = [x.to(dev) for x in xs[root].chunk(world)] if rank == root else None
+        out = torch.zeros(count, dtype=dtype, device=dev)
+        dist.scatter(out, scatter_list=chunks, src=root)
+        torch.cuda.synchronize()
+        check_exact(f"scatter root={root} {str(dtype)[6:]} n={count}", out,
+                    xs[root][rank * count:(rank + 1) * count])
+    for root in range(world):
+        for dtype, count in ((torch.float32, 1), (torch.int32, 4099), (torch.bfloat16, 65537)):
+            if hasattr(dist, "gather"):
+                guarded(f"gather root={root} {str(dtype)[6:]} n={count}",
+                        lambda r=root, d=dtype, c=count: gather(r, d, c))
+            if hasattr(dist, "scatter"):
+                guarded(f"scatter root={root} {str(dtype)[6:]} n={count}",
+                        lambda r=root, d=dtype, c=count: scatter(r, d, c))
 
     def p2p(batched):
         xs = inputs(torch.float32, 777)
@@ -321,7 +385,70 @@ def torch_mode():
 
 # ---------------------------------------------------------------- ctypes modes
 
-NCCL_FLOAT, NCCL_SUM = 7, 0
+NCCL_INT32, NCCL_FLOAT, NCCL_SUM, NCCL_MAX = 2, 7, 0, 2
+
+
+def grouped(lib, name, streams, call):
+    """call(r) enqueues rank r's part; one group over every communicator, then every stream."""
+    n = len(streams)
+    for s in streams:  # the inputs and poisoned outputs were written on the default streams
+        torch.cuda.synchronize(s.device)
+    lib.ncclGroupStart()
+    bad = [r for r in range(n) if call(r) != 0]
+    if bad:
+        report("FAIL", f"{name}: enqueue on ranks {bad}", last_error(lib))
+    rc = lib.ncclGroupEnd()
+    if rc != 0:
+        report("FAIL", f"{name}: ncclGroupEnd", last_error(lib))
+    for s in streams:
+        s.synchronize()
+    return not bad and rc == 0
+
+
+def rooted_and_exchanges(lib, comms, devs, streams):
+    """ncclReduce, ncclGather, ncclScatter at every root and ncclAlltoAll, called directly (torch
+    runs gather and scatter as sends and receives): integers exact, moved data bit-exact."""
+    n = len(comms)
+    size_t, ptr = ctypes.c_size_t, lambda t: ctypes.c_void_p(t.data_ptr())
+    comm = [ctypes.c_void_p(c) for c in comms]
+    stream = [ctypes.c_void_p(s.cuda_stream) for s in streams]
+    on = [f"cuda:{d}" for d in devs]
+    count = 4099
+    for root in range(n):
+        for dtype, code, opname, op in ((torch.int32, NCCL_INT32, "sum", NCCL_SUM),
+                                        (torch.float32, NCCL_FLOAT, "max", NCCL_MAX)):
+            xs = [make_input(dtype, count, r, 11 + root, opname) for r in range(n)]
+            ins = [xs[r].to(on[r]) for r in range(n)]
+            outs = [torch.full((count,), -7, dtype=dtype, device=on[r]) for r in range(n)]
+            name = f"initall ncclReduce {str(dtype)[6:]} {opname} root={root}"
+            if grouped(lib, name, streams, lambda r: lib.ncclReduce(
+                    ptr(ins[r]), ptr(outs[r]), size_t(count), code, op, root, comm[r], stream[r])):
+                check(name, outs[root], reduce_ref(xs, opname, dtype), dtype, n)
+        xs = [make_input(torch.float32, count, r, 13 + root) for r in range(n)]
+        ins = [xs[r].to(on[r]) for r in range(n)]
+        outs = [torch.zeros(count * n, device=on[r]) for r in range(n)]
+        name = f"initall ncclGather root={root}"
+        if grouped(lib, name, streams, lambda r: lib.ncclGather(
+                ptr(ins[r]), ptr(outs[r]), size_t(count), NCCL_FLOAT, root, comm[r], stream[r])):
+            check_exact(name, outs[root], torch.cat(xs))
+        big = make_input(torch.int32, count * n, root, 17)
+        ins = [big.to(on[r]) for r in range(n)]
+        outs = [torch.zeros(count, dtype=torch.int32, device=on[r]) for r in range(n)]
+        name = f"initall ncclScatter root={root}"
+        if grouped(lib, name, streams, lambda r: lib.ncclScatter(
+                ptr(ins[r]), ptr(outs[r]), size_t(count), NCCL_INT32, root, comm[r], stream[r])):
+            for r in range(n):
+                check_exact(f"{name} rank {r}", outs[r], big[r * count:(r + 1) * count])
+    for chunk in (1, 3, 70001):
+        xs = [make_input(torch.float32, chunk * n, r, 19) for r in range(n)]
+        ins = [xs[r].to(on[r]) for r in range(n)]
+        outs = [torch.zeros(chunk * n, device=on[r]) for r in range(n)]
+        name = f"initall ncclAlltoAll chunk={chunk}"
+        if grouped(lib, name, streams, lambda r: lib.ncclAlltoAll(
+                ptr(ins[r]), ptr(outs[r]), size_t(chunk), NCCL_FLOAT, comm[r], stream[r])):
+            for r in range(n):
+                want = torch.cat([xs[s][r * chunk:(r + 1) * chunk] for s in range(n)])
+                check_exact(f"{name} rank {r}", outs[r], want)
 
 
 def initall_mode():
@@ -364,6 +491,7 @@ def initall_mode():
     for r in range(n):
         check(f"initall all_reduce rank {r}", bufs[r], want, torch.float32, n)
         check(f"initall all_gather (after all_reduce) rank {r}", outs[r], want.repeat(n), torch.float32, n)
+    rooted_and_exchanges(lib, list(comms), devs, streams)
     lib.ncclGroupStart()
     for r in range(n):
         lib.ncclCommDestroy(ctypes.c_void_p(comms[r]))

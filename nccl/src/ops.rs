@@ -1,7 +1,8 @@
 //! Collectives, point-to-point and groups. Each call runs natively when a native algorithm takes
-//! it (all-reduce, all-gather, reduce-scatter, broadcast: every NCCL type and built-in op; send
-//! and receive through the point-to-point engine), else
-//! through the real NCCL, else fails with the reason for both. Everything is enqueued on the
+//! it (all-reduce, all-gather, reduce-scatter, broadcast, reduce: every NCCL type and built-in op;
+//! all-to-all, gather, scatter; send and receive through the point-to-point engine), else through
+//! the real NCCL, else fails with the reason for both (docs/nccl-shim.md has the table). Everything
+//! is enqueued on the
 //! caller's stream without host synchronisation, so it can be captured in a CUDA graph.
 
 use crate::abi::*;
@@ -197,11 +198,15 @@ nccl_export! {
     fn ncclReduce / pncclReduce(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: c_int, op: c_int, root: c_int, comm: Handle, stream: *mut c_void) -> NcclResult {
         ffi("ncclReduce", || {
             let c = handles::ready(comm)?;
-            dtype(datatype)?;
-            red_op(op)?;
-            check_rank(&c, "root", root)?;
+            let t = dtype(datatype)?;
+            let rt = check_rank(&c, "root", root)?;
+            let native = match red_op(op)? {
+                // Only the root writes: recvbuff is ignored elsewhere, as in NCCL.
+                Some(o) => { let b = bytes(count, t, 1)?; Native::Run(Collective::Reduce, args(&c, (sendbuff, recvbuff), (b, b), t, o, rt, stream)) }
+                None => Native::None("PreMulSum runs only in the real NCCL".into()),
+            };
             if count == 0 { return Ok(SUCCESS); }
-            submit(&c, "reduce", Native::None("reduce has no native algorithm yet".into()),
+            submit(&c, "reduce", native,
                 Box::new(|r, rc| unsafe { (r.reduce)(sendbuff, recvbuff, count, datatype, op, root, rc, stream_of(stream)) }))
         })
     }
@@ -257,10 +262,7 @@ nccl_export! {
     }
 }
 
-/// All-to-all, gather and scatter through the real NCCL, as one real group of sends and
-/// receives (so any NCCL from 2.7 on serves them, not only 2.28's own versions).
-/// `sends`/`recvs`: (peer, byte offset) pairs.
-/// The buffers, element count and type, and stream of one exchange.
+/// The buffers, element count and type, and stream of one exchange through the real NCCL.
 #[derive(Clone, Copy)]
 struct Exchange {
     sendbuff: *const c_void,
@@ -270,6 +272,9 @@ struct Exchange {
     stream: *mut c_void,
 }
 
+/// All-to-all, gather and scatter through the real NCCL, as one real group of sends and
+/// receives (so any NCCL from 2.7 on serves them, not only 2.28's own versions).
+/// `sends`/`recvs`: (peer, byte offset) pairs.
 fn exchange(
     real: &RealNccl,
     rc: RawComm,
@@ -328,10 +333,11 @@ nccl_export! {
             let c = handles::ready(comm)?;
             let t = dtype(datatype)?;
             let chunk = bytes(count, t, 1)?;
-            bytes(count, t, c.nranks)?;
+            let total = bytes(count, t, c.nranks)?;
             if count == 0 { return Ok(SUCCESS); }
             let pairs: Vec<(c_int, usize)> = (0..c.nranks).map(|p| (p as c_int, p * chunk)).collect();
-            submit(&c, "alltoall", Native::None("all-to-all has no native path until the native all-to-all lands".into()),
+            let native = Native::Run(Collective::AllToAll, args(&c, (sendbuff, recvbuff), (total, total), t, ReduceOp::Sum, 0, stream));
+            submit(&c, "alltoall", native,
                 Box::new(move |r, rc| exchange(r, rc, &Exchange { sendbuff, recvbuff, count, datatype, stream }, &pairs, &pairs)))
         })
     }
@@ -344,9 +350,11 @@ nccl_export! {
             let t = dtype(datatype)?;
             let rt = check_rank(&c, "root", root)?;
             let chunk = bytes(count, t, 1)?;
+            let total = bytes(count, t, c.nranks)?;
             if count == 0 { return Ok(SUCCESS); }
             let recvs: Vec<(c_int, usize)> = if c.rank == rt { (0..c.nranks).map(|p| (p as c_int, p * chunk)).collect() } else { Vec::new() };
-            submit(&c, "gather", Native::None("gather has no native algorithm yet".into()),
+            let native = Native::Run(Collective::Gather, args(&c, (sendbuff, recvbuff), (chunk, total), t, ReduceOp::Sum, rt, stream));
+            submit(&c, "gather", native,
                 Box::new(move |r, rc| exchange(r, rc, &Exchange { sendbuff, recvbuff, count, datatype, stream }, &[(root, 0)], &recvs)))
         })
     }
@@ -359,9 +367,11 @@ nccl_export! {
             let t = dtype(datatype)?;
             let rt = check_rank(&c, "root", root)?;
             let chunk = bytes(count, t, 1)?;
+            let total = bytes(count, t, c.nranks)?;
             if count == 0 { return Ok(SUCCESS); }
             let sends: Vec<(c_int, usize)> = if c.rank == rt { (0..c.nranks).map(|p| (p as c_int, p * chunk)).collect() } else { Vec::new() };
-            submit(&c, "scatter", Native::None("scatter has no native algorithm yet".into()),
+            let native = Native::Run(Collective::Scatter, args(&c, (sendbuff, recvbuff), (total, chunk), t, ReduceOp::Sum, rt, stream));
+            submit(&c, "scatter", native,
                 Box::new(move |r, rc| exchange(r, rc, &Exchange { sendbuff, recvbuff, count, datatype, stream }, &sends, &[(root, 0)])))
         })
     }

@@ -14,13 +14,16 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use std::sync::Arc;
 
-const COLLECTIVES: [Collective; 6] = [
+const COLLECTIVES: [Collective; 9] = [
     Collective::AllReduce,
     Collective::AllGather,
     Collective::ReduceScatter,
     Collective::Broadcast,
     Collective::AllToAll,
     Collective::SendRecv,
+    Collective::Reduce,
+    Collective::Gather,
+    Collective::Scatter,
 ];
 
 fn collective(name: &str) -> PyResult<Collective> {

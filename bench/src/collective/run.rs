@@ -890,6 +890,10 @@ impl<'a> Bench<'a> {
                 shape.nranks,
                 stream,
             ),
+            // Shape::new refuses them.
+            Collective::Reduce | Collective::Gather | Collective::Scatter => Err(
+                Error::Unsupported(format!("no NCCL baseline for {}", shape.collective)),
+            ),
         };
         let timed = self.time(&call);
         Ok(self

@@ -55,6 +55,11 @@ impl Shape {
                 let c = size / e / n;
                 (c * n, c * e * n, c * e * n)
             }
+            Collective::Reduce | Collective::Gather | Collective::Scatter => {
+                return Err(Error::Unsupported(format!(
+                    "mscclpp-bench does not measure {collective} (the GPU suite checks it)"
+                )))
+            }
         };
         let per_rank_count = match collective {
             Collective::AllToAll => count / n,

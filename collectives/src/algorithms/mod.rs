@@ -20,6 +20,7 @@ pub mod allreduce_rsag_pipeline;
 pub mod allreduce_rsag_zero_copy;
 pub mod broadcast_zero_copy;
 pub mod packet;
+pub mod reduce_zero_copy;
 pub mod reducescatter_packet;
 pub mod reducescatter_zero_copy;
 pub mod scratch_pipeline;
@@ -73,6 +74,7 @@ pub fn build(
         NativeKind::AllreduceCopyEngine => {
             Arc::new(allreduce_copy_engine::AllreduceCopyEngine::new(c, r)?)
         }
+        NativeKind::ReduceZeroCopy => Arc::new(reduce_zero_copy::ReduceZeroCopy::new(c, r)?),
     })
 }
 

@@ -1,7 +1,8 @@
-// mscclpp-rs native collectives: pieces shared by allreduce.cu, allgather.cu, reduce_scatter.cu and
-// broadcast.cu. kernels-cu/src/collectives.rs prepends this text (after the per-unit #defines of
-// MSCCLPP_COLL_T / MSCCLPP_COLL_ACC / MSCCLPP_COLL_OP where the unit reduces) to each kernel file, so
-// every translation unit is self-contained and only the device library's headers are #included.
+// mscclpp-rs native collectives: pieces shared by allreduce.cu, allgather.cu, reduce_scatter.cu,
+// broadcast.cu and reduce.cu. kernels-cu/src/collectives.rs prepends this text (after the per-unit
+// #defines of MSCCLPP_COLL_T / MSCCLPP_COLL_ACC / MSCCLPP_COLL_OP where the unit reduces) to each
+// kernel file, so every translation unit is self-contained and only the device library's headers
+// are #included.
 //
 // Conventions of every native collective kernel:
 //   - Grids are co-resident (the host caps blocks so that all of them fit on the GPU at once): blocks

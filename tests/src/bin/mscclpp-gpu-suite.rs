@@ -9,7 +9,8 @@
 //! Flags: `--quick` (no per-algorithm matrix), `--only NAME[,NAME...]` (those sections alone:
 //! algorithm names for their matrices, `primitives`, `port_channel`, `port_allreduce`,
 //! `p2p` (the point-to-point engine), `alltoall` (the whole all-to-all family, gather and scatter
-//! included), `resources`: device memory per rank, which fails above 32 MiB, and set-up times),
+//! included), `reduce` (`default_reduce_zero_copy` at every root), `resources`: device memory per
+//! rank, which fails above 32 MiB, and set-up times),
 //! `--primitives-only`, `--cpu-bind none` (leave the launcher's CPU placement; by default each
 //! rank's thread runs on its GPU's local CPUs, as in mscclpp-bench).
 
@@ -217,6 +218,10 @@ fn run() -> Result<i32> {
         let r = precompile_collectives(&mut suite);
         let ok = r.is_ok();
         suite.record("precompile collective kernels", r);
+        if ok && wants(REDUCE) {
+            let r = reduce_at_every_root(&mut suite);
+            suite.record("reduce at every root (default_reduce_zero_copy)", r);
+        }
         if ok && wants(RESOURCES) {
             let r = resources(&mut suite);
             suite.record("device memory and set-up time of the default collection", r);
@@ -386,6 +391,9 @@ const P2P: &str = "p2p";
 const ALLTOALL: &str = "alltoall";
 /// Another `--only` name of the all-to-all family's checks (kept for the commands of earlier runs).
 const GATHER_SCATTER: &str = "gather_scatter";
+
+/// `--only` section: `default_reduce_zero_copy` at every root ([`reduce_at_every_root`]).
+const REDUCE: &str = "reduce";
 
 /// The names given to `--only`, if it was given.
 fn only_sections() -> Option<Vec<String>> {
@@ -924,6 +932,107 @@ fn precompile_collectives(s: &mut Suite) -> Result<String> {
         units.len(),
         mine.len()
     ))
+}
+
+/// `default_reduce_zero_copy` at every root: every type and op at 1 element, 3 elements and
+/// 4 KiB + 8 bytes (odd sizes, in whole elements), every type's sum at 1 MiB less one element,
+/// f32 and i32 sums at 64 MiB; in and out of place; bf16, f32 and i32 sums captured in a CUDA
+/// graph and replayed twice on fresh data. Integers exact; floats against the float64 reference
+/// within 1e-3 + rtol * (sum/avg: sum |x|, else |want|), rtol one rounding of the type per rank
+/// (`testing`). Off the root the output must be untouched (the poison, or in place the input).
+fn reduce_at_every_root(s: &mut Suite) -> Result<String> {
+    use mscclpp::core::algorithm::Collective;
+    use mscclpp::core::algorithm_collection::native_names::REDUCE_ZERO_COPY;
+    use mscclpp_collectives::testing::run_check_at_root;
+    let comm = s.ctx.comm.clone();
+    let coll = mscclpp_collectives::default_algorithm_collection(
+        &comm,
+        mscclpp_collectives::DEFAULT_SCRATCH_BYTES,
+    )?;
+    let algo = coll
+        .get(Collective::Reduce, REDUCE_ZERO_COPY)
+        .ok_or_else(|| Error::Internal(format!("{REDUCE_ZERO_COPY} is not in the collection")))?;
+    // (dtype, ops, element counts, graph)
+    let mut plan: Vec<(DataType, Vec<ReduceOp>, Vec<usize>, bool)> = Vec::new();
+    for dtype in DataType::ALL {
+        let es = dtype.size();
+        plan.push((
+            dtype,
+            ReduceOp::ALL.to_vec(),
+            vec![1, 3, (4096 + 8) / es],
+            false,
+        ));
+        plan.push((dtype, vec![ReduceOp::Sum], vec![MIB / es - 1], false));
+    }
+    for dtype in [DataType::Bf16, DataType::F32, DataType::I32] {
+        let es = dtype.size();
+        plan.push((dtype, vec![ReduceOp::Sum], vec![3, MIB / es - 1], true));
+    }
+    for dtype in [DataType::F32, DataType::I32] {
+        plan.push((dtype, vec![ReduceOp::Sum], vec![64 * MIB / 4], false));
+    }
+    let t = Instant::now();
+    let (mut checks, mut failures) = (0usize, Vec::new());
+    let mut case = 0u64;
+    for root in 0..s.ctx.size() {
+        for (dtype, ops, counts, graph) in &plan {
+            for &op in ops {
+                for &count in counts {
+                    for in_place in [false, true] {
+                        case += 1;
+                        let seed = s.run_seed ^ case.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+                        let what = format!(
+                            "root {root} {dtype} {op} count {count} in_place {in_place} graph {graph}"
+                        );
+                        match run_check_at_root(
+                            &comm,
+                            algo.as_ref(),
+                            *dtype,
+                            op,
+                            count,
+                            in_place,
+                            seed,
+                            *graph,
+                            root,
+                        ) {
+                            Ok(r) if r.wrong == 0 => checks += 1,
+                            Ok(r) => failures.push(format!(
+                                "{what}: {} wrong, first {:?} (tol {})",
+                                r.wrong, r.first_wrong, r.tolerance
+                            )),
+                            // A device error is sticky on the communicator: stop here.
+                            Err(e) => {
+                                return Err(Error::Internal(format!(
+                                    "{what}: {e} ({checks} passed before)"
+                                )))
+                            }
+                        }
+                        if failures.len() > 20 {
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let secs = t.elapsed().as_secs_f64();
+    if failures.is_empty() {
+        Ok(format!(
+            "{checks} checks exact/within tolerance at {} roots, {secs:.1} s",
+            s.ctx.size()
+        ))
+    } else {
+        Err(Error::Internal(format!(
+            "{} failures ({checks} passed): {}",
+            failures.len(),
+            failures
+                .iter()
+                .take(6)
+                .cloned()
+                .collect::<Vec<_>>()
+                .join(" | ")
+        )))
+    }
 }
 
 /// Every native algorithm x data type x op x size x placement x eager/graph, checked element by
