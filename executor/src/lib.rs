@@ -6,6 +6,7 @@
 
 pub mod builder;
 pub mod check;
+pub mod encode;
 pub mod error;
 pub mod plan;
 pub mod reference;

@@ -10,7 +10,7 @@
 //! so two writes to one element that no signal orders are reported as a race.
 
 use crate::plan::{
-    BufferRef, BufferType, ChannelType, Collective, Op, OpCode, Plan, PlanReduceOp, Protocol,
+    BufferRef, BufferType, ChannelType, Collective, Op, OpCode, Plan, PlanReduceOp,
 };
 use mscclpp_core::fp8;
 use mscclpp_core::DataType;
@@ -300,10 +300,10 @@ impl<'a> Machine<'a> {
         let mut peers = HashMap::new();
         for (rank, gpu) in plan.gpus.iter().enumerate() {
             for ty in [ChannelType::Memory, ChannelType::Port] {
-                let conns: Vec<usize> = channel_peers(gpu, ty);
+                let conns: Vec<usize> = gpu.channel_peers(ty);
                 for (c, &peer) in conns.iter().enumerate() {
                     let ordinal = conns[..c].iter().filter(|&&p| p == peer).count();
-                    let theirs = channel_peers(&plan.gpus[peer], ty);
+                    let theirs = plan.gpus[peer].channel_peers(ty);
                     let matching = theirs
                         .iter()
                         .enumerate()
@@ -479,12 +479,7 @@ impl<'a> Machine<'a> {
     /// Global index of a threadblock-local channel id of one type.
     fn global_channel(&self, rank: usize, t: usize, ty: ChannelType, id: u32) -> usize {
         self.plan.gpus[rank].threadblocks[t]
-            .channels
-            .iter()
-            .filter(|c| c.channel_type == ty)
-            .flat_map(|c| c.channel_ids.iter())
-            .nth(id as usize)
-            .copied()
+            .channel(ty, id)
             .unwrap_or_default() as usize
     }
 
@@ -543,14 +538,7 @@ impl<'a> Machine<'a> {
             vec![(rank, ty)]
         } else if let Some(id) = r.buffer_id {
             let ty = op.channel_type.unwrap_or(ChannelType::Memory);
-            let global = tb
-                .remote_buffer_refs
-                .iter()
-                .filter(|rr| rr.access_channel_type == ty)
-                .flat_map(|rr| rr.remote_buffer_ids.iter())
-                .nth(id as usize)
-                .copied()
-                .unwrap_or_default();
+            let global = tb.remote_buffer(ty, id).unwrap_or_default();
             let rb = &gpu.remote_buffers[global as usize];
             vec![(rb.rank as usize, rb.buffer_type)]
         } else {
@@ -587,10 +575,6 @@ impl<'a> Machine<'a> {
             .tbg_info
             .map_or((0, 1), |g| (g.tb_id as usize, g.tbg_size as usize));
         let (a, b) = (m * part / parts, m * (part + 1) / parts);
-        let ll = matches!(
-            self.plan.protocol,
-            Protocol::Ll | Protocol::Ll8 | Protocol::Ll16
-        );
         targets
             .into_iter()
             .map(|(peer, buffer)| {
@@ -613,7 +597,7 @@ impl<'a> Machine<'a> {
                     rank: peer,
                     buffer: resolved,
                     ranges,
-                    packets: ll && resolved == BufferType::Scratch,
+                    packets: self.plan.holds_packets(resolved),
                 })
             })
             .collect()
@@ -940,15 +924,6 @@ fn op_name(op: PlanReduceOp) -> &'static str {
         PlanReduceOp::Max => "max",
         PlanReduceOp::Prod => "prod",
     }
-}
-
-/// Peers of a GPU's channels of one type, in global channel order.
-fn channel_peers(gpu: &crate::plan::Gpu, ty: ChannelType) -> Vec<usize> {
-    gpu.channels
-        .iter()
-        .filter(|c| c.channel_type == ty)
-        .flat_map(|c| c.connected_to.iter().map(|&p| p as usize))
-        .collect()
 }
 
 fn join(into: &mut [u32], other: &[u32]) {

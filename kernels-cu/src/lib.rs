@@ -9,6 +9,7 @@
 
 pub mod alltoall;
 pub mod collectives;
+pub mod executor;
 pub mod nvls_units;
 
 use mscclpp_core::{AccumType, DataType, Error, Result};
