@@ -4,10 +4,12 @@
 //! names the JSON path of the offending value and the reason, so a user can fix a hand-edited or
 //! vendor-tuned plan without reading our code.
 
+pub mod algorithm;
 pub mod builder;
 pub mod check;
 pub mod encode;
 pub mod error;
+pub mod load;
 pub mod plan;
 pub mod reference;
 pub mod validate;

@@ -308,6 +308,7 @@ MSCCLPP_DEVICE_INLINE bool run_sync(const PlanArgs& a, const PlanOp& op) {
 }  // namespace mscclpp
 
 extern "C" __global__ void __launch_bounds__(1024) plan_execute(mscclpp::plan::PlanArgs a) {
+  using namespace mscclpp;
   using namespace mscclpp::plan;
   if (mscclpp::aborted(a.error_word)) return;
   const u32 block = blockIdx.x;

@@ -1,0 +1,112 @@
+//! Where plans come from, as MSCCL++ finds them — a file, a directory of `*.json` plans, or, by
+//! default, `MSCCLPP_EXECUTION_PLAN_DIR` and the plan cache under `MSCCLPP_CACHE_DIR` (its
+//! `default/` folder, where the DSL's plans are installed, and the folder itself) — and how
+//! they join an algorithm collection: as [`PlanAlgorithm`]s under their names, with a selector
+//! that prefers a plan whose collective, world size and message range match the call and
+//! otherwise asks the selector it wraps.
+
+use crate::algorithm::PlanAlgorithm;
+use crate::error::PlanError;
+use crate::plan::Plan;
+use mscclpp_core::algorithm::Algorithm;
+use mscclpp_core::algorithm_collection::{AlgorithmCollectionBuilder, SelectionContext};
+use mscclpp_core::communicator::Communicator;
+use mscclpp_core::env::Env;
+use mscclpp_core::{Error, Result};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// The plan files at `path`: the file itself, or the `*.json` files of a directory, sorted.
+pub fn plan_files(path: &Path) -> std::result::Result<Vec<PathBuf>, PlanError> {
+    if !path.is_dir() {
+        return Ok(vec![path.to_path_buf()]);
+    }
+    let entries = std::fs::read_dir(path)
+        .map_err(|e| PlanError::new("", format!("{}: {e}", path.display())))?;
+    let mut files: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_file() && p.extension().is_some_and(|e| e == "json"))
+        .collect();
+    files.sort();
+    Ok(files)
+}
+
+/// The directories plans are looked for in when none is given (those that exist).
+pub fn default_plan_dirs(env: &Env) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = env.execution_plan_dir.iter().cloned().collect();
+    dirs.push(env.cache_dir.join("default"));
+    dirs.push(env.cache_dir.clone());
+    dirs.into_iter().filter(|d| d.is_dir()).collect()
+}
+
+/// Loads and validates every plan at `path`; errors name the file and the JSON path.
+pub fn load_plans(path: &Path) -> Result<Vec<Arc<Plan>>> {
+    plan_files(path)
+        .and_then(|files| {
+            files
+                .iter()
+                .map(|f| {
+                    Plan::load(f)
+                        .map(Arc::new)
+                        .map_err(|e| PlanError::new(e.path.clone(), format!("{}: {}", f.display(), e.reason)))
+                })
+                .collect()
+        })
+        .map_err(|e| Error::InvalidArgument(e.to_string()))
+}
+
+/// Collective: sets up `plans` for `comm` and adds them to `builder`, with the preferring
+/// selector. Every plan must run here (right world size, no port or switch op): the error names
+/// the plan and the op otherwise. Use [`runnable_plans`] to keep only those of a directory that
+/// do.
+pub fn add_plans(
+    comm: &Arc<Communicator>,
+    builder: &mut AlgorithmCollectionBuilder,
+    plans: &[Arc<Plan>],
+) -> Result<Vec<Arc<PlanAlgorithm>>> {
+    let mut algos = Vec::new();
+    for plan in plans {
+        let algo = Arc::new(PlanAlgorithm::new(comm.clone(), plan.clone())?);
+        builder.add_algorithm(algo.clone())?;
+        algos.push(algo);
+    }
+    let table: Vec<_> = algos
+        .iter()
+        .map(|a| {
+            let (min, max) = a.message_range();
+            (a.collective(), a.plan().world_size(), min, max, a.name().to_string())
+        })
+        .collect();
+    let fallback = builder.take_selector();
+    builder.set_selector(Box::new(move |ctx: &SelectionContext| {
+        let bytes = ctx.message_bytes as u64;
+        table
+            .iter()
+            .find(|(c, world, min, max, _)| {
+                *c == ctx.collective && *world == ctx.world_size && (*min..=*max).contains(&bytes)
+            })
+            .map(|t| t.4.clone())
+            .or_else(|| fallback.as_ref().and_then(|f| f(ctx)))
+    }));
+    Ok(algos)
+}
+
+/// The plans of `plans` that can run on `comm` (world size, op kinds); the others are logged
+/// with the reason and left out.
+pub fn runnable_plans(comm: &Communicator, plans: Vec<Arc<Plan>>) -> Vec<Arc<Plan>> {
+    let nvls = Env::get().map(|e| e.nvls_allowed()).unwrap_or(false);
+    plans
+        .into_iter()
+        .filter(|p| {
+            let why = if p.world_size() != comm.size() {
+                Some(format!("written for {} ranks", p.world_size()))
+            } else {
+                crate::encode::encode(p, comm.rank(), nvls).err().map(|e| e.to_string())
+            };
+            if let Some(why) = &why {
+                tracing::info!(target: "mscclpp::plan", "plan {} left out: {why}", p.name);
+            }
+            why.is_none()
+        })
+        .collect()
+}
