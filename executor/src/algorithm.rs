@@ -102,7 +102,9 @@ impl PlanAlgorithm {
             )));
         }
         let collective = core_collective(plan.collective)?;
-        let nvls = mscclpp_core::env::Env::get().map(|e| e.nvls_allowed()).unwrap_or(false);
+        let nvls = mscclpp_core::env::Env::get()
+            .map(|e| e.nvls_allowed())
+            .unwrap_or(false);
         let encoded = encode(&plan, rank, nvls).map_err(|e| {
             Error::Unsupported(format!("plan {} cannot run on the GPU: {e}", plan.name))
         })?;
@@ -111,7 +113,11 @@ impl PlanAlgorithm {
         let (layout, bytes) = state_bytes(&encoded, &channels);
         let state = DeviceBuffer::upload(comm.gpu(), &bytes)?;
         let scratch_half_bytes = scratch_bytes(&plan, max_chunk_bytes(&plan));
-        let copies = if plan.protocol == crate::plan::Protocol::Simple { 1 } else { 2 };
+        let copies = if plan.protocol == crate::plan::Protocol::Simple {
+            1
+        } else {
+            2
+        };
         let scratch = if scratch_half_bytes > 0 {
             Some(SharedScratch::new(&comm, scratch_half_bytes * copies)?)
         } else {
@@ -158,7 +164,12 @@ impl PlanAlgorithm {
     }
 
     fn scratch_chunks(&self) -> u64 {
-        self.plan.gpus.iter().map(|g| g.scratch_chunks).max().unwrap_or(0) as u64
+        self.plan
+            .gpus
+            .iter()
+            .map(|g| g.scratch_chunks)
+            .max()
+            .unwrap_or(0) as u64
     }
 
     /// Bytes per chunk for `args`, after every check of the call against the plan.
@@ -241,10 +252,15 @@ impl PlanAlgorithm {
         let out_bytes = gpu.output_chunks as usize * chunk;
         let reg = |ptr, bytes| self.registrations.rank_ptrs(&self.comm, ptr, bytes);
         if !self.plan.inplace {
-            return Ok([reg(args.input, args.input_bytes)?, reg(args.output, out_bytes)?]);
+            return Ok([
+                reg(args.input, args.input_bytes)?,
+                reg(args.output, out_bytes)?,
+            ]);
         }
         let slices = |base: &[DevicePtr], chunks: u32| -> Vec<DevicePtr> {
-            (0..n).map(|p| base[p] + (p * chunks as usize * chunk) as u64).collect()
+            (0..n)
+                .map(|p| base[p] + (p * chunks as usize * chunk) as u64)
+                .collect()
         };
         Ok(match self.collective {
             Collective::AllGather => {
@@ -293,7 +309,13 @@ fn mode(in_place: bool) -> &'static str {
 /// The largest chunk the plan's messages have (its `max_message_size` over its input chunks),
 /// capped so that the scratch stays within [`MAX_PLAN_SCRATCH_BYTES`].
 fn max_chunk_bytes(plan: &Plan) -> usize {
-    let chunks = plan.gpus.iter().map(|g| g.input_chunks).max().unwrap_or(1).max(1) as u64;
+    let chunks = plan
+        .gpus
+        .iter()
+        .map(|g| g.input_chunks)
+        .max()
+        .unwrap_or(1)
+        .max(1) as u64;
     let by_plan = (plan.max_message_size / chunks).min(usize::MAX as u64 / 4) as usize;
     let mut chunk = by_plan;
     while chunk > 0 && 2 * scratch_bytes(plan, chunk) > MAX_PLAN_SCRATCH_BYTES {
@@ -305,7 +327,12 @@ fn max_chunk_bytes(plan: &Plan) -> usize {
 /// Bytes of one scratch copy for chunks of `chunk` bytes: plain chunks for Simple, whole packets
 /// per chunk for LL.
 fn scratch_bytes(plan: &Plan, chunk: usize) -> usize {
-    let chunks = plan.gpus.iter().map(|g| g.scratch_chunks).max().unwrap_or(0) as usize;
+    let chunks = plan
+        .gpus
+        .iter()
+        .map(|g| g.scratch_chunks)
+        .max()
+        .unwrap_or(0) as usize;
     let per_chunk = match packet_bytes(plan.protocol) {
         0 => chunk,
         pkt => chunk.div_ceil(unit_bytes(plan.protocol) as usize) * pkt as usize,

@@ -46,9 +46,9 @@ pub fn load_plans(path: &Path) -> Result<Vec<Arc<Plan>>> {
             files
                 .iter()
                 .map(|f| {
-                    Plan::load(f)
-                        .map(Arc::new)
-                        .map_err(|e| PlanError::new(e.path.clone(), format!("{}: {}", f.display(), e.reason)))
+                    Plan::load(f).map(Arc::new).map_err(|e| {
+                        PlanError::new(e.path.clone(), format!("{}: {}", f.display(), e.reason))
+                    })
                 })
                 .collect()
         })
@@ -74,7 +74,13 @@ pub fn add_plans(
         .iter()
         .map(|a| {
             let (min, max) = a.message_range();
-            (a.collective(), a.plan().world_size(), min, max, a.name().to_string())
+            (
+                a.collective(),
+                a.plan().world_size(),
+                min,
+                max,
+                a.name().to_string(),
+            )
         })
         .collect();
     let fallback = builder.take_selector();
@@ -101,7 +107,9 @@ pub fn runnable_plans(comm: &Communicator, plans: Vec<Arc<Plan>>) -> Vec<Arc<Pla
             let why = if p.world_size() != comm.size() {
                 Some(format!("written for {} ranks", p.world_size()))
             } else {
-                crate::encode::encode(p, comm.rank(), nvls).err().map(|e| e.to_string())
+                crate::encode::encode(p, comm.rank(), nvls)
+                    .err()
+                    .map(|e| e.to_string())
             };
             if let Some(why) = &why {
                 tracing::info!(target: "mscclpp::plan", "plan {} left out: {why}", p.name);

@@ -9,9 +9,7 @@
 //! tracked with vector clocks (signals, packets, semaphores and barriers carry the writer's clock),
 //! so two writes to one element that no signal orders are reported as a race.
 
-use crate::plan::{
-    BufferRef, BufferType, ChannelType, Collective, Op, OpCode, Plan, PlanReduceOp,
-};
+use crate::plan::{BufferRef, BufferType, ChannelType, Collective, Op, OpCode, Plan, PlanReduceOp};
 use mscclpp_core::fp8;
 use mscclpp_core::DataType;
 use rand::rngs::StdRng;
@@ -113,8 +111,32 @@ fn is_reduce(code: OpCode) -> bool {
     )
 }
 
+/// The reduction of `values` (one per rank) in f64 and the scale its tolerance is relative to
+/// (the sum of magnitudes for a sum, the result's magnitude otherwise).
+pub fn reduced(op: PlanReduceOp, values: &[f64]) -> (f64, f64) {
+    let want = values[1..]
+        .iter()
+        .fold(values[0], |a, &b| combine(op, a, b));
+    let scale = match op {
+        PlanReduceOp::Sum => values.iter().map(|x| x.abs()).sum(),
+        _ => want.abs(),
+    };
+    (want, scale)
+}
+
+/// The tolerance of a reduced element over `world` ranks: one rounding of `dtype` per step
+/// (`epsilon * (world + 1) * scale`), 0 for integers (exact).
+pub fn tolerance(dtype: DataType, world: usize, scale: f64) -> f64 {
+    epsilon(dtype) * (world as f64 + 1.0) * scale
+}
+
+/// Whether `got` is `want` within `tol`, or `want` rounded to `dtype`.
+pub fn within(dtype: DataType, got: f64, want: f64, tol: f64) -> bool {
+    (got - want).abs() <= tol || got == quantize(dtype, want)
+}
+
 /// Rounds `x` to what an element of `dtype` holds.
-fn quantize(dtype: DataType, x: f64) -> f64 {
+pub fn quantize(dtype: DataType, x: f64) -> f64 {
     match dtype {
         DataType::F64 => x,
         DataType::F32 => x as f32 as f64,
@@ -141,7 +163,9 @@ fn epsilon(dtype: DataType) -> f64 {
     }
 }
 
-fn random_input(dtype: DataType, op: PlanReduceOp, ranks: usize, rng: &mut StdRng) -> f64 {
+/// A random input element of `dtype` for `op` on `ranks` ranks: reductions of all ranks stay
+/// in range (fp8 sums, integer products) and exact for integers.
+pub fn random_input(dtype: DataType, op: PlanReduceOp, ranks: usize, rng: &mut StdRng) -> f64 {
     let x = match (dtype.is_float(), op) {
         (true, PlanReduceOp::Prod) => rng.random_range(0.5..1.5),
         // fp8 e4m3b15 tops out at 1.875: keep sums of all ranks in range.
@@ -866,15 +890,7 @@ fn check_outputs(
 ) -> Result<(), CheckError> {
     let world = plan.gpus.len();
     let m = cfg.elems_per_chunk;
-    let reduce = |vals: &mut dyn Iterator<Item = f64>| -> (f64, f64) {
-        let v: Vec<f64> = vals.collect();
-        let want = v[1..].iter().fold(v[0], |a, &b| combine(op, a, b));
-        let scale = match op {
-            PlanReduceOp::Sum => v.iter().map(|x| x.abs()).sum(),
-            _ => want.abs(),
-        };
-        (want, scale)
-    };
+    let reduce = |vals: &mut dyn Iterator<Item = f64>| reduced(op, &vals.collect::<Vec<_>>());
     for rank in 0..world {
         let gpu = &plan.gpus[rank];
         let in_elems = gpu.input_chunks as usize * m;
@@ -904,8 +920,8 @@ fn check_outputs(
             };
             let (b, i) = alias(plan, m, rank, BufferType::Output, e);
             let got = bufs[rank][buffer_slot(b)][i].value;
-            let tol = epsilon(cfg.dtype) * (world as f64 + 1.0) * scale;
-            if (got - want).abs() > tol && got != quantize(cfg.dtype, want) {
+            let tol = tolerance(cfg.dtype, world, scale);
+            if !within(cfg.dtype, got, want, tol) {
                 return Err(CheckError::Mismatch(format!(
                     "{} {}: rank {rank} output element {e} is {got}, want {want} (tolerance {tol:.3e})",
                     cfg.dtype.name(),

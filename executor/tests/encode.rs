@@ -15,11 +15,18 @@ fn every_non_nvls_fixture_encodes_on_every_rank() {
             if plan.needs_switch() {
                 let err = result.expect_err("switch plans are refused").to_string();
                 assert!(err.contains("NVLS gate is closed"), "{name}: {err}");
-                assert!(err.starts_with(&format!("gpus[{rank}].threadblocks[")), "{name}: {err}");
+                assert!(
+                    err.starts_with(&format!("gpus[{rank}].threadblocks[")),
+                    "{name}: {err}"
+                );
                 continue;
             }
             let enc = result.unwrap_or_else(|e| panic!("{name} rank {rank}: {e}"));
-            assert_eq!(enc.threadblocks(), plan.gpus[rank].threadblocks.len(), "{name}");
+            assert_eq!(
+                enc.threadblocks(),
+                plan.gpus[rank].threadblocks.len(),
+                "{name}"
+            );
             // Packets live exactly in scratch buffers (local or a peer's) of LL plans.
             for r in &enc.refs {
                 let buffer = match r.slot {
@@ -33,12 +40,20 @@ fn every_non_nvls_fixture_encodes_on_every_rank() {
             }
             // Channel ids are global memory-channel indices.
             for op in &enc.ops {
-                if [OpKind::Signal, OpKind::Wait, OpKind::RelaxedSignal, OpKind::RelaxedWait]
-                    .iter()
-                    .any(|k| *k as u8 == op.kind)
+                if [
+                    OpKind::Signal,
+                    OpKind::Wait,
+                    OpKind::RelaxedSignal,
+                    OpKind::RelaxedWait,
+                ]
+                .iter()
+                .any(|k| *k as u8 == op.kind)
                 {
                     let ids = &enc.ids[op.first_id as usize..][..op.nids as usize];
-                    assert!(ids.iter().all(|&c| (c as usize) < enc.channel_peers.len()), "{name}");
+                    assert!(
+                        ids.iter().all(|&c| (c as usize) < enc.channel_peers.len()),
+                        "{name}"
+                    );
                 }
             }
         }

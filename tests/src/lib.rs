@@ -2,6 +2,7 @@
 //! kernel launch parameter packing, reproducible random data and host-side float64 references.
 
 pub mod alltoall_checks;
+pub mod plan_checks;
 pub mod port_allreduce_checks;
 pub mod port_channel_checks;
 

@@ -8,7 +8,7 @@
 //!
 //! Flags: `--quick` (no per-algorithm matrix), `--only NAME[,NAME...]` (those sections alone:
 //! algorithm names for their matrices, `primitives`, `port_channel`, `port_allreduce`,
-//! `alltoall`, `gather_scatter` (only by name: they time out at 4 and 8 ranks today),
+//! `alltoall`, `plans` (execution plans: the fixtures at this world size and the builder's), `gather_scatter` (only by name: they time out at 4 and 8 ranks today),
 //! `resources`: device memory per rank and set-up times),
 //! `--primitives-only`, `--cpu-bind none` (leave the launcher's CPU placement; by default each
 //! rank's thread runs on its GPU's local CPUs, as in mscclpp-bench).
@@ -205,6 +205,12 @@ fn run() -> Result<i32> {
     if wants(mscclpp_collectives::alltoall::ALLTOALL_ZERO_COPY) || wants(ALLTOALL) || gather_scatter
     {
         for (name, result) in mscclpp_tests::alltoall_checks::run(&suite.ctx, gather_scatter) {
+            suite.record(&name, result);
+        }
+    }
+    // Execution plans through the GPU interpreter (fixtures at this world size, builder plans).
+    if wants(mscclpp_tests::plan_checks::SECTION) {
+        for (name, result) in mscclpp_tests::plan_checks::run(&suite.ctx) {
             suite.record(&name, result);
         }
     }
