@@ -263,10 +263,27 @@ impl<'a> Bench<'a> {
                  {count} GPU(s) (NCCL refuses two ranks on one GPU)"
             )));
         }
-        let algos = mscclpp_collectives::default_algorithm_collection(
+        let mut builder = mscclpp_collectives::build_default_algorithms(
             &comm,
             mscclpp_collectives::DEFAULT_SCRATCH_BYTES,
+            AlgorithmCollection::builder(),
         )?;
+        if let Some(path) = &opts.plan {
+            let plans = mscclpp_executor::load::load_plans(path)?;
+            let added = mscclpp_executor::load::add_plans(&comm, &mut builder, &plans)?;
+            if rank == 0 {
+                for a in &added {
+                    let (min, max) = a.message_range();
+                    println!(
+                        "# plan {} ({}, {} ranks, {min}..={max} bytes)",
+                        a.name(),
+                        a.collective(),
+                        a.plan().world_size()
+                    );
+                }
+            }
+        }
+        let algos = builder.build();
         if let AlgoChoice::Named(name) = &opts.algo {
             if algos.get(opts.collective, name).is_none() {
                 return Err(Error::InvalidArgument(format!(
