@@ -101,6 +101,17 @@ impl PlanAlgorithm {
                 plan.world_size()
             )));
         }
+        let first = &plan.gpus[0];
+        if let Some((r, g)) = plan.gpus.iter().enumerate().find(|(_, g)| {
+            (g.input_chunks, g.output_chunks) != (first.input_chunks, first.output_chunks)
+        }) {
+            // Every rank cuts the same message into chunks of one size, and peers' buffers are
+            // reached by their chunk indices.
+            return Err(what(format!(
+                "gpus[{r}] has {} input and {} output chunks, gpus[0] {} and {}",
+                g.input_chunks, g.output_chunks, first.input_chunks, first.output_chunks
+            )));
+        }
         let collective = core_collective(plan.collective)?;
         let nvls = mscclpp_core::env::Env::get()
             .map(|e| e.nvls_allowed())
@@ -316,8 +327,8 @@ fn max_chunk_bytes(plan: &Plan) -> usize {
         .max()
         .unwrap_or(1)
         .max(1) as u64;
-    let by_plan = (plan.max_message_size / chunks).min(usize::MAX as u64 / 4) as usize;
-    let mut chunk = by_plan;
+    // A chunk never takes less scratch than its own bytes, so the cap bounds the search.
+    let mut chunk = (plan.max_message_size / chunks).min(MAX_PLAN_SCRATCH_BYTES as u64) as usize;
     while chunk > 0 && 2 * scratch_bytes(plan, chunk) > MAX_PLAN_SCRATCH_BYTES {
         chunk /= 2;
     }
@@ -335,9 +346,14 @@ fn scratch_bytes(plan: &Plan, chunk: usize) -> usize {
         .unwrap_or(0) as usize;
     let per_chunk = match packet_bytes(plan.protocol) {
         0 => chunk,
-        pkt => chunk.div_ceil(unit_bytes(plan.protocol) as usize) * pkt as usize,
+        pkt => chunk
+            .div_ceil(unit_bytes(plan.protocol) as usize)
+            .saturating_mul(pkt as usize),
     };
-    (chunks * per_chunk).next_multiple_of(16)
+    chunks
+        .saturating_mul(per_chunk)
+        .checked_next_multiple_of(16)
+        .unwrap_or(usize::MAX)
 }
 
 /// Collective: a D2D semaphore per memory channel, in ascending peer order on every rank (as the
@@ -470,5 +486,58 @@ impl Algorithm for PlanAlgorithm {
         // registered buffers and scratch, and our own live device state; every chunk an op names
         // was validated against the plan's chunk counts, which the buffers cover (chunk_bytes).
         unsafe { self.comm.gpu().launch(f, cfg, args.stream, &mut params) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::builder;
+    use crate::plan::Protocol;
+
+    fn plan(ranks: usize, protocol: Protocol) -> Plan {
+        let json = builder::allreduce(ranks, protocol, PlanReduceOp::Sum).to_string();
+        Plan::from_json(json.as_bytes()).expect("valid")
+    }
+
+    #[test]
+    fn scratch_holds_whole_packets_per_chunk_and_stays_within_the_cap() {
+        let simple = plan(8, Protocol::Simple);
+        let ll = plan(8, Protocol::Ll);
+        let chunks = simple.gpus[0].scratch_chunks as usize;
+        assert_eq!(scratch_bytes(&simple, 64), chunks * 64);
+        // 3 bytes per chunk still take one whole 16-byte packet per chunk.
+        let ll_chunks = ll.gpus[0].scratch_chunks as usize;
+        assert_eq!(scratch_bytes(&ll, 3), (ll_chunks * 16).next_multiple_of(16));
+        for p in [&simple, &ll] {
+            let chunk = max_chunk_bytes(p);
+            assert!(chunk > 0);
+            assert!(2 * scratch_bytes(p, chunk) <= MAX_PLAN_SCRATCH_BYTES);
+            assert!(2 * scratch_bytes(p, 2 * chunk) > MAX_PLAN_SCRATCH_BYTES);
+        }
+    }
+
+    #[test]
+    fn device_state_parts_are_aligned_and_in_order() {
+        let p = plan(4, Protocol::Simple);
+        let enc = encode(&p, 1, false).expect("encodes");
+        let channels = vec![D2DSemaphoreHandle::default(); enc.channel_peers.len()];
+        let (layout, bytes) = state_bytes(&enc, &channels);
+        let parts = [
+            layout.ops,
+            layout.tb_ops,
+            layout.refs,
+            layout.ids,
+            layout.channels,
+            layout.semaphores,
+            layout.barriers,
+            layout.flags,
+            layout.end,
+        ];
+        assert!(parts.iter().all(|o| o % 8 == 0));
+        assert!(parts.windows(2).all(|w| w[0] <= w[1]));
+        assert_eq!(layout.tb_ops - layout.ops, (enc.ops.len() * 20).next_multiple_of(8));
+        assert_eq!(bytes.len(), layout.end);
+        assert_eq!(layout.end - layout.flags, 8 + 8);
     }
 }

@@ -8,8 +8,8 @@
 use crate::algorithm::PlanAlgorithm;
 use crate::error::PlanError;
 use crate::plan::Plan;
-use mscclpp_core::algorithm::Algorithm;
-use mscclpp_core::algorithm_collection::{AlgorithmCollectionBuilder, SelectionContext};
+use mscclpp_core::algorithm::{Algorithm, Collective};
+use mscclpp_core::algorithm_collection::{AlgorithmCollectionBuilder, SelectionContext, Selector};
 use mscclpp_core::communicator::Communicator;
 use mscclpp_core::env::Env;
 use mscclpp_core::{Error, Result};
@@ -70,31 +70,49 @@ pub fn add_plans(
         builder.add_algorithm(algo.clone())?;
         algos.push(algo);
     }
-    let table: Vec<_> = algos
+    let table = algos
         .iter()
         .map(|a| {
             let (min, max) = a.message_range();
-            (
-                a.collective(),
-                a.plan().world_size(),
-                min,
-                max,
-                a.name().to_string(),
-            )
+            PlanEntry {
+                name: a.name().to_string(),
+                collective: a.collective(),
+                world_size: a.plan().world_size(),
+                min_bytes: min,
+                max_bytes: max,
+            }
         })
         .collect();
     let fallback = builder.take_selector();
-    builder.set_selector(Box::new(move |ctx: &SelectionContext| {
+    builder.set_selector(preferring_plans(table, fallback));
+    Ok(algos)
+}
+
+/// What the selector knows of a loaded plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlanEntry {
+    pub name: String,
+    pub collective: Collective,
+    pub world_size: usize,
+    pub min_bytes: u64,
+    pub max_bytes: u64,
+}
+
+/// A selector that answers with the first plan of `table` matching the call's collective, world
+/// size and message size, and asks `fallback` otherwise.
+pub fn preferring_plans(table: Vec<PlanEntry>, fallback: Option<Selector>) -> Selector {
+    Box::new(move |ctx: &SelectionContext| {
         let bytes = ctx.message_bytes as u64;
         table
             .iter()
-            .find(|(c, world, min, max, _)| {
-                *c == ctx.collective && *world == ctx.world_size && (*min..=*max).contains(&bytes)
+            .find(|p| {
+                p.collective == ctx.collective
+                    && p.world_size == ctx.world_size
+                    && (p.min_bytes..=p.max_bytes).contains(&bytes)
             })
-            .map(|t| t.4.clone())
+            .map(|p| p.name.clone())
             .or_else(|| fallback.as_ref().and_then(|f| f(ctx)))
-    }));
-    Ok(algos)
+    })
 }
 
 /// The plans of `plans` that can run on `comm` (world size, op kinds); the others are logged
@@ -117,4 +135,68 @@ pub fn runnable_plans(comm: &Communicator, plans: Vec<Arc<Plan>>) -> Vec<Arc<Pla
             why.is_none()
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mscclpp_core::DataType;
+
+    fn ctx(collective: Collective, bytes: usize, world: usize) -> SelectionContext {
+        SelectionContext {
+            collective,
+            message_bytes: bytes,
+            dtype: DataType::F32,
+            world_size: world,
+            local_world_size: world,
+            symmetric_memory: false,
+            capturing: false,
+            arch: "sm_90".into(),
+            nvls_allowed: false,
+        }
+    }
+
+    #[test]
+    fn a_matching_plan_is_preferred_and_the_rest_falls_back() {
+        let table = vec![PlanEntry {
+            name: "allreduce_2gpu".into(),
+            collective: Collective::AllReduce,
+            world_size: 2,
+            min_bytes: 1024,
+            max_bytes: 1 << 20,
+        }];
+        let fallback: Selector = Box::new(|_| Some("default_allreduce_packet".into()));
+        let select = preferring_plans(table, Some(fallback));
+        let pick = |c, b, w| select(&ctx(c, b, w));
+        assert_eq!(
+            pick(Collective::AllReduce, 4096, 2).as_deref(),
+            Some("allreduce_2gpu")
+        );
+        for (c, b, w) in [
+            (Collective::AllReduce, 512, 2),
+            (Collective::AllReduce, 2 << 20, 2),
+            (Collective::AllReduce, 4096, 4),
+            (Collective::AllGather, 4096, 2),
+        ] {
+            assert_eq!(pick(c, b, w).as_deref(), Some("default_allreduce_packet"));
+        }
+    }
+
+    #[test]
+    fn a_directory_lists_its_json_files_sorted() {
+        let dir = std::env::temp_dir().join(format!("mscclpp-plan-files-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in ["b.json", "a.json", "notes.txt"] {
+            std::fs::write(dir.join(f), "{}").unwrap();
+        }
+        let files = plan_files(&dir).unwrap();
+        let names: Vec<_> = files
+            .iter()
+            .map(|f| f.file_name().unwrap().to_owned())
+            .collect();
+        assert_eq!(names, ["a.json", "b.json"]);
+        let err = load_plans(&dir).unwrap_err().to_string();
+        assert!(err.contains("a.json"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
