@@ -536,7 +536,10 @@ mod tests {
         ];
         assert!(parts.iter().all(|o| o % 8 == 0));
         assert!(parts.windows(2).all(|w| w[0] <= w[1]));
-        assert_eq!(layout.tb_ops - layout.ops, (enc.ops.len() * 20).next_multiple_of(8));
+        assert_eq!(
+            layout.tb_ops - layout.ops,
+            (enc.ops.len() * 20).next_multiple_of(8)
+        );
         assert_eq!(bytes.len(), layout.end);
         assert_eq!(layout.end - layout.flags, 8 + 8);
     }

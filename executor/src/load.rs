@@ -55,6 +55,24 @@ pub fn load_plans(path: &Path) -> Result<Vec<Arc<Plan>>> {
         .map_err(|e| Error::InvalidArgument(e.to_string()))
 }
 
+/// The plans of the default directories ([`default_plan_dirs`]) that can run on `comm`, in
+/// directory order; unreadable or invalid files are logged and left out, as are plans for
+/// other world sizes or with ops the GPU interpreter refuses ([`runnable_plans`]).
+pub fn default_plans(comm: &Communicator, env: &Env) -> Vec<Arc<Plan>> {
+    let mut plans = Vec::new();
+    for dir in default_plan_dirs(env) {
+        for file in plan_files(&dir).unwrap_or_default() {
+            match Plan::load(&file) {
+                Ok(p) => plans.push(Arc::new(p)),
+                Err(e) => {
+                    tracing::info!(target: "mscclpp::plan", "{}: left out: {e}", file.display())
+                }
+            }
+        }
+    }
+    runnable_plans(comm, plans)
+}
+
 /// Collective: sets up `plans` for `comm` and adds them to `builder`, with the preferring
 /// selector. Every plan must run here (right world size, no port or switch op): the error names
 /// the plan and the op otherwise. Use [`runnable_plans`] to keep only those of a directory that

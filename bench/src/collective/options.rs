@@ -28,9 +28,12 @@ Options:
       --tuning FILE        choose algorithm and launch geometry from a tuning table written by
                            `mscclpp-bench tune` (sizes it lacks use the selector; explicit
                            --nblocks/--nthreads still win); excludes --algo NAME
-      --plan FILE|DIR      load MSCCL++ JSON execution plans (a file or a directory of them) into
-                           the collection; the selector prefers a plan whose collective, world
-                           size and size range match (or name it with --algo)
+      --plan FILE|DIR|default
+                           load MSCCL++ JSON execution plans (a file or a directory of them;
+                           default: those of MSCCLPP_EXECUTION_PLAN_DIR and MSCCLPP_CACHE_DIR that
+                           run here) into the collection; the selector prefers a plan whose
+                           collective, world size and size range match (or name it with --algo);
+                           a plan runs only the buffer mode it was written for
       --inplace-only       measure in-place calls only
       --outofplace-only    measure out-of-place calls only
       --json FILE          also write the results as JSON

@@ -269,7 +269,12 @@ impl<'a> Bench<'a> {
             AlgorithmCollection::builder(),
         )?;
         if let Some(path) = &opts.plan {
-            let plans = mscclpp_executor::load::load_plans(path)?;
+            // `--plan default`: the runnable plans of MSCCLPP_EXECUTION_PLAN_DIR and the cache.
+            let plans = if path.as_os_str() == "default" {
+                mscclpp_executor::load::default_plans(&comm, mscclpp_core::env::Env::get()?)
+            } else {
+                mscclpp_executor::load::load_plans(path)?
+            };
             let added = mscclpp_executor::load::add_plans(&comm, &mut builder, &plans)?;
             if rank == 0 {
                 for a in &added {
