@@ -179,6 +179,12 @@ impl AlgorithmCollectionBuilder {
         self
     }
 
+    /// Takes the selector out, e.g. to wrap it in one that prefers other algorithms first (the
+    /// execution plans of `mscclpp-executor`).
+    pub fn take_selector(&mut self) -> Option<Selector> {
+        self.selector.take()
+    }
+
     pub fn build(self) -> AlgorithmCollection {
         AlgorithmCollection {
             algorithms: self.algorithms,

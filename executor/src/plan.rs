@@ -258,6 +258,30 @@ pub struct Threadblock {
     pub ops: Vec<Op>,
 }
 
+impl Threadblock {
+    /// The GPU-wide index of this threadblock's `id`-th channel of type `ty` (what an op's
+    /// `channel_ids` entry names).
+    pub fn channel(&self, ty: ChannelType, id: u32) -> Option<u32> {
+        self.channels
+            .iter()
+            .filter(|c| c.channel_type == ty)
+            .flat_map(|c| c.channel_ids.iter())
+            .nth(id as usize)
+            .copied()
+    }
+
+    /// The GPU-wide index (into `remote_buffers`) of this threadblock's `id`-th remote buffer
+    /// reached through `ty` channels (what a source or destination's `buffer_id` names).
+    pub fn remote_buffer(&self, ty: ChannelType, id: u32) -> Option<u32> {
+        self.remote_buffer_refs
+            .iter()
+            .filter(|rr| rr.access_channel_type == ty)
+            .flat_map(|rr| rr.remote_buffer_ids.iter())
+            .nth(id as usize)
+            .copied()
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct RankGroup {
     pub size: u32,
@@ -309,6 +333,16 @@ pub struct Gpu {
 }
 
 impl Gpu {
+    /// Peers of this GPU's channels of type `ty`, in global channel order. A rank's k-th channel
+    /// to a peer pairs with the peer's k-th channel to it.
+    pub fn channel_peers(&self, ty: ChannelType) -> Vec<usize> {
+        self.channels
+            .iter()
+            .filter(|c| c.channel_type == ty)
+            .flat_map(|c| c.connected_to.iter().map(|&p| p as usize))
+            .collect()
+    }
+
     /// Number of chunks of a local buffer type.
     pub fn chunks(&self, buffer: BufferType) -> u32 {
         match buffer {
@@ -400,6 +434,12 @@ impl Plan {
 
     pub fn world_size(&self) -> usize {
         self.gpus.len()
+    }
+
+    /// Whether `buffer` holds LL packets: the scratch of an LL plan does, input and output hold
+    /// plain data.
+    pub fn holds_packets(&self, buffer: BufferType) -> bool {
+        self.protocol != Protocol::Simple && buffer == BufferType::Scratch
     }
 
     /// Whether any GPU uses a switch (NVLink multicast) channel.

@@ -9,9 +9,7 @@
 //! tracked with vector clocks (signals, packets, semaphores and barriers carry the writer's clock),
 //! so two writes to one element that no signal orders are reported as a race.
 
-use crate::plan::{
-    BufferRef, BufferType, ChannelType, Collective, Op, OpCode, Plan, PlanReduceOp, Protocol,
-};
+use crate::plan::{BufferRef, BufferType, ChannelType, Collective, Op, OpCode, Plan, PlanReduceOp};
 use mscclpp_core::fp8;
 use mscclpp_core::DataType;
 use rand::rngs::StdRng;
@@ -113,8 +111,32 @@ fn is_reduce(code: OpCode) -> bool {
     )
 }
 
+/// The reduction of `values` (one per rank) in f64 and the scale its tolerance is relative to
+/// (the sum of magnitudes for a sum, the result's magnitude otherwise).
+pub fn reduced(op: PlanReduceOp, values: &[f64]) -> (f64, f64) {
+    let want = values[1..]
+        .iter()
+        .fold(values[0], |a, &b| combine(op, a, b));
+    let scale = match op {
+        PlanReduceOp::Sum => values.iter().map(|x| x.abs()).sum(),
+        _ => want.abs(),
+    };
+    (want, scale)
+}
+
+/// The tolerance of a reduced element over `world` ranks: one rounding of `dtype` per step
+/// (`epsilon * (world + 1) * scale`), 0 for integers (exact).
+pub fn tolerance(dtype: DataType, world: usize, scale: f64) -> f64 {
+    epsilon(dtype) * (world as f64 + 1.0) * scale
+}
+
+/// Whether `got` is `want` within `tol`, or `want` rounded to `dtype`.
+pub fn within(dtype: DataType, got: f64, want: f64, tol: f64) -> bool {
+    (got - want).abs() <= tol || got == quantize(dtype, want)
+}
+
 /// Rounds `x` to what an element of `dtype` holds.
-fn quantize(dtype: DataType, x: f64) -> f64 {
+pub fn quantize(dtype: DataType, x: f64) -> f64 {
     match dtype {
         DataType::F64 => x,
         DataType::F32 => x as f32 as f64,
@@ -141,7 +163,9 @@ fn epsilon(dtype: DataType) -> f64 {
     }
 }
 
-fn random_input(dtype: DataType, op: PlanReduceOp, ranks: usize, rng: &mut StdRng) -> f64 {
+/// A random input element of `dtype` for `op` on `ranks` ranks: reductions of all ranks stay
+/// in range (fp8 sums, integer products) and exact for integers.
+pub fn random_input(dtype: DataType, op: PlanReduceOp, ranks: usize, rng: &mut StdRng) -> f64 {
     let x = match (dtype.is_float(), op) {
         (true, PlanReduceOp::Prod) => rng.random_range(0.5..1.5),
         // fp8 e4m3b15 tops out at 1.875: keep sums of all ranks in range.
@@ -300,10 +324,10 @@ impl<'a> Machine<'a> {
         let mut peers = HashMap::new();
         for (rank, gpu) in plan.gpus.iter().enumerate() {
             for ty in [ChannelType::Memory, ChannelType::Port] {
-                let conns: Vec<usize> = channel_peers(gpu, ty);
+                let conns: Vec<usize> = gpu.channel_peers(ty);
                 for (c, &peer) in conns.iter().enumerate() {
                     let ordinal = conns[..c].iter().filter(|&&p| p == peer).count();
-                    let theirs = channel_peers(&plan.gpus[peer], ty);
+                    let theirs = plan.gpus[peer].channel_peers(ty);
                     let matching = theirs
                         .iter()
                         .enumerate()
@@ -479,12 +503,7 @@ impl<'a> Machine<'a> {
     /// Global index of a threadblock-local channel id of one type.
     fn global_channel(&self, rank: usize, t: usize, ty: ChannelType, id: u32) -> usize {
         self.plan.gpus[rank].threadblocks[t]
-            .channels
-            .iter()
-            .filter(|c| c.channel_type == ty)
-            .flat_map(|c| c.channel_ids.iter())
-            .nth(id as usize)
-            .copied()
+            .channel(ty, id)
             .unwrap_or_default() as usize
     }
 
@@ -543,14 +562,7 @@ impl<'a> Machine<'a> {
             vec![(rank, ty)]
         } else if let Some(id) = r.buffer_id {
             let ty = op.channel_type.unwrap_or(ChannelType::Memory);
-            let global = tb
-                .remote_buffer_refs
-                .iter()
-                .filter(|rr| rr.access_channel_type == ty)
-                .flat_map(|rr| rr.remote_buffer_ids.iter())
-                .nth(id as usize)
-                .copied()
-                .unwrap_or_default();
+            let global = tb.remote_buffer(ty, id).unwrap_or_default();
             let rb = &gpu.remote_buffers[global as usize];
             vec![(rb.rank as usize, rb.buffer_type)]
         } else {
@@ -587,10 +599,6 @@ impl<'a> Machine<'a> {
             .tbg_info
             .map_or((0, 1), |g| (g.tb_id as usize, g.tbg_size as usize));
         let (a, b) = (m * part / parts, m * (part + 1) / parts);
-        let ll = matches!(
-            self.plan.protocol,
-            Protocol::Ll | Protocol::Ll8 | Protocol::Ll16
-        );
         targets
             .into_iter()
             .map(|(peer, buffer)| {
@@ -613,7 +621,7 @@ impl<'a> Machine<'a> {
                     rank: peer,
                     buffer: resolved,
                     ranges,
-                    packets: ll && resolved == BufferType::Scratch,
+                    packets: self.plan.holds_packets(resolved),
                 })
             })
             .collect()
@@ -882,15 +890,7 @@ fn check_outputs(
 ) -> Result<(), CheckError> {
     let world = plan.gpus.len();
     let m = cfg.elems_per_chunk;
-    let reduce = |vals: &mut dyn Iterator<Item = f64>| -> (f64, f64) {
-        let v: Vec<f64> = vals.collect();
-        let want = v[1..].iter().fold(v[0], |a, &b| combine(op, a, b));
-        let scale = match op {
-            PlanReduceOp::Sum => v.iter().map(|x| x.abs()).sum(),
-            _ => want.abs(),
-        };
-        (want, scale)
-    };
+    let reduce = |vals: &mut dyn Iterator<Item = f64>| reduced(op, &vals.collect::<Vec<_>>());
     for rank in 0..world {
         let gpu = &plan.gpus[rank];
         let in_elems = gpu.input_chunks as usize * m;
@@ -920,8 +920,8 @@ fn check_outputs(
             };
             let (b, i) = alias(plan, m, rank, BufferType::Output, e);
             let got = bufs[rank][buffer_slot(b)][i].value;
-            let tol = epsilon(cfg.dtype) * (world as f64 + 1.0) * scale;
-            if (got - want).abs() > tol && got != quantize(cfg.dtype, want) {
+            let tol = tolerance(cfg.dtype, world, scale);
+            if !within(cfg.dtype, got, want, tol) {
                 return Err(CheckError::Mismatch(format!(
                     "{} {}: rank {rank} output element {e} is {got}, want {want} (tolerance {tol:.3e})",
                     cfg.dtype.name(),
@@ -940,15 +940,6 @@ fn op_name(op: PlanReduceOp) -> &'static str {
         PlanReduceOp::Max => "max",
         PlanReduceOp::Prod => "prod",
     }
-}
-
-/// Peers of a GPU's channels of one type, in global channel order.
-fn channel_peers(gpu: &crate::plan::Gpu, ty: ChannelType) -> Vec<usize> {
-    gpu.channels
-        .iter()
-        .filter(|c| c.channel_type == ty)
-        .flat_map(|c| c.connected_to.iter().map(|&p| p as usize))
-        .collect()
 }
 
 fn join(into: &mut [u32], other: &[u32]) {

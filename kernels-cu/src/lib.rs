@@ -9,6 +9,7 @@
 
 pub mod alltoall;
 pub mod collectives;
+pub mod executor;
 pub mod nvls_units;
 pub mod p2p;
 

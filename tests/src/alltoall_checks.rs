@@ -686,7 +686,7 @@ fn summary(
 }
 
 /// A seed chosen by rank 0 for this run.
-fn shared_seed(ctx: &RankContext) -> Result<u64> {
+pub(crate) fn shared_seed(ctx: &RankContext) -> Result<u64> {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)

@@ -3,6 +3,7 @@
 
 pub mod alltoall_checks;
 pub mod p2p_checks;
+pub mod plan_checks;
 pub mod port_allreduce_checks;
 pub mod port_channel_checks;
 

@@ -29,6 +29,12 @@ Options:
       --tuning FILE        choose algorithm and launch geometry from a tuning table written by
                            `mscclpp-bench tune` (sizes it lacks use the selector; explicit
                            --nblocks/--nthreads still win); excludes --algo NAME
+      --plan FILE|DIR|default
+                           load MSCCL++ JSON execution plans (a file or a directory of them;
+                           default: those of MSCCLPP_EXECUTION_PLAN_DIR and MSCCLPP_CACHE_DIR that
+                           run here) into the collection; the selector prefers a plan whose
+                           collective, world size and size range match (or name it with --algo);
+                           a plan runs only the buffer mode it was written for
       --inplace-only       measure in-place calls only
       --outofplace-only    measure out-of-place calls only
       --json FILE          also write the results as JSON
@@ -74,6 +80,8 @@ pub struct BenchOptions {
     pub nthreads: Option<u32>,
     /// `--tuning FILE`: a tuning table (YAML) consulted before the selector.
     pub tuning: Option<PathBuf>,
+    /// `--plan FILE|DIR`: execution plans added to the collection.
+    pub plan: Option<PathBuf>,
     pub placements: Vec<Placement>,
     pub json: Option<PathBuf>,
     pub vs_nccl: bool,
@@ -99,6 +107,7 @@ impl Default for BenchOptions {
             nblocks: None,
             nthreads: None,
             tuning: None,
+            plan: None,
             placements: vec![Placement::OutOfPlace, Placement::InPlace],
             json: None,
             vs_nccl: false,
@@ -237,6 +246,7 @@ where
             "--nblocks" => o.nblocks = Some(parse_number(&flag, &value(&flag)?)?),
             "--nthreads" => o.nthreads = Some(parse_number(&flag, &value(&flag)?)?),
             "--tuning" => o.tuning = Some(PathBuf::from(value(&flag)?)),
+            "--plan" => o.plan = Some(PathBuf::from(value(&flag)?)),
             "--inplace-only" => inplace_only = true,
             "--outofplace-only" => outofplace_only = true,
             "--json" => o.json = Some(PathBuf::from(value(&flag)?)),
@@ -397,8 +407,11 @@ mod tests {
             "1",
             "--cpu-bind",
             "none",
+            "--plan",
+            "plans/allreduce_2gpu.json",
         ])
         .expect("parses");
+        assert_eq!(o.plan, Some(PathBuf::from("plans/allreduce_2gpu.json")));
         assert_eq!((o.min_bytes, o.max_bytes, o.step_factor), (8, 128 << 20, 4));
         assert_eq!(o.dtypes, vec![DataType::Bf16, DataType::Fp8E4M3]);
         assert_eq!(o.ops.len(), 5);

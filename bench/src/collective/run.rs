@@ -274,6 +274,26 @@ impl<'a> Bench<'a> {
             let engine = mscclpp_collectives::p2p::P2pEngine::new(comm.clone())?;
             builder.add_algorithm(Arc::new(P2pSendRecv::new(engine)))?;
         }
+        if let Some(path) = &opts.plan {
+            // `--plan default`: the runnable plans of MSCCLPP_EXECUTION_PLAN_DIR and the cache.
+            let plans = if path.as_os_str() == "default" {
+                mscclpp_executor::load::default_plans(&comm, mscclpp_core::env::Env::get()?)
+            } else {
+                mscclpp_executor::load::load_plans(path)?
+            };
+            let added = mscclpp_executor::load::add_plans(&comm, &mut builder, &plans)?;
+            if rank == 0 {
+                for a in &added {
+                    let (min, max) = a.message_range();
+                    println!(
+                        "# plan {} ({}, {} ranks, {min}..={max} bytes)",
+                        a.name(),
+                        a.collective(),
+                        a.plan().world_size()
+                    );
+                }
+            }
+        }
         let algos = builder.build();
         if let AlgoChoice::Named(name) = &opts.algo {
             if algos.get(opts.collective, name).is_none() {

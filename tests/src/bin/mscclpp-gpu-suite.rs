@@ -9,8 +9,9 @@
 //! Flags: `--quick` (no per-algorithm matrix), `--only NAME[,NAME...]` (those sections alone:
 //! algorithm names for their matrices, `primitives`, `port_channel`, `port_allreduce`,
 //! `p2p` (the point-to-point engine), `alltoall` (the whole all-to-all family, gather and scatter
-//! included), `reduce` (`default_reduce_zero_copy` at every root), `resources`: device memory per
-//! rank, which fails above 32 MiB, and set-up times),
+//! included), `reduce` (`default_reduce_zero_copy` at every root), `plans` (execution plans: the
+//! fixtures at this world size and the builder's), `resources`: device memory per rank, which fails
+//! above 32 MiB, and set-up times),
 //! `--primitives-only`, `--cpu-bind none` (leave the launcher's CPU placement; by default each
 //! rank's thread runs on its GPU's local CPUs, as in mscclpp-bench).
 
@@ -210,6 +211,12 @@ fn run() -> Result<i32> {
         || wants(GATHER_SCATTER)
     {
         for (name, result) in mscclpp_tests::alltoall_checks::run(&suite.ctx) {
+            suite.record(&name, result);
+        }
+    }
+    // Execution plans through the GPU interpreter (fixtures at this world size, builder plans).
+    if wants(mscclpp_tests::plan_checks::SECTION) {
+        for (name, result) in mscclpp_tests::plan_checks::run(&suite.ctx) {
             suite.record(&name, result);
         }
     }

@@ -1,0 +1,546 @@
+//! `PlanAlgorithm`: an execution plan run by the GPU interpreter (`kernels-cu` executor.cu) as an
+//! [`Algorithm`] of the collection, under the plan's name.
+//!
+//! Set-up (collective, when a plan is loaded, so a collection without plans costs nothing): the
+//! rank's ops are encoded ([`crate::encode`]) and uploaded with the interpreter's device state
+//! (channel semaphores, local semaphores, barrier counters, per-threadblock execution counters) in
+//! one allocation; one D2D semaphore pair per memory channel of the plan, paired with the peer's
+//! channel of the same ordinal (as the CPU reference pairs them); a scratch every peer maps, sized
+//! for the plan's largest message up to [`MAX_PLAN_SCRATCH_BYTES`] per rank.
+//! On first use of a pair of user buffers they are registered with every peer (collective, host
+//! only, through the zero-copy algorithms' `RegistrationCache`), so an execute is one launch with
+//! its buffer table passed by value: no host sync, no per-call upload, legal under graph capture.
+
+use crate::encode::{encode, packet_bytes, unit_bytes, EncodedPlan};
+use crate::plan::{BufferType, ChannelType, Collective as PlanCollective, Plan, PlanReduceOp};
+use crate::reference::plan_reduce_op;
+use mscclpp_collectives::resources::{DeviceBuffer, RegistrationCache, SharedScratch};
+use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
+use mscclpp_core::communicator::Communicator;
+use mscclpp_core::device::D2DSemaphoreHandle;
+use mscclpp_core::gpu::{DevicePtr, Function, LaunchConfig};
+use mscclpp_core::{DataType, Error, ReduceOp, Result};
+use mscclpp_kernels_cu::executor::{self as kx, PlanArgs, PlanOp, PlanRef, FIRST_REMOTE_SLOT};
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+/// Largest scratch (bytes per rank) a plan gets; a message whose scratch would not fit is refused
+/// by `check` naming both sizes. A plan's `max_message_size` is often unbounded, so the plan is
+/// sized for the smaller of the two.
+pub const MAX_PLAN_SCRATCH_BYTES: usize = 8 << 20;
+
+/// The plan's collective in the core's terms.
+pub fn core_collective(c: PlanCollective) -> Result<Collective> {
+    Ok(match c {
+        PlanCollective::Allreduce => Collective::AllReduce,
+        PlanCollective::Allgather => Collective::AllGather,
+        PlanCollective::Reducescatter => Collective::ReduceScatter,
+        PlanCollective::Alltoall => Collective::AllToAll,
+        PlanCollective::Broadcast => Collective::Broadcast,
+        PlanCollective::Sendrecv => Collective::SendRecv,
+        PlanCollective::Reduce => {
+            return Err(Error::Unsupported(
+                "plans of collective `reduce`: the runtime has no reduce collective to run them as"
+                    .into(),
+            ))
+        }
+    })
+}
+
+fn core_op(op: PlanReduceOp) -> ReduceOp {
+    match op {
+        PlanReduceOp::Sum => ReduceOp::Sum,
+        PlanReduceOp::Min => ReduceOp::Min,
+        PlanReduceOp::Max => ReduceOp::Max,
+        PlanReduceOp::Prod => ReduceOp::Prod,
+    }
+}
+
+/// Byte offsets of the parts of the interpreter's device state.
+#[derive(Debug, Clone, Copy, Default)]
+struct StateLayout {
+    ops: usize,
+    tb_ops: usize,
+    refs: usize,
+    ids: usize,
+    channels: usize,
+    semaphores: usize,
+    barriers: usize,
+    flags: usize,
+    end: usize,
+}
+
+/// One plan, set up for one communicator. See the module docs.
+pub struct PlanAlgorithm {
+    // Field order is drop order: device resources go before the communicator.
+    functions: Mutex<HashMap<(DataType, DataType, ReduceOp), Function>>,
+    registrations: RegistrationCache,
+    state: DeviceBuffer,
+    /// Owned for its lifetime only: the kernel reaches it through `scratch_ptrs`.
+    _scratch: Option<SharedScratch>,
+    scratch_ptrs: Vec<DevicePtr>,
+    layout: StateLayout,
+    plan: Arc<Plan>,
+    collective: Collective,
+    reduce_op: ReduceOp,
+    threadblocks: u32,
+    /// Bytes of one scratch copy (a half for LL plans).
+    scratch_half_bytes: usize,
+    comm: Arc<Communicator>,
+}
+
+impl PlanAlgorithm {
+    /// Collective: every rank loads the same plan in the same order.
+    pub fn new(comm: Arc<Communicator>, plan: Arc<Plan>) -> Result<PlanAlgorithm> {
+        let what = |e: String| Error::InvalidArgument(format!("plan {}: {e}", plan.name));
+        let (rank, size) = (comm.rank(), comm.size());
+        if plan.world_size() != size {
+            return Err(what(format!(
+                "written for {} ranks, the communicator has {size}",
+                plan.world_size()
+            )));
+        }
+        let first = &plan.gpus[0];
+        if let Some((r, g)) = plan.gpus.iter().enumerate().find(|(_, g)| {
+            (g.input_chunks, g.output_chunks) != (first.input_chunks, first.output_chunks)
+        }) {
+            // Every rank cuts the same message into chunks of one size, and peers' buffers are
+            // reached by their chunk indices.
+            return Err(what(format!(
+                "gpus[{r}] has {} input and {} output chunks, gpus[0] {} and {}",
+                g.input_chunks, g.output_chunks, first.input_chunks, first.output_chunks
+            )));
+        }
+        let collective = core_collective(plan.collective)?;
+        let nvls = mscclpp_core::env::Env::get()
+            .map(|e| e.nvls_allowed())
+            .unwrap_or(false);
+        let encoded = encode(&plan, rank, nvls).map_err(|e| {
+            Error::Unsupported(format!("plan {} cannot run on the GPU: {e}", plan.name))
+        })?;
+        let reduce_op = plan_reduce_op(&plan).map_err(|e| what(e.to_string()))?;
+        let channels = channel_semaphores(&comm, &plan, &encoded)?;
+        let (layout, bytes) = state_bytes(&encoded, &channels);
+        let state = DeviceBuffer::upload(comm.gpu(), &bytes)?;
+        let scratch_half_bytes = scratch_bytes(&plan, max_chunk_bytes(&plan));
+        let copies = if plan.protocol == crate::plan::Protocol::Simple {
+            1
+        } else {
+            2
+        };
+        let scratch = if scratch_half_bytes > 0 {
+            Some(SharedScratch::new(&comm, scratch_half_bytes * copies)?)
+        } else {
+            None
+        };
+        let scratch_ptrs = scratch
+            .as_ref()
+            .map_or_else(|| vec![0; size], SharedScratch::rank_ptrs);
+        Ok(PlanAlgorithm {
+            functions: Mutex::default(),
+            registrations: RegistrationCache::default(),
+            state,
+            _scratch: scratch,
+            scratch_ptrs,
+            layout,
+            threadblocks: encoded.threadblocks() as u32,
+            collective,
+            reduce_op: core_op(reduce_op),
+            scratch_half_bytes,
+            plan,
+            comm,
+        })
+    }
+
+    pub fn plan(&self) -> &Arc<Plan> {
+        &self.plan
+    }
+
+    /// Message sizes (input bytes per rank) the plan takes: its own range, capped by the scratch.
+    pub fn message_range(&self) -> (u64, u64) {
+        let chunks = self.plan.gpus[0].input_chunks.max(1) as u64;
+        let unit = unit_bytes(self.plan.protocol) as u64;
+        let mut max = self.plan.max_message_size;
+        if self.scratch_half_bytes > 0 {
+            let per_chunk = self.scratch_half_bytes as u64 / self.scratch_chunks().max(1);
+            let chunk_cap = if self.plan.protocol == crate::plan::Protocol::Simple {
+                per_chunk
+            } else {
+                per_chunk / packet_bytes(self.plan.protocol) as u64 * unit
+            };
+            max = max.min(chunk_cap * chunks);
+        }
+        (self.plan.min_message_size, max)
+    }
+
+    fn scratch_chunks(&self) -> u64 {
+        self.plan
+            .gpus
+            .iter()
+            .map(|g| g.scratch_chunks)
+            .max()
+            .unwrap_or(0) as u64
+    }
+
+    /// Bytes per chunk for `args`, after every check of the call against the plan.
+    fn chunk_bytes(&self, args: &ExecuteArgs) -> Result<usize> {
+        let name = &self.plan.name;
+        let rank = self.comm.rank();
+        let bad = |why: String| Err(Error::Unsupported(format!("plan {name}: {why}")));
+        if args.dtype.size() > unit_bytes(self.plan.protocol) as usize {
+            return bad(format!(
+                "{} elements are wider than the {}-byte payload of an LL8 packet",
+                args.dtype,
+                unit_bytes(self.plan.protocol)
+            ));
+        }
+        if self.collective.reduces() && args.op != self.reduce_op {
+            return bad(format!(
+                "the plan reduces with {}, the call asks for {}",
+                self.reduce_op, args.op
+            ));
+        }
+        let (min, max) = self.message_range();
+        let bytes = args.input_bytes as u64;
+        if bytes < min || bytes > max {
+            return bad(format!(
+                "{bytes}-byte input outside the plan's range {min}..={max} bytes"
+            ));
+        }
+        let gpu = &self.plan.gpus[rank];
+        let chunks = gpu.input_chunks.max(1) as usize;
+        let unit = chunks * args.dtype.size();
+        if args.input_bytes % unit != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "plan {name}: a {}-byte input does not cut into {chunks} chunks of whole {} elements",
+                args.input_bytes, args.dtype
+            )));
+        }
+        let chunk = args.input_bytes / chunks;
+        let out_needed = gpu.output_chunks as usize * chunk;
+        if args.output_bytes < out_needed {
+            return Err(Error::InvalidArgument(format!(
+                "plan {name}: output of {} bytes, the plan writes {} chunks of {chunk} bytes",
+                args.output_bytes, gpu.output_chunks
+            )));
+        }
+        let in_place = self.aliased_input(args.output, chunk) == Some(args.input);
+        if self.plan.inplace != in_place {
+            return bad(format!(
+                "the plan is {}, the call's buffers are {}",
+                mode(self.plan.inplace),
+                mode(in_place)
+            ));
+        }
+        if scratch_bytes(&self.plan, chunk) > self.scratch_half_bytes {
+            return bad(format!(
+                "chunks of {chunk} bytes need more than the plan's {} bytes of scratch",
+                self.scratch_half_bytes
+            ));
+        }
+        Ok(chunk)
+    }
+
+    /// Where an in-place call's input lies for an output at `output` (MSCCL++'s in-place rules:
+    /// all-gather input is this rank's slice of the output, reduce-scatter output this rank's
+    /// slice of the input, otherwise the same buffer).
+    fn aliased_input(&self, output: DevicePtr, chunk: usize) -> Option<DevicePtr> {
+        let rank = self.comm.rank();
+        let gpu = &self.plan.gpus[rank];
+        let slice = |chunks: u32| (rank * chunks as usize * chunk) as u64;
+        match self.collective {
+            Collective::AllGather => Some(output + slice(gpu.input_chunks)),
+            Collective::ReduceScatter => output.checked_sub(slice(gpu.output_chunks)),
+            _ => Some(output),
+        }
+    }
+
+    /// Every rank's input and output, registered on first use (collective).
+    fn rank_buffers(&self, args: &ExecuteArgs, chunk: usize) -> Result<[Vec<DevicePtr>; 2]> {
+        let n = self.comm.size();
+        let gpu = &self.plan.gpus[self.comm.rank()];
+        let out_bytes = gpu.output_chunks as usize * chunk;
+        let reg = |ptr, bytes| self.registrations.rank_ptrs(&self.comm, ptr, bytes);
+        if !self.plan.inplace {
+            return Ok([
+                reg(args.input, args.input_bytes)?,
+                reg(args.output, out_bytes)?,
+            ]);
+        }
+        let slices = |base: &[DevicePtr], chunks: u32| -> Vec<DevicePtr> {
+            (0..n)
+                .map(|p| base[p] + (p * chunks as usize * chunk) as u64)
+                .collect()
+        };
+        Ok(match self.collective {
+            Collective::AllGather => {
+                let outputs = reg(args.output, out_bytes)?;
+                [slices(&outputs, gpu.input_chunks), outputs]
+            }
+            Collective::ReduceScatter => {
+                let inputs = reg(args.input, args.input_bytes)?;
+                let outputs = slices(&inputs, gpu.output_chunks);
+                [inputs, outputs]
+            }
+            _ => {
+                let inputs = reg(args.input, args.input_bytes.max(out_bytes))?;
+                [inputs.clone(), inputs]
+            }
+        })
+    }
+
+    fn function(&self, args: &ExecuteArgs) -> Result<Function> {
+        let (name, source) = kx::unit_source(args.dtype, args.accum, self.reduce_op)?;
+        let acc = mscclpp_kernels_cu::collectives::resolve_accumulator(args.dtype, args.accum)?;
+        let key = (args.dtype, acc, self.reduce_op);
+        let mut functions = self
+            .functions
+            .lock()
+            .map_err(|_| Error::Internal("plan kernel table poisoned".into()))?;
+        if let Some(f) = functions.get(&key) {
+            return Ok(*f);
+        }
+        let gpu = self.comm.gpu();
+        let module = gpu.build_module(&name, &source)?;
+        let f = gpu.get_function(module, kx::ENTRY)?;
+        functions.insert(key, f);
+        Ok(f)
+    }
+}
+
+fn mode(in_place: bool) -> &'static str {
+    if in_place {
+        "in place"
+    } else {
+        "out of place"
+    }
+}
+
+/// The largest chunk the plan's messages have (its `max_message_size` over its input chunks),
+/// capped so that the scratch stays within [`MAX_PLAN_SCRATCH_BYTES`].
+fn max_chunk_bytes(plan: &Plan) -> usize {
+    let chunks = plan
+        .gpus
+        .iter()
+        .map(|g| g.input_chunks)
+        .max()
+        .unwrap_or(1)
+        .max(1) as u64;
+    // A chunk never takes less scratch than its own bytes, so the cap bounds the search.
+    let mut chunk = (plan.max_message_size / chunks).min(MAX_PLAN_SCRATCH_BYTES as u64) as usize;
+    while chunk > 0 && 2 * scratch_bytes(plan, chunk) > MAX_PLAN_SCRATCH_BYTES {
+        chunk /= 2;
+    }
+    chunk
+}
+
+/// Bytes of one scratch copy for chunks of `chunk` bytes: plain chunks for Simple, whole packets
+/// per chunk for LL.
+fn scratch_bytes(plan: &Plan, chunk: usize) -> usize {
+    let chunks = plan
+        .gpus
+        .iter()
+        .map(|g| g.scratch_chunks)
+        .max()
+        .unwrap_or(0) as usize;
+    let per_chunk = match packet_bytes(plan.protocol) {
+        0 => chunk,
+        pkt => chunk
+            .div_ceil(unit_bytes(plan.protocol) as usize)
+            .saturating_mul(pkt as usize),
+    };
+    chunks
+        .saturating_mul(per_chunk)
+        .checked_next_multiple_of(16)
+        .unwrap_or(usize::MAX)
+}
+
+/// Collective: a D2D semaphore per memory channel, in ascending peer order on every rank (as the
+/// collection's semaphore table is made); this rank's k-th channel to a peer pairs with the peer's
+/// k-th channel to it. Both sides create as many as the larger of their channel counts.
+fn channel_semaphores(
+    comm: &Communicator,
+    plan: &Plan,
+    enc: &EncodedPlan,
+) -> Result<Vec<D2DSemaphoreHandle>> {
+    let me = comm.rank();
+    let mut handles = vec![D2DSemaphoreHandle::default(); enc.channel_peers.len()];
+    for peer in (0..comm.size()).filter(|&p| p != me) {
+        let mine: Vec<usize> = (0..enc.channel_peers.len())
+            .filter(|&c| enc.channel_peers[c] == peer)
+            .collect();
+        let theirs = plan.gpus[peer]
+            .channel_peers(ChannelType::Memory)
+            .into_iter()
+            .filter(|&p| p == me)
+            .count();
+        let count = mine.len().max(theirs);
+        if count == 0 {
+            continue;
+        }
+        let made = comm.d2d_semaphores(peer, count)?;
+        for (c, h) in mine.into_iter().zip(made) {
+            handles[c] = h;
+        }
+    }
+    Ok(handles)
+}
+
+/// The interpreter's device state as one blob (8-byte aligned parts) and where each part is.
+fn state_bytes(enc: &EncodedPlan, channels: &[D2DSemaphoreHandle]) -> (StateLayout, Vec<u8>) {
+    fn put<T: Copy>(out: &mut Vec<u8>, items: &[T]) -> usize {
+        out.resize(out.len().next_multiple_of(8), 0);
+        let at = out.len();
+        // SAFETY: `T` is one of the plain `#[repr(C)]` integer structs of the device ABI.
+        let raw = unsafe {
+            std::slice::from_raw_parts(items.as_ptr() as *const u8, std::mem::size_of_val(items))
+        };
+        out.extend_from_slice(raw);
+        at
+    }
+    let mut out = Vec::new();
+    let ops: &[PlanOp] = &enc.ops;
+    let refs: &[PlanRef] = &enc.refs;
+    let layout = StateLayout {
+        ops: put(&mut out, ops),
+        tb_ops: put(&mut out, &enc.tb_ops),
+        refs: put(&mut out, refs),
+        ids: put(&mut out, &enc.ids),
+        channels: put(&mut out, channels),
+        semaphores: put(&mut out, &enc.semaphores),
+        barriers: put(&mut out, &vec![0u64; enc.barriers as usize]),
+        flags: put(&mut out, &vec![0u32; enc.threadblocks()]),
+        end: 0,
+    };
+    out.resize(out.len().next_multiple_of(8) + 8, 0);
+    let end = out.len();
+    (StateLayout { end, ..layout }, out)
+}
+
+impl Algorithm for PlanAlgorithm {
+    fn name(&self) -> &str {
+        &self.plan.name
+    }
+
+    fn collective(&self) -> Collective {
+        self.collective
+    }
+
+    fn check(&self, args: &ExecuteArgs) -> Result<()> {
+        if args.input_bytes == 0 {
+            return Ok(());
+        }
+        self.chunk_bytes(args)?;
+        kx::unit_source(args.dtype, args.accum, self.reduce_op).map(|_| ())
+    }
+
+    fn execute(&self, args: &ExecuteArgs) -> Result<()> {
+        if args.input_bytes == 0 {
+            return Ok(());
+        }
+        let chunk = self.chunk_bytes(args)?;
+        let f = self.function(args)?;
+        let rank = self.comm.rank();
+        let [inputs, outputs] = self.rank_buffers(args, chunk)?;
+        let base = self.state.ptr();
+        let at = |off: usize| base + off as u64;
+        let mut a = PlanArgs {
+            ops: at(self.layout.ops),
+            tb_ops: at(self.layout.tb_ops),
+            refs: at(self.layout.refs),
+            ids: at(self.layout.ids),
+            channels: at(self.layout.channels),
+            semaphores: at(self.layout.semaphores),
+            barriers: at(self.layout.barriers),
+            flags: at(self.layout.flags),
+            error_word: self.comm.error_word_device_ptr(),
+            chunk_bytes: chunk as u64,
+            scratch_half_bytes: if self.plan.protocol == crate::plan::Protocol::Simple {
+                0
+            } else {
+                self.scratch_half_bytes as u64
+            },
+            max_spin: 0,
+            packet_bytes: packet_bytes(self.plan.protocol),
+            unit_bytes: unit_bytes(self.plan.protocol),
+            ..PlanArgs::default()
+        };
+        debug_assert!(self.layout.end <= self.state.allocation().size);
+        a.buffers[0] = args.input;
+        a.buffers[1] = args.output;
+        a.buffers[2] = self.scratch_ptrs[rank];
+        for (k, rb) in self.plan.gpus[rank].remote_buffers.iter().enumerate() {
+            let p = rb.rank as usize;
+            a.buffers[FIRST_REMOTE_SLOT as usize + k] = match rb.buffer_type {
+                BufferType::Input => inputs[p],
+                BufferType::Output => outputs[p],
+                BufferType::Scratch => self.scratch_ptrs[p],
+            };
+        }
+        let threads = self.plan.num_threads_per_block.clamp(32, 1024) / 32 * 32;
+        let cfg = LaunchConfig::linear(self.threadblocks.max(1), threads);
+        let mut params = [&mut a as *mut PlanArgs as *mut c_void];
+        // SAFETY: `PlanArgs` is the entry point's one parameter (layout checked by the NVRTC
+        // test's static_asserts); its addresses are the caller's checked buffers, the peers'
+        // registered buffers and scratch, and our own live device state; every chunk an op names
+        // was validated against the plan's chunk counts, which the buffers cover (chunk_bytes).
+        unsafe { self.comm.gpu().launch(f, cfg, args.stream, &mut params) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::builder;
+    use crate::plan::Protocol;
+
+    fn plan(ranks: usize, protocol: Protocol) -> Plan {
+        let json = builder::allreduce(ranks, protocol, PlanReduceOp::Sum).to_string();
+        Plan::from_json(json.as_bytes()).expect("valid")
+    }
+
+    #[test]
+    fn scratch_holds_whole_packets_per_chunk_and_stays_within_the_cap() {
+        let simple = plan(8, Protocol::Simple);
+        let ll = plan(8, Protocol::Ll);
+        let chunks = simple.gpus[0].scratch_chunks as usize;
+        assert_eq!(scratch_bytes(&simple, 64), chunks * 64);
+        // 3 bytes per chunk still take one whole 16-byte packet per chunk.
+        let ll_chunks = ll.gpus[0].scratch_chunks as usize;
+        assert_eq!(scratch_bytes(&ll, 3), (ll_chunks * 16).next_multiple_of(16));
+        for p in [&simple, &ll] {
+            let chunk = max_chunk_bytes(p);
+            assert!(chunk > 0);
+            assert!(2 * scratch_bytes(p, chunk) <= MAX_PLAN_SCRATCH_BYTES);
+            assert!(2 * scratch_bytes(p, 2 * chunk) > MAX_PLAN_SCRATCH_BYTES);
+        }
+    }
+
+    #[test]
+    fn device_state_parts_are_aligned_and_in_order() {
+        let p = plan(4, Protocol::Simple);
+        let enc = encode(&p, 1, false).expect("encodes");
+        let channels = vec![D2DSemaphoreHandle::default(); enc.channel_peers.len()];
+        let (layout, bytes) = state_bytes(&enc, &channels);
+        let parts = [
+            layout.ops,
+            layout.tb_ops,
+            layout.refs,
+            layout.ids,
+            layout.channels,
+            layout.semaphores,
+            layout.barriers,
+            layout.flags,
+            layout.end,
+        ];
+        assert!(parts.iter().all(|o| o % 8 == 0));
+        assert!(parts.windows(2).all(|w| w[0] <= w[1]));
+        assert_eq!(
+            layout.tb_ops - layout.ops,
+            (enc.ops.len() * 20).next_multiple_of(8)
+        );
+        assert_eq!(bytes.len(), layout.end);
+        assert_eq!(layout.end - layout.flags, 8 + 8);
+    }
+}

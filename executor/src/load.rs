@@ -1,0 +1,220 @@
+//! Where plans come from, as MSCCL++ finds them — a file, a directory of `*.json` plans, or, by
+//! default, `MSCCLPP_EXECUTION_PLAN_DIR` and the plan cache under `MSCCLPP_CACHE_DIR` (its
+//! `default/` folder, where the DSL's plans are installed, and the folder itself) — and how
+//! they join an algorithm collection: as [`PlanAlgorithm`]s under their names, with a selector
+//! that prefers a plan whose collective, world size and message range match the call and
+//! otherwise asks the selector it wraps.
+
+use crate::algorithm::PlanAlgorithm;
+use crate::error::PlanError;
+use crate::plan::Plan;
+use mscclpp_core::algorithm::{Algorithm, Collective};
+use mscclpp_core::algorithm_collection::{AlgorithmCollectionBuilder, SelectionContext, Selector};
+use mscclpp_core::communicator::Communicator;
+use mscclpp_core::env::Env;
+use mscclpp_core::{Error, Result};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// The plan files at `path`: the file itself, or the `*.json` files of a directory, sorted.
+pub fn plan_files(path: &Path) -> std::result::Result<Vec<PathBuf>, PlanError> {
+    if !path.is_dir() {
+        return Ok(vec![path.to_path_buf()]);
+    }
+    let entries = std::fs::read_dir(path)
+        .map_err(|e| PlanError::new("", format!("{}: {e}", path.display())))?;
+    let mut files: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_file() && p.extension().is_some_and(|e| e == "json"))
+        .collect();
+    files.sort();
+    Ok(files)
+}
+
+/// The directories plans are looked for in when none is given (those that exist).
+pub fn default_plan_dirs(env: &Env) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = env.execution_plan_dir.iter().cloned().collect();
+    dirs.push(env.cache_dir.join("default"));
+    dirs.push(env.cache_dir.clone());
+    dirs.into_iter().filter(|d| d.is_dir()).collect()
+}
+
+/// Loads and validates every plan at `path`; errors name the file and the JSON path.
+pub fn load_plans(path: &Path) -> Result<Vec<Arc<Plan>>> {
+    plan_files(path)
+        .and_then(|files| {
+            files
+                .iter()
+                .map(|f| {
+                    Plan::load(f).map(Arc::new).map_err(|e| {
+                        PlanError::new(e.path.clone(), format!("{}: {}", f.display(), e.reason))
+                    })
+                })
+                .collect()
+        })
+        .map_err(|e| Error::InvalidArgument(e.to_string()))
+}
+
+/// The plans of the default directories ([`default_plan_dirs`]) that can run on `comm`, in
+/// directory order; unreadable or invalid files are logged and left out, as are plans for
+/// other world sizes or with ops the GPU interpreter refuses ([`runnable_plans`]).
+pub fn default_plans(comm: &Communicator, env: &Env) -> Vec<Arc<Plan>> {
+    let mut plans = Vec::new();
+    for dir in default_plan_dirs(env) {
+        for file in plan_files(&dir).unwrap_or_default() {
+            match Plan::load(&file) {
+                Ok(p) => plans.push(Arc::new(p)),
+                Err(e) => {
+                    tracing::info!(target: "mscclpp::plan", "{}: left out: {e}", file.display())
+                }
+            }
+        }
+    }
+    runnable_plans(comm, plans)
+}
+
+/// Collective: sets up `plans` for `comm` and adds them to `builder`, with the preferring
+/// selector. Every plan must run here (right world size, no port or switch op): the error names
+/// the plan and the op otherwise. Use [`runnable_plans`] to keep only those of a directory that
+/// do.
+pub fn add_plans(
+    comm: &Arc<Communicator>,
+    builder: &mut AlgorithmCollectionBuilder,
+    plans: &[Arc<Plan>],
+) -> Result<Vec<Arc<PlanAlgorithm>>> {
+    let mut algos = Vec::new();
+    for plan in plans {
+        let algo = Arc::new(PlanAlgorithm::new(comm.clone(), plan.clone())?);
+        builder.add_algorithm(algo.clone())?;
+        algos.push(algo);
+    }
+    let table = algos
+        .iter()
+        .map(|a| {
+            let (min, max) = a.message_range();
+            PlanEntry {
+                name: a.name().to_string(),
+                collective: a.collective(),
+                world_size: a.plan().world_size(),
+                min_bytes: min,
+                max_bytes: max,
+            }
+        })
+        .collect();
+    let fallback = builder.take_selector();
+    builder.set_selector(preferring_plans(table, fallback));
+    Ok(algos)
+}
+
+/// What the selector knows of a loaded plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlanEntry {
+    pub name: String,
+    pub collective: Collective,
+    pub world_size: usize,
+    pub min_bytes: u64,
+    pub max_bytes: u64,
+}
+
+/// A selector that answers with the first plan of `table` matching the call's collective, world
+/// size and message size, and asks `fallback` otherwise.
+pub fn preferring_plans(table: Vec<PlanEntry>, fallback: Option<Selector>) -> Selector {
+    Box::new(move |ctx: &SelectionContext| {
+        let bytes = ctx.message_bytes as u64;
+        table
+            .iter()
+            .find(|p| {
+                p.collective == ctx.collective
+                    && p.world_size == ctx.world_size
+                    && (p.min_bytes..=p.max_bytes).contains(&bytes)
+            })
+            .map(|p| p.name.clone())
+            .or_else(|| fallback.as_ref().and_then(|f| f(ctx)))
+    })
+}
+
+/// The plans of `plans` that can run on `comm` (world size, op kinds); the others are logged
+/// with the reason and left out.
+pub fn runnable_plans(comm: &Communicator, plans: Vec<Arc<Plan>>) -> Vec<Arc<Plan>> {
+    let nvls = Env::get().map(|e| e.nvls_allowed()).unwrap_or(false);
+    plans
+        .into_iter()
+        .filter(|p| {
+            let why = if p.world_size() != comm.size() {
+                Some(format!("written for {} ranks", p.world_size()))
+            } else {
+                crate::encode::encode(p, comm.rank(), nvls)
+                    .err()
+                    .map(|e| e.to_string())
+            };
+            if let Some(why) = &why {
+                tracing::info!(target: "mscclpp::plan", "plan {} left out: {why}", p.name);
+            }
+            why.is_none()
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mscclpp_core::DataType;
+
+    fn ctx(collective: Collective, bytes: usize, world: usize) -> SelectionContext {
+        SelectionContext {
+            collective,
+            message_bytes: bytes,
+            dtype: DataType::F32,
+            world_size: world,
+            local_world_size: world,
+            symmetric_memory: false,
+            capturing: false,
+            arch: "sm_90".into(),
+            nvls_allowed: false,
+        }
+    }
+
+    #[test]
+    fn a_matching_plan_is_preferred_and_the_rest_falls_back() {
+        let table = vec![PlanEntry {
+            name: "allreduce_2gpu".into(),
+            collective: Collective::AllReduce,
+            world_size: 2,
+            min_bytes: 1024,
+            max_bytes: 1 << 20,
+        }];
+        let fallback: Selector = Box::new(|_| Some("default_allreduce_packet".into()));
+        let select = preferring_plans(table, Some(fallback));
+        let pick = |c, b, w| select(&ctx(c, b, w));
+        assert_eq!(
+            pick(Collective::AllReduce, 4096, 2).as_deref(),
+            Some("allreduce_2gpu")
+        );
+        for (c, b, w) in [
+            (Collective::AllReduce, 512, 2),
+            (Collective::AllReduce, 2 << 20, 2),
+            (Collective::AllReduce, 4096, 4),
+            (Collective::AllGather, 4096, 2),
+        ] {
+            assert_eq!(pick(c, b, w).as_deref(), Some("default_allreduce_packet"));
+        }
+    }
+
+    #[test]
+    fn a_directory_lists_its_json_files_sorted() {
+        let dir = std::env::temp_dir().join(format!("mscclpp-plan-files-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in ["b.json", "a.json", "notes.txt"] {
+            std::fs::write(dir.join(f), "{}").unwrap();
+        }
+        let files = plan_files(&dir).unwrap();
+        let names: Vec<_> = files
+            .iter()
+            .map(|f| f.file_name().unwrap().to_owned())
+            .collect();
+        assert_eq!(names, ["a.json", "b.json"]);
+        let err = load_plans(&dir).unwrap_err().to_string();
+        assert!(err.contains("a.json"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,61 @@
+//! The GPU interpreter's op encoding of the fixture plans: what runs, what is refused and why.
+
+mod common;
+
+use mscclpp_executor::encode::encode;
+use mscclpp_executor::{BufferType, Plan};
+use mscclpp_kernels_cu::executor::{OpKind, FIRST_REMOTE_SLOT, SLOT_SCRATCH};
+
+#[test]
+fn every_non_nvls_fixture_encodes_on_every_rank() {
+    for (name, bytes) in common::fixtures() {
+        let plan = Plan::from_json(&bytes).unwrap_or_else(|e| panic!("{name}: {e}"));
+        for rank in 0..plan.world_size() {
+            let result = encode(&plan, rank, false);
+            if plan.needs_switch() {
+                let err = result.expect_err("switch plans are refused").to_string();
+                assert!(err.contains("NVLS gate is closed"), "{name}: {err}");
+                assert!(
+                    err.starts_with(&format!("gpus[{rank}].threadblocks[")),
+                    "{name}: {err}"
+                );
+                continue;
+            }
+            let enc = result.unwrap_or_else(|e| panic!("{name} rank {rank}: {e}"));
+            assert_eq!(
+                enc.threadblocks(),
+                plan.gpus[rank].threadblocks.len(),
+                "{name}"
+            );
+            // Packets live exactly in scratch buffers (local or a peer's) of LL plans.
+            for r in &enc.refs {
+                let buffer = match r.slot {
+                    SLOT_SCRATCH => BufferType::Scratch,
+                    s if s >= FIRST_REMOTE_SLOT => {
+                        enc.remote_buffers[(s - FIRST_REMOTE_SLOT) as usize].1
+                    }
+                    _ => BufferType::Input,
+                };
+                assert_eq!(r.packets == 1, plan.holds_packets(buffer), "{name}");
+            }
+            // Channel ids are global memory-channel indices.
+            for op in &enc.ops {
+                if [
+                    OpKind::Signal,
+                    OpKind::Wait,
+                    OpKind::RelaxedSignal,
+                    OpKind::RelaxedWait,
+                ]
+                .iter()
+                .any(|k| *k as u8 == op.kind)
+                {
+                    let ids = &enc.ids[op.first_id as usize..][..op.nids as usize];
+                    assert!(
+                        ids.iter().all(|&c| (c as usize) < enc.channel_peers.len()),
+                        "{name}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,239 @@
+//! Host mirrors of the execution-plan interpreter's device data (`kernels/executor.cu`): the
+//! kernel's one argument [`PlanArgs`] and the compact op list it walks ([`PlanOp`], [`PlanRef`]),
+//! which `mscclpp-executor` encodes once per plan from the validated JSON. Layouts are checked
+//! against the CUDA declarations by the static_asserts [`layout_asserts`] generates (appended to
+//! the unit by the NVRTC tests).
+//!
+//! The unit is specialised per (data type, accumulation type, reduce op) by `#define`s put in
+//! front, as the reducing collective units are, so a plan compiles only the variant it runs.
+
+use crate::collectives::{cxx_type, resolve_accumulator};
+use mscclpp_core::{AccumType, DataType, ReduceOp, Result};
+use std::mem::{offset_of, size_of};
+
+/// The interpreter kernel's source (without the specialising `#define`s).
+pub const SOURCE: &str = include_str!("kernels/executor.cu");
+
+/// The interpreter's entry point: one block per plan threadblock, one launch per execution.
+pub const ENTRY: &str = "plan_execute";
+
+/// Buffers one rank's ops can name: input, output, scratch, then the plan's remote buffers
+/// (`kMaxPlanBuffers`).
+pub const MAX_PLAN_BUFFERS: usize = 32;
+/// Slots of [`PlanArgs::buffers`] before the remote buffers.
+pub const SLOT_INPUT: u16 = 0;
+pub const SLOT_OUTPUT: u16 = 1;
+pub const SLOT_SCRATCH: u16 = 2;
+pub const FIRST_REMOTE_SLOT: u16 = 3;
+
+/// What the kernel does for one op (`PlanOp::kind`). Every data-moving op code of the plan format
+/// is one [`OpKind::Data`]: read every source (waiting for LL packets), reduce them with the
+/// plan's op, write the result to every destination (as packets where the destination holds
+/// packets) — the same reading the CPU reference gives them.
+#[repr(u8)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpKind {
+    /// A block-wide sync point and nothing else (`nop`, and the `pipeline` wrapper).
+    Nop = 0,
+    Data = 1,
+    Signal = 2,
+    RelaxedSignal = 3,
+    Wait = 4,
+    RelaxedWait = 5,
+    Flush = 6,
+    SemRelease = 7,
+    SemAcquire = 8,
+    Barrier = 9,
+}
+
+/// `PlanOp::flags`: after the data, signal the op's channels (`pws`, `pwsf`)...
+pub const FLAG_SIGNAL_AFTER: u8 = 1;
+/// ... and flush first (`pwsf`).
+pub const FLAG_FLUSH_AFTER: u8 = 2;
+
+/// One op as the kernel reads it: `nsrc` then `ndst` [`PlanRef`]s from `first_ref`, `nids`
+/// channel / semaphore / barrier ids from `first_id`, and the op's part of every chunk when a
+/// threadblock group shares it (`tbg_part` of `tbg_parts`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PlanOp {
+    pub kind: u8,
+    pub flags: u8,
+    pub nsrc: u8,
+    pub ndst: u8,
+    pub nids: u16,
+    pub tbg_part: u16,
+    pub tbg_parts: u16,
+    /// `barrier`: how many threadblocks meet.
+    pub barrier_tbs: u16,
+    pub first_ref: u32,
+    pub first_id: u32,
+}
+
+/// `size` chunks from chunk `index` of buffer `slot`; `packets` when the buffer holds LL packets.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PlanRef {
+    pub slot: u16,
+    pub packets: u16,
+    pub index: u32,
+    pub size: u32,
+}
+
+/// `PlanArgs`: the one argument of [`ENTRY`]. Device pointers are `u64`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlanArgs {
+    /// `const PlanOp*`: every threadblock's ops, one list after the other.
+    pub ops: u64,
+    /// `const u32*`: threadblock `b`'s ops are `ops[tb_ops[b]..tb_ops[b + 1]]`.
+    pub tb_ops: u64,
+    /// `const PlanRef*`.
+    pub refs: u64,
+    /// `const u32*`: channel, semaphore and barrier ids of the ops.
+    pub ids: u64,
+    /// `D2DSemaphoreHandle*` by global memory-channel index.
+    pub channels: u64,
+    /// `u32*`: the plan's local semaphores (sem_release / sem_acquire).
+    pub semaphores: u64,
+    /// `u64*`: arrivals by barrier id (only grow).
+    pub barriers: u64,
+    /// `u32*`: executions so far, one counter per threadblock: the LL flag of the next one.
+    pub flags: u64,
+    pub error_word: u64,
+    /// Addresses by slot: input, output, scratch, then remote buffer k at 3 + k.
+    pub buffers: [u64; MAX_PLAN_BUFFERS],
+    pub chunk_bytes: u64,
+    /// LL plans alternate two halves of every scratch by execution; this is the second's offset.
+    pub scratch_half_bytes: u64,
+    pub max_spin: u64,
+    /// 0 for Simple, 8 (LL8) or 16 (LL16).
+    pub packet_bytes: u32,
+    /// Payload bytes per unit of work: 4 for LL8, 8 otherwise.
+    pub unit_bytes: u32,
+}
+
+impl Default for PlanArgs {
+    fn default() -> Self {
+        PlanArgs {
+            ops: 0,
+            tb_ops: 0,
+            refs: 0,
+            ids: 0,
+            channels: 0,
+            semaphores: 0,
+            barriers: 0,
+            flags: 0,
+            error_word: 0,
+            buffers: [0; MAX_PLAN_BUFFERS],
+            chunk_bytes: 0,
+            scratch_half_bytes: 0,
+            max_spin: 0,
+            packet_bytes: 0,
+            unit_bytes: 8,
+        }
+    }
+}
+
+/// Name (logs, kernel cache) of the unit for `dtype` accumulating in `acc` with `op`.
+pub fn unit_name(dtype: DataType, acc: DataType, op: ReduceOp) -> String {
+    format!(
+        "plan_executor_{}_acc_{}_{}",
+        dtype.name(),
+        acc.name(),
+        op.name()
+    )
+}
+
+/// The unit for `dtype` with the accumulator `accum` resolves to and `op`; errors name a pair
+/// no kernel is offered for.
+pub fn unit_source(dtype: DataType, accum: AccumType, op: ReduceOp) -> Result<(String, String)> {
+    let acc = resolve_accumulator(dtype, accum)?;
+    let text = format!(
+        "#define MSCCLPP_PLAN_T {}\n#define MSCCLPP_PLAN_ACC {}\n#define MSCCLPP_PLAN_OP {}\n{SOURCE}",
+        cxx_type(dtype),
+        cxx_type(acc),
+        op.to_nccl()
+    );
+    Ok((unit_name(dtype, acc, op), text))
+}
+
+/// C++ static_asserts of the interpreter's structs and constants against this file.
+pub fn layout_asserts() -> String {
+    let mut out =
+        String::from("\n// Generated by mscclpp_kernels_cu::executor::layout_asserts().\n");
+    let mut check = |ty: &str, field: &str, offset: usize| {
+        out += &format!(
+            "static_assert(offsetof(mscclpp::plan::{ty}, {field}) == {offset}, \"{ty}::{field}: offset differs from kernels-cu/src/executor.rs\");\n"
+        );
+    };
+    macro_rules! fields {
+        ($ty:ident: $($f:ident),+) => {
+            $(check(stringify!($ty), stringify!($f), offset_of!($ty, $f));)+
+        };
+    }
+    fields!(PlanOp: kind, flags, nsrc, ndst, nids, tbg_part, tbg_parts, barrier_tbs, first_ref, first_id);
+    fields!(PlanRef: slot, packets, index, size);
+    fields!(PlanArgs: ops, tb_ops, refs, ids, channels, semaphores, barriers, flags, error_word,
+        buffers, chunk_bytes, scratch_half_bytes, max_spin, packet_bytes, unit_bytes);
+    for (ty, size) in [
+        ("PlanOp", size_of::<PlanOp>()),
+        ("PlanRef", size_of::<PlanRef>()),
+        ("PlanArgs", size_of::<PlanArgs>()),
+    ] {
+        out += &format!(
+            "static_assert(sizeof(mscclpp::plan::{ty}) == {size}, \"{ty}: size differs from kernels-cu/src/executor.rs\");\n"
+        );
+    }
+    out += &format!(
+        "static_assert(mscclpp::plan::kMaxPlanBuffers == {MAX_PLAN_BUFFERS}, \"kMaxPlanBuffers\");\n\
+         static_assert(mscclpp::plan::kFirstRemoteSlot == {FIRST_REMOTE_SLOT}, \"kFirstRemoteSlot\");\n\
+         static_assert(mscclpp::plan::kSignalAfter == {FLAG_SIGNAL_AFTER}, \"kSignalAfter\");\n\
+         static_assert(mscclpp::plan::kFlushAfter == {FLAG_FLUSH_AFTER}, \"kFlushAfter\");\n"
+    );
+    for (name, kind) in [
+        ("kNop", OpKind::Nop),
+        ("kData", OpKind::Data),
+        ("kSignal", OpKind::Signal),
+        ("kRelaxedSignal", OpKind::RelaxedSignal),
+        ("kWait", OpKind::Wait),
+        ("kRelaxedWait", OpKind::RelaxedWait),
+        ("kFlush", OpKind::Flush),
+        ("kSemRelease", OpKind::SemRelease),
+        ("kSemAcquire", OpKind::SemAcquire),
+        ("kBarrier", OpKind::Barrier),
+    ] {
+        out += &format!(
+            "static_assert(mscclpp::plan::{name} == {}, \"{name}\");\n",
+            kind as u8
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_are_the_documented_ones() {
+        assert_eq!(size_of::<PlanOp>(), 20);
+        assert_eq!(size_of::<PlanRef>(), 12);
+        assert_eq!(offset_of!(PlanArgs, buffers), 72);
+        assert_eq!(size_of::<PlanArgs>(), 72 + 8 * MAX_PLAN_BUFFERS + 32);
+        let asserts = layout_asserts();
+        assert!(asserts.contains("offsetof(mscclpp::plan::PlanOp, first_id) == 16"));
+        assert!(asserts.contains("mscclpp::plan::kBarrier == 9"));
+    }
+
+    #[test]
+    fn units_are_specialised_and_refuse_narrowing() {
+        let (name, src) = unit_source(DataType::Fp8E4M3, AccumType::F32, ReduceOp::Max).unwrap();
+        assert_eq!(name, "plan_executor_fp8_e4m3_acc_f32_max");
+        assert!(
+            src.starts_with("#define MSCCLPP_PLAN_T fp8_e4m3\n#define MSCCLPP_PLAN_ACC float\n")
+        );
+        assert!(src.contains("void plan_execute("));
+        assert!(unit_source(DataType::F32, AccumType::F16, ReduceOp::Sum).is_err());
+    }
+}
