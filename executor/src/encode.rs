@@ -61,6 +61,15 @@ pub fn unit_bytes(protocol: Protocol) -> u32 {
     }
 }
 
+/// The bytes `[start, end)` of a chunk of `chunk_bytes` that member `part` of a threadblock group
+/// of `parts` handles: whole units of `unit` payload bytes, so no two members write one LL packet.
+/// The kernel's `run_data` cuts chunks the same way; the CPU reference uses this.
+pub fn part_range(chunk_bytes: usize, unit: usize, part: usize, parts: usize) -> (usize, usize) {
+    let units = chunk_bytes.div_ceil(unit);
+    let at = |p: usize| (units * p / parts * unit).min(chunk_bytes);
+    (at(part), at(part + 1))
+}
+
 /// Encodes `rank`'s part of a validated plan. `nvls_allowed` only changes the wording of a
 /// switch-channel refusal.
 pub fn encode(plan: &Plan, rank: usize, nvls_allowed: bool) -> Result<EncodedPlan> {
@@ -313,6 +322,20 @@ mod tests {
                 let data = enc.ops.iter().filter(|o| o.kind == OpKind::Data as u8);
                 assert!(data.count() > 0);
             }
+        }
+    }
+
+    #[test]
+    fn group_members_tile_a_chunk_in_whole_units() {
+        for (bytes, unit, parts) in [(3, 8, 2), (24, 8, 2), (100, 8, 3), (12, 4, 5), (0, 8, 2)] {
+            let mut next = 0;
+            for p in 0..parts {
+                let (a, b) = part_range(bytes, unit, p, parts);
+                assert_eq!(a, next, "{bytes} bytes, part {p} of {parts}");
+                assert!(a % unit == 0 && (b % unit == 0 || b == bytes));
+                next = b;
+            }
+            assert_eq!(next, bytes);
         }
     }
 

@@ -598,7 +598,11 @@ impl<'a> Machine<'a> {
         let (part, parts) = op
             .tbg_info
             .map_or((0, 1), |g| (g.tb_id as usize, g.tbg_size as usize));
-        let (a, b) = (m * part / parts, m * (part + 1) / parts);
+        // Cut as the GPU interpreter cuts (whole payload units, so members never share a packet).
+        let size = self.cfg.dtype.size();
+        let unit = (crate::encode::unit_bytes(self.plan.protocol) as usize).max(size);
+        let (lo, hi) = crate::encode::part_range(m * size, unit, part, parts);
+        let (a, b) = (lo / size, hi / size);
         targets
             .into_iter()
             .map(|(peer, buffer)| {

@@ -233,7 +233,7 @@ mod tests {
         assert!(
             src.starts_with("#define MSCCLPP_PLAN_T fp8_e4m3\n#define MSCCLPP_PLAN_ACC float\n")
         );
-        assert!(src.contains("void plan_execute("));
+        assert!(src.contains("plan_execute(mscclpp::plan::PlanArgs a)"));
         assert!(unit_source(DataType::F32, AccumType::F16, ReduceOp::Sum).is_err());
     }
 }

@@ -16,7 +16,8 @@
 //! resources of its own) with calls in flight on two streams at once, all-to-all-v with
 //! device-resident counts (MoE routing), and a deliberate count mismatch on a communicator of its
 //! own (every rank's kernel detects it, nothing is written anywhere, every rank's error names the
-//! two ranks, nothing hangs; the job's communicator stays healthy for later sections).
+//! two ranks, nothing hangs; the job's communicator stays healthy for later sections), and device
+//! counts that overflow a receiver's output (likewise, on another communicator of its own).
 //!
 //! After every check the ranks agree (bootstrap all-gather) on whether it completed; after a
 //! failure the remaining checks are skipped on every rank instead of each timing out.
@@ -536,6 +537,56 @@ fn count_mismatch(ctx: &RankContext, comm: Arc<Communicator>) -> Result<String> 
     ))
 }
 
+/// Every rank sends one 8-byte row to every rank with device counts, but rank 0's output holds one
+/// row too few, on a communicator made for the purpose: every rank's kernel sees it, nothing moves
+/// anywhere, and every rank's error names rank 0 and both sizes.
+fn device_counts_overflow(ctx: &RankContext, comm: Arc<Communicator>) -> Result<String> {
+    const UNIT: usize = 8;
+    let (rank, n) = (ctx.rank(), ctx.size());
+    let send = Split::uniform(n, UNIT);
+    let capacity = if rank == 0 { UNIT * (n - 1) } else { UNIT * n };
+    let b = Buffers::new(&ctx.gpu, UNIT * n, capacity)?;
+    b.fill(11, rank, &send)?;
+    let counts = DeviceCounts::new(&ctx.gpu, &vec![1; n])?;
+    let engine = AlltoallZeroCopy::new(comm)?;
+    engine.alltoallv_device_counts(
+        b.input(),
+        b.output(),
+        counts.send.ptr,
+        counts.recv.ptr,
+        UNIT,
+        Stream::DEFAULT,
+        None,
+    )?;
+    ctx.gpu.synchronize_stream(Stream::DEFAULT)?;
+    let named = format!(
+        "the senders to rank 0 send {} bytes in all, beyond its output's {}",
+        UNIT * n,
+        UNIT * (n - 1)
+    );
+    let outcome = match engine.check_device_errors() {
+        Err(e) if e.to_string().contains(&named) => b.verify(
+            11,
+            rank,
+            &Split {
+                counts: vec![0; n],
+                displs: vec![0; n],
+            },
+        ),
+        other => Err(Error::Internal(format!(
+            "rank {rank}: expected an error with \"{named}\", got {other:?}"
+        ))),
+    };
+    let everyone = ctx.bootstrap.all_gather(&[u8::from(outcome.is_ok())])?;
+    outcome?;
+    if everyone.iter().any(|v| v.first() != Some(&1)) {
+        return Err(Error::Internal(
+            "another rank did not report the overflow as expected (see its line)".into(),
+        ));
+    }
+    Ok("every rank failed naming rank 0's output, nothing written, no hang".into())
+}
+
 /// Runs the all-to-all family checks on this rank; returns (check name, outcome) in order.
 pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
     let n = ctx.size();
@@ -657,6 +708,13 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
                 .fresh_communicator()
                 .and_then(|comm| count_mismatch(ctx, comm));
             out.push(("alltoallv: count mismatch -> device error".into(), r));
+            let r = ctx
+                .fresh_communicator()
+                .and_then(|comm| device_counts_overflow(ctx, comm));
+            out.push((
+                "alltoallv: device counts overflow -> device error".into(),
+                r,
+            ));
         }
     }
     out

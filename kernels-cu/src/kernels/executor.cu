@@ -10,7 +10,8 @@
 // with the plan's op (accumulating in MSCCLPP_PLAN_ACC), write the result to every destination,
 // as packets where the destination holds packets. A single source is copied bit for bit.
 // Work is cut in units of 8 payload bytes (4 for LL8): unit u of a chunk is packet u of that chunk
-// in a packet buffer, and a threadblock group splits every chunk by whole units, so no two blocks
+// in a packet buffer, and a threadblock group splits every chunk by whole units (as
+// mscclpp_executor::encode::part_range, which the CPU reference uses), so no two blocks
 // write one packet.
 //
 // CUDA-graph safe: nothing is set by the host per call. The LL flag of an execution is the
