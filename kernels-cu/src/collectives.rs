@@ -66,7 +66,7 @@ pub enum CollectiveFile {
 }
 
 impl CollectiveFile {
-    pub const ALL: [CollectiveFile; 6] = [
+    pub const ALL: [CollectiveFile; 7] = [
         CollectiveFile::AllReduce,
         CollectiveFile::AllGather,
         CollectiveFile::ReduceScatter,
