@@ -216,6 +216,38 @@ mod tests {
         assert_eq!(on_disk, embedded);
     }
 
+    /// A kernel reads the error word at entry once per block (`block_aborted`): warps that read it
+    /// apart can disagree, meet different barriers and run on past an error the others saw (a p2p
+    /// receiver copied part of a chunk it had refused). Waits inside one thread (spin_until) are the
+    /// headers' business.
+    #[test]
+    fn kernels_read_the_error_word_once_per_block() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/kernels");
+        let mut checked = 0;
+        for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+            let path = entry.unwrap().path();
+            if path.extension().is_none_or(|e| e != "cu") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            for (i, line) in text.lines().enumerate() {
+                let bare = line.replace("block_aborted(", "");
+                assert!(
+                    !bare.contains("aborted("),
+                    "{}:{}: a per-thread aborted() read; use block_aborted: {line}",
+                    path.display(),
+                    i + 1
+                );
+            }
+            checked += 1;
+        }
+        assert!(
+            checked > 5,
+            "only {checked} kernel files in {}",
+            dir.display()
+        );
+    }
+
     #[test]
     fn every_include_resolves_to_an_embedded_header() {
         let texts = HEADERS

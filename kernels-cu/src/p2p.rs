@@ -49,6 +49,10 @@ pub struct P2pState {
     pub counters: [[u64; 4]; MAX_RANKS],
 }
 
+/// `P2pMismatch::theirs` of a receive that met a chunk of another message (`kP2pOtherSize`): the
+/// peer's message has another chunk count, and its size was not in the chunk.
+pub const OTHER_SIZE: u64 = u64::MAX;
+
 /// `P2pMismatch`: the host-mapped record of the first size mismatch a rank saw.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -119,6 +123,7 @@ pub fn layout_asserts() -> String {
     ] {
         out += &format!("static_assert({name} == {value}, \"{name}\");\n");
     }
+    out += &format!("static_assert(kP2pOtherSize == {OTHER_SIZE}ull, \"kP2pOtherSize\");\n");
     out
 }
 

@@ -13,15 +13,16 @@
 //! CUDA graph replayed twice on fresh data; an all-pairs group of uneven sizes (each pair its own
 //! size from that list); three sends to the same peer in one group (order) interleaved with the
 //! receives; 20 repeated groups; two engines with groups in flight on two streams, and one engine
-//! used from two streams (which it orders); and a size
-//! mismatch (rank 0 sends 1 MiB + 100 bytes, rank 1 receives 1 MiB) on a fresh communicator, which
-//! must end with an error naming rank and peer on both ranks and no hang.
+//! used from two streams (which it orders); and two size mismatches (see [`MISMATCHES`]), each on a
+//! fresh communicator, which must end with an error naming rank and peer on both ranks, the
+//! receive buffer untouched, and no hang.
 
 use crate::RankContext;
 use mscclpp::core::bootstrap::{Bootstrap, BootstrapConfig, TcpBootstrap, UniqueId};
 use mscclpp::core::communicator::Communicator;
 use mscclpp::core::gpu::{Allocation, Gpu, MemoryKind, Stream};
 use mscclpp::core::{Error, Result};
+use mscclpp_collectives::p2p::plan::{chunks, layout};
 use mscclpp_collectives::p2p::{P2pEngine, P2pKind, P2pOp};
 use std::sync::Arc;
 
@@ -288,13 +289,18 @@ fn two_streams(ctx: &RankContext, engines: [&P2pEngine; 2], key: u64) -> Result<
     result
 }
 
-/// Rank 0 sends 1 MiB + 100 bytes to rank 1, which receives 1 MiB, on a fresh communicator (the
+/// (sent, received) of the mismatch checks. Both are larger than the channel's slots at any world
+/// size, so the sender meets the receiver's post while it waits for credit. 1 MiB + 100 against
+/// 1 MiB has one more chunk on the sender at 2 and 8 ranks, the same count at 4; 1 MiB - 100
+/// against 1 MiB - 200 has the same chunk count at every world size (slots are multiples of 4 KiB),
+/// so the message differs only in the count carried by every chunk, which every receiving block
+/// must check before it copies (at 4 ranks a block once copied most of its chunk anyway).
+const MISMATCHES: [(usize, usize); 2] = [(MIB + 100, MIB), (MIB - 100, MIB - 200)];
+
+/// Rank 0 sends `sent` bytes to rank 1, which receives `received`, on a fresh communicator (the
 /// error is sticky): both ranks must report an error naming both ranks, rank 1's buffer must stay
-/// poisoned, and nothing may hang. The message is larger than the channel's slots at any world
-/// size, so the sender meets the receiver's post while it waits for credit and its check does not
-/// depend on launch timing. Other ranks only take part in building the communicator.
-fn size_mismatch(ctx: &RankContext) -> Result<String> {
-    const SENT: usize = MIB + 100;
+/// poisoned, and nothing may hang. Other ranks only take part in building the communicator.
+fn size_mismatch(ctx: &RankContext, (sent, received): (usize, usize)) -> Result<String> {
     let config = BootstrapConfig::from_env(ctx.env);
     let (rank, size) = (ctx.rank(), ctx.size());
     let id = if rank == 0 {
@@ -306,9 +312,10 @@ fn size_mismatch(ctx: &RankContext) -> Result<String> {
     let boot: Arc<dyn Bootstrap> = Arc::new(TcpBootstrap::new(rank, size, &id, &config)?);
     let comm = Arc::new(Communicator::new(boot, ctx.gpu.clone(), ctx.device)?);
     let engine = P2pEngine::new(comm.clone())?;
+    let slot = layout(size).slot_bytes;
     let msgs = match rank {
-        0 => tagged(vec![(P2pKind::Send, 1, SENT)]),
-        1 => tagged(vec![(P2pKind::Recv, 0, MIB)]),
+        0 => tagged(vec![(P2pKind::Send, 1, sent)]),
+        1 => tagged(vec![(P2pKind::Recv, 0, received)]),
         _ => Vec::new(),
     };
     let g = Group::new(&ctx.gpu, rank, msgs)?;
@@ -330,13 +337,17 @@ fn size_mismatch(ctx: &RankContext) -> Result<String> {
                     "rank {rank}: the error does not name rank {me} and peer {peer}: {m}"
                 )))
             } else if rank == 1 {
-                let mut got = vec![0u8; MIB + GUARD];
+                let mut got = vec![0u8; received + GUARD];
                 ctx.gpu.copy_from_device(&mut got, g.bufs[0].ptr)?;
                 match got.iter().position(|&b| b != POISON) {
                     Some(at) => Err(Error::Internal(format!(
                         "rank 1: byte {at} of the receive buffer was written despite the mismatch"
                     ))),
-                    None => Ok(format!("rank 1: {m} ({took:.1?})")),
+                    None => Ok(format!(
+                        "rank 1: {m} ({took:.1?}; {} chunks received, {} sent)",
+                        chunks(received, slot),
+                        chunks(sent, slot)
+                    )),
                 }
             } else {
                 Ok(format!("rank 0: {m} ({took:.1?})"))
@@ -478,10 +489,15 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
         two_streams(ctx, [&engine, &engine], seed ^ 0xBCDE).map(|()| "both rings correct".into()),
     ));
     if n >= 2 {
-        out.push((
-            "p2p: size mismatch -> error naming rank and peer".into(),
-            size_mismatch(ctx),
-        ));
+        for sizes in MISMATCHES {
+            out.push((
+                format!(
+                    "p2p: size mismatch ({} B sent, {} B received) -> error naming rank and peer",
+                    sizes.0, sizes.1
+                ),
+                size_mismatch(ctx, sizes),
+            ));
+        }
     }
     out
 }
@@ -515,6 +531,21 @@ mod tests {
             consistent(&(0..n).map(|r| ordered(r, n)).collect::<Vec<_>>());
             let g = all_pairs(0, n, uneven);
             assert_eq!(g.len(), 2 * n);
+        }
+    }
+
+    /// The second mismatch shares its chunk count at every world size (the receiver can only tell
+    /// by the count in each chunk), and both are larger than a channel's slots.
+    #[test]
+    fn mismatches_cover_an_equal_chunk_count_at_every_world_size() {
+        for n in 2..=8 {
+            let slot = layout(n).slot_bytes;
+            let (sent, received) = MISMATCHES[1];
+            assert_eq!(chunks(sent, slot), chunks(received, slot), "{n} ranks");
+            for (sent, received) in MISMATCHES {
+                let slots = mscclpp_collectives::p2p::plan::SLOTS as u64;
+                assert!(chunks(sent.min(received), slot) > slots, "{n} ranks");
+            }
         }
     }
 

@@ -22,7 +22,7 @@ use mscclpp_core::communicator::Communicator;
 use mscclpp_core::gpu::{DevicePtr, Event, HostMapped, LaunchConfig, Stream};
 use mscclpp_core::{Error, Result};
 use mscclpp_kernels_cu::collectives::{CollectiveFile, PeerPtrs, MAX_RANKS};
-use mscclpp_kernels_cu::p2p::{P2pArgs, P2pMismatch, P2pOpArgs, P2pState, MAX_OPS};
+use mscclpp_kernels_cu::p2p::{P2pArgs, P2pMismatch, P2pOpArgs, P2pState, MAX_OPS, OTHER_SIZE};
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
@@ -137,10 +137,15 @@ impl P2pEngine {
             } else {
                 ("recv", "from", "sends")
             };
+            let theirs = if m.theirs == OTHER_SIZE {
+                "a message of another size".to_string()
+            } else {
+                format!("{} bytes", m.theirs)
+            };
             format!(
-                "rank {rank}: {verb} of {} bytes {dir} rank {}, but rank {} {their_verb} {} bytes \
+                "rank {rank}: {verb} of {} bytes {dir} rank {}, but rank {} {their_verb} {theirs} \
                  (a send/recv pair with mismatched sizes; nothing was copied for it)",
-                m.mine, m.peer, m.peer, m.theirs
+                m.mine, m.peer, m.peer
             )
         })
     }

@@ -311,7 +311,7 @@ MSCCLPP_DEVICE_INLINE bool run_sync(const PlanArgs& a, const PlanOp& op) {
 extern "C" __global__ void __launch_bounds__(1024) plan_execute(mscclpp::plan::PlanArgs a) {
   using namespace mscclpp;
   using namespace mscclpp::plan;
-  if (mscclpp::aborted(a.error_word)) return;
+  if (mscclpp::block_aborted(a.error_word)) return;
   const u32 block = blockIdx.x;
   const u32 flag = a.flags[block] + 1;
   for (u32 o = a.tb_ops[block]; o < a.tb_ops[block + 1]; ++o) {

@@ -4,9 +4,9 @@
 // Channels. Every ordered pair (sender s, receiver r) has a channel in r's engine region, which every
 // rank maps: `slots` slots of `slot_bytes` data each, plus a 16-byte header per slot (ready, bytes).
 // The sender writes chunk g of the channel (g counts chunks over the channel's whole life) into slot
-// g % slots, then the message's byte count into the header and `ready = g + 1` with a release store.
-// The receiver waits for `ready >= g + 1`, checks the header's byte count against its own, copies the
-// chunk out, and returns the slot's credit by storing `ack = g + 1` into the sender's region. The
+// g % slots, then the message's word (its seq and byte count, as in a post) into the header and
+// `ready = g + 1` with a release store. The receiver waits for `ready >= g + 1`, checks the header's
+// word against its own message's, copies the chunk out, and returns the slot's credit by storing `ack = g + 1` into the sender's region. The
 // sender reuses a slot for chunk g only once `ack + slots > g` (chunk g - slots was copied out).
 // A message of n bytes is max(1, ceil(n / slot_bytes)) chunks, so a zero-byte message still matches.
 //
@@ -18,20 +18,27 @@
 //
 // Size check on both sides. The receiver posts what it expects, (message seq, bytes), into the
 // sender's region at the start of each receive (`posts`, a ring of kP2pPosts entries per peer). The
-// receiver compares the header's byte count with its own on every chunk; the sender, after writing
+// receiver compares the header's word with its own on every chunk, in every block, before it copies
+// anything of it: a chunk of a message of another size, or of another message (the sender's had fewer
+// chunks), is never copied, whichever block meets it first. The sender, after writing
 // its last chunk, compares with the receiver's post of that message if it comes within
 // kP2pPostGraceNs (and while waiting for slot credit it gives up as soon as a mismatching post is
-// there, so a message larger than the slots is always checked on both sides). Either side that finds a
+// there, so a message larger than the slots is always checked on both sides; a chunk it gives up on
+// while its slot is free still gets its header, without data, so the receiver names the mismatch too
+// instead of waiting out its timeout). Either side that finds a
 // mismatch fills the engine's host-mapped P2pMismatch record (peer and both counts) and records
-// kErrorCountMismatch; the receiver never copies a chunk whose header disagrees, so nothing is
-// written beyond its buffer. The ring cannot lap: the host caps the ops per (peer, direction) of one
+// kErrorCountMismatch; the receiver never copies a chunk whose header disagrees, so nothing of a
+// mismatched message is written. The ring cannot lap: the host caps the ops per (peer, direction) of one
 // group at kP2pMaxOps and kP2pPosts > 2 * kP2pMaxOps, while a receiver can post at most one group
 // ahead of the sender it waits for.
 //
 // Blocks. The host gives every op its own blocks (first_block, nblocks; 1 to `slots` of them): ops
 // never wait for one another inside a kernel, so any set of groups that NCCL completes completes
 // here. Block j of an op handles chunks j, j + nblocks, ... A self op (copy) splits its bytes among
-// its blocks. Every wait is spin_until (bounded, error word, wait budget).
+// its blocks. Every wait is spin_until (bounded, error word, wait budget). Every decision a block
+// acts on is thread 0's, shared (p2p_block_agrees, block_aborted): a block whose warps read the error
+// word apart once split around two barriers, and the warps that missed the error copied their share
+// of a chunk whose mismatch thread 0 had seen.
 
 using namespace mscclpp;
 using namespace mscclpp::coll;
@@ -71,6 +78,10 @@ struct P2pState {
   u64 counters[kMaxRanks][4];    // per peer: send msgs, send chunks, recv msgs, recv chunks
 };
 
+// `theirs` of a receive that met a chunk of another message: the peer's message has another chunk
+// count, its size is not in the chunk. Mirrored by mscclpp_kernels_cu::p2p::OTHER_SIZE.
+constexpr u64 kP2pOtherSize = ~0ull;
+
 // Host-mapped record of the first size mismatch this rank saw. Mirrored by
 // mscclpp_kernels_cu::p2p::P2pMismatch.
 struct P2pMismatch {
@@ -78,7 +89,7 @@ struct P2pMismatch {
   u32 is_send;  // 1: this rank's send, 0: its receive
   u64 peer;
   u64 mine;     // this rank's byte count
-  u64 theirs;   // the peer's
+  u64 theirs;   // the peer's, or kP2pOtherSize
 };
 
 // The one kernel argument. Mirrored by mscclpp_kernels_cu::p2p::P2pArgs.
@@ -101,15 +112,15 @@ struct P2pArgs {
 };
 
 struct P2pSlotHeader {
-  u64 ready;  // chunk sequence + 1 of the data in the slot
-  u64 bytes;  // byte count of the message the chunk belongs to
+  u64 ready;    // chunk sequence + 1 of the data in the slot
+  u64 message;  // p2p_post(seq, bytes) of the message the chunk belongs to
 };
 
 // Index of `rank` among the peers of `owner` (the region layout is per peer index).
 MSCCLPP_DEVICE_INLINE u32 p2p_peer_index(u32 rank, u32 owner) { return rank < owner ? rank : rank - 1; }
 
-// Post word: (message seq mod 2^24 - 1) + 1 in the high 24 bits, bytes in the low 40 (the host
-// refuses messages of 2^40 bytes or more). Never 0, so a fresh ring holds no post.
+// Post (and header) word: (message seq mod 2^24 - 1) + 1 in the high 24 bits, bytes in the low 40
+// (the host refuses messages of 2^40 bytes or more). Never 0, so a fresh ring holds no post.
 MSCCLPP_DEVICE_INLINE u64 p2p_post(u64 msg, u64 bytes) { return ((msg % 0xFFFFFFull + 1) << 40) | bytes; }
 MSCCLPP_DEVICE_INLINE bool p2p_post_is(u64 post, u64 msg) { return (post >> 40) == msg % 0xFFFFFFull + 1; }
 MSCCLPP_DEVICE_INLINE u64 p2p_post_bytes(u64 post) { return post & ((1ull << 40) - 1); }
@@ -157,14 +168,21 @@ MSCCLPP_DEVICE_INLINE void p2p_send(const P2pArgs& a, const P2pOpArgs& op, u32 j
     const u64 p = atomic_load_acquire_sys(post);
     return p2p_post_is(p, msg) && p2p_post_bytes(p) != op.bytes;
   };
+  auto publish = [&](u32 slot, u64 g) {
+    atomic_store_relaxed_sys(&headers[slot].message, p2p_post(msg, op.bytes));
+    atomic_store_release_sys(&headers[slot].ready, g + 1);
+  };
   for (u64 c = j; c < nchunks; c += op.nblocks) {
     const u64 g = first + c;
     const u32 slot = static_cast<u32>(g % a.slots);
     bool ok = true;
     if (threadIdx.x == 0) {
-      ok = spin_until([&] { return atomic_load_acquire_sys(&acks[slot]) + a.slots > g || refused(); }, a.max_spin,
-                      a.error_word, kErrorSemaphoreWaitTimeout);
+      auto credit = [&] { return atomic_load_acquire_sys(&acks[slot]) + a.slots > g; };
+      ok = spin_until([&] { return credit() || refused(); }, a.max_spin, a.error_word, kErrorSemaphoreWaitTimeout);
       if (ok && refused()) {
+        // The receiver may have posted before any chunk came: the header alone (the slot is ours)
+        // lets it see the mismatch on its side too. Its check keeps it from copying the stale data.
+        if (credit()) publish(slot, g);
         p2p_mismatch(a, true, peer, op.bytes, p2p_post_bytes(atomic_load_acquire_sys(post)));
         ok = false;
       }
@@ -174,10 +192,7 @@ MSCCLPP_DEVICE_INLINE void p2p_send(const P2pArgs& a, const P2pOpArgs& op, u32 j
     const u64 n = min(a.slot_bytes, op.bytes - min(begin, op.bytes));
     copy(data + slot * a.slot_bytes, reinterpret_cast<const u8*>(op.ptr) + begin, n, threadIdx.x, blockDim.x);
     __syncthreads();
-    if (threadIdx.x == 0) {
-      atomic_store_relaxed_sys(&headers[slot].bytes, op.bytes);
-      atomic_store_release_sys(&headers[slot].ready, g + 1);
-    }
+    if (threadIdx.x == 0) publish(slot, g);
   }
   // The size check on this side: the receiver's post of this message, waited for at most
   // kP2pPostGraceNs (a message that needed credit found it long ago). A send must not wait for its
@@ -214,13 +229,14 @@ MSCCLPP_DEVICE_INLINE void p2p_recv(const P2pArgs& a, const P2pOpArgs& op, u32 j
       ok = spin_until([&] { return atomic_load_acquire_sys(&headers[slot].ready) > g; }, a.max_spin, a.error_word,
                       kErrorSemaphoreWaitTimeout);
       if (ok) {
-        const u64 theirs = atomic_load_relaxed_sys(&headers[slot].bytes);
-        if (theirs != op.bytes) {
-          p2p_mismatch(a, false, peer, op.bytes, theirs);
+        const u64 word = atomic_load_relaxed_sys(&headers[slot].message);
+        if (word != p2p_post(msg, op.bytes)) {
+          p2p_mismatch(a, false, peer, op.bytes, p2p_post_is(word, msg) ? p2p_post_bytes(word) : kP2pOtherSize);
           ok = false;
         }
       }
     }
+    // Thread 0 alone saw the header: no thread copies a byte of a chunk it refused.
     if (!p2p_block_agrees(ok)) return;
     const u64 begin = c * a.slot_bytes;
     const u64 n = min(a.slot_bytes, op.bytes - min(begin, op.bytes));
@@ -260,7 +276,8 @@ MSCCLPP_DEVICE_INLINE void p2p_finish(const P2pArgs& a) {
 
 extern "C" __global__ void __launch_bounds__(1024, 1) p2p_group(P2pArgs args) {
   wait_prior_grids();
-  if (!aborted(args.error_word)) {
+  // One read of the error word for the whole block (see Blocks above).
+  if (!block_aborted(args.error_word)) {
     u32 o = 0;
     while (o + 1 < args.nops && blockIdx.x >= args.ops[o + 1].first_block) ++o;
     const P2pOpArgs& op = args.ops[o];

@@ -27,7 +27,7 @@ constexpr int kCollOp = MSCCLPP_COLL_OP;
 extern "C" __global__ void __launch_bounds__(1024, 1)
     reduce_zero_copy(const ZeroCopyArgs args) {
   wait_prior_grids();
-  if (aborted(args.error_word)) return;
+  if (block_aborted(args.error_word)) return;
   const u32 npeers = args.nranks - 1;
   if (block_barrier(args.sems, npeers, false)) {
     if (args.rank == args.root) {
