@@ -43,8 +43,10 @@ use std::sync::Arc;
 /// and lends it to every algorithm, the all-to-all family included (its exchange tables take the
 /// first 24 KiB of the staging part, its packets up to 2 MiB of the LL128 part), at 2, 4 and 8
 /// ranks alike (`resources::CollectionResources`, `resources::scratch_bounds`):
-/// s/2 = 4 MiB of LL16 packets, 9s/4 = 18 MiB of LL128 lines, s = 8 MiB (less the call counter
-/// and semaphores, 78 KiB) for staged data and, with the LL128 part, the copy engine's ring.
+/// s/2 = 4 MiB of LL16 packets, 9s/4 = 18 MiB of LL128 lines, s = 8 MiB (less the call counter,
+/// semaphores and the point-to-point engine's region, up to 0.97 MiB at 8 ranks: 7 MiB at 3 to 8
+/// ranks, 7.375 MiB at 2; 7.875 MiB before the region came in) for staged data and, with the LL128
+/// part, the copy engine's ring.
 /// Capacities (input per rank; before, from each algorithm's own 8 MiB, 32 MiB for the two-phase
 /// all-reduce): two-phase packet all-reduce 4.22 MiB (7.5), all-pair 512 KiB at 2 ranks, 256 KiB at
 /// 4, 128 KiB at 8 (1 MiB, 512 KiB, 256 KiB), packet all-gather 4.22 MiB x 2 / nranks (1.875 MiB x
@@ -62,8 +64,23 @@ pub const DEFAULT_SCRATCH_BYTES: usize = 8 << 20;
 pub fn build_default_algorithms(
     comm: &Arc<Communicator>,
     scratch_bytes: usize,
-    mut builder: AlgorithmCollectionBuilder,
+    builder: AlgorithmCollectionBuilder,
 ) -> Result<AlgorithmCollectionBuilder> {
+    Ok(build_default_algorithms_with_resources(comm, scratch_bytes, builder)?.0)
+}
+
+/// As [`build_default_algorithms`], also returning the resources the collection lends (`None`
+/// across hosts, where no algorithm shares a scratch): a point-to-point engine borrows its region
+/// from them (`p2p::P2pEngine::with_resources`), as the NCCL shim's and the bench's do, so the
+/// whole communicator stays in one scratch allocation.
+pub fn build_default_algorithms_with_resources(
+    comm: &Arc<Communicator>,
+    scratch_bytes: usize,
+    mut builder: AlgorithmCollectionBuilder,
+) -> Result<(
+    AlgorithmCollectionBuilder,
+    Option<Arc<resources::CollectionResources>>,
+)> {
     // At world size 1 every collective is a copy (or nothing): no kernel, whatever the device.
     if comm.size() == 1 {
         for collective in single_rank::COLLECTIVES {
@@ -84,7 +101,7 @@ pub fn build_default_algorithms(
         };
         add_multi_host_algorithms(comm, scratch_bytes, &mut builder)?;
         builder.set_selector(default_native_selector(limits));
-        return Ok(builder);
+        return Ok((builder, None));
     }
     let properties = comm.gpu().properties(comm.device())?;
     let scratch = collection_resources(comm, scratch_bytes)?;
@@ -122,12 +139,13 @@ pub fn build_default_algorithms(
     let env = mscclpp_core::env::Env::get()?;
     nvls::add_nvls_algorithms(comm, scratch_bytes, &mut builder, env)?;
     builder.set_selector(default_native_selector(limits));
-    Ok(builder)
+    Ok((builder, Some(scratch)))
 }
 
 /// Collective: the resources a default collection lends its algorithms (one scratch of about
 /// 3.75 x `scratch_bytes`, the call counter, semaphores for the kind that barriers with the most
-/// blocks, the all-to-all state), as [`build_default_algorithms`] builds them; for tests and
+/// blocks, the all-to-all state, the point-to-point region), as [`build_default_algorithms`]
+/// builds them; for tests and
 /// callers that build the algorithms themselves (`with_resources` constructors).
 pub fn collection_resources(
     comm: &Arc<Communicator>,
@@ -139,7 +157,7 @@ pub fn collection_resources(
         .map(|k| k.semaphore_blocks(sm))
         .max()
         .unwrap_or(0);
-    Ok(Arc::new(resources::CollectionResources::new(
+    Ok(Arc::new(resources::CollectionResources::with_p2p(
         comm,
         scratch_bytes,
         semaphore_blocks,

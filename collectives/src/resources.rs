@@ -9,8 +9,10 @@ use mscclpp_kernels_cu::alltoall::{AlltoallState, TABLE_SCRATCH_BYTES};
 use mscclpp_kernels_cu::collectives::{
     self as kc, CallState, CollectiveFile, PeerPtrs, ReduceSpec,
 };
+use mscclpp_kernels_cu::p2p::P2pState;
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 fn lock<T>(m: &Mutex<T>) -> Result<MutexGuard<'_, T>> {
@@ -180,6 +182,19 @@ impl ScratchRegion {
 /// Rule for callers: the calls of one collection must be ordered on the device (one stream, or
 /// streams ordered by events), as NCCL requires of one communicator's collectives; calls on
 /// unordered streams would share halves and semaphores. Another collection has its own resources.
+///
+/// The point-to-point region ([`Self::with_p2p`], the default collection's): the region of one
+/// `p2p::P2pEngine` (`p2p::plan::Layout`), every peer mapping it, after the LL128 part, with the
+/// engine's `P2pState` at the end of the private tail; the staging part gives up its bytes, so the
+/// whole stays one allocation of the same granules (30 MiB with the default scratch at 2 to 8
+/// ranks). It is in no part and no algorithm of the collection touches it: point-to-point groups
+/// are not collective (a rank's sends and receives need not follow the collection's calls in step
+/// with its peers, and may run on another stream than its collectives), so the halves argument
+/// above does not hold for them; their own protocol (per-channel chunk numbers, credits and posts,
+/// see kernels/p2p.cu) is what keeps them safe, and it holds only while one engine owns the
+/// region, so an engine claims it ([`Self::claim_p2p`]) until it is dropped. A later engine on the
+/// same resources carries on from the counters and slot headers its predecessor left, as every rank
+/// does alike.
 pub struct CollectionResources {
     /// Every rank's scratch address, by rank.
     peers: PeerPtrs,
@@ -189,7 +204,19 @@ pub struct CollectionResources {
     semaphore_blocks: u32,
     /// Bytes of the semaphore table (the tail's second field).
     semaphore_table_bytes: usize,
+    /// Bytes of the point-to-point region after the LL128 part (0: none).
+    p2p_bytes: usize,
+    /// Whether an engine holds the point-to-point region.
+    p2p_claimed: AtomicBool,
     scratch: SharedScratch,
+}
+
+/// The point-to-point region of a collection as an engine sees it (see [`CollectionResources`]).
+#[derive(Debug, Clone, Copy)]
+pub struct P2pRegion {
+    pub region: ScratchRegion,
+    /// This rank's `P2pState`, zeroed at creation.
+    pub state: DevicePtr,
 }
 
 impl CollectionResources {
@@ -201,27 +228,47 @@ impl CollectionResources {
         scratch_bytes: usize,
         semaphore_blocks: u32,
     ) -> Result<CollectionResources> {
+        CollectionResources::build(comm, scratch_bytes, semaphore_blocks, 0)
+    }
+
+    /// As [`Self::new`], with the point-to-point region for `comm`'s world size after the scratch
+    /// (see the type's docs): the default collection's resources.
+    pub fn with_p2p(
+        comm: &Arc<Communicator>,
+        scratch_bytes: usize,
+        semaphore_blocks: u32,
+    ) -> Result<CollectionResources> {
+        let p2p_bytes = crate::p2p::plan::layout(comm.size()).region_bytes;
+        CollectionResources::build(comm, scratch_bytes, semaphore_blocks, p2p_bytes)
+    }
+
+    fn build(
+        comm: &Arc<Communicator>,
+        scratch_bytes: usize,
+        semaphore_blocks: u32,
+        p2p_bytes: usize,
+    ) -> Result<CollectionResources> {
         let table = semaphore_table(comm, semaphore_blocks)?;
-        // The private tail: [CallState][semaphores [block][peer index]][AlltoallState].
         let semaphore_table_bytes = std::mem::size_of_val(table.as_slice());
-        let tail = std::mem::size_of::<CallState>()
-            + semaphore_table_bytes
-            + std::mem::size_of::<AlltoallState>();
-        let bounds = scratch_bounds(scratch_bytes, tail);
+        let tail = private_tail_bytes(semaphore_table_bytes, p2p_bytes);
+        // The staging part gives up the point-to-point region's bytes as it does the tail's.
+        let bounds = scratch_bounds(scratch_bytes, tail + p2p_bytes);
         if bounds.windows(2).any(|w| w[1] <= w[0]) {
             return Err(Error::InvalidArgument(format!(
                 "a scratch of {scratch_bytes} bytes is too small for a collection (its call \
                  counter and semaphores take {tail} bytes)"
             )));
         }
-        // Zeroed memory is CallState::default() (every per-block slot at call 0) and
-        // AlltoallState::default().
-        let scratch = SharedScratch::with_private_tail(comm, bounds[3], tail)?;
+        // Zeroed memory is CallState::default() (every per-block slot at call 0),
+        // AlltoallState::default() and P2pState::default().
+        let scratch = SharedScratch::with_private_tail(comm, bounds[3] + p2p_bytes, tail)?;
         let resources = CollectionResources {
             peers: PeerPtrs::from_slice(&scratch.rank_ptrs())?,
             bounds,
             semaphore_blocks,
             semaphore_table_bytes,
+            p2p_bytes,
+            p2p_claimed: AtomicBool::new(false),
             scratch,
         };
         comm.gpu().copy_to_device(
@@ -271,9 +318,9 @@ impl CollectionResources {
         }
     }
 
-    /// The shared `coll::CallState`.
+    /// The shared `coll::CallState`, the private tail's first field (after the shared bytes).
     pub fn state_ptr(&self) -> DevicePtr {
-        self.scratch.local_ptr() + self.bounds[3] as u64
+        self.scratch.local_ptr() + (self.bounds[3] + self.p2p_bytes) as u64
     }
 
     /// The semaphore table, `[block][peer index]` as the kernels index it.
@@ -291,6 +338,25 @@ impl CollectionResources {
         self.semaphores_ptr() + self.semaphore_table_bytes as u64
     }
 
+    /// The point-to-point region, for one engine until [`Self::release_p2p`]; `None` where these
+    /// resources have none or an engine holds it.
+    pub fn claim_p2p(&self) -> Option<P2pRegion> {
+        if self.p2p_bytes == 0 || self.p2p_claimed.swap(true, Ordering::AcqRel) {
+            return None;
+        }
+        let state = self.alltoall_state_ptr() + std::mem::size_of::<AlltoallState>() as u64;
+        Some(P2pRegion {
+            region: self.region_between(self.bounds[3], self.bounds[3] + self.p2p_bytes),
+            state,
+        })
+    }
+
+    /// Gives the point-to-point region back (its engine is gone; its kernels were ordered before
+    /// any later engine's by the caller, as for any reuse of device memory).
+    pub fn release_p2p(&self) {
+        self.p2p_claimed.store(false, Ordering::Release);
+    }
+
     /// The all-to-all exchange's table space (see the type's docs): the start of the staging part,
     /// or an error naming the sizes where the builder's scratch leaves it too small.
     pub fn alltoall_tables(&self) -> Result<ScratchRegion> {
@@ -304,6 +370,20 @@ impl CollectionResources {
         }
         Ok(self.region_between(begin, begin + TABLE_SCRATCH_BYTES))
     }
+}
+
+/// Bytes of a collection's private tail: [CallState][semaphores [block][peer index]]
+/// [AlltoallState], and the point-to-point engine's P2pState where it has a region.
+pub fn private_tail_bytes(semaphore_table_bytes: usize, p2p_bytes: usize) -> usize {
+    let p2p_state = if p2p_bytes > 0 {
+        std::mem::size_of::<P2pState>()
+    } else {
+        0
+    };
+    std::mem::size_of::<CallState>()
+        + semaphore_table_bytes
+        + std::mem::size_of::<AlltoallState>()
+        + p2p_state
 }
 
 /// Offsets of the parts (LL16, staging, LL128, end) for the builder's `scratch_bytes` s, with `tail`
@@ -502,6 +582,34 @@ mod tests {
             b[2] - b[1] >= TABLE_SCRATCH_BYTES,
             "all-to-all tables in staging"
         );
+    }
+
+    /// The default collection with the point-to-point region (the NCCL shim's and the bench's) stays
+    /// one allocation of 30 MiB at every world size: staging gives up the region's bytes.
+    #[test]
+    fn the_p2p_region_fits_the_default_allocation() {
+        use crate::p2p::plan::layout;
+        for n in 2..=mscclpp_kernels_cu::collectives::MAX_RANKS {
+            // 132 SMs: the rsag zero-copy kind's 256 blocks of semaphores towards n - 1 peers.
+            let table = 256 * (n - 1) * std::mem::size_of::<D2DSemaphoreHandle>();
+            let p2p = layout(n).region_bytes;
+            let tail = private_tail_bytes(table, p2p);
+            let b = scratch_bounds(8 << 20, tail + p2p);
+            assert_eq!(b[1], 4 << 20, "LL16, {n} ranks");
+            assert_eq!(b[3] - b[2], 18 << 20, "LL128, {n} ranks");
+            let staging = b[2] - b[1];
+            assert!(staging >= 7 << 20, "staging {staging}, {n} ranks");
+            assert_eq!(
+                mscclpp_core::gpu::plain_allocation_bytes(b[3] + p2p + tail),
+                30 << 20,
+                "{n} ranks"
+            );
+        }
+        // What the region costs the staging part at 8 ranks: 7.875 MiB -> 7 MiB.
+        let table = 256 * 7 * std::mem::size_of::<D2DSemaphoreHandle>();
+        let p2p = layout(8).region_bytes;
+        let b = scratch_bounds(8 << 20, private_tail_bytes(table, p2p) + p2p);
+        assert_eq!(b[2] - b[1], 7 << 20);
     }
 
     #[test]

@@ -115,11 +115,19 @@ impl Comm {
         let gpu = gpu()?;
         gpu.set_device(device)?;
         let communicator = Arc::new(Communicator::new(bootstrap.clone(), gpu.clone(), device)?);
-        let algorithms = mscclpp_collectives::default_algorithm_collection(
+        let (builder, resources) = mscclpp_collectives::build_default_algorithms_with_resources(
             &communicator,
             mscclpp_collectives::DEFAULT_SCRATCH_BYTES,
+            AlgorithmCollection::builder(),
         )?;
-        let p2p = P2pEngine::new(communicator.clone()).map_err(|e| e.to_string());
+        let algorithms = builder.build();
+        // ncclSend/ncclRecv borrow the collection's point-to-point region: no allocation of their
+        // own, so the communicator stays within its 32 MiB per rank (issue #24).
+        let p2p = match resources {
+            Some(r) => P2pEngine::with_resources(communicator.clone(), r),
+            None => P2pEngine::new(communicator.clone()),
+        }
+        .map_err(|e| e.to_string());
         let arch = gpu.properties(device)?.arch;
         let fallback = connect_fallback(env, bootstrap.as_ref());
         if let Fallback::Missing(why) = &fallback {

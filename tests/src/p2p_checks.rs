@@ -246,6 +246,13 @@ fn check_group(
     result
 }
 
+/// One eager ring group of `bytes` on `engine`, every byte checked (for other sections).
+pub fn ring_once(ctx: &RankContext, engine: &P2pEngine, bytes: usize, key: u64) -> Result<()> {
+    let (rank, n) = (ctx.rank(), ctx.size());
+    check_group(ctx, engine, ring(rank, n, bytes), key, false, 1)?;
+    engine.check()
+}
+
 /// Two ring groups (opposite directions) on two streams without a host sync between them: on two
 /// engines they run at once; on one engine the second waits for the first.
 fn two_streams(ctx: &RankContext, engines: [&P2pEngine; 2], key: u64) -> Result<()> {

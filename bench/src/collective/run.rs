@@ -264,14 +264,20 @@ impl<'a> Bench<'a> {
                  {count} GPU(s) (NCCL refuses two ranks on one GPU)"
             )));
         }
-        let mut builder = mscclpp_collectives::build_default_algorithms(
-            &comm,
-            mscclpp_collectives::DEFAULT_SCRATCH_BYTES,
-            AlgorithmCollection::builder(),
-        )?;
+        let (mut builder, resources) =
+            mscclpp_collectives::build_default_algorithms_with_resources(
+                &comm,
+                mscclpp_collectives::DEFAULT_SCRATCH_BYTES,
+                AlgorithmCollection::builder(),
+            )?;
         if opts.collective == Collective::SendRecv {
-            // The ring through the point-to-point engine (any buffers), the default below.
-            let engine = mscclpp_collectives::p2p::P2pEngine::new(comm.clone())?;
+            // The ring through the point-to-point engine (any buffers), the default below, on the
+            // collection's point-to-point region as the NCCL shim builds it.
+            use mscclpp_collectives::p2p::P2pEngine;
+            let engine = match resources {
+                Some(r) => P2pEngine::with_resources(comm.clone(), r)?,
+                None => P2pEngine::new(comm.clone())?,
+            };
             builder.add_algorithm(Arc::new(P2pSendRecv::new(engine)))?;
         }
         if let Some(path) = &opts.plan {

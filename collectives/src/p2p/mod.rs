@@ -17,7 +17,7 @@ pub mod plan;
 pub mod sendrecv;
 
 use crate::geometry;
-use crate::resources::{param_ptr, KernelTable, SharedScratch};
+use crate::resources::{param_ptr, CollectionResources, KernelTable, SharedScratch};
 use mscclpp_core::communicator::Communicator;
 use mscclpp_core::gpu::{DevicePtr, Event, HostMapped, LaunchConfig, Stream};
 use mscclpp_core::{Error, Result};
@@ -54,14 +54,26 @@ pub struct P2pOp {
     pub bytes: usize,
 }
 
+/// Where an engine's region and counters live.
+enum Memory {
+    /// Its own allocation ([`P2pEngine::new`]), held until the engine goes.
+    Own { _region: SharedScratch },
+    /// A collection's point-to-point region, claimed until the engine goes
+    /// ([`P2pEngine::with_resources`]).
+    Borrowed(Arc<CollectionResources>),
+}
+
 /// The point-to-point engine of one communicator: the region every peer writes its chunks into
 /// (under 1 MiB per rank at 8 ranks), the device counters, and a host-mapped record of the first
-/// size mismatch, all allocated at [`P2pEngine::new`].
+/// size mismatch; the region and counters its own ([`P2pEngine::new`]) or a collection's
+/// ([`P2pEngine::with_resources`]).
 pub struct P2pEngine {
     // Field order is drop order: device resources go before the communicator.
     kernels: KernelTable,
-    region: SharedScratch,
+    memory: Memory,
     regions: PeerPtrs,
+    local: DevicePtr,
+    state: DevicePtr,
     layout: plan::Layout,
     mismatch: HostMapped,
     /// The stream of the last group launched outside a capture, and an event recorded after it.
@@ -76,16 +88,10 @@ unsafe impl Send for P2pEngine {}
 unsafe impl Sync for P2pEngine {}
 
 impl P2pEngine {
-    /// Collective: every rank calls it once; allocates and exchanges the region.
+    /// Collective: every rank calls it once; allocates (one 2 MiB granule) and exchanges the region.
     pub fn new(comm: Arc<Communicator>) -> Result<Self> {
-        if comm.size() > MAX_RANKS {
-            return Err(Error::Unsupported(format!(
-                "point-to-point engine on {} ranks: at most {MAX_RANKS} ranks on one host",
-                comm.size()
-            )));
-        }
+        check_world(&comm)?;
         let layout = plan::layout(comm.size());
-        let sm = comm.gpu().properties(comm.device())?.multiprocessors.max(1);
         // Zeroed memory is P2pState::default(): no message sent or received yet.
         let region = SharedScratch::with_private_tail(
             &comm,
@@ -93,6 +99,58 @@ impl P2pEngine {
             std::mem::size_of::<P2pState>(),
         )?;
         let regions = PeerPtrs::from_slice(&region.rank_ptrs())?;
+        let local = region.local_ptr();
+        let state = local + layout.region_bytes as u64;
+        P2pEngine::build(comm, Memory::Own { _region: region }, regions, local, state)
+    }
+
+    /// An engine on the point-to-point region of a collection's resources (the default
+    /// collection's: `crate::build_default_algorithms_with_resources`), no allocation of its own;
+    /// see `CollectionResources` for why the region is safe beside the collection's algorithms.
+    /// Not collective, but every rank must build its engine on the same collection. One engine at
+    /// a time holds the region: a second is refused until the first is dropped.
+    pub fn with_resources(
+        comm: Arc<Communicator>,
+        resources: Arc<CollectionResources>,
+    ) -> Result<Self> {
+        check_world(&comm)?;
+        let layout = plan::layout(comm.size());
+        let Some(p2p) = resources.claim_p2p() else {
+            return Err(Error::InvalidArgument(format!(
+                "rank {}: these collection resources have no point-to-point region, or another                  engine holds it",
+                comm.rank()
+            )));
+        };
+        if p2p.region.bytes != layout.region_bytes {
+            resources.release_p2p();
+            return Err(Error::Internal(format!(
+                "the collection's point-to-point region has {} bytes, the engine needs {} for {}                  ranks",
+                p2p.region.bytes,
+                layout.region_bytes,
+                comm.size()
+            )));
+        }
+        let (regions, local, state) = (p2p.region.peers, p2p.region.local, p2p.state);
+        // On failure the engine is not built, so its Drop does not release: do it here.
+        P2pEngine::build(
+            comm,
+            Memory::Borrowed(resources.clone()),
+            regions,
+            local,
+            state,
+        )
+        .inspect_err(|_| resources.release_p2p())
+    }
+
+    fn build(
+        comm: Arc<Communicator>,
+        memory: Memory,
+        regions: PeerPtrs,
+        local: DevicePtr,
+        state: DevicePtr,
+    ) -> Result<Self> {
+        let layout = plan::layout(comm.size());
+        let sm = comm.gpu().properties(comm.device())?.multiprocessors.max(1);
         let mismatch = comm
             .gpu()
             .alloc_host_mapped(std::mem::size_of::<P2pMismatch>())?;
@@ -105,8 +163,10 @@ impl P2pEngine {
         };
         Ok(P2pEngine {
             kernels: KernelTable::default(),
-            region,
+            memory,
             regions,
+            local,
+            state,
             layout,
             mismatch,
             order: Mutex::new((None, event)),
@@ -119,7 +179,13 @@ impl P2pEngine {
         &self.comm
     }
 
-    /// Bytes of device memory the engine holds on this rank.
+    /// Whether the engine's memory is a collection's ([`Self::with_resources`]).
+    pub fn borrows(&self) -> bool {
+        matches!(self.memory, Memory::Borrowed(_))
+    }
+
+    /// Bytes of device memory the engine uses on this rank (its own allocation's, or of the
+    /// collection's allocation, see [`Self::borrows`]).
     pub fn device_bytes(&self) -> usize {
         self.layout.region_bytes + std::mem::size_of::<P2pState>()
     }
@@ -176,8 +242,8 @@ impl P2pEngine {
         let blocks = last.first_block + last.nblocks;
         let mut kargs = P2pArgs {
             regions: self.regions,
-            local: self.region.local_ptr(),
-            state: self.region.local_ptr() + self.layout.region_bytes as u64,
+            local: self.local,
+            state: self.state,
             mismatch: self.mismatch.device_ptr,
             error_word: self.comm.error_word_device_ptr(),
             max_spin: 0,
@@ -223,8 +289,22 @@ impl P2pEngine {
     }
 }
 
+/// The engine's counters and region layout cover at most `MAX_RANKS` ranks.
+fn check_world(comm: &Communicator) -> Result<()> {
+    if comm.size() > MAX_RANKS {
+        return Err(Error::Unsupported(format!(
+            "point-to-point engine on {} ranks: at most {MAX_RANKS} ranks on one host",
+            comm.size()
+        )));
+    }
+    Ok(())
+}
+
 impl Drop for P2pEngine {
     fn drop(&mut self) {
+        if let Memory::Borrowed(resources) = &self.memory {
+            resources.release_p2p();
+        }
         if let Ok((_, event)) = self.order.get_mut().map(|o| *o) {
             let _ = self.comm.gpu().destroy_event(event);
         }

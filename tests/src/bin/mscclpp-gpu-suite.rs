@@ -272,8 +272,10 @@ fn mib(bytes: u64) -> String {
 }
 
 /// Device memory this rank's library holds (`live_device_bytes`, exact under MPS) after the
-/// communicator's init, after building the default collection, and after running each default
-/// algorithm once (small and 4 MiB messages, and 4 KiB per peer for the all-to-all family: every
+/// communicator's init, after building the default collection with the point-to-point engine as
+/// the NCCL shim builds it (on the collection's region: no allocation of its own), and after
+/// running each default algorithm once and one ring group of the engine (small and 4 MiB
+/// messages, and 4 KiB per peer for the all-to-all family: every
 /// scratch and semaphore a call touches is allocated by then; the check's own buffers are freed
 /// before each reading), with the communicator's init time and the collection's build time. Fails
 /// when the per-rank total passes [`MAX_DEVICE_BYTES_PER_RANK`]. Every rank prints its own line;
@@ -286,9 +288,19 @@ fn resources(s: &mut Suite) -> Result<String> {
     let after_init = s.ctx.bytes_after_comm_init;
     let before_build = live_device_bytes();
     let started = Instant::now();
-    let coll = mscclpp_collectives::default_algorithm_collection(
-        &comm,
-        mscclpp_collectives::DEFAULT_SCRATCH_BYTES,
+    let (builder, collection_resources) =
+        mscclpp_collectives::build_default_algorithms_with_resources(
+            &comm,
+            mscclpp_collectives::DEFAULT_SCRATCH_BYTES,
+            mscclpp::core::algorithm_collection::AlgorithmCollection::builder(),
+        )?;
+    let coll = builder.build();
+    // The point-to-point engine as the NCCL shim builds it: on the collection's region.
+    let collection_resources = collection_resources
+        .ok_or_else(|| Error::Internal("the default collection lent no resources".into()))?;
+    let p2p = mscclpp_collectives::p2p::P2pEngine::with_resources(
+        comm.clone(),
+        collection_resources.clone(),
     )?;
     let build = started.elapsed();
     let after_build = live_device_bytes();
@@ -331,6 +343,22 @@ fn resources(s: &mut Suite) -> Result<String> {
         }
         per_algorithm.push(format!("{name} {}", mib(live_device_bytes())));
     }
+    // The engine's ring once, and a second engine on the same region refused.
+    if let Err(e) =
+        mscclpp_tests::p2p_checks::ring_once(&s.ctx, &p2p, 4096 + 8, s.run_seed ^ 0x9292)
+    {
+        wrong.push(format!("p2p ring on the collection's region: {e}"));
+    }
+    if mscclpp_collectives::p2p::P2pEngine::with_resources(comm.clone(), collection_resources)
+        .is_ok()
+    {
+        wrong.push("a second p2p engine took the collection's region".into());
+    }
+    per_algorithm.push(format!(
+        "p2p engine ({} bytes in the collection's allocation) {}",
+        p2p.device_bytes(),
+        mib(live_device_bytes())
+    ));
     let after_all = live_device_bytes();
     if after_all > MAX_DEVICE_BYTES_PER_RANK {
         wrong.push(format!(
