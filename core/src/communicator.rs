@@ -97,8 +97,16 @@ impl Drop for RegisteredMemory {
             // this memory would fault the context, and under MPS every client of the GPU. A
             // healthy communicator's owner has synchronised its work before dropping buffers.
             if FailureFlag(self.health.clone()).is_set() {
-                if let Err(e) = self.gpu.synchronize_device() {
-                    tracing::warn!(target: "mscclpp::conn", "draining kernels before unmapping rank {}'s memory: {e}", self.desc.rank);
+                let start = std::time::Instant::now();
+                match self.gpu.synchronize_device() {
+                    Err(e) => {
+                        tracing::warn!(target: "mscclpp::conn", "draining kernels before unmapping rank {}'s memory: {e}", self.desc.rank)
+                    }
+                    // Said when it is long: what a queue of launches behind a failure costs.
+                    Ok(()) if start.elapsed() > DRAIN_WORTH_LOGGING => {
+                        tracing::warn!(target: "mscclpp::conn", "waited {:.2} s for this process's queued kernels before unmapping rank {}'s memory", start.elapsed().as_secs_f64(), self.desc.rank)
+                    }
+                    Ok(()) => {}
                 }
             }
             if let Err(e) = self.gpu.close_imported(&imported) {
@@ -107,6 +115,9 @@ impl Drop for RegisteredMemory {
         }
     }
 }
+
+/// A drain after a failure longer than this is logged (with its time) when imports are unmapped.
+const DRAIN_WORTH_LOGGING: Duration = Duration::from_millis(50);
 
 /// Per-rank slab of 64-bit semaphore words: the first half receives peers' signals (inbound), the
 /// second half holds this rank's expected counters. Peers map the slab once at setup.

@@ -6,7 +6,8 @@
 //!    its launch geometry first); one that cannot take the call is reported as skipped,
 //!    identically on every rank (the choice depends only on shared inputs);
 //! 2. times it: `warmup` eager calls, then `batches` batches of `iters` calls (eager), or of `G`
-//!    replays of one CUDA graph holding `iters` calls; each batch is timed with events on the
+//!    replays of one CUDA graph holding `iters` calls (at most [`REPLAYS_IN_FLIGHT`] queued at a
+//!    time, see there); each batch is timed with events on the
 //!    stream and the median batch per call is this rank's time; the row shows the mean over ranks
 //!    (nccl-tests' default);
 //! 3. checks it: fresh inputs (counter-based, so every rank regenerates every rank's data), the
@@ -41,7 +42,7 @@ use std::collections::HashSet;
 use std::io::Write;
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// What one rank needs to run the benchmark; `main` builds it from the launcher's variables.
 pub struct RankSetup {
@@ -97,6 +98,14 @@ fn nccl_declined(e: &Error) -> bool {
     deterministic(e) || matches!(e, Error::Driver { .. })
 }
 
+/// Graph replays the timed loop keeps queued on the stream. Enough that the GPU never waits for
+/// the host (a replay is `iters` calls; launching the next takes microseconds), and few, so that
+/// after a failure the kernels still queued ahead of the error are few: each returns at its entry
+/// check, but a replay of 20 calls still costs 20 launches, and an unbounded queue (the driver
+/// accepts thousands of replays) took 2.4 s to drain on one H100 under MPS before the process
+/// could unmap its peers' memory and exit.
+const REPLAYS_IN_FLIGHT: usize = 4;
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     match v.len() {
@@ -145,6 +154,8 @@ struct Bench<'a> {
     local_size: usize,
     stream: Stream,
     events: (Event, Event),
+    /// One event per queued graph replay (see [`REPLAYS_IN_FLIGHT`]).
+    replay_marks: Vec<Event>,
     /// Input and output buffers sized for the largest call.
     input: DeviceBuffer,
     output: DeviceBuffer,
@@ -324,6 +335,9 @@ impl<'a> Bench<'a> {
         let output = DeviceBuffer::zeroed(&gpu, max_out)?;
         let stream = gpu.create_stream()?;
         let events = (gpu.create_event()?, gpu.create_event()?);
+        let replay_marks = (0..REPLAYS_IN_FLIGHT)
+            .map(|_| gpu.create_event())
+            .collect::<Result<Vec<_>>>()?;
         // Every rank must draw the same data: rank 0's clock seeds the run.
         let clock = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -351,6 +365,7 @@ impl<'a> Bench<'a> {
             local_size,
             stream,
             events,
+            replay_marks,
             input,
             output,
             run_seed,
@@ -789,9 +804,14 @@ impl<'a> Bench<'a> {
                 self.gpu.record_event(start, self.stream)?;
                 match graph {
                     Some(g) => {
-                        for _ in 0..o.graph_replays {
+                        for i in 0..o.graph_replays {
                             self.comm.check("a graph replay")?;
+                            let mark = self.replay_marks[i % REPLAYS_IN_FLIGHT];
+                            if i >= REPLAYS_IN_FLIGHT {
+                                self.wait_event(mark, "a graph replay")?;
+                            }
                             self.gpu.launch_graph(g, self.stream)?;
+                            self.gpu.record_event(mark, self.stream)?;
                         }
                     }
                     None => {
@@ -808,12 +828,39 @@ impl<'a> Bench<'a> {
             self.comm.check_device_errors()?;
             Ok(median(per_call))
         })();
+        if let Err(e) = &result {
+            // Timestamped, so a fault-injection run can tell the time to notice the failure from
+            // the time teardown takes after it.
+            tracing::warn!(target: "mscclpp::bench", "rank {}: the timed loop stopped: {e}", self.rank());
+        }
         if let Some(g) = graph {
             if let Err(e) = self.gpu.destroy_graph(g) {
                 tracing::warn!("destroying the benchmark graph failed: {e}");
             }
         }
         result
+    }
+
+    /// Waits until the work before `event`'s record has run, polling the communicator's health in
+    /// between: a failure ends the wait at once with the communicator's error (naming the peer);
+    /// otherwise bounded like [`Bench::sync`].
+    fn wait_event(&self, event: Event, what: &str) -> Result<()> {
+        let start = Instant::now();
+        let timeout = self.env.device_wait_timeout;
+        while !self.gpu.query_event(event)? {
+            self.comm.check(what)?;
+            if start.elapsed() > timeout {
+                return Err(Error::Timeout {
+                    what: format!(
+                        "rank {}'s benchmark stream ({what} did not complete)",
+                        self.rank()
+                    ),
+                    timeout,
+                });
+            }
+            std::thread::sleep(Duration::from_micros(20));
+        }
+        Ok(())
     }
 
     /// One checked call; see the module docs.
@@ -930,11 +977,15 @@ impl<'a> Bench<'a> {
     /// Frees the stream and events (buffers and algorithms free themselves on drop).
     fn release(&mut self) {
         let gpu = &self.gpu;
+        let marks = self.replay_marks.iter().map(|&m| gpu.destroy_event(m));
         for r in [
             gpu.destroy_event(self.events.0),
             gpu.destroy_event(self.events.1),
-            gpu.destroy_stream(self.stream),
-        ] {
+        ]
+        .into_iter()
+        .chain(marks)
+        .chain([gpu.destroy_stream(self.stream)])
+        {
             if let Err(e) = r {
                 tracing::warn!("releasing benchmark resources failed: {e}");
             }
