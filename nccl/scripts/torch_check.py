@@ -388,8 +388,24 @@ def torch_mode():
 NCCL_INT32, NCCL_FLOAT, NCCL_SUM, NCCL_MAX = 2, 7, 0, 2
 
 
-def grouped(lib, name, streams, call):
-    """call(r) enqueues rank r's part; one group over every communicator, then every stream."""
+def async_errors(lib, comms, name):
+    """After a sync: ncclCommGetAsyncError of every communicator must say ncclSuccess, so a device
+    wait that timed out (its output incomplete) fails here even where ncclGroupEnd and the stream
+    sync returned success; returns whether all did."""
+    ok = True
+    for r, c in enumerate(comms):
+        state = ctypes.c_int(-1)
+        rc = lib.ncclCommGetAsyncError(ctypes.c_void_p(c), ctypes.byref(state))
+        if rc != 0 or state.value != 0:
+            report("FAIL", f"{name}: ncclCommGetAsyncError rank {r}",
+                   f"(rc {rc}, async error {state.value}: {last_error(lib)})")
+            ok = False
+    return ok
+
+
+def grouped(lib, name, comms, streams, call):
+    """call(r) enqueues rank r's part; one group over every communicator, then every stream, then
+    every communicator's asynchronous error."""
     n = len(streams)
     for s in streams:  # the inputs and poisoned outputs were written on the default streams
         torch.cuda.synchronize(s.device)
@@ -402,7 +418,8 @@ def grouped(lib, name, streams, call):
         report("FAIL", f"{name}: ncclGroupEnd", last_error(lib))
     for s in streams:
         s.synchronize()
-    return not bad and rc == 0
+    healthy = async_errors(lib, comms, name)
+    return not bad and rc == 0 and healthy
 
 
 def rooted_and_exchanges(lib, comms, devs, streams):
@@ -421,21 +438,21 @@ def rooted_and_exchanges(lib, comms, devs, streams):
             ins = [xs[r].to(on[r]) for r in range(n)]
             outs = [torch.full((count,), -7, dtype=dtype, device=on[r]) for r in range(n)]
             name = f"initall ncclReduce {str(dtype)[6:]} {opname} root={root}"
-            if grouped(lib, name, streams, lambda r: lib.ncclReduce(
+            if grouped(lib, name, comms, streams, lambda r: lib.ncclReduce(
                     ptr(ins[r]), ptr(outs[r]), size_t(count), code, op, root, comm[r], stream[r])):
                 check(name, outs[root], reduce_ref(xs, opname, dtype), dtype, n)
         xs = [make_input(torch.float32, count, r, 13 + root) for r in range(n)]
         ins = [xs[r].to(on[r]) for r in range(n)]
         outs = [torch.zeros(count * n, device=on[r]) for r in range(n)]
         name = f"initall ncclGather root={root}"
-        if grouped(lib, name, streams, lambda r: lib.ncclGather(
+        if grouped(lib, name, comms, streams, lambda r: lib.ncclGather(
                 ptr(ins[r]), ptr(outs[r]), size_t(count), NCCL_FLOAT, root, comm[r], stream[r])):
             check_exact(name, outs[root], torch.cat(xs))
         big = make_input(torch.int32, count * n, root, 17)
         ins = [big.to(on[r]) for r in range(n)]
         outs = [torch.zeros(count, dtype=torch.int32, device=on[r]) for r in range(n)]
         name = f"initall ncclScatter root={root}"
-        if grouped(lib, name, streams, lambda r: lib.ncclScatter(
+        if grouped(lib, name, comms, streams, lambda r: lib.ncclScatter(
                 ptr(ins[r]), ptr(outs[r]), size_t(count), NCCL_INT32, root, comm[r], stream[r])):
             for r in range(n):
                 check_exact(f"{name} rank {r}", outs[r], big[r * count:(r + 1) * count])
@@ -444,7 +461,7 @@ def rooted_and_exchanges(lib, comms, devs, streams):
         ins = [xs[r].to(on[r]) for r in range(n)]
         outs = [torch.zeros(chunk * n, device=on[r]) for r in range(n)]
         name = f"initall ncclAlltoAll chunk={chunk}"
-        if grouped(lib, name, streams, lambda r: lib.ncclAlltoAll(
+        if grouped(lib, name, comms, streams, lambda r: lib.ncclAlltoAll(
                 ptr(ins[r]), ptr(outs[r]), size_t(chunk), NCCL_FLOAT, comm[r], stream[r])):
             for r in range(n):
                 want = torch.cat([xs[s][r * chunk:(r + 1) * chunk] for s in range(n)])
@@ -487,6 +504,8 @@ def initall_mode():
     rc = lib.ncclGroupEnd()
     report("PASS" if rc == 0 else "FAIL", "ncclGroupEnd over all communicators", last_error(lib) if rc else "")
     torch.cuda.synchronize()
+    if async_errors(lib, list(comms), "initall all_reduce + all_gather group"):
+        report("PASS", "ncclCommGetAsyncError after the group: every rank ncclSuccess")
     want = reduce_ref(xs, "sum", torch.float32)
     for r in range(n):
         check(f"initall all_reduce rank {r}", bufs[r], want, torch.float32, n)
