@@ -18,7 +18,8 @@ if [ -n "${NGPU:-}" ]; then export CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((NGPU - 1
 # benchmark runs that way only without --vs-nccl). MPS=1 starts an MPS server first so the sharing ranks' kernels
 # run side by side instead of time-slicing; it goes away with the machine. Every native kernel needs
 # its whole grid resident while it waits for its peers, so each sharing rank is held to its share of
-# the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, which the SM count the rank reads reflects). MPS
+# the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, which the SM count the rank reads reflects; ranks of
+# one process, as in `nccl initall`, divide the SMs among themselves: Communicator::multiprocessors). MPS
 # clients share hardware queues, where port_allreduce hangs: check that one without MPS.
 nranks="${NRANKS:-$ngpu}"
 echo "device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n 1) x $ngpu, $nranks ranks"

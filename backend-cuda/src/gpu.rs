@@ -984,6 +984,7 @@ impl Gpu for CudaGpu {
                 message: format!("{} (kernel {name:?})", driver::error_message(r)),
             });
         }
+        load_now(f, name)?;
         Ok(Function(f as usize as u64))
     }
 
@@ -1228,6 +1229,32 @@ fn multicast_symbols_present() -> Result<()> {
         })
         .clone()
         .map_err(Error::Unsupported)
+}
+
+/// Finishes loading `f` now instead of at its first launch. Under CUDA's lazy module loading (the
+/// default since CUDA 12.2) the first launch of a kernel loads it, and loading may wait for every
+/// kernel running in the context. Where ranks share a context (one process driving several ranks
+/// of one GPU, as `ncclCommInitAll` on one device does), one rank's kernel already waits for its
+/// peers while a peer's first launch would wait for it: a deadlock until the device wait timeout.
+/// Loaded here, outside any launch, a launch never loads. Drivers before 12.4 lack `cuFuncLoad`;
+/// there nothing is done (their lazy loading stays the user's choice: CUDA_MODULE_LOADING=EAGER).
+fn load_now(f: sys::CUfunction, name: &str) -> Result<()> {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    let present = *PRESENT
+        .get_or_init(|| driver::missing_symbols(&["cuFuncLoad"]).is_ok_and(|m| m.is_empty()));
+    if !present {
+        return Ok(());
+    }
+    // SAFETY: `f` is a function just returned by cuModuleGetFunction; loading a loaded one is a no-op.
+    let r = unsafe { sys::cuFuncLoad(f) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(Error::Driver {
+            call: "cuFuncLoad",
+            code: r as i64,
+            message: format!("{} (kernel {name:?})", driver::error_message(r)),
+        });
+    }
+    Ok(())
 }
 
 /// The gate, then the symbols: what every multicast driver call needs first.

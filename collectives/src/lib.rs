@@ -151,7 +151,7 @@ pub fn collection_resources(
     comm: &Arc<Communicator>,
     scratch_bytes: usize,
 ) -> Result<Arc<resources::CollectionResources>> {
-    let sm = comm.gpu().properties(comm.device())?.multiprocessors.max(1);
+    let sm = comm.multiprocessors()?;
     let semaphore_blocks = NativeKind::ALL
         .iter()
         .map(|k| k.semaphore_blocks(sm))

@@ -307,8 +307,8 @@ impl NativeBase {
         comm: Arc<Communicator>,
         resources: Arc<CollectionResources>,
     ) -> Result<Self> {
-        let properties = comm.gpu().properties(comm.device())?;
-        let (sm, vendor) = (properties.multiprocessors.max(1), properties.vendor);
+        let vendor = comm.gpu().properties(comm.device())?.vendor;
+        let sm = comm.multiprocessors()?;
         if let Some(part) = kind.scratch_part() {
             let bytes = resources.region(part).bytes;
             // A slot of one LL128 line (two-phase all-reduce, all-gather, reduce-scatter) or of two
@@ -361,7 +361,8 @@ impl NativeBase {
         &self.resources
     }
 
-    /// Multiprocessors of the GPU.
+    /// Multiprocessors this rank's grids are sized for (`Communicator::multiprocessors`: the
+    /// GPU's, shared among the ranks of this process on it).
     pub fn sm(&self) -> u32 {
         self.sm
     }
@@ -405,6 +406,17 @@ impl NativeBase {
         self.check(args)?;
         let count = args.input_count()?;
         Ok((count > 0).then_some(count))
+    }
+
+    /// `Algorithm::prepare`: [`begin`](Self::begin), then loads every kernel the call launches.
+    pub fn prepare(&self, args: &ExecuteArgs) -> Result<()> {
+        if self.begin(args)?.is_some() {
+            self.function(args)?;
+            if self.kind == NativeKind::AllreduceCopyEngine {
+                self.entry_point(args, "allreduce_ce_sync")?;
+            }
+        }
+        Ok(())
     }
 
     /// The kind's kernel, from the unit specialised for `args`.
@@ -454,8 +466,11 @@ impl NativeBase {
     ) -> Result<()> {
         // Every native kernel begins with wait_prior_grids(), so its launch may overlap the end
         // of the stream's previous kernel (the backend decides whether it can). Outside capture,
-        // a cached one-kernel graph is cheaper for the calling thread (see LaunchConfig).
-        let cfg = cfg.with_programmatic(true).with_cached_graph(true);
+        // a cached one-kernel graph is cheaper for the calling thread (see LaunchConfig). Neither
+        // when ranks of this process share the device (`Communicator::owns_device`).
+        let cfg = cfg
+            .with_programmatic(self.comm.owns_device())
+            .with_cached_graph(self.comm.owns_device());
         launch_with_args(self.comm.gpu().as_ref(), f, cfg, args.stream, kernel_args)
     }
 }

@@ -302,7 +302,7 @@ impl NvlsAlgorithm {
     ) -> Result<Self> {
         nvls_available(comm.gpu().as_ref(), comm.device(), env)?;
         let gpu = comm.gpu().clone();
-        let sm = gpu.properties(comm.device())?.multiprocessors.max(1);
+        let sm = comm.multiprocessors()?;
         let n = comm.size();
         let scratch_bytes = match kind {
             NvlsKind::Packet => scratch_bytes.max(packet_scratch_bytes(NVLS_PACKET_THRESHOLD, n)),

@@ -223,7 +223,7 @@ impl PortAllreduce {
         let layout = ScratchLayout::new(nranks, max_bytes)?;
         let gpu = comm.gpu().clone();
         gpu.set_device(comm.device())?;
-        let sm = gpu.properties(comm.device())?.multiprocessors.max(1);
+        let sm = comm.multiprocessors()?;
         let scratch = SharedScratch::new(&comm, layout.scratch_bytes())?;
         let staging = DeviceBuffer::zeroed(&gpu, layout.max_bytes)?;
         let calls = DeviceBuffer::zeroed(&gpu, std::mem::size_of::<u64>())?;

@@ -120,4 +120,15 @@ pub trait Algorithm: Send + Sync {
 
     /// Enqueues the collective on `args.stream`. Calls `check` first.
     fn execute(&self, args: &ExecuteArgs) -> Result<()>;
+
+    /// The host work of `execute(args)` that must not run while a peer's kernel in this process
+    /// waits for this rank, done now without enqueuing anything: `check`, then compiling and
+    /// loading the kernels the call launches (loading a kernel may synchronize the whole CUDA
+    /// context under lazy loading, so it would wait for that peer's kernel, which waits for us
+    /// until its device timeout). `execute` does the same work itself when it was not done. One
+    /// thread driving several ranks of one process (ncclGroupEnd over ncclCommInitAll's
+    /// communicators) prepares every rank's calls before launching any. Default: `check`.
+    fn prepare(&self, args: &ExecuteArgs) -> Result<()> {
+        self.check(args)
+    }
 }

@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::gpu::{
     Allocation, DevicePtr, Gpu, HostMapped, ImportedMemory, IpcMemHandle, MemoryKind,
 };
-use crate::topology::{host_identity, Topology};
+use crate::topology::{host_identity, ranks_sharing_device, sm_share, Placement, Topology};
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -235,6 +235,8 @@ pub struct Communicator {
     device: usize,
     host_id: String,
     topology: Topology,
+    /// Ranks of this process on this device, this one included (`topology::ranks_sharing_device`).
+    device_sharers: usize,
     health: Arc<Health>,
     slab: SyncSlab,
     /// Next free semaphore slot per peer (same on every rank because setup is collective).
@@ -247,13 +249,22 @@ impl Communicator {
         gpu.set_device(device)?;
         let size = bootstrap.size();
         // Who shares a host decides what can be mapped (MSCCLPP_HOSTID can split one machine).
+        // Where each rank runs: who shares a host, and who shares this process's device.
         let host_id = host_identity(Env::get()?);
-        let ids = bootstrap.all_gather(host_id.as_bytes())?;
-        let ids: Vec<String> = ids
+        let me = Placement {
+            host: host_id.clone(),
+            pid: std::process::id(),
+            device,
+        };
+        let placements = bootstrap
+            .all_gather(me.encode().as_bytes())?
             .iter()
-            .map(|b| String::from_utf8_lossy(b).into_owned())
-            .collect();
+            .enumerate()
+            .map(|(r, b)| Placement::decode(r, &String::from_utf8_lossy(b)))
+            .collect::<Result<Vec<_>>>()?;
+        let ids: Vec<&str> = placements.iter().map(|p| p.host.as_str()).collect();
         let topology = Topology::from_host_ids(&ids)?;
+        let device_sharers = ranks_sharing_device(&placements, bootstrap.rank());
         let word = gpu.alloc_host_mapped(crate::device::ERROR_WORD_BYTES)?;
         let budget = crate::device::wait_budget_ms(crate::env::Env::get()?.device_wait_timeout);
         // SAFETY: the allocation is ERROR_WORD_BYTES of pinned host memory, u32-aligned, and no
@@ -278,6 +289,7 @@ impl Communicator {
             device,
             host_id,
             topology,
+            device_sharers,
             health,
             slab: SyncSlab {
                 alloc,
@@ -312,6 +324,35 @@ impl Communicator {
     /// Which ranks share a host (from every rank's host identity at creation).
     pub fn topology(&self) -> &Topology {
         &self.topology
+    }
+
+    /// Ranks of this process that run on this device, this one included: more than one after
+    /// `ncclCommInitAll` on one device, or when threads of one process drive several ranks of it.
+    pub fn device_sharers(&self) -> usize {
+        self.device_sharers
+    }
+
+    /// The SMs this rank's kernels may size their grids for: the device's, divided among the
+    /// ranks of this process that share the device ([`device_sharers`](Self::device_sharers)).
+    /// Every native kernel needs its whole grid resident while it waits for its peers; ranks of
+    /// one process share one context and the SMs with no MPS partition, so grids sized for the
+    /// whole GPU by each of them could not all be resident, and a kernel waiting for a peer whose
+    /// kernel cannot be scheduled times out. The one place every algorithm reads its SM count.
+    pub fn multiprocessors(&self) -> Result<u32> {
+        let sm = self.gpu.properties(self.device)?.multiprocessors;
+        Ok(sm_share(sm.max(1), self.device_sharers))
+    }
+
+    /// Whether no other rank of this process runs on this device. Only then are this rank's
+    /// kernels launched programmatically (`LaunchConfig::programmatic`) or through cached graphs
+    /// (`LaunchConfig::cached_graph`). A programmatic launch lets the stream's next grid become
+    /// resident, waiting, while the current one runs, which doubles what the rank holds: with SM
+    /// shares ([`multiprocessors`](Self::multiprocessors)) a waiting grid of one rank could keep a
+    /// peer's current grid from being scheduled. A cached graph is built on a stream's first
+    /// launch, driver work that must not wait on the shared context while a peer's kernel waits
+    /// for this rank's launch.
+    pub fn owns_device(&self) -> bool {
+        self.device_sharers == 1
     }
 
     /// This rank's semaphore slab (address, bytes): the words peers' proxies signal through a

@@ -27,6 +27,66 @@ pub fn host_identity(env: &Env) -> String {
     )
 }
 
+/// What each rank says about where it runs, gathered once when a communicator is created: its
+/// host identity (see the module docs), its process and its device ordinal. Encoded as
+/// `"{pid} {device} {host}"` (the host identity last, so it may hold spaces).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    pub host: String,
+    pub pid: u32,
+    pub device: usize,
+}
+
+impl Placement {
+    pub fn encode(&self) -> String {
+        format!("{} {} {}", self.pid, self.device, self.host)
+    }
+
+    /// The placement rank `rank` sent; an error naming the rank when it is not one.
+    pub fn decode(rank: usize, text: &str) -> Result<Placement> {
+        let mut parts = text.splitn(3, ' ');
+        let (pid, device, host) = (parts.next(), parts.next(), parts.next());
+        match (
+            pid.and_then(|p| p.parse().ok()),
+            device.and_then(|d| d.parse().ok()),
+            host,
+        ) {
+            (Some(pid), Some(device), Some(host)) => Ok(Placement {
+                host: host.to_string(),
+                pid,
+                device,
+            }),
+            _ => Err(Error::InvalidArgument(format!(
+                "rank {rank} sent a malformed placement {text:?} (expected \"pid device host\")"
+            ))),
+        }
+    }
+}
+
+/// How many ranks of `placements` (index = rank) run in the process of `rank` on its device, itself
+/// included. Such ranks share one CUDA context and the device's SMs with no MPS partition between
+/// them, so their kernels compete for the same SMs: every native kernel needs its whole grid
+/// resident while it waits for peers, so each of them may count on only its share of the SMs
+/// (`Communicator::multiprocessors`). Ranks in other processes are not counted: under MPS each
+/// process already reads its own share as its SM count (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE).
+pub fn ranks_sharing_device(placements: &[Placement], rank: usize) -> usize {
+    let Some(me) = placements.get(rank) else {
+        return 1;
+    };
+    placements
+        .iter()
+        .filter(|p| p.host == me.host && p.pid == me.pid && p.device == me.device)
+        .count()
+        .max(1)
+}
+
+/// The SMs one of `sharers` ranks sharing a device of `multiprocessors` SMs may size its grids for:
+/// an equal share, at least one.
+pub fn sm_share(multiprocessors: u32, sharers: usize) -> u32 {
+    let sharers = u32::try_from(sharers.max(1)).unwrap_or(u32::MAX);
+    (multiprocessors / sharers).max(1)
+}
+
 /// The hosts of a job and where each rank sits. See the module docs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Topology {
@@ -206,5 +266,46 @@ mod tests {
         let machine = host_identity(&env(&[]));
         assert!(machine.contains('/'), "{machine}");
         assert_eq!(machine, host_identity(&env(&[])), "stable");
+    }
+
+    fn placed(host: &str, pid: u32, device: usize) -> Placement {
+        Placement {
+            host: host.into(),
+            pid,
+            device,
+        }
+    }
+
+    /// ncclCommInitAll on devices [0, 0, 0, 0] puts 4 ranks in one process on one device: each
+    /// gets a quarter of the SMs. Other processes (MPS), other devices and other hosts do not
+    /// count.
+    #[test]
+    fn ranks_of_one_process_on_one_device_share_its_sms() {
+        let one_process = vec![placed("h", 7, 0); 4];
+        assert_eq!(ranks_sharing_device(&one_process, 2), 4);
+        assert_eq!(sm_share(132, 4), 33);
+        let mixed = vec![
+            placed("h", 7, 0),
+            placed("h", 7, 1),
+            placed("h", 8, 0),
+            placed("g", 7, 0),
+            placed("h", 7, 0),
+        ];
+        assert_eq!(ranks_sharing_device(&mixed, 0), 2);
+        assert_eq!(ranks_sharing_device(&mixed, 1), 1);
+        assert_eq!(ranks_sharing_device(&mixed, 2), 1);
+        assert_eq!(ranks_sharing_device(&mixed, 3), 1);
+        assert_eq!(ranks_sharing_device(&mixed, 4), 2);
+        assert_eq!(sm_share(132, 1), 132);
+        assert_eq!(sm_share(3, 8), 1, "never zero");
+        assert_eq!(sm_share(132, 0), 132);
+    }
+
+    #[test]
+    fn placements_round_trip_and_bad_ones_are_named() {
+        let p = placed("sim host/boot", 4242, 3);
+        assert_eq!(Placement::decode(0, &p.encode()).unwrap(), p);
+        let e = Placement::decode(5, "hostname-only").unwrap_err();
+        assert!(e.to_string().contains("rank 5"), "{e}");
     }
 }

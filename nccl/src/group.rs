@@ -5,19 +5,52 @@
 //! buffer exchanges its registration with the peers); sends and receives are collected per
 //! (communicator, stream) and run as one point-to-point group each, after that communicator's
 //! other operations; fallback operations go into one real NCCL group opened at the first of them.
+//!
+//! Several communicators of one group share this process's CUDA context, so their operations run
+//! in two passes: every communicator first prepares all its operations (`Algorithm::prepare`:
+//! checks, kernel compiles and loads), and only once all are prepared does any launch. Loading a
+//! kernel may synchronize the context (CUDA lazy loading); done while another rank's kernel waits
+//! for this rank, it would wait for that kernel, which then fails on its device timeout with
+//! nothing from us. If any communicator fails to prepare, none launches (its peers' kernels
+//! would wait for it in vain) and the group reports that failure.
 
 use crate::abi::{NcclResult, SUCCESS};
 use crate::comm::Comm;
 use crate::fallback::RealNccl;
 use crate::guard::{CallResult, Failure};
 use mscclpp::core::gpu::Stream;
+use mscclpp::core::{Algorithm, ExecuteArgs};
 use mscclpp_collectives::p2p::P2pOp;
 use std::cell::RefCell;
-use std::sync::Arc;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Barrier};
 
 /// A grouped init: runs it and says how it ended.
 pub type Job = Box<dyn FnOnce() -> CallResult<()> + Send>;
-pub type Op = Box<dyn FnOnce() -> mscclpp::Result<()> + Send>;
+
+/// A grouped native operation.
+pub enum Op {
+    Collective(Arc<dyn Algorithm>, ExecuteArgs),
+    /// One point-to-point group of a (communicator, stream).
+    PointToPoint(Vec<P2pOp>, Stream),
+}
+
+impl Op {
+    fn prepare(&self) -> mscclpp::Result<()> {
+        match self {
+            Op::Collective(algorithm, args) => algorithm.prepare(args),
+            Op::PointToPoint(..) => Ok(()),
+        }
+    }
+
+    fn launch(self, comm: &Comm) -> mscclpp::Result<()> {
+        match self {
+            Op::Collective(algorithm, args) => algorithm.execute(&args),
+            Op::PointToPoint(list, stream) => comm.run_p2p(&list, stream),
+        }
+    }
+}
 
 #[derive(Default)]
 struct Group {
@@ -97,27 +130,74 @@ fn run_ops(ops: Vec<(Arc<Comm>, Op)>) -> mscclpp::Result<()> {
             None => per_comm.push((comm, vec![op])),
         }
     }
-    let run = |comm: &Comm, list: Vec<Op>| -> mscclpp::Result<()> {
-        comm.gpu.set_device(comm.device)?;
-        list.into_iter().try_for_each(|op| op())
-    };
-    if per_comm.len() <= 1 {
-        return per_comm
-            .into_iter()
-            .try_for_each(|(comm, list)| run(&comm, list));
+    prepare_all_then_launch(
+        per_comm,
+        |(comm, list)| {
+            comm.gpu.set_device(comm.device)?;
+            list.iter().try_for_each(Op::prepare)
+        },
+        |(comm, list)| {
+            comm.gpu.set_device(comm.device)?;
+            list.into_iter().try_for_each(|op| op.launch(&comm))
+        },
+    )
+}
+
+/// Runs `prepare` on every part, then `launch` on every part, each part on its own thread when
+/// there are several; no part launches before every part is prepared, and none launches if any
+/// failed to prepare (that failure is the result). Every thread passes the barrier exactly once,
+/// whatever its preparation did (a panic included), so none waits for a thread that left.
+fn prepare_all_then_launch<T: Send>(
+    parts: Vec<T>,
+    prepare: impl Fn(&T) -> mscclpp::Result<()> + Sync,
+    launch: impl Fn(T) -> mscclpp::Result<()> + Sync,
+) -> mscclpp::Result<()> {
+    if parts.len() <= 1 {
+        return parts.into_iter().try_for_each(|part| {
+            prepare(&part)?;
+            launch(part)
+        });
     }
+    let prepared = Barrier::new(parts.len());
+    let failed = AtomicBool::new(false);
+    let (prepare, launch) = (&prepare, &launch);
     std::thread::scope(|s| {
-        let handles: Vec<_> = per_comm
+        let handles: Vec<_> = parts
             .into_iter()
-            .map(|(comm, list)| s.spawn(move || run(&comm, list)))
-            .collect();
-        handles.into_iter().try_for_each(|h| {
-            h.join().unwrap_or_else(|_| {
-                Err(mscclpp::Error::Internal(
-                    "a grouped operation panicked".into(),
-                ))
+            .map(|part| {
+                let (prepared, failed) = (&prepared, &failed);
+                s.spawn(move || {
+                    let ready = std::panic::catch_unwind(AssertUnwindSafe(|| prepare(&part)))
+                        .unwrap_or_else(|_| {
+                            Err(mscclpp::Error::Internal(
+                                "preparing a grouped operation panicked".into(),
+                            ))
+                        });
+                    if ready.is_err() {
+                        failed.store(true, Ordering::SeqCst);
+                    }
+                    prepared.wait();
+                    ready?;
+                    if failed.load(Ordering::SeqCst) {
+                        // Another part's failure is the one the group reports.
+                        return Ok(());
+                    }
+                    launch(part)
+                })
             })
-        })
+            .collect();
+        // Every thread is joined (none left running) before the first error is returned.
+        let results: Vec<mscclpp::Result<()>> = handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(mscclpp::Error::Internal(
+                        "a grouped operation panicked".into(),
+                    ))
+                })
+            })
+            .collect();
+        results.into_iter().collect()
     })
 }
 
@@ -148,8 +228,7 @@ pub fn end() -> CallResult {
     let inits = run_inits(group.inits);
     let mut ops = group.ops;
     for (comm, stream, list) in group.p2p {
-        let c = comm.clone();
-        ops.push((comm, Box::new(move || c.run_p2p(&list, stream))));
+        ops.push((comm, Op::PointToPoint(list, stream)));
     }
     let native = run_ops(ops);
     let real = match &group.real {
@@ -187,4 +266,84 @@ pub fn simulate_end() -> CallResult<NcclResult> {
         real.check("ncclGroupSimulateEnd", code, std::ptr::null_mut())?;
     }
     Ok(SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// What ncclGroupEnd over ncclCommInitAll's communicators relies on: no communicator launches
+    /// while another still prepares (loads kernels, which may synchronize the shared context).
+    #[test]
+    fn every_part_is_prepared_before_any_launches() {
+        let events = Mutex::new(Vec::new());
+        let result = prepare_all_then_launch(
+            (0..4).collect(),
+            |r: &usize| {
+                // The last rank prepares slowest, as a rank compiling a kernel would.
+                std::thread::sleep(std::time::Duration::from_millis(if *r == 3 {
+                    50
+                } else {
+                    0
+                }));
+                events.lock().unwrap().push(("prepare", *r));
+                Ok(())
+            },
+            |r| {
+                events.lock().unwrap().push(("launch", r));
+                Ok(())
+            },
+        );
+        assert!(result.is_ok());
+        let events = events.into_inner().unwrap();
+        assert_eq!(events.len(), 8);
+        assert!(
+            events[..4].iter().all(|(what, _)| *what == "prepare"),
+            "{events:?}"
+        );
+        assert!(
+            events[4..].iter().all(|(what, _)| *what == "launch"),
+            "{events:?}"
+        );
+    }
+
+    /// A rank that cannot prepare (or panics doing so) stops every launch, and its error is the
+    /// group's: its peers' kernels would otherwise wait for it until their device timeout.
+    #[test]
+    fn a_failed_preparation_launches_nothing_and_is_reported() {
+        for panics in [false, true] {
+            let launched = Mutex::new(Vec::new());
+            let result = prepare_all_then_launch(
+                (0..4).collect(),
+                |r: &usize| match (*r, panics) {
+                    (1, false) => Err(mscclpp::Error::InvalidArgument("rank 1 refused".into())),
+                    (1, true) => panic!("rank 1 panicked"),
+                    _ => Ok(()),
+                },
+                |r| {
+                    launched.lock().unwrap().push(r);
+                    Ok(())
+                },
+            );
+            let e = result.unwrap_err().to_string();
+            let want = if panics { "panicked" } else { "rank 1 refused" };
+            assert!(e.contains(want), "{e}");
+            assert!(launched.into_inner().unwrap().is_empty());
+        }
+    }
+
+    #[test]
+    fn one_part_runs_on_the_calling_thread() {
+        let caller = std::thread::current().id();
+        let result = prepare_all_then_launch(
+            vec![0],
+            |_| {
+                assert_eq!(std::thread::current().id(), caller);
+                Ok(())
+            },
+            |_| Ok(()),
+        );
+        assert!(result.is_ok());
+    }
 }

@@ -98,11 +98,10 @@ fn submit(
         match native {
             Native::Run(collective, args) => match comm.native(collective, &args) {
                 Ok(algorithm) => {
-                    let op = Box::new(move || algorithm.execute(&args));
                     if group::active() {
-                        group::defer_op(comm.clone(), op);
+                        group::defer_op(comm.clone(), group::Op::Collective(algorithm, args));
                     } else {
-                        op()?;
+                        algorithm.execute(&args)?;
                     }
                     return Ok(SUCCESS);
                 }

@@ -119,6 +119,10 @@ macro_rules! native_algorithm {
                     None => Ok(()),
                 }
             }
+
+            fn prepare(&self, args: &mscclpp_core::algorithm::ExecuteArgs) -> mscclpp_core::Result<()> {
+                self.base.prepare(args)
+            }
         }
     };
 }

@@ -13,6 +13,7 @@ use crate::resources::{param_ptr, CollectionResources, KernelTable, ScratchPart,
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::algorithm_collection::native_names::ALLTOALL_PACKET;
 use mscclpp_core::communicator::Communicator;
+use mscclpp_core::gpu::Function;
 use mscclpp_core::{Error, Result};
 use mscclpp_kernels_cu::alltoall::AlltoallPacketArgs;
 use mscclpp_kernels_cu::collectives::{CollectiveFile, MAX_PACKET_BLOCKS, MAX_RANKS};
@@ -72,7 +73,7 @@ impl AlltoallPacket {
                 "{ALLTOALL_PACKET} on {n} ranks: at most {MAX_RANKS} ranks on one host"
             )));
         }
-        let sm = comm.gpu().properties(comm.device())?.multiprocessors.max(1);
+        let sm = comm.multiprocessors()?;
         let region = resources.region(ScratchPart::Ll128);
         let slot_bytes = slot_bytes(PACKET_SCRATCH_BYTES.min(2 * region.half_bytes()), n);
         Ok(AlltoallPacket {
@@ -110,6 +111,18 @@ impl AlltoallPacket {
     }
 }
 
+impl AlltoallPacket {
+    /// The kernel, compiled and loaded on first use.
+    fn kernel(&self) -> Result<Function> {
+        self.kernels.function(
+            self.comm.gpu().as_ref(),
+            CollectiveFile::AllToAll,
+            None,
+            "alltoall_packet",
+        )
+    }
+}
+
 impl Algorithm for AlltoallPacket {
     fn name(&self) -> &str {
         ALLTOALL_PACKET
@@ -121,6 +134,13 @@ impl Algorithm for AlltoallPacket {
 
     fn check(&self, args: &ExecuteArgs) -> Result<()> {
         self.chunk(args).map(|_| ())
+    }
+
+    fn prepare(&self, args: &ExecuteArgs) -> Result<()> {
+        if self.chunk(args)? > 0 {
+            self.kernel()?;
+        }
+        Ok(())
     }
 
     fn execute(&self, args: &ExecuteArgs) -> Result<()> {
@@ -152,13 +172,10 @@ impl Algorithm for AlltoallPacket {
             rank: self.comm.rank() as u32,
             nranks: n as u32,
         };
-        let f = self.kernels.function(
-            self.comm.gpu().as_ref(),
-            CollectiveFile::AllToAll,
-            None,
-            "alltoall_packet",
-        )?;
-        let cfg = cfg.with_programmatic(true).with_cached_graph(true);
+        let f = self.kernel()?;
+        let cfg = cfg
+            .with_programmatic(self.comm.owns_device())
+            .with_cached_graph(self.comm.owns_device());
         let mut params = [param_ptr(&mut kargs)];
         // SAFETY: `params` matches the kernel's one `AlltoallPacketArgs` parameter (layout checked
         // by the NVRTC test's static_asserts); the addresses are the caller's checked buffers and

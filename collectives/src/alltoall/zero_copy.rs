@@ -120,7 +120,7 @@ impl AlltoallZeroCopy {
                 comm.size()
             )));
         }
-        let sm = comm.gpu().properties(comm.device())?.multiprocessors.max(1);
+        let sm = comm.multiprocessors()?;
         Ok((MAX_ALLTOALL_BLOCKS as u32)
             .min(sm)
             .min(resident_blocks(sm, DEFAULT_THREADS)))
@@ -485,7 +485,9 @@ impl AlltoallZeroCopy {
             None,
             entry,
         )?;
-        let cfg = cfg.with_programmatic(true).with_cached_graph(true);
+        let cfg = cfg
+            .with_programmatic(self.comm.owns_device())
+            .with_cached_graph(self.comm.owns_device());
         let mut params = [param_ptr(args)];
         // SAFETY: per this function's contract.
         unsafe { self.comm.gpu().launch(f, cfg, stream, &mut params) }

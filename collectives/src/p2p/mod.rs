@@ -150,7 +150,7 @@ impl P2pEngine {
         state: DevicePtr,
     ) -> Result<Self> {
         let layout = plan::layout(comm.size());
-        let sm = comm.gpu().properties(comm.device())?.multiprocessors.max(1);
+        let sm = comm.multiprocessors()?;
         let mismatch = comm
             .gpu()
             .alloc_host_mapped(std::mem::size_of::<P2pMismatch>())?;
@@ -264,7 +264,7 @@ impl P2pEngine {
             None,
             "p2p_group",
         )?;
-        let cfg = LaunchConfig::linear(blocks, THREADS).with_programmatic(true);
+        let cfg = LaunchConfig::linear(blocks, THREADS).with_programmatic(self.comm.owns_device());
         let mut params = [param_ptr(&mut kargs)];
         let gpu = self.comm.gpu();
         // SAFETY: `params` matches the kernel's one `P2pArgs` parameter (layout checked by the NVRTC
