@@ -124,6 +124,20 @@ impl Algorithm for GatherScatter {
         self.chunk(args).map(|_| ())
     }
 
+    fn prepare(&self, args: &ExecuteArgs) -> Result<()> {
+        if self.chunk(args)? == 0 {
+            return Ok(());
+        }
+        let buffer = |ptr, bytes| Buffer { ptr, bytes };
+        if self.collective == Collective::Scatter {
+            let output = buffer(args.output, args.output_bytes);
+            self.engine.prepare_scatter(output, args.root)
+        } else {
+            let input = buffer(args.input, args.input_bytes);
+            self.engine.prepare_gather(input, args.root)
+        }
+    }
+
     fn execute(&self, args: &ExecuteArgs) -> Result<()> {
         let chunk = self.chunk(args)?;
         if chunk == 0 {

@@ -197,6 +197,17 @@ impl Comm {
         }
     }
 
+    /// [`run_p2p`](Self::run_p2p)'s host work before any rank of this process launches.
+    pub fn prepare_p2p(&self) -> mscclpp::Result<()> {
+        match &self.p2p {
+            Ok(engine) => {
+                self.gpu.set_device(self.device)?;
+                engine.prepare()
+            }
+            Err(why) => Err(mscclpp::Error::Unsupported(why.clone())),
+        }
+    }
+
     /// The communicator's asynchronous error: a send/recv size mismatch (naming rank and peer)
     /// first, else the core communicator's.
     pub fn async_error(&self) -> Option<mscclpp::Error> {

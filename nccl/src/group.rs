@@ -37,10 +37,10 @@ pub enum Op {
 }
 
 impl Op {
-    fn prepare(&self) -> mscclpp::Result<()> {
+    fn prepare(&self, comm: &Comm) -> mscclpp::Result<()> {
         match self {
             Op::Collective(algorithm, args) => algorithm.prepare(args),
-            Op::PointToPoint(..) => Ok(()),
+            Op::PointToPoint(..) => comm.prepare_p2p(),
         }
     }
 
@@ -134,7 +134,7 @@ fn run_ops(ops: Vec<(Arc<Comm>, Op)>) -> mscclpp::Result<()> {
         per_comm,
         |(comm, list)| {
             comm.gpu.set_device(comm.device)?;
-            list.iter().try_for_each(Op::prepare)
+            list.iter().try_for_each(|op| op.prepare(comm))
         },
         |(comm, list)| {
             comm.gpu.set_device(comm.device)?;

@@ -64,6 +64,16 @@ enum Direction {
     Pull,
 }
 
+impl Direction {
+    /// The kernel entry point of an exchange in this direction.
+    fn entry(self) -> &'static str {
+        match self {
+            Direction::Push => "alltoallv_zero_copy",
+            Direction::Pull => "alltoallv_zero_copy_pull",
+        }
+    }
+}
+
 /// The zero-copy exchange engine of one communicator. See the module docs.
 pub struct AlltoallZeroCopy {
     // Field order is drop order: device resources go before the communicator.
@@ -327,6 +337,18 @@ impl AlltoallZeroCopy {
         )
     }
 
+    /// [`gather`](Self::gather)'s host work before launching (see `prepare_exchange`).
+    pub fn prepare_gather(&self, input: Buffer, root: usize) -> Result<()> {
+        self.check_root("gather", root)?;
+        self.prepare_exchange(Direction::Pull, input)
+    }
+
+    /// [`scatter`](Self::scatter)'s host work before launching (see `prepare_exchange`).
+    pub fn prepare_scatter(&self, output: Buffer, root: usize) -> Result<()> {
+        self.check_root("scatter", root)?;
+        self.prepare_exchange(Direction::Push, output)
+    }
+
     fn check_root(&self, what: &str, root: usize) -> Result<()> {
         if root >= self.comm.size() {
             return Err(Error::InvalidArgument(format!(
@@ -368,10 +390,11 @@ impl AlltoallZeroCopy {
         if recv.total() > 0 && output.ptr == 0 {
             return Err(null("output"));
         }
-        let (local, registered, entry) = match direction {
-            Direction::Push => (input.ptr, output, "alltoallv_zero_copy"),
-            Direction::Pull => (output.ptr, input, "alltoallv_zero_copy_pull"),
+        let (local, registered) = match direction {
+            Direction::Push => (input.ptr, output),
+            Direction::Pull => (output.ptr, input),
         };
+        let entry = direction.entry();
         let mut args = AlltoallArgs {
             local,
             remote: self.registered(registered)?,
@@ -452,6 +475,21 @@ impl AlltoallZeroCopy {
 
     /// Every rank's `buffer` (the registered side of this call), registered (collective; see the
     /// module docs for why every rank has one).
+    /// The host work of an exchange in `direction` that must come before any rank of this
+    /// process launches (`Algorithm::prepare`): registering `registered` with the peers (the
+    /// output pushed to, or the input pulled from) and loading the kernel.
+    fn prepare_exchange(&self, direction: Direction, registered: Buffer) -> Result<()> {
+        self.registered(registered)?;
+        self.kernels
+            .function(
+                self.comm.gpu().as_ref(),
+                CollectiveFile::AllToAll,
+                None,
+                direction.entry(),
+            )
+            .map(|_| ())
+    }
+
     fn registered(&self, buffer: Buffer) -> Result<PeerPtrs> {
         if buffer.ptr == 0 {
             return Err(Error::InvalidArgument(format!(
@@ -507,6 +545,18 @@ impl Algorithm for AlltoallZeroCopy {
     /// whole elements); the output receives one chunk from each rank, in rank order.
     fn check(&self, args: &ExecuteArgs) -> Result<()> {
         uniform_chunk(ALLTOALL_ZERO_COPY, args, self.comm.rank(), self.comm.size()).map(|_| ())
+    }
+
+    fn prepare(&self, args: &ExecuteArgs) -> Result<()> {
+        let chunk = uniform_chunk(ALLTOALL_ZERO_COPY, args, self.comm.rank(), self.comm.size())?;
+        if chunk == 0 {
+            return Ok(());
+        }
+        let output = Buffer {
+            ptr: args.output,
+            bytes: args.output_bytes,
+        };
+        self.prepare_exchange(Direction::Push, output)
     }
 
     fn execute(&self, args: &ExecuteArgs) -> Result<()> {

@@ -19,7 +19,7 @@ pub mod sendrecv;
 use crate::geometry;
 use crate::resources::{param_ptr, CollectionResources, KernelTable, SharedScratch};
 use mscclpp_core::communicator::Communicator;
-use mscclpp_core::gpu::{DevicePtr, Event, HostMapped, LaunchConfig, Stream};
+use mscclpp_core::gpu::{DevicePtr, Event, Function, HostMapped, LaunchConfig, Stream};
 use mscclpp_core::{Error, Result};
 use mscclpp_kernels_cu::collectives::{CollectiveFile, PeerPtrs, MAX_RANKS};
 use mscclpp_kernels_cu::p2p::{P2pArgs, P2pMismatch, P2pOpArgs, P2pState, MAX_OPS, OTHER_SIZE};
@@ -225,6 +225,22 @@ impl P2pEngine {
         self.comm.check("send/recv")
     }
 
+    /// The host work of [`run`](Self::run) that must come before any rank of this process
+    /// launches (see `Algorithm::prepare`): compiling and loading the kernel.
+    pub fn prepare(&self) -> Result<()> {
+        self.check()?;
+        self.function().map(|_| ())
+    }
+
+    fn function(&self) -> Result<Function> {
+        self.kernels.function(
+            self.comm.gpu().as_ref(),
+            CollectiveFile::P2p,
+            None,
+            "p2p_group",
+        )
+    }
+
     /// Runs one group: every op of `ops` as one kernel on `stream`, without waiting for it.
     /// Every rank named as a peer must run its matching ops (in the same order per direction);
     /// errors on the device (a mismatch, a dead peer) show up in [`check`](Self::check) and the
@@ -258,12 +274,7 @@ impl P2pEngine {
             ops: [P2pOpArgs::default(); MAX_OPS],
         };
         kargs.ops[..planned.len()].copy_from_slice(&planned);
-        let f = self.kernels.function(
-            self.comm.gpu().as_ref(),
-            CollectiveFile::P2p,
-            None,
-            "p2p_group",
-        )?;
+        let f = self.function()?;
         let cfg = LaunchConfig::linear(blocks, THREADS).with_programmatic(self.comm.owns_device());
         let mut params = [param_ptr(&mut kargs)];
         let gpu = self.comm.gpu();
