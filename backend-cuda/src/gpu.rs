@@ -985,6 +985,7 @@ impl Gpu for CudaGpu {
             });
         }
         load_now(f, name)?;
+        reserve_local_memory(f, name)?;
         Ok(Function(f as usize as u64))
     }
 
@@ -1253,6 +1254,42 @@ fn load_now(f: sys::CUfunction, name: &str) -> Result<()> {
             code: r as i64,
             message: format!("{} (kernel {name:?})", driver::error_message(r)),
         });
+    }
+    Ok(())
+}
+
+/// Raises the context's per-thread stack limit to what `f` uses, as NCCL does. A launch that needs
+/// more local memory than the context reserved first grows the reservation, which waits for every
+/// kernel running in the context: where ranks share a context, for a peer's kernel that waits for
+/// this launch. Done here, when the kernel is loaded and none of ours waits, a launch never grows
+/// it. The limit only rises (one lock for the process, so two loads cannot lower it).
+fn reserve_local_memory(f: sys::CUfunction, name: &str) -> Result<()> {
+    static RAISING: Mutex<()> = Mutex::new(());
+    let mut local: std::ffi::c_int = 0;
+    let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES;
+    // SAFETY: `f` is a loaded function; writes one int.
+    driver::check("cuFuncGetAttribute", unsafe {
+        sys::cuFuncGetAttribute(&mut local, attr, f)
+    })
+    .map_err(|e| Error::Internal(format!("kernel {name:?}: {e}")))?;
+    let Ok(needed) = usize::try_from(local) else {
+        return Ok(());
+    };
+    if needed == 0 {
+        return Ok(());
+    }
+    let _raising = lock(&RAISING);
+    let mut current: usize = 0;
+    let limit = sys::CUlimit::CU_LIMIT_STACK_SIZE;
+    // SAFETY: writes one size_t for the current context.
+    driver::check("cuCtxGetLimit", unsafe {
+        sys::cuCtxGetLimit(&mut current, limit)
+    })?;
+    if needed > current {
+        // SAFETY: sets a limit of the current context (bound by the caller).
+        driver::check("cuCtxSetLimit", unsafe {
+            sys::cuCtxSetLimit(limit, needed)
+        })?;
     }
     Ok(())
 }

@@ -474,11 +474,22 @@ impl RegistrationCache {
         let gpu = comm.gpu();
         let id = gpu.buffer_id(ptr)?;
         let mut entries = lock(&self.entries)?;
-        if let Some((cached_id, mems)) = entries.get(&(ptr, size)) {
-            if *cached_id == id {
-                return Ok(mems.iter().map(RegisteredMemory::ptr).collect());
-            }
+        let cached = entries
+            .get(&(ptr, size))
+            .filter(|(cached_id, _)| *cached_id == id)
+            .map(|(_, mems)| mems.clone());
+        // Ranks of one process allocate from one allocator: one may find its buffer cached where
+        // a peer's is new, and a registration only one side makes would wait for the other until
+        // the bootstrap timeout. There every rank says whether it hit, and all reuse or none.
+        let reuse = if comm.shares_process() {
+            every_rank_hit(comm, cached.is_some())?
+        } else {
+            cached.is_some()
+        };
+        if let (true, Some(mems)) = (reuse, cached) {
+            return Ok(mems.iter().map(RegisteredMemory::ptr).collect());
         }
+        entries.remove(&(ptr, size));
         entries.retain(|&(p, _), (cached_id, _)| gpu.buffer_id(p).ok() == Some(*cached_id));
         let local = comm.register_user_buffer(ptr, size).map_err(|e| {
             Error::InvalidArgument(format!(
@@ -490,6 +501,12 @@ impl RegistrationCache {
         entries.insert((ptr, size), (id, mems));
         Ok(ptrs)
     }
+}
+
+/// Collective: whether every rank found its buffer in its registration cache (`hit` is this rank's).
+fn every_rank_hit(comm: &Communicator, hit: bool) -> Result<bool> {
+    let all = comm.bootstrap().all_gather(&[u8::from(hit)])?;
+    Ok(all.iter().all(|h| h.as_slice() == [1]))
 }
 
 /// Compiled kernels by (unit, entry point); each unit is compiled once per process (and cached on

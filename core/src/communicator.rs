@@ -15,7 +15,9 @@ use crate::error::{Error, Result};
 use crate::gpu::{
     Allocation, DevicePtr, Gpu, HostMapped, ImportedMemory, IpcMemHandle, MemoryKind,
 };
-use crate::topology::{host_identity, ranks_sharing_device, sm_share, Placement, Topology};
+use crate::topology::{
+    host_identity, ranks_in_process, ranks_sharing_device, sm_share, Placement, Topology,
+};
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -237,6 +239,8 @@ pub struct Communicator {
     topology: Topology,
     /// Ranks of this process on this device, this one included (`topology::ranks_sharing_device`).
     device_sharers: usize,
+    /// Whether another rank runs in this process (`topology::ranks_in_process`).
+    shares_process: bool,
     health: Arc<Health>,
     slab: SyncSlab,
     /// Next free semaphore slot per peer (same on every rank because setup is collective).
@@ -265,6 +269,7 @@ impl Communicator {
         let ids: Vec<&str> = placements.iter().map(|p| p.host.as_str()).collect();
         let topology = Topology::from_host_ids(&ids)?;
         let device_sharers = ranks_sharing_device(&placements, bootstrap.rank());
+        let shares_process = ranks_in_process(&placements, bootstrap.rank()) > 1;
         let word = gpu.alloc_host_mapped(crate::device::ERROR_WORD_BYTES)?;
         let budget = crate::device::wait_budget_ms(crate::env::Env::get()?.device_wait_timeout);
         // SAFETY: the allocation is ERROR_WORD_BYTES of pinned host memory, u32-aligned, and no
@@ -290,6 +295,7 @@ impl Communicator {
             host_id,
             topology,
             device_sharers,
+            shares_process,
             health,
             slab: SyncSlab {
                 alloc,
@@ -353,6 +359,14 @@ impl Communicator {
     /// for this rank's launch.
     pub fn owns_device(&self) -> bool {
         self.device_sharers == 1
+    }
+
+    /// Whether another rank of this communicator runs in this process (`ncclCommInitAll`, or a
+    /// program driving several ranks from threads). Its ranks' buffers come from one allocator,
+    /// so per-rank caches keyed by address (user-buffer registrations) can diverge between ranks
+    /// even when the program calls every rank alike; such caches agree before reusing an entry.
+    pub fn shares_process(&self) -> bool {
+        self.shares_process
     }
 
     /// This rank's semaphore slab (address, bytes): the words peers' proxies signal through a

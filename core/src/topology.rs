@@ -80,6 +80,18 @@ pub fn ranks_sharing_device(placements: &[Placement], rank: usize) -> usize {
         .max(1)
 }
 
+/// How many ranks of `placements` (index = rank) run in the process of `rank`, itself included.
+pub fn ranks_in_process(placements: &[Placement], rank: usize) -> usize {
+    let Some(me) = placements.get(rank) else {
+        return 1;
+    };
+    placements
+        .iter()
+        .filter(|p| p.host == me.host && p.pid == me.pid)
+        .count()
+        .max(1)
+}
+
 /// The SMs one of `sharers` ranks sharing a device of `multiprocessors` SMs may size its grids for:
 /// an equal share, at least one.
 pub fn sm_share(multiprocessors: u32, sharers: usize) -> u32 {
