@@ -308,6 +308,11 @@ mod tests {
         assert_eq!(ranks_sharing_device(&mixed, 2), 1);
         assert_eq!(ranks_sharing_device(&mixed, 3), 1);
         assert_eq!(ranks_sharing_device(&mixed, 4), 2);
+        // One process on two devices still shares an allocator (registration caches agree).
+        assert_eq!(ranks_in_process(&mixed, 0), 3);
+        assert_eq!(ranks_in_process(&mixed, 1), 3);
+        assert_eq!(ranks_in_process(&mixed, 2), 1);
+        assert_eq!(ranks_in_process(&mixed, 3), 1);
         assert_eq!(sm_share(132, 1), 132);
         assert_eq!(sm_share(3, 8), 1, "never zero");
         assert_eq!(sm_share(132, 0), 132);
