@@ -388,8 +388,9 @@ pub fn private_tail_bytes(semaphore_table_bytes: usize, p2p_bytes: usize) -> usi
 
 /// Offsets of the parts (LL16, staging, LL128, end) for the builder's `scratch_bytes` s, with `tail`
 /// private bytes behind them: LL16 s/2, staging s less the tail, LL128 9s/4, each whole 64 KiB units
-/// (so every slot and line stays aligned). With the default 8 MiB: 4 + 7.875 + 18 MiB and the
-/// 78 KiB tail, one allocation of 30 MiB. See `crate::DEFAULT_SCRATCH_BYTES` for what they hold.
+/// (so every slot and line stays aligned). With the default 8 MiB: 4 MiB, the staging part (7 MiB
+/// at 3 to 8 ranks, 7.375 MiB at 2, the tail taking the rest of its 8 MiB) and 18 MiB, one
+/// allocation of 30 MiB. See `crate::DEFAULT_SCRATCH_BYTES` for what they hold.
 pub fn scratch_bounds(scratch_bytes: usize, tail: usize) -> [usize; 4] {
     const UNIT: usize = 64 << 10;
     let units = |bytes: usize| bytes / UNIT * UNIT;
