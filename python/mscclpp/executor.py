@@ -3,6 +3,7 @@ emits it) and `Executor(comm.communicator).execute(...)` runs it; `Algorithm(exe
 makes a plan an algorithm a collection can hold and its selector can pick."""
 
 from . import _mscclpp
+from ._teardown import track
 from ._types import PacketType
 from .algorithm import _native_comm, _runtime_dtype
 
@@ -15,6 +16,7 @@ class Executor:
 
     def __init__(self, comm):
         self._native = _mscclpp.NativeExecutor(_native_comm(comm))
+        track(self)
 
     def execute(
         self,
@@ -41,6 +43,9 @@ class Executor:
     def reset(self):
         """Frees every plan's set-up; only while none of this executor's runs is in flight."""
         self._native.reset()
+
+    def _close(self):
+        self._native = None
 
 
 __all__ = ["ExecutionPlan", "Executor", "PacketType"]

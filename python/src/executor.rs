@@ -270,12 +270,15 @@ impl PyExecutor {
         .map_err(to_py)
     }
 
-    /// Frees every plan's set-up (the next run of a plan sets it up again, collectively). Call it
-    /// only when no run of this executor is in flight on the device.
-    fn reset(&self) {
-        if let Ok(mut contexts) = self.contexts.lock() {
-            contexts.clear();
-        }
+    /// Collective: frees every plan's set-up (the next run of a plan sets it up again). Call it
+    /// only when no run of this executor is in flight on the device. A set-up whose scratch the
+    /// peers map waits for them to unmap it (a bounded barrier), so the GIL is released.
+    fn reset(&self, py: Python<'_>) {
+        let freed = match self.contexts.lock() {
+            Ok(mut contexts) => std::mem::take(&mut *contexts),
+            Err(_) => return,
+        };
+        py.detach(|| drop(freed));
     }
 }
 

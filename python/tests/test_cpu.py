@@ -275,3 +275,75 @@ def test_a_registered_plan_joins_the_collection():
     with pytest.raises(TypeError, match="comm must be an mscclpp Communicator or CommGroup"):
         mscclpp.Executor(None)
     assert mscclpp.PacketType.LL8.value == "LL8"
+
+
+class _FakeComm:
+    rank, size = 0, 2
+
+
+class _FakeExecutor:
+    """Stands in for the native executor: records the plans it is asked to run."""
+
+    made = []
+
+    def __init__(self, comm):
+        self.comm, self.runs = comm, []
+        _FakeExecutor.made.append(self)
+
+    def execute(self, rank, inp, out, in_size, out_size, dtype, plan, stream, packet, op=None):
+        self.runs.append((rank, plan.name, dtype, packet, op))
+
+
+class _FakeNativeAlgorithm:
+    def __init__(self, name, collective):
+        self.name, self.collective = name, collective
+
+
+class _FakeCollection:
+    """Stands in for the runtime's collection: keeps what it was built with; selects the first
+    plan, as the runtime's selector does for a call a plan covers."""
+
+    @staticmethod
+    def build_default(comm, scratch_bytes, stream, plans, executor, defaults):
+        c = _FakeCollection()
+        c.plans, c.executor, c.defaults = plans, executor, defaults
+        return c
+
+    def algorithms(self):
+        natives = [_FakeNativeAlgorithm("default_allreduce_packet", "allreduce")] if self.defaults else []
+        return natives + [_FakeNativeAlgorithm(p.name, p.collective) for p in self.plans]
+
+    def select(self, collective, message_size, dtype, stream, symmetric_memory):
+        return _FakeNativeAlgorithm(self.plans[0].name, collective)
+
+
+@needs_fixtures
+def test_a_registered_plan_is_selected_and_runs_on_the_collections_executor(monkeypatch):
+    from mscclpp import _mscclpp
+
+    monkeypatch.setattr(_mscclpp, "Communicator", _FakeComm)
+    monkeypatch.setattr(_mscclpp, "NativeExecutor", _FakeExecutor)
+    monkeypatch.setattr(_mscclpp, "NativeAlgorithmCollection", _FakeCollection)
+    plan = mscclpp.ExecutionPlan(os.path.join(_FIXTURES, "allreduce_packet_2gpu.json"))
+    builder = mscclpp.AlgorithmCollectionBuilder()
+    builder.add_algorithm_builder(mscclpp.Algorithm(execution_plan=plan))
+    comm = _FakeComm()
+    for algos, defaults in ((builder.build_default_algorithms(rank=0), True), (builder.build(), False)):
+        chosen = algos.select(comm, "allreduce", 4096, mscclpp.DataType.float32)
+        assert chosen.name == "allreduce_pkt" and chosen.is_dsl_algorithm()
+        built = algos.native_collection(comm)
+        assert built.defaults is defaults and built.plans == [plan]
+        # Without an executor the collection's own runs the plan; with one, that one does.
+        chosen.execute(comm, 1, 1, 4096, 4096, mscclpp.DataType.float32)
+        assert built.executor.runs == [(0, "allreduce_pkt", "f32", "LL16", None)]
+        mine = mscclpp.Executor(comm)
+        chosen.execute(comm, 1, 1, 4096, 4096, mscclpp.DataType.bfloat16, op=mscclpp.ReduceOp.SUM,
+                       executor=mine)
+        assert mine._native.runs == [(0, "allreduce_pkt", "bf16", "LL16", "sum")]
+        with pytest.raises(TypeError, match="executor must be an mscclpp.Executor"):
+            chosen.execute(comm, 1, 1, 4096, 4096, mscclpp.DataType.float32, executor=object())
+    alone = mscclpp.Algorithm(execution_plan=plan)
+    with pytest.raises(ValueError, match="pass executor=mscclpp.Executor"):
+        alone.execute(comm, 1, 1, 4096, 4096, mscclpp.DataType.float32)
+    mine.execute(0, 1, 1, 8, 8, mscclpp.DataType.float32, plan, packet_type=mscclpp.PacketType.LL8)
+    assert mine._native.runs[-1] == (0, "allreduce_pkt", "f32", "LL8", None)
