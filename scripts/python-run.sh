@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Runs the Python package's GPU check and examples on a GPU machine (copied into .gpu/ by
 # gpu-stage.sh), under torchrun with NRANKS ranks (default 2) sharing the visible GPUs, NVLink
-# multicast off. The wheel must be installed first, e.g.
+# multicast off; MPS=1 runs them under an MPS server, each rank held to its share of the SMs when
+# ranks outnumber GPUs (mps.sh), as gpu-run.sh does. The wheel must be installed first, e.g.
 #   pip install --no-deps --target /tmp/site .gpu/*.whl   (then PYTHONPATH=/tmp/site is used)
-# Usage: NRANKS=4 bash .gpu/python-run.sh [check|default|dsl|tuning|native|all]
+# Usage: [NRANKS=4] [MPS=1] bash .gpu/python-run.sh [check|default|dsl|tuning|native|all]
 # dsl runs the execution-plan example on the plans gpu-stage.sh put in .gpu/plans and
 # .gpu/builder-plans.
 set -euo pipefail
@@ -11,6 +12,11 @@ here="$(cd "$(dirname "$0")" && pwd)"
 export NCCL_NVLS_ENABLE=0 MSCCLPP_FORCE_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="${PYTHONPATH:-/tmp/site}"
 nranks="${NRANKS:-2}"
+if [ "${MPS:-0}" = 1 ]; then
+  # shellcheck source=scripts/mps.sh
+  source "$here/mps.sh"
+  start_mps "$nranks" "$(nvidia-smi -L | wc -l)"
+fi
 run() {
   echo "== $1 on $nranks ranks"
   torchrun --nproc_per_node="$nranks" --master_port="${PORT:-29521}" "$here/python/$1" "${@:2}"
