@@ -64,7 +64,7 @@ class Buffers:
             inp = out if plan.inplace else flat[out_count:out_count + count]
         inp.copy_(inputs[rank])
         torch.cuda.synchronize()
-        group.barrier()  # no peer still reads the previous call's buffers
+        group.barrier()  # every rank's input is in place before any peer's kernel reads it
         return inp, out, want, summed
 
 
