@@ -15,22 +15,14 @@ ngpu="${NGPU:-$(nvidia-smi -L | wc -l)}"
 if [ -n "${NGPU:-}" ]; then export CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((NGPU - 1)))"; fi
 # NRANKS=n runs n ranks (default: one per GPU). More ranks than GPUs share them, which checks the
 # suite's results at a world size the machine lacks GPUs for (NCCL refuses shared GPUs, so the
-# benchmark runs that way only without --vs-nccl). MPS=1 starts an MPS server first so the sharing ranks' kernels
-# run side by side instead of time-slicing; it goes away with the machine. Every native kernel needs
-# its whole grid resident while it waits for its peers, so each sharing rank is held to its share of
-# the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, which the SM count the rank reads reflects; ranks of
-# one process, as in `nccl initall`, divide the SMs among themselves: Communicator::multiprocessors). MPS
-# clients share hardware queues, where port_allreduce hangs: check that one without MPS.
+# benchmark runs that way only without --vs-nccl). MPS=1 starts an MPS server first (mps.sh).
+# Ranks of one process (`nccl initall`) divide the SMs among themselves (Communicator::multiprocessors).
 nranks="${NRANKS:-$ngpu}"
 echo "device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n 1) x $ngpu, $nranks ranks"
 if [ "${MPS:-0}" = 1 ]; then
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  if [ "$nranks" -gt "$ngpu" ]; then
-    export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 * ngpu / nranks))
-  fi
-  nvidia-cuda-mps-control -d && echo "MPS server started (active thread percentage ${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE:-100})"
-  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  # shellcheck source=scripts/mps.sh
+  source "$(dirname "$0")/mps.sh"
+  start_mps "$nranks" "$ngpu"
 fi
 nvidia-smi topo -m 2>/dev/null | head -n 4
 # NCCL for the same-run baseline: PyTorch's copy.

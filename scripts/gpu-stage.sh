@@ -15,13 +15,17 @@ cp nccl/scripts/torch_check.py .gpu/
 # The device tool carries at most 64 MiB; debug info is most of each binary (symbols stay, so
 # backtraces still name functions).
 if command -v strip >/dev/null; then strip --strip-debug .gpu/bin/* .gpu/lib/*; fi
-# The execution-plan fixtures, for the suite's `plans` section (it finds them beside bin/).
+# The execution-plan fixtures, for the suite's `plans` section (it finds them beside bin/), and
+# the builder's all-reduce plans for 2, 4 and 8 ranks (the fixtures have plans for 2 and 4 only)
+# in .gpu/builder-plans, both for the Python DSL example.
+mkdir -p .gpu/plans .gpu/builder-plans
 if [ -d ../shared/fixtures/plans ]; then
-  mkdir -p .gpu/plans && cp ../shared/fixtures/plans/*.json .gpu/plans/
+  cp ../shared/fixtures/plans/*.json .gpu/plans/
 else
   echo "gpu-stage: ../shared/fixtures/plans missing: the suite's plans section will check builder plans only" >&2
 fi
-cp scripts/gpu-run.sh scripts/simulate-hosts.sh scripts/fault-inject.py .gpu/
+cargo run -q --release -p mscclpp-executor --example builder_plans -- .gpu/builder-plans 2 4 8
+cp scripts/gpu-run.sh scripts/mps.sh scripts/simulate-hosts.sh scripts/fault-inject.py .gpu/
 # The Python package: a release wheel (abi3, any Python >= 3.9; the release profile shares the
 # dependencies just built), its GPU check and the examples. On the GPU machine:
 #   pip install --no-deps --target /tmp/site .gpu/*.whl && bash .gpu/python-run.sh

@@ -1,28 +1,38 @@
 #!/usr/bin/env bash
 # Runs the Python package's GPU check and examples on a GPU machine (copied into .gpu/ by
 # gpu-stage.sh), under torchrun with NRANKS ranks (default 2) sharing the visible GPUs, NVLink
-# multicast off. The wheel must be installed first, e.g.
+# multicast off; MPS=1 runs them under an MPS server, each rank held to its share of the SMs when
+# ranks outnumber GPUs (mps.sh), as gpu-run.sh does. The wheel must be installed first, e.g.
 #   pip install --no-deps --target /tmp/site .gpu/*.whl   (then PYTHONPATH=/tmp/site is used)
-# Usage: NRANKS=4 bash .gpu/python-run.sh [check|default|tuning|native|all]
+# Usage: [NRANKS=4] [MPS=1] bash .gpu/python-run.sh [check|default|dsl|tuning|native|all]
+# dsl runs the execution-plan example on the plans gpu-stage.sh put in .gpu/plans and
+# .gpu/builder-plans.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 export NCCL_NVLS_ENABLE=0 MSCCLPP_FORCE_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="${PYTHONPATH:-/tmp/site}"
 nranks="${NRANKS:-2}"
+if [ "${MPS:-0}" = 1 ]; then
+  # shellcheck source=scripts/mps.sh
+  source "$here/mps.sh"
+  start_mps "$nranks" "$(nvidia-smi -L | wc -l)"
+fi
 run() {
   echo "== $1 on $nranks ranks"
-  torchrun --nproc_per_node="$nranks" --master_port="${PORT:-29521}" "$here/python/$1"
+  torchrun --nproc_per_node="$nranks" --master_port="${PORT:-29521}" "$here/python/$1" "${@:2}"
 }
 case "${1:-all}" in
   check) run tests/gpu_check.py ;;
   default) run examples/customized_comm_with_default_algo.py ;;
+  dsl) run examples/customized_comm_with_dsl.py "$here/plans" "$here/builder-plans" ;;
   tuning) run examples/customized_comm_with_tuning.py ;;
   native) run examples/customized_allgather.py ;;
   all)
     run tests/gpu_check.py
     run examples/customized_comm_with_default_algo.py
+    run examples/customized_comm_with_dsl.py "$here/plans" "$here/builder-plans"
     run examples/customized_comm_with_tuning.py
     run examples/customized_allgather.py
     ;;
-  *) echo "usage: $0 [check|default|tuning|native|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [check|default|dsl|tuning|native|all]" >&2; exit 2 ;;
 esac

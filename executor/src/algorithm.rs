@@ -157,6 +157,11 @@ impl PlanAlgorithm {
         &self.plan
     }
 
+    /// The reduction the plan's reducing ops apply (a call must ask for this one).
+    pub fn reduce_op(&self) -> ReduceOp {
+        self.reduce_op
+    }
+
     /// Message sizes (input bytes per rank) the plan takes: its own range, capped by the scratch.
     pub fn message_range(&self) -> (u64, u64) {
         let chunks = self.plan.gpus[0].input_chunks.max(1) as u64;

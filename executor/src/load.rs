@@ -82,11 +82,22 @@ pub fn add_plans(
     builder: &mut AlgorithmCollectionBuilder,
     plans: &[Arc<Plan>],
 ) -> Result<Vec<Arc<PlanAlgorithm>>> {
-    let mut algos = Vec::new();
-    for plan in plans {
-        let algo = Arc::new(PlanAlgorithm::new(comm.clone(), plan.clone())?);
+    let algos = plans
+        .iter()
+        .map(|plan| PlanAlgorithm::new(comm.clone(), plan.clone()).map(Arc::new))
+        .collect::<Result<Vec<_>>>()?;
+    register_plans(builder, &algos)?;
+    Ok(algos)
+}
+
+/// Adds plan algorithms already set up (e.g. by the Python package's `Executor`, which owns them)
+/// to `builder`, with the preferring selector.
+pub fn register_plans(
+    builder: &mut AlgorithmCollectionBuilder,
+    algos: &[Arc<PlanAlgorithm>],
+) -> Result<()> {
+    for algo in algos {
         builder.add_algorithm(algo.clone())?;
-        algos.push(algo);
     }
     let table = algos
         .iter()
@@ -103,7 +114,7 @@ pub fn add_plans(
         .collect();
     let fallback = builder.take_selector();
     builder.set_selector(preferring_plans(table, fallback));
-    Ok(algos)
+    Ok(())
 }
 
 /// What the selector knows of a loaded plan.

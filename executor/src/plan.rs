@@ -29,6 +29,21 @@ pub enum Collective {
     Sendrecv,
 }
 
+impl Collective {
+    /// The JSON spelling (`allreduce`), which is also MSCCL++'s collective name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Collective::Allreduce => "allreduce",
+            Collective::Allgather => "allgather",
+            Collective::Reducescatter => "reducescatter",
+            Collective::Alltoall => "alltoall",
+            Collective::Broadcast => "broadcast",
+            Collective::Reduce => "reduce",
+            Collective::Sendrecv => "sendrecv",
+        }
+    }
+}
+
 /// `protocol`: `Simple` moves data then signals; `LL` packs a flag next to every 4 (LL8) or 8 (LL16)
 /// bytes of data so the receiver polls the data itself. `LL8`/`LL16` name the packet size explicitly.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]

@@ -17,7 +17,7 @@ from ._mscclpp import (
     env,
     is_nvls_supported,
 )
-from ._types import DataType, ReduceOp
+from ._types import DataType, PacketType, ReduceOp
 from .algorithm import (
     Algorithm,
     AlgorithmCollection,
@@ -25,6 +25,7 @@ from .algorithm import (
     CollectiveRequest,
     CustomAlgorithm,
 )
+from .executor import ExecutionPlan, Executor
 from .native import compile_native
 from .comm import CommGroup
 
@@ -39,7 +40,10 @@ __all__ = [
     "MemoryChannels",
     "NativeModule",
     "DataType",
+    "ExecutionPlan",
+    "Executor",
     "MscclppError",
+    "PacketType",
     "RawGpuBuffer",
     "ReduceOp",
     "TcpBootstrap",

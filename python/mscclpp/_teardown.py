@@ -2,8 +2,8 @@
 
 Module globals are freed in no particular order at exit, possibly after the GPU driver's own exit
 handlers ran. The native objects hold what they need (algorithms hold their communicator), so any
-order is memory-safe; this hook makes it orderly: algorithm collections first, then communicators,
-while the interpreter and the driver are still whole.
+order is memory-safe; this hook makes it orderly: algorithm collections and executors first, then
+communicators, while the interpreter and the driver are still whole.
 """
 
 import atexit

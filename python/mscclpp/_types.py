@@ -39,3 +39,10 @@ class ReduceOp(enum.Enum):
     MIN = "min"
     MAX = "max"
     AVG = "avg"
+
+
+class PacketType(enum.Enum):
+    """Packet size of an execution plan whose protocol is `LL` (MSCCL++'s `PacketType`)."""
+
+    LL8 = "LL8"
+    LL16 = "LL16"

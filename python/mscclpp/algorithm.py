@@ -6,6 +6,11 @@ first `execute`; the runtime builds algorithms for a communicator. So an `Algori
 name, and the collection builds the runtime's algorithms for a communicator the first time any of
 them runs on it (collective: every rank makes the same first call, so every rank builds at the same
 point), then reuses them.
+
+An execution plan becomes an algorithm as in MSCCL++: `Algorithm(execution_plan=plan)` (a "DSL
+algorithm", run by an `Executor`). Added to a builder (`add_algorithm_builder`), it joins the
+collection, whose default selector prefers it for the calls it covers (collective, world size,
+message size) and whose own executor runs it when `execute` is given none.
 """
 
 from collections import namedtuple
@@ -37,15 +42,50 @@ def _runtime_dtype(dtype):
 
 
 class Algorithm:
-    """One named algorithm of a collection."""
+    """One algorithm: a native one of a collection (see AlgorithmCollectionBuilder), or, built with
+    `Algorithm(execution_plan=mscclpp.ExecutionPlan(path))`, an execution plan run by an Executor
+    (MSCCL++'s DSL algorithm; `id` and `tags` are kept for selectors)."""
 
-    def __init__(self, collection, name, collective):
+    def __init__(self, id=None, execution_plan=None, tags=None, constraint=None):
+        if not isinstance(execution_plan, _mscclpp.ExecutionPlan):
+            raise TypeError(
+                "Algorithm(...) makes a DSL algorithm from execution_plan=mscclpp.ExecutionPlan(path); "
+                "native algorithms come from AlgorithmCollectionBuilder"
+            )
+        self._set(None, execution_plan.name, execution_plan.collective, execution_plan)
+        self.id = execution_plan.name if id is None else id
+        self.tags = dict(tags or {})
+        self.constraint = constraint
+
+    @classmethod
+    def _of_collection(cls, collection, name, collective, plan=None):
+        algo = cls.__new__(cls)
+        algo._set(collection, name, collective, plan)
+        return algo
+
+    def _set(self, collection, name, collective, plan):
         self._collection = collection
         self.name = name
         self.collective = collective
+        self.execution_plan = plan
+        self.id, self.tags, self.constraint = name, {}, None
 
     def __repr__(self):
         return f"Algorithm({self.name!r}, {self.collective!r})"
+
+    def is_dsl_algorithm(self):
+        """Whether this is an execution plan (run by an Executor)."""
+        return self.execution_plan is not None
+
+    def is_native_algorithm(self):
+        return self.execution_plan is None
+
+    @property
+    def message_size_range(self):
+        """`(min, max)` input bytes per rank: the plan's range, any size for native algorithms."""
+        if self.execution_plan is None:
+            return (0, 2**64 - 1)
+        return (self.execution_plan.min_message_size, self.execution_plan.max_message_size)
 
     def execute(
         self,
@@ -67,21 +107,45 @@ class Algorithm:
         """Enqueues the collective on `stream` (an int handle: `torch.cuda.current_stream().cuda_stream`).
 
         Buffers are device addresses (`tensor.data_ptr()`), sizes in bytes. Returns without
-        waiting for the GPU, so it can be captured into a CUDA graph. `executor` is for execution
-        plans, which this package does not run yet; `extras` is for algorithms that take extra
-        pointers, which the default ones do not. `symmetric_memory` is a hint for selectors.
-        Returns 0 (MSCCL++'s success code); every failure raises instead.
+        waiting for the GPU, so it can be captured into a CUDA graph (an execution plan after its
+        first run). `executor` runs execution plans (default: the collection's own for this
+        communicator); native algorithms take none. A plan applies its own reduction (`op` NOP)
+        and thread-block geometry (`nblocks`/`nthreads_per_block` ignored). `extras` is for
+        algorithms that take extra pointers, which the default ones do not. `symmetric_memory`
+        is a hint for selectors. Returns 0 (MSCCL++'s success code); every failure raises instead.
         """
-        if executor is not None:
+        if executor is not None and self.execution_plan is None:
             raise TypeError(f"{self.name} is a native algorithm: it takes no executor")
         native = _native_comm(comm)
+        op = ReduceOp(op)
+        args = (native, int(input_buffer), int(output_buffer), int(input_size), int(output_size),
+                dtype, op, int(stream))
+        if self.execution_plan is not None:
+            return self._run_plan(*args, executor, accum_dtype, extras or {})
         if op == ReduceOp.NOP and self.collective in ("allreduce", "reducescatter"):
             raise ValueError(f"{self.name} reduces: op must not be ReduceOp.NOP")
-        return self._launch(
-            native, int(input_buffer), int(output_buffer), int(input_size), int(output_size),
-            dtype, ReduceOp(op), int(stream), int(nblocks), int(nthreads_per_block),
-            accum_dtype, extras or {},
+        return self._launch(*args, int(nblocks), int(nthreads_per_block), accum_dtype, extras or {})
+
+    def _run_plan(self, native, input_buffer, output_buffer, input_size, output_size, dtype, op,
+                  stream, executor, accum_dtype, extras):
+        if extras or accum_dtype is not None:
+            raise ValueError(f"{self.name} is an execution plan: it takes no extras or accum_dtype")
+        if executor is not None:
+            runner = getattr(executor, "_native", None)
+            if not isinstance(runner, _mscclpp.NativeExecutor):
+                raise TypeError(f"executor must be an mscclpp.Executor, not {type(executor).__name__}")
+        elif self._collection is not None:
+            runner = self._collection._executor(native, stream)
+        else:
+            raise ValueError(
+                f"{self.name} is an execution plan: pass executor=mscclpp.Executor(comm.communicator)"
+            )
+        runner.execute(
+            native.rank, input_buffer, output_buffer, input_size, output_size,
+            _runtime_dtype(dtype), self.execution_plan, stream, "LL16",
+            None if op == ReduceOp.NOP else op.value,
         )
+        return 0
 
     def _launch(self, native, input_buffer, output_buffer, input_size, output_size, dtype, op,
                 stream, nblocks, nthreads_per_block, accum_dtype, extras):
@@ -112,7 +176,7 @@ class CustomAlgorithm(Algorithm):
     """
 
     def __init__(self, name, collective, launch):
-        super().__init__(None, name, collective)
+        self._set(None, name, collective, None)
         self._user_launch = launch
 
     def _launch(self, native, input_buffer, output_buffer, input_size, output_size, dtype, op,
@@ -127,13 +191,20 @@ class CustomAlgorithm(Algorithm):
 class AlgorithmCollection:
     """The algorithms of a builder, iterable, plus selection and tuning."""
 
-    def __init__(self, names, scratch_bytes, rank, selector=None):
-        self._algorithms = [Algorithm(self, n, c) for n, c in names]
+    def __init__(self, names, scratch_bytes, rank, selector=None, plans=(), defaults=True):
+        self._algorithms = [Algorithm._of_collection(self, n, c) for n, c in names]
+        for p in plans:
+            algo = Algorithm._of_collection(self, p.name, p.collective, p.execution_plan)
+            algo.id, algo.tags = p.id, dict(p.tags)
+            self._algorithms.append(algo)
+        self._plans = [p.execution_plan for p in plans]
+        self._defaults = defaults
         self._scratch_bytes = scratch_bytes
         self._rank = rank
         self._selector = selector
         self._tuning = None
-        self._built = {}  # id(native communicator) -> (communicator, collection, by name)
+        # id(native communicator) -> (communicator, collection, by name, executor of its plans)
+        self._built = {}
         track(self)
 
     def __iter__(self):
@@ -159,15 +230,16 @@ class AlgorithmCollection:
             )
         entry = self._built.get(id(native))
         if entry is None:
+            executor = _mscclpp.NativeExecutor(native)
             collection = _mscclpp.NativeAlgorithmCollection.build_default(
-                native, self._scratch_bytes, stream
+                native, self._scratch_bytes, stream, self._plans, executor, self._defaults
             )
             by_name = {(a.collective, a.name): a for a in collection.algorithms()}
             # Algorithms only some machines build (NVLS, behind its gate) join the list now.
             known = {(a.collective, a.name) for a in self._algorithms}
             self._algorithms += [Algorithm(self, n, c) for c, n in by_name if (c, n) not in known]
             # The communicator is kept so its id cannot be reused while the entry lives.
-            entry = (native, collection, by_name)
+            entry = (native, collection, by_name, executor)
             self._built[id(native)] = entry
         return entry[1]
 
@@ -177,6 +249,11 @@ class AlgorithmCollection:
         if found is None:
             raise ValueError(f"{algorithm.name} is not available on this machine")
         return found
+
+    def _executor(self, native, stream):
+        """The executor that runs this collection's plans on `native` (built with the collection)."""
+        self.native_collection(native, stream)
+        return self._built[id(native)][3]
 
     def select(self, comm, collective, message_size, dtype, stream=0, symmetric_memory=False):
         """The Algorithm for a call: the user selector's answer if it gives one, else the tuning
@@ -219,21 +296,38 @@ class AlgorithmCollection:
 
 
 class AlgorithmCollectionBuilder:
-    """Builds an AlgorithmCollection (MSCCL++'s builder, minus execution plans for now)."""
+    """Builds an AlgorithmCollection: the default algorithms and the execution plans added."""
 
     def __init__(self):
         self._selector = None
+        self._plans = []
 
     def set_algorithm_selector(self, selector):
         """`selector(algorithms_by_collective, request) -> Algorithm or None` (None: default)."""
         self._selector = selector
 
+    def add_algorithm_builder(self, algorithm_builder):
+        """Adds an execution plan (`Algorithm(execution_plan=...)`) to the collections built
+        after this call."""
+        if not (isinstance(algorithm_builder, Algorithm) and algorithm_builder.is_dsl_algorithm()):
+            raise ValueError(
+                "add_algorithm_builder takes a DSL algorithm: "
+                "mscclpp.Algorithm(execution_plan=mscclpp.ExecutionPlan(path))"
+            )
+        self._plans.append(algorithm_builder)
+
+    def build(self):
+        """A collection of the added execution plans alone (no default algorithms)."""
+        return AlgorithmCollection([], 0, None, self._selector, list(self._plans), defaults=False)
+
     def build_default_algorithms(self, scratch_buffer=0, scratch_buffer_size=0, rank=None):
-        """The default algorithms. Until the runtime takes a caller's scratch, each scratch-staged
-        algorithm keeps its own of min(scratch_buffer_size, DEFAULT_SCRATCH_BYTES) bytes (the
-        default when 0) and `scratch_buffer` is only kept alive by the caller."""
+        """The default algorithms, plus the execution plans added (MSCCL++ adds those only in
+        `build`; here the default selector prefers a plan for the calls it covers). Until the
+        runtime takes a caller's scratch, each scratch-staged algorithm keeps its own of
+        min(scratch_buffer_size, DEFAULT_SCRATCH_BYTES) bytes (the default when 0) and
+        `scratch_buffer` is only kept alive by the caller."""
         limit = _mscclpp.DEFAULT_SCRATCH_BYTES
         scratch = min(int(scratch_buffer_size), limit) if scratch_buffer_size else limit
         return AlgorithmCollection(
-            _mscclpp.default_algorithm_names(), scratch, rank, self._selector
+            _mscclpp.default_algorithm_names(), scratch, rank, self._selector, list(self._plans)
         )

@@ -4,12 +4,14 @@
 //! only spelling users see and an unknown name raises with the library's list of valid ones.
 
 use crate::comm::PyCommunicator;
+use crate::executor::{PyExecutionPlan, PyExecutor};
 use crate::{to_py, MscclppError};
 use mscclpp::core::algorithm_collection::{AlgorithmCollection, SelectionContext};
 use mscclpp::core::gpu::Stream;
 use mscclpp::core::tuner::TuningTable;
 use mscclpp::core::{AccumType, Algorithm, Collective, DataType, ExecuteArgs, ReduceOp};
 use mscclpp_collectives::tune::CandidateGrid;
+use mscclpp_executor::load::register_plans;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use std::sync::Arc;
@@ -39,7 +41,7 @@ fn collective(name: &str) -> PyResult<Collective> {
         })
 }
 
-fn dtype(name: &str) -> PyResult<DataType> {
+pub(crate) fn dtype(name: &str) -> PyResult<DataType> {
     name.parse().map_err(to_py)
 }
 
@@ -139,19 +141,40 @@ pub struct PyCollection {
 
 #[pymethods]
 impl PyCollection {
-    /// Collective: builds every default (native) algorithm for `comm`, each packet algorithm with
-    /// `scratch_bytes` of its own scratch (NVLS ones only behind the NVLS gate). Setting up
-    /// allocates and synchronises, which would break a CUDA-graph capture in progress on
-    /// `stream`: that is refused with an error saying what to do instead.
+    /// Collective: builds every default (native) algorithm for `comm` (unless `defaults` is
+    /// false), each packet algorithm with `scratch_bytes` of its own scratch (NVLS ones only
+    /// behind the NVLS gate), and adds `plans` as set up by `executor` (which must be `comm`'s),
+    /// with a selector that prefers a plan matching the call's collective, world size and size.
+    /// Setting up allocates and synchronises, which would break a CUDA-graph capture in progress
+    /// on `stream`: that is refused with an error saying what to do instead.
     #[staticmethod]
-    #[pyo3(signature = (comm, scratch_bytes, stream = 0))]
+    #[pyo3(signature = (comm, scratch_bytes, stream = 0, plans = Vec::new(), executor = None,
+                        defaults = true))]
     fn build_default(
         py: Python<'_>,
         comm: &PyCommunicator,
         scratch_bytes: usize,
         stream: u64,
+        plans: Vec<PyRef<'_, PyExecutionPlan>>,
+        executor: Option<Py<PyExecutor>>,
+        defaults: bool,
     ) -> PyResult<Self> {
         let c = comm.inner.clone();
+        let plans: Vec<_> = plans.iter().map(|p| p.inner.clone()).collect();
+        let executor = match executor {
+            Some(e) if Arc::ptr_eq(&e.get().comm, &c) => Some(e),
+            Some(_) => {
+                return Err(PyValueError::new_err(
+                    "the executor belongs to another communicator",
+                ))
+            }
+            None if plans.is_empty() => None,
+            None => {
+                return Err(PyValueError::new_err(
+                    "plans need an executor to set them up",
+                ))
+            }
+        };
         let inner = py.detach(|| -> PyResult<AlgorithmCollection> {
             if c.gpu().is_capturing(Stream(stream)).map_err(to_py)? {
                 return Err(MscclppError::new_err(
@@ -160,7 +183,22 @@ impl PyCollection {
                      AlgorithmCollection.native_collection(comm)) before capturing",
                 ));
             }
-            mscclpp_collectives::default_algorithm_collection(&c, scratch_bytes).map_err(to_py)
+            let builder = AlgorithmCollection::builder();
+            let mut builder = if defaults {
+                mscclpp_collectives::build_default_algorithms(&c, scratch_bytes, builder)
+                    .map_err(to_py)?
+            } else {
+                builder
+            };
+            if let Some(executor) = &executor {
+                let algos = plans
+                    .iter()
+                    .map(|p| executor.get().context(p, false, stream))
+                    .collect::<mscclpp::Result<Vec<_>>>()
+                    .map_err(to_py)?;
+                register_plans(&mut builder, &algos).map_err(to_py)?;
+            }
+            Ok(builder.build())
         })?;
         Ok(PyCollection {
             inner: Arc::new(inner),

@@ -14,6 +14,7 @@
 mod algorithm;
 mod buffer;
 mod comm;
+mod executor;
 mod native;
 
 use mscclpp::core::gpu::Gpu;
@@ -115,5 +116,6 @@ fn _mscclpp(m: &Bound<'_, PyModule>) -> PyResult<()> {
     buffer::register(m)?;
     algorithm::register(m)?;
     native::register(m)?;
+    executor::register(m)?;
     Ok(())
 }

@@ -1,5 +1,6 @@
 """CPU tests of the package: import, enums, dtype maps, bootstrap across processes, errors."""
 
+import json
 import multiprocessing as mp
 import os
 import socket
@@ -189,3 +190,160 @@ def test_compile_native_arguments():
 def test_compile_native_without_gpu_says_why():
     with pytest.raises(mscclpp.MscclppError, match="unavailable"):
         mscclpp.compile_native("k", source='extern "C" __global__ void k() {}')
+
+
+def _fixture_dir():
+    """The shared plan fixtures: MSCCLPP_PLAN_FIXTURES, else beside the repository (as CI checks
+    them out), else the workspace's copy."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for d in (
+        os.environ.get("MSCCLPP_PLAN_FIXTURES"),
+        os.path.join(repo, "..", "shared", "fixtures", "plans"),
+        "/work/shared/fixtures/plans",
+    ):
+        if d and os.path.isdir(d):
+            return d
+    return None
+
+
+_FIXTURES = _fixture_dir()
+_PLAN_FILES = sorted(f for f in os.listdir(_FIXTURES) if f.endswith(".json")) if _FIXTURES else []
+needs_fixtures = pytest.mark.skipif(
+    not _PLAN_FILES, reason="no fixture plans (set MSCCLPP_PLAN_FIXTURES)"
+)
+
+
+@needs_fixtures
+@pytest.mark.parametrize("file", _PLAN_FILES)
+def test_every_fixture_plan_parses(file):
+    path = os.path.join(_FIXTURES, file)
+    with open(path) as f:
+        doc = json.load(f)
+    plan = mscclpp.ExecutionPlan(path, 0)
+    assert plan.name == doc["name"]
+    assert plan.collective == doc["collective"]
+    assert plan.protocol == doc["protocol"]
+    assert plan.inplace == doc["inplace"]
+    assert plan.world_size == len(doc["gpus"])
+    assert plan.min_message_size == doc.get("min_message_size", 0)
+    if "max_message_size" in doc:
+        assert plan.max_message_size == doc["max_message_size"]
+    assert plan.path == path and doc["name"] in repr(plan)
+
+
+@needs_fixtures
+def test_a_malformed_plan_is_a_value_error_naming_file_and_json_path(tmp_path):
+    with open(os.path.join(_FIXTURES, "allreduce_packet_2gpu.json")) as f:
+        doc = json.load(f)
+    doc["gpus"][1]["threadblocks"][0]["ops"][0]["name"] = "teleport"
+    bad = tmp_path / "bad_plan.json"
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(ValueError) as err:
+        mscclpp.ExecutionPlan(str(bad))
+    message = str(err.value)
+    assert "bad_plan.json" in message and "gpus[1].threadblocks[0].ops[0]" in message, message
+    assert "teleport" in message, message
+    with pytest.raises(ValueError, match="bad_plan.json: not valid JSON"):
+        bad.write_text('{"name": ')
+        mscclpp.ExecutionPlan(str(bad))
+    with pytest.raises(ValueError, match="missing.json: no such file"):
+        mscclpp.ExecutionPlan(str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="is a directory"):
+        mscclpp.ExecutionPlan(str(tmp_path))
+    with pytest.raises(ValueError, match="rank 2 is not in 0..2"):
+        mscclpp.ExecutionPlan(os.path.join(_FIXTURES, "allreduce_packet_2gpu.json"), rank=2)
+
+
+@needs_fixtures
+def test_a_registered_plan_joins_the_collection():
+    plan = mscclpp.ExecutionPlan(os.path.join(_FIXTURES, "allreduce_packet_2gpu.json"))
+    dsl = mscclpp.Algorithm("mine", execution_plan=plan, tags={"fast": 1})
+    assert dsl.is_dsl_algorithm() and not dsl.is_native_algorithm()
+    assert (dsl.name, dsl.collective, dsl.id) == ("allreduce_pkt", "allreduce", "mine")
+    assert dsl.message_size_range == (plan.min_message_size, plan.max_message_size)
+    builder = mscclpp.AlgorithmCollectionBuilder()
+    builder.add_algorithm_builder(dsl)
+    algos = builder.build_default_algorithms(rank=0)
+    by_name = algos.by_collective()["allreduce"]
+    assert by_name["allreduce_pkt"].is_dsl_algorithm() and by_name["allreduce_pkt"].tags == {"fast": 1}
+    assert by_name["default_allreduce_packet"].is_native_algorithm()
+    assert [a.name for a in builder.build()] == ["allreduce_pkt"]
+    with pytest.raises(ValueError, match="takes a DSL algorithm"):
+        builder.add_algorithm_builder(by_name["default_allreduce_packet"])
+    with pytest.raises(TypeError, match="makes a DSL algorithm from execution_plan"):
+        mscclpp.Algorithm("x")
+    with pytest.raises(TypeError, match="comm must be an mscclpp Communicator or CommGroup"):
+        mscclpp.Executor(None)
+    assert mscclpp.PacketType.LL8.value == "LL8"
+
+
+class _FakeComm:
+    rank, size = 0, 2
+
+
+class _FakeExecutor:
+    """Stands in for the native executor: records the plans it is asked to run."""
+
+    made = []
+
+    def __init__(self, comm):
+        self.comm, self.runs = comm, []
+        _FakeExecutor.made.append(self)
+
+    def execute(self, rank, inp, out, in_size, out_size, dtype, plan, stream, packet, op=None):
+        self.runs.append((rank, plan.name, dtype, packet, op))
+
+
+class _FakeNativeAlgorithm:
+    def __init__(self, name, collective):
+        self.name, self.collective = name, collective
+
+
+class _FakeCollection:
+    """Stands in for the runtime's collection: keeps what it was built with; selects the first
+    plan, as the runtime's selector does for a call a plan covers."""
+
+    @staticmethod
+    def build_default(comm, scratch_bytes, stream, plans, executor, defaults):
+        c = _FakeCollection()
+        c.plans, c.executor, c.defaults = plans, executor, defaults
+        return c
+
+    def algorithms(self):
+        natives = [_FakeNativeAlgorithm("default_allreduce_packet", "allreduce")] if self.defaults else []
+        return natives + [_FakeNativeAlgorithm(p.name, p.collective) for p in self.plans]
+
+    def select(self, collective, message_size, dtype, stream, symmetric_memory):
+        return _FakeNativeAlgorithm(self.plans[0].name, collective)
+
+
+@needs_fixtures
+def test_a_registered_plan_is_selected_and_runs_on_the_collections_executor(monkeypatch):
+    from mscclpp import _mscclpp
+
+    monkeypatch.setattr(_mscclpp, "Communicator", _FakeComm)
+    monkeypatch.setattr(_mscclpp, "NativeExecutor", _FakeExecutor)
+    monkeypatch.setattr(_mscclpp, "NativeAlgorithmCollection", _FakeCollection)
+    plan = mscclpp.ExecutionPlan(os.path.join(_FIXTURES, "allreduce_packet_2gpu.json"))
+    builder = mscclpp.AlgorithmCollectionBuilder()
+    builder.add_algorithm_builder(mscclpp.Algorithm(execution_plan=plan))
+    comm = _FakeComm()
+    for algos, defaults in ((builder.build_default_algorithms(rank=0), True), (builder.build(), False)):
+        chosen = algos.select(comm, "allreduce", 4096, mscclpp.DataType.float32)
+        assert chosen.name == "allreduce_pkt" and chosen.is_dsl_algorithm()
+        built = algos.native_collection(comm)
+        assert built.defaults is defaults and built.plans == [plan]
+        # Without an executor the collection's own runs the plan; with one, that one does.
+        chosen.execute(comm, 1, 1, 4096, 4096, mscclpp.DataType.float32)
+        assert built.executor.runs == [(0, "allreduce_pkt", "f32", "LL16", None)]
+        mine = mscclpp.Executor(comm)
+        chosen.execute(comm, 1, 1, 4096, 4096, mscclpp.DataType.bfloat16, op=mscclpp.ReduceOp.SUM,
+                       executor=mine)
+        assert mine._native.runs == [(0, "allreduce_pkt", "bf16", "LL16", "sum")]
+        with pytest.raises(TypeError, match="executor must be an mscclpp.Executor"):
+            chosen.execute(comm, 1, 1, 4096, 4096, mscclpp.DataType.float32, executor=object())
+    alone = mscclpp.Algorithm(execution_plan=plan)
+    with pytest.raises(ValueError, match="pass executor=mscclpp.Executor"):
+        alone.execute(comm, 1, 1, 4096, 4096, mscclpp.DataType.float32)
+    mine.execute(0, 1, 1, 8, 8, mscclpp.DataType.float32, plan, packet_type=mscclpp.PacketType.LL8)
+    assert mine._native.runs[-1] == (0, "allreduce_pkt", "f32", "LL8", None)
