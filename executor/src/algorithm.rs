@@ -119,6 +119,15 @@ impl PlanAlgorithm {
         let encoded = encode(&plan, rank, nvls).map_err(|e| {
             Error::Unsupported(format!("plan {} cannot run on the GPU: {e}", plan.name))
         })?;
+        if !encoded.port_channel_peers.is_empty() {
+            // The interpreter runs port-channel ops, but the proxy, its channels and the staged
+            // plan block they address are not set up here yet (issue #18, step 1).
+            return Err(Error::Unsupported(format!(
+                "plan {}: port channels are run by the CPU reference only so far; the GPU \
+                 executor does not set up their proxy yet",
+                plan.name
+            )));
+        }
         let reduce_op = plan_reduce_op(&plan).map_err(|e| what(e.to_string()))?;
         let channels = channel_semaphores(&comm, &plan, &encoded)?;
         let (layout, bytes) = state_bytes(&encoded, &channels);

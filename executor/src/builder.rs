@@ -6,6 +6,9 @@
 //!   put it to every peer's input, signal/wait.
 //! - LL: the same two phases with packets (ppkt, repkt, ppkt, upkt) and no signals: every packet
 //!   read waits for its data.
+//! - Simple over port channels ([`port_allreduce`]): the Simple plan with its puts moved by the
+//!   host proxy: phase 1 puts then one signal per peer, phase 2 puts with signal and flush
+//!   (pwsf), a final flush; every wait covers the data a peer's signal follows.
 
 use crate::plan::{PlanReduceOp, Protocol};
 use serde_json::{json, Value};
@@ -18,9 +21,19 @@ fn remote(buffer_id: usize, index: usize) -> Value {
     json!({"buffer_id": buffer_id, "index": index, "size": 1})
 }
 
-/// An in-place allreduce plan for `ranks` ranks (2 or more) as JSON.
+/// An in-place allreduce plan for `ranks` ranks (2 or more) as JSON, over memory channels.
 pub fn allreduce(ranks: usize, protocol: Protocol, reduce_op: PlanReduceOp) -> Value {
+    build(ranks, protocol, reduce_op, "memory")
+}
+
+/// An in-place Simple allreduce plan for `ranks` ranks (2 or more) over port channels.
+pub fn port_allreduce(ranks: usize, reduce_op: PlanReduceOp) -> Value {
+    build(ranks, Protocol::Simple, reduce_op, "port")
+}
+
+fn build(ranks: usize, protocol: Protocol, reduce_op: PlanReduceOp, channel: &str) -> Value {
     let ll = protocol != Protocol::Simple;
+    let port = channel == "port";
     let op_name = format!("{reduce_op:?}").to_lowercase();
     let gpus: Vec<Value> = (0..ranks)
         .map(|r| {
@@ -28,16 +41,22 @@ pub fn allreduce(ranks: usize, protocol: Protocol, reduce_op: PlanReduceOp) -> V
             // Remote buffers: peer k's scratch at k, peer k's input at peers.len() + k (Simple only).
             let mut remote_buffers: Vec<Value> = peers
                 .iter()
-                .map(|&p| json!({"rank": p, "type": "s", "access_channel_types": ["memory"]}))
+                .map(|&p| json!({"rank": p, "type": "s", "access_channel_types": [channel]}))
                 .collect();
             if !ll {
                 remote_buffers
-                    .extend(peers.iter().map(|&p| json!({"rank": p, "type": "i", "access_channel_types": ["memory"]})));
+                    .extend(peers.iter().map(|&p| json!({"rank": p, "type": "i", "access_channel_types": [channel]})));
             }
             let all_channels: Vec<usize> = (0..peers.len()).collect();
+            let signal = |ops: &mut Vec<Value>| {
+                ops.push(json!({"name": "signal", "channel_ids": all_channels, "channel_type": channel}));
+            };
+            let wait = |ops: &mut Vec<Value>| {
+                ops.push(json!({"name": "wait", "channel_ids": all_channels, "channel_type": channel}));
+            };
             let handshake = |ops: &mut Vec<Value>| {
-                ops.push(json!({"name": "signal", "channel_ids": all_channels, "channel_type": "memory"}));
-                ops.push(json!({"name": "wait", "channel_ids": all_channels, "channel_type": "memory"}));
+                signal(ops);
+                wait(ops);
             };
             // Scratch slot of a sender: Simple uses slot p for sender p; LL adds slots for phase 2.
             let mut ops = Vec::new();
@@ -46,8 +65,12 @@ pub fn allreduce(ranks: usize, protocol: Protocol, reduce_op: PlanReduceOp) -> V
             }
             for (k, &p) in peers.iter().enumerate() {
                 let name = if ll { "ppkt" } else { "put" };
-                ops.push(json!({"name": name, "src_buff": [local("i", p)], "dst_buff": [remote(k, r)],
-                                "channel_type": "memory"}));
+                let mut put = json!({"name": name, "src_buff": [local("i", p)], "dst_buff": [remote(k, r)],
+                                     "channel_type": channel});
+                if port {
+                    put["channel_ids"] = json!([k]);
+                }
+                ops.push(put);
             }
             if !ll {
                 handshake(&mut ops);
@@ -58,12 +81,20 @@ pub fn allreduce(ranks: usize, protocol: Protocol, reduce_op: PlanReduceOp) -> V
                             "dst_buff": [local("i", r)], "reduce_op": op_name}));
             for (k, _) in peers.iter().enumerate() {
                 let (name, dst) = if ll { ("ppkt", remote(k, ranks + r)) } else { ("put", remote(peers.len() + k, r)) };
-                ops.push(json!({"name": name, "src_buff": [local("i", r)], "dst_buff": [dst], "channel_type": "memory"}));
+                let mut put = json!({"name": name, "src_buff": [local("i", r)], "dst_buff": [dst], "channel_type": channel});
+                if port {
+                    put["name"] = json!("pwsf");
+                    put["channel_ids"] = json!([k]);
+                }
+                ops.push(put);
             }
             if ll {
                 for &p in &peers {
                     ops.push(json!({"name": "upkt", "src_buff": [local("s", ranks + p)], "dst_buff": [local("i", p)]}));
                 }
+            } else if port {
+                wait(&mut ops);
+                ops.push(json!({"name": "flush", "channel_ids": all_channels, "channel_type": channel}));
             } else {
                 handshake(&mut ops);
             }
@@ -72,13 +103,13 @@ pub fn allreduce(ranks: usize, protocol: Protocol, reduce_op: PlanReduceOp) -> V
                 "input_chunks": ranks,
                 "output_chunks": ranks,
                 "scratch_chunks": if ll { 2 * ranks } else { ranks },
-                "channels": [{"channel_type": "memory", "connected_to": peers}],
+                "channels": [{"channel_type": channel, "connected_to": peers}],
                 "remote_buffers": remote_buffers,
                 "semaphores": [],
                 "threadblocks": [{
                     "id": 0,
-                    "channels": [{"channel_type": "memory", "channel_ids": all_channels}],
-                    "remote_buffer_refs": [{"access_channel_type": "memory",
+                    "channels": [{"channel_type": channel, "channel_ids": all_channels}],
+                    "remote_buffer_refs": [{"access_channel_type": channel,
                                             "remote_buffer_ids": (0..remote_buffers.len()).collect::<Vec<_>>()}],
                     "ops": ops,
                 }],
@@ -86,7 +117,7 @@ pub fn allreduce(ranks: usize, protocol: Protocol, reduce_op: PlanReduceOp) -> V
         })
         .collect();
     json!({
-        "name": format!("allreduce_{}_{ranks}rank", if ll { "packet" } else { "simple" }),
+        "name": format!("allreduce_{}_{ranks}rank", if ll { "packet" } else if port { "port" } else { "simple" }),
         "collective": "allreduce",
         "protocol": if ll { "LL" } else { "Simple" },
         "inplace": true,
