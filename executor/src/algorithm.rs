@@ -16,6 +16,7 @@ use crate::plan::{BufferType, ChannelType, Collective as PlanCollective, Plan, P
 use crate::reference::plan_reduce_op;
 use mscclpp_collectives::resources::{DeviceBuffer, RegistrationCache, SharedScratch};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
+use mscclpp_core::algorithm_collection::SelectionContext;
 use mscclpp_core::communicator::Communicator;
 use mscclpp_core::device::D2DSemaphoreHandle;
 use mscclpp_core::gpu::{DevicePtr, Function, LaunchConfig};
@@ -234,7 +235,7 @@ impl PlanAlgorithm {
                 args.output_bytes, gpu.output_chunks
             )));
         }
-        let in_place = self.aliased_input(args.output, chunk) == Some(args.input);
+        let in_place = SelectionContext::buffers_in_place(self.collective, args, rank);
         if self.plan.inplace != in_place {
             return bad(format!(
                 "the plan is {}, the call's buffers are {}",
@@ -249,20 +250,6 @@ impl PlanAlgorithm {
             ));
         }
         Ok(chunk)
-    }
-
-    /// Where an in-place call's input lies for an output at `output` (MSCCL++'s in-place rules:
-    /// all-gather input is this rank's slice of the output, reduce-scatter output this rank's
-    /// slice of the input, otherwise the same buffer).
-    fn aliased_input(&self, output: DevicePtr, chunk: usize) -> Option<DevicePtr> {
-        let rank = self.comm.rank();
-        let gpu = &self.plan.gpus[rank];
-        let slice = |chunks: u32| (rank * chunks as usize * chunk) as u64;
-        match self.collective {
-            Collective::AllGather => Some(output + slice(gpu.input_chunks)),
-            Collective::ReduceScatter => output.checked_sub(slice(gpu.output_chunks)),
-            _ => Some(output),
-        }
     }
 
     /// Every rank's input and output, registered on first use (collective).
