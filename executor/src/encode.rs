@@ -332,12 +332,40 @@ impl Encoder<'_> {
                 format!("{name} over port channels: {} channels for {ndst} destinations (one per destination)", ids.len()),
             ));
         }
-        let refs = &enc.refs[encoded.first_ref as usize..];
+        let refs = &enc.refs[encoded.first_ref as usize..][..nsrc + ndst];
         if refs.iter().any(|r| r.packets != 0) {
             return Err(PlanError::new(
                 path,
                 format!("{name} over port channels into or from LL packets: the GPU interpreter puts plain data only"),
             ));
+        }
+        // The proxy copies from this rank's memory into the channel's peer's.
+        if let Some(i) = refs[..nsrc]
+            .iter()
+            .position(|r| r.slot >= FIRST_REMOTE_SLOT)
+        {
+            return Err(PlanError::new(
+                format!("{path}.src_buff[{i}]"),
+                format!("{name} over port channels reads a local buffer, not a peer's"),
+            ));
+        }
+        for (d, r) in refs[nsrc..].iter().enumerate() {
+            let dst_path = format!("{path}.dst_buff[{d}]");
+            let Some(k) = r.slot.checked_sub(FIRST_REMOTE_SLOT) else {
+                return Err(PlanError::new(
+                    dst_path,
+                    format!("{name} over port channels writes a peer's buffer, not a local one"),
+                ));
+            };
+            let owner = enc.remote_buffers.get(k as usize).map(|b| b.0);
+            let peer = enc.port_channel_peers.get(ids[d] as usize).copied();
+            if owner != peer {
+                let (owner, peer) = (owner.unwrap_or(usize::MAX), peer.unwrap_or(usize::MAX));
+                return Err(PlanError::new(
+                    dst_path,
+                    format!("a buffer of rank {owner} through channel_ids[{d}], a port channel to rank {peer}"),
+                ));
+            }
         }
         self.ids(enc, encoded, &ids, path)
     }
@@ -490,6 +518,14 @@ mod tests {
         let err = encode(&plan, 1, false).unwrap_err().to_string();
         assert!(err.contains(&format!("ops[{put}].channel_ids")), "{err}");
         assert!(err.contains("0 channels for 1 destinations"), "{err}");
+        // A put whose destination is local: the proxy only writes into the channel's peer.
+        let mut v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        v["gpus"][1]["threadblocks"][0]["ops"][put]["dst_buff"] =
+            serde_json::json!([{"type": "s", "index": 0, "size": 1}]);
+        let plan = Plan::from_json(v.to_string().as_bytes()).expect("valid");
+        let err = encode(&plan, 1, false).unwrap_err().to_string();
+        assert!(err.contains(&format!("ops[{put}].dst_buff[0]")), "{err}");
+        assert!(err.contains("writes a peer's buffer"), "{err}");
     }
 
     #[test]
