@@ -9,6 +9,9 @@
 //! - Simple over port channels ([`port_allreduce`]): the Simple plan with its puts moved by the
 //!   host proxy: phase 1 puts then one signal per peer, phase 2 puts with signal and flush
 //!   (pwsf), a final flush; every wait covers the data a peer's signal follows.
+//! - Simple pipelined ([`pipelined_allreduce`]): the Simple plan with phase 1 and the reduction
+//!   in a `pipeline` of `unit_size`-byte windows: every iteration puts a window of each peer's
+//!   chunk, signals, waits and reduces that window.
 
 use crate::plan::{PlanReduceOp, Protocol};
 use serde_json::{json, Value};
@@ -29,6 +32,26 @@ pub fn allreduce(ranks: usize, protocol: Protocol, reduce_op: PlanReduceOp) -> V
 /// An in-place Simple allreduce plan for `ranks` ranks (2 or more) over port channels.
 pub fn port_allreduce(ranks: usize, reduce_op: PlanReduceOp) -> Value {
     build(ranks, Protocol::Simple, reduce_op, "port")
+}
+
+/// The Simple in-place allreduce (memory channels) with its puts, their signal and wait, and the
+/// reduction in one `pipeline` over windows of `unit_size` bytes.
+pub fn pipelined_allreduce(ranks: usize, reduce_op: PlanReduceOp, unit_size: u64) -> Value {
+    let mut plan = allreduce(ranks, Protocol::Simple, reduce_op);
+    plan["name"] = json!(format!("allreduce_pipelined_{ranks}rank"));
+    for gpu in plan["gpus"].as_array_mut().into_iter().flatten() {
+        let ops = gpu["threadblocks"][0]["ops"]
+            .as_array_mut()
+            .expect("the builder's ops are a list");
+        // After the opening handshake: ranks - 1 puts, signal, wait, reduce.
+        let inner: Vec<Value> = ops.drain(2..2 + ranks + 2).collect();
+        ops.insert(
+            2,
+            json!({"name": "pipeline", "iter_context": {"unit_size": unit_size, "num_chunks": 1},
+                   "ops": inner}),
+        );
+    }
+    plan
 }
 
 fn build(ranks: usize, protocol: Protocol, reduce_op: PlanReduceOp, channel: &str) -> Value {

@@ -242,24 +242,14 @@ fn a_port_put_reads_its_source_only_when_a_signal_or_flush_covers_it() {
 #[test]
 fn pipelines_iterate_over_windows_of_their_ops() {
     use mscclpp_executor::builder::allreduce;
+    use mscclpp_executor::builder::pipelined_allreduce;
     use mscclpp_executor::{PlanReduceOp, Protocol};
-    let base = allreduce(2, Protocol::Simple, PlanReduceOp::Sum);
-    // Both ranks pipeline their phase-1 put with its signal and wait (ops 2..5): every iteration
-    // puts a window and signals it, the peer waits for it. 4-byte windows of 8-byte units: one
-    // unit per iteration, so a chunk of 8 f32 takes 4 iterations.
-    let mut v = base.clone();
-    for r in 0..2 {
-        let ops = v["gpus"][r]["threadblocks"][0]["ops"]
-            .as_array_mut()
-            .unwrap();
-        let inner: Vec<Value> = ops.drain(2..5).collect();
-        ops.insert(
-            2,
-            serde_json::json!({"name": "pipeline", "iter_context": {"unit_size": 4, "num_chunks": 1},
-                               "ops": inner}),
-        );
+    // 4-byte windows of 8-byte units: one unit per iteration (a chunk of 8 f32 takes 4).
+    for ranks in [2, 4, 8] {
+        let plan = plan_of(&pipelined_allreduce(ranks, PlanReduceOp::Sum, 4));
+        prove(&plan).unwrap_or_else(|e| panic!("{ranks} ranks: {e}"));
     }
-    prove(&plan_of(&v)).unwrap_or_else(|e| panic!("{e}"));
+    let base = allreduce(2, Protocol::Simple, PlanReduceOp::Sum);
     // Rank 1 pipelines its wait alone (2 iterations for 3 f32 per chunk): its second iteration
     // takes the signal meant for a later wait, so rank 1 ends up waiting for one that never comes.
     let mut v = base;
