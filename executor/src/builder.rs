@@ -6,9 +6,11 @@
 //!   put it to every peer's input, signal/wait.
 //! - LL: the same two phases with packets (ppkt, repkt, ppkt, upkt) and no signals: every packet
 //!   read waits for its data.
-//! - Simple over port channels ([`port_allreduce`]): the Simple plan with its puts moved by the
-//!   host proxy: phase 1 puts then one signal per peer, phase 2 puts with signal and flush
-//!   (pwsf), a final flush; every wait covers the data a peer's signal follows.
+//! - Over port channels ([`port_allreduce`]), the host proxy moving the data. Simple: phase 1
+//!   puts then one signal per peer, phase 2 puts with signal and flush (pwsf), a final flush;
+//!   every wait covers the data a peer's signal follows. LL: the proxy copies packets as they
+//!   are, so each send first packs its chunk into an outgoing scratch slot (cpkt), then ppkt
+//!   moves those packets into the peer's scratch; a final flush.
 //! - Simple pipelined ([`pipelined_allreduce`]): the Simple plan with phase 1 and the reduction
 //!   in a `pipeline` of `unit_size`-byte windows: every iteration puts a window of each peer's
 //!   chunk, signals, waits and reduces that window.
@@ -29,9 +31,9 @@ pub fn allreduce(ranks: usize, protocol: Protocol, reduce_op: PlanReduceOp) -> V
     build(ranks, protocol, reduce_op, "memory")
 }
 
-/// An in-place Simple allreduce plan for `ranks` ranks (2 or more) over port channels.
-pub fn port_allreduce(ranks: usize, reduce_op: PlanReduceOp) -> Value {
-    build(ranks, Protocol::Simple, reduce_op, "port")
+/// An in-place allreduce plan for `ranks` ranks (2 or more) over port channels.
+pub fn port_allreduce(ranks: usize, protocol: Protocol, reduce_op: PlanReduceOp) -> Value {
+    build(ranks, protocol, reduce_op, "port")
 }
 
 /// The Simple in-place allreduce (memory channels) with its puts, their signal and wait, and the
@@ -81,14 +83,21 @@ fn build(ranks: usize, protocol: Protocol, reduce_op: PlanReduceOp, channel: &st
                 signal(ops);
                 wait(ops);
             };
-            // Scratch slot of a sender: Simple uses slot p for sender p; LL adds slots for phase 2.
+            // Scratch slot of a sender: Simple uses slot p for sender p; LL adds slots for phase 2,
+            // and over port channels outgoing packet slots (2 * ranks + p, then 3 * ranks).
             let mut ops = Vec::new();
             if !ll {
                 handshake(&mut ops);
             }
             for (k, &p) in peers.iter().enumerate() {
                 let name = if ll { "ppkt" } else { "put" };
-                let mut put = json!({"name": name, "src_buff": [local("i", p)], "dst_buff": [remote(k, r)],
+                let mut src = local("i", p);
+                if ll && port {
+                    let outgoing = local("s", 2 * ranks + p);
+                    ops.push(json!({"name": "cpkt", "src_buff": [src], "dst_buff": [outgoing]}));
+                    src = outgoing;
+                }
+                let mut put = json!({"name": name, "src_buff": [src], "dst_buff": [remote(k, r)],
                                      "channel_type": channel});
                 if port {
                     put["channel_ids"] = json!([k]);
@@ -102,11 +111,17 @@ fn build(ranks: usize, protocol: Protocol, reduce_op: PlanReduceOp, channel: &st
             srcs.extend(peers.iter().map(|&p| local("s", p)));
             ops.push(json!({"name": if ll { "repkt" } else { "re" }, "src_buff": srcs,
                             "dst_buff": [local("i", r)], "reduce_op": op_name}));
+            let mut src = local("i", r);
+            if ll && port {
+                let outgoing = local("s", 3 * ranks);
+                ops.push(json!({"name": "cpkt", "src_buff": [src], "dst_buff": [outgoing]}));
+                src = outgoing;
+            }
             for (k, _) in peers.iter().enumerate() {
                 let (name, dst) = if ll { ("ppkt", remote(k, ranks + r)) } else { ("put", remote(peers.len() + k, r)) };
-                let mut put = json!({"name": name, "src_buff": [local("i", r)], "dst_buff": [dst], "channel_type": channel});
+                let mut put = json!({"name": name, "src_buff": [src], "dst_buff": [dst], "channel_type": channel});
                 if port {
-                    put["name"] = json!("pwsf");
+                    put["name"] = json!(if ll { "ppkt" } else { "pwsf" });
                     put["channel_ids"] = json!([k]);
                 }
                 ops.push(put);
@@ -114,6 +129,9 @@ fn build(ranks: usize, protocol: Protocol, reduce_op: PlanReduceOp, channel: &st
             if ll {
                 for &p in &peers {
                     ops.push(json!({"name": "upkt", "src_buff": [local("s", ranks + p)], "dst_buff": [local("i", p)]}));
+                }
+                if port {
+                    ops.push(json!({"name": "flush", "channel_ids": all_channels, "channel_type": channel}));
                 }
             } else if port {
                 wait(&mut ops);
@@ -125,7 +143,11 @@ fn build(ranks: usize, protocol: Protocol, reduce_op: PlanReduceOp, channel: &st
                 "id": r,
                 "input_chunks": ranks,
                 "output_chunks": ranks,
-                "scratch_chunks": if ll { 2 * ranks } else { ranks },
+                "scratch_chunks": match (ll, port) {
+                    (false, _) => ranks,
+                    (true, false) => 2 * ranks,
+                    (true, true) => 3 * ranks + 1,
+                },
                 "channels": [{"channel_type": channel, "connected_to": peers}],
                 "remote_buffers": remote_buffers,
                 "semaphores": [],
@@ -140,7 +162,11 @@ fn build(ranks: usize, protocol: Protocol, reduce_op: PlanReduceOp, channel: &st
         })
         .collect();
     json!({
-        "name": format!("allreduce_{}_{ranks}rank", if ll { "packet" } else if port { "port" } else { "simple" }),
+        "name": format!(
+            "allreduce_{}{}_{ranks}rank",
+            if port { "port_" } else { "" },
+            if ll { "packet" } else { "simple" }
+        ),
         "collective": "allreduce",
         "protocol": if ll { "LL" } else { "Simple" },
         "inplace": true,

@@ -8,12 +8,13 @@
 //! `pipeline` becomes an [`OpKind::Pipeline`] followed by its ops, which both interpreters run
 //! once per iteration over a window of the ops' units ([`pipeline_iterations`]).
 //!
-//! Over port channels the interpreter runs what MSCCL++ runs on Simple data: `put`, `pws`, `pwsf`
-//! (a proxy put per destination, through the op's channel of the same position), `signal`,
-//! `wait` (and their relaxed forms) and `flush`. What the interpreter does not run is refused
-//! here, with the op's JSON path: other ops over port channels (packet puts, reductions: MSCCL++
-//! runs those on memory channels), and switch-channel ops (NVLink multicast, only behind the NVLS
-//! gate, and not run by the interpreter even then).
+//! Over port channels the interpreter runs what MSCCL++ runs there: `put`, `pws`, `pwsf` on plain
+//! data and `ppkt`, `rppkt` on LL packets already in a packet buffer (a proxy copy per
+//! destination, from this rank's memory into the peer of the op's channel of the same position),
+//! `signal`, `wait` (and their relaxed forms) and `flush`. What the interpreter does not run is
+//! refused here, with the op's JSON path: other ops over port channels (reductions, copies and
+//! gets: MSCCL++ runs those on memory channels), and switch-channel ops (NVLink multicast, only
+//! behind the NVLS gate, and not run by the interpreter even then).
 
 use crate::error::{PlanError, Result};
 use crate::plan::{BufferRef, BufferType, ChannelType, Op, OpCode, Plan, Protocol};
@@ -194,13 +195,22 @@ impl Encoder<'_> {
             ChannelType::Port => {
                 if !matches!(
                     op.name,
-                    Put | Pws | Pwsf | Signal | Rlxsignal | Wait | Rlxwait | Flush | Nop
+                    Put | Pws
+                        | Pwsf
+                        | Ppkt
+                        | Rppkt
+                        | Signal
+                        | Rlxsignal
+                        | Wait
+                        | Rlxwait
+                        | Flush
+                        | Nop
                 ) {
                     return Err(PlanError::new(
                         path,
                         format!(
                             "{name} over port channels: the GPU interpreter runs put, pws, pwsf, \
-                             signal, wait and flush on port channels"
+                             ppkt, rppkt, signal, wait and flush on port channels"
                         ),
                     ));
                 }
@@ -308,7 +318,8 @@ impl Encoder<'_> {
     }
 
     /// A put over port channels: destination d goes through channel d, from source d (or the
-    /// only source); the proxy copies plain bytes, so no reference may hold LL packets.
+    /// only source). The proxy copies bytes as they are: put / pws / pwsf move plain data, ppkt /
+    /// rppkt move LL packets from packet buffer to packet buffer (MSCCL++'s reading of them).
     fn port_put(
         &self,
         enc: &mut EncodedPlan,
@@ -325,18 +336,22 @@ impl Encoder<'_> {
                 format!("{name} over port channels: {nsrc} sources for {ndst} destinations (one, or one per destination)"),
             ));
         }
-        let ids = self.channels(t, op, ChannelType::Port, path)?;
-        if ids.len() != ndst {
-            return Err(PlanError::new(
-                format!("{path}.channel_ids"),
-                format!("{name} over port channels: {} channels for {ndst} destinations (one per destination)", ids.len()),
-            ));
-        }
         let refs = &enc.refs[encoded.first_ref as usize..][..nsrc + ndst];
-        if refs.iter().any(|r| r.packets != 0) {
+        let packets = matches!(op.name, OpCode::Ppkt | OpCode::Rppkt);
+        if let Some(i) = refs.iter().position(|r| (r.packets != 0) != packets) {
+            let (list, at) = if i < nsrc {
+                ("src_buff", i)
+            } else {
+                ("dst_buff", i - nsrc)
+            };
+            let why = if packets {
+                "moves LL packets, from and into buffers that hold them (an LL plan's scratch)"
+            } else {
+                "moves plain data, not LL packets"
+            };
             return Err(PlanError::new(
-                path,
-                format!("{name} over port channels into or from LL packets: the GPU interpreter puts plain data only"),
+                format!("{path}.{list}[{at}]"),
+                format!("{name} over port channels {why}"),
             ));
         }
         // The proxy copies from this rank's memory into the channel's peer's.
@@ -347,6 +362,13 @@ impl Encoder<'_> {
             return Err(PlanError::new(
                 format!("{path}.src_buff[{i}]"),
                 format!("{name} over port channels reads a local buffer, not a peer's"),
+            ));
+        }
+        let ids = self.channels(t, op, ChannelType::Port, path)?;
+        if ids.len() != ndst {
+            return Err(PlanError::new(
+                format!("{path}.channel_ids"),
+                format!("{name} over port channels: {} channels for {ndst} destinations (one per destination)", ids.len()),
             ));
         }
         for (d, r) in refs[nsrc..].iter().enumerate() {
@@ -470,7 +492,8 @@ mod tests {
     #[test]
     fn port_plans_encode_proxy_puts_with_a_channel_per_destination() {
         for ranks in [2, 4, 8] {
-            let json = builder::port_allreduce(ranks, PlanReduceOp::Sum).to_string();
+            let json =
+                builder::port_allreduce(ranks, Protocol::Simple, PlanReduceOp::Sum).to_string();
             let plan = Plan::from_json(json.as_bytes()).expect("valid");
             let enc = encode(&plan, 1, false).expect("encodes");
             assert_eq!(enc.port_channel_peers.len(), ranks - 1);
@@ -493,6 +516,30 @@ mod tests {
     }
 
     #[test]
+    fn packet_puts_over_port_channels_move_packets_between_packet_buffers() {
+        let json = builder::port_allreduce(4, Protocol::Ll, PlanReduceOp::Sum).to_string();
+        let plan = Plan::from_json(json.as_bytes()).expect("valid");
+        let enc = encode(&plan, 2, false).expect("encodes");
+        let puts = enc
+            .ops
+            .iter()
+            .filter(|o| o.kind == OpKind::Data as u8 && o.flags & FLAG_PORT != 0);
+        for op in puts {
+            let refs = &enc.refs[op.first_ref as usize..][..2];
+            assert!(refs.iter().all(|r| r.packets == 1), "{refs:?}");
+        }
+        // The LL plan over memory channels packs plain input on the fly: not over port channels.
+        let memory = builder::allreduce(2, Protocol::Ll, PlanReduceOp::Sum).to_string();
+        let plan =
+            Plan::from_json(memory.replace("\"memory\"", "\"port\"").as_bytes()).expect("valid");
+        let err = encode(&plan, 0, false).unwrap_err().to_string();
+        assert!(
+            err.contains("src_buff[0]: ppkt over port channels moves LL packets"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn port_channel_ops_the_interpreter_lacks_are_refused_naming_the_op() {
         let json = builder::allreduce(2, Protocol::Simple, PlanReduceOp::Sum).to_string();
         // A copy over port channels: MSCCL++ runs local copies without a channel.
@@ -507,7 +554,7 @@ mod tests {
         assert!(err.starts_with("gpus[0].threadblocks[0].ops[0]"), "{err}");
         assert!(err.contains("copy over port channels"), "{err}");
         // A put over port channels without a channel per destination.
-        let json = builder::port_allreduce(2, PlanReduceOp::Sum).to_string();
+        let json = builder::port_allreduce(2, Protocol::Simple, PlanReduceOp::Sum).to_string();
         let mut v: serde_json::Value = serde_json::from_str(&json).unwrap();
         let ops = v["gpus"][1]["threadblocks"][0]["ops"]
             .as_array_mut()

@@ -11,7 +11,8 @@
 //!
 //! Port channels: a put is the host proxy's, so it happens late: it is queued on its channel and
 //! carried out (reading its source then) by the next signal or flush on that channel (a `pws` /
-//! `pwsf` signals its own), or when its threadblock ends. A plan that reuses a put's source before
+//! `pwsf` signals its own), when its threadblock ends, or when every threadblock waits (the proxy
+//! goes on whatever the GPU does: LL packets need no signal). A plan that reuses a put's source before
 //! a signal or flush covers the put computes the wrong result here, as it may on the GPU.
 //! A `pipeline` runs its ops once per iteration over a window of their units
 //! ([`crate::encode::pipeline_iterations`]), as the GPU interpreter does.
@@ -500,9 +501,12 @@ impl<'a> Machine<'a> {
                 }
             }
             st.blocked[tid] = Some(self.labels[tid][o].clone());
-            self.check_deadlock(&mut st);
+            let carried_out = self.check_deadlock(&mut st);
             if st.failure.is_some() {
                 return false;
+            }
+            if carried_out {
+                continue;
             }
             st = self.wake.wait(st).unwrap_or_else(|e| e.into_inner());
             st.blocked[tid] = None;
@@ -525,9 +529,12 @@ impl<'a> Machine<'a> {
                     return false;
                 }
                 st.blocked[tid] = Some(self.labels[tid][o].clone());
-                self.check_deadlock(&mut st);
+                let carried_out = self.check_deadlock(&mut st);
                 if st.failure.is_some() {
                     return false;
+                }
+                if carried_out {
+                    continue;
                 }
                 st = self.wake.wait(st).unwrap_or_else(|e| e.into_inner());
                 st.blocked[tid] = None;
@@ -544,12 +551,23 @@ impl<'a> Machine<'a> {
         self.wake.notify_all();
     }
 
-    fn check_deadlock(&self, st: &mut State) {
+    /// Every live thread waits: the proxy still carries out the port puts queued (it does so
+    /// whatever the GPU does), else nothing ever will signal them. True when queued puts were
+    /// carried out: the caller looks again.
+    fn check_deadlock(&self, st: &mut State) -> bool {
         let blocked: Vec<String> = st.blocked.iter().flatten().cloned().collect();
         if st.live > 0 && blocked.len() == st.live && st.failure.is_none() {
+            if !st.pending.is_empty() {
+                if let Err(e) = self.drain(st, |_| true) {
+                    st.failure = Some(e);
+                }
+                self.progress(st);
+                return true;
+            }
             st.failure = Some(CheckError::Deadlock(blocked));
             self.wake.notify_all();
         }
+        false
     }
 
     /// Global index of a threadblock-local channel id of one type.
@@ -779,7 +797,7 @@ impl<'a> Machine<'a> {
                 }
                 return Ok(Some((key, generation)));
             }
-            Put | Pws | Pwsf if port => {
+            Put | Pws | Pwsf | Ppkt | Rppkt if port => {
                 self.queue_puts(st, rank, t, tid, o, op, win)?;
                 if matches!(op.name, Pws | Pwsf) {
                     self.signal(st, rank, t, tid, op)?;

@@ -197,11 +197,13 @@ fn a_read_no_signal_orders_is_a_race() {
 #[test]
 fn port_channel_plans_from_our_builder_are_proved() {
     use mscclpp_executor::builder::port_allreduce;
-    use mscclpp_executor::PlanReduceOp;
+    use mscclpp_executor::{PlanReduceOp, Protocol};
     for ranks in [2, 4, 8] {
-        for op in [PlanReduceOp::Sum, PlanReduceOp::Max] {
-            let plan = plan_of(&port_allreduce(ranks, op));
-            prove(&plan).unwrap_or_else(|e| panic!("{ranks} ranks {op:?}: {e}"));
+        for protocol in [Protocol::Simple, Protocol::Ll] {
+            for op in [PlanReduceOp::Sum, PlanReduceOp::Max] {
+                let plan = plan_of(&port_allreduce(ranks, protocol, op));
+                prove(&plan).unwrap_or_else(|e| panic!("{ranks} ranks {protocol:?} {op:?}: {e}"));
+            }
         }
     }
 }
@@ -211,8 +213,8 @@ fn port_channel_plans_from_our_builder_are_proved() {
 #[test]
 fn a_port_put_reads_its_source_only_when_a_signal_or_flush_covers_it() {
     use mscclpp_executor::builder::port_allreduce;
-    use mscclpp_executor::PlanReduceOp;
-    let mut v = port_allreduce(2, PlanReduceOp::Sum);
+    use mscclpp_executor::{PlanReduceOp, Protocol};
+    let mut v = port_allreduce(2, Protocol::Simple, PlanReduceOp::Sum);
     // Rank 0: after its phase-1 put of input chunk 1 (not yet signalled), overwrite chunk 1.
     let ops = v["gpus"][0]["threadblocks"][0]["ops"]
         .as_array_mut()

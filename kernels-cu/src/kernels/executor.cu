@@ -298,10 +298,44 @@ MSCCLPP_DEVICE_INLINE bool barrier(const PlanArgs& a, u32 id, u32 n) {
   return ok;
 }
 
+// Waits until the source packets of the op's units in the window have come (every thread).
+MSCCLPP_DEVICE_INLINE bool await_packets(const PlanArgs& a, const PlanOp& op, u32 flag, Window w) {
+  const PlanRef* refs = a.refs + op.first_ref;
+  const OpUnits n = op_units(a, op);
+  const u64 end = w.end < n.total ? w.end : n.total;
+  for (u64 i = w.begin + threadIdx.x; i < end; i += blockDim.x) {
+    for (u32 s = 0; s < op.nsrc; ++s) {
+      u64 v = 0;
+      if (refs[s].packets && !read_unit(a, refs[s], i / n.per_chunk, n.u0 + i % n.per_chunk, n.upc,
+                                        a.unit_bytes, flag, v)) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+// Where units [u, v) of chunk c of a reference lie in its owner's block: (offset, bytes). Packets
+// are copied as they are (ppkt / rppkt over port channels move LL scratch packets, as MSCCL++
+// does), into the same scratch half of the peer.
+MSCCLPP_DEVICE_INLINE void block_range(const PlanArgs& a, const PlanRef& r, u64 c, u64 u, u64 v,
+                                       u64 upc, u32 flag, u64& offset, u64& bytes) {
+  if (r.packets) {
+    offset = a.block_offsets[r.slot] + (flag & 1) * a.scratch_half_bytes +
+             ((r.index + c) * upc + u) * static_cast<u64>(a.packet_bytes);
+    bytes = (v - u) * a.packet_bytes;
+    return;
+  }
+  const u64 from = u * a.unit_bytes;
+  const u64 to = v * a.unit_bytes < a.chunk_bytes ? v * a.unit_bytes : a.chunk_bytes;
+  offset = a.block_offsets[r.slot] + (r.index + c) * a.chunk_bytes + from;
+  bytes = to > from ? to - from : 0;
+}
+
 // A put over port channels, by thread 0: destination d gets source d (or the only source) through
 // the op's channel d, one trigger per chunk part in the window; then the signals and the flush of
 // pws / pwsf. The proxy works through its FIFO in order, so a signal follows the data it covers.
-MSCCLPP_DEVICE_INLINE bool run_port_put(const PlanArgs& a, const PlanOp& op, Window w) {
+MSCCLPP_DEVICE_INLINE bool run_port_put(const PlanArgs& a, const PlanOp& op, u32 flag, Window w) {
   const PlanRef* refs = a.refs + op.first_ref;
   const u32* ids = a.ids + op.first_id;
   const OpUnits n = op_units(a, op);
@@ -314,13 +348,13 @@ MSCCLPP_DEVICE_INLINE bool run_port_put(const PlanArgs& a, const PlanOp& op, Win
       const u64 lo = w.begin > first ? w.begin : first;
       const u64 hi = w.end < first + n.per_chunk ? w.end : first + n.per_chunk;
       if (lo >= hi) continue;
-      const u64 from = (n.u0 + lo - first) * a.unit_bytes;
-      u64 to = (n.u0 + hi - first) * a.unit_bytes;
-      to = to < a.chunk_bytes ? to : a.chunk_bytes;
-      if (from >= to) continue;
-      const u64 src_off = a.block_offsets[src.slot] + (src.index + c) * a.chunk_bytes + from;
-      const u64 dst_off = a.block_offsets[dst.slot] + (dst.index + c) * a.chunk_bytes + from;
-      if (ch.push_transfer(dst_off, src_off, to - from, 0) == kFifoPushFailed) return false;
+      const u64 u = n.u0 + lo - first;
+      const u64 v = n.u0 + hi - first;
+      u64 src_off = 0, dst_off = 0, bytes = 0;
+      block_range(a, src, c, u, v, n.upc, flag, src_off, bytes);
+      block_range(a, dst, c, u, v, n.upc, flag, dst_off, bytes);
+      if (bytes == 0) continue;
+      if (ch.push_transfer(dst_off, src_off, bytes, 0) == kFifoPushFailed) return false;
     }
   }
   if (op.flags & kSignalAfter) {
@@ -404,10 +438,11 @@ MSCCLPP_DEVICE_INLINE bool run_sync(const PlanArgs& a, const PlanOp& op) {
 MSCCLPP_DEVICE_INLINE bool run_op(const PlanArgs& a, const PlanOp& op, u32 flag, Window w) {
   bool ok = true;
   if (op.kind == kData && (op.flags & kPort)) {
-    // The proxy's copy engine reads what this block wrote: publish it system-wide first.
+    // The proxy's copy engine reads what this block wrote (or received): publish it first.
+    ok = await_packets(a, op, flag, w);
     __threadfence_system();
-    __syncthreads();
-    if (threadIdx.x == 0) ok = run_port_put(a, op, w);
+    if (__syncthreads_or(!ok)) return false;
+    if (threadIdx.x == 0) ok = run_port_put(a, op, flag, w);
     return !__syncthreads_or(!ok);
   }
   if (op.kind == kData) {
