@@ -38,7 +38,7 @@ use mscclpp_core::port_channel::{shared_queue_hazard, PortChannelConfig, PortCha
 use mscclpp_core::proxy::ProxyStats;
 use mscclpp_core::transport::connect::connect_peers;
 use mscclpp_core::transport::select::{IbAvailability, TransportPlan};
-use mscclpp_core::transport::{DeviceMemoryResolver, MemoryRegion};
+use mscclpp_core::transport::{DeviceMemoryResolver, MemoryRegion, Transport};
 use mscclpp_core::{Error, Result};
 use mscclpp_kernels_cu::collectives::{
     cxx_type, resolve_accumulator, ReduceSpec, COMMON, MAX_RANKS,
@@ -138,6 +138,29 @@ impl ScratchLayout {
     }
 }
 
+/// Collective with `peers`: a proxy transport towards each (CudaIpc on this host, Ethernet to
+/// other hosts; IB is not wired into the proxy algorithms yet, the transport plan's log line says
+/// so when HCAs are present). `buffers` are what Ethernet peers write into and read from here;
+/// the communicator's semaphore words are served too.
+pub fn proxy_connections(
+    comm: &Communicator,
+    peers: &[usize],
+    buffers: &[(DevicePtr, usize)],
+) -> Result<Vec<Arc<dyn Transport>>> {
+    let env = Env::get()?;
+    let hcas = mscclpp_noib::list_hcas(std::path::Path::new(mscclpp_noib::SYSFS_INFINIBAND));
+    let ib = IbAvailability::from_hcas(env, &hcas, false);
+    let plan = TransportPlan::new(comm.topology(), comm.rank(), ib, env.ibv_mode);
+    plan.log_once();
+    let resolver = Arc::new(DeviceMemoryResolver::new(comm.gpu().clone(), comm.device()));
+    for &(ptr, bytes) in buffers {
+        resolver.register(ptr, bytes)?;
+    }
+    let (slab, slab_bytes) = comm.semaphore_slab();
+    resolver.register(slab, slab_bytes)?;
+    connect_peers(comm, &plan, peers, resolver)
+}
+
 /// Validates `args` (no device access) and returns the element count
 /// (0: nothing to do). Unsupported combinations are `Error::Unsupported` naming them. Any size is
 /// accepted: messages beyond `layout.max_bytes` run as several segments ([`segment_bytes`]).
@@ -233,21 +256,15 @@ impl PortAllreduce {
             size: layout.max_bytes as u64,
             key: 0,
         })?;
-        // One transport per peer: CudaIpc on this host, Ethernet to other hosts (IB is not
-        // wired into this algorithm yet; the plan's log line says so when HCAs are present).
-        let env = Env::get()?;
-        let hcas = mscclpp_noib::list_hcas(std::path::Path::new(mscclpp_noib::SYSFS_INFINIBAND));
-        let ib = IbAvailability::from_hcas(env, &hcas, false);
-        let plan = TransportPlan::new(comm.topology(), rank, ib, env.ibv_mode);
-        plan.log_once();
-        // What Ethernet peers write into (our scratch, our semaphore words) and read from.
-        let resolver = Arc::new(DeviceMemoryResolver::new(gpu.clone(), comm.device()));
-        resolver.register(scratch.local_ptr(), layout.scratch_bytes())?;
-        resolver.register(staging.ptr(), layout.max_bytes)?;
-        let (slab, slab_bytes) = comm.semaphore_slab();
-        resolver.register(slab, slab_bytes)?;
         let peers: Vec<usize> = (0..nranks).filter(|&p| p != rank).collect();
-        let connections = connect_peers(&comm, &plan, &peers, resolver)?;
+        let connections = proxy_connections(
+            &comm,
+            &peers,
+            &[
+                (scratch.local_ptr(), layout.scratch_bytes()),
+                (staging.ptr(), layout.max_bytes),
+            ],
+        )?;
         let scratch_ptrs = scratch.rank_ptrs();
         let mut handles: Vec<PortChannelHandle> = Vec::with_capacity(nranks - 1);
         for (&peer, conn) in peers.iter().zip(connections) {

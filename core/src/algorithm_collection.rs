@@ -9,7 +9,7 @@
 //! never returned by [`AlgorithmCollection::select`] unless [`SelectionContext::nvls_allowed`],
 //! whatever the selector says.
 
-use crate::algorithm::{Algorithm, Collective};
+use crate::algorithm::{Algorithm, Collective, ExecuteArgs};
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
 use std::collections::{BTreeMap, HashMap};
@@ -34,6 +34,26 @@ pub struct SelectionContext {
     pub arch: String,
     /// NVLink multicast may be used (`Env::nvls_allowed` and the hardware supports it).
     pub nvls_allowed: bool,
+    /// The call is in place ([`SelectionContext::buffers_in_place`]): algorithms written for one
+    /// buffer mode (execution plans) are chosen only for calls of that mode.
+    pub in_place: bool,
+}
+
+impl SelectionContext {
+    /// Whether a call's buffers are in place in MSCCL++'s meaning for `collective`: all-gather's
+    /// input is rank `rank`'s slice of its output, reduce-scatter's output is that rank's slice of
+    /// its input, any other collective's input is its output.
+    pub fn buffers_in_place(collective: Collective, args: &ExecuteArgs, rank: usize) -> bool {
+        match collective {
+            Collective::AllGather => {
+                args.output.checked_add((rank * args.input_bytes) as u64) == Some(args.input)
+            }
+            Collective::ReduceScatter => {
+                args.input.checked_add((rank * args.output_bytes) as u64) == Some(args.output)
+            }
+            _ => args.input == args.output,
+        }
+    }
 }
 
 /// A selector: the name of the algorithm to run, or `None` when it has no answer.
@@ -512,7 +532,48 @@ mod tests {
             capturing: true,
             arch: "sm_90".into(),
             nvls_allowed: false,
+            in_place: false,
         }
+    }
+
+    #[test]
+    fn buffers_are_in_place_in_msccl_pp_meaning_per_collective() {
+        use crate::algorithm::ExecuteArgs;
+        use crate::dtype::{AccumType, ReduceOp};
+        use crate::gpu::Stream;
+        let args = |input, output, input_bytes, output_bytes| ExecuteArgs {
+            input,
+            output,
+            input_bytes,
+            output_bytes,
+            dtype: DataType::F32,
+            op: ReduceOp::Sum,
+            accum: AccumType::Auto,
+            root: 0,
+            stream: Stream::DEFAULT,
+            nblocks: None,
+            nthreads: None,
+        };
+        let in_place = SelectionContext::buffers_in_place;
+        // Rank 2 of 4, 256 bytes per rank.
+        let ag = args(0x1000 + 512, 0x1000, 256, 1024);
+        assert!(in_place(Collective::AllGather, &ag, 2));
+        assert!(!in_place(Collective::AllGather, &ag, 1));
+        assert!(!in_place(
+            Collective::AllGather,
+            &args(0x1000, 0x1000, 256, 1024),
+            2
+        ));
+        let rs = args(0x1000, 0x1000 + 512, 1024, 256);
+        assert!(in_place(Collective::ReduceScatter, &rs, 2));
+        assert!(!in_place(Collective::ReduceScatter, &rs, 3));
+        let ar = args(0x1000, 0x1000, 256, 256);
+        assert!(in_place(Collective::AllReduce, &ar, 2));
+        assert!(!in_place(
+            Collective::AllReduce,
+            &args(0x1000, 0x2000, 256, 256),
+            0
+        ));
     }
 
     fn native_collection() -> AlgorithmCollection {

@@ -572,6 +572,7 @@ mod tests {
             capturing: true,
             arch: "sm_90".into(),
             nvls_allowed: nvls,
+            in_place: false,
         }
     }
 

@@ -10,15 +10,27 @@
 //! On first use of a pair of user buffers they are registered with every peer (collective, host
 //! only, through the zero-copy algorithms' `RegistrationCache`), so an execute is one launch with
 //! its buffer table passed by value: no host sync, no per-call upload, legal under graph capture.
+//!
+//! Plans with port channels are staged: the host proxy copies between memories registered before
+//! it starts, while callers pass new buffers on every call. Each rank gets one block (scratch,
+//! then input and output staging, mapped by every peer and registered with the proxy); an execute
+//! copies the input in, launches, and copies the output back (stream-ordered copy-engine copies,
+//! legal under graph capture). One PortChannel per port channel of the plan, paired with the
+//! peer's channel of the same ordinal, puts from this rank's block into the peer's (one proxy per
+//! plan, started at set-up).
 
 use crate::encode::{encode, packet_bytes, unit_bytes, EncodedPlan};
 use crate::plan::{BufferType, ChannelType, Collective as PlanCollective, Plan, PlanReduceOp};
 use crate::reference::plan_reduce_op;
+use mscclpp_collectives::port_allreduce::proxy_connections;
 use mscclpp_collectives::resources::{DeviceBuffer, RegistrationCache, SharedScratch};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
+use mscclpp_core::algorithm_collection::SelectionContext;
 use mscclpp_core::communicator::Communicator;
-use mscclpp_core::device::D2DSemaphoreHandle;
+use mscclpp_core::device::{D2DSemaphoreHandle, PortChannelHandle};
 use mscclpp_core::gpu::{DevicePtr, Function, LaunchConfig};
+use mscclpp_core::port_channel::{shared_queue_hazard, PortChannelConfig, PortChannelService};
+use mscclpp_core::transport::MemoryRegion;
 use mscclpp_core::{DataType, Error, ReduceOp, Result};
 use mscclpp_kernels_cu::executor::{self as kx, PlanArgs, PlanOp, PlanRef, FIRST_REMOTE_SLOT};
 use std::collections::HashMap;
@@ -65,21 +77,35 @@ struct StateLayout {
     refs: usize,
     ids: usize,
     channels: usize,
+    port_channels: usize,
     semaphores: usize,
     barriers: usize,
     flags: usize,
     end: usize,
 }
 
+/// Where a staged (port-channel) plan's input and output lie in every rank's block, and the
+/// largest chunk they hold. In-place plans have one area, viewed as MSCCL++'s in-place rules say.
+#[derive(Debug, Clone, Copy)]
+struct Staging {
+    input: usize,
+    output: usize,
+    max_chunk: usize,
+}
+
 /// One plan, set up for one communicator. See the module docs.
 pub struct PlanAlgorithm {
-    // Field order is drop order: device resources go before the communicator.
+    // Field order is drop order: the proxy stops first (nothing copies into the blocks after),
+    // device resources go before the communicator. In a mutex: the service is `Send`, not `Sync`.
+    proxy: Option<Mutex<PortChannelService>>,
     functions: Mutex<HashMap<(DataType, DataType, ReduceOp), Function>>,
     registrations: RegistrationCache,
     state: DeviceBuffer,
-    /// Owned for its lifetime only: the kernel reaches it through `scratch_ptrs`.
-    _scratch: Option<SharedScratch>,
-    scratch_ptrs: Vec<DevicePtr>,
+    /// Owned for its lifetime only: the kernel reaches it through `block_ptrs`.
+    _block: Option<SharedScratch>,
+    /// Every rank's block: its scratch from offset 0, then the staging areas of staged plans.
+    block_ptrs: Vec<DevicePtr>,
+    staging: Option<Staging>,
     layout: StateLayout,
     plan: Arc<Plan>,
     collective: Collective,
@@ -120,29 +146,56 @@ impl PlanAlgorithm {
             Error::Unsupported(format!("plan {} cannot run on the GPU: {e}", plan.name))
         })?;
         let reduce_op = plan_reduce_op(&plan).map_err(|e| what(e.to_string()))?;
+        // Every rank decides alike (the block and the proxy's connections are collective).
+        let staged = plan
+            .gpus
+            .iter()
+            .any(|g| !g.channel_peers(ChannelType::Port).is_empty());
+        if staged {
+            if let Some(hazard) = shared_queue_hazard(mscclpp_core::env::Env::get()?) {
+                return Err(Error::Unsupported(format!(
+                    "plan {} (port channels): {hazard}",
+                    plan.name
+                )));
+            }
+        }
         let channels = channel_semaphores(&comm, &plan, &encoded)?;
-        let (layout, bytes) = state_bytes(&encoded, &channels);
-        let state = DeviceBuffer::upload(comm.gpu(), &bytes)?;
         let scratch_half_bytes = scratch_bytes(&plan, max_chunk_bytes(&plan));
         let copies = if plan.protocol == crate::plan::Protocol::Simple {
             1
         } else {
             2
         };
-        let scratch = if scratch_half_bytes > 0 {
-            Some(SharedScratch::new(&comm, scratch_half_bytes * copies)?)
+        let scratch_end = (scratch_half_bytes * copies).next_multiple_of(16);
+        let staging = staged.then(|| staging_layout(&plan, scratch_end));
+        let block_bytes = staging.map_or(scratch_end, |s| {
+            s.output + (s.max_chunk * staged_chunks(&plan)).next_multiple_of(16)
+        });
+        let block = if block_bytes > 0 {
+            Some(SharedScratch::new(&comm, block_bytes)?)
         } else {
             None
         };
-        let scratch_ptrs = scratch
+        let block_ptrs = block
             .as_ref()
             .map_or_else(|| vec![0; size], SharedScratch::rank_ptrs);
+        let (proxy, ports) = match &block {
+            Some(block) if staged => {
+                let (service, handles) = port_channels(&comm, &plan, &encoded, block, block_bytes)?;
+                (Some(Mutex::new(service)), handles)
+            }
+            _ => (None, Vec::new()),
+        };
+        let (layout, bytes) = state_bytes(&encoded, &channels, &ports);
+        let state = DeviceBuffer::upload(comm.gpu(), &bytes)?;
         Ok(PlanAlgorithm {
+            proxy,
             functions: Mutex::default(),
             registrations: RegistrationCache::default(),
             state,
-            _scratch: scratch,
-            scratch_ptrs,
+            _block: block,
+            block_ptrs,
+            staging,
             layout,
             threadblocks: encoded.threadblocks() as u32,
             collective,
@@ -175,6 +228,9 @@ impl PlanAlgorithm {
                 per_chunk / packet_bytes(self.plan.protocol) as u64 * unit
             };
             max = max.min(chunk_cap * chunks);
+        }
+        if let Some(s) = self.staging {
+            max = max.min((s.max_chunk as u64) * chunks);
         }
         (self.plan.min_message_size, max)
     }
@@ -230,7 +286,7 @@ impl PlanAlgorithm {
                 args.output_bytes, gpu.output_chunks
             )));
         }
-        let in_place = self.aliased_input(args.output, chunk) == Some(args.input);
+        let in_place = SelectionContext::buffers_in_place(self.collective, args, rank);
         if self.plan.inplace != in_place {
             return bad(format!(
                 "the plan is {}, the call's buffers are {}",
@@ -247,51 +303,69 @@ impl PlanAlgorithm {
         Ok(chunk)
     }
 
-    /// Where an in-place call's input lies for an output at `output` (MSCCL++'s in-place rules:
-    /// all-gather input is this rank's slice of the output, reduce-scatter output this rank's
-    /// slice of the input, otherwise the same buffer).
-    fn aliased_input(&self, output: DevicePtr, chunk: usize) -> Option<DevicePtr> {
-        let rank = self.comm.rank();
-        let gpu = &self.plan.gpus[rank];
-        let slice = |chunks: u32| (rank * chunks as usize * chunk) as u64;
-        match self.collective {
-            Collective::AllGather => Some(output + slice(gpu.input_chunks)),
-            Collective::ReduceScatter => output.checked_sub(slice(gpu.output_chunks)),
-            _ => Some(output),
-        }
-    }
-
-    /// Every rank's input and output, registered on first use (collective).
+    /// Every rank's input and output for chunks of `chunk` bytes: the staging areas of a staged
+    /// plan, or the caller's buffers, registered on first use (collective).
     fn rank_buffers(&self, args: &ExecuteArgs, chunk: usize) -> Result<[Vec<DevicePtr>; 2]> {
         let n = self.comm.size();
         let gpu = &self.plan.gpus[self.comm.rank()];
         let out_bytes = gpu.output_chunks as usize * chunk;
         let reg = |ptr, bytes| self.registrations.rank_ptrs(&self.comm, ptr, bytes);
-        if !self.plan.inplace {
-            return Ok([
+        let (inputs, outputs) = match self.staging {
+            Some(s) => {
+                let at = |off: usize| -> Vec<DevicePtr> {
+                    self.block_ptrs.iter().map(|&b| b + off as u64).collect()
+                };
+                (at(s.input), at(s.output))
+            }
+            None if !self.plan.inplace => (
                 reg(args.input, args.input_bytes)?,
                 reg(args.output, out_bytes)?,
-            ]);
+            ),
+            None => {
+                let base = match self.collective {
+                    Collective::AllGather => reg(args.output, out_bytes)?,
+                    Collective::ReduceScatter => reg(args.input, args.input_bytes)?,
+                    _ => reg(args.input, args.input_bytes.max(out_bytes))?,
+                };
+                (base.clone(), base)
+            }
+        };
+        if !self.plan.inplace {
+            return Ok([inputs, outputs]);
         }
+        // In place: one buffer per rank, viewed by MSCCL++'s rules (all-gather input is the
+        // rank's slice of the output, reduce-scatter output the rank's slice of the input).
         let slices = |base: &[DevicePtr], chunks: u32| -> Vec<DevicePtr> {
             (0..n)
                 .map(|p| base[p] + (p * chunks as usize * chunk) as u64)
                 .collect()
         };
         Ok(match self.collective {
-            Collective::AllGather => {
-                let outputs = reg(args.output, out_bytes)?;
-                [slices(&outputs, gpu.input_chunks), outputs]
-            }
+            Collective::AllGather => [slices(&outputs, gpu.input_chunks), outputs],
             Collective::ReduceScatter => {
-                let inputs = reg(args.input, args.input_bytes)?;
                 let outputs = slices(&inputs, gpu.output_chunks);
                 [inputs, outputs]
             }
-            _ => {
-                let inputs = reg(args.input, args.input_bytes.max(out_bytes))?;
-                [inputs.clone(), inputs]
-            }
+            _ => [inputs, outputs],
+        })
+    }
+
+    /// The first proxy error not reported yet (a failed copy, signal or flush); host only.
+    fn check_proxy(&self) -> Result<()> {
+        let Some(proxy) = &self.proxy else {
+            return Ok(());
+        };
+        let service = proxy.lock().map_err(|_| {
+            Error::Internal(format!(
+                "plan {}: the proxy was poisoned by a panic",
+                self.plan.name
+            ))
+        })?;
+        service.check().map_err(|e| {
+            Error::Internal(format!(
+                "plan {}: the PortChannel proxy reported: {e}",
+                self.plan.name
+            ))
         })
     }
 
@@ -361,6 +435,86 @@ fn scratch_bytes(plan: &Plan, chunk: usize) -> usize {
         .unwrap_or(usize::MAX)
 }
 
+/// Chunks of a staged plan's data area(s): input and output, or one area for in-place plans.
+fn staged_chunks(plan: &Plan) -> usize {
+    let max = |f: fn(&crate::plan::Gpu) -> u32| plan.gpus.iter().map(f).max().unwrap_or(0) as usize;
+    let (i, o) = (max(|g| g.input_chunks), max(|g| g.output_chunks));
+    if plan.inplace {
+        i.max(o)
+    } else {
+        i + o
+    }
+}
+
+/// The staging areas after the scratch (which ends at `scratch_end`): chunks up to the plan's
+/// largest, with all of them within [`MAX_PLAN_SCRATCH_BYTES`].
+fn staging_layout(plan: &Plan, scratch_end: usize) -> Staging {
+    let chunks = staged_chunks(plan).max(1);
+    let max_chunk = max_chunk_bytes(plan).min(MAX_PLAN_SCRATCH_BYTES / chunks);
+    let output = if plan.inplace {
+        scratch_end
+    } else {
+        let inputs = plan.gpus.iter().map(|g| g.input_chunks).max().unwrap_or(0) as usize;
+        scratch_end + (inputs * max_chunk).next_multiple_of(16)
+    };
+    Staging {
+        input: scratch_end,
+        output,
+        max_chunk,
+    }
+}
+
+/// Collective: the proxy and a PortChannel per port channel of this rank (by global index),
+/// putting from this rank's block into the peer's, started. Semaphores are made per peer in
+/// ascending order, as many as the larger of the two ranks' channel counts, so this rank's k-th
+/// channel to a peer pairs with the peer's k-th channel to it.
+fn port_channels(
+    comm: &Arc<Communicator>,
+    plan: &Plan,
+    enc: &EncodedPlan,
+    block: &SharedScratch,
+    block_bytes: usize,
+) -> Result<(PortChannelService, Vec<PortChannelHandle>)> {
+    let me = comm.rank();
+    let counts: Vec<(usize, usize)> = (0..comm.size())
+        .filter(|&p| p != me)
+        .map(|p| {
+            let mine = enc.port_channel_peers.iter().filter(|&&q| q == p).count();
+            let theirs = plan.gpus[p]
+                .channel_peers(ChannelType::Port)
+                .into_iter()
+                .filter(|&q| q == me)
+                .count();
+            (p, mine.max(theirs))
+        })
+        .filter(|&(_, count)| count > 0)
+        .collect();
+    let peers: Vec<usize> = counts.iter().map(|&(p, _)| p).collect();
+    let connections = proxy_connections(comm, &peers, &[(block.local_ptr(), block_bytes)])?;
+    let mut service = PortChannelService::new(comm, PortChannelConfig::default())?;
+    let region = |addr| MemoryRegion {
+        addr,
+        size: block_bytes as u64,
+        key: 0,
+    };
+    let local = service.add_memory_region(region(block.local_ptr()))?;
+    let blocks = block.rank_ptrs();
+    let mut handles = vec![PortChannelHandle::default(); enc.port_channel_peers.len()];
+    for (&(peer, count), conn) in counts.iter().zip(connections) {
+        let dst = service.add_memory_region(region(blocks[peer]))?;
+        let mut semaphores = Vec::with_capacity(count);
+        for _ in 0..count {
+            semaphores.push(service.add_semaphore(comm, conn.clone())?);
+        }
+        let mine = (0..handles.len()).filter(|&c| enc.port_channel_peers[c] == peer);
+        for (c, sem) in mine.collect::<Vec<_>>().into_iter().zip(semaphores) {
+            handles[c] = service.port_channel(sem, dst, local)?;
+        }
+    }
+    service.start()?;
+    Ok((service, handles))
+}
+
 /// Collective: a D2D semaphore per memory channel, in ascending peer order on every rank (as the
 /// collection's semaphore table is made); this rank's k-th channel to a peer pairs with the peer's
 /// k-th channel to it. Both sides create as many as the larger of their channel counts.
@@ -393,7 +547,11 @@ fn channel_semaphores(
 }
 
 /// The interpreter's device state as one blob (8-byte aligned parts) and where each part is.
-fn state_bytes(enc: &EncodedPlan, channels: &[D2DSemaphoreHandle]) -> (StateLayout, Vec<u8>) {
+fn state_bytes(
+    enc: &EncodedPlan,
+    channels: &[D2DSemaphoreHandle],
+    ports: &[PortChannelHandle],
+) -> (StateLayout, Vec<u8>) {
     fn put<T: Copy>(out: &mut Vec<u8>, items: &[T]) -> usize {
         out.resize(out.len().next_multiple_of(8), 0);
         let at = out.len();
@@ -413,6 +571,7 @@ fn state_bytes(enc: &EncodedPlan, channels: &[D2DSemaphoreHandle]) -> (StateLayo
         refs: put(&mut out, refs),
         ids: put(&mut out, &enc.ids),
         channels: put(&mut out, channels),
+        port_channels: put(&mut out, ports),
         semaphores: put(&mut out, &enc.semaphores),
         barriers: put(&mut out, &vec![0u64; enc.barriers as usize]),
         flags: put(&mut out, &vec![0u32; enc.threadblocks()]),
@@ -445,9 +604,19 @@ impl Algorithm for PlanAlgorithm {
             return Ok(());
         }
         let chunk = self.chunk_bytes(args)?;
+        self.check_proxy()?;
         let f = self.function(args)?;
         let rank = self.comm.rank();
         let [inputs, outputs] = self.rank_buffers(args, chunk)?;
+        let gpu = self.comm.gpu();
+        let out_bytes = self.plan.gpus[rank].output_chunks as usize * chunk;
+        let (input, output) = match self.staging {
+            Some(_) => (inputs[rank], outputs[rank]),
+            None => (args.input, args.output),
+        };
+        if self.staging.is_some() {
+            gpu.memcpy_async(input, args.input, args.input_bytes, args.stream)?;
+        }
         let base = self.state.ptr();
         let at = |off: usize| base + off as u64;
         let mut a = PlanArgs {
@@ -456,6 +625,7 @@ impl Algorithm for PlanAlgorithm {
             refs: at(self.layout.refs),
             ids: at(self.layout.ids),
             channels: at(self.layout.channels),
+            port_channels: at(self.layout.port_channels),
             semaphores: at(self.layout.semaphores),
             barriers: at(self.layout.barriers),
             flags: at(self.layout.flags),
@@ -472,16 +642,25 @@ impl Algorithm for PlanAlgorithm {
             ..PlanArgs::default()
         };
         debug_assert!(self.layout.end <= self.state.allocation().size);
-        a.buffers[0] = args.input;
-        a.buffers[1] = args.output;
-        a.buffers[2] = self.scratch_ptrs[rank];
+        // Slots with their owners: the block offsets port-channel puts address.
+        let mut owners = [rank; kx::MAX_PLAN_BUFFERS];
+        a.buffers[0] = input;
+        a.buffers[1] = output;
+        a.buffers[2] = self.block_ptrs[rank];
         for (k, rb) in self.plan.gpus[rank].remote_buffers.iter().enumerate() {
             let p = rb.rank as usize;
-            a.buffers[FIRST_REMOTE_SLOT as usize + k] = match rb.buffer_type {
+            let slot = FIRST_REMOTE_SLOT as usize + k;
+            owners[slot] = p;
+            a.buffers[slot] = match rb.buffer_type {
                 BufferType::Input => inputs[p],
                 BufferType::Output => outputs[p],
-                BufferType::Scratch => self.scratch_ptrs[p],
+                BufferType::Scratch => self.block_ptrs[p],
             };
+        }
+        if self.staging.is_some() {
+            for (slot, &owner) in owners.iter().enumerate() {
+                a.block_offsets[slot] = a.buffers[slot].saturating_sub(self.block_ptrs[owner]);
+            }
         }
         let threads = self.plan.num_threads_per_block.clamp(32, 1024) / 32 * 32;
         let cfg = LaunchConfig::linear(self.threadblocks.max(1), threads);
@@ -490,7 +669,11 @@ impl Algorithm for PlanAlgorithm {
         // test's static_asserts); its addresses are the caller's checked buffers, the peers'
         // registered buffers and scratch, and our own live device state; every chunk an op names
         // was validated against the plan's chunk counts, which the buffers cover (chunk_bytes).
-        unsafe { self.comm.gpu().launch(f, cfg, args.stream, &mut params) }
+        unsafe { gpu.launch(f, cfg, args.stream, &mut params) }?;
+        if self.staging.is_some() {
+            gpu.memcpy_async(args.output, output, out_bytes, args.stream)?;
+        }
+        Ok(())
     }
 }
 
@@ -527,13 +710,15 @@ mod tests {
         let p = plan(4, Protocol::Simple);
         let enc = encode(&p, 1, false).expect("encodes");
         let channels = vec![D2DSemaphoreHandle::default(); enc.channel_peers.len()];
-        let (layout, bytes) = state_bytes(&enc, &channels);
+        let ports = vec![PortChannelHandle::default(); 2];
+        let (layout, bytes) = state_bytes(&enc, &channels, &ports);
         let parts = [
             layout.ops,
             layout.tb_ops,
             layout.refs,
             layout.ids,
             layout.channels,
+            layout.port_channels,
             layout.semaphores,
             layout.barriers,
             layout.flags,

@@ -5,16 +5,21 @@
 //! op, written to every destination), which is how the CPU reference ([`crate::reference`]) runs
 //! them too; both resolve channels, remote buffers and packet buffers through the same plan
 //! methods (`Threadblock::channel`, `Threadblock::remote_buffer`, `Plan::holds_packets`). A
-//! `pipeline` runs its ops once over whole chunks, as the reference does.
+//! `pipeline` becomes an [`OpKind::Pipeline`] followed by its ops, which both interpreters run
+//! once per iteration over a window of the ops' units ([`pipeline_iterations`]).
 //!
-//! What the interpreter does not run is refused here, with the op's JSON path: port-channel ops
-//! (the interpreter drives memory channels only) and switch-channel ops (NVLink multicast, only
+//! Over port channels the interpreter runs what MSCCL++ runs there: `put`, `pws`, `pwsf` on plain
+//! data and `ppkt`, `rppkt` on LL packets already in a packet buffer (a proxy copy per
+//! destination, from this rank's memory into the peer of the op's channel of the same position),
+//! `signal`, `wait` (and their relaxed forms) and `flush`. What the interpreter does not run is
+//! refused here, with the op's JSON path: other ops over port channels (reductions, copies and
+//! gets: MSCCL++ runs those on memory channels), and switch-channel ops (NVLink multicast, only
 //! behind the NVLS gate, and not run by the interpreter even then).
 
 use crate::error::{PlanError, Result};
 use crate::plan::{BufferRef, BufferType, ChannelType, Op, OpCode, Plan, Protocol};
 use mscclpp_kernels_cu::executor::{
-    OpKind, PlanOp, PlanRef, FIRST_REMOTE_SLOT, FLAG_FLUSH_AFTER, FLAG_SIGNAL_AFTER,
+    OpKind, PlanOp, PlanRef, FIRST_REMOTE_SLOT, FLAG_FLUSH_AFTER, FLAG_PORT, FLAG_SIGNAL_AFTER,
     MAX_PLAN_BUFFERS, SLOT_INPUT, SLOT_OUTPUT, SLOT_SCRATCH,
 };
 
@@ -25,10 +30,13 @@ pub struct EncodedPlan {
     /// Threadblock `b`'s ops are `ops[tb_ops[b]..tb_ops[b + 1]]`.
     pub tb_ops: Vec<u32>,
     pub refs: Vec<PlanRef>,
-    /// Channel (global memory-channel index), semaphore and barrier ids of the ops.
+    /// Channel (global memory- or port-channel index), semaphore and barrier ids of the ops, and
+    /// the iteration context of pipelines.
     pub ids: Vec<u32>,
     /// The peer of every memory channel of this rank, by global index.
     pub channel_peers: Vec<usize>,
+    /// The peer of every port channel of this rank, by global index.
+    pub port_channel_peers: Vec<usize>,
     /// Initial values of the local semaphores.
     pub semaphores: Vec<u32>,
     /// Barrier ids used: `0..barriers`.
@@ -70,6 +78,21 @@ pub fn part_range(chunk_bytes: usize, unit: usize, part: usize, parts: usize) ->
     (at(part), at(part + 1))
 }
 
+/// Units of an op's work a pipeline iteration covers: `unit_size` bytes of `unit`-byte units
+/// (at least one).
+pub fn units_per_iteration(unit_size: u64, unit: usize) -> u64 {
+    (unit_size / unit as u64).max(1)
+}
+
+/// Iterations of a pipeline over `num_chunks` chunks of `units_per_chunk` units: MSCCL++ runs
+/// `ceil(num_chunks * chunk bytes / unit_size)`; counted in whole units here, as both
+/// interpreters cut work. Iteration `i` covers units `[i * per_iteration, (i + 1) * per_iteration)`
+/// of every pipelined op, an op's units counted chunk after chunk (its group member's part of
+/// each chunk only).
+pub fn pipeline_iterations(num_chunks: u32, units_per_chunk: u64, per_iteration: u64) -> u64 {
+    (num_chunks as u64 * units_per_chunk).div_ceil(per_iteration)
+}
+
 /// Encodes `rank`'s part of a validated plan. `nvls_allowed` only changes the wording of a
 /// switch-channel refusal.
 pub fn encode(plan: &Plan, rank: usize, nvls_allowed: bool) -> Result<EncodedPlan> {
@@ -93,6 +116,7 @@ pub fn encode(plan: &Plan, rank: usize, nvls_allowed: bool) -> Result<EncodedPla
     let mut enc = EncodedPlan {
         tb_ops: vec![0],
         channel_peers: gpu.channel_peers(ChannelType::Memory),
+        port_channel_peers: gpu.channel_peers(ChannelType::Port),
         semaphores: gpu.semaphores.iter().map(|s| s.init_value).collect(),
         remote_buffers: gpu
             .remote_buffers
@@ -110,6 +134,7 @@ pub fn encode(plan: &Plan, rank: usize, nvls_allowed: bool) -> Result<EncodedPla
         for (o, op) in tb.ops.iter().enumerate() {
             let op_path = format!("{path}.threadblocks[{t}].ops[{o}]");
             if op.name == OpCode::Pipeline {
+                encoder.pipeline(&mut enc, op, &op_path)?;
                 for (i, inner) in op.ops.iter().enumerate() {
                     encoder.op(&mut enc, t, inner, &format!("{op_path}.ops[{i}]"))?;
                 }
@@ -129,6 +154,30 @@ struct Encoder<'a> {
 }
 
 impl Encoder<'_> {
+    /// The pipeline's head: how many ops follow, and its iteration context in `ids`.
+    fn pipeline(&self, enc: &mut EncodedPlan, op: &Op, path: &str) -> Result<()> {
+        let it = op.iter_context.ok_or_else(|| {
+            PlanError::new(
+                format!("{path}.iter_context"),
+                "pipeline without iter_context",
+            )
+        })?;
+        let mut encoded = PlanOp {
+            kind: OpKind::Pipeline as u8,
+            tbg_parts: 1,
+            ..PlanOp::default()
+        };
+        let context = [
+            it.unit_size as u32,
+            (it.unit_size >> 32) as u32,
+            it.num_chunks,
+        ];
+        self.ids(enc, &mut encoded, &context, path)?;
+        encoded.nids = narrow(op.ops.len() as u32, path, "ops")?;
+        enc.ops.push(encoded);
+        Ok(())
+    }
+
     fn op(&self, enc: &mut EncodedPlan, t: usize, op: &Op, path: &str) -> Result<()> {
         use OpCode::*;
         let name = format!("{:?}", op.name).to_lowercase();
@@ -141,21 +190,37 @@ impl Encoder<'_> {
             PlanError::new(path, format!("{name}: {why}"))
         };
         let channel_type = op.channel_type.unwrap_or(ChannelType::Memory);
+        let port = channel_type == ChannelType::Port;
         match channel_type {
             ChannelType::Port => {
-                return Err(PlanError::new(
-                    path,
-                    format!(
-                        "{name} over port channels: the GPU interpreter drives memory channels \
-                         only (this plan runs on the CPU reference, not on the GPU)"
-                    ),
-                ))
+                if !matches!(
+                    op.name,
+                    Put | Pws
+                        | Pwsf
+                        | Ppkt
+                        | Rppkt
+                        | Signal
+                        | Rlxsignal
+                        | Wait
+                        | Rlxwait
+                        | Flush
+                        | Nop
+                ) {
+                    return Err(PlanError::new(
+                        path,
+                        format!(
+                            "{name} over port channels: the GPU interpreter runs put, pws, pwsf, \
+                             ppkt, rppkt, signal, wait and flush on port channels"
+                        ),
+                    ));
+                }
             }
             ChannelType::Switch => return Err(refuse_switch()),
             ChannelType::Memory | ChannelType::None => {}
         }
         let mut encoded = PlanOp {
             tbg_parts: 1,
+            flags: if port { FLAG_PORT } else { 0 },
             ..PlanOp::default()
         };
         let kind = match op.name {
@@ -170,8 +235,13 @@ impl Encoder<'_> {
                 self.ids(enc, &mut encoded, &[id], path)?;
                 OpKind::Barrier
             }
+            Flush if port => {
+                let ids = self.channels(t, op, ChannelType::Port, path)?;
+                self.ids(enc, &mut encoded, &ids, path)?;
+                OpKind::Flush
+            }
             Signal | Rlxsignal | Wait | Rlxwait => {
-                let ids = self.channels(t, op, path)?;
+                let ids = self.channels(t, op, channel_type, path)?;
                 self.ids(enc, &mut encoded, &ids, path)?;
                 match op.name {
                     Signal => OpKind::Signal,
@@ -208,10 +278,15 @@ impl Encoder<'_> {
                         encoded.tbg_part = narrow(g.tb_id, path, "tbg_info.tb_id")?;
                         encoded.tbg_parts = narrow(g.tbg_size, path, "tbg_info.tbg_size")?;
                     }
+                    if port {
+                        self.port_put(enc, &mut encoded, t, op, path)?;
+                    }
                     if matches!(op.name, Pws | Pwsf) {
-                        let ids = self.channels(t, op, path)?;
-                        self.ids(enc, &mut encoded, &ids, path)?;
-                        encoded.flags = FLAG_SIGNAL_AFTER;
+                        if !port {
+                            let ids = self.channels(t, op, channel_type, path)?;
+                            self.ids(enc, &mut encoded, &ids, path)?;
+                        }
+                        encoded.flags |= FLAG_SIGNAL_AFTER;
                         if op.name == Pwsf {
                             encoded.flags |= FLAG_FLUSH_AFTER;
                         }
@@ -225,21 +300,96 @@ impl Encoder<'_> {
         Ok(())
     }
 
-    /// The op's channels as global memory-channel indices.
-    fn channels(&self, t: usize, op: &Op, path: &str) -> Result<Vec<u32>> {
+    /// The op's channels as global channel indices of type `ty`.
+    fn channels(&self, t: usize, op: &Op, ty: ChannelType, path: &str) -> Result<Vec<u32>> {
         let tb = &self.plan.gpus[self.rank].threadblocks[t];
         op.channel_ids
             .iter()
             .enumerate()
             .map(|(i, &id)| {
-                tb.channel(ChannelType::Memory, id).ok_or_else(|| {
+                tb.channel(ty, id).ok_or_else(|| {
                     PlanError::new(
                         format!("{path}.channel_ids[{i}]"),
-                        format!("memory channel {id} is not one of the threadblock's"),
+                        format!("{} channel {id} is not one of the threadblock's", ty.name()),
                     )
                 })
             })
             .collect()
+    }
+
+    /// A put over port channels: destination d goes through channel d, from source d (or the
+    /// only source). The proxy copies bytes as they are: put / pws / pwsf move plain data, ppkt /
+    /// rppkt move LL packets from packet buffer to packet buffer (MSCCL++'s reading of them).
+    fn port_put(
+        &self,
+        enc: &mut EncodedPlan,
+        encoded: &mut PlanOp,
+        t: usize,
+        op: &Op,
+        path: &str,
+    ) -> Result<()> {
+        let name = format!("{:?}", op.name).to_lowercase();
+        let (nsrc, ndst) = (op.src_buff.len(), op.dst_buff.len());
+        if nsrc != 1 && nsrc != ndst {
+            return Err(PlanError::new(
+                format!("{path}.src_buff"),
+                format!("{name} over port channels: {nsrc} sources for {ndst} destinations (one, or one per destination)"),
+            ));
+        }
+        let refs = &enc.refs[encoded.first_ref as usize..][..nsrc + ndst];
+        let packets = matches!(op.name, OpCode::Ppkt | OpCode::Rppkt);
+        if let Some(i) = refs.iter().position(|r| (r.packets != 0) != packets) {
+            let (list, at) = if i < nsrc {
+                ("src_buff", i)
+            } else {
+                ("dst_buff", i - nsrc)
+            };
+            let why = if packets {
+                "moves LL packets, from and into buffers that hold them (an LL plan's scratch)"
+            } else {
+                "moves plain data, not LL packets"
+            };
+            return Err(PlanError::new(
+                format!("{path}.{list}[{at}]"),
+                format!("{name} over port channels {why}"),
+            ));
+        }
+        // The proxy copies from this rank's memory into the channel's peer's.
+        if let Some(i) = refs[..nsrc]
+            .iter()
+            .position(|r| r.slot >= FIRST_REMOTE_SLOT)
+        {
+            return Err(PlanError::new(
+                format!("{path}.src_buff[{i}]"),
+                format!("{name} over port channels reads a local buffer, not a peer's"),
+            ));
+        }
+        let ids = self.channels(t, op, ChannelType::Port, path)?;
+        if ids.len() != ndst {
+            return Err(PlanError::new(
+                format!("{path}.channel_ids"),
+                format!("{name} over port channels: {} channels for {ndst} destinations (one per destination)", ids.len()),
+            ));
+        }
+        for (d, r) in refs[nsrc..].iter().enumerate() {
+            let dst_path = format!("{path}.dst_buff[{d}]");
+            let Some(k) = r.slot.checked_sub(FIRST_REMOTE_SLOT) else {
+                return Err(PlanError::new(
+                    dst_path,
+                    format!("{name} over port channels writes a peer's buffer, not a local one"),
+                ));
+            };
+            let owner = enc.remote_buffers.get(k as usize).map(|b| b.0);
+            let peer = enc.port_channel_peers.get(ids[d] as usize).copied();
+            if owner != peer {
+                let (owner, peer) = (owner.unwrap_or(usize::MAX), peer.unwrap_or(usize::MAX));
+                return Err(PlanError::new(
+                    dst_path,
+                    format!("a buffer of rank {owner} through channel_ids[{d}], a port channel to rank {peer}"),
+                ));
+            }
+        }
+        self.ids(enc, encoded, &ids, path)
     }
 
     fn ids(&self, enc: &mut EncodedPlan, op: &mut PlanOp, ids: &[u32], path: &str) -> Result<()> {
@@ -340,12 +490,119 @@ mod tests {
     }
 
     #[test]
-    fn port_channel_ops_are_refused_naming_the_op() {
-        let json = builder::allreduce(2, Protocol::Simple, PlanReduceOp::Sum).to_string();
-        let plan = Plan::from_json(json.replace("\"memory\"", "\"port\"").as_bytes())
-            .expect("a port-channel plan is valid");
+    fn port_plans_encode_proxy_puts_with_a_channel_per_destination() {
+        for ranks in [2, 4, 8] {
+            let json =
+                builder::port_allreduce(ranks, Protocol::Simple, PlanReduceOp::Sum).to_string();
+            let plan = Plan::from_json(json.as_bytes()).expect("valid");
+            let enc = encode(&plan, 1, false).expect("encodes");
+            assert_eq!(enc.port_channel_peers.len(), ranks - 1);
+            assert!(enc.channel_peers.is_empty());
+            let puts: Vec<&PlanOp> = enc
+                .ops
+                .iter()
+                .filter(|o| o.kind == OpKind::Data as u8 && o.flags & FLAG_PORT != 0)
+                .collect();
+            assert_eq!(puts.len(), 2 * (ranks - 1));
+            assert!(puts.iter().all(|o| o.nids == 1 && o.ndst == 1));
+            let pwsf = FLAG_PORT | FLAG_SIGNAL_AFTER | FLAG_FLUSH_AFTER;
+            assert_eq!(puts.iter().filter(|o| o.flags == pwsf).count(), ranks - 1);
+            let flush = enc.ops.iter().find(|o| o.kind == OpKind::Flush as u8);
+            assert_eq!(
+                flush.map(|o| (o.flags, o.nids)),
+                Some((FLAG_PORT, ranks as u16 - 1))
+            );
+        }
+    }
+
+    #[test]
+    fn packet_puts_over_port_channels_move_packets_between_packet_buffers() {
+        let json = builder::port_allreduce(4, Protocol::Ll, PlanReduceOp::Sum).to_string();
+        let plan = Plan::from_json(json.as_bytes()).expect("valid");
+        let enc = encode(&plan, 2, false).expect("encodes");
+        let puts = enc
+            .ops
+            .iter()
+            .filter(|o| o.kind == OpKind::Data as u8 && o.flags & FLAG_PORT != 0);
+        for op in puts {
+            let refs = &enc.refs[op.first_ref as usize..][..2];
+            assert!(refs.iter().all(|r| r.packets == 1), "{refs:?}");
+        }
+        // The LL plan over memory channels packs plain input on the fly: not over port channels.
+        let memory = builder::allreduce(2, Protocol::Ll, PlanReduceOp::Sum).to_string();
+        let plan =
+            Plan::from_json(memory.replace("\"memory\"", "\"port\"").as_bytes()).expect("valid");
         let err = encode(&plan, 0, false).unwrap_err().to_string();
-        assert!(err.contains("over port channels"), "{err}");
+        assert!(
+            err.contains("src_buff[0]: ppkt over port channels moves LL packets"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn port_channel_ops_the_interpreter_lacks_are_refused_naming_the_op() {
+        let json = builder::allreduce(2, Protocol::Simple, PlanReduceOp::Sum).to_string();
+        // A copy over port channels: MSCCL++ runs local copies without a channel.
+        let json = json.replacen("\"memory\"", "\"port\"", usize::MAX);
+        let mut v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        v["gpus"][0]["threadblocks"][0]["ops"][0] = serde_json::json!({
+            "name": "copy", "channel_type": "port", "channel_ids": [0],
+            "src_buff": [{"type": "i", "index": 0, "size": 1}],
+            "dst_buff": [{"type": "i", "index": 0, "size": 1}]});
+        let plan = Plan::from_json(v.to_string().as_bytes()).expect("valid");
+        let err = encode(&plan, 0, false).unwrap_err().to_string();
         assert!(err.starts_with("gpus[0].threadblocks[0].ops[0]"), "{err}");
+        assert!(err.contains("copy over port channels"), "{err}");
+        // A put over port channels without a channel per destination.
+        let json = builder::port_allreduce(2, Protocol::Simple, PlanReduceOp::Sum).to_string();
+        let mut v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        let ops = v["gpus"][1]["threadblocks"][0]["ops"]
+            .as_array_mut()
+            .unwrap();
+        let put = ops.iter().position(|o| o["name"] == "put").unwrap();
+        ops[put]["channel_ids"] = serde_json::json!([]);
+        let plan = Plan::from_json(v.to_string().as_bytes()).expect("valid");
+        let err = encode(&plan, 1, false).unwrap_err().to_string();
+        assert!(err.contains(&format!("ops[{put}].channel_ids")), "{err}");
+        assert!(err.contains("0 channels for 1 destinations"), "{err}");
+        // A put whose destination is local: the proxy only writes into the channel's peer.
+        let mut v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        v["gpus"][1]["threadblocks"][0]["ops"][put]["dst_buff"] =
+            serde_json::json!([{"type": "s", "index": 0, "size": 1}]);
+        let plan = Plan::from_json(v.to_string().as_bytes()).expect("valid");
+        let err = encode(&plan, 1, false).unwrap_err().to_string();
+        assert!(err.contains(&format!("ops[{put}].dst_buff[0]")), "{err}");
+        assert!(err.contains("writes a peer's buffer"), "{err}");
+    }
+
+    #[test]
+    fn pipelines_encode_their_context_then_their_ops() {
+        let json = builder::allreduce(2, Protocol::Simple, PlanReduceOp::Sum);
+        let mut v = json.clone();
+        let ops = v["gpus"][0]["threadblocks"][0]["ops"]
+            .as_array_mut()
+            .unwrap();
+        let inner: Vec<serde_json::Value> = ops.drain(2..4).collect();
+        ops.insert(
+            2,
+            serde_json::json!({"name": "pipeline",
+            "iter_context": {"unit_size": (5u64 << 32) + 64, "num_chunks": 1}, "ops": inner}),
+        );
+        let plan = Plan::from_json(v.to_string().as_bytes()).expect("valid");
+        let enc = encode(&plan, 0, false).expect("encodes");
+        let head = enc.ops[2];
+        assert_eq!(head.kind, OpKind::Pipeline as u8);
+        assert_eq!(head.nids, 2);
+        let at = head.first_id as usize;
+        assert_eq!(&enc.ids[at..at + 3], &[64, 5, 1]);
+        let plain = encode(
+            &Plan::from_json(json.to_string().as_bytes()).unwrap(),
+            0,
+            false,
+        )
+        .unwrap();
+        assert_eq!(enc.ops.len(), plain.ops.len() + 1);
+        assert_eq!(pipeline_iterations(2, 4, units_per_iteration(16, 8)), 4);
+        assert_eq!(pipeline_iterations(1, 3, units_per_iteration(4, 8)), 3);
     }
 }

@@ -109,6 +109,7 @@ pub fn register_plans(
                 world_size: a.plan().world_size(),
                 min_bytes: min,
                 max_bytes: max,
+                in_place: a.plan().inplace,
             }
         })
         .collect();
@@ -125,10 +126,12 @@ pub struct PlanEntry {
     pub world_size: usize,
     pub min_bytes: u64,
     pub max_bytes: u64,
+    /// The plan's buffer mode (its `inplace` key).
+    pub in_place: bool,
 }
 
 /// A selector that answers with the first plan of `table` matching the call's collective, world
-/// size and message size, and asks `fallback` otherwise.
+/// size, message size and buffer mode (in place or not), and asks `fallback` otherwise.
 pub fn preferring_plans(table: Vec<PlanEntry>, fallback: Option<Selector>) -> Selector {
     Box::new(move |ctx: &SelectionContext| {
         let bytes = ctx.message_bytes as u64;
@@ -138,6 +141,7 @@ pub fn preferring_plans(table: Vec<PlanEntry>, fallback: Option<Selector>) -> Se
                 p.collective == ctx.collective
                     && p.world_size == ctx.world_size
                     && (p.min_bytes..=p.max_bytes).contains(&bytes)
+                    && p.in_place == ctx.in_place
             })
             .map(|p| p.name.clone())
             .or_else(|| fallback.as_ref().and_then(|f| f(ctx)))
@@ -182,6 +186,7 @@ mod tests {
             capturing: false,
             arch: "sm_90".into(),
             nvls_allowed: false,
+            in_place: true,
         }
     }
 
@@ -193,6 +198,7 @@ mod tests {
             world_size: 2,
             min_bytes: 1024,
             max_bytes: 1 << 20,
+            in_place: true,
         }];
         let fallback: Selector = Box::new(|_| Some("default_allreduce_packet".into()));
         let select = preferring_plans(table, Some(fallback));
@@ -209,6 +215,15 @@ mod tests {
         ] {
             assert_eq!(pick(c, b, w).as_deref(), Some("default_allreduce_packet"));
         }
+        // An out-of-place call of the same shape does not get the in-place plan.
+        let out_of_place = SelectionContext {
+            in_place: false,
+            ..ctx(Collective::AllReduce, 4096, 2)
+        };
+        assert_eq!(
+            select(&out_of_place).as_deref(),
+            Some("default_allreduce_packet")
+        );
     }
 
     #[test]

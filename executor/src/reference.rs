@@ -8,6 +8,14 @@
 //! detection exact: when every live thread is blocked, nothing can ever signal them. Ordering is
 //! tracked with vector clocks (signals, packets, semaphores and barriers carry the writer's clock),
 //! so two writes to one element that no signal orders are reported as a race.
+//!
+//! Port channels: a put is the host proxy's, so it happens late: it is queued on its channel and
+//! carried out (reading its source then) by the next signal or flush on that channel (a `pws` /
+//! `pwsf` signals its own), when its threadblock ends, or when every threadblock waits (the proxy
+//! goes on whatever the GPU does: LL packets need no signal). A plan that reuses a put's source before
+//! a signal or flush covers the put computes the wrong result here, as it may on the GPU.
+//! A `pipeline` runs its ops once per iteration over a window of their units
+//! ([`crate::encode::pipeline_iterations`]), as the GPU interpreter does.
 
 use crate::plan::{BufferRef, BufferType, ChannelType, Collective, Op, OpCode, Plan, PlanReduceOp};
 use mscclpp_core::fp8;
@@ -224,6 +232,30 @@ impl Span {
     }
 }
 
+/// Units of an op's work one step covers: a pipeline iteration's window, or [`WHOLE`]. An op's
+/// units count its chunks' units (its group member's part of each) chunk after chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Window {
+    begin: usize,
+    end: usize,
+}
+
+const WHOLE: Window = Window {
+    begin: 0,
+    end: usize::MAX,
+};
+
+/// A put over a port channel the proxy has not carried out yet.
+struct PendingPut {
+    rank: usize,
+    channel: usize,
+    t: usize,
+    tid: usize,
+    o: usize,
+    op: Op,
+    win: Window,
+}
+
 /// A barrier a thread arrived at: ((rank, barrier id), the generation it must see complete).
 type BarrierArrival = ((usize, u32), u64);
 
@@ -241,6 +273,8 @@ struct State {
     live: usize,
     blocked: Vec<Option<String>>,
     failure: Option<CheckError>,
+    /// Port-channel puts queued for the proxy, in push order.
+    pending: Vec<PendingPut>,
 }
 
 struct Machine<'a> {
@@ -381,6 +415,7 @@ impl<'a> Machine<'a> {
                 live: threads,
                 blocked: vec![None; threads],
                 failure: None,
+                pending: Vec::new(),
             }),
             wake: Condvar::new(),
         })
@@ -414,31 +449,49 @@ impl<'a> Machine<'a> {
         let tid = self.tids[rank][t];
         let tb = &self.plan.gpus[rank].threadblocks[t];
         for (o, op) in tb.ops.iter().enumerate() {
-            // A pipeline repeats its ops over `unit_size` slices of their chunks; the host runs each
-            // once over whole chunks, which moves the same data under the same ordering.
-            let ok = if op.name == OpCode::Pipeline {
-                op.ops.iter().all(|inner| self.step(rank, t, tid, o, inner))
-            } else {
-                self.step(rank, t, tid, o, op)
+            let ok = match op.iter_context {
+                Some(it) if op.name == OpCode::Pipeline => {
+                    let unit = self.unit();
+                    let per = crate::encode::units_per_iteration(it.unit_size, unit) as usize;
+                    let upc = (self.cfg.elems_per_chunk * self.cfg.dtype.size()).div_ceil(unit);
+                    let iters =
+                        crate::encode::pipeline_iterations(it.num_chunks, upc as u64, per as u64);
+                    (0..iters as usize).all(|i| {
+                        let win = Window {
+                            begin: i * per,
+                            end: (i + 1) * per,
+                        };
+                        op.ops
+                            .iter()
+                            .all(|inner| self.step(rank, t, tid, o, inner, win))
+                    })
+                }
+                _ => self.step(rank, t, tid, o, op, WHOLE),
             };
             if !ok {
                 break;
             }
         }
         let mut st = self.state.lock().unwrap();
+        // The proxy carries out what is still queued by this threadblock.
+        if st.failure.is_none() {
+            if let Err(e) = self.drain(&mut st, |p| p.tid == tid) {
+                st.failure.get_or_insert(e);
+            }
+        }
         st.live -= 1;
         self.progress(&mut st);
     }
 
     /// Runs one op: waits (under the lock, on the condition variable) until it can proceed, then
     /// runs it atomically. False once the run has failed.
-    fn step(&self, rank: usize, t: usize, tid: usize, o: usize, op: &Op) -> bool {
+    fn step(&self, rank: usize, t: usize, tid: usize, o: usize, op: &Op, win: Window) -> bool {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if st.failure.is_some() {
                 return false;
             }
-            match self.ready(&st, rank, t, op) {
+            match self.ready(&st, rank, t, op, win) {
                 Ok(true) => break,
                 Ok(false) => {}
                 Err(e) => {
@@ -448,15 +501,18 @@ impl<'a> Machine<'a> {
                 }
             }
             st.blocked[tid] = Some(self.labels[tid][o].clone());
-            self.check_deadlock(&mut st);
+            let carried_out = self.check_deadlock(&mut st);
             if st.failure.is_some() {
                 return false;
+            }
+            if carried_out {
+                continue;
             }
             st = self.wake.wait(st).unwrap_or_else(|e| e.into_inner());
             st.blocked[tid] = None;
         }
         st.clocks[tid][tid] += 1;
-        let result = self.exec(&mut st, rank, t, tid, o, op);
+        let result = self.exec(&mut st, rank, t, tid, o, op, win);
         let arrived = match result {
             Ok(arrived) => arrived,
             Err(e) => {
@@ -473,9 +529,12 @@ impl<'a> Machine<'a> {
                     return false;
                 }
                 st.blocked[tid] = Some(self.labels[tid][o].clone());
-                self.check_deadlock(&mut st);
+                let carried_out = self.check_deadlock(&mut st);
                 if st.failure.is_some() {
                     return false;
+                }
+                if carried_out {
+                    continue;
                 }
                 st = self.wake.wait(st).unwrap_or_else(|e| e.into_inner());
                 st.blocked[tid] = None;
@@ -492,12 +551,23 @@ impl<'a> Machine<'a> {
         self.wake.notify_all();
     }
 
-    fn check_deadlock(&self, st: &mut State) {
+    /// Every live thread waits: the proxy still carries out the port puts queued (it does so
+    /// whatever the GPU does), else nothing ever will signal them. True when queued puts were
+    /// carried out: the caller looks again.
+    fn check_deadlock(&self, st: &mut State) -> bool {
         let blocked: Vec<String> = st.blocked.iter().flatten().cloned().collect();
         if st.live > 0 && blocked.len() == st.live && st.failure.is_none() {
+            if !st.pending.is_empty() {
+                if let Err(e) = self.drain(st, |_| true) {
+                    st.failure = Some(e);
+                }
+                self.progress(st);
+                return true;
+            }
             st.failure = Some(CheckError::Deadlock(blocked));
             self.wake.notify_all();
         }
+        false
     }
 
     /// Global index of a threadblock-local channel id of one type.
@@ -508,7 +578,14 @@ impl<'a> Machine<'a> {
     }
 
     /// Whether `op` can run now (its signals, semaphores and packets are there).
-    fn ready(&self, st: &State, rank: usize, t: usize, op: &Op) -> Result<bool, CheckError> {
+    fn ready(
+        &self,
+        st: &State,
+        rank: usize,
+        t: usize,
+        op: &Op,
+        win: Window,
+    ) -> Result<bool, CheckError> {
         use OpCode::*;
         Ok(match op.name {
             Wait | Rlxwait => {
@@ -535,7 +612,7 @@ impl<'a> Machine<'a> {
             }
             _ => {
                 for r in &op.src_buff {
-                    for span in self.resolve(rank, t, op, r)? {
+                    for span in self.resolve(rank, t, op, r, win)? {
                         let cells = &st.bufs[span.rank][buffer_slot(span.buffer)];
                         if span.packets && !span.elements().all(|e| cells[e].packet_ready) {
                             return Ok(false);
@@ -554,6 +631,7 @@ impl<'a> Machine<'a> {
         t: usize,
         op: &Op,
         r: &BufferRef,
+        win: Window,
     ) -> Result<Vec<Span>, CheckError> {
         let m = self.cfg.elems_per_chunk;
         let gpu = &self.plan.gpus[rank];
@@ -600,26 +678,36 @@ impl<'a> Machine<'a> {
             .map_or((0, 1), |g| (g.tb_id as usize, g.tbg_size as usize));
         // Cut as the GPU interpreter cuts (whole payload units, so members never share a packet).
         let size = self.cfg.dtype.size();
-        let unit = (crate::encode::unit_bytes(self.plan.protocol) as usize).max(size);
+        let unit = self.unit();
         let (lo, hi) = crate::encode::part_range(m * size, unit, part, parts);
         let (a, b) = (lo / size, hi / size);
+        // The window in this op's units: chunk k holds units [k * per, (k + 1) * per).
+        let per = (hi - lo).div_ceil(unit);
+        let in_window = |k: usize| -> (usize, usize) {
+            let clamp = |u: usize| u.saturating_sub(k * per).min(per) * unit / size;
+            (clamp(win.begin), clamp(win.end).min(b - a))
+        };
         targets
             .into_iter()
             .map(|(peer, buffer)| {
                 let mut ranges = Vec::new();
                 let mut resolved = buffer;
-                for chunk in r.index as usize..(r.index + r.size) as usize {
-                    let (buf, start) = self.alias(peer, buffer, chunk * m + a);
+                for (k, chunk) in (r.index as usize..(r.index + r.size) as usize).enumerate() {
+                    let (from, to) = in_window(k);
+                    if from >= to {
+                        continue;
+                    }
+                    let (buf, start) = self.alias(peer, buffer, chunk * m + a + from);
                     let size = self.state_len(peer, buf);
-                    if start + (b - a) > size {
+                    if start + (to - from) > size {
                         return Err(CheckError::Unsupported(format!(
                             "rank {peer} {} elements {start}..{} out of range ({size})",
                             buf.name(),
-                            start + b - a
+                            start + to - from
                         )));
                     }
                     resolved = buf;
-                    ranges.push((start, b - a));
+                    ranges.push((start, to - from));
                 }
                 Ok(Span {
                     rank: peer,
@@ -631,11 +719,17 @@ impl<'a> Machine<'a> {
             .collect()
     }
 
+    /// Payload bytes of one unit of work (and of an LL packet), as the GPU interpreter cuts.
+    fn unit(&self) -> usize {
+        (crate::encode::unit_bytes(self.plan.protocol) as usize).max(self.cfg.dtype.size())
+    }
+
     fn state_len(&self, rank: usize, b: BufferType) -> usize {
         self.plan.gpus[rank].chunks(b) as usize * self.cfg.elems_per_chunk
     }
 
     /// Runs a ready op. Returns the barrier (key, generation) it arrived at, if it is a barrier.
+    #[allow(clippy::too_many_arguments)]
     fn exec(
         &self,
         st: &mut State,
@@ -644,9 +738,17 @@ impl<'a> Machine<'a> {
         tid: usize,
         o: usize,
         op: &Op,
+        win: Window,
     ) -> Result<Option<BarrierArrival>, CheckError> {
         use OpCode::*;
+        let port = op.channel_type == Some(ChannelType::Port);
         match op.name {
+            Flush if port => {
+                for &id in &op.channel_ids {
+                    let channel = self.global_channel(rank, t, ChannelType::Port, id);
+                    self.drain(st, |p| p.rank == rank && p.channel == channel)?;
+                }
+            }
             Nop | Flush | Pipeline => {}
             Signal | Rlxsignal => self.signal(st, rank, t, tid, op)?,
             Wait | Rlxwait => {
@@ -695,8 +797,14 @@ impl<'a> Machine<'a> {
                 }
                 return Ok(Some((key, generation)));
             }
+            Put | Pws | Pwsf | Ppkt | Rppkt if port => {
+                self.queue_puts(st, rank, t, tid, o, op, win)?;
+                if matches!(op.name, Pws | Pwsf) {
+                    self.signal(st, rank, t, tid, op)?;
+                }
+            }
             _ => {
-                self.move_data(st, rank, t, tid, o, op)?;
+                self.move_data(st, rank, t, tid, o, op, win)?;
                 if matches!(op.name, Pws | Pwsf) {
                     self.signal(st, rank, t, tid, op)?;
                 }
@@ -714,9 +822,13 @@ impl<'a> Machine<'a> {
         op: &Op,
     ) -> Result<(), CheckError> {
         let ty = op.channel_type.unwrap_or(ChannelType::Memory);
-        let clock = st.clocks[tid].clone();
         for &id in &op.channel_ids {
             let global = self.global_channel(rank, t, ty, id);
+            if ty == ChannelType::Port {
+                // The proxy signals after the puts queued before it on the channel.
+                self.drain(st, |p| p.rank == rank && p.channel == global)?;
+            }
+            let clock = st.clocks[tid].clone();
             let &(peer, pc) = self.peers.get(&(rank, ty, global)).ok_or_else(|| {
                 CheckError::Unsupported(format!(
                     "{} channel {global} of rank {rank} cannot signal",
@@ -733,8 +845,67 @@ impl<'a> Machine<'a> {
         Ok(())
     }
 
+    /// Queues a put over port channels for the proxy: destination d through the op's channel d,
+    /// from source d (or the only source).
+    #[allow(clippy::too_many_arguments)]
+    fn queue_puts(
+        &self,
+        st: &mut State,
+        rank: usize,
+        t: usize,
+        tid: usize,
+        o: usize,
+        op: &Op,
+        win: Window,
+    ) -> Result<(), CheckError> {
+        let one_source = op.src_buff.len() == 1;
+        if !one_source && op.src_buff.len() != op.dst_buff.len() {
+            return Err(CheckError::Unsupported(format!(
+                "{}: a put over port channels takes one source, or one per destination",
+                self.labels[tid][o]
+            )));
+        }
+        for (d, dst) in op.dst_buff.iter().enumerate() {
+            let id = *op.channel_ids.get(d).ok_or_else(|| {
+                CheckError::Unsupported(format!(
+                    "{}: a put over port channels names a channel per destination",
+                    self.labels[tid][o]
+                ))
+            })?;
+            let src = &op.src_buff[if one_source { 0 } else { d }];
+            st.pending.push(PendingPut {
+                rank,
+                channel: self.global_channel(rank, t, ChannelType::Port, id),
+                t,
+                tid,
+                o,
+                op: Op {
+                    src_buff: vec![src.clone()],
+                    dst_buff: vec![dst.clone()],
+                    channel_ids: vec![id],
+                    ..op.clone()
+                },
+                win,
+            });
+        }
+        Ok(())
+    }
+
+    /// The proxy carries out the queued puts `which` selects, in push order.
+    fn drain(&self, st: &mut State, which: impl Fn(&PendingPut) -> bool) -> Result<(), CheckError> {
+        let (now, later): (Vec<PendingPut>, Vec<PendingPut>) = std::mem::take(&mut st.pending)
+            .into_iter()
+            .partition(|p| which(p));
+        st.pending = later;
+        for p in now {
+            self.move_data(st, p.rank, p.t, p.tid, p.o, &p.op, p.win)?;
+        }
+        Ok(())
+    }
+
     /// Data ops: every source span is read (packets join their writer's clock) and combined with
     /// the plan's reduction; the result is written to every destination span.
+    #[allow(clippy::too_many_arguments)]
     fn move_data(
         &self,
         st: &mut State,
@@ -743,10 +914,11 @@ impl<'a> Machine<'a> {
         tid: usize,
         o: usize,
         op: &Op,
+        win: Window,
     ) -> Result<(), CheckError> {
         let mut spans = Vec::new();
         for r in &op.src_buff {
-            spans.extend(self.resolve(rank, t, op, r)?);
+            spans.extend(self.resolve(rank, t, op, r, win)?);
         }
         // Packets order their reader after their writer, like a wait.
         for span in spans.iter().filter(|s| s.packets) {
@@ -791,7 +963,7 @@ impl<'a> Machine<'a> {
         }
         let Some(values) = acc else { return Ok(()) };
         for r in &op.dst_buff {
-            for span in self.resolve(rank, t, op, r)? {
+            for span in self.resolve(rank, t, op, r, win)? {
                 for (e, &v) in span.elements().zip(&values) {
                     let cell = &mut st.bufs[span.rank][buffer_slot(span.buffer)][e];
                     if let Some((w, c, wo)) = cell.last_write {

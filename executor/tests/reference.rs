@@ -193,3 +193,80 @@ fn a_read_no_signal_orders_is_a_race() {
     let err = f32_run(&plan_of(&v)).unwrap_err();
     assert!(matches!(err, CheckError::Race(_)), "{err}");
 }
+
+#[test]
+fn port_channel_plans_from_our_builder_are_proved() {
+    use mscclpp_executor::builder::port_allreduce;
+    use mscclpp_executor::{PlanReduceOp, Protocol};
+    for ranks in [2, 4, 8] {
+        for protocol in [Protocol::Simple, Protocol::Ll] {
+            for op in [PlanReduceOp::Sum, PlanReduceOp::Max] {
+                let plan = plan_of(&port_allreduce(ranks, protocol, op));
+                prove(&plan).unwrap_or_else(|e| panic!("{ranks} ranks {protocol:?} {op:?}: {e}"));
+            }
+        }
+    }
+}
+
+/// A port put happens when the proxy gets to it: a source rewritten before a signal or flush
+/// covers the put is read late, and the plan's result is wrong.
+#[test]
+fn a_port_put_reads_its_source_only_when_a_signal_or_flush_covers_it() {
+    use mscclpp_executor::builder::port_allreduce;
+    use mscclpp_executor::{PlanReduceOp, Protocol};
+    let mut v = port_allreduce(2, Protocol::Simple, PlanReduceOp::Sum);
+    // Rank 0: after its phase-1 put of input chunk 1 (not yet signalled), overwrite chunk 1.
+    let ops = v["gpus"][0]["threadblocks"][0]["ops"]
+        .as_array_mut()
+        .unwrap();
+    let put = ops.iter().position(|op| op["name"] == "put").unwrap();
+    ops.insert(
+        put + 1,
+        serde_json::json!({"name": "copy", "src_buff": [{"type": "i", "index": 0, "size": 1}],
+                           "dst_buff": [{"type": "i", "index": 1, "size": 1}]}),
+    );
+    let err = f32_run(&plan_of(&v)).unwrap_err();
+    assert!(matches!(err, CheckError::Mismatch(_)), "{err}");
+    // A flush between the put and the overwrite: the proxy has read the source by then, and the
+    // chunk overwritten is one the peer's phase-2 put replaces anyway.
+    let ops = v["gpus"][0]["threadblocks"][0]["ops"]
+        .as_array_mut()
+        .unwrap();
+    ops.insert(
+        put + 1,
+        serde_json::json!({"name": "flush", "channel_ids": [0], "channel_type": "port"}),
+    );
+    f32_run(&plan_of(&v)).unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// A pipeline runs its ops once per iteration: a wait inside it consumes one signal per
+/// iteration, so a sender that signals once leaves the second iteration waiting.
+#[test]
+fn pipelines_iterate_over_windows_of_their_ops() {
+    use mscclpp_executor::builder::allreduce;
+    use mscclpp_executor::builder::pipelined_allreduce;
+    use mscclpp_executor::{PlanReduceOp, Protocol};
+    // 4-byte windows of 8-byte units: one unit per iteration (a chunk of 8 f32 takes 4).
+    for ranks in [2, 4, 8] {
+        let plan = plan_of(&pipelined_allreduce(ranks, PlanReduceOp::Sum, 4));
+        prove(&plan).unwrap_or_else(|e| panic!("{ranks} ranks: {e}"));
+    }
+    let base = allreduce(2, Protocol::Simple, PlanReduceOp::Sum);
+    // Rank 1 pipelines its wait alone (2 iterations for 3 f32 per chunk): its second iteration
+    // takes the signal meant for a later wait, so rank 1 ends up waiting for one that never comes.
+    let mut v = base;
+    let ops = v["gpus"][1]["threadblocks"][0]["ops"]
+        .as_array_mut()
+        .unwrap();
+    let wait = ops.remove(4);
+    ops.insert(
+        4,
+        serde_json::json!({"name": "pipeline", "iter_context": {"unit_size": 8, "num_chunks": 1},
+                           "ops": [wait]}),
+    );
+    let err = f32_run(&plan_of(&v)).unwrap_err();
+    assert!(
+        matches!(&err, CheckError::Deadlock(b) if b.iter().any(|s| s.starts_with("rank 1 threadblock 0"))),
+        "{err}"
+    );
+}

@@ -33,7 +33,7 @@ pub const FIRST_REMOTE_SLOT: u16 = 3;
 #[repr(u8)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OpKind {
-    /// A block-wide sync point and nothing else (`nop`, and the `pipeline` wrapper).
+    /// A block-wide sync point and nothing else (`nop`).
     Nop = 0,
     Data = 1,
     Signal = 2,
@@ -44,12 +44,18 @@ pub enum OpKind {
     SemRelease = 7,
     SemAcquire = 8,
     Barrier = 9,
+    /// `pipeline`: the next `nids` ops run once per iteration over a window of their units;
+    /// `ids[first_id..]` holds unit_size (low and high word) and num_chunks.
+    Pipeline = 10,
 }
 
 /// `PlanOp::flags`: after the data, signal the op's channels (`pws`, `pwsf`)...
 pub const FLAG_SIGNAL_AFTER: u8 = 1;
-/// ... and flush first (`pwsf`).
+/// ... and flush first (`pwsf`; over port channels: flush after the signal).
 pub const FLAG_FLUSH_AFTER: u8 = 2;
+/// The op's channels are port channels: a data op is a put through the proxy (the `ids` are one
+/// port channel per destination), signal / wait / flush use port channels.
+pub const FLAG_PORT: u8 = 4;
 
 /// One op as the kernel reads it: `nsrc` then `ndst` [`PlanRef`]s from `first_ref`, `nids`
 /// channel / semaphore / barrier ids from `first_id`, and the op's part of every chunk when a
@@ -94,6 +100,8 @@ pub struct PlanArgs {
     pub ids: u64,
     /// `D2DSemaphoreHandle*` by global memory-channel index.
     pub channels: u64,
+    /// `const PortChannelHandle*` by global port-channel index.
+    pub port_channels: u64,
     /// `u32*`: the plan's local semaphores (sem_release / sem_acquire).
     pub semaphores: u64,
     /// `u64*`: arrivals by barrier id (only grow).
@@ -103,6 +111,9 @@ pub struct PlanArgs {
     pub error_word: u64,
     /// Addresses by slot: input, output, scratch, then remote buffer k at 3 + k.
     pub buffers: [u64; MAX_PLAN_BUFFERS],
+    /// By slot: the buffer's offset in its rank's plan block, which port-channel puts address
+    /// (the proxy knows the blocks, not the buffers).
+    pub block_offsets: [u64; MAX_PLAN_BUFFERS],
     pub chunk_bytes: u64,
     /// LL plans alternate two halves of every scratch by execution; this is the second's offset.
     pub scratch_half_bytes: u64,
@@ -121,11 +132,13 @@ impl Default for PlanArgs {
             refs: 0,
             ids: 0,
             channels: 0,
+            port_channels: 0,
             semaphores: 0,
             barriers: 0,
             flags: 0,
             error_word: 0,
             buffers: [0; MAX_PLAN_BUFFERS],
+            block_offsets: [0; MAX_PLAN_BUFFERS],
             chunk_bytes: 0,
             scratch_half_bytes: 0,
             max_spin: 0,
@@ -174,8 +187,8 @@ pub fn layout_asserts() -> String {
     }
     fields!(PlanOp: kind, flags, nsrc, ndst, nids, tbg_part, tbg_parts, barrier_tbs, first_ref, first_id);
     fields!(PlanRef: slot, packets, index, size);
-    fields!(PlanArgs: ops, tb_ops, refs, ids, channels, semaphores, barriers, flags, error_word,
-        buffers, chunk_bytes, scratch_half_bytes, max_spin, packet_bytes, unit_bytes);
+    fields!(PlanArgs: ops, tb_ops, refs, ids, channels, port_channels, semaphores, barriers, flags,
+        error_word, buffers, block_offsets, chunk_bytes, scratch_half_bytes, max_spin, packet_bytes, unit_bytes);
     for (ty, size) in [
         ("PlanOp", size_of::<PlanOp>()),
         ("PlanRef", size_of::<PlanRef>()),
@@ -189,7 +202,8 @@ pub fn layout_asserts() -> String {
         "static_assert(mscclpp::plan::kMaxPlanBuffers == {MAX_PLAN_BUFFERS}, \"kMaxPlanBuffers\");\n\
          static_assert(mscclpp::plan::kFirstRemoteSlot == {FIRST_REMOTE_SLOT}, \"kFirstRemoteSlot\");\n\
          static_assert(mscclpp::plan::kSignalAfter == {FLAG_SIGNAL_AFTER}, \"kSignalAfter\");\n\
-         static_assert(mscclpp::plan::kFlushAfter == {FLAG_FLUSH_AFTER}, \"kFlushAfter\");\n"
+         static_assert(mscclpp::plan::kFlushAfter == {FLAG_FLUSH_AFTER}, \"kFlushAfter\");\n\
+         static_assert(mscclpp::plan::kPort == {FLAG_PORT}, \"kPort\");\n"
     );
     for (name, kind) in [
         ("kNop", OpKind::Nop),
@@ -202,6 +216,7 @@ pub fn layout_asserts() -> String {
         ("kSemRelease", OpKind::SemRelease),
         ("kSemAcquire", OpKind::SemAcquire),
         ("kBarrier", OpKind::Barrier),
+        ("kPipeline", OpKind::Pipeline),
     ] {
         out += &format!(
             "static_assert(mscclpp::plan::{name} == {}, \"{name}\");\n",
@@ -219,8 +234,8 @@ mod tests {
     fn layouts_are_the_documented_ones() {
         assert_eq!(size_of::<PlanOp>(), 20);
         assert_eq!(size_of::<PlanRef>(), 12);
-        assert_eq!(offset_of!(PlanArgs, buffers), 72);
-        assert_eq!(size_of::<PlanArgs>(), 72 + 8 * MAX_PLAN_BUFFERS + 32);
+        assert_eq!(offset_of!(PlanArgs, buffers), 80);
+        assert_eq!(size_of::<PlanArgs>(), 80 + 2 * 8 * MAX_PLAN_BUFFERS + 32);
         let asserts = layout_asserts();
         assert!(asserts.contains("offsetof(mscclpp::plan::PlanOp, first_id) == 16"));
         assert!(asserts.contains("mscclpp::plan::kBarrier == 9"));

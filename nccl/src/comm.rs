@@ -236,6 +236,7 @@ impl Comm {
             arch: self.arch.clone(),
             // NVLink multicast stays off under the shim (DESIGN.md, safety on shared GPUs).
             nvls_allowed: false,
+            in_place: SelectionContext::buffers_in_place(collective, args, self.rank),
         };
         let algorithm = self.algorithms.select(&ctx)?;
         algorithm.check(args)?;

@@ -21,7 +21,8 @@ from ._types import DataType, ReduceOp
 
 CollectiveRequest = namedtuple(
     "CollectiveRequest",
-    "collective message_size dtype world_size rank stream symmetric_memory",
+    "collective message_size dtype world_size rank stream symmetric_memory in_place",
+    defaults=(False,),
 )
 
 
@@ -255,13 +256,18 @@ class AlgorithmCollection:
         self.native_collection(native, stream)
         return self._built[id(native)][3]
 
-    def select(self, comm, collective, message_size, dtype, stream=0, symmetric_memory=False):
+    def select(self, comm, collective, message_size, dtype, stream=0, symmetric_memory=False,
+               in_place=False):
         """The Algorithm for a call: the user selector's answer if it gives one, else the tuning
-        table's (see `load_tuning`), else the runtime's default selector."""
+        table's (see `load_tuning`), else the runtime's default selector. `in_place`: the call's
+        buffers are in place (MSCCL++'s meaning: all-gather input = this rank's slice of the
+        output, reduce-scatter output = this rank's slice of the input, else input = output);
+        execution plans are chosen only for calls of their buffer mode."""
         native = _native_comm(comm)
         if self._selector is not None:
             request = CollectiveRequest(
-                collective, message_size, dtype, native.size, native.rank, stream, symmetric_memory
+                collective, message_size, dtype, native.size, native.rank, stream, symmetric_memory,
+                in_place,
             )
             chosen = self._selector(self.by_collective(), request)
             if chosen is not None:
@@ -272,7 +278,7 @@ class AlgorithmCollection:
             name = hit and hit[0]
         if name is None:
             name = self.native_collection(native, stream).select(
-                collective, message_size, _runtime_dtype(dtype), stream, symmetric_memory
+                collective, message_size, _runtime_dtype(dtype), stream, symmetric_memory, in_place
             ).name
         return self.by_collective()[collective][name]
 

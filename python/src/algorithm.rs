@@ -219,8 +219,10 @@ impl PyCollection {
         out
     }
 
-    /// The default selector's choice for a call, or an error naming the call.
-    #[pyo3(signature = (collective, message_size, dtype, stream = 0, symmetric_memory = false))]
+    /// The default selector's choice for a call, or an error naming the call. `in_place`: the
+    /// call's buffers are in place (MSCCL++'s meaning for the collective).
+    #[pyo3(signature = (collective, message_size, dtype, stream = 0, symmetric_memory = false, in_place = false))]
+    #[allow(clippy::too_many_arguments)] // the Python keyword arguments
     fn select(
         &self,
         py: Python<'_>,
@@ -229,6 +231,7 @@ impl PyCollection {
         dtype: &str,
         stream: u64,
         symmetric_memory: bool,
+        in_place: bool,
     ) -> PyResult<PyAlgorithm> {
         let collective = self::collective(collective)?;
         let dtype = self::dtype(dtype)?;
@@ -253,6 +256,7 @@ impl PyCollection {
                     capturing: gpu.is_capturing(Stream(stream))?,
                     arch: props.arch.clone(),
                     nvls_allowed: env.nvls_allowed() && props.supports_multicast,
+                    in_place,
                 };
                 collection.select(&ctx)
             })

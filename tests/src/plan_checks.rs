@@ -1,6 +1,7 @@
 //! GPU checks of the execution-plan interpreter (suite section `plans`): every non-NVLS fixture
 //! plan written for this world size, and the builder's all-reduce plans (Simple and LL, every
-//! reduce op) at this world size, run through `PlanAlgorithm` on fresh random inputs.
+//! reduce op; the Simple plan with phase 1 in a `pipeline`; at 2 ranks also the Simple and LL
+//! plans over port channels, whose data the host proxy moves) at this world size, run through `PlanAlgorithm` on fresh random inputs.
 //!
 //! Sizes span each plan's message range: 1, 3 and 257 elements per chunk (odd sizes) and the
 //! largest chunk the plan takes (capped at [`MAX_CHECK_BYTES`] of input per rank). Each size runs
@@ -100,6 +101,35 @@ fn plans(ctx: &RankContext) -> Vec<(String, Result<Arc<Plan>>)> {
                     .map_err(|e| Error::InvalidArgument(e.to_string()));
                 out.push((label, plan));
             }
+        }
+        // A pipeline: windows of 3000 bytes (not a multiple of every chunk, so last windows are
+        // partial; a 1 MiB chunk takes 350 iterations).
+        let json = builder::pipelined_allreduce(n, PlanReduceOp::Sum, 3000).to_string();
+        let plan = Plan::from_json(json.as_bytes())
+            .map(Arc::new)
+            .map_err(|e| Error::InvalidArgument(e.to_string()));
+        out.push((
+            format!("builder pipelined allreduce {n} ranks Simple Sum"),
+            plan,
+        ));
+        // Port channels (host proxy): at 2 ranks only. With ranks sharing one GPU the proxy's
+        // copies queue behind the spinning kernels (port_allreduce's experience: flushes time out
+        // at 8 ranks under MPS); 2 ranks is where that was seen to pass.
+        if n == 2 {
+            for (protocol, op) in [
+                (Protocol::Simple, PlanReduceOp::Sum),
+                (Protocol::Simple, PlanReduceOp::Max),
+                (Protocol::Ll, PlanReduceOp::Sum),
+            ] {
+                let json = builder::port_allreduce(n, protocol, op).to_string();
+                let label = format!("builder port allreduce {n} ranks {protocol:?} {op:?}");
+                let plan = Plan::from_json(json.as_bytes())
+                    .map(Arc::new)
+                    .map_err(|e| Error::InvalidArgument(e.to_string()));
+                out.push((label, plan));
+            }
+        } else {
+            note(ctx, "builder port allreduce: run at 2 ranks only");
         }
     }
     out

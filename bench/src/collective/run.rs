@@ -662,6 +662,11 @@ impl<'a> Bench<'a> {
                     capturing: self.opts.graph_replays > 0,
                     arch: self.props.arch.clone(),
                     nvls_allowed: self.env.nvls_allowed() && self.props.supports_multicast,
+                    in_place: SelectionContext::buffers_in_place(
+                        shape.collective,
+                        args,
+                        self.rank(),
+                    ),
                 };
                 match &self.tuning {
                     Some(table) => {

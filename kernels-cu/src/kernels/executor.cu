@@ -21,9 +21,16 @@
 // k that a slow reader has not read. Channel semaphores, local semaphores and barriers are counters
 // that only grow (or come back to their initial value), so replays need no reset.
 // Every wait is bounded by spin_until (error.cuh): on a timeout or an abort the block stops.
+//
+// Port-channel ops (kPort): thread 0 pushes the proxy's triggers (a put per chunk part, then the
+// signals, then a flush), offsets relative to the rank's registered plan block (block_offsets: the
+// host stages port-channel plans in one block per rank that the proxy knows). A `pipeline` (kPipeline,
+// followed by its nids ops) runs its ops once per iteration over a window of every op's units: unit
+// i of an op counts its chunks' units in order (only the threadblock group member's part of each).
 #include "mscclpp/common.cuh"
 #include "mscclpp/error.cuh"
 #include "mscclpp/packet.cuh"
+#include "mscclpp/port_channel.cuh"
 #include "mscclpp/reduce.cuh"
 #include "mscclpp/semaphore.cuh"
 
@@ -49,9 +56,11 @@ constexpr u8 kFlush = 6;
 constexpr u8 kSemRelease = 7;
 constexpr u8 kSemAcquire = 8;
 constexpr u8 kBarrier = 9;
+constexpr u8 kPipeline = 10;
 
 constexpr u8 kSignalAfter = 1;
 constexpr u8 kFlushAfter = 2;
+constexpr u8 kPort = 4;
 
 struct PlanOp {
   u8 kind;
@@ -79,17 +88,26 @@ struct PlanArgs {
   const PlanRef* refs;
   const u32* ids;
   D2DSemaphoreHandle* channels;
+  const PortChannelHandle* port_channels;
   u32* semaphores;
   u64* barriers;
   u32* flags;
   u32* error_word;
   u64 buffers[kMaxPlanBuffers];
+  u64 block_offsets[kMaxPlanBuffers];
   u64 chunk_bytes;
   u64 scratch_half_bytes;
   u64 max_spin;
   u32 packet_bytes;
   u32 unit_bytes;
 };
+
+// Units [begin, end) of every op a step runs (a pipeline iteration's window, or everything).
+struct Window {
+  u64 begin;
+  u64 end;
+};
+constexpr Window kWhole = {0, ~0ull};
 
 typedef MSCCLPP_PLAN_T T;
 typedef MSCCLPP_PLAN_ACC Acc;
@@ -174,21 +192,38 @@ MSCCLPP_DEVICE_INLINE void set_lane(u64& word, u32 i, T x) {
   memcpy(reinterpret_cast<u8*>(&word) + i * sizeof(T), &x, sizeof(T));
 }
 
-// One data op, cooperatively by every thread of the block. False when a packet read gave up.
-MSCCLPP_DEVICE_INLINE bool run_data(const PlanArgs& a, const PlanOp& op, u32 flag) {
+// The units of an op: `chunks` chunks (the fewest any reference names), of which the op does units
+// [u0, u0 + per_chunk) each; its unit i is unit u0 + i % per_chunk of chunk i / per_chunk.
+struct OpUnits {
+  u64 upc;  // units per chunk
+  u64 u0;
+  u64 per_chunk;
+  u64 total;
+};
+
+MSCCLPP_DEVICE_INLINE OpUnits op_units(const PlanArgs& a, const PlanOp& op) {
   const PlanRef* refs = a.refs + op.first_ref;
   const u32 nrefs = static_cast<u32>(op.nsrc) + op.ndst;
   u32 chunks = refs[0].size;
   for (u32 i = 1; i < nrefs; ++i) chunks = refs[i].size < chunks ? refs[i].size : chunks;
-  const u64 upc = (a.chunk_bytes + a.unit_bytes - 1) / a.unit_bytes;
-  const u64 u0 = upc * op.tbg_part / op.tbg_parts;
-  const u64 u1 = upc * (op.tbg_part + 1) / op.tbg_parts;
-  const u64 per_chunk = u1 - u0;
-  const u64 total = per_chunk * chunks;
+  OpUnits n;
+  n.upc = (a.chunk_bytes + a.unit_bytes - 1) / a.unit_bytes;
+  n.u0 = n.upc * op.tbg_part / op.tbg_parts;
+  n.per_chunk = n.upc * (op.tbg_part + 1) / op.tbg_parts - n.u0;
+  n.total = n.per_chunk * chunks;
+  return n;
+}
+
+// One data op, cooperatively by every thread of the block. False when a packet read gave up.
+MSCCLPP_DEVICE_INLINE bool run_data(const PlanArgs& a, const PlanOp& op, u32 flag, Window w) {
+  const PlanRef* refs = a.refs + op.first_ref;
+  const OpUnits n = op_units(a, op);
+  const u64 upc = n.upc;
+  const u64 end = w.end < n.total ? w.end : n.total;
   const u32 lanes_per_unit = a.unit_bytes / sizeof(T) > 0 ? a.unit_bytes / sizeof(T) : 1;
-  for (u64 i = threadIdx.x; i < total; i += blockDim.x) {
-    const u64 chunk = i / per_chunk;
-    const u64 u = u0 + i % per_chunk;
+  for (u64 i = w.begin + threadIdx.x; i < end; i += blockDim.x) {
+    const u64 chunk = i / n.per_chunk;
+    const u64 u = n.u0 + i % n.per_chunk;
     const u64 left = a.chunk_bytes - u * a.unit_bytes;
     const u32 n = left < a.unit_bytes ? static_cast<u32>(left) : a.unit_bytes;
     u64 word = 0;
@@ -263,9 +298,102 @@ MSCCLPP_DEVICE_INLINE bool barrier(const PlanArgs& a, u32 id, u32 n) {
   return ok;
 }
 
+// Waits until the source packets of the op's units in the window have come (every thread).
+MSCCLPP_DEVICE_INLINE bool await_packets(const PlanArgs& a, const PlanOp& op, u32 flag, Window w) {
+  const PlanRef* refs = a.refs + op.first_ref;
+  const OpUnits n = op_units(a, op);
+  const u64 end = w.end < n.total ? w.end : n.total;
+  for (u64 i = w.begin + threadIdx.x; i < end; i += blockDim.x) {
+    for (u32 s = 0; s < op.nsrc; ++s) {
+      u64 v = 0;
+      if (refs[s].packets && !read_unit(a, refs[s], i / n.per_chunk, n.u0 + i % n.per_chunk, n.upc,
+                                        a.unit_bytes, flag, v)) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+// Where units [u, v) of chunk c of a reference lie in its owner's block: (offset, bytes). Packets
+// are copied as they are (ppkt / rppkt over port channels move LL scratch packets, as MSCCL++
+// does), into the same scratch half of the peer.
+MSCCLPP_DEVICE_INLINE void block_range(const PlanArgs& a, const PlanRef& r, u64 c, u64 u, u64 v,
+                                       u64 upc, u32 flag, u64& offset, u64& bytes) {
+  if (r.packets) {
+    offset = a.block_offsets[r.slot] + (flag & 1) * a.scratch_half_bytes +
+             ((r.index + c) * upc + u) * static_cast<u64>(a.packet_bytes);
+    bytes = (v - u) * a.packet_bytes;
+    return;
+  }
+  const u64 from = u * a.unit_bytes;
+  const u64 to = v * a.unit_bytes < a.chunk_bytes ? v * a.unit_bytes : a.chunk_bytes;
+  offset = a.block_offsets[r.slot] + (r.index + c) * a.chunk_bytes + from;
+  bytes = to > from ? to - from : 0;
+}
+
+// A put over port channels, by thread 0: destination d gets source d (or the only source) through
+// the op's channel d, one trigger per chunk part in the window; then the signals and the flush of
+// pws / pwsf. The proxy works through its FIFO in order, so a signal follows the data it covers.
+MSCCLPP_DEVICE_INLINE bool run_port_put(const PlanArgs& a, const PlanOp& op, u32 flag, Window w) {
+  const PlanRef* refs = a.refs + op.first_ref;
+  const u32* ids = a.ids + op.first_id;
+  const OpUnits n = op_units(a, op);
+  for (u32 d = 0; d < op.ndst; ++d) {
+    const PlanRef& src = refs[op.nsrc == op.ndst ? d : 0];
+    const PlanRef& dst = refs[op.nsrc + d];
+    const PortChannelHandle& ch = a.port_channels[ids[d]];
+    for (u64 c = 0; n.per_chunk > 0 && c * n.per_chunk < n.total; ++c) {
+      const u64 first = c * n.per_chunk;
+      const u64 lo = w.begin > first ? w.begin : first;
+      const u64 hi = w.end < first + n.per_chunk ? w.end : first + n.per_chunk;
+      if (lo >= hi) continue;
+      const u64 u = n.u0 + lo - first;
+      const u64 v = n.u0 + hi - first;
+      u64 src_off = 0, dst_off = 0, bytes = 0;
+      block_range(a, src, c, u, v, n.upc, flag, src_off, bytes);
+      block_range(a, dst, c, u, v, n.upc, flag, dst_off, bytes);
+      if (bytes == 0) continue;
+      if (ch.push_transfer(dst_off, src_off, bytes, 0) == kFifoPushFailed) return false;
+    }
+  }
+  if (op.flags & kSignalAfter) {
+    for (u32 d = 0; d < op.ndst; ++d) a.port_channels[ids[d]].signal();
+  }
+  if (op.flags & kFlushAfter) {
+    for (u32 d = 0; d < op.ndst; ++d) {
+      if (!a.port_channels[ids[d]].flush()) return false;
+    }
+  }
+  return true;
+}
+
+// signal / wait / flush over port channels, by thread 0.
+MSCCLPP_DEVICE_INLINE bool run_port_sync(const PlanArgs& a, const PlanOp& op) {
+  const u32* ids = a.ids + op.first_id;
+  for (u32 i = 0; i < op.nids; ++i) {
+    const PortChannelHandle& ch = a.port_channels[ids[i]];
+    switch (op.kind) {
+      case kSignal:
+      case kRelaxedSignal:
+        ch.signal();
+        break;
+      case kWait:
+      case kRelaxedWait:
+        if (!ch.wait()) return false;
+        break;
+      default:  // kFlush
+        if (!ch.flush()) return false;
+        break;
+    }
+  }
+  return true;
+}
+
 // The synchronisation ops, run by thread 0 after the block's earlier writes (a __syncthreads
 // orders them before; the release of a signal publishes them, by cumulativity).
 MSCCLPP_DEVICE_INLINE bool run_sync(const PlanArgs& a, const PlanOp& op) {
+  if ((op.flags & kPort) && op.kind != kData) return run_port_sync(a, op);
   const u32* ids = a.ids + op.first_id;
   switch (op.kind) {
     case kSignal:
@@ -305,6 +433,47 @@ MSCCLPP_DEVICE_INLINE bool run_sync(const PlanArgs& a, const PlanOp& op) {
   }
 }
 
+// One op over the window `w`, called by every thread of the block; false (in every thread) when
+// the block gives up. A block that gave up still meets the others at the __syncthreads_or.
+MSCCLPP_DEVICE_INLINE bool run_op(const PlanArgs& a, const PlanOp& op, u32 flag, Window w) {
+  bool ok = true;
+  if (op.kind == kData && (op.flags & kPort)) {
+    // The proxy's copy engine reads what this block wrote (or received): publish it first.
+    ok = await_packets(a, op, flag, w);
+    __threadfence_system();
+    if (__syncthreads_or(!ok)) return false;
+    if (threadIdx.x == 0) ok = run_port_put(a, op, flag, w);
+    return !__syncthreads_or(!ok);
+  }
+  if (op.kind == kData) {
+    ok = run_data(a, op, flag, w);
+    if (__syncthreads_or(!ok)) return false;
+    if ((op.flags & kSignalAfter) && threadIdx.x == 0) run_sync(a, op);
+    return true;
+  }
+  if (threadIdx.x == 0) ok = run_sync(a, op);
+  return !__syncthreads_or(!ok);
+}
+
+// A pipeline at ops[o]: its nids ops, iteration by iteration. The window is unit_size bytes of
+// units; the iterations cover num_chunks whole chunks (ids: unit_size low and high word,
+// num_chunks).
+MSCCLPP_DEVICE_INLINE bool run_pipeline(const PlanArgs& a, u32 o, u32 flag) {
+  const PlanOp& op = a.ops[o];
+  const u32* p = a.ids + op.first_id;
+  const u64 unit_size = static_cast<u64>(p[0]) | (static_cast<u64>(p[1]) << 32);
+  const u64 per_iter = unit_size / a.unit_bytes > 0 ? unit_size / a.unit_bytes : 1;
+  const u64 upc = (a.chunk_bytes + a.unit_bytes - 1) / a.unit_bytes;
+  const u64 iters = (p[2] * upc + per_iter - 1) / per_iter;
+  for (u64 it = 0; it < iters; ++it) {
+    const Window w = {it * per_iter, (it + 1) * per_iter};
+    for (u32 j = 1; j <= op.nids; ++j) {
+      if (!run_op(a, a.ops[o + j], flag, w)) return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace plan
 }  // namespace mscclpp
 
@@ -316,15 +485,11 @@ extern "C" __global__ void __launch_bounds__(1024) plan_execute(mscclpp::plan::P
   const u32 flag = a.flags[block] + 1;
   for (u32 o = a.tb_ops[block]; o < a.tb_ops[block + 1]; ++o) {
     const PlanOp op = a.ops[o];
-    bool ok = true;
-    if (op.kind == kData) {
-      ok = run_data(a, op, flag);
-      // A block that gave up still meets the others here, then every thread leaves.
-      if (__syncthreads_or(!ok)) return;
-      if ((op.flags & kSignalAfter) && threadIdx.x == 0) run_sync(a, op);
-    } else {
-      if (threadIdx.x == 0) ok = run_sync(a, op);
-      if (__syncthreads_or(!ok)) return;
+    if (op.kind == kPipeline) {
+      if (!run_pipeline(a, o, flag)) return;
+      o += op.nids;
+    } else if (!run_op(a, op, flag, kWhole)) {
+      return;
     }
   }
   // Every thread has read flags[block] before the first __syncthreads_or; a plan with no op

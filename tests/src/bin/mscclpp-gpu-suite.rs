@@ -1281,6 +1281,8 @@ fn host_path_cost(
         capturing: false,
         arch: props.arch.clone(),
         nvls_allowed: false,
+        // The call below uses two halves of one buffer.
+        in_place: false,
     };
     let algo = coll.select(&ctx)?;
     let args = ExecuteArgs {
