@@ -121,9 +121,11 @@ def registered(group, buffers, plans):
     stream = torch.cuda.current_stream()
     dtype = torch.float32
     for collective in sorted({plan.collective for plan in plans}):
+        # Plans are chosen only for calls of their buffer mode (the plan's `inplace`).
+        in_place = any(plan.inplace for plan in plans if plan.collective == collective)
         for c, count in enumerate(COUNTS):
-            chosen = algos.select(group, collective, count * 4,
-                                  mscclpp.DataType.float32, stream=stream.cuda_stream)
+            chosen = algos.select(group, collective, count * 4, mscclpp.DataType.float32,
+                                  stream=stream.cuda_stream, in_place=in_place)
             if not chosen.is_dsl_algorithm():
                 raise AssertionError(f"select chose {chosen.name}, not a registered plan")
             inp, out, want, summed = buffers.fill(group, chosen.execution_plan, dtype, count, 3000 + c)

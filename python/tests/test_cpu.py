@@ -313,7 +313,7 @@ class _FakeCollection:
         natives = [_FakeNativeAlgorithm("default_allreduce_packet", "allreduce")] if self.defaults else []
         return natives + [_FakeNativeAlgorithm(p.name, p.collective) for p in self.plans]
 
-    def select(self, collective, message_size, dtype, stream, symmetric_memory):
+    def select(self, collective, message_size, dtype, stream, symmetric_memory, in_place):
         return _FakeNativeAlgorithm(self.plans[0].name, collective)
 
 
