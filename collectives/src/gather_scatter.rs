@@ -7,7 +7,9 @@
 //! Sizes in `ExecuteArgs`, as NCCL's `ncclGather` / `ncclScatter` give them: gather's input is
 //! one rank's chunk and the root's output holds `nranks` chunks; scatter's root input holds
 //! `nranks` chunks and every output one. The buffers a rank does not use (gather's output and
-//! scatter's input off the root) are never touched, so they may be null.
+//! scatter's input off the root) are never touched, so they may be null. `ExecuteArgs::nblocks` and
+//! `nthreads` reach the engine's kernel as every algorithm takes them (`None`: the engine's choice,
+//! by the bytes the root moves); a request out of range is an error naming the rank and the call.
 
 use crate::alltoall::{AlltoallZeroCopy, Buffer};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
@@ -137,12 +139,26 @@ impl Algorithm for GatherScatter {
         let output = buffer(args.output, args.output_bytes);
         if self.collective == Collective::Scatter {
             let input = if on_root { input } else { unused };
-            self.engine
-                .scatter(input, output, chunk, args.root, args.stream)
+            self.engine.scatter(
+                input,
+                output,
+                chunk,
+                args.root,
+                args.stream,
+                args.nblocks,
+                args.nthreads,
+            )
         } else {
             let output = if on_root { output } else { unused };
-            self.engine
-                .gather(input, output, chunk, args.root, args.stream)
+            self.engine.gather(
+                input,
+                output,
+                chunk,
+                args.root,
+                args.stream,
+                args.nblocks,
+                args.nthreads,
+            )
         }
     }
 }

@@ -12,7 +12,10 @@
 //! Matrix: per-peer chunks of 0, 1, 3, 4 KiB + 8 B, 1 MiB - 1 B and 64 MiB / nranks (zero-copy
 //! all-to-all, gather, scatter), of 0, 1, 3, 4 KiB + 8, 64 KiB and the scratch's capacity (packet); all-to-all-v of 0, 1, 3, 4 KiB + 8, 1 MiB - 1 and 64 MiB per rank split with
 //! skews 0, 1.5 and 20 (the last leaves far peers at zero bytes); each eager and as a CUDA graph
-//! replayed twice on fresh data. Then two engines (the collection's and a stand-alone one, with
+//! replayed twice on fresh data. Gather and scatter run through their collection algorithms
+//! (`default_gather_zero_copy`, `default_scatter_zero_copy`), once more at other roots with the
+//! caller's nblocks 3 and nthreads 128, and out-of-range requests must be refused by name on every
+//! rank. Then two engines (the collection's and a stand-alone one, with
 //! resources of its own) with calls in flight on two streams at once, all-to-all-v with
 //! device-resident counts (MoE routing), and a deliberate count mismatch on a communicator of its
 //! own (every rank's kernel detects it, nothing is written anywhere, every rank's error names the
@@ -33,6 +36,7 @@ use mscclpp_collectives::alltoall::{
     skewed_matrix, splits_of_matrix, AlltoallPacket, AlltoallZeroCopy, Buffer, ShiftSendRecv, Side,
     Split, ALLTOALL_ZERO_COPY,
 };
+use mscclpp_collectives::gather_scatter::GatherScatter;
 use std::sync::Arc;
 
 const MIB: usize = 1 << 20;
@@ -65,9 +69,14 @@ enum Op {
     /// `default_sendrecv_zero_copy` with shift 1 (the ring).
     SendRecv,
     Alltoallv,
-    Gather(usize),
-    Scatter(usize),
+    /// Through `default_gather_zero_copy` / `default_scatter_zero_copy`'s `execute` at a root,
+    /// with the caller's (nblocks, nthreads) where given.
+    Gather(usize, Option<Geometry>),
+    Scatter(usize, Option<Geometry>),
 }
+
+/// A caller's launch geometry: (nblocks, nthreads).
+type Geometry = (u32, u32);
 
 /// Every rank's (send, receive) split for `op` with `bytes` (per peer, or per rank for v).
 fn splits(op: Op, n: usize, bytes: usize, skew: f64) -> Result<Vec<(Split, Split)>> {
@@ -82,7 +91,7 @@ fn splits(op: Op, n: usize, bytes: usize, skew: f64) -> Result<Vec<(Split, Split
                 .map(|r| splits_of_matrix(&m, r, 1))
                 .collect::<Result<_>>()?
         }
-        Op::Gather(root) => (0..n)
+        Op::Gather(root, _) => (0..n)
             .map(|r| {
                 let recv = if r == root {
                     Split::uniform(n, bytes)
@@ -92,7 +101,7 @@ fn splits(op: Op, n: usize, bytes: usize, skew: f64) -> Result<Vec<(Split, Split
                 (Split::only(n, root, bytes), recv)
             })
             .collect(),
-        Op::Scatter(root) => (0..n)
+        Op::Scatter(root, _) => (0..n)
             .map(|r| {
                 let send = if r == root {
                     Split::uniform(n, bytes)
@@ -197,10 +206,24 @@ struct Engines {
     zero_copy: Arc<AlltoallZeroCopy>,
     packet: AlltoallPacket,
     shift: ShiftSendRecv,
+    gather: GatherScatter,
+    scatter: GatherScatter,
 }
 
 /// A uniform exchange through `algo`'s `execute` (the sendrecv ring with shift 1).
 fn execute_uniform(algo: &dyn Algorithm, b: &Buffers, stream: Stream) -> Result<()> {
+    // The shift of the sendrecv (ignored by the all-to-alls).
+    execute(algo, b, 1, None, stream)
+}
+
+/// `algo.execute` on `b` with `root` and the caller's `geometry` where given.
+fn execute(
+    algo: &dyn Algorithm,
+    b: &Buffers,
+    root: usize,
+    geometry: Option<Geometry>,
+    stream: Stream,
+) -> Result<()> {
     algo.execute(&ExecuteArgs {
         input: b.input.ptr,
         output: b.output.ptr,
@@ -209,11 +232,10 @@ fn execute_uniform(algo: &dyn Algorithm, b: &Buffers, stream: Stream) -> Result<
         dtype: DataType::U8,
         op: ReduceOp::Sum,
         accum: AccumType::Auto,
-        // The shift of the sendrecv (ignored by the all-to-alls).
-        root: 1,
+        root,
         stream,
-        nblocks: None,
-        nthreads: None,
+        nblocks: geometry.map(|g| g.0),
+        nthreads: geometry.map(|g| g.1),
     })
 }
 
@@ -224,7 +246,6 @@ fn enqueue(
     b: &Buffers,
     send: &Split,
     recv: &Split,
-    bytes: usize,
     stream: Stream,
 ) -> Result<()> {
     let engine = &engines.zero_copy;
@@ -233,8 +254,8 @@ fn enqueue(
         Op::AlltoallPacket => execute_uniform(&engines.packet, b, stream),
         Op::SendRecv => execute_uniform(&engines.shift, b, stream),
         Op::Alltoallv => engine.alltoallv(b.input(), b.output(), send, recv, stream, None, None),
-        Op::Gather(root) => engine.gather(b.input(), b.output(), bytes, root, stream),
-        Op::Scatter(root) => engine.scatter(b.input(), b.output(), bytes, root, stream),
+        Op::Gather(root, geometry) => execute(&engines.gather, b, root, geometry, stream),
+        Op::Scatter(root, geometry) => execute(&engines.scatter, b, root, geometry, stream),
     }
 }
 
@@ -288,13 +309,13 @@ fn check_one(
     let result = (|| {
         if !graph {
             b.fill(key, rank, send)?;
-            enqueue(engines, op, &b, send, recv, bytes, stream)?;
+            enqueue(engines, op, &b, send, recv, stream)?;
             gpu.synchronize_stream(stream)?;
             ctx.comm.check_device_errors()?;
             return b.verify(key, rank, recv);
         }
         gpu.begin_capture(stream)?;
-        let enqueued = enqueue(engines, op, &b, send, recv, bytes, stream);
+        let enqueued = enqueue(engines, op, &b, send, recv, stream);
         let ended = gpu.end_capture(stream);
         enqueued?;
         let g = ended?;
@@ -587,6 +608,40 @@ fn device_counts_overflow(ctx: &RankContext, comm: Arc<Communicator>) -> Result<
     Ok("every rank failed naming rank 0's output, nothing written, no hang".into())
 }
 
+/// Gather and scatter with an out-of-range nblocks or nthreads: refused on every rank with an error
+/// naming the rank and the value, before anything collective (so no rank is left waiting).
+fn bad_geometry(ctx: &RankContext, engines: &Engines) -> Result<String> {
+    let (rank, n) = (ctx.rank(), ctx.size());
+    let too_many = engines.zero_copy.max_blocks() + 1;
+    let cases = [
+        (Op::Gather(0, Some((0, 128))), "nblocks 0"),
+        (
+            Op::Scatter(0, Some((too_many, 512))),
+            &*format!("nblocks {too_many}"),
+        ),
+        (Op::Gather(n - 1, Some((1, 100))), "nthreads 100"),
+    ];
+    for (op, named) in cases {
+        let all = splits(op, n, 64, 0.0)?;
+        let (send, recv) = &all[rank];
+        let b = Buffers::new(
+            &ctx.gpu,
+            send.extent(rank, Side::Send)?,
+            recv.extent(rank, Side::Recv)?,
+        )?;
+        match enqueue(engines, op, &b, send, recv, Stream::DEFAULT) {
+            Err(Error::InvalidArgument(m))
+                if m.contains(named) && m.contains(&format!("rank {rank}")) => {}
+            other => {
+                return Err(Error::Internal(format!(
+                    "rank {rank}: expected an error naming \"{named}\" and the rank, got {other:?}"
+                )))
+            }
+        }
+    }
+    Ok("nblocks 0, nblocks beyond the grid and nthreads 100 each refused by name".into())
+}
+
 /// Runs the all-to-all family checks on this rank; returns (check name, outcome) in order.
 pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
     let n = ctx.size();
@@ -599,6 +654,8 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
         )?);
         Ok(Engines {
             shift: ShiftSendRecv::new(zero_copy.clone()),
+            gather: GatherScatter::gather(zero_copy.clone()),
+            scatter: GatherScatter::scatter(zero_copy.clone()),
             zero_copy,
             packet: AlltoallPacket::with_resources(comm.clone(), resources)?,
         })
@@ -614,7 +671,9 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
         Err(e) => return vec![("alltoall run seed".into(), Err(e))],
     };
     let root = n / 2;
-    let rows: [(String, Op, Vec<usize>, &[f64]); 6] = [
+    // The caller's geometry reaches the gather and scatter kernels: a small grid of narrow blocks.
+    let asked = (3, 128);
+    let rows: [(String, Op, Vec<usize>, &[f64]); 8] = [
         (
             format!("{SENDRECV_ZERO_COPY} (ring)"),
             Op::SendRecv,
@@ -641,14 +700,31 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
         ),
         (
             format!("gather (root {root})"),
-            Op::Gather(root),
+            Op::Gather(root, None),
             chunk_sizes(n),
             &[0.0],
         ),
         (
             format!("scatter (root {root})"),
-            Op::Scatter(root),
+            Op::Scatter(root, None),
             chunk_sizes(n),
+            &[0.0],
+        ),
+        (
+            format!("gather (root 0, nblocks {} nthreads {})", asked.0, asked.1),
+            Op::Gather(0, Some(asked)),
+            vec![4096 + 8, MIB - 1],
+            &[0.0],
+        ),
+        (
+            format!(
+                "scatter (root {}, nblocks {} nthreads {})",
+                n - 1,
+                asked.0,
+                asked.1
+            ),
+            Op::Scatter(n - 1, Some(asked)),
+            vec![4096 + 8, MIB - 1],
             &[0.0],
         ),
     ];
@@ -698,6 +774,10 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
         out.push((
             "alltoallv: two engines in flight on two streams".into(),
             r.map(|()| "both exchanges correct".into()),
+        ));
+        out.push((
+            "gather/scatter: bad nblocks or nthreads refused".into(),
+            bad_geometry(ctx, &engines),
         ));
         out.push((
             "alltoallv: device counts (MoE routing)".into(),
@@ -775,8 +855,8 @@ mod tests {
                 Op::AlltoallPacket,
                 Op::SendRecv,
                 Op::Alltoallv,
-                Op::Gather(n / 2),
-                Op::Scatter(n - 1),
+                Op::Gather(n / 2, None),
+                Op::Scatter(n - 1, Some((3, 128))),
             ];
             for op in ops {
                 for bytes in chunk_sizes(n).into_iter().chain(ALLTOALLV_SIZES) {
