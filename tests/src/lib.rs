@@ -2,6 +2,7 @@
 //! kernel launch parameter packing, reproducible random data and host-side float64 references.
 
 pub mod alltoall_checks;
+pub mod byte_pattern;
 pub mod p2p_checks;
 pub mod plan_checks;
 pub mod port_allreduce_checks;
@@ -42,6 +43,10 @@ use mscclpp::core::gpu::{Allocation, DevicePtr, Gpu, MemoryKind, Stream};
 use mscclpp::core::{DataType, Error, Result};
 use std::ffi::c_void;
 use std::sync::Arc;
+
+pub const MIB: usize = 1 << 20;
+/// The largest message of the data-movement checks (the standards' ">= 1 GiB").
+pub const GIB: usize = 1 << 30;
 
 /// One rank of a GPU job started by a launcher (torchrun, mpirun, srun).
 pub struct RankContext {

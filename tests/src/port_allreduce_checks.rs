@@ -13,14 +13,13 @@
 //! error (a device timeout, a failed launch) may leave the channels' signal counts out of step, so
 //! the remaining checks are then skipped on every rank instead of each timing out.
 
-use crate::RankContext;
+use crate::{RankContext, MIB};
 use mscclpp::core::port_channel::PortChannelConfig;
 use mscclpp::core::{DataType, Error, ReduceOp, Result};
 use mscclpp_collectives::port_allreduce::PortAllreduce;
 use mscclpp_collectives::testing::run_collective_check_mode;
 use std::sync::Arc;
 
-const MIB: usize = 1 << 20;
 /// The algorithm's slot size; larger messages of the matrix run in segments of this.
 const MAX_BYTES: usize = 64 * MIB;
 const GIB: usize = 1 << 30;

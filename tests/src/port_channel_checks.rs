@@ -27,7 +27,7 @@
 //!
 //! The two targets are not judged when ranks share a GPU (`RankContext::shares_gpu`).
 
-use crate::{seed, DeviceBuffer, KernelArgs, RankContext, SplitMix64};
+use crate::{seed, DeviceBuffer, KernelArgs, RankContext, SplitMix64, MIB};
 use mscclpp::core::communicator::RegisteredMemory;
 use mscclpp::core::device::PortChannelHandle;
 use mscclpp::core::gpu::{Function, Gpu, LaunchConfig, MemoryKind, Stream};
@@ -38,7 +38,6 @@ use mscclpp::core::{Error, Result};
 use std::sync::Arc;
 use std::time::Duration;
 
-const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
 /// Bytes after every transfer that must keep the poison (overrun check).
 const GUARD: usize = 64;

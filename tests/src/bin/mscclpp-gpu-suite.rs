@@ -22,8 +22,6 @@ use mscclpp::core::{DataType, Error, ReduceOp, Result};
 use mscclpp_tests::*;
 use std::time::{Duration, Instant};
 
-const MIB: usize = 1 << 20;
-
 struct Suite {
     ctx: RankContext,
     run_seed: u64,
