@@ -29,6 +29,7 @@
 //! failure the remaining checks are skipped on every rank instead of each timing out.
 
 use crate::byte_pattern::{self, message_key};
+use crate::tally::{ran_to_end, Tally};
 use crate::{RankContext, GIB, MIB};
 use mscclpp::core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp::core::algorithm_collection::native_names::{ALLTOALL_PACKET, SENDRECV_ZERO_COPY};
@@ -145,6 +146,15 @@ impl Buffers {
             out_bytes,
             gpu: gpu.clone(),
         })
+    }
+
+    /// Buffers for this rank's (`rank`) `send` and `recv` splits.
+    fn for_splits(gpu: &Arc<dyn Gpu>, rank: usize, send: &Split, recv: &Split) -> Result<Buffers> {
+        Buffers::new(
+            gpu,
+            send.extent(rank, Side::Send)?,
+            recv.extent(rank, Side::Recv)?,
+        )
     }
 
     /// Uploads this rank's send data for `key` and poisons the output.
@@ -284,11 +294,7 @@ pub fn check_uniform(
     };
     let all = splits(op, n, bytes, 0.0)?;
     let (send, recv) = &all[rank];
-    let b = Buffers::new(
-        &ctx.gpu,
-        send.extent(rank, Side::Send)?,
-        recv.extent(rank, Side::Recv)?,
-    )?;
+    let b = Buffers::for_splits(&ctx.gpu, rank, send, recv)?;
     b.fill(key, rank, send)?;
     execute_uniform(algo, &b, Stream::DEFAULT)?;
     ctx.gpu.synchronize_stream(Stream::DEFAULT)?;
@@ -309,9 +315,7 @@ fn check_one(
     let (rank, n) = (ctx.rank(), ctx.size());
     let all = splits(op, n, bytes, skew)?;
     let (send, recv) = &all[rank];
-    let in_bytes = send.extent(rank, Side::Send)?;
-    let out_bytes = recv.extent(rank, Side::Recv)?;
-    let b = Buffers::new(&ctx.gpu, in_bytes, out_bytes)?;
+    let b = Buffers::for_splits(&ctx.gpu, rank, send, recv)?;
     let gpu = &ctx.gpu;
     let stream = gpu.create_stream()?;
     let result = (|| {
@@ -350,11 +354,7 @@ fn two_streams(ctx: &RankContext, engines: [&AlltoallZeroCopy; 2], key: u64) -> 
     for (j, skew) in [1.0, 0.0].into_iter().enumerate() {
         let all = splits(Op::Alltoallv, n, MIB + 5 + j, skew)?;
         let (send, recv) = all[rank].clone();
-        let b = Buffers::new(
-            gpu,
-            send.extent(rank, Side::Send)?,
-            recv.extent(rank, Side::Recv)?,
-        )?;
+        let b = Buffers::for_splits(gpu, rank, &send, &recv)?;
         b.fill(key + j as u64, rank, &send)?;
         jobs.push((send, recv, b, gpu.create_stream()?));
     }
@@ -393,17 +393,7 @@ fn device_counts(ctx: &RankContext, engine: &AlltoallZeroCopy, key: u64) -> Resu
     let b = Buffers::new(gpu, in_bytes, out_bytes)?;
     let counts = DeviceCounts::new(gpu, &m[rank])?;
     let stream = gpu.create_stream()?;
-    let call = || {
-        engine.alltoallv_device_counts(
-            b.input(),
-            b.output(),
-            counts.send.ptr,
-            counts.recv.ptr,
-            UNIT,
-            stream,
-            None,
-        )
-    };
+    let call = || counts.exchange(engine, &b, UNIT, stream);
     let want: Vec<u64> = m.iter().map(|row| row[rank] as u64).collect();
     let check = |key: u64| -> Result<()> {
         gpu.synchronize_stream(stream)?;
@@ -469,6 +459,18 @@ impl DeviceCounts {
             .collect();
         gpu.copy_to_device(c.send.ptr, &bytes)?;
         Ok(c)
+    }
+
+    /// All-to-all-v of `b` on `engine` with these counts, in units of `unit` bytes, on `stream`.
+    fn exchange(
+        &self,
+        engine: &AlltoallZeroCopy,
+        b: &Buffers,
+        unit: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        let (send, recv) = (self.send.ptr, self.recv.ptr);
+        engine.alltoallv_device_counts(b.input(), b.output(), send, recv, unit, stream, None)
     }
 
     /// Poisons the receive counts.
@@ -578,15 +580,7 @@ fn device_counts_overflow(ctx: &RankContext, comm: Arc<Communicator>) -> Result<
     b.fill(11, rank, &send)?;
     let counts = DeviceCounts::new(&ctx.gpu, &vec![1; n])?;
     let engine = AlltoallZeroCopy::new(comm)?;
-    engine.alltoallv_device_counts(
-        b.input(),
-        b.output(),
-        counts.send.ptr,
-        counts.recv.ptr,
-        UNIT,
-        Stream::DEFAULT,
-        None,
-    )?;
+    counts.exchange(&engine, &b, UNIT, Stream::DEFAULT)?;
     ctx.gpu.synchronize_stream(Stream::DEFAULT)?;
     let named = format!(
         "the senders to rank 0 send {} bytes in all, beyond its output's {}",
@@ -632,11 +626,7 @@ fn bad_geometry(ctx: &RankContext, engines: &Engines) -> Result<String> {
     for (op, named) in cases {
         let all = splits(op, n, 64, 0.0)?;
         let (send, recv) = &all[rank];
-        let b = Buffers::new(
-            &ctx.gpu,
-            send.extent(rank, Side::Send)?,
-            recv.extent(rank, Side::Recv)?,
-        )?;
+        let b = Buffers::for_splits(&ctx.gpu, rank, send, recv)?;
         match enqueue(engines, op, &b, send, recv, Stream::DEFAULT) {
             Err(Error::InvalidArgument(m))
                 if m.contains(named) && m.contains(&format!("rank {rank}")) => {}
@@ -674,7 +664,7 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
     };
     let engine = &engines.zero_copy;
     let packet_max = engines.packet.max_chunk_bytes();
-    let run_seed = match shared_seed(ctx) {
+    let run_seed = match ctx.shared_seed() {
         Ok(s) => s,
         Err(e) => return vec![("alltoall run seed".into(), Err(e))],
     };
@@ -744,7 +734,7 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
             out.push((name, Err(Error::Internal(format!("not run: {why}")))));
             continue;
         }
-        let (mut passed, mut failures) = (0usize, Vec::new());
+        let mut tally = Tally::default();
         'row: for &bytes in &sizes {
             for &skew in skews {
                 let modes: &[bool] = if with_graph(op, bytes, n) {
@@ -756,30 +746,25 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
                     case += 1;
                     let key = run_seed ^ case.wrapping_mul(0x2545_f491_4f6c_dd1d);
                     let what = format!(
-                        "{bytes} B skew {skew} {}",
+                        "{name} {bytes} B skew {skew} {}",
                         if graph { "graph" } else { "eager" }
                     );
                     let r = check_one(ctx, &engines, op, bytes, skew, key, graph);
-                    let completed = !matches!(&r, Err(e) if !matches!(e, Error::Internal(_)));
-                    match r {
-                        Ok(()) => passed += 1,
-                        Err(e) => failures.push(format!("{what}: {e}")),
-                    }
-                    match all_completed(ctx, completed) {
-                        Ok(true) => {}
-                        Ok(false) => {
-                            aborted = Some(format!("a rank failed to complete {name} {what}"));
-                            break 'row;
-                        }
-                        Err(e) => {
-                            aborted = Some(format!("agreeing on {name} {what}: {e}"));
-                            break 'row;
-                        }
+                    let completed = ran_to_end(&r);
+                    if let Err(why) = tally.record(ctx, &what, r, completed) {
+                        aborted = Some(why);
+                        break 'row;
                     }
                 }
             }
         }
-        out.push((name, summary(passed, failures, &aborted, &sizes, n)));
+        let outcome = tally.outcome(&aborted, |passed| {
+            format!(
+                "{passed} checks passed (sizes {sizes:?} bytes, eager, and graph with 2 replays \
+                 below 1 GiB per rank, on {n} ranks)"
+            )
+        });
+        out.push((name, outcome));
     }
     if aborted.is_none() {
         let second = AlltoallZeroCopy::new(ctx.comm.clone());
@@ -811,48 +796,6 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
         }
     }
     out
-}
-
-fn summary(
-    passed: usize,
-    mut failures: Vec<String>,
-    aborted: &Option<String>,
-    sizes: &[usize],
-    n: usize,
-) -> Result<String> {
-    if failures.is_empty() && aborted.is_none() {
-        return Ok(format!(
-            "{passed} checks passed (sizes {sizes:?} bytes, eager, and graph with 2 replays below \
-             1 GiB per rank, on {n} ranks)"
-        ));
-    }
-    if let Some(why) = aborted {
-        failures.push(format!("remaining checks skipped: {why}"));
-    }
-    Err(Error::Internal(format!(
-        "{} failed, {passed} passed: {}",
-        failures.len(),
-        failures.join("; ")
-    )))
-}
-
-/// A seed chosen by rank 0 for this run.
-pub(crate) fn shared_seed(ctx: &RankContext) -> Result<u64> {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(1);
-    let b = ctx.bootstrap.broadcast(0, &now.to_le_bytes())?;
-    b.get(..8)
-        .and_then(|s| s.try_into().ok())
-        .map(u64::from_le_bytes)
-        .ok_or_else(|| Error::Internal("run seed broadcast: short message".into()))
-}
-
-/// Whether every rank completed its last check (with or without wrong bytes).
-fn all_completed(ctx: &RankContext, completed: bool) -> Result<bool> {
-    let all = ctx.bootstrap.all_gather(&[u8::from(completed)])?;
-    Ok(all.iter().all(|v| v.first() == Some(&1)))
 }
 
 #[cfg(test)]

@@ -18,9 +18,8 @@
 //! receive buffer untouched, and no hang.
 
 use crate::byte_pattern::{self, message_key};
+use crate::tally::{ran_to_end, Tally};
 use crate::{RankContext, GIB, MIB};
-use mscclpp::core::bootstrap::{Bootstrap, BootstrapConfig, TcpBootstrap, UniqueId};
-use mscclpp::core::communicator::Communicator;
 use mscclpp::core::gpu::{Allocation, Gpu, MemoryKind, Stream};
 use mscclpp::core::{Error, Result};
 use mscclpp_collectives::p2p::plan::{chunks, layout};
@@ -295,17 +294,8 @@ const MISMATCHES: [(usize, usize); 2] = [(MIB + 100, MIB), (MIB - 100, MIB - 200
 /// error is sticky): both ranks must report an error naming both ranks, rank 1's buffer must stay
 /// poisoned, and nothing may hang. Other ranks only take part in building the communicator.
 fn size_mismatch(ctx: &RankContext, (sent, received): (usize, usize)) -> Result<String> {
-    let config = BootstrapConfig::from_env(ctx.env);
     let (rank, size) = (ctx.rank(), ctx.size());
-    let id = if rank == 0 {
-        TcpBootstrap::create_unique_id(&config)?.to_bytes().to_vec()
-    } else {
-        Vec::new()
-    };
-    let id = UniqueId::from_bytes(&ctx.bootstrap.broadcast(0, &id)?)?;
-    let boot: Arc<dyn Bootstrap> = Arc::new(TcpBootstrap::new(rank, size, &id, &config)?);
-    let comm = Arc::new(Communicator::new(boot, ctx.gpu.clone(), ctx.device)?);
-    let engine = P2pEngine::new(comm.clone())?;
+    let engine = P2pEngine::new(ctx.fresh_communicator()?)?;
     let slot = layout(size).slot_bytes;
     let msgs = match rank {
         0 => tagged(vec![(P2pKind::Send, 1, sent)]),
@@ -359,25 +349,6 @@ fn size_mismatch(ctx: &RankContext, (sent, received): (usize, usize)) -> Result<
     result
 }
 
-/// Whether every rank's last check completed (wrong bytes count as completed).
-fn all_completed(ctx: &RankContext, completed: bool) -> Result<bool> {
-    let all = ctx.bootstrap.all_gather(&[u8::from(completed)])?;
-    Ok(all.iter().all(|v| v.first() == Some(&1)))
-}
-
-/// A seed chosen by rank 0 for this run.
-fn shared_seed(ctx: &RankContext) -> Result<u64> {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(1);
-    let b = ctx.bootstrap.broadcast(0, &now.to_le_bytes())?;
-    b.get(..8)
-        .and_then(|s| s.try_into().ok())
-        .map(u64::from_le_bytes)
-        .ok_or_else(|| Error::Internal("run seed broadcast: short message".into()))
-}
-
 /// Runs the point-to-point checks on this rank; returns (check name, outcome) in order. After a
 /// check that did not complete on some rank, the remaining ones are reported as not run.
 pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
@@ -386,7 +357,7 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
         Ok(e) => e,
         Err(e) => return vec![("p2p setup".into(), Err(e))],
     };
-    let seed = match shared_seed(ctx) {
+    let seed = match ctx.shared_seed() {
         Ok(s) => s,
         Err(e) => return vec![("p2p run seed".into(), Err(e))],
     };
@@ -437,7 +408,7 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
         false,
         20,
     ));
-    let (mut passed, mut failures) = (0usize, Vec::new());
+    let mut tally = Tally::default();
     for (name, msgs, graph, repeats) in rows {
         case += 1;
         let what = format!("{name} {}", if graph { "graph" } else { "eager" });
@@ -446,31 +417,14 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
         }
         let key = seed ^ case.wrapping_mul(0x2545_f491_4f6c_dd1d);
         let r = check_group(ctx, &engine, msgs, key, graph, repeats);
-        let completed = !matches!(&r, Err(e) if !matches!(e, Error::Internal(_)));
-        match r {
-            Ok(()) => passed += 1,
-            Err(e) => failures.push(format!("{what}: {e}")),
-        }
-        match all_completed(ctx, completed) {
-            Ok(true) => {}
-            Ok(false) => stopped = Some(format!("a rank failed to complete {what}")),
-            Err(e) => stopped = Some(format!("agreeing on {what}: {e}")),
-        }
+        let completed = ran_to_end(&r);
+        stopped = tally.record(ctx, &what, r, completed).err();
     }
     out.push((
         "p2p groups (ring, all-pairs, uneven, order, repeats; eager and graph)".into(),
-        if failures.is_empty() && stopped.is_none() {
-            Ok(format!("{passed} checks passed on {n} ranks, every byte"))
-        } else {
-            if let Some(why) = &stopped {
-                failures.push(format!("remaining checks skipped: {why}"));
-            }
-            Err(Error::Internal(format!(
-                "{} failed, {passed} passed: {}",
-                failures.len(),
-                failures.join("; ")
-            )))
-        },
+        tally.outcome(&stopped, |passed| {
+            format!("{passed} checks passed on {n} ranks, every byte")
+        }),
     ));
     if stopped.is_some() {
         return out;

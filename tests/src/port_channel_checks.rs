@@ -270,18 +270,7 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
 fn setup(ctx: &RankContext) -> Result<Option<(Pair<'_>, Result<String>)>> {
     let gpu = ctx.gpu.clone();
     gpu.set_device(ctx.device)?;
-    let run_seed = {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(1);
-        let b = ctx.bootstrap.broadcast(0, &now.to_le_bytes())?;
-        u64::from_le_bytes(
-            b.get(..8)
-                .and_then(|s| s.try_into().ok())
-                .ok_or_else(|| Error::Internal("run seed broadcast: short message".into()))?,
-        )
-    };
+    let run_seed = ctx.shared_seed()?;
     let module = gpu.build_module("port_channel_checks", KERNELS)?;
     let primitives = mscclpp_kernels_cu::kernel("primitives")
         .ok_or_else(|| Error::Internal("no primitives kernel unit".into()))?;

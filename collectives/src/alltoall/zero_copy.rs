@@ -55,6 +55,26 @@ pub struct Buffer {
     pub bytes: usize,
 }
 
+/// The rooted exchanges of the engine ([`AlltoallZeroCopy::rooted`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rooted {
+    /// Every rank's chunk of its input lands in the root's output in rank order. The root pulls
+    /// from the registered inputs, so every rank's input is what is registered (module docs).
+    Gather,
+    /// Chunk `p` (`bytes` at `p * bytes`) of the root's input lands in rank `p`'s output; every
+    /// rank's output is what is registered (module docs).
+    Scatter,
+}
+
+impl Rooted {
+    pub fn name(self) -> &'static str {
+        match self {
+            Rooted::Gather => "gather",
+            Rooted::Scatter => "scatter",
+        }
+    }
+}
+
 /// Which side of an exchange is registered and addressed by the peers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Direction {
@@ -257,13 +277,14 @@ impl AlltoallZeroCopy {
         )
     }
 
-    /// Gather: every rank's `bytes` of `input` land in `root`'s output in rank order. `output` is
-    /// only read on the root (others may pass an empty or null buffer). The root pulls from the
-    /// registered inputs, so every rank's input is what is registered (module docs). Every rank
-    /// passes the same `blocks` and `threads` (`None`: the engine's choice, [`gather_blocks`]).
+    /// Gather or scatter (`op`) of `bytes` per rank with `root`: see [`Rooted`] for which buffer
+    /// each reads and which side is registered. A buffer a rank off the root does not use (gather's
+    /// output, scatter's input) is never read, so it may be empty or null. Every rank passes the
+    /// same `blocks` and `threads` (`None`: the engine's choice, [`gather_blocks`]).
     #[allow(clippy::too_many_arguments)]
-    pub fn gather(
+    pub fn rooted(
         &self,
+        op: Rooted,
         input: Buffer,
         output: Buffer,
         bytes: usize,
@@ -273,58 +294,25 @@ impl AlltoallZeroCopy {
         threads: Option<u32>,
     ) -> Result<()> {
         let (rank, n) = (self.comm.rank(), self.comm.size());
-        self.check_root("gather", root)?;
+        self.check_root(op.name(), root)?;
         // The same on every rank: nothing to move anywhere.
         if bytes == 0 {
             return Ok(());
         }
-        let send = Split::only(n, root, bytes);
-        let recv = if rank == root {
+        // The root's side holds a chunk per rank; every other side one chunk, to or from the root.
+        let one = Split::only(n, root, bytes);
+        let all = if rank == root {
             Split::uniform(n, bytes)
         } else {
             Split::only(n, root, 0)
         };
-        self.exchange(
-            "gather",
-            Direction::Pull,
-            input,
-            output,
-            &send,
-            &recv,
-            stream,
-            blocks.or(Some(gather_blocks(bytes, n, self.max_blocks))),
-            threads,
-        )
-    }
-
-    /// Scatter: chunk `p` (`bytes` at `p * bytes`) of `root`'s input lands in rank `p`'s output.
-    /// `input` is only read on the root (others may pass an empty or null buffer); every rank's
-    /// output is what is registered (module docs). `blocks` and `threads` as for [`Self::gather`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn scatter(
-        &self,
-        input: Buffer,
-        output: Buffer,
-        bytes: usize,
-        root: usize,
-        stream: Stream,
-        blocks: Option<u32>,
-        threads: Option<u32>,
-    ) -> Result<()> {
-        let (rank, n) = (self.comm.rank(), self.comm.size());
-        self.check_root("scatter", root)?;
-        if bytes == 0 {
-            return Ok(());
-        }
-        let send = if rank == root {
-            Split::uniform(n, bytes)
-        } else {
-            Split::only(n, root, 0)
+        let (direction, send, recv) = match op {
+            Rooted::Gather => (Direction::Pull, one, all),
+            Rooted::Scatter => (Direction::Push, all, one),
         };
-        let recv = Split::only(n, root, bytes);
         self.exchange(
-            "scatter",
-            Direction::Push,
+            op.name(),
+            direction,
             input,
             output,
             &send,
