@@ -43,3 +43,9 @@ pub fn compile_cubin(
     );
     k.image
 }
+
+/// Whether the compiled `image` names the (extern "C", so unmangled) entry point `entry`.
+pub fn has_symbol(image: &[u8], entry: &str) -> bool {
+    let sym = format!("{entry}\0");
+    image.windows(sym.len()).any(|w| w == sym.as_bytes())
+}

@@ -1,15 +1,17 @@
 //! `default_gather_zero_copy` and `default_scatter_zero_copy`: gather and scatter as collection
 //! algorithms (`Collective::Gather`, `Collective::Scatter`, root in `ExecuteArgs::root`) on the
 //! all-to-all exchange engine they share with `default_alltoall_zero_copy`. Ours: MSCCL++ has
-//! neither. They are [`AlltoallZeroCopy::gather`] (the root pulls from the registered inputs) and
-//! [`AlltoallZeroCopy::scatter`] (the root pushes into the registered outputs).
+//! neither. They are [`AlltoallZeroCopy::rooted`]'s [`Rooted::Gather`] (the root pulls from the
+//! registered inputs) and [`Rooted::Scatter`] (the root pushes into the registered outputs).
 //!
 //! Sizes in `ExecuteArgs`, as NCCL's `ncclGather` / `ncclScatter` give them: gather's input is
 //! one rank's chunk and the root's output holds `nranks` chunks; scatter's root input holds
 //! `nranks` chunks and every output one. The buffers a rank does not use (gather's output and
-//! scatter's input off the root) are never touched, so they may be null.
+//! scatter's input off the root) are never touched, so they may be null. `ExecuteArgs::nblocks` and
+//! `nthreads` reach the engine's kernel as every algorithm takes them (`None`: the engine's choice,
+//! by the bytes the root moves); a request out of range is an error naming the rank and the call.
 
-use crate::alltoall::{AlltoallZeroCopy, Buffer};
+use crate::alltoall::{AlltoallZeroCopy, Buffer, Rooted};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::algorithm_collection::native_names::{GATHER_ZERO_COPY, SCATTER_ZERO_COPY};
 use mscclpp_core::{Error, Result};
@@ -17,21 +19,21 @@ use std::sync::Arc;
 
 /// Gather or scatter over a shared engine. See the module docs.
 pub struct GatherScatter {
-    collective: Collective,
+    op: Rooted,
     engine: Arc<AlltoallZeroCopy>,
 }
 
 impl GatherScatter {
     pub fn gather(engine: Arc<AlltoallZeroCopy>) -> Self {
         GatherScatter {
-            collective: Collective::Gather,
+            op: Rooted::Gather,
             engine,
         }
     }
 
     pub fn scatter(engine: Arc<AlltoallZeroCopy>) -> Self {
         GatherScatter {
-            collective: Collective::Scatter,
+            op: Rooted::Scatter,
             engine,
         }
     }
@@ -39,19 +41,14 @@ impl GatherScatter {
     /// Bytes of one rank's chunk, checked against the buffers this rank uses.
     fn chunk(&self, args: &ExecuteArgs) -> Result<usize> {
         let (rank, n) = (self.engine.comm().rank(), self.engine.comm().size());
-        chunk_bytes(self.collective, args, rank, n)
+        chunk_bytes(self.op, args, rank, n)
     }
 }
 
 /// Bytes of one rank's chunk of a gather or scatter `args` on `rank` of `nranks`; errors name the
 /// algorithm, the rank and the sizes (no device access, so tested on the CPU).
-pub fn chunk_bytes(
-    collective: Collective,
-    args: &ExecuteArgs,
-    rank: usize,
-    nranks: usize,
-) -> Result<usize> {
-    let gather = collective == Collective::Gather;
+pub fn chunk_bytes(op: Rooted, args: &ExecuteArgs, rank: usize, nranks: usize) -> Result<usize> {
+    let gather = op == Rooted::Gather;
     let name = if gather {
         GATHER_ZERO_COPY
     } else {
@@ -110,14 +107,17 @@ pub fn chunk_bytes(
 
 impl Algorithm for GatherScatter {
     fn name(&self) -> &str {
-        match self.collective {
-            Collective::Gather => GATHER_ZERO_COPY,
-            _ => SCATTER_ZERO_COPY,
+        match self.op {
+            Rooted::Gather => GATHER_ZERO_COPY,
+            Rooted::Scatter => SCATTER_ZERO_COPY,
         }
     }
 
     fn collective(&self) -> Collective {
-        self.collective
+        match self.op {
+            Rooted::Gather => Collective::Gather,
+            Rooted::Scatter => Collective::Scatter,
+        }
     }
 
     fn check(&self, args: &ExecuteArgs) -> Result<()> {
@@ -143,21 +143,35 @@ impl Algorithm for GatherScatter {
         if chunk == 0 {
             return Ok(());
         }
-        let buffer = |ptr, bytes| Buffer { ptr, bytes };
         let on_root = self.engine.comm().rank() == args.root;
         // The buffer a rank off the root does not use is never touched (it may be null).
-        let unused = buffer(0, 0);
-        let input = buffer(args.input, args.input_bytes);
-        let output = buffer(args.output, args.output_bytes);
-        if self.collective == Collective::Scatter {
-            let input = if on_root { input } else { unused };
-            self.engine
-                .scatter(input, output, chunk, args.root, args.stream)
-        } else {
-            let output = if on_root { output } else { unused };
-            self.engine
-                .gather(input, output, chunk, args.root, args.stream)
-        }
+        let buffer = |ptr, bytes, used: bool| {
+            if used {
+                Buffer { ptr, bytes }
+            } else {
+                Buffer { ptr: 0, bytes: 0 }
+            }
+        };
+        let input = buffer(
+            args.input,
+            args.input_bytes,
+            on_root || self.op == Rooted::Gather,
+        );
+        let output = buffer(
+            args.output,
+            args.output_bytes,
+            on_root || self.op == Rooted::Scatter,
+        );
+        self.engine.rooted(
+            self.op,
+            input,
+            output,
+            chunk,
+            args.root,
+            args.stream,
+            args.nblocks,
+            args.nthreads,
+        )
     }
 }
 
@@ -185,8 +199,8 @@ mod tests {
 
     #[test]
     fn chunks_and_their_errors() {
-        let g = Collective::Gather;
-        let s = Collective::Scatter;
+        let g = Rooted::Gather;
+        let s = Rooted::Scatter;
         assert_eq!(chunk_bytes(g, &args(8, 32, 1), 1, 4).unwrap(), 8);
         // Off the root, the unused side may be anything.
         assert_eq!(chunk_bytes(g, &args(8, 0, 1), 0, 4).unwrap(), 8);

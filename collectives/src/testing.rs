@@ -323,7 +323,7 @@ fn check_output(
             let i = c * per + j;
             // `terms`: whether the element combines one value per rank (in `vals`).
             let (want, terms) = match collective {
-                // A reduce's output is checked on its root only (see `run_check_at_root`).
+                // A reduce's output is checked on its root only (see `run_collective_check`).
                 Collective::AllReduce | Collective::ReduceScatter | Collective::Reduce => {
                     // A reduce-scatter's output is this rank's slice of the reduction.
                     let at = match collective {
@@ -364,25 +364,17 @@ fn check_output(
     (wrong, first)
 }
 
-/// Runs `algo` once as an all-reduce of `count` elements and checks every element.
-pub fn run_allreduce_check(
-    comm: &Communicator,
-    algo: &dyn Algorithm,
-    dtype: DataType,
-    op: ReduceOp,
-    count: usize,
-    in_place: bool,
-    seed: u64,
-) -> Result<CheckReport> {
-    run_collective_check(comm, algo, dtype, op, count, in_place, seed)
-}
-
 /// Runs `algo` once and checks every output element against the host reference. `count` is the
 /// per-rank element count of the collective's natural unit: the all-reduce/broadcast buffer, the
 /// all-gather input, the reduce-scatter output. In place follows NCCL: the all-gather input and the
-/// reduce-scatter output are this rank's slice of the other buffer. Broadcasts use root
-/// `seed % nranks`. Collective: every rank calls it with the same arguments. Synchronises the device
-/// (it is a test).
+/// reduce-scatter output are this rank's slice of the other buffer. Rooted collectives use `root`
+/// (`None`: `seed % nranks`); a reduce's output is the reduction on the root, elsewhere it must be
+/// untouched: the poison out of place, the rank's own input in place. With `graph`, the call is
+/// captured once into a CUDA graph and the graph is replayed twice, each replay on fresh data and
+/// a freshly poisoned output, and both replays are checked (so device-side flags and counters must
+/// stay right across replays). Collective: every rank calls it with the same arguments.
+/// Synchronises the device (it is a test).
+#[allow(clippy::too_many_arguments)]
 pub fn run_collective_check(
     comm: &Communicator,
     algo: &dyn Algorithm,
@@ -391,46 +383,13 @@ pub fn run_collective_check(
     count: usize,
     in_place: bool,
     seed: u64,
-) -> Result<CheckReport> {
-    run_collective_check_mode(comm, algo, dtype, op, count, in_place, seed, false)
-}
-
-/// As [`run_collective_check`]; with `graph`, the call is captured once into a CUDA graph and the
-/// graph is replayed twice, each replay on fresh data and a freshly poisoned output, and both
-/// replays are checked (so device-side flags and counters must stay right across replays).
-#[allow(clippy::too_many_arguments)]
-pub fn run_collective_check_mode(
-    comm: &Communicator,
-    algo: &dyn Algorithm,
-    dtype: DataType,
-    op: ReduceOp,
-    count: usize,
-    in_place: bool,
-    seed: u64,
     graph: bool,
-) -> Result<CheckReport> {
-    let root = (seed % comm.size() as u64) as usize;
-    run_check_at_root(comm, algo, dtype, op, count, in_place, seed, graph, root)
-}
-
-/// [`run_collective_check_mode`] with the root of rooted collectives given. A reduce's output is
-/// the reduction on `root`; elsewhere it must be untouched: the poison out of place, the rank's
-/// own input in place.
-#[allow(clippy::too_many_arguments)]
-pub fn run_check_at_root(
-    comm: &Communicator,
-    algo: &dyn Algorithm,
-    dtype: DataType,
-    op: ReduceOp,
-    count: usize,
-    in_place: bool,
-    seed: u64,
-    graph: bool,
-    root: usize,
+    root: Option<usize>,
 ) -> Result<CheckReport> {
     let gpu = comm.gpu();
     let (rank, n) = (comm.rank(), comm.size());
     let collective = algo.collective();
+    let root = root.unwrap_or((seed % n as u64) as usize);
     let es = dtype.size();
     let (in_count, out_count) = match collective {
         Collective::AllGather => (count, count * n),

@@ -28,12 +28,12 @@
 //!    rank's time per call.
 //!
 //! The winner (lowest mean) is verified once with
-//! [`testing::run_collective_check_mode`](crate::testing::run_collective_check_mode) under a
+//! [`testing::run_collective_check`](crate::testing::run_collective_check) under a
 //! graph and with the tuned geometry; a winner with wrong elements on any rank is dropped and the
 //! next best is verified, so the table only holds launches that computed the right answer.
 
 use crate::resources::DeviceBuffer;
-use crate::testing::run_collective_check_mode;
+use crate::testing::run_collective_check;
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::algorithm_collection::AlgorithmCollection;
 use mscclpp_core::bootstrap::Bootstrap;
@@ -583,7 +583,7 @@ impl CandidateRunner for GpuRunner<'_> {
             nblocks: c.nblocks,
             nthreads: c.nthreads,
         };
-        let report = run_collective_check_mode(
+        let report = run_collective_check(
             self.comm,
             &fixed,
             self.dtype,
@@ -592,6 +592,7 @@ impl CandidateRunner for GpuRunner<'_> {
             false,
             self.seed,
             true,
+            None,
         )?;
         if report.wrong > 0 {
             tracing::warn!(

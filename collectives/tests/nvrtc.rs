@@ -2,7 +2,7 @@
 //! reason when NVRTC is absent, unless MSCCLPP_REQUIRE_NVRTC=1).
 
 use mscclpp_core::{DataType, ReduceOp};
-use mscclpp_cuda::compile_test::{compile_cubin, nvrtc_or_skip};
+use mscclpp_cuda::compile_test::{compile_cubin, has_symbol, nvrtc_or_skip};
 use mscclpp_cuda::Nvrtc;
 use mscclpp_kernels_cu::collectives::{self as kc, CollectiveFile, ReduceSpec};
 
@@ -52,10 +52,6 @@ fn scratch_pipeline_kernels_compile_for_sm_80_and_sm_100() {
         (DataType::U8, DataType::U8, ReduceOp::Prod),
         (DataType::F64, DataType::F64, ReduceOp::Min),
     ];
-    let has = |image: &[u8], entry: &str| {
-        let sym = format!("{entry}\0");
-        image.windows(sym.len()).any(|w| w == sym.as_bytes())
-    };
     for arch in ["sm_80", "sm_100"] {
         for (dtype, acc, op) in specs {
             let spec = Some(ReduceSpec { dtype, acc, op });
@@ -63,52 +59,49 @@ fn scratch_pipeline_kernels_compile_for_sm_80_and_sm_100() {
             let src = kc::unit_source(CollectiveFile::AllReduce, spec).expect("source");
             let image = compile_for(&nvrtc, &name, &src, arch);
             for entry in ["allreduce_rsag", "allreduce_fullmesh"] {
-                assert!(has(&image, entry), "{name} for {arch} lacks {entry}");
+                assert!(has_symbol(&image, entry), "{name} for {arch} lacks {entry}");
             }
         }
         let name = kc::unit_name(CollectiveFile::AllGather, None);
         let src = kc::unit_source(CollectiveFile::AllGather, None).expect("source");
         let image = compile_for(&nvrtc, &name, &src, arch);
-        assert!(has(&image, "allgather_fullmesh"), "{name} for {arch}");
+        assert!(
+            has_symbol(&image, "allgather_fullmesh"),
+            "{name} for {arch}"
+        );
     }
 }
 
-/// The all-to-all unit with the static_asserts of its argument structs against the Rust layout,
-/// on every architecture CI targets.
+/// `file`'s unit with `asserts` (the static_asserts of its argument structs against the Rust
+/// layout) compiles for every architecture CI targets, with every entry point in the CUBIN.
+fn unit_compiles_for_every_arch(test: &str, file: CollectiveFile, asserts: &str) {
+    let Some(nvrtc) = nvrtc_or_skip(test) else {
+        return;
+    };
+    let mut src = kc::unit_source(file, None).expect("source");
+    src.push_str(asserts);
+    for arch in ["sm_80", "sm_90", "sm_100"] {
+        let image = compile_for(&nvrtc, &kc::unit_name(file, None), &src, arch);
+        for entry in file.entry_points() {
+            assert!(has_symbol(&image, entry), "{entry} missing for {arch}");
+        }
+    }
+}
+
 #[test]
 fn alltoall_unit_compiles_for_every_arch() {
-    let Some(nvrtc) = nvrtc_or_skip("alltoall_unit_compiles_for_every_arch") else {
-        return;
-    };
-    let file = CollectiveFile::AllToAll;
-    let mut src = kc::unit_source(file, None).expect("source");
-    src.push_str(&mscclpp_kernels_cu::alltoall::layout_asserts());
-    for arch in ["sm_80", "sm_90", "sm_100"] {
-        let image = compile_for(&nvrtc, &kc::unit_name(file, None), &src, arch);
-        for entry in file.entry_points() {
-            let sym = format!("{entry}\0");
-            let found = image.windows(sym.len()).any(|w| w == sym.as_bytes());
-            assert!(found, "{entry} missing for {arch}");
-        }
-    }
+    unit_compiles_for_every_arch(
+        "alltoall_unit_compiles_for_every_arch",
+        CollectiveFile::AllToAll,
+        &mscclpp_kernels_cu::alltoall::layout_asserts(),
+    );
 }
 
-/// The point-to-point unit with the static_asserts of its structs against the Rust layout, on
-/// every architecture CI targets.
 #[test]
 fn p2p_unit_compiles_for_every_arch() {
-    let Some(nvrtc) = nvrtc_or_skip("p2p_unit_compiles_for_every_arch") else {
-        return;
-    };
-    let file = CollectiveFile::P2p;
-    let mut src = kc::unit_source(file, None).expect("source");
-    src.push_str(&mscclpp_kernels_cu::p2p::layout_asserts());
-    for arch in ["sm_80", "sm_90", "sm_100"] {
-        let image = compile_for(&nvrtc, &kc::unit_name(file, None), &src, arch);
-        for entry in file.entry_points() {
-            let sym = format!("{entry}\0");
-            let found = image.windows(sym.len()).any(|w| w == sym.as_bytes());
-            assert!(found, "{entry} missing for {arch}");
-        }
-    }
+    unit_compiles_for_every_arch(
+        "p2p_unit_compiles_for_every_arch",
+        CollectiveFile::P2p,
+        &mscclpp_kernels_cu::p2p::layout_asserts(),
+    );
 }

@@ -10,7 +10,7 @@ use mscclpp_core::Error;
 use rstest::rstest;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, ChildStdout, Command, ExitStatus, Stdio};
 use std::sync::{mpsc, Arc, Mutex, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -496,7 +496,7 @@ fn spawn_rank_with(
         .unwrap()
 }
 
-fn wait_with_deadline(c: &mut Child, deadline: Instant) -> std::process::ExitStatus {
+fn wait_with_deadline(c: &mut Child, deadline: Instant) -> ExitStatus {
     loop {
         if let Some(st) = c.try_wait().unwrap() {
             return st;
@@ -510,12 +510,45 @@ fn wait_with_deadline(c: &mut Child, deadline: Instant) -> std::process::ExitSta
 }
 
 fn result_line(c: &mut Child) -> String {
-    let mut s = String::new();
-    c.stdout.take().unwrap().read_to_string(&mut s).unwrap();
+    result_of(&mut c.stdout.take().unwrap())
+}
+
+/// The RESULT line a child prints.
+fn result_of(out: &mut impl Read) -> String {
+    let mut rest = String::new();
+    out.read_to_string(&mut rest).unwrap();
     // libtest prints "test child_rank_entry ... " before the child's own output on that line.
-    s.lines()
+    rest.lines()
         .find_map(|l| l.find("RESULT").map(|at| l[at..].to_string()))
         .unwrap_or_default()
+}
+
+/// Every child's stdout, read up to the READY it prints once its listener runs.
+fn ready_outputs(kids: &mut [Child]) -> Vec<BufReader<ChildStdout>> {
+    kids.iter_mut()
+        .map(|c| {
+            let mut out = BufReader::new(c.stdout.take().unwrap());
+            wait_for_line(&mut out, "READY");
+            out
+        })
+        .collect()
+}
+
+/// How long after `event_ns` (Unix ns) rank `r`'s failure listener fired, by its exit status `st`
+/// and RESULT `line`: it must have failed (exit code 3) blaming `victim`.
+fn blamed_after(r: usize, st: ExitStatus, line: &str, victim: usize, event_ns: u128) -> Duration {
+    assert_eq!(st.code(), Some(3), "rank {r}: {st} {line}");
+    let at: u128 = line
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("at_unix_ns="))
+        .unwrap_or_else(|| panic!("rank {r}: {line}"))
+        .parse()
+        .unwrap();
+    assert!(
+        line.contains(&format!("blamed={victim} ")),
+        "rank {r} blamed the wrong rank: {line}"
+    );
+    Duration::from_nanos(at.saturating_sub(event_ns) as u64)
 }
 
 #[test]
@@ -542,11 +575,7 @@ fn killed_process_fails_the_others() {
     let mut kids: Vec<Child> = (0..8).map(|r| spawn_rank("crash", r, 8, &addr)).collect();
     // Wait until rank 3 is mid-run, then SIGKILL it.
     let mut out = BufReader::new(kids[3].stdout.take().unwrap());
-    let mut line = String::new();
-    while !line.contains("RUNNING") {
-        line.clear();
-        assert!(out.read_line(&mut line).unwrap() > 0, "rank 3 ended early");
-    }
+    wait_for_line(&mut out, "RUNNING");
     kids[3].kill().unwrap();
     let _ = kids[3].wait();
     let t0 = Instant::now();
@@ -572,13 +601,7 @@ fn killed_process_fails_the_others() {
 fn killed_rank_fires_every_listener_within_a_second(#[case] n: usize, #[case] victim: usize) {
     let addr = format!("127.0.0.1:{}", free_port());
     let mut kids: Vec<Child> = (0..n).map(|r| spawn_rank("watch", r, n, &addr)).collect();
-    let mut outs: Vec<_> = kids
-        .iter_mut()
-        .map(|c| BufReader::new(c.stdout.take().unwrap()))
-        .collect();
-    for out in &mut outs {
-        wait_for_line(out, "READY");
-    }
+    let mut outs = ready_outputs(&mut kids);
     // Let the liveness links settle, then kill the victim outright.
     std::thread::sleep(Duration::from_millis(200));
     let killed_at = unix_ns();
@@ -590,24 +613,8 @@ fn killed_rank_fires_every_listener_within_a_second(#[case] n: usize, #[case] vi
             continue;
         }
         let st = wait_with_deadline(c, deadline);
-        let mut rest = String::new();
-        outs[r].read_to_string(&mut rest).unwrap();
-        let line = rest
-            .lines()
-            .find_map(|l| l.find("RESULT").map(|at| l[at..].to_string()))
-            .unwrap_or_default();
-        assert_eq!(st.code(), Some(3), "rank {r}: {st} {line}");
-        let at: u128 = line
-            .split_whitespace()
-            .find_map(|w| w.strip_prefix("at_unix_ns="))
-            .unwrap_or_else(|| panic!("rank {r}: {line}"))
-            .parse()
-            .unwrap();
-        let after = Duration::from_nanos((at.saturating_sub(killed_at)) as u64);
-        assert!(
-            line.contains(&format!("blamed={victim} ")),
-            "rank {r} blamed the wrong rank: {line}"
-        );
+        let line = result_of(&mut outs[r]);
+        let after = blamed_after(r, st, &line, victim, killed_at);
         assert!(
             after < Duration::from_secs(1),
             "rank {r} heard after {after:?}: {line}"
@@ -623,13 +630,7 @@ fn stopped_rank_is_named_unresponsive() {
     let n = 3;
     let addr = format!("127.0.0.1:{}", free_port());
     let mut kids: Vec<Child> = (0..n).map(|r| spawn_rank("ping", r, n, &addr)).collect();
-    let mut outs: Vec<_> = kids
-        .iter_mut()
-        .map(|c| BufReader::new(c.stdout.take().unwrap()))
-        .collect();
-    for out in &mut outs {
-        wait_for_line(out, "READY");
-    }
+    let mut outs = ready_outputs(&mut kids);
     let victim = kids[n - 1].id().to_string();
     let signal = |sig: &str| {
         let st = Command::new("kill").args([sig, &victim]).status().unwrap();
@@ -651,15 +652,6 @@ fn stopped_rank_is_named_unresponsive() {
     );
 }
 
-/// The RESULT line a child prints.
-fn result_of(out: &mut impl Read) -> String {
-    let mut rest = String::new();
-    out.read_to_string(&mut rest).unwrap();
-    rest.lines()
-        .find_map(|l| l.find("RESULT").map(|at| l[at..].to_string()))
-        .unwrap_or_default()
-}
-
 /// A SIGSTOPped rank (sockets open, every thread stopped) is blamed by the heartbeat: every other
 /// rank's listener fires within the liveness timeout plus a beat, naming it as stalled, while
 /// those ranks make no bootstrap call at all.
@@ -671,13 +663,7 @@ fn stopped_rank_is_blamed_by_the_heartbeat() {
     let mut kids: Vec<Child> = (0..n)
         .map(|r| spawn_rank_with("watch", r, n, &addr, &[(LIVENESS_VAR, ms.as_str())]))
         .collect();
-    let mut outs: Vec<_> = kids
-        .iter_mut()
-        .map(|c| BufReader::new(c.stdout.take().unwrap()))
-        .collect();
-    for out in &mut outs {
-        wait_for_line(out, "READY");
-    }
+    let mut outs = ready_outputs(&mut kids);
     std::thread::sleep(Duration::from_millis(300));
     let pid = kids[victim].id().to_string();
     let stopped_at = unix_ns();
@@ -698,17 +684,9 @@ fn stopped_rank_is_blamed_by_the_heartbeat() {
     let _ = kids[victim].kill();
     let _ = kids[victim].wait();
     for (r, st, line) in results {
-        assert_eq!(st.code(), Some(3), "rank {r}: {st} {line}");
-        let at: u128 = line
-            .split_whitespace()
-            .find_map(|w| w.strip_prefix("at_unix_ns="))
-            .unwrap_or_else(|| panic!("rank {r}: {line}"))
-            .parse()
-            .unwrap();
-        let after = Duration::from_nanos(at.saturating_sub(stopped_at) as u64);
+        let after = blamed_after(r, st, &line, victim, stopped_at);
         assert!(
-            line.contains(&format!("blamed={victim} "))
-                && line.contains(&format!("rank {victim} stalled: no heartbeat for")),
+            line.contains(&format!("rank {victim} stalled: no heartbeat for")),
             "rank {r}: {line}"
         );
         // The victim's last beat came up to one period (liveness / 10) before the stop; the

@@ -3,7 +3,7 @@
 //! NVRTC is absent, unless MSCCLPP_REQUIRE_NVRTC=1).
 
 use mscclpp_core::{AccumType, DataType, ReduceOp};
-use mscclpp_cuda::compile_test::{compile_cubin, nvrtc_or_skip};
+use mscclpp_cuda::compile_test::{compile_cubin, has_symbol, nvrtc_or_skip};
 use mscclpp_kernels_cu::collectives::reduce_type_pairs;
 use mscclpp_kernels_cu::executor::{layout_asserts, unit_source, ENTRY};
 
@@ -35,10 +35,6 @@ fn interpreter_compiles_for_every_type_and_op() {
         let (name, mut src) = unit_source(dtype, accum_for(dtype, acc), op).expect("source");
         src.push_str(&layout_asserts());
         let image = compile_cubin(&nvrtc, &name, &src, arch, mscclpp_kernels_cu::HEADERS);
-        let sym = format!("{ENTRY}\0");
-        assert!(
-            image.windows(sym.len()).any(|w| w == sym.as_bytes()),
-            "{name} for {arch} lacks {ENTRY}"
-        );
+        assert!(has_symbol(&image, ENTRY), "{name} for {arch} lacks {ENTRY}");
     }
 }

@@ -5,14 +5,20 @@
 //! suite calls [`run`] on every rank and prints one PASS/FAIL line per entry.
 //!
 //! Bytes move unchanged, so data is bytes: the byte `i` that rank `s` sends to rank `d` is a hash of
-//! (run seed, case, s, d, i), so every receiver computes what it must get without any exchange. The
+//! (run seed, case, s, d, i) ([`byte_pattern`]), so every receiver computes what it must get without any exchange. The
 //! whole output is poisoned first and checked whole: every received region byte for byte, and every
 //! byte outside them still poisoned (nothing written where nothing was due).
 //!
-//! Matrix: per-peer chunks of 0, 1, 3, 4 KiB + 8 B, 1 MiB - 1 B and 64 MiB / nranks (zero-copy
-//! all-to-all, gather, scatter), of 0, 1, 3, 4 KiB + 8, 64 KiB and the scratch's capacity (packet); all-to-all-v of 0, 1, 3, 4 KiB + 8, 1 MiB - 1 and 64 MiB per rank split with
-//! skews 0, 1.5 and 20 (the last leaves far peers at zero bytes); each eager and as a CUDA graph
-//! replayed twice on fresh data. Then two engines (the collection's and a stand-alone one, with
+//! Matrix: per-peer chunks of 0, 1, 3, 4 KiB + 8 B, 1 MiB - 1 B, 64 MiB / nranks and 1 GiB / nranks
+//! (zero-copy all-to-all, gather, scatter; the ring sendrecv: 64 MiB and 1 GiB), of 0, 1, 3,
+//! 4 KiB + 8, 64 KiB and the scratch's capacity (packet); all-to-all-v of 0, 1, 3, 4 KiB + 8,
+//! 1 MiB - 1, 64 MiB and 1 GiB per rank split with skews 0, 1.5 and 20 (the last leaves far peers
+//! at zero bytes); each eager and, up to 64 MiB per rank, as a CUDA graph replayed twice on fresh
+//! data (the 1 GiB exchanges eager only: 2 GiB of device memory per rank, 16 GiB at 8 ranks on one
+//! GPU). Gather and scatter run through their collection algorithms
+//! (`default_gather_zero_copy`, `default_scatter_zero_copy`), once more at other roots with the
+//! caller's nblocks 3 and nthreads 128, and out-of-range requests must be refused by name on every
+//! rank. Then two engines (the collection's and a stand-alone one, with
 //! resources of its own) with calls in flight on two streams at once, all-to-all-v with
 //! device-resident counts (MoE routing), and a deliberate count mismatch on a communicator of its
 //! own (every rank's kernel detects it, nothing is written anywhere, every rank's error names the
@@ -22,7 +28,9 @@
 //! After every check the ranks agree (bootstrap all-gather) on whether it completed; after a
 //! failure the remaining checks are skipped on every rank instead of each timing out.
 
-use crate::RankContext;
+use crate::byte_pattern::{self, message_key};
+use crate::tally::{ran_to_end, Tally};
+use crate::{RankContext, GIB, MIB};
 use mscclpp::core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp::core::algorithm_collection::native_names::{ALLTOALL_PACKET, SENDRECV_ZERO_COPY};
 use mscclpp::core::communicator::Communicator;
@@ -33,28 +41,38 @@ use mscclpp_collectives::alltoall::{
     skewed_matrix, splits_of_matrix, AlltoallPacket, AlltoallZeroCopy, Buffer, ShiftSendRecv, Side,
     Split, ALLTOALL_ZERO_COPY,
 };
+use mscclpp_collectives::gather_scatter::GatherScatter;
 use std::sync::Arc;
 
-const MIB: usize = 1 << 20;
 const POISON: u8 = 0xA5;
 
-/// Per-peer chunk sizes (bytes) of the all-to-all, gather and scatter checks on `n` ranks.
+/// Per-peer chunk sizes (bytes) of the all-to-all, gather and scatter checks on `n` ranks: the
+/// largest two are 64 MiB and 1 GiB per rank in all.
 pub fn chunk_sizes(n: usize) -> Vec<usize> {
-    vec![0, 1, 3, 4096 + 8, MIB - 1, 64 * MIB / n.max(1)]
+    let n = n.max(1);
+    vec![0, 1, 3, 4096 + 8, MIB - 1, 64 * MIB / n, GIB / n]
 }
 
 /// Bytes each rank sends in all in the all-to-all-v checks.
-pub const ALLTOALLV_SIZES: [usize; 6] = [0, 1, 3, 4096 + 8, MIB - 1, 64 * MIB];
+pub const ALLTOALLV_SIZES: [usize; 7] = [0, 1, 3, 4096 + 8, MIB - 1, 64 * MIB, GIB];
+
+/// Bytes one rank sends in all (the root: moves) in `op` of `bytes` (per peer, or per rank for v)
+/// on `n` ranks: the same on every rank.
+fn bytes_per_rank(op: Op, bytes: usize, n: usize) -> usize {
+    match op {
+        Op::SendRecv | Op::Alltoallv => bytes,
+        Op::Alltoall | Op::AlltoallPacket | Op::Gather(..) | Op::Scatter(..) => bytes * n,
+    }
+}
+
+/// Whether `op` of `bytes` is also captured and replayed: up to 64 MiB per rank. The 1 GiB
+/// exchanges run eager only, which keeps each at about a second of host-side checking.
+fn with_graph(op: Op, bytes: usize, n: usize) -> bool {
+    bytes_per_rank(op, bytes, n) < GIB
+}
 
 /// Skews of the all-to-all-v checks (`skewed_matrix`).
 pub const SKEWS: [f64; 3] = [0.0, 1.5, 20.0];
-
-/// The byte `i` of what rank `src` sends to rank `dst` in case `key`.
-fn byte(key: u64, src: usize, dst: usize, i: usize) -> u8 {
-    let k = key ^ ((src as u64) << 40) ^ ((dst as u64) << 48);
-    let k = k.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (k.wrapping_mul(i as u64 + 1) >> 56) as u8
-}
 
 /// One exchange of the matrix: every rank's splits (bytes), and how to run it.
 #[derive(Clone, Copy)]
@@ -65,9 +83,14 @@ enum Op {
     /// `default_sendrecv_zero_copy` with shift 1 (the ring).
     SendRecv,
     Alltoallv,
-    Gather(usize),
-    Scatter(usize),
+    /// Through `default_gather_zero_copy` / `default_scatter_zero_copy`'s `execute` at a root,
+    /// with the caller's (nblocks, nthreads) where given.
+    Gather(usize, Option<Geometry>),
+    Scatter(usize, Option<Geometry>),
 }
+
+/// A caller's launch geometry: (nblocks, nthreads).
+type Geometry = (u32, u32);
 
 /// Every rank's (send, receive) split for `op` with `bytes` (per peer, or per rank for v).
 fn splits(op: Op, n: usize, bytes: usize, skew: f64) -> Result<Vec<(Split, Split)>> {
@@ -82,7 +105,7 @@ fn splits(op: Op, n: usize, bytes: usize, skew: f64) -> Result<Vec<(Split, Split
                 .map(|r| splits_of_matrix(&m, r, 1))
                 .collect::<Result<_>>()?
         }
-        Op::Gather(root) => (0..n)
+        Op::Gather(root, _) => (0..n)
             .map(|r| {
                 let recv = if r == root {
                     Split::uniform(n, bytes)
@@ -92,7 +115,7 @@ fn splits(op: Op, n: usize, bytes: usize, skew: f64) -> Result<Vec<(Split, Split
                 (Split::only(n, root, bytes), recv)
             })
             .collect(),
-        Op::Scatter(root) => (0..n)
+        Op::Scatter(root, _) => (0..n)
             .map(|r| {
                 let send = if r == root {
                     Split::uniform(n, bytes)
@@ -125,13 +148,20 @@ impl Buffers {
         })
     }
 
+    /// Buffers for this rank's (`rank`) `send` and `recv` splits.
+    fn for_splits(gpu: &Arc<dyn Gpu>, rank: usize, send: &Split, recv: &Split) -> Result<Buffers> {
+        Buffers::new(
+            gpu,
+            send.extent(rank, Side::Send)?,
+            recv.extent(rank, Side::Recv)?,
+        )
+    }
+
     /// Uploads this rank's send data for `key` and poisons the output.
     fn fill(&self, key: u64, rank: usize, send: &Split) -> Result<()> {
         let mut data = vec![POISON; self.in_bytes];
         for (dst, (&c, &d)) in send.counts.iter().zip(&send.displs).enumerate() {
-            for (i, b) in data[d..d + c].iter_mut().enumerate() {
-                *b = byte(key, rank, dst, i);
-            }
+            byte_pattern::fill(&mut data[d..d + c], message_key(key, rank, dst, 0));
         }
         self.gpu.copy_to_device(self.input.ptr, &data)?;
         self.gpu.memset_async(
@@ -149,11 +179,9 @@ impl Buffers {
         self.gpu.copy_from_device(&mut got, self.output.ptr)?;
         let mut want = vec![POISON; self.out_bytes];
         for (src, (&c, &d)) in recv.counts.iter().zip(&recv.displs).enumerate() {
-            for (i, b) in want[d..d + c].iter_mut().enumerate() {
-                *b = byte(key, src, rank, i);
-            }
+            byte_pattern::fill(&mut want[d..d + c], message_key(key, src, rank, 0));
         }
-        if let Some(at) = (0..got.len()).find(|&i| got[i] != want[i]) {
+        if let Some((at, wrong)) = byte_pattern::differences(&got, &want) {
             let region = (0..recv.counts.len())
                 .find(|&s| {
                     recv.counts[s] > 0
@@ -162,7 +190,6 @@ impl Buffers {
                 .map_or("outside every region".to_string(), |s| {
                     format!("from rank {s}")
                 });
-            let wrong = got.iter().zip(&want).filter(|(g, w)| g != w).count();
             return Err(Error::Internal(format!(
                 "rank {rank}: {wrong} wrong bytes, first at {at} ({region}): got {:#04x}, want {:#04x}",
                 got[at], want[at]
@@ -197,10 +224,24 @@ struct Engines {
     zero_copy: Arc<AlltoallZeroCopy>,
     packet: AlltoallPacket,
     shift: ShiftSendRecv,
+    gather: GatherScatter,
+    scatter: GatherScatter,
 }
 
 /// A uniform exchange through `algo`'s `execute` (the sendrecv ring with shift 1).
 fn execute_uniform(algo: &dyn Algorithm, b: &Buffers, stream: Stream) -> Result<()> {
+    // The shift of the sendrecv (ignored by the all-to-alls).
+    execute(algo, b, 1, None, stream)
+}
+
+/// `algo.execute` on `b` with `root` and the caller's `geometry` where given.
+fn execute(
+    algo: &dyn Algorithm,
+    b: &Buffers,
+    root: usize,
+    geometry: Option<Geometry>,
+    stream: Stream,
+) -> Result<()> {
     algo.execute(&ExecuteArgs {
         input: b.input.ptr,
         output: b.output.ptr,
@@ -209,11 +250,10 @@ fn execute_uniform(algo: &dyn Algorithm, b: &Buffers, stream: Stream) -> Result<
         dtype: DataType::U8,
         op: ReduceOp::Sum,
         accum: AccumType::Auto,
-        // The shift of the sendrecv (ignored by the all-to-alls).
-        root: 1,
+        root,
         stream,
-        nblocks: None,
-        nthreads: None,
+        nblocks: geometry.map(|g| g.0),
+        nthreads: geometry.map(|g| g.1),
     })
 }
 
@@ -224,7 +264,6 @@ fn enqueue(
     b: &Buffers,
     send: &Split,
     recv: &Split,
-    bytes: usize,
     stream: Stream,
 ) -> Result<()> {
     let engine = &engines.zero_copy;
@@ -233,8 +272,8 @@ fn enqueue(
         Op::AlltoallPacket => execute_uniform(&engines.packet, b, stream),
         Op::SendRecv => execute_uniform(&engines.shift, b, stream),
         Op::Alltoallv => engine.alltoallv(b.input(), b.output(), send, recv, stream, None, None),
-        Op::Gather(root) => engine.gather(b.input(), b.output(), bytes, root, stream),
-        Op::Scatter(root) => engine.scatter(b.input(), b.output(), bytes, root, stream),
+        Op::Gather(root, geometry) => execute(&engines.gather, b, root, geometry, stream),
+        Op::Scatter(root, geometry) => execute(&engines.scatter, b, root, geometry, stream),
     }
 }
 
@@ -255,11 +294,7 @@ pub fn check_uniform(
     };
     let all = splits(op, n, bytes, 0.0)?;
     let (send, recv) = &all[rank];
-    let b = Buffers::new(
-        &ctx.gpu,
-        send.extent(rank, Side::Send)?,
-        recv.extent(rank, Side::Recv)?,
-    )?;
+    let b = Buffers::for_splits(&ctx.gpu, rank, send, recv)?;
     b.fill(key, rank, send)?;
     execute_uniform(algo, &b, Stream::DEFAULT)?;
     ctx.gpu.synchronize_stream(Stream::DEFAULT)?;
@@ -280,21 +315,19 @@ fn check_one(
     let (rank, n) = (ctx.rank(), ctx.size());
     let all = splits(op, n, bytes, skew)?;
     let (send, recv) = &all[rank];
-    let in_bytes = send.extent(rank, Side::Send)?;
-    let out_bytes = recv.extent(rank, Side::Recv)?;
-    let b = Buffers::new(&ctx.gpu, in_bytes, out_bytes)?;
+    let b = Buffers::for_splits(&ctx.gpu, rank, send, recv)?;
     let gpu = &ctx.gpu;
     let stream = gpu.create_stream()?;
     let result = (|| {
         if !graph {
             b.fill(key, rank, send)?;
-            enqueue(engines, op, &b, send, recv, bytes, stream)?;
+            enqueue(engines, op, &b, send, recv, stream)?;
             gpu.synchronize_stream(stream)?;
             ctx.comm.check_device_errors()?;
             return b.verify(key, rank, recv);
         }
         gpu.begin_capture(stream)?;
-        let enqueued = enqueue(engines, op, &b, send, recv, bytes, stream);
+        let enqueued = enqueue(engines, op, &b, send, recv, stream);
         let ended = gpu.end_capture(stream);
         enqueued?;
         let g = ended?;
@@ -321,11 +354,7 @@ fn two_streams(ctx: &RankContext, engines: [&AlltoallZeroCopy; 2], key: u64) -> 
     for (j, skew) in [1.0, 0.0].into_iter().enumerate() {
         let all = splits(Op::Alltoallv, n, MIB + 5 + j, skew)?;
         let (send, recv) = all[rank].clone();
-        let b = Buffers::new(
-            gpu,
-            send.extent(rank, Side::Send)?,
-            recv.extent(rank, Side::Recv)?,
-        )?;
+        let b = Buffers::for_splits(gpu, rank, &send, &recv)?;
         b.fill(key + j as u64, rank, &send)?;
         jobs.push((send, recv, b, gpu.create_stream()?));
     }
@@ -364,17 +393,7 @@ fn device_counts(ctx: &RankContext, engine: &AlltoallZeroCopy, key: u64) -> Resu
     let b = Buffers::new(gpu, in_bytes, out_bytes)?;
     let counts = DeviceCounts::new(gpu, &m[rank])?;
     let stream = gpu.create_stream()?;
-    let call = || {
-        engine.alltoallv_device_counts(
-            b.input(),
-            b.output(),
-            counts.send.ptr,
-            counts.recv.ptr,
-            UNIT,
-            stream,
-            None,
-        )
-    };
+    let call = || counts.exchange(engine, &b, UNIT, stream);
     let want: Vec<u64> = m.iter().map(|row| row[rank] as u64).collect();
     let check = |key: u64| -> Result<()> {
         gpu.synchronize_stream(stream)?;
@@ -440,6 +459,18 @@ impl DeviceCounts {
             .collect();
         gpu.copy_to_device(c.send.ptr, &bytes)?;
         Ok(c)
+    }
+
+    /// All-to-all-v of `b` on `engine` with these counts, in units of `unit` bytes, on `stream`.
+    fn exchange(
+        &self,
+        engine: &AlltoallZeroCopy,
+        b: &Buffers,
+        unit: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        let (send, recv) = (self.send.ptr, self.recv.ptr);
+        engine.alltoallv_device_counts(b.input(), b.output(), send, recv, unit, stream, None)
     }
 
     /// Poisons the receive counts.
@@ -549,15 +580,7 @@ fn device_counts_overflow(ctx: &RankContext, comm: Arc<Communicator>) -> Result<
     b.fill(11, rank, &send)?;
     let counts = DeviceCounts::new(&ctx.gpu, &vec![1; n])?;
     let engine = AlltoallZeroCopy::new(comm)?;
-    engine.alltoallv_device_counts(
-        b.input(),
-        b.output(),
-        counts.send.ptr,
-        counts.recv.ptr,
-        UNIT,
-        Stream::DEFAULT,
-        None,
-    )?;
+    counts.exchange(&engine, &b, UNIT, Stream::DEFAULT)?;
     ctx.gpu.synchronize_stream(Stream::DEFAULT)?;
     let named = format!(
         "the senders to rank 0 send {} bytes in all, beyond its output's {}",
@@ -587,6 +610,36 @@ fn device_counts_overflow(ctx: &RankContext, comm: Arc<Communicator>) -> Result<
     Ok("every rank failed naming rank 0's output, nothing written, no hang".into())
 }
 
+/// Gather and scatter with an out-of-range nblocks or nthreads: refused on every rank with an error
+/// naming the rank and the value, before anything collective (so no rank is left waiting).
+fn bad_geometry(ctx: &RankContext, engines: &Engines) -> Result<String> {
+    let (rank, n) = (ctx.rank(), ctx.size());
+    let too_many = engines.zero_copy.max_blocks() + 1;
+    let cases = [
+        (Op::Gather(0, Some((0, 128))), "nblocks 0"),
+        (
+            Op::Scatter(0, Some((too_many, 512))),
+            &*format!("nblocks {too_many}"),
+        ),
+        (Op::Gather(n - 1, Some((1, 100))), "nthreads 100"),
+    ];
+    for (op, named) in cases {
+        let all = splits(op, n, 64, 0.0)?;
+        let (send, recv) = &all[rank];
+        let b = Buffers::for_splits(&ctx.gpu, rank, send, recv)?;
+        match enqueue(engines, op, &b, send, recv, Stream::DEFAULT) {
+            Err(Error::InvalidArgument(m))
+                if m.contains(named) && m.contains(&format!("rank {rank}")) => {}
+            other => {
+                return Err(Error::Internal(format!(
+                    "rank {rank}: expected an error naming \"{named}\" and the rank, got {other:?}"
+                )))
+            }
+        }
+    }
+    Ok("nblocks 0, nblocks beyond the grid and nthreads 100 each refused by name".into())
+}
+
 /// Runs the all-to-all family checks on this rank; returns (check name, outcome) in order.
 pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
     let n = ctx.size();
@@ -599,6 +652,8 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
         )?);
         Ok(Engines {
             shift: ShiftSendRecv::new(zero_copy.clone()),
+            gather: GatherScatter::gather(zero_copy.clone()),
+            scatter: GatherScatter::scatter(zero_copy.clone()),
             zero_copy,
             packet: AlltoallPacket::with_resources(comm.clone(), resources)?,
         })
@@ -609,12 +664,14 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
     };
     let engine = &engines.zero_copy;
     let packet_max = engines.packet.max_chunk_bytes();
-    let run_seed = match shared_seed(ctx) {
+    let run_seed = match ctx.shared_seed() {
         Ok(s) => s,
         Err(e) => return vec![("alltoall run seed".into(), Err(e))],
     };
     let root = n / 2;
-    let rows: [(String, Op, Vec<usize>, &[f64]); 6] = [
+    // The caller's geometry reaches the gather and scatter kernels: a small grid of narrow blocks.
+    let asked = (3, 128);
+    let rows: [(String, Op, Vec<usize>, &[f64]); 8] = [
         (
             format!("{SENDRECV_ZERO_COPY} (ring)"),
             Op::SendRecv,
@@ -641,14 +698,31 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
         ),
         (
             format!("gather (root {root})"),
-            Op::Gather(root),
+            Op::Gather(root, None),
             chunk_sizes(n),
             &[0.0],
         ),
         (
             format!("scatter (root {root})"),
-            Op::Scatter(root),
+            Op::Scatter(root, None),
             chunk_sizes(n),
+            &[0.0],
+        ),
+        (
+            format!("gather (root 0, nblocks {} nthreads {})", asked.0, asked.1),
+            Op::Gather(0, Some(asked)),
+            vec![4096 + 8, MIB - 1],
+            &[0.0],
+        ),
+        (
+            format!(
+                "scatter (root {}, nblocks {} nthreads {})",
+                n - 1,
+                asked.0,
+                asked.1
+            ),
+            Op::Scatter(n - 1, Some(asked)),
+            vec![4096 + 8, MIB - 1],
             &[0.0],
         ),
     ];
@@ -660,37 +734,37 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
             out.push((name, Err(Error::Internal(format!("not run: {why}")))));
             continue;
         }
-        let (mut passed, mut failures) = (0usize, Vec::new());
+        let mut tally = Tally::default();
         'row: for &bytes in &sizes {
             for &skew in skews {
-                for graph in [false, true] {
+                let modes: &[bool] = if with_graph(op, bytes, n) {
+                    &[false, true]
+                } else {
+                    &[false]
+                };
+                for &graph in modes {
                     case += 1;
                     let key = run_seed ^ case.wrapping_mul(0x2545_f491_4f6c_dd1d);
                     let what = format!(
-                        "{bytes} B skew {skew} {}",
+                        "{name} {bytes} B skew {skew} {}",
                         if graph { "graph" } else { "eager" }
                     );
                     let r = check_one(ctx, &engines, op, bytes, skew, key, graph);
-                    let completed = !matches!(&r, Err(e) if !matches!(e, Error::Internal(_)));
-                    match r {
-                        Ok(()) => passed += 1,
-                        Err(e) => failures.push(format!("{what}: {e}")),
-                    }
-                    match all_completed(ctx, completed) {
-                        Ok(true) => {}
-                        Ok(false) => {
-                            aborted = Some(format!("a rank failed to complete {name} {what}"));
-                            break 'row;
-                        }
-                        Err(e) => {
-                            aborted = Some(format!("agreeing on {name} {what}: {e}"));
-                            break 'row;
-                        }
+                    let completed = ran_to_end(&r);
+                    if let Err(why) = tally.record(ctx, &what, r, completed) {
+                        aborted = Some(why);
+                        break 'row;
                     }
                 }
             }
         }
-        out.push((name, summary(passed, failures, &aborted, &sizes, n)));
+        let outcome = tally.outcome(&aborted, |passed| {
+            format!(
+                "{passed} checks passed (sizes {sizes:?} bytes, eager, and graph with 2 replays \
+                 below 1 GiB per rank, on {n} ranks)"
+            )
+        });
+        out.push((name, outcome));
     }
     if aborted.is_none() {
         let second = AlltoallZeroCopy::new(ctx.comm.clone());
@@ -698,6 +772,10 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
         out.push((
             "alltoallv: two engines in flight on two streams".into(),
             r.map(|()| "both exchanges correct".into()),
+        ));
+        out.push((
+            "gather/scatter: bad nblocks or nthreads refused".into(),
+            bad_geometry(ctx, &engines),
         ));
         out.push((
             "alltoallv: device counts (MoE routing)".into(),
@@ -720,48 +798,6 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
     out
 }
 
-fn summary(
-    passed: usize,
-    mut failures: Vec<String>,
-    aborted: &Option<String>,
-    sizes: &[usize],
-    n: usize,
-) -> Result<String> {
-    if failures.is_empty() && aborted.is_none() {
-        return Ok(format!(
-            "{passed} checks passed (sizes {sizes:?} bytes, eager and graph with 2 replays, on \
-             {n} ranks)"
-        ));
-    }
-    if let Some(why) = aborted {
-        failures.push(format!("remaining checks skipped: {why}"));
-    }
-    Err(Error::Internal(format!(
-        "{} failed, {passed} passed: {}",
-        failures.len(),
-        failures.join("; ")
-    )))
-}
-
-/// A seed chosen by rank 0 for this run.
-pub(crate) fn shared_seed(ctx: &RankContext) -> Result<u64> {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(1);
-    let b = ctx.bootstrap.broadcast(0, &now.to_le_bytes())?;
-    b.get(..8)
-        .and_then(|s| s.try_into().ok())
-        .map(u64::from_le_bytes)
-        .ok_or_else(|| Error::Internal("run seed broadcast: short message".into()))
-}
-
-/// Whether every rank completed its last check (with or without wrong bytes).
-fn all_completed(ctx: &RankContext, completed: bool) -> Result<bool> {
-    let all = ctx.bootstrap.all_gather(&[u8::from(completed)])?;
-    Ok(all.iter().all(|v| v.first() == Some(&1)))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -775,8 +811,8 @@ mod tests {
                 Op::AlltoallPacket,
                 Op::SendRecv,
                 Op::Alltoallv,
-                Op::Gather(n / 2),
-                Op::Scatter(n - 1),
+                Op::Gather(n / 2, None),
+                Op::Scatter(n - 1, Some((3, 128))),
             ];
             for op in ops {
                 for bytes in chunk_sizes(n).into_iter().chain(ALLTOALLV_SIZES) {
@@ -788,12 +824,5 @@ mod tests {
                 }
             }
         }
-    }
-
-    #[test]
-    fn the_data_differs_by_sender_receiver_and_position() {
-        assert_ne!(byte(1, 0, 1, 5), byte(1, 1, 0, 5));
-        let row: Vec<u8> = (0..64).map(|i| byte(9, 2, 3, i)).collect();
-        assert!(row.windows(2).any(|w| w[0] != w[1]));
     }
 }

@@ -2,10 +2,12 @@
 //! kernel launch parameter packing, reproducible random data and host-side float64 references.
 
 pub mod alltoall_checks;
+pub mod byte_pattern;
 pub mod p2p_checks;
 pub mod plan_checks;
 pub mod port_allreduce_checks;
 pub mod port_channel_checks;
+pub mod tally;
 
 /// Device-side kernels of the suite itself (measurement kernels; the checked kernels live in
 /// kernels-cu).
@@ -42,6 +44,10 @@ use mscclpp::core::gpu::{Allocation, DevicePtr, Gpu, MemoryKind, Stream};
 use mscclpp::core::{DataType, Error, Result};
 use std::ffi::c_void;
 use std::sync::Arc;
+
+pub const MIB: usize = 1 << 20;
+/// The largest message of the data-movement checks (the standards' ">= 1 GiB").
+pub const GIB: usize = 1 << 30;
 
 /// One rank of a GPU job started by a launcher (torchrun, mpirun, srun).
 pub struct RankContext {
@@ -150,6 +156,28 @@ impl RankContext {
             self.gpu.clone(),
             self.device,
         )?))
+    }
+
+    /// Collective: a seed rank 0 takes from its clock, the same on every rank, fresh per run: every
+    /// rank regenerates its peers' data from it.
+    pub fn shared_seed(&self) -> Result<u64> {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1);
+        let b = self.bootstrap.broadcast(0, &now.to_le_bytes())?;
+        b.get(..8)
+            .and_then(|s| s.try_into().ok())
+            .map(u64::from_le_bytes)
+            .ok_or_else(|| Error::Internal("run seed broadcast: short message".into()))
+    }
+
+    /// Collective: whether every rank `completed` its last check (with or without wrong results).
+    /// After one that did not complete somewhere, the ranks skip the rest together instead of each
+    /// timing out in the next.
+    pub fn all_completed(&self, completed: bool) -> Result<bool> {
+        let all = self.bootstrap.all_gather(&[u8::from(completed)])?;
+        Ok(all.iter().all(|v| v.first() == Some(&1)))
     }
 }
 

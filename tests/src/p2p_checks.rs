@@ -4,29 +4,28 @@
 //! ranks sharing one GPU.
 //!
 //! Data: byte `i` of the `tag`-th message from rank `s` to rank `d` is a hash of (case key, s, d,
-//! tag, i), so a receiver knows what it must get without any exchange, and a message delivered out
-//! of order shows up as wrong bytes. Every receive buffer has a 16-byte poisoned tail after the
+//! tag, i) ([`byte_pattern`]), so a receiver knows what it must get without any exchange, and a
+//! message delivered out of order shows up as wrong bytes. Every receive buffer has a 16-byte poisoned tail after the
 //! message, which must stay poisoned; the whole buffer is checked.
 //!
 //! Checks: a ring and an all-pairs group (every rank to and from every rank, itself included) at
 //! each size of {0, 1, 3, 4 KiB + 8, 1 MiB - 1, 64 MiB} (all-pairs: 64 MiB / n), eager and as a
-//! CUDA graph replayed twice on fresh data; an all-pairs group of uneven sizes (each pair its own
+//! CUDA graph replayed twice on fresh data; a 1 GiB ring, eager; an all-pairs group of uneven sizes (each pair its own
 //! size from that list); three sends to the same peer in one group (order) interleaved with the
 //! receives; 20 repeated groups; two engines with groups in flight on two streams, and one engine
 //! used from two streams (which it orders); and two size mismatches (see [`MISMATCHES`]), each on a
 //! fresh communicator, which must end with an error naming rank and peer on both ranks, the
 //! receive buffer untouched, and no hang.
 
-use crate::RankContext;
-use mscclpp::core::bootstrap::{Bootstrap, BootstrapConfig, TcpBootstrap, UniqueId};
-use mscclpp::core::communicator::Communicator;
+use crate::byte_pattern::{self, message_key};
+use crate::tally::{ran_to_end, Tally};
+use crate::{RankContext, GIB, MIB};
 use mscclpp::core::gpu::{Allocation, Gpu, MemoryKind, Stream};
 use mscclpp::core::{Error, Result};
 use mscclpp_collectives::p2p::plan::{chunks, layout};
 use mscclpp_collectives::p2p::{P2pEngine, P2pKind, P2pOp};
 use std::sync::Arc;
 
-const MIB: usize = 1 << 20;
 const POISON: u8 = 0x5A;
 /// Poisoned bytes after every received message.
 const GUARD: usize = 16;
@@ -34,13 +33,6 @@ const GUARD: usize = 16;
 /// Message sizes of the checks on `n` ranks (the largest shrinks with n in all-pairs groups).
 pub fn sizes(largest: usize) -> [usize; 6] {
     [0, 1, 3, 4096 + 8, MIB - 1, largest]
-}
-
-/// Byte `i` of message `tag` from `src` to `dst` in case `key`.
-fn byte(key: u64, src: usize, dst: usize, tag: usize, i: usize) -> u8 {
-    let k = key ^ ((src as u64) << 40) ^ ((dst as u64) << 48) ^ ((tag as u64) << 56);
-    let k = k.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (k.wrapping_mul(i as u64 + 1) >> 56) as u8
 }
 
 /// One op of a rank's group: direction, peer, bytes, and its tag (index among this rank's ops
@@ -145,9 +137,8 @@ impl Group {
         for (m, b) in self.msgs.iter().zip(&self.bufs) {
             match m.kind {
                 P2pKind::Send => {
-                    let data: Vec<u8> = (0..m.bytes)
-                        .map(|i| byte(key, self.rank, m.peer, m.tag, i))
-                        .collect();
+                    let mut data = vec![0u8; m.bytes];
+                    byte_pattern::fill(&mut data, message_key(key, self.rank, m.peer, m.tag));
                     self.gpu.copy_to_device(b.ptr, &data)?;
                 }
                 P2pKind::Recv => {
@@ -167,15 +158,10 @@ impl Group {
             }
             let mut got = vec![0u8; m.bytes + GUARD];
             self.gpu.copy_from_device(&mut got, b.ptr)?;
-            let want = |i: usize| {
-                if i < m.bytes {
-                    byte(key, m.peer, self.rank, m.tag, i)
-                } else {
-                    POISON
-                }
-            };
-            if let Some(at) = (0..got.len()).find(|&i| got[i] != want(i)) {
-                let wrong = (0..got.len()).filter(|&i| got[i] != want(i)).count();
+            let mut want = vec![POISON; m.bytes + GUARD];
+            let message = message_key(key, m.peer, self.rank, m.tag);
+            byte_pattern::fill(&mut want[..m.bytes], message);
+            if let Some((at, wrong)) = byte_pattern::differences(&got, &want) {
                 return Err(Error::Internal(format!(
                     "rank {}: recv #{} of {} bytes from rank {}: {wrong} wrong bytes, first at {at}{}: \
                      got {:#04x}, want {:#04x}",
@@ -185,7 +171,7 @@ impl Group {
                     m.peer,
                     if at >= m.bytes { " (past the message)" } else { "" },
                     got[at],
-                    want(at)
+                    want[at]
                 )));
             }
         }
@@ -308,17 +294,8 @@ const MISMATCHES: [(usize, usize); 2] = [(MIB + 100, MIB), (MIB - 100, MIB - 200
 /// error is sticky): both ranks must report an error naming both ranks, rank 1's buffer must stay
 /// poisoned, and nothing may hang. Other ranks only take part in building the communicator.
 fn size_mismatch(ctx: &RankContext, (sent, received): (usize, usize)) -> Result<String> {
-    let config = BootstrapConfig::from_env(ctx.env);
     let (rank, size) = (ctx.rank(), ctx.size());
-    let id = if rank == 0 {
-        TcpBootstrap::create_unique_id(&config)?.to_bytes().to_vec()
-    } else {
-        Vec::new()
-    };
-    let id = UniqueId::from_bytes(&ctx.bootstrap.broadcast(0, &id)?)?;
-    let boot: Arc<dyn Bootstrap> = Arc::new(TcpBootstrap::new(rank, size, &id, &config)?);
-    let comm = Arc::new(Communicator::new(boot, ctx.gpu.clone(), ctx.device)?);
-    let engine = P2pEngine::new(comm.clone())?;
+    let engine = P2pEngine::new(ctx.fresh_communicator()?)?;
     let slot = layout(size).slot_bytes;
     let msgs = match rank {
         0 => tagged(vec![(P2pKind::Send, 1, sent)]),
@@ -372,25 +349,6 @@ fn size_mismatch(ctx: &RankContext, (sent, received): (usize, usize)) -> Result<
     result
 }
 
-/// Whether every rank's last check completed (wrong bytes count as completed).
-fn all_completed(ctx: &RankContext, completed: bool) -> Result<bool> {
-    let all = ctx.bootstrap.all_gather(&[u8::from(completed)])?;
-    Ok(all.iter().all(|v| v.first() == Some(&1)))
-}
-
-/// A seed chosen by rank 0 for this run.
-fn shared_seed(ctx: &RankContext) -> Result<u64> {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(1);
-    let b = ctx.bootstrap.broadcast(0, &now.to_le_bytes())?;
-    b.get(..8)
-        .and_then(|s| s.try_into().ok())
-        .map(u64::from_le_bytes)
-        .ok_or_else(|| Error::Internal("run seed broadcast: short message".into()))
-}
-
 /// Runs the point-to-point checks on this rank; returns (check name, outcome) in order. After a
 /// check that did not complete on some rank, the remaining ones are reported as not run.
 pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
@@ -399,7 +357,7 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
         Ok(e) => e,
         Err(e) => return vec![("p2p setup".into(), Err(e))],
     };
-    let seed = match shared_seed(ctx) {
+    let seed = match ctx.shared_seed() {
         Ok(s) => s,
         Err(e) => return vec![("p2p run seed".into(), Err(e))],
     };
@@ -416,6 +374,9 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
             rows.push((format!("ring {bytes} B"), ring(rank, n, bytes), graph, 1));
         }
     }
+    // 1 GiB per rank, eager only (graph replay is checked up to 64 MiB): 2 GiB of device memory per
+    // rank, 16 GiB at 8 ranks on one GPU, and about a second of host-side checking.
+    rows.push((format!("ring {GIB} B"), ring(rank, n, GIB), false, 1));
     for bytes in pair_sizes {
         for graph in [false, true] {
             rows.push((
@@ -447,7 +408,7 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
         false,
         20,
     ));
-    let (mut passed, mut failures) = (0usize, Vec::new());
+    let mut tally = Tally::default();
     for (name, msgs, graph, repeats) in rows {
         case += 1;
         let what = format!("{name} {}", if graph { "graph" } else { "eager" });
@@ -456,31 +417,14 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
         }
         let key = seed ^ case.wrapping_mul(0x2545_f491_4f6c_dd1d);
         let r = check_group(ctx, &engine, msgs, key, graph, repeats);
-        let completed = !matches!(&r, Err(e) if !matches!(e, Error::Internal(_)));
-        match r {
-            Ok(()) => passed += 1,
-            Err(e) => failures.push(format!("{what}: {e}")),
-        }
-        match all_completed(ctx, completed) {
-            Ok(true) => {}
-            Ok(false) => stopped = Some(format!("a rank failed to complete {what}")),
-            Err(e) => stopped = Some(format!("agreeing on {what}: {e}")),
-        }
+        let completed = ran_to_end(&r);
+        stopped = tally.record(ctx, &what, r, completed).err();
     }
     out.push((
         "p2p groups (ring, all-pairs, uneven, order, repeats; eager and graph)".into(),
-        if failures.is_empty() && stopped.is_none() {
-            Ok(format!("{passed} checks passed on {n} ranks, every byte"))
-        } else {
-            if let Some(why) = &stopped {
-                failures.push(format!("remaining checks skipped: {why}"));
-            }
-            Err(Error::Internal(format!(
-                "{} failed, {passed} passed: {}",
-                failures.len(),
-                failures.join("; ")
-            )))
-        },
+        tally.outcome(&stopped, |passed| {
+            format!("{passed} checks passed on {n} ranks, every byte")
+        }),
     ));
     if stopped.is_some() {
         return out;
@@ -554,13 +498,5 @@ mod tests {
                 assert!(chunks(sent.min(received), slot) > slots, "{n} ranks");
             }
         }
-    }
-
-    #[test]
-    fn data_differs_by_tag() {
-        assert_ne!(
-            (0..16).map(|i| byte(1, 0, 1, 0, i)).collect::<Vec<_>>(),
-            (0..16).map(|i| byte(1, 0, 1, 1, i)).collect::<Vec<_>>()
-        );
     }
 }

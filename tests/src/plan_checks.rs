@@ -13,7 +13,6 @@
 //! Plans come from `MSCCLPP_PLAN_FIXTURES`, else `plans/` beside the suite's `bin/` (where
 //! `scripts/gpu-stage.sh` copies ../shared/fixtures/plans to: `.gpu/plans`).
 
-use crate::alltoall_checks::shared_seed;
 use crate::{seed, RankContext};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::gpu::{MemoryKind, Stream};
@@ -143,7 +142,7 @@ fn note(ctx: &RankContext, what: &str) {
 
 /// The checks of the section, by name.
 pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
-    let run_seed = match shared_seed(ctx) {
+    let run_seed = match ctx.shared_seed() {
         Ok(s) => s,
         Err(e) => return vec![("plans run seed".into(), Err(e))],
     };

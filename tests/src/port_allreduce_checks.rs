@@ -2,7 +2,7 @@
 //! copy engine). Every rank of the job takes part; the suite calls [`run`] on every rank and prints
 //! one PASS/FAIL line per entry.
 //!
-//! Matrix, through `mscclpp_collectives::testing::run_collective_check_mode` (random data, outputs
+//! Matrix, through `mscclpp_collectives::testing::run_collective_check` (random data, outputs
 //! poisoned, every element compared with the host reference): bf16 sum, f32 sum, i32 sum and max;
 //! 1, 3 and 1023 elements, 4 KiB + 8 B, 1 MiB - 1 element, 64 MiB, 64 MiB + 3 elements and (bf16)
 //! 1 GiB, the last two in segments of the 64 MiB slots; out of place and in place;
@@ -13,14 +13,14 @@
 //! error (a device timeout, a failed launch) may leave the channels' signal counts out of step, so
 //! the remaining checks are then skipped on every rank instead of each timing out.
 
-use crate::RankContext;
+use crate::tally::Tally;
+use crate::{RankContext, MIB};
 use mscclpp::core::port_channel::PortChannelConfig;
 use mscclpp::core::{DataType, Error, ReduceOp, Result};
 use mscclpp_collectives::port_allreduce::PortAllreduce;
-use mscclpp_collectives::testing::run_collective_check_mode;
+use mscclpp_collectives::testing::run_collective_check;
 use std::sync::Arc;
 
-const MIB: usize = 1 << 20;
 /// The algorithm's slot size; larger messages of the matrix run in segments of this.
 const MAX_BYTES: usize = 64 * MIB;
 const GIB: usize = 1 << 30;
@@ -66,7 +66,7 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
             )),
         )];
     }
-    let run_seed = match shared_seed(ctx) {
+    let run_seed = match ctx.shared_seed() {
         Ok(s) => s,
         Err(e) => return vec![("port_allreduce run seed".into(), Err(e))],
     };
@@ -87,7 +87,7 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
             out.push((name, Err(Error::Internal(format!("not run: {why}")))));
             continue;
         }
-        let (mut passed, mut failures) = (0usize, Vec::new());
+        let mut tally = Tally::default();
         'row: for &op in ops {
             for count in matrix_counts(dtype) {
                 for graph in [false, true] {
@@ -95,11 +95,11 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
                         case += 1;
                         let seed = run_seed ^ case.wrapping_mul(0x2545_f491_4f6c_dd1d);
                         let what = format!(
-                            "{op} count {count} {} {}",
+                            "{dtype} {op} count {count} {} {}",
                             if in_place { "in place" } else { "out of place" },
                             if graph { "graph" } else { "eager" }
                         );
-                        let r = run_collective_check_mode(
+                        let r = run_collective_check(
                             &ctx.comm,
                             algo.as_ref(),
                             dtype,
@@ -108,56 +108,33 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
                             in_place,
                             seed,
                             graph,
+                            None,
                         );
-                        let completed = match r {
-                            Ok(rep) if rep.wrong == 0 => {
-                                passed += 1;
-                                true
-                            }
-                            Ok(rep) => {
-                                failures.push(format!(
-                                    "{what}: {} wrong, first {:?} (tol {})",
-                                    rep.wrong, rep.first_wrong, rep.tolerance
-                                ));
-                                true
-                            }
-                            Err(e) => {
-                                failures.push(format!("{what}: {e}"));
-                                false
-                            }
-                        };
-                        match all_completed(ctx, completed) {
-                            Ok(true) => {}
-                            Ok(false) => {
-                                aborted = Some(format!("a rank failed to complete {dtype} {what}"));
-                                break 'row;
-                            }
-                            Err(e) => {
-                                aborted = Some(format!("agreeing on {dtype} {what}: {e}"));
-                                break 'row;
-                            }
+                        // Wrong elements complete the check; an error stops it on the way.
+                        let completed = r.is_ok();
+                        let r = r.and_then(|rep| match rep.wrong {
+                            0 => Ok(()),
+                            wrong => Err(Error::Internal(format!(
+                                "{wrong} wrong, first {:?} (tol {})",
+                                rep.first_wrong, rep.tolerance
+                            ))),
+                        });
+                        if let Err(why) = tally.record(ctx, &what, r, completed) {
+                            aborted = Some(why);
+                            break 'row;
                         }
                     }
                 }
             }
         }
-        let result = if failures.is_empty() && aborted.is_none() {
-            Ok(format!(
+        let result = tally.outcome(&aborted, |passed| {
+            format!(
                 "{passed} checks passed (sizes {:?} elements, in/out of place, eager/graph with \
                  2 replays, on {} ranks)",
                 matrix_counts(dtype),
                 ctx.size()
-            ))
-        } else {
-            if let Some(why) = &aborted {
-                failures.push(format!("remaining checks skipped: {why}"));
-            }
-            Err(Error::Internal(format!(
-                "{} failed, {passed} passed: {}",
-                failures.len(),
-                failures.join("; ")
-            )))
-        };
+            )
+        });
         out.push((name, result));
     }
     let proxy = algo
@@ -179,25 +156,6 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
 
 fn op_names(ops: &[ReduceOp]) -> String {
     ops.iter().map(|o| o.name()).collect::<Vec<_>>().join(", ")
-}
-
-/// A seed chosen by rank 0 for this run: every rank regenerates every rank's inputs from it.
-fn shared_seed(ctx: &RankContext) -> Result<u64> {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(1);
-    let b = ctx.bootstrap.broadcast(0, &now.to_le_bytes())?;
-    b.get(..8)
-        .and_then(|s| s.try_into().ok())
-        .map(u64::from_le_bytes)
-        .ok_or_else(|| Error::Internal("run seed broadcast: short message".into()))
-}
-
-/// Whether every rank completed its last check (with or without wrong elements).
-fn all_completed(ctx: &RankContext, completed: bool) -> Result<bool> {
-    let all = ctx.bootstrap.all_gather(&[u8::from(completed)])?;
-    Ok(all.iter().all(|v| v.first() == Some(&1)))
 }
 
 #[cfg(test)]

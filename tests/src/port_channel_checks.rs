@@ -27,7 +27,7 @@
 //!
 //! The two targets are not judged when ranks share a GPU (`RankContext::shares_gpu`).
 
-use crate::{seed, DeviceBuffer, KernelArgs, RankContext, SplitMix64};
+use crate::{seed, DeviceBuffer, KernelArgs, RankContext, SplitMix64, MIB};
 use mscclpp::core::communicator::RegisteredMemory;
 use mscclpp::core::device::PortChannelHandle;
 use mscclpp::core::gpu::{Function, Gpu, LaunchConfig, MemoryKind, Stream};
@@ -38,7 +38,6 @@ use mscclpp::core::{Error, Result};
 use std::sync::Arc;
 use std::time::Duration;
 
-const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
 /// Bytes after every transfer that must keep the poison (overrun check).
 const GUARD: usize = 64;
@@ -271,18 +270,7 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
 fn setup(ctx: &RankContext) -> Result<Option<(Pair<'_>, Result<String>)>> {
     let gpu = ctx.gpu.clone();
     gpu.set_device(ctx.device)?;
-    let run_seed = {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(1);
-        let b = ctx.bootstrap.broadcast(0, &now.to_le_bytes())?;
-        u64::from_le_bytes(
-            b.get(..8)
-                .and_then(|s| s.try_into().ok())
-                .ok_or_else(|| Error::Internal("run seed broadcast: short message".into()))?,
-        )
-    };
+    let run_seed = ctx.shared_seed()?;
     let module = gpu.build_module("port_channel_checks", KERNELS)?;
     let primitives = mscclpp_kernels_cu::kernel("primitives")
         .ok_or_else(|| Error::Internal("no primitives kernel unit".into()))?;

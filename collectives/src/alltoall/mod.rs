@@ -13,4 +13,4 @@ pub mod zero_copy;
 pub use packet::AlltoallPacket;
 pub use shift::ShiftSendRecv;
 pub use split::{check_local, check_matrix, skewed_matrix, splits_of_matrix, Side, Split};
-pub use zero_copy::{AlltoallZeroCopy, Buffer, ALLTOALL_ZERO_COPY};
+pub use zero_copy::{AlltoallZeroCopy, Buffer, Rooted, ALLTOALL_ZERO_COPY};

@@ -27,7 +27,7 @@ use crate::geometry::{self, resident_blocks};
 use crate::resources::{param_ptr, CollectionResources, KernelTable, RegistrationCache};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::communicator::Communicator;
-use mscclpp_core::gpu::{DevicePtr, Stream};
+use mscclpp_core::gpu::{DevicePtr, LaunchConfig, Stream};
 use mscclpp_core::{Error, Result};
 use mscclpp_kernels_cu::alltoall::{
     AlltoallArgs, AlltoallDeviceArgs, AlltoallState, MAX_ALLTOALL_BLOCKS,
@@ -53,6 +53,26 @@ pub(crate) const STANDALONE_SCRATCH_BYTES: usize = 128 << 10;
 pub struct Buffer {
     pub ptr: DevicePtr,
     pub bytes: usize,
+}
+
+/// The rooted exchanges of the engine ([`AlltoallZeroCopy::rooted`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rooted {
+    /// Every rank's chunk of its input lands in the root's output in rank order. The root pulls
+    /// from the registered inputs, so every rank's input is what is registered (module docs).
+    Gather,
+    /// Chunk `p` (`bytes` at `p * bytes`) of the root's input lands in rank `p`'s output; every
+    /// rank's output is what is registered (module docs).
+    Scatter,
+}
+
+impl Rooted {
+    pub fn name(self) -> &'static str {
+        match self {
+            Rooted::Gather => "gather",
+            Rooted::Scatter => "scatter",
+        }
+    }
 }
 
 /// Which side of an exchange is registered and addressed by the peers.
@@ -255,6 +275,7 @@ impl AlltoallZeroCopy {
             )));
         }
         self.exchange(
+            "alltoallv",
             Direction::Push,
             input,
             output,
@@ -266,74 +287,49 @@ impl AlltoallZeroCopy {
         )
     }
 
-    /// Gather: every rank's `bytes` of `input` land in `root`'s output in rank order. `output` is
-    /// only read on the root (others may pass an empty or null buffer). The root pulls from the
-    /// registered inputs, so every rank's input is what is registered (module docs).
-    pub fn gather(
+    /// Gather or scatter (`op`) of `bytes` per rank with `root`: see [`Rooted`] for which buffer
+    /// each reads and which side is registered. A buffer a rank off the root does not use (gather's
+    /// output, scatter's input) is never read, so it may be empty or null. Every rank passes the
+    /// same `blocks` and `threads` (`None`: the engine's choice, [`gather_blocks`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rooted(
         &self,
+        op: Rooted,
         input: Buffer,
         output: Buffer,
         bytes: usize,
         root: usize,
         stream: Stream,
+        blocks: Option<u32>,
+        threads: Option<u32>,
     ) -> Result<()> {
         let (rank, n) = (self.comm.rank(), self.comm.size());
-        self.check_root("gather", root)?;
+        self.check_root(op.name(), root)?;
         // The same on every rank: nothing to move anywhere.
         if bytes == 0 {
             return Ok(());
         }
-        let send = Split::only(n, root, bytes);
-        let recv = if rank == root {
+        // The root's side holds a chunk per rank; every other side one chunk, to or from the root.
+        let one = Split::only(n, root, bytes);
+        let all = if rank == root {
             Split::uniform(n, bytes)
         } else {
             Split::only(n, root, 0)
         };
-        let blocks = geometry::bandwidth_blocks(bytes.saturating_mul(n), self.max_blocks);
+        let (direction, send, recv) = match op {
+            Rooted::Gather => (Direction::Pull, one, all),
+            Rooted::Scatter => (Direction::Push, all, one),
+        };
         self.exchange(
-            Direction::Pull,
+            op.name(),
+            direction,
             input,
             output,
             &send,
             &recv,
             stream,
-            Some(blocks),
-            None,
-        )
-    }
-
-    /// Scatter: chunk `p` (`bytes` at `p * bytes`) of `root`'s input lands in rank `p`'s output.
-    /// `input` is only read on the root (others may pass an empty or null buffer); every rank's
-    /// output is what is registered (module docs).
-    pub fn scatter(
-        &self,
-        input: Buffer,
-        output: Buffer,
-        bytes: usize,
-        root: usize,
-        stream: Stream,
-    ) -> Result<()> {
-        let (rank, n) = (self.comm.rank(), self.comm.size());
-        self.check_root("scatter", root)?;
-        if bytes == 0 {
-            return Ok(());
-        }
-        let send = if rank == root {
-            Split::uniform(n, bytes)
-        } else {
-            Split::only(n, root, 0)
-        };
-        let recv = Split::only(n, root, bytes);
-        let blocks = geometry::bandwidth_blocks(bytes.saturating_mul(n), self.max_blocks);
-        self.exchange(
-            Direction::Push,
-            input,
-            output,
-            &send,
-            &recv,
-            stream,
-            Some(blocks),
-            None,
+            blocks.or(Some(gather_blocks(bytes, n, self.max_blocks))),
+            threads,
         )
     }
 
@@ -360,9 +356,11 @@ impl AlltoallZeroCopy {
         Ok(())
     }
 
+    /// One exchange; `what` names the call in errors.
     #[allow(clippy::too_many_arguments)]
     fn exchange(
         &self,
+        what: &str,
         direction: Direction,
         input: Buffer,
         output: Buffer,
@@ -373,15 +371,18 @@ impl AlltoallZeroCopy {
         threads: Option<u32>,
     ) -> Result<()> {
         let (rank, n) = (self.comm.rank(), self.comm.size());
-        let local = check_local(rank, n, send, input.bytes, recv, output.bytes);
+        // The geometry is checked with the splits, before anything collective, so that a bad
+        // request fails on the rank that made it without leaving the others in a registration.
+        let local = check_local(rank, n, send, input.bytes, recv, output.bytes)
+            .and_then(|()| exchange_geometry(what, rank, blocks, threads, self.max_blocks));
         if self.host_check {
             // Every rank joins the gather, so one rank's bad arguments fail all of them at once.
             self.check_across_ranks(local.is_ok().then_some((send, recv)))?;
         }
-        local?;
-        let null = |what: &str| {
+        let cfg = local?;
+        let null = |side: &str| {
             Error::InvalidArgument(format!(
-                "rank {rank}: null {what} pointer for a non-empty side"
+                "rank {rank}: {what}: null {side} pointer for a non-empty side"
             ))
         };
         if send.total() > 0 && input.ptr == 0 {
@@ -416,7 +417,7 @@ impl AlltoallZeroCopy {
         // SAFETY: `AlltoallArgs` is the kernel's one parameter (layout checked by the NVRTC test's
         // static_asserts); its addresses are the caller's checked buffers, the peers' registered
         // buffers and the collection's live semaphores, tables and state.
-        unsafe { self.launch(entry, &mut args, stream, blocks, threads) }
+        unsafe { self.launch(entry, &mut args, stream, cfg) }
     }
 
     /// All-to-all-v with the send counts in device memory, as MoE routing produces them (no host
@@ -439,6 +440,14 @@ impl AlltoallZeroCopy {
         blocks: Option<u32>,
     ) -> Result<()> {
         let rank = self.comm.rank();
+        let blocks = blocks.or(Some(EXCHANGE_BLOCKS.min(self.max_blocks)));
+        let cfg = exchange_geometry(
+            "alltoallv with device counts",
+            rank,
+            blocks,
+            None,
+            self.max_blocks,
+        )?;
         if unit_bytes == 0 || send_counts == 0 || recv_counts == 0 {
             return Err(Error::InvalidArgument(format!(
                 "rank {rank}: alltoallv with device counts needs a unit size (got {unit_bytes}) \
@@ -465,12 +474,11 @@ impl AlltoallZeroCopy {
             rank: rank as u32,
             nranks: self.comm.size() as u32,
         };
-        let blocks = blocks.or(Some(EXCHANGE_BLOCKS.min(self.max_blocks)));
         // SAFETY: `AlltoallDeviceArgs` is the kernel's one parameter (layout checked by the NVRTC test's
         // static_asserts); the count arrays are the caller's device memory of `nranks` u64 each,
         // the kernel never touches more of a buffer than its given size, and the rest are the
         // collection's live resources.
-        unsafe { self.launch("alltoallv_device_counts", &mut args, stream, blocks, None) }
+        unsafe { self.launch("alltoallv_device_counts", &mut args, stream, cfg) }
     }
 
     /// Every rank's `buffer` (the registered side of this call), registered (collective; see the
@@ -504,7 +512,8 @@ impl AlltoallZeroCopy {
         PeerPtrs::from_slice(&ptrs)
     }
 
-    /// Launches `entry` of the all-to-all unit with its one argument struct `args`.
+    /// Launches `entry` of the all-to-all unit with its one argument struct `args` on the grid
+    /// `cfg` ([`exchange_geometry`]).
     ///
     /// # Safety
     /// `A` must be the entry point's parameter type and every address in it valid for the call.
@@ -513,10 +522,8 @@ impl AlltoallZeroCopy {
         entry: &'static str,
         args: &mut A,
         stream: Stream,
-        blocks: Option<u32>,
-        threads: Option<u32>,
+        cfg: LaunchConfig,
     ) -> Result<()> {
-        let cfg = geometry::launch_config(blocks, threads, 1, DEFAULT_THREADS, self.max_blocks)?;
         let f = self.kernels.function(
             self.comm.gpu().as_ref(),
             CollectiveFile::AllToAll,
@@ -530,6 +537,28 @@ impl AlltoallZeroCopy {
         // SAFETY: per this function's contract.
         unsafe { self.comm.gpu().launch(f, cfg, stream, &mut params) }
     }
+}
+
+/// Default blocks of a gather or scatter of `bytes` per rank on `nranks`: by the bytes the root
+/// moves in all, the same on every rank.
+pub fn gather_blocks(bytes: usize, nranks: usize, max_blocks: u32) -> u32 {
+    geometry::bandwidth_blocks(bytes.saturating_mul(nranks), max_blocks)
+}
+
+/// The grid of one exchange named `what` on `rank`: the caller's `blocks` and `threads` where given
+/// (`blocks` in 1..=`max_blocks`, `threads` a multiple of 32 up to 1024, as every native
+/// algorithm), else `DEFAULT_THREADS`; errors name the rank and the call.
+fn exchange_geometry(
+    what: &str,
+    rank: usize,
+    blocks: Option<u32>,
+    threads: Option<u32>,
+    max_blocks: u32,
+) -> Result<LaunchConfig> {
+    geometry::launch_config(blocks, threads, 1, DEFAULT_THREADS, max_blocks).map_err(|e| match e {
+        Error::InvalidArgument(m) => Error::InvalidArgument(format!("rank {rank}: {what}: {m}")),
+        e => e,
+    })
 }
 
 impl Algorithm for AlltoallZeroCopy {
@@ -572,6 +601,7 @@ impl Algorithm for AlltoallZeroCopy {
         )));
         // In place is refused by `uniform_chunk`.
         self.exchange(
+            ALLTOALL_ZERO_COPY,
             Direction::Push,
             Buffer {
                 ptr: args.input,
@@ -587,5 +617,38 @@ impl Algorithm for AlltoallZeroCopy {
             blocks,
             args.nthreads,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gather_grid_follows_the_roots_bytes() {
+        assert_eq!(gather_blocks(1, 8, 64), 1);
+        // 8 ranks x 1 MiB at the root: 128 blocks of 64 KiB, capped at the engine's grid.
+        assert_eq!(gather_blocks(1 << 20, 8, 256), 128);
+        assert_eq!(gather_blocks(1 << 20, 8, 64), 64);
+        assert_eq!(gather_blocks(usize::MAX, 8, 64), 64);
+    }
+
+    #[test]
+    fn requested_geometry_is_taken_or_refused_by_name() {
+        let c = exchange_geometry("gather", 1, Some(3), Some(128), 64).expect("request");
+        assert_eq!((c.grid.0, c.block.0), (3, 128));
+        let c = exchange_geometry("gather", 1, Some(64), None, 64).expect("default threads");
+        assert_eq!((c.grid.0, c.block.0), (64, DEFAULT_THREADS));
+        for (blocks, threads, bad) in [
+            (Some(0), None, "nblocks 0"),
+            (Some(65), None, "nblocks 65"),
+            (Some(1), Some(100), "nthreads 100"),
+            (Some(1), Some(2048), "nthreads 2048"),
+        ] {
+            let e = exchange_geometry("scatter", 3, blocks, threads, 64).unwrap_err();
+            let m = e.to_string();
+            assert!(matches!(e, Error::InvalidArgument(_)), "{m}");
+            assert!(m.contains("rank 3: scatter: ") && m.contains(bad), "{m}");
+        }
     }
 }

@@ -16,9 +16,6 @@
 using namespace mscclpp;
 using namespace mscclpp::coll;
 
-typedef MSCCLPP_COLL_T CollT;
-typedef MSCCLPP_COLL_ACC CollAcc;
-constexpr int kCollOp = MSCCLPP_COLL_OP;
 typedef LL16Packet Pkt;
 
 // ------------------------------------------------------------------------------------------------

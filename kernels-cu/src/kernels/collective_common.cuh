@@ -296,5 +296,32 @@ MSCCLPP_DEVICE_INLINE void reduce_to_all(const PeerPtrs& srcs, u32 nsrc, u64 src
                              global_num_threads());
 }
 
+// The zero-copy reductions of registered inputs into one local output (reduce_zero_copy,
+// reducescatter_zero_copy; ZeroCopyArgs): `args.count` elements at element `src_off` of every rank's
+// input, read directly over NVLink, are reduced into `args.output` (in rank order from `first`)
+// where `reduces` is set; the other ranks only take part in the barriers. Start barrier: every
+// input holds this call's data. End barrier: no rank returns (and lets its input be reused) while
+// another may still read it. Only local stores happen, so the end barrier publishes nothing. In
+// place (the output over the reduced part of this rank's input) is safe: each element is read and
+// written by the one thread that reduces it.
+template <typename T, typename AccT, int Op>
+MSCCLPP_DEVICE_INLINE void zero_copy_reduce(const ZeroCopyArgs& args, bool reduces, u64 src_off, u32 first) {
+  const u32 npeers = args.nranks - 1;
+  if (!block_barrier(args.sems, npeers, false)) return;
+  if (reduces) {
+    PeerPtrs out;
+    out.p[0] = args.output;
+    reduce_to_all<T, AccT, Op>(args.inputs, args.nranks, src_off, out, 1, 0, args.count, args.nranks, first);
+  }
+  block_barrier(args.sems, npeers, false);
+}
+
+#ifdef MSCCLPP_COLL_T
+// A reducing unit's element type, accumulator and op, from the #defines collectives.rs prepends.
+typedef MSCCLPP_COLL_T CollT;
+typedef MSCCLPP_COLL_ACC CollAcc;
+constexpr int kCollOp = MSCCLPP_COLL_OP;
+#endif
+
 }  // namespace coll
 }  // namespace mscclpp

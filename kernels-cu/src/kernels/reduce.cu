@@ -20,24 +20,9 @@
 using namespace mscclpp;
 using namespace mscclpp::coll;
 
-typedef MSCCLPP_COLL_T CollT;
-typedef MSCCLPP_COLL_ACC CollAcc;
-constexpr int kCollOp = MSCCLPP_COLL_OP;
-
 extern "C" __global__ void __launch_bounds__(1024, 1)
     reduce_zero_copy(const ZeroCopyArgs args) {
   wait_prior_grids();
   if (block_aborted(args.error_word)) return;
-  const u32 npeers = args.nranks - 1;
-  if (block_barrier(args.sems, npeers, false)) {
-    if (args.rank == args.root) {
-      PeerPtrs out;
-      out.p[0] = args.output;
-      reduce_to_all<CollT, CollAcc, kCollOp>(args.inputs, args.nranks, 0, out, 1, 0, args.count, args.nranks,
-                                             args.root);
-    }
-    // Only the root's local stores happened: nothing to publish, the barrier keeps every input alive
-    // until the root is done reading.
-    block_barrier(args.sems, npeers, false);
-  }
+  zero_copy_reduce<CollT, CollAcc, kCollOp>(args, args.rank == args.root, 0, args.root);
 }

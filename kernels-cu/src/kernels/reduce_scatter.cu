@@ -16,29 +16,11 @@
 using namespace mscclpp;
 using namespace mscclpp::coll;
 
-typedef MSCCLPP_COLL_T CollT;
-typedef MSCCLPP_COLL_ACC CollAcc;
-constexpr int kCollOp = MSCCLPP_COLL_OP;
-
 extern "C" __global__ void __launch_bounds__(1024, 1)
     reducescatter_zero_copy(const ZeroCopyArgs args) {
   wait_prior_grids();
   if (block_aborted(args.error_word)) return;
-  const PeerPtrs& inputs = args.inputs;
-  const u64 count = args.count;
-  const u32 rank = args.rank;
-  const u32 nranks = args.nranks;
-  const D2DSemaphoreHandle* sems = args.sems;
-  const u32 npeers = nranks - 1;
-  PeerPtrs out;
-  out.p[0] = args.output;
-  if (block_barrier(sems, npeers, false)) {
-    reduce_to_all<CollT, CollAcc, kCollOp>(inputs, nranks, static_cast<u64>(rank) * count, out, 1, 0,
-                                           count, nranks, rank);
-    // Only local stores happened, so nothing needs publishing: this barrier keeps every peer's
-    // input alive until every rank is done reading it.
-    block_barrier(sems, npeers, false);
-  }
+  zero_copy_reduce<CollT, CollAcc, kCollOp>(args, true, static_cast<u64>(args.rank) * args.count, args.rank);
 }
 
 // ------------------------------------------------------------------------------------------------

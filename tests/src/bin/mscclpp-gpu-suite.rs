@@ -22,8 +22,6 @@ use mscclpp::core::{DataType, Error, ReduceOp, Result};
 use mscclpp_tests::*;
 use std::time::{Duration, Instant};
 
-const MIB: usize = 1 << 20;
-
 struct Suite {
     ctx: RankContext,
     run_seed: u64,
@@ -123,16 +121,7 @@ fn run() -> Result<i32> {
         mscclpp::core::affinity::bind_current_thread_near(&props.pci_bus_id)
     };
     let stream = ctx.gpu.create_stream()?;
-    let run_seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(1);
-    // Every rank must use the same run seed to regenerate its peers' inputs.
-    let run_seed = u64::from_le_bytes(
-        ctx.bootstrap.broadcast(0, &run_seed.to_le_bytes())?[..8]
-            .try_into()
-            .map_err(|_| Error::Internal("seed broadcast".into()))?,
-    );
+    let run_seed = ctx.shared_seed()?;
     if ctx.rank() == 0 {
         println!(
             "device: {} ({}, {} SMs), {} ranks, backend {}; rank 0 thread: {cpu_binding}",
@@ -321,6 +310,8 @@ fn resources(s: &mut Suite) -> Result<String> {
                 count,
                 false,
                 seed,
+                false,
+                None,
             ) {
                 Ok(r) if r.wrong == 0 => {}
                 Ok(r) => wrong.push(format!("{} {bytes} B: {} wrong", kind.name(), r.wrong)),
@@ -978,7 +969,7 @@ fn precompile_collectives(s: &mut Suite) -> Result<String> {
 fn reduce_at_every_root(s: &mut Suite) -> Result<String> {
     use mscclpp::core::algorithm::Collective;
     use mscclpp::core::algorithm_collection::native_names::REDUCE_ZERO_COPY;
-    use mscclpp_collectives::testing::run_check_at_root;
+    use mscclpp_collectives::testing::run_collective_check;
     let comm = s.ctx.comm.clone();
     let coll = mscclpp_collectives::default_algorithm_collection(
         &comm,
@@ -1019,7 +1010,7 @@ fn reduce_at_every_root(s: &mut Suite) -> Result<String> {
                         let what = format!(
                             "root {root} {dtype} {op} count {count} in_place {in_place} graph {graph}"
                         );
-                        match run_check_at_root(
+                        match run_collective_check(
                             &comm,
                             algo.as_ref(),
                             *dtype,
@@ -1028,7 +1019,7 @@ fn reduce_at_every_root(s: &mut Suite) -> Result<String> {
                             in_place,
                             seed,
                             *graph,
-                            root,
+                            Some(root),
                         ) {
                             Ok(r) if r.wrong == 0 => checks += 1,
                             Ok(r) => failures.push(format!(
@@ -1051,23 +1042,26 @@ fn reduce_at_every_root(s: &mut Suite) -> Result<String> {
         }
     }
     let secs = t.elapsed().as_secs_f64();
-    if failures.is_empty() {
-        Ok(format!(
+    matrix_result(
+        checks,
+        &failures,
+        format!(
             "{checks} checks exact/within tolerance at {} roots, {secs:.1} s",
             s.ctx.size()
-        ))
-    } else {
-        Err(Error::Internal(format!(
-            "{} failures ({checks} passed): {}",
-            failures.len(),
-            failures
-                .iter()
-                .take(6)
-                .cloned()
-                .collect::<Vec<_>>()
-                .join(" | ")
-        )))
+        ),
+    )
+}
+
+/// A check matrix's outcome: `passed` when nothing failed, else the failures (the first six).
+fn matrix_result(checks: usize, failures: &[String], passed: String) -> Result<String> {
+    if failures.is_empty() {
+        return Ok(passed);
     }
+    Err(Error::Internal(format!(
+        "{} failures ({checks} passed): {}",
+        failures.len(),
+        failures[..failures.len().min(6)].join(" | ")
+    )))
 }
 
 /// Every native algorithm x data type x op x size x placement x eager/graph, checked element by
@@ -1075,7 +1069,7 @@ fn reduce_at_every_root(s: &mut Suite) -> Result<String> {
 /// run a representative subset so the suite fits in a few minutes.
 fn collectives_matrix(s: &mut Suite, only: Option<&[String]>) {
     use mscclpp::core::algorithm::Collective;
-    use mscclpp_collectives::{testing::run_collective_check_mode, NativeKind};
+    use mscclpp_collectives::{testing::run_collective_check, NativeKind};
     let comm = s.ctx.comm.clone();
     let coll = match mscclpp_collectives::default_algorithm_collection(
         &comm,
@@ -1160,8 +1154,8 @@ fn collectives_matrix(s: &mut Suite, only: Option<&[String]>) {
                     for in_place in [false, true] {
                         case += 1;
                         let seed = s.run_seed ^ case.wrapping_mul(0x2545_f491_4f6c_dd1d);
-                        match run_collective_check_mode(
-                            &comm, algo.as_ref(), dtype, op, count, in_place, seed, graph,
+                        match run_collective_check(
+                            &comm, algo.as_ref(), dtype, op, count, in_place, seed, graph, None,
                         ) {
                             Ok(r) if r.wrong == 0 => checks += 1,
                             Ok(r) => failures.push(format!(
@@ -1182,22 +1176,13 @@ fn collectives_matrix(s: &mut Suite, only: Option<&[String]>) {
             }
         }
         let secs = t.elapsed().as_secs_f64();
-        let result = if failures.is_empty() {
-            Ok(format!(
+        let result = matrix_result(
+            checks,
+            &failures,
+            format!(
                 "{checks} checks exact/within tolerance, {skipped} refused by design, {secs:.1} s"
-            ))
-        } else {
-            Err(Error::Internal(format!(
-                "{} failures ({checks} passed): {}",
-                failures.len(),
-                failures
-                    .iter()
-                    .take(6)
-                    .cloned()
-                    .collect::<Vec<_>>()
-                    .join(" | ")
-            )))
-        };
+            ),
+        );
         s.record(kind.name(), result);
     }
     let r = two_communicators(s, &coll);
@@ -1212,7 +1197,7 @@ fn two_communicators(
     coll1: &mscclpp::core::algorithm_collection::AlgorithmCollection,
 ) -> Result<String> {
     use mscclpp::core::algorithm::Collective;
-    use mscclpp_collectives::testing::run_collective_check_mode;
+    use mscclpp_collectives::testing::run_collective_check;
     let comm2 = s.ctx.fresh_communicator()?;
     let coll2 = mscclpp_collectives::default_algorithm_collection(
         &comm2,
@@ -1230,7 +1215,7 @@ fn two_communicators(
                     .get(Collective::AllReduce, name)
                     .ok_or_else(|| Error::Internal(format!("{name} missing")))?;
                 let seed = s.run_seed ^ (0x7777 + case as u64 * 16 + which);
-                match run_collective_check_mode(
+                match run_collective_check(
                     comm,
                     algo.as_ref(),
                     DataType::Bf16,
@@ -1239,6 +1224,7 @@ fn two_communicators(
                     false,
                     seed,
                     false,
+                    None,
                 ) {
                     Ok(r) if r.wrong == 0 => checks += 1,
                     Ok(r) => {
