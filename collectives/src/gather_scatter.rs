@@ -128,14 +128,16 @@ impl Algorithm for GatherScatter {
         if self.chunk(args)? == 0 {
             return Ok(());
         }
-        let buffer = |ptr, bytes| Buffer { ptr, bytes };
-        if self.collective == Collective::Scatter {
-            let output = buffer(args.output, args.output_bytes);
-            self.engine.prepare_scatter(output, args.root)
-        } else {
-            let input = buffer(args.input, args.input_bytes);
-            self.engine.prepare_gather(input, args.root)
-        }
+        let input = Buffer {
+            ptr: args.input,
+            bytes: args.input_bytes,
+        };
+        let output = Buffer {
+            ptr: args.output,
+            bytes: args.output_bytes,
+        };
+        self.engine
+            .prepare_rooted(self.op, input, output, args.root)
     }
 
     fn execute(&self, args: &ExecuteArgs) -> Result<()> {

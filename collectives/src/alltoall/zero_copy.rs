@@ -333,16 +333,20 @@ impl AlltoallZeroCopy {
         )
     }
 
-    /// [`gather`](Self::gather)'s host work before launching (see `prepare_exchange`).
-    pub fn prepare_gather(&self, input: Buffer, root: usize) -> Result<()> {
-        self.check_root("gather", root)?;
-        self.prepare_exchange(Direction::Pull, input)
-    }
-
-    /// [`scatter`](Self::scatter)'s host work before launching (see `prepare_exchange`).
-    pub fn prepare_scatter(&self, output: Buffer, root: usize) -> Result<()> {
-        self.check_root("scatter", root)?;
-        self.prepare_exchange(Direction::Push, output)
+    /// [`rooted`](Self::rooted)'s host work before launching (see `prepare_exchange`): a gather
+    /// registers `input` (the root pulls), a scatter `output` (the root pushes).
+    pub fn prepare_rooted(
+        &self,
+        op: Rooted,
+        input: Buffer,
+        output: Buffer,
+        root: usize,
+    ) -> Result<()> {
+        self.check_root(op.name(), root)?;
+        match op {
+            Rooted::Gather => self.prepare_exchange(Direction::Pull, input),
+            Rooted::Scatter => self.prepare_exchange(Direction::Push, output),
+        }
     }
 
     fn check_root(&self, what: &str, root: usize) -> Result<()> {
