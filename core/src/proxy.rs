@@ -218,11 +218,19 @@ fn run(mut fifo: Fifo, mut handler: impl ProxyHandler, shared: &ProxyShared) {
                     )))
                 });
             fifo.pop();
+            let stop = match result {
+                Ok(ProxyAction::Continue) => false,
+                Ok(ProxyAction::Stop) => true,
+                Err(e) => {
+                    shared.record(e);
+                    false
+                }
+            };
+            // Counted once its error is recorded: whoever sees it handled also sees its error
+            // (`check` right after `wait_handled` found nothing when this came first).
             shared.handled.fetch_add(1, Ordering::Release);
-            match result {
-                Ok(ProxyAction::Continue) => {}
-                Ok(ProxyAction::Stop) => return,
-                Err(e) => shared.record(e),
+            if stop {
+                return;
             }
             continue;
         }
