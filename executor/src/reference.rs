@@ -797,14 +797,12 @@ impl<'a> Machine<'a> {
                 }
                 return Ok(Some((key, generation)));
             }
-            Put | Pws | Pwsf | Ppkt | Rppkt if port => {
-                self.queue_puts(st, rank, t, tid, o, op, win)?;
-                if matches!(op.name, Pws | Pwsf) {
-                    self.signal(st, rank, t, tid, op)?;
-                }
-            }
             _ => {
-                self.move_data(st, rank, t, tid, o, op, win)?;
+                if port && matches!(op.name, Put | Pws | Pwsf | Ppkt | Rppkt) {
+                    self.queue_puts(st, rank, t, tid, o, op, win)?;
+                } else {
+                    self.move_data(st, rank, t, tid, o, op, win)?;
+                }
                 if matches!(op.name, Pws | Pwsf) {
                     self.signal(st, rank, t, tid, op)?;
                 }
