@@ -238,7 +238,9 @@ class AlgorithmCollection:
             by_name = {(a.collective, a.name): a for a in collection.algorithms()}
             # Algorithms only some machines build (NVLS, behind its gate) join the list now.
             known = {(a.collective, a.name) for a in self._algorithms}
-            self._algorithms += [Algorithm(self, n, c) for c, n in by_name if (c, n) not in known]
+            self._algorithms += [
+                Algorithm._of_collection(self, n, c) for c, n in by_name if (c, n) not in known
+            ]
             # The communicator is kept so its id cannot be reused while the entry lives.
             entry = (native, collection, by_name, executor)
             self._built[id(native)] = entry
