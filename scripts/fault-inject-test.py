@@ -7,7 +7,7 @@ every 0.1 s; rank 0 blames a rank whose connection closes ("died") or who is sil
 MSCCLPP_DEVICE_WAIT_TIMEOUT seconds ("stalled") and tells the others, and every rank then logs the
 bench's timestamped "the timed loop stopped" warning and its error line, and exits 1. FAKE_MODE
 makes it misbehave: `early` (rank 1 fails before any signal), `hang` (survivors never exit),
-`noloop` (no "timed loop stopped" line)."""
+`noloop` (no "timed loop stopped" line), `fault` (a context fault logged before the error)."""
 
 import json
 import os
@@ -30,6 +30,8 @@ def fail(msg):
     if mode == "hang":
         time.sleep(3600)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")
+    if mode == "fault":
+        print("WARN drop: cuMemFree: CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access", flush=True)
     if mode != "noloop":
         print(f"{stamp}Z  WARN mscclpp::bench: rank {rank}: the timed loop stopped: {msg}", flush=True)
     print(f"mscclpp-bench (rank {rank}): error: communicator aborted: rank {rank}: {msg}", flush=True)
@@ -144,7 +146,7 @@ def main():
 
     # A rank failing before the signal, a hang and a missing loop line are failures.
     for mode, reason in (("early", "ended before the signal"), ("hang", "hang"),
-                         ("noloop", "timed loop")):
+                         ("noloop", "timed loop"), ("fault", "context faulted")):
         r, rows, _, _ = run(tmp, mode, ["--runs", "1", "--config", "2:KILL:eager:0", "--hang-after",
                                         "2"], {"FAKE_MODE": mode})
         row = rows["2 ranks KILL eager no MPS"]

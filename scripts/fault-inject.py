@@ -8,9 +8,10 @@ table header (communicator and algorithms up) and --settle seconds more (the tim
 its launch queue full), or --delay seconds in all when given, then SIGKILLs or SIGSTOPs one rank
 (the victim). It passes when every survivor exits non-zero within MSCCLPP_DEVICE_WAIT_TIMEOUT +
 --slack seconds of that run's own signal, its error names the victim ("rank V"), and its log says
-its timed loop stopped on the failure (so the signal landed in the loop, not in set-up). A run in
-which any rank ended before the signal fails too (a false timeout under load is a failure, not a
-skipped run). Survivors still running --hang-after seconds after the signal are killed and the run
+its timed loop stopped on the failure (so the signal landed in the loop, not in set-up), and no
+survivor's log, nor a continued stopped victim's, shows a fault of its CUDA context. A run in which
+any rank ended before the signal fails too (a false timeout under load is a failure, not a skipped
+run). Survivors still running --hang-after seconds after the signal are killed and the run
 fails. The liveness timeout (MSCCLPP_LIVENESS_TIMEOUT) follows MSCCLPP_DEVICE_WAIT_TIMEOUT unless
 the environment sets it.
 
@@ -90,8 +91,9 @@ WORKLOADS = ("eager", "small", "graph", "port")
 # Bootstrap roots listen on MASTER_PORT + 1; ports cycle below Linux's ephemeral range (32768 up),
 # so no connection's local port can take one.
 PORT_FIRST, PORT_LAST = 20000, 32000
-# How long a warm-up job (a cold kernel cache: NVRTC compiles) may take.
-WARM_UP_LIMIT = 300.0
+# How long a warm-up job may take: the first ones compile the kernels (NVRTC, a cold cache), the
+# later ones read the cache (a hung one must not eat the budget).
+WARM_UP_LIMITS = (300.0, 60.0)
 POLL = 0.01
 # The probe's answers that are not failures ("yes after N s" is a server that had to recover).
 HEALTHY = ("yes", "yes (not checked)")
@@ -103,6 +105,12 @@ TERMINATED = []
 LOOP_STOPPED = "the timed loop stopped"
 HEADER = b"# rank 0 thread:"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# A fault of the process's own context (sticky: the context is lost), or its MPS server gone. A
+# survivor's or a continued victim's kernel touching memory a dead peer freed, or that the
+# survivor unmapped under it, shows as one; under MPS one client's fault reaches every client.
+CONTEXT_FAULT = re.compile(r"CUDA_ERROR_(?:ILLEGAL_ADDRESS|LAUNCH_FAILED|HARDWARE_STACK_ERROR|"
+                           r"ILLEGAL_INSTRUCTION|MISALIGNED_ADDRESS|INVALID_ADDRESS_SPACE|INVALID_PC|"
+                           r"ECC_UNCORRECTABLE|MPS_\w+)")
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?)Z")
 
 
@@ -247,7 +255,8 @@ class World:
     """One job of N ranks: its own bootstrap port, victim and logs. Advanced by `step` without
     blocking, so that many run side by side; `result` is set once every process was reaped."""
 
-    def __init__(self, a, cfg, port, rundir, tag, extra_env, signals_sent, warm_up=False):
+    def __init__(self, a, cfg, port, rundir, tag, extra_env, signals_sent, warm_up=None):
+        """`warm_up`: seconds a job without a signal may take (a warm-up), None for a timed run."""
         self.a, self.cfg, self.tag, self.warm_up = a, cfg, tag, warm_up
         nranks, sig, workload, _ = cfg
         self.victim = a.victim if a.victim >= 0 else nranks - 1
@@ -266,7 +275,7 @@ class World:
         if a.bench_args:
             args = [a.bench] + a.bench_args.split()
         else:
-            args = [a.bench] + workload_args(workload, a.size, short=warm_up)
+            args = [a.bench] + workload_args(workload, a.size, short=warm_up is not None)
         self.procs = []
         self.paths = [os.path.join(rundir, f"{tag}.rank{r}.log") for r in range(nranks)]
         self.started = time.monotonic()
@@ -277,7 +286,7 @@ class World:
                 self.procs.append(subprocess.Popen(args, env={**env, **rank_env(workload, r, nranks)},
                                                    stdout=log, stderr=subprocess.STDOUT))
             RUNNING.add(self.procs[-1])
-        self.state = "warming" if warm_up else "starting"
+        self.state = "starting" if warm_up is None else "warming"
         self.reader, self.read_upto, self.header_at = open(self.paths[0], "rb"), 0, None
         self.sent = self.sent_wall = self.continued = None
         self.ended, self.early, self.not_running = {}, [], None
@@ -308,8 +317,8 @@ class World:
         if self.state == "warming":
             if all(p.poll() is not None for p in self.procs):
                 return self._finish()
-            if now - self.started > WARM_UP_LIMIT:
-                self.not_running = f"warm-up still running after {WARM_UP_LIMIT:.0f} s"
+            if now - self.started > self.warm_up:
+                self.not_running = f"warm-up still running after {self.warm_up:.0f} s"
                 return self._finish()
             return False
         if self.state in ("starting", "settling"):
@@ -371,7 +380,7 @@ class World:
             with open(path, "rb") as log:
                 texts.append(ANSI.sub("", log.read().decode("utf-8", "replace")))
         self.texts = texts
-        self.result = self._warm_up_result() if self.warm_up else self._verdicts()
+        self.result = self._verdicts() if self.warm_up is None else self._warm_up_result()
         self.state = "done"
         return True
 
@@ -405,6 +414,8 @@ class World:
                 why = f"still running after {a.hang_after} s (hang)"
             elif self.procs[r].returncode == 0:
                 why = "exited 0"
+            elif CONTEXT_FAULT.search(text):
+                why = f"its context faulted ({CONTEXT_FAULT.search(text).group(0)})"
             elif t > budget:
                 why = f"took {t:.2f} s > {budget} s"
             elif not named.search("\n".join(errors)):
@@ -417,7 +428,10 @@ class World:
         others = [f"{tag} {sig} at {t - self.sent if self.sent else t - self.started:+.2f} s"
                   for t, tag, sig in self.signals_sent
                   if tag != self.tag and self.started <= t <= self.finished]
-        return {"verdicts": verdicts, "before": before, "others": others}
+        fault = CONTEXT_FAULT.search(self.texts[self.victim]) if self.cfg[1] == "STOP" else None
+        victim_fault = f"the continued victim's context faulted ({fault.group(0)})" if fault else None
+        return {"verdicts": verdicts, "before": before, "others": others,
+                "victim_fault": victim_fault}
 
 
 def excerpt(text, head=15, tail=60):
@@ -454,7 +468,7 @@ def record(row, world, logs, kept):
     verdicts = res["verdicts"]
     name = row["configuration"]
     slowest = max(verdicts, key=lambda v: -1 if v[1] is None else v[1])
-    failed = [v for v in verdicts if v[2]]
+    failed = [v[2] for v in verdicts if v[2]] + ([res["victim_fault"]] if res["victim_fault"] else [])
     row["runs"] += 1
     row["passed"] += not failed
     if slowest[1] is not None and not res["before"]:
@@ -466,7 +480,7 @@ def record(row, world, logs, kept):
         row["kinds"][kind] = row["kinds"].get(kind, 0) + 1
         row["example"] = row["example"] or last
     if failed:
-        reason = re.sub(r"[0-9.]+ s", "N s", failed[0][2])
+        reason = re.sub(r"[0-9.]+ s", "N s", failed[0])
         row["reasons"][reason] = row["reasons"].get(reason, 0) + 1
     row["victim"].append(world.victim_end)
     status = "PASS" if not failed else "FAIL"
@@ -478,6 +492,8 @@ def record(row, world, logs, kept):
         tt = f"{t:.2f} s" if t is not None else "-"
         seen = f" (loop stopped at {noticed:.2f} s)" if noticed is not None else ""
         print(f"    rank {r}: {tt}{seen} {mark}: {last[:240]}", flush=True)
+    if res["victim_fault"]:
+        print(f"    victim rank {world.victim}: FAIL ({res['victim_fault']})", flush=True)
     if failed:
         others = "; ".join(res["others"]) or "none"
         append_run(logs["failures"], f"{title}; other worlds signalled during it: {others}",
@@ -549,14 +565,14 @@ def run_phase(a, mps, configs, rows, ngpu, workdir, rundir, logs, ports, phase_d
             smallest = {}
             for n, w in jobs:
                 smallest.setdefault(w, n)
-            waves = [[j for j in jobs if smallest[j[1]] == j[0]],
-                     [j for j in jobs if smallest[j[1]] != j[0]]]
+            waves = [[(n, w, WARM_UP_LIMITS[0]) for n, w in jobs if smallest[w] == n],
+                     [(n, w, WARM_UP_LIMITS[1]) for n, w in jobs if smallest[w] != n]]
 
             def launch_warm(job):
-                n, w = job
+                n, w, limit = job
                 return World(a, (n, "KILL", w, mps), ports.take(), rundir,
                              f"warm-{'mps' if mps else 'nomps'}-n{n}-{w}", extra, signals_sent,
-                             warm_up=True)
+                             warm_up=limit)
 
             def warm_done(world):
                 n, _, w, _ = world.cfg
