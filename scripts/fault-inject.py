@@ -288,7 +288,7 @@ class World:
             RUNNING.add(self.procs[-1])
         self.state = "starting" if warm_up is None else "warming"
         self.reader, self.read_upto, self.header_at = open(self.paths[0], "rb"), 0, None
-        self.sent = self.sent_wall = self.continued = None
+        self.sent = self.sent_wall = self.continued = self.load = None
         self.ended, self.early, self.not_running = {}, [], None
         self.victim_end = "-"
         self.result = None
@@ -306,6 +306,8 @@ class World:
 
     def _send(self, now):
         sig = self.cfg[1]
+        # The load the run saw: bench processes alive on the machine, this world's included.
+        self.load = sum(p.poll() is None for p in RUNNING)
         self.sent, self.sent_wall = time.monotonic(), time.time()
         os.kill(self.procs[self.victim].pid, SIGNALS[sig])
         self.signals_sent.append((self.sent, self.tag, sig))
@@ -455,7 +457,7 @@ def new_row(cfg):
     return {"configuration": config_name(cfg), "ranks": nranks, "signal": sig,
             "workload": workload, "mps": mps, "runs": 0, "passed": 0, "times": [], "noticed": [],
             "kinds": {}, "reasons": {}, "example": None, "victim": [], "not_started": 0,
-            "warm_up": [], "gpu_usable_after": [], "parallel_ranks": []}
+            "warm_up": [], "gpu_usable_after": [], "parallel_ranks": [], "load": []}
 
 
 def key_of(row):
@@ -483,6 +485,8 @@ def record(row, world, logs, kept):
         reason = re.sub(r"[0-9.]+ s", "N s", failed[0])
         row["reasons"][reason] = row["reasons"].get(reason, 0) + 1
     row["victim"].append(world.victim_end)
+    if world.load is not None:
+        row["load"].append(world.load)
     status = "PASS" if not failed else "FAIL"
     shown = f"{slowest[1]:.2f} s" if slowest[1] is not None else "-"
     title = f"[{name}] {world.tag}: {status}, victim rank {world.victim} ({world.victim_end})"
@@ -645,7 +649,7 @@ def percentile(values, q):
 def table(rows, intro):
     lines = ["| configuration | pass | not started | min s | median s | p90 s | max s | "
              "loop stopped, median s | survivors' errors | failures | example | stopped victim | "
-             "ranks at once | GPU usable after |",
+             "ranks at once: limit (alive at the signal) | GPU usable after |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         times = row["times"]
@@ -659,6 +663,8 @@ def table(rows, intro):
         ends = sorted(set(re.sub(r"[0-9.]+ s", "N s", v) for v in row["victim"]))
         usable = "; ".join(sorted(set(row["gpu_usable_after"]))) or "-"
         at_once = ", ".join(str(p) for p in sorted(set(row["parallel_ranks"]))) or "-"
+        if row.get("load"):
+            at_once += f" (at the signal: {min(row['load'])}-{max(row['load'])})"
         lines.append(f"| {row['configuration']} | {row['passed']}/{row['runs']} | "
                      f"{row['not_started']} | {stats} | {noticed} | {kinds or '-'} | "
                      f"{reasons or '-'} | {example} | {'; '.join(ends) or '-'} | {at_once} | "
@@ -686,7 +692,8 @@ def merge_rows(documents):
                 into[k] += row[k]
             # Runs left out by one document's budget and run by another's --missing-from.
             into["not_started"] = max(0, into["not_started"] + row["not_started"] - row["runs"])
-            for k in ("times", "noticed", "victim", "warm_up", "gpu_usable_after", "parallel_ranks"):
+            for k in ("times", "noticed", "victim", "warm_up", "gpu_usable_after", "parallel_ranks",
+                      "load"):
                 into[k] += row[k]
             for k in ("kinds", "reasons"):
                 for kind, n in row[k].items():
