@@ -107,6 +107,14 @@ def run(tmp, name, args, env=None):
     return r, rows, took, path
 
 
+def cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def check(cond, what, r=None):
     if not cond:
         if r is not None:
@@ -185,7 +193,7 @@ def main():
         runs = json.load(f)["configurations"][0]["runs"]
     with open(os.path.join(out, "fault-inject", "summary.md")) as f:
         marked = f.read().startswith("INTERRUPTED")
-    left = subprocess.run(["pgrep", "-f", bench], capture_output=True, text=True).stdout.split()
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and bench in cmdline(pid)]
     check(rc == 1 and marked and 1 <= runs < 20 and not left,
           f"SIGTERM: exit 1, {runs} finished run(s) written, no bench process left ({left})")
 
