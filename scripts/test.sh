@@ -16,3 +16,5 @@ cargo test --workspace --all-targets "$@"
 if [ "${MSCCLPP_SKIP_CU12:-0}" != 1 ]; then
   MSCCLPP_NVRTC_FLAVOUR=cu12 bash -c 'source scripts/nvrtc-env.sh && cargo test -p mscclpp-cuda --test kernels_compile every_kernel_unit_compiles'
 fi
+# The fault-injection script's scheduling, timing and verdicts against a fake bench (~20 s, no GPU).
+python3 scripts/fault-inject-test.py
