@@ -9,6 +9,7 @@ Modes (run through `.gpu/gpu-run.sh nccl MODE`, which preloads the shim and sets
             all-reduce and all-gather in one group, then ncclReduce, ncclGather, ncclScatter at
             every root and ncclAlltoAll, each a group over every communicator; each rank on one of
             PyTorch's streams, or with INITALL_STREAMS=raw on one created through the driver;
+            INITALL_COUNT sets the first group's element count (100003);
   kill      under torchrun, 2 ranks: rank 1 exits without teardown while rank 0 is in an
             all-reduce; rank 0 must see ncclCommGetAsyncError report an error, not hang;
   abort     under torchrun, 2 ranks: rank 0 is blocked in an all-reduce rank 1 never joins, and
@@ -501,7 +502,9 @@ def initall_mode():
         d = ctypes.c_int(-1)
         lib.ncclCommCuDevice(ctypes.c_void_p(comms[r]), ctypes.byref(d))
         report("PASS" if d.value == devs[r] else "FAIL", f"ncclCommCuDevice rank {r}", f"= {d.value}")
-    count = 100003
+    # INITALL_COUNT moves the first group to other algorithms (at 4 ranks: up to 131072 elements
+    # the all-gather is default_allgather_packet, above it default_allgather_fullmesh2).
+    count = int(os.environ.get("INITALL_COUNT", "100003"))
     xs = [make_input(torch.float32, count, r, 3) for r in range(n)]
     bufs, streams = [], []
     for r in range(n):
