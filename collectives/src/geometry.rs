@@ -1,21 +1,59 @@
 //! Launch geometry and scratch layout: pure functions, unit-tested on the CPU.
 //!
 //! Every native kernel waits for peers' blocks, so its grid must be co-resident (see
-//! collective_common.cuh). The kernels are built with `__launch_bounds__(1024, 1)` (at most 64
-//! registers a thread), so an SM always holds 1024 of their threads: `sm * (1024 / threads)` blocks.
+//! collective_common.cuh); [`Residency`] says how many blocks a rank's grid may have for that.
 
+use mscclpp_core::communicator::Communicator;
 use mscclpp_core::gpu::{GpuVendor, LaunchConfig};
 use mscclpp_core::{Error, Result};
 
-/// Threads an SM is guaranteed to hold for our kernels (see the module docs).
+/// Threads an SM is guaranteed to hold for our kernels (see [`Residency`]).
 pub const RESIDENT_THREADS_PER_SM: u32 = 1024;
 /// Bytes of one LL16 packet and of its payload.
 pub const PACKET_BYTES: usize = 16;
 pub const PACKET_PAYLOAD: usize = 8;
 
-/// Most blocks that are guaranteed co-resident with `threads` threads each on `sm` SMs.
-pub fn resident_blocks(sm: u32, threads: u32) -> u32 {
-    sm.max(1) * (RESIDENT_THREADS_PER_SM / threads.max(1)).max(1)
+/// The SMs one rank's grids may occupy, and how full it may pack them: the one rule every grid
+/// size of the native kernels, point-to-point and all-to-all is capped by.
+///
+/// - A rank that owns its device's context (one rank per process, MPS or not): the kernels are
+///   built with `__launch_bounds__(1024, 1)` (at most 64 registers a thread), so each of its `sm`
+///   SMs always holds 1024 of their threads: `sm * (1024 / threads)` blocks, whatever the block
+///   scheduler does, since only this rank's one grid waits on them.
+/// - Ranks of one process sharing the device (`ncclCommInitAll` on one GPU): their grids, of
+///   different block sizes, are resident in one context at once, and the block scheduler places
+///   blocks where it likes: 512-thread blocks spread one per SM leave no SM with room for a
+///   1024-thread block, so packing each share exactly full can leave a peer's block unscheduled
+///   while ours wait for it (until the device timeout). So each rank takes at most one block per
+///   SM of its share: with every rank's grids together at most one block per SM of the device, a
+///   block waiting to be scheduled always finds an empty SM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Residency {
+    /// SMs this rank's grids are sized for (`Communicator::multiprocessors`, its share).
+    pub sm: u32,
+    /// Whether other ranks of this process share the device (`!Communicator::owns_device`).
+    pub shares_device: bool,
+}
+
+impl Residency {
+    /// This rank's residency on `comm`'s device.
+    pub fn of(comm: &Communicator) -> Result<Residency> {
+        Ok(Residency {
+            sm: comm.multiprocessors()?,
+            shares_device: !comm.owns_device(),
+        })
+    }
+
+    /// Most blocks of `threads` threads one grid of this rank may have and still be resident with
+    /// every peer's grid (see the type's docs).
+    pub fn max_blocks(self, threads: u32) -> u32 {
+        let sm = self.sm.max(1);
+        if self.shares_device {
+            sm
+        } else {
+            sm * (RESIDENT_THREADS_PER_SM / threads.max(1)).max(1)
+        }
+    }
 }
 
 /// The launch geometry of one call: the caller's request where given (checked), else the defaults;
@@ -238,8 +276,41 @@ mod tests {
     #[case(132, 1024, 132)]
     #[case(132, 256, 528)]
     #[case(0, 2048, 1)]
-    fn residency(#[case] sm: u32, #[case] threads: u32, #[case] want: u32) {
-        assert_eq!(resident_blocks(sm, threads), want);
+    fn an_owned_device_packs_each_sm_full(
+        #[case] sm: u32,
+        #[case] threads: u32,
+        #[case] want: u32,
+    ) {
+        let r = Residency {
+            sm,
+            shares_device: false,
+        };
+        assert_eq!(r.max_blocks(threads), want);
+    }
+
+    /// Ranks of one process sharing a 132-SM device (`ncclCommInitAll`): whatever the block size,
+    /// each rank's grid takes at most one block per SM of its share, so all ranks' grids together
+    /// hold at most one block per SM of the device and a block never waits for room.
+    #[rstest]
+    #[case(2)]
+    #[case(3)]
+    #[case(4)]
+    #[case(8)]
+    fn ranks_sharing_a_device_take_one_block_per_sm(#[case] sharers: usize) {
+        let sm = mscclpp_core::topology::sm_share(132, sharers);
+        let r = Residency {
+            sm,
+            shares_device: true,
+        };
+        for threads in [32, 256, 512, 1024] {
+            assert_eq!(r.max_blocks(threads), sm, "{threads} threads");
+            assert!(sharers as u32 * r.max_blocks(threads) <= 132);
+        }
+        // A request above the cap is refused, naming the limit; defaults are clamped to it.
+        let e = launch_config(Some(sm + 1), Some(512), 1, 512, r.max_blocks(512)).unwrap_err();
+        assert!(e.to_string().contains(&format!("1..={sm}")), "{e}");
+        let c = launch_config(None, None, 4 * sm, 512, r.max_blocks(512)).expect("default");
+        assert_eq!(c.grid.0, sm);
     }
 
     #[test]

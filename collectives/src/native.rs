@@ -4,7 +4,7 @@
 //! (every rank builds the same kinds in the same order); `execute` only enqueues work on
 //! `args.stream`, with no host synchronisation, so it is legal during CUDA-graph capture.
 
-use crate::geometry;
+use crate::geometry::{self, Residency};
 use crate::resources::{
     launch_with_args, CollectionResources, KernelTable, RegistrationCache, ScratchPart,
     ScratchRegion,
@@ -294,7 +294,7 @@ pub struct NativeBase {
     registrations: RegistrationCache,
     /// The collection's scratch, call counter and semaphores, lent to every algorithm.
     resources: Arc<CollectionResources>,
-    sm: u32,
+    residency: Residency,
     /// Whose GPU: an LL128 line's payload differs (see [`max_input_bytes_on`]).
     vendor: GpuVendor,
     comm: Arc<Communicator>,
@@ -308,7 +308,8 @@ impl NativeBase {
         resources: Arc<CollectionResources>,
     ) -> Result<Self> {
         let vendor = comm.gpu().properties(comm.device())?.vendor;
-        let sm = comm.multiprocessors()?;
+        let residency = Residency::of(&comm)?;
+        let sm = residency.sm;
         if let Some(part) = kind.scratch_part() {
             let bytes = resources.region(part).bytes;
             // A slot of one LL128 line (two-phase all-reduce, all-gather, reduce-scatter) or of two
@@ -343,7 +344,7 @@ impl NativeBase {
             kernels: KernelTable::default(),
             registrations: RegistrationCache::default(),
             resources,
-            sm,
+            residency,
             vendor,
             comm,
         })
@@ -364,7 +365,12 @@ impl NativeBase {
     /// Multiprocessors this rank's grids are sized for (`Communicator::multiprocessors`: the
     /// GPU's, shared among the ranks of this process on it).
     pub fn sm(&self) -> u32 {
-        self.sm
+        self.residency.sm
+    }
+
+    /// The most blocks this rank's grids may have ([`Residency::max_blocks`]).
+    pub fn residency(&self) -> Residency {
+        self.residency
     }
 
     /// Largest message (input bytes per rank) this algorithm takes; `usize::MAX` for zero-copy.
@@ -442,7 +448,7 @@ impl NativeBase {
 
     /// The collection's semaphore table and how many of its blocks this kind barriers with.
     pub fn semaphores(&self) -> Result<(DevicePtr, u32)> {
-        match self.kind.semaphore_blocks(self.sm) {
+        match self.kind.semaphore_blocks(self.sm()) {
             0 => Err(Error::Internal(format!(
                 "{} barriers with no semaphores",
                 self.kind.name()

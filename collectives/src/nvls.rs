@@ -24,7 +24,7 @@
 //!   use (collective, cached by allocation, host-only so legal during graph capture). Only VMM
 //!   allocations can be bound: others are refused, naming the buffer.
 
-use crate::geometry::{self, resident_blocks};
+use crate::geometry::{self, Residency};
 use crate::resources::{param_ptr, BlockSemaphores, DeviceBuffer};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::algorithm_collection::{native_names as names, NVLS_PACKET_THRESHOLD};
@@ -279,7 +279,7 @@ pub struct NvlsAlgorithm {
     semaphores: Option<BlockSemaphores>,
     state: Option<DeviceBuffer>,
     scratch_bytes: usize,
-    sm: u32,
+    residency: Residency,
     env: Env,
     comm: Arc<Communicator>,
 }
@@ -302,7 +302,7 @@ impl NvlsAlgorithm {
     ) -> Result<Self> {
         nvls_available(comm.gpu().as_ref(), comm.device(), env)?;
         let gpu = comm.gpu().clone();
-        let sm = comm.multiprocessors()?;
+        let residency = Residency::of(&comm)?;
         let n = comm.size();
         let scratch_bytes = match kind {
             NvlsKind::Packet => scratch_bytes.max(packet_scratch_bytes(NVLS_PACKET_THRESHOLD, n)),
@@ -343,7 +343,7 @@ impl NvlsAlgorithm {
             semaphores,
             state,
             scratch_bytes,
-            sm,
+            residency,
             env: env.clone(),
             comm,
         })
@@ -506,7 +506,8 @@ impl Algorithm for NvlsAlgorithm {
         let mut rank = self.comm.rank() as u32;
         let mut nranks = self.comm.size() as u32;
         let threads = args.nthreads.unwrap_or(self.kind.default_threads());
-        let resident = resident_blocks(self.sm, threads);
+        let resident = self.residency.max_blocks(threads);
+        let sm = self.residency.sm;
         let mut input = args.input;
         let mut output = args.output;
         let mut bytes = args.input_bytes as u64;
@@ -523,9 +524,9 @@ impl Algorithm for NvlsAlgorithm {
                 let cfg = geometry::launch_config(
                     args.nblocks,
                     args.nthreads,
-                    geometry::packet_blocks(args.input_bytes, threads, self.sm),
+                    geometry::packet_blocks(args.input_bytes, threads, sm),
                     self.kind.default_threads(),
-                    self.sm.min(resident).min(MAX_PACKET_BLOCKS as u32),
+                    sm.min(resident).min(MAX_PACKET_BLOCKS as u32),
                 )?;
                 let mut count = count as u64;
                 let mut chan = scratch.handle()?;

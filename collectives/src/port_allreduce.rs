@@ -27,7 +27,7 @@
 //! order, so every rank gets bit-identical results). Why parity double buffering makes a second
 //! signal round unnecessary is explained in port_allreduce.cu.
 
-use crate::geometry::{self, resident_blocks};
+use crate::geometry::{self, Residency};
 use crate::resources::{param_ptr, DeviceBuffer, SharedScratch};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::communicator::Communicator;
@@ -226,7 +226,7 @@ pub struct PortAllreduce {
     scratch: SharedScratch,
     kernels: Mutex<HashMap<ReduceSpec, Kernels>>,
     layout: ScratchLayout,
-    sm: u32,
+    residency: Residency,
     comm: Arc<Communicator>,
 }
 
@@ -246,7 +246,7 @@ impl PortAllreduce {
         let layout = ScratchLayout::new(nranks, max_bytes)?;
         let gpu = comm.gpu().clone();
         gpu.set_device(comm.device())?;
-        let sm = comm.multiprocessors()?;
+        let residency = Residency::of(&comm)?;
         let scratch = SharedScratch::new(&comm, layout.scratch_bytes())?;
         let staging = DeviceBuffer::zeroed(&gpu, layout.max_bytes)?;
         let calls = DeviceBuffer::zeroed(&gpu, std::mem::size_of::<u64>())?;
@@ -293,7 +293,7 @@ impl PortAllreduce {
             scratch,
             kernels: Mutex::new(HashMap::new()),
             layout,
-            sm,
+            residency,
             comm,
         })
     }
@@ -376,7 +376,7 @@ impl Algorithm for PortAllreduce {
         };
         let kernels = self.kernels(spec)?;
         let threads = args.nthreads.unwrap_or(DEFAULT_THREADS);
-        let max_blocks = resident_blocks(self.sm, threads);
+        let max_blocks = self.residency.max_blocks(threads);
         let reduce_cfg = geometry::launch_config(
             args.nblocks,
             args.nthreads,

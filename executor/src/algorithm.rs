@@ -22,6 +22,7 @@
 use crate::encode::{encode, packet_bytes, unit_bytes, EncodedPlan};
 use crate::plan::{BufferType, ChannelType, Collective as PlanCollective, Plan, PlanReduceOp};
 use crate::reference::plan_reduce_op;
+use mscclpp_collectives::geometry::Residency;
 use mscclpp_collectives::port_allreduce::proxy_connections;
 use mscclpp_collectives::resources::{DeviceBuffer, RegistrationCache, SharedScratch};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
@@ -111,6 +112,9 @@ pub struct PlanAlgorithm {
     collective: Collective,
     reduce_op: ReduceOp,
     threadblocks: u32,
+    /// Most threadblocks this rank's grid may have: the interpreter's threadblocks wait for each
+    /// other and for the peers', so all must be resident at once ([`Residency`]).
+    max_threadblocks: u32,
     /// Bytes of one scratch copy (a half for LL plans).
     scratch_half_bytes: usize,
     comm: Arc<Communicator>,
@@ -188,6 +192,7 @@ impl PlanAlgorithm {
         };
         let (layout, bytes) = state_bytes(&encoded, &channels, &ports);
         let state = DeviceBuffer::upload(comm.gpu(), &bytes)?;
+        let max_threadblocks = Residency::of(&comm)?.max_blocks(block_threads(&plan));
         Ok(PlanAlgorithm {
             proxy,
             functions: Mutex::default(),
@@ -198,6 +203,7 @@ impl PlanAlgorithm {
             staging,
             layout,
             threadblocks: encoded.threadblocks() as u32,
+            max_threadblocks,
             collective,
             reduce_op: core_op(reduce_op),
             scratch_half_bytes,
@@ -350,6 +356,23 @@ impl PlanAlgorithm {
         })
     }
 
+    /// Refuses a plan whose threadblocks could not all be resident at once on this rank's SMs
+    /// (they would wait for each other until the device timeout).
+    fn check_residency(&self) -> Result<()> {
+        if self.threadblocks > self.max_threadblocks {
+            return Err(Error::Unsupported(format!(
+                "plan {}: {} threadblocks on rank {}, more than the {} its share of the GPU keeps \
+                 resident at once ({} threads each)",
+                self.plan.name,
+                self.threadblocks,
+                self.comm.rank(),
+                self.max_threadblocks,
+                block_threads(&self.plan)
+            )));
+        }
+        Ok(())
+    }
+
     /// The first proxy error not reported yet (a failed copy, signal or flush); host only.
     fn check_proxy(&self) -> Result<()> {
         let Some(proxy) = &self.proxy else {
@@ -386,6 +409,11 @@ impl PlanAlgorithm {
         functions.insert(key, f);
         Ok(f)
     }
+}
+
+/// Threads per block of the plan's grid: its `num_threads_per_block` as a launchable block size.
+fn block_threads(plan: &Plan) -> u32 {
+    plan.num_threads_per_block.clamp(32, 1024) / 32 * 32
 }
 
 fn mode(in_place: bool) -> &'static str {
@@ -595,14 +623,30 @@ impl Algorithm for PlanAlgorithm {
         if args.input_bytes == 0 {
             return Ok(());
         }
+        self.check_residency()?;
         self.chunk_bytes(args)?;
         kx::unit_source(args.dtype, args.accum, self.reduce_op).map(|_| ())
+    }
+
+    /// `check`, then the host work of `execute` that must not run while a peer's kernel in this
+    /// process waits for this rank: compiling and loading the interpreter for the call's types and
+    /// registering the call's buffers with every peer (collective, so every rank of the group
+    /// prepares before any launches).
+    fn prepare(&self, args: &ExecuteArgs) -> Result<()> {
+        if args.input_bytes == 0 {
+            return Ok(());
+        }
+        self.check_residency()?;
+        let chunk = self.chunk_bytes(args)?;
+        self.function(args)?;
+        self.rank_buffers(args, chunk).map(|_| ())
     }
 
     fn execute(&self, args: &ExecuteArgs) -> Result<()> {
         if args.input_bytes == 0 {
             return Ok(());
         }
+        self.check_residency()?;
         let chunk = self.chunk_bytes(args)?;
         self.check_proxy()?;
         let f = self.function(args)?;
@@ -662,8 +706,7 @@ impl Algorithm for PlanAlgorithm {
                 a.block_offsets[slot] = a.buffers[slot].saturating_sub(self.block_ptrs[owner]);
             }
         }
-        let threads = self.plan.num_threads_per_block.clamp(32, 1024) / 32 * 32;
-        let cfg = LaunchConfig::linear(self.threadblocks.max(1), threads);
+        let cfg = LaunchConfig::linear(self.threadblocks.max(1), block_threads(&self.plan));
         let mut params = [&mut a as *mut PlanArgs as *mut c_void];
         // SAFETY: `PlanArgs` is the entry point's one parameter (layout checked by the NVRTC
         // test's static_asserts); its addresses are the caller's checked buffers, the peers'

@@ -7,7 +7,9 @@ Modes (run through `.gpu/gpu-run.sh nccl MODE`, which preloads the shim and sets
             (integers exact, floats against float64 with a per-type tolerance);
   initall   one process, NRANKS ranks through ncclCommInitAll (ranks may share one GPU):
             all-reduce and all-gather in one group, then ncclReduce, ncclGather, ncclScatter at
-            every root and ncclAlltoAll, each a group over every communicator;
+            every root and ncclAlltoAll, each a group over every communicator; each rank on one of
+            PyTorch's streams, or with INITALL_STREAMS=raw on one created through the driver;
+            INITALL_COUNT sets the first group's element count (100003);
   kill      under torchrun, 2 ranks: rank 1 exits without teardown while rank 0 is in an
             all-reduce; rank 0 must see ncclCommGetAsyncError report an error, not hang;
   abort     under torchrun, 2 ranks: rank 0 is blocked in an all-reduce rank 1 never joins, and
@@ -468,6 +470,23 @@ def rooted_and_exchanges(lib, comms, devs, streams):
                 check_exact(f"{name} rank {r}", outs[r], want)
 
 
+def rank_stream(device):
+    """The stream one rank's operations run on in initall: one of PyTorch's pooled streams, or, with
+    INITALL_STREAMS=raw, a non-blocking stream created here through the driver. The driver spreads a
+    process's streams over CUDA_DEVICE_MAX_CONNECTIONS hardware queues by creation order; two ranks
+    whose streams share a queue cannot run at once (a kernel waits behind a peer's kernel that waits
+    for it). Streams created one after another land on distinct queues up to that count, so a run
+    with raw streams tells a shared queue from other causes of a device timeout."""
+    if os.environ.get("INITALL_STREAMS", "torch") != "raw":
+        return torch.cuda.Stream(device=device)
+    cuda = ctypes.CDLL("libcuda.so.1")
+    raw = ctypes.c_void_p()
+    rc = cuda.cuStreamCreate(ctypes.byref(raw), 1)  # CU_STREAM_NON_BLOCKING
+    if rc != 0:
+        raise RuntimeError(f"cuStreamCreate failed with CUresult {rc}")
+    return torch.cuda.ExternalStream(raw.value, device=device)
+
+
 def initall_mode():
     lib = shim()
     n = int(os.environ.get("NRANKS", "2"))
@@ -483,14 +502,18 @@ def initall_mode():
         d = ctypes.c_int(-1)
         lib.ncclCommCuDevice(ctypes.c_void_p(comms[r]), ctypes.byref(d))
         report("PASS" if d.value == devs[r] else "FAIL", f"ncclCommCuDevice rank {r}", f"= {d.value}")
-    count = 100003
+    # INITALL_COUNT moves the first group to other algorithms (at 4 ranks: up to 131072 elements
+    # the all-gather is default_allgather_packet, above it default_allgather_fullmesh2).
+    count = int(os.environ.get("INITALL_COUNT", "100003"))
     xs = [make_input(torch.float32, count, r, 3) for r in range(n)]
     bufs, streams = [], []
     for r in range(n):
         torch.cuda.set_device(devs[r])
         bufs.append(xs[r].to(f"cuda:{devs[r]}"))
-        streams.append(torch.cuda.Stream(device=devs[r]))
+        streams.append(rank_stream(devs[r]))
     outs = [torch.zeros(count * n, device=f"cuda:{devs[r]}") for r in range(n)]
+    for d in set(devs):  # the outputs were zeroed on the default streams
+        torch.cuda.synchronize(d)
     lib.ncclGroupStart()
     for r in range(n):
         p = ctypes.c_void_p(bufs[r].data_ptr())

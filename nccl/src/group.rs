@@ -25,6 +25,7 @@ use std::cell::RefCell;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
 
 /// A grouped init: runs it and says how it ended.
 pub type Job = Box<dyn FnOnce() -> CallResult<()> + Send>;
@@ -138,9 +139,28 @@ fn run_ops(ops: Vec<(Arc<Comm>, Op)>) -> mscclpp::Result<()> {
         },
         |(comm, list)| {
             comm.gpu.set_device(comm.device)?;
-            list.into_iter().try_for_each(|op| op.launch(&comm))
+            let started = Instant::now();
+            let launched = list.into_iter().try_for_each(|op| op.launch(&comm));
+            note_slow_launch(comm.rank, started.elapsed());
+            launched
         },
     )
+}
+
+/// A grouped launch that takes longer than this is logged: a launch costs microseconds, so one
+/// this slow was held up by host or driver work while its peers' kernels already waited for it.
+const SLOW_LAUNCH: Duration = Duration::from_secs(1);
+
+/// Logs a launch of one communicator's grouped operations that took `took` (see
+/// [`SLOW_LAUNCH`]): what a device timeout on its peers then points to.
+fn note_slow_launch(rank: usize, took: Duration) {
+    if took > SLOW_LAUNCH {
+        tracing::warn!(
+            target: "mscclpp::nccl",
+            "rank {rank}: launching its grouped operations took {took:.1?}; its peers' kernels \
+             waited for it meanwhile (beyond MSCCLPP_DEVICE_WAIT_TIMEOUT they fail)"
+        );
+    }
 }
 
 /// Runs `prepare` on every part, then `launch` on every part, each part on its own thread when

@@ -327,14 +327,15 @@ fn size_mismatch(ctx: &RankContext, (sent, received): (usize, usize)) -> Result<
                     Some(at) => Err(Error::Internal(format!(
                         "rank 1: byte {at} of the receive buffer was written despite the mismatch"
                     ))),
+                    // `m` begins with "rank 1:" already.
                     None => Ok(format!(
-                        "rank 1: {m} ({took:.1?}; {} chunks received, {} sent)",
+                        "{m} ({took:.1?}; {} chunks received, {} sent)",
                         chunks(received, slot),
                         chunks(sent, slot)
                     )),
                 }
             } else {
-                Ok(format!("rank 0: {m} ({took:.1?})"))
+                Ok(format!("{m} ({took:.1?})"))
             }
         }
         (0 | 1, other) => Err(Error::Internal(format!(

@@ -3,7 +3,7 @@
 //! `allreduce_ce_sync`). Its ring is the collection's scratch.
 
 use crate::copy_engine::{CallPlan, CopyEngine};
-use crate::geometry::{self, resident_blocks};
+use crate::geometry;
 use crate::native::{NativeBase, NativeKind, DEFAULT_THREADS};
 use crate::resources::CollectionResources;
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
@@ -47,7 +47,7 @@ impl AllreduceCopyEngine {
             args.nthreads,
             (slot_vectors as u32).div_ceil(threads).min(base.sm()),
             DEFAULT_THREADS,
-            resident_blocks(base.sm(), threads),
+            base.residency().max_blocks(threads),
         )?;
         let plan = CallPlan {
             reduce,

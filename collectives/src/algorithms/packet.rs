@@ -2,7 +2,7 @@
 //! LL128 lines into the peers' halves of the collection's scratch and poll their own, with no
 //! semaphores; the shared call counter picks the half and the flag.
 
-use crate::geometry::{self, resident_blocks};
+use crate::geometry;
 use crate::native::{NativeBase, NativeKind, DEFAULT_THREADS};
 use mscclpp_core::algorithm::ExecuteArgs;
 use mscclpp_core::device::PacketArgs;
@@ -29,10 +29,13 @@ pub fn launch(base: &NativeBase, args: &ExecuteArgs, count: u64) -> Result<()> {
     let comm = base.comm();
     let n = comm.size();
     let threads = args.nthreads.unwrap_or(DEFAULT_THREADS);
-    // The per-block call counter has MAX_PACKET_BLOCKS slots (collective_common.cuh).
+    // At most one block per SM (the packet kernels poll; latency matters more than bandwidth),
+    // within the residency cap, and the per-block call counter has MAX_PACKET_BLOCKS slots
+    // (collective_common.cuh).
     let max_blocks = base
-        .sm()
-        .min(resident_blocks(base.sm(), threads))
+        .residency()
+        .max_blocks(threads)
+        .min(base.sm())
         .min(MAX_PACKET_BLOCKS as u32);
     let cfg = geometry::launch_config(
         args.nblocks,

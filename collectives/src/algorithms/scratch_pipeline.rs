@@ -2,7 +2,7 @@
 //! collective_common.cuh): unregistered buffers staged through the collection's scratch in steps,
 //! with a block barrier per step.
 
-use crate::geometry::{self, resident_blocks, PipelineGeometry};
+use crate::geometry::{self, PipelineGeometry};
 use crate::native::{NativeBase, DEFAULT_THREADS};
 use mscclpp_core::algorithm::ExecuteArgs;
 use mscclpp_core::device::PipelineArgs;
@@ -24,7 +24,7 @@ pub fn launch(
     let threads = args.nthreads.unwrap_or(DEFAULT_THREADS);
     // The step counter has MAX_PACKET_BLOCKS slots, and blocks wait for the peers' blocks.
     let max_blocks = sem_blocks
-        .min(resident_blocks(base.sm(), threads))
+        .min(base.residency().max_blocks(threads))
         .min(MAX_PACKET_BLOCKS as u32);
     let cfg = geometry::launch_config(
         args.nblocks,

@@ -2,7 +2,7 @@
 //! with every peer on first use (and cached), with block barriers through the collection's
 //! semaphores.
 
-use crate::geometry::{self, resident_blocks};
+use crate::geometry;
 use crate::native::{NativeBase, DEFAULT_THREADS};
 use mscclpp_core::algorithm::ExecuteArgs;
 use mscclpp_core::device::{PeerPtrs, ZeroCopyArgs};
@@ -20,7 +20,7 @@ pub fn launch(base: &NativeBase, args: &ExecuteArgs, kernel_args: ZeroCopyArgs) 
     let f = base.function(args)?;
     let (sems, sem_blocks) = base.semaphores()?;
     let threads = args.nthreads.unwrap_or(DEFAULT_THREADS);
-    let max_blocks = sem_blocks.min(resident_blocks(base.sm(), threads));
+    let max_blocks = sem_blocks.min(base.residency().max_blocks(threads));
     let cfg = geometry::launch_config(
         args.nblocks,
         args.nthreads,

@@ -8,7 +8,7 @@
 //! allocation) for an engine used apart from the default collection.
 
 use super::split::uniform_chunk;
-use crate::geometry::{self, LL128_LINE_BYTES, LL128_PAYLOAD};
+use crate::geometry::{self, Residency, LL128_LINE_BYTES, LL128_PAYLOAD};
 use crate::resources::{param_ptr, CollectionResources, KernelTable, ScratchPart, ScratchRegion};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::algorithm_collection::native_names::ALLTOALL_PACKET;
@@ -48,7 +48,7 @@ pub struct AlltoallPacket {
     region: ScratchRegion,
     /// Slot stride: `nranks` slots fit in each half of `region`.
     slot_bytes: usize,
-    sm: u32,
+    residency: Residency,
     comm: Arc<Communicator>,
 }
 
@@ -73,7 +73,7 @@ impl AlltoallPacket {
                 "{ALLTOALL_PACKET} on {n} ranks: at most {MAX_RANKS} ranks on one host"
             )));
         }
-        let sm = comm.multiprocessors()?;
+        let residency = Residency::of(&comm)?;
         let region = resources.region(ScratchPart::Ll128);
         let slot_bytes = slot_bytes(PACKET_SCRATCH_BYTES.min(2 * region.half_bytes()), n);
         Ok(AlltoallPacket {
@@ -81,7 +81,7 @@ impl AlltoallPacket {
             resources,
             region,
             slot_bytes,
-            sm,
+            residency,
             comm,
         })
     }
@@ -154,9 +154,11 @@ impl Algorithm for AlltoallPacket {
         let cfg = geometry::launch_config(
             args.nblocks,
             args.nthreads,
-            geometry::packet_blocks(work, threads, self.sm),
+            geometry::packet_blocks(work, threads, self.residency.sm),
             DEFAULT_THREADS,
-            geometry::resident_blocks(self.sm, threads).min(MAX_PACKET_BLOCKS as u32),
+            self.residency
+                .max_blocks(threads)
+                .min(MAX_PACKET_BLOCKS as u32),
         )?;
         let mut kargs = AlltoallPacketArgs {
             input: args.input,

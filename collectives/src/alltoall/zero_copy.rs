@@ -23,7 +23,7 @@
 //! (one 2 MiB allocation) for an engine used apart from the default collection.
 
 use super::split::{check_local, check_matrix, mismatch_message, uniform_chunk, Split};
-use crate::geometry::{self, resident_blocks};
+use crate::geometry::{self, Residency};
 use crate::resources::{param_ptr, CollectionResources, KernelTable, RegistrationCache};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::communicator::Communicator;
@@ -150,10 +150,10 @@ impl AlltoallZeroCopy {
                 comm.size()
             )));
         }
-        let sm = comm.multiprocessors()?;
+        let residency = Residency::of(comm)?;
         Ok((MAX_ALLTOALL_BLOCKS as u32)
-            .min(sm)
-            .min(resident_blocks(sm, DEFAULT_THREADS)))
+            .min(residency.sm)
+            .min(residency.max_blocks(DEFAULT_THREADS)))
     }
 
     /// The communicator's device error (as [`Communicator::check_device_errors`]), naming the two

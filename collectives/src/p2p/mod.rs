@@ -150,7 +150,7 @@ impl P2pEngine {
         state: DevicePtr,
     ) -> Result<Self> {
         let layout = plan::layout(comm.size());
-        let sm = comm.multiprocessors()?;
+        let max_blocks = geometry::Residency::of(&comm)?.max_blocks(THREADS);
         let mismatch = comm
             .gpu()
             .alloc_host_mapped(std::mem::size_of::<P2pMismatch>())?;
@@ -170,7 +170,7 @@ impl P2pEngine {
             layout,
             mismatch,
             order: Mutex::new((None, event)),
-            max_blocks: geometry::resident_blocks(sm, THREADS),
+            max_blocks,
             comm,
         })
     }
@@ -196,24 +196,7 @@ impl P2pEngine {
         // SAFETY: the record is live pinned memory of the right size; the device writes it before it
         // raises the error word, and a torn read only garbles the message of an error already raised.
         let m = unsafe { std::ptr::read_volatile(record) };
-        (m.claimed != 0).then(|| {
-            let rank = self.comm.rank();
-            let (verb, dir, their_verb) = if m.is_send != 0 {
-                ("send", "to", "receives")
-            } else {
-                ("recv", "from", "sends")
-            };
-            let theirs = if m.theirs == OTHER_SIZE {
-                "a message of another size".to_string()
-            } else {
-                format!("{} bytes", m.theirs)
-            };
-            format!(
-                "rank {rank}: {verb} of {} bytes {dir} rank {}, but rank {} {their_verb} {theirs} \
-                 (a send/recv pair with mismatched sizes; nothing was copied for it)",
-                m.mine, m.peer, m.peer
-            )
-        })
+        describe_mismatch(self.comm.rank(), &m)
     }
 
     /// The engine's health, one host load or two, no sync: a size mismatch seen on the device
@@ -300,6 +283,28 @@ impl P2pEngine {
     }
 }
 
+/// The message of `rank`'s mismatch record `m`, if one was claimed: names `rank` once, as its
+/// first words (callers print it as it is), and the peer.
+fn describe_mismatch(rank: usize, m: &P2pMismatch) -> Option<String> {
+    (m.claimed != 0).then(|| {
+        let (verb, dir, their_verb) = if m.is_send != 0 {
+            ("send", "to", "receives")
+        } else {
+            ("recv", "from", "sends")
+        };
+        let theirs = if m.theirs == OTHER_SIZE {
+            "a message of another size".to_string()
+        } else {
+            format!("{} bytes", m.theirs)
+        };
+        format!(
+            "rank {rank}: {verb} of {} bytes {dir} rank {}, but rank {} {their_verb} {theirs} \
+             (a send/recv pair with mismatched sizes; nothing was copied for it)",
+            m.mine, m.peer, m.peer
+        )
+    })
+}
+
 /// The engine's counters and region layout cover at most `MAX_RANKS` ranks.
 fn check_world(comm: &Communicator) -> Result<()> {
     if comm.size() > MAX_RANKS {
@@ -322,5 +327,41 @@ impl Drop for P2pEngine {
         if let Err(e) = self.comm.gpu().free_host_mapped(&self.mismatch) {
             tracing::warn!(target: "mscclpp::coll", "freeing the p2p mismatch record failed: {e}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_mismatch_names_its_rank_once_and_the_peer() {
+        assert_eq!(describe_mismatch(1, &P2pMismatch::default()), None);
+        let recv = P2pMismatch {
+            claimed: 1,
+            is_send: 0,
+            peer: 0,
+            mine: 1 << 20,
+            theirs: (1 << 20) + 100,
+        };
+        let m = describe_mismatch(1, &recv).expect("claimed");
+        assert!(
+            m.starts_with(
+                "rank 1: recv of 1048576 bytes from rank 0, but rank 0 sends 1048676 bytes"
+            ),
+            "{m}"
+        );
+        assert_eq!(m.matches("rank 1").count(), 1, "{m}");
+        let send = P2pMismatch {
+            is_send: 1,
+            peer: 3,
+            theirs: OTHER_SIZE,
+            ..recv
+        };
+        let m = describe_mismatch(2, &send).expect("claimed");
+        assert!(
+            m.starts_with("rank 2: send of 1048576 bytes to rank 3, but rank 3 receives a message of another size"),
+            "{m}"
+        );
     }
 }
