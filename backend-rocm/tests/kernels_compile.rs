@@ -473,3 +473,38 @@ fn a_broken_unit_fails_the_hiprtc_gate() {
         "{msg}"
     );
 }
+
+/// An every-op program builds each copy with its own op: kernel text broken for min on HIP only
+/// fails the program whose min copy sits in a namespace (not first), and the same text without a
+/// min copy compiles.
+#[test]
+fn an_op_broken_on_hip_fails_its_every_op_program() {
+    let test = "an_op_broken_on_hip_fails_its_every_op_program";
+    let Ok(hiprtc) = Hiprtc::load() else {
+        return unavailable(test, "hiprtc is absent");
+    };
+    let headers = mscclpp_kernels_hip::all_headers();
+    let file = CollectiveFile::Reduce;
+    let brk = "\n#if defined(MSCCLPP_HIP)\nstatic_assert(kCollOp != kReduceMin, \"min is broken on HIP\");\n#endif\n";
+    let kernel_text = format!("{}{brk}", file.source());
+    let spec = ReduceSpec {
+        dtype: mscclpp_core::DataType::F32,
+        acc: mscclpp_core::DataType::F32,
+        op: ReduceOp::Sum,
+    };
+    let shipped = format!("{}{brk}", kc::unit_source(file, Some(spec)).expect("unit"));
+    let compile = |ops: &[ReduceOp]| {
+        hiprtc.compile(&CompileRequest {
+            name: "reduce_every_op",
+            source: &every_op_source(&shipped, &kernel_text, file.entry_points(), ops),
+            arch: "gfx90a",
+            headers: &headers,
+            options: &["-O0".to_string()],
+        })
+    };
+    compile(&[ReduceOp::Sum, ReduceOp::Max]).expect("sum and max are not broken");
+    let err = compile(&[ReduceOp::Sum, ReduceOp::Min])
+        .expect_err("the min copy compiled")
+        .to_string();
+    assert!(err.contains("min is broken on HIP"), "{err}");
+}
