@@ -17,4 +17,8 @@ ENV PATH=/root/.cargo/bin:$PATH \
 WORKDIR /opt/mscclpp-rs
 COPY . .
 RUN cargo build --release --workspace --features ib
+# The Python package, with the README's command, into a venv first on PATH (the NCCL shim,
+# target/release/libmscclpp_nccl.so, is built with the workspace above).
+RUN python3 -m venv /opt/venv && /opt/venv/bin/pip install --no-cache-dir ./python
+ENV PATH=/opt/venv/bin:$PATH
 CMD ["cargo", "run", "--release", "-p", "mscclpp-bench"]

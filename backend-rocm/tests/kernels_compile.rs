@@ -12,10 +12,16 @@
 //!   5.2's device libraries have no gfx942 build).
 //!
 //! Units: every unit of `mscclpp-kernels-cu` (primitives, switch channel, simple all-reduce per
-//! type), the native collectives and the PortChannel all-reduce. For gfx942 (the fp8 target)
-//! every variant: each type/accumulator pair with each op. For gfx90a each pair with one op,
-//! rotating, so every type, accumulator and op is built at a fifth of the time (2 CI cores).
-//! NVLS units are CUDA-only (multicast) and not built for HIP.
+//! type), the native collectives, the PortChannel all-reduce and the plan interpreter. Each
+//! (type, accumulator) pair of the reducing collectives and of the PortChannel all-reduce is built
+//! with every op on both targets (see [`Ops`]): on gfx942 each (pair, op) unit as the runtime
+//! builds it, on every core; on gfx90a one op per pair as the runtime builds it and the four
+//! others in one program at `-O0`, because hiprtc compiles one program at a time per process and
+//! optimising every op's software fp8 code took 66 to 129 s per fp8 pair of the all-reduce file
+//! alone (two busy shared cores), far beyond CI's budget. The plan interpreter is built for every
+//! pair with one op each, rotating: its op only picks the `ReduceFn<Op>` it applies to the pair's
+//! types, which the collectives build for every op. NVLS units are CUDA-only (multicast) and not
+//! built for HIP.
 //!
 //! Without the toolchain the tests print why they skip, unless `MSCCLPP_REQUIRE_HIP=1` (CI, set
 //! by scripts/hip-env.sh), which turns absence into a failure. Compiled units are remembered in
@@ -25,6 +31,7 @@
 use mscclpp_collectives::port_allreduce;
 use mscclpp_core::ReduceOp;
 use mscclpp_kernels_cu::collectives::{self as kc, CollectiveFile, ReduceSpec};
+use mscclpp_kernels_cu::executor;
 use mscclpp_kernels_cu::{KERNELS, PRIMITIVE_KERNELS};
 use mscclpp_rocm::{CompileRequest, Hiprtc};
 use sha2::{Digest, Sha256};
@@ -37,6 +44,8 @@ struct Unit {
     name: String,
     source: String,
     entries: Vec<String>,
+    /// Compiler options beyond the runtime's.
+    options: Vec<String>,
 }
 
 fn required() -> bool {
@@ -52,21 +61,90 @@ fn unavailable(test: &str, why: &str) {
     eprintln!("skipping {test}: {why}");
 }
 
-/// Which reduction ops each (type, accumulator) pair of a reducing file is built with.
+/// How the reducing files' variants are built: every (type, accumulator) pair with every op
+/// either way.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Ops {
-    /// Every op for every pair: every variant there is.
-    All,
-    /// One op per pair, rotating through the ops, so every type, accumulator, op and file is
-    /// built while the unit count stays a fifth (the ops differ by one `#define`).
-    Rotating,
+    /// One unit per (pair, op), exactly as the runtime builds them (gfx942: clang, on every core).
+    OneUnitEach,
+    /// Per pair, the runtime's unit for one op (rotating through the ops from pair to pair), and
+    /// one more program holding every other op ([`every_op_source`]), built at `-O0` (gfx90a).
+    /// Every op of every pair goes through the front end and instruction selection; each op is
+    /// also optimised as the runtime does it for a fifth of the pairs.
+    RuntimeOneAndRestUnoptimised,
 }
 
-fn ops_for(ops: Ops, pair_index: usize) -> Vec<ReduceOp> {
-    match ops {
-        Ops::All => ReduceOp::ALL.to_vec(),
-        Ops::Rotating => vec![ReduceOp::ALL[pair_index % ReduceOp::ALL.len()]],
+/// Namespace and entry-point suffix of `op`'s copy in an [`every_op_source`] program.
+fn op_copy(op: ReduceOp) -> String {
+    format!("mscclpp_gate_{}", op.name())
+}
+
+/// Several ops of one reducing unit in one program, so the per-program cost is paid once: the
+/// unit for `ops[0]` exactly as the runtime builds it (`shipped`), then the kernel file
+/// (`kernel_text`, the tail of `shipped`) again for each other op, with `MSCCLPP_COLL_OP`
+/// redefined, inside a namespace of its own whose `kCollOp` hides `coll::kCollOp` (the file's
+/// `using namespace` makes those visible as if declared at global scope, so the nearer one wins),
+/// and the entry points renamed `<entry>_<namespace>` by `#define`, so the kernel text is compiled
+/// unchanged. Headers are `#pragma once`: a copy's `#include`s add nothing.
+fn every_op_source(shipped: &str, kernel_text: &str, entries: &[&str], ops: &[ReduceOp]) -> String {
+    let mut text = shipped.to_string();
+    for &op in &ops[1..] {
+        let ns = op_copy(op);
+        text.push_str(&format!(
+            "\n#undef MSCCLPP_COLL_OP\n#define MSCCLPP_COLL_OP {}\n",
+            op.to_nccl()
+        ));
+        for e in entries {
+            text.push_str(&format!("#define {e} {e}_{ns}\n"));
+        }
+        text.push_str(&format!(
+            "namespace {ns} {{\nconstexpr int kCollOp = MSCCLPP_COLL_OP;\n{kernel_text}\n}}  // namespace {ns}\n"
+        ));
+        for e in entries {
+            text.push_str(&format!("#undef {e}\n"));
+        }
     }
+    text
+}
+
+/// The units of one reducing kernel file: every (type, accumulator) pair with every op, as
+/// `ops` says. `name` and `source` give the runtime's unit for one variant.
+fn reducing_units(
+    ops: Ops,
+    kernel_text: &str,
+    entries: &[&str],
+    name: impl Fn(ReduceSpec) -> String,
+    source: impl Fn(ReduceSpec) -> String,
+) -> Vec<Unit> {
+    let runtime_unit = |spec| Unit {
+        name: name(spec),
+        source: source(spec),
+        entries: entries.iter().map(|e| e.to_string()).collect(),
+        options: Vec::new(),
+    };
+    let mut units = Vec::new();
+    for (i, (dtype, acc)) in kc::reduce_type_pairs().into_iter().enumerate() {
+        let spec = |op| ReduceSpec { dtype, acc, op };
+        match ops {
+            Ops::OneUnitEach => units.extend(ReduceOp::ALL.map(|op| runtime_unit(spec(op)))),
+            Ops::RuntimeOneAndRestUnoptimised => {
+                let n = ReduceOp::ALL.len();
+                let rest: Vec<ReduceOp> = (1..n).map(|k| ReduceOp::ALL[(i + k) % n]).collect();
+                units.push(runtime_unit(spec(ReduceOp::ALL[i % n])));
+                let mut all = entries.iter().map(|e| e.to_string()).collect::<Vec<_>>();
+                for &op in &rest[1..] {
+                    all.extend(entries.iter().map(|e| format!("{e}_{}", op_copy(op))));
+                }
+                units.push(Unit {
+                    name: format!("{}_and_{}_more_ops_O0", name(spec(rest[0])), rest.len() - 1),
+                    source: every_op_source(&source(spec(rest[0])), kernel_text, entries, &rest),
+                    entries: all,
+                    options: vec!["-O0".to_string()],
+                });
+            }
+        }
+    }
+    units
 }
 
 fn every_unit(ops: Ops) -> Vec<Unit> {
@@ -80,41 +158,45 @@ fn every_unit(ops: Ops) -> Vec<Unit> {
             name: k.name.to_string(),
             source: k.source.to_string(),
             entries,
+            options: Vec::new(),
         });
     }
     for file in CollectiveFile::ALL {
-        let entries: Vec<String> = file.entry_points().iter().map(|s| s.to_string()).collect();
-        if !file.reduces() {
+        if file.reduces() {
+            units.extend(reducing_units(
+                ops,
+                file.source(),
+                file.entry_points(),
+                |spec| kc::unit_name(file, Some(spec)),
+                |spec| kc::unit_source(file, Some(spec)).expect("reducing unit"),
+            ));
+        } else {
             units.push(Unit {
                 name: kc::unit_name(file, None),
                 source: kc::unit_source(file, None).expect("byte-oriented unit"),
-                entries,
+                entries: file.entry_points().iter().map(|s| s.to_string()).collect(),
+                options: Vec::new(),
             });
-            continue;
-        }
-        for (i, (dtype, acc)) in kc::reduce_type_pairs().into_iter().enumerate() {
-            for op in ops_for(ops, i) {
-                let spec = Some(ReduceSpec { dtype, acc, op });
-                units.push(Unit {
-                    name: kc::unit_name(file, spec),
-                    source: kc::unit_source(file, spec).expect("reducing unit"),
-                    entries: entries.clone(),
-                });
-            }
         }
     }
+    units.extend(reducing_units(
+        ops,
+        port_allreduce::KERNEL_SOURCE,
+        &[port_allreduce::EXCHANGE_ENTRY, port_allreduce::REDUCE_ENTRY],
+        port_allreduce::unit_name,
+        port_allreduce::unit_source,
+    ));
+    // The plan interpreter: every pair, one op each, rotating (see the module docs).
     for (i, (dtype, acc)) in kc::reduce_type_pairs().into_iter().enumerate() {
-        for op in ops_for(ops, i + 2) {
-            let spec = ReduceSpec { dtype, acc, op };
-            units.push(Unit {
-                name: port_allreduce::unit_name(spec),
-                source: port_allreduce::unit_source(spec),
-                entries: vec![
-                    port_allreduce::EXCHANGE_ENTRY.to_string(),
-                    port_allreduce::REDUCE_ENTRY.to_string(),
-                ],
-            });
-        }
+        let op = ReduceOp::ALL[i % ReduceOp::ALL.len()];
+        let accum = kc::acc_request(dtype, acc).expect("an offered pair");
+        let (name, source) = executor::unit_source(dtype, accum, op).expect("executor unit");
+        units.push(Unit {
+            name,
+            source,
+            entries: vec![executor::ENTRY.to_string()],
+            options: Vec::new(),
+        });
     }
     units
 }
@@ -136,8 +218,9 @@ impl Cache {
             h.update(n.as_bytes());
             h.update(t.as_bytes());
         }
-        for e in &unit.entries {
+        for e in unit.entries.iter().chain(&unit.options) {
             h.update(e.as_bytes());
+            h.update([0]);
         }
         hex::encode(h.finalize())
     }
@@ -207,7 +290,7 @@ fn every_kernel_unit_compiles_for_gfx90a_through_hiprtc() {
     let compiler = format!("hiprtc {:?} at {}", hiprtc.version(), hiprtc.location());
     eprintln!("{test}: {compiler}");
     let headers = mscclpp_kernels_hip::all_headers();
-    let units = every_unit(Ops::Rotating);
+    let units = every_unit(Ops::RuntimeOneAndRestUnoptimised);
     let cache = Cache::from_env();
     let failures = compile_all(&units, workers(), &|unit| {
         let key = Cache::key(&compiler, "gfx90a", unit, &headers);
@@ -220,7 +303,7 @@ fn every_kernel_unit_compiles_for_gfx90a_through_hiprtc() {
                 source: &unit.source,
                 arch: "gfx90a",
                 headers: &headers,
-                options: &[],
+                options: &unit.options,
             })
             .map_err(|e| e.to_string())?;
         if out.image.is_empty() {
@@ -303,7 +386,7 @@ fn every_kernel_unit_compiles_for_gfx942_through_clang() {
     }
     let runtime = dir.join("hiprtc_runtime.h");
     std::fs::write(&runtime, &header).expect("runtime header");
-    let units = every_unit(Ops::All);
+    let units = every_unit(Ops::OneUnitEach);
     let cache = Cache::from_env();
     let failures = compile_all(&units, workers(), &|unit| {
         let key = Cache::key(&version, "gfx942", unit, &headers);
@@ -313,7 +396,7 @@ fn every_kernel_unit_compiles_for_gfx942_through_clang() {
         let src = dir.join(format!("{}.hip", unit.name));
         let asm = dir.join(format!("{}.s", unit.name));
         std::fs::write(&src, &unit.source).map_err(|e| e.to_string())?;
-        let out = clang_command(&clang, &dir, &runtime, &src, &asm)
+        let out = clang_command(&clang, &dir, &runtime, unit, &src, &asm)
             .output()
             .map_err(|e| format!("{clang}: {e}"))?;
         if !out.status.success() {
@@ -339,7 +422,14 @@ fn every_kernel_unit_compiles_for_gfx942_through_clang() {
 
 /// clang driven as hiprtc drives it (the options `Hiprtc::options_for` gives, plus the defines and
 /// includes hiprtc adds itself), device code only, to gfx942 assembly.
-fn clang_command(clang: &str, dir: &Path, runtime: &Path, src: &Path, asm: &Path) -> Command {
+fn clang_command(
+    clang: &str,
+    dir: &Path,
+    runtime: &Path,
+    unit: &Unit,
+    src: &Path,
+    asm: &Path,
+) -> Command {
     let mut cmd = Command::new(clang);
     cmd.args(["-x", "hip", "--cuda-device-only", "-nogpulib", "-nogpuinc"])
         .args(["-D__HIPCC_RTC__", "-Wno-pragma-once-outside-header"])
@@ -348,7 +438,7 @@ fn clang_command(clang: &str, dir: &Path, runtime: &Path, src: &Path, asm: &Path
             source: "",
             arch: "gfx942",
             headers: &[],
-            options: &[],
+            options: &unit.options,
         }))
         .arg("-include")
         .arg(runtime)
@@ -382,4 +472,39 @@ fn a_broken_unit_fails_the_hiprtc_gate() {
         msg.contains("broken for gfx90a") && msg.contains("undeclared"),
         "{msg}"
     );
+}
+
+/// An every-op program builds each copy with its own op: kernel text broken for min on HIP only
+/// fails the program whose min copy sits in a namespace (not first), and the same text without a
+/// min copy compiles.
+#[test]
+fn an_op_broken_on_hip_fails_its_every_op_program() {
+    let test = "an_op_broken_on_hip_fails_its_every_op_program";
+    let Ok(hiprtc) = Hiprtc::load() else {
+        return unavailable(test, "hiprtc is absent");
+    };
+    let headers = mscclpp_kernels_hip::all_headers();
+    let file = CollectiveFile::Reduce;
+    let brk = "\n#if defined(MSCCLPP_HIP)\nstatic_assert(kCollOp != kReduceMin, \"min is broken on HIP\");\n#endif\n";
+    let kernel_text = format!("{}{brk}", file.source());
+    let spec = ReduceSpec {
+        dtype: mscclpp_core::DataType::F32,
+        acc: mscclpp_core::DataType::F32,
+        op: ReduceOp::Sum,
+    };
+    let shipped = format!("{}{brk}", kc::unit_source(file, Some(spec)).expect("unit"));
+    let compile = |ops: &[ReduceOp]| {
+        hiprtc.compile(&CompileRequest {
+            name: "reduce_every_op",
+            source: &every_op_source(&shipped, &kernel_text, file.entry_points(), ops),
+            arch: "gfx90a",
+            headers: &headers,
+            options: &["-O0".to_string()],
+        })
+    };
+    compile(&[ReduceOp::Sum, ReduceOp::Max]).expect("sum and max are not broken");
+    let err = compile(&[ReduceOp::Sum, ReduceOp::Min])
+        .expect_err("the min copy compiled")
+        .to_string();
+    assert!(err.contains("min is broken on HIP"), "{err}");
 }

@@ -227,7 +227,7 @@ pub fn unit_source(file: CollectiveFile, spec: Option<ReduceSpec>) -> Result<Str
 }
 
 /// The [`AccumType`] that resolves to `acc` for `dtype` (used to re-validate a spec).
-fn acc_request(dtype: DataType, acc: DataType) -> Result<AccumType> {
+pub fn acc_request(dtype: DataType, acc: DataType) -> Result<AccumType> {
     match acc {
         a if a == dtype => Ok(AccumType::Auto),
         DataType::F32 => Ok(AccumType::F32),
