@@ -21,15 +21,20 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int
           torch.int32, torch.int64]
 COUNTS = [1, 1000, 33 * 1024 + 5, 1 << 20]
 # What an algorithm says when it declines a call it was not built for (not a wrong answer).
-REFUSALS = ("unsupported", "scratch capacity", "does not split into")
+REFUSALS = ("unsupported", "scratch capacity", "does not split into", "do not split into")
+# Collectives whose algorithms are checked out of place only, at root (or shift) 0: the Rust suite
+# covers their in-place forms and every root.
+OUT_OF_PLACE_ONLY = ("reduce", "gather", "scatter", "alltoall", "sendrecv")
 
 
 def shapes(collective, count, n):
     """(input count, output count) for `count` elements per rank of input."""
-    if collective == "allgather":
+    if collective in ("allgather", "gather"):
         return count, count * n
-    if collective == "reducescatter":
+    if collective in ("reducescatter", "scatter"):
         return count * n, count
+    if collective == "alltoall":
+        return count * n, count * n
     return count, count
 
 
@@ -42,13 +47,23 @@ def random(dtype, count, seed):
 
 
 def expected(collective, inputs, rank):
-    if collective == "allreduce":
+    """This rank's output, or None where it has none (rooted collectives off the root, 0)."""
+    n = len(inputs)
+    if collective == "allreduce" or (collective == "reduce" and rank == 0):
         return torch.stack([x.double() for x in inputs]).sum(0)
-    if collective == "allgather":
+    if collective == "allgather" or (collective == "gather" and rank == 0):
         return torch.cat([x.double() for x in inputs])
     if collective == "reducescatter":
         total = torch.stack([x.double() for x in inputs]).sum(0)
-        return total.chunk(len(inputs))[rank]
+        return total.chunk(n)[rank]
+    if collective == "scatter":
+        return inputs[0].double().chunk(n)[rank]
+    if collective == "alltoall":
+        return torch.cat([x.double().chunk(n)[rank] for x in inputs])
+    if collective == "sendrecv":
+        return inputs[rank].double()  # a shift by 0 (`root`): every rank's own input
+    if collective in ("reduce", "gather"):
+        return None
     return inputs[0].double()  # broadcast from rank 0
 
 
@@ -69,7 +84,8 @@ def run_case(group, algo, dtype, count, in_place, graph, seed):
     else:
         inp = torch.empty(in_count, dtype=dtype, device="cuda")
     stream = torch.cuda.Stream()
-    op = mscclpp.ReduceOp.SUM if algo.collective in ("allreduce", "reducescatter") else mscclpp.ReduceOp.NOP
+    reducing = ("allreduce", "reducescatter", "reduce")
+    op = mscclpp.ReduceOp.SUM if algo.collective in reducing else mscclpp.ReduceOp.NOP
 
     def launch():
         algo.execute(group.communicator, inp.data_ptr(), out.data_ptr(), inp.nbytes, out.nbytes,
@@ -92,7 +108,9 @@ def run_case(group, algo, dtype, count, in_place, graph, seed):
     with torch.cuda.stream(stream):
         g.replay() if graph else launch()
     stream.synchronize()
-    summed = inputs if algo.collective in ("allreduce", "reducescatter") else None
+    if want is None:
+        return
+    summed = inputs if algo.collective in reducing else None
     check(f"{algo.name} {dtype} count {count} in_place {in_place} graph {graph}", out, want, dtype,
           summed)
 
@@ -152,7 +170,7 @@ def main():
     for algo in collection:
         for dtype in DTYPES:
             for count in COUNTS:
-                for in_place in (False, True):
+                for in_place in (False,) if algo.collective in OUT_OF_PLACE_ONLY else (False, True):
                     for graph in (False, True):
                         seed += 100
                         try:
