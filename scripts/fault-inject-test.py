@@ -185,8 +185,13 @@ def main():
     out = os.path.join(tmp, "term")
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "fault-inject.py"), "--bench", bench,
                              "--no-gpu", "--timeout", "1", "--settle", "0.2", "--out", out, "--runs",
-                             "20", "--config", "2:KILL:eager:0"], stdout=subprocess.DEVNULL)
-    time.sleep(2.5)
+                             "1000", "--config", "2:KILL:eager:0"], stdout=subprocess.DEVNULL)
+    # Terminated once a run has finished (its pass is logged), long before the 1000 could: a fixed
+    # sleep let a fast machine finish every run first.
+    passes = os.path.join(out, "fault-inject", "passes.log")
+    deadline = time.time() + 60
+    while time.time() < deadline and not (os.path.exists(passes) and os.path.getsize(passes) > 0):
+        time.sleep(0.05)
     proc.terminate()
     rc = proc.wait(timeout=30)
     with open(os.path.join(out, "fault-inject", "summary.json")) as f:
@@ -194,7 +199,7 @@ def main():
     with open(os.path.join(out, "fault-inject", "summary.md")) as f:
         marked = f.read().startswith("INTERRUPTED")
     left = [pid for pid in os.listdir("/proc") if pid.isdigit() and bench in cmdline(pid)]
-    check(rc == 1 and marked and 1 <= runs < 20 and not left,
+    check(rc == 1 and marked and 1 <= runs < 1000 and not left,
           f"SIGTERM: exit 1, {runs} finished run(s) written, no bench process left ({left})")
 
 

@@ -14,14 +14,16 @@
 //! Units: every unit of `mscclpp-kernels-cu` (primitives, switch channel, simple all-reduce per
 //! type), the native collectives, the PortChannel all-reduce and the plan interpreter. Each
 //! (type, accumulator) pair of the reducing collectives and of the PortChannel all-reduce is built
-//! with every op on both targets (see [`Ops`]): on gfx942 each (pair, op) unit as the runtime
-//! builds it, on every core; on gfx90a one op per pair as the runtime builds it and the four
-//! others in one program at `-O0`, because hiprtc compiles one program at a time per process and
-//! optimising every op's software fp8 code took 66 to 129 s per fp8 pair of the all-reduce file
-//! alone (two busy shared cores), far beyond CI's budget. The plan interpreter is built for every
-//! pair with one op each, rotating: its op only picks the `ReduceFn<Op>` it applies to the pair's
-//! types, which the collectives build for every op. NVLS units are CUDA-only (multicast) and not
-//! built for HIP.
+//! with every op on both targets: one op per pair exactly as the runtime builds it (`-O3`,
+//! rotating through the ops from pair to pair, so each op is optimised for a fifth of the pairs)
+//! and the four others in one program at `-O0` ([`every_op_source`]). Every op of every pair goes
+//! through the front end and instruction selection. Optimising every op was too slow for CI:
+//! hiprtc compiles one program at a time per process, and optimising every op's software fp8 code
+//! took 66 to 129 s per fp8 pair of the all-reduce file alone on gfx90a (two busy shared cores);
+//! on gfx942 the 5 x 96 optimised units were about 640 s of CPU. The plan interpreter is built for
+//! every pair with one op each, rotating: its op only picks the `ReduceFn<Op>` it applies to the
+//! pair's types, which the collectives build for every op. NVLS units are CUDA-only (multicast)
+//! and not built for HIP.
 //!
 //! Without the toolchain the tests print why they skip, unless `MSCCLPP_REQUIRE_HIP=1` (CI, set
 //! by scripts/hip-env.sh), which turns absence into a failure. Compiled units are remembered in
@@ -61,19 +63,6 @@ fn unavailable(test: &str, why: &str) {
     eprintln!("skipping {test}: {why}");
 }
 
-/// How the reducing files' variants are built: every (type, accumulator) pair with every op
-/// either way.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Ops {
-    /// One unit per (pair, op), exactly as the runtime builds them (gfx942: clang, on every core).
-    OneUnitEach,
-    /// Per pair, the runtime's unit for one op (rotating through the ops from pair to pair), and
-    /// one more program holding every other op ([`every_op_source`]), built at `-O0` (gfx90a).
-    /// Every op of every pair goes through the front end and instruction selection; each op is
-    /// also optimised as the runtime does it for a fifth of the pairs.
-    RuntimeOneAndRestUnoptimised,
-}
-
 /// Namespace and entry-point suffix of `op`'s copy in an [`every_op_source`] program.
 fn op_copy(op: ReduceOp) -> String {
     format!("mscclpp_gate_{}", op.name())
@@ -107,10 +96,10 @@ fn every_op_source(shipped: &str, kernel_text: &str, entries: &[&str], ops: &[Re
     text
 }
 
-/// The units of one reducing kernel file: every (type, accumulator) pair with every op, as
-/// `ops` says. `name` and `source` give the runtime's unit for one variant.
+/// The units of one reducing kernel file: for every (type, accumulator) pair, the runtime's unit
+/// for one op (rotating from pair to pair) and one `-O0` program holding the four other ops. `name`
+/// and `source` give the runtime's unit for one variant.
 fn reducing_units(
-    ops: Ops,
     kernel_text: &str,
     entries: &[&str],
     name: impl Fn(ReduceSpec) -> String,
@@ -125,29 +114,24 @@ fn reducing_units(
     let mut units = Vec::new();
     for (i, (dtype, acc)) in kc::reduce_type_pairs().into_iter().enumerate() {
         let spec = |op| ReduceSpec { dtype, acc, op };
-        match ops {
-            Ops::OneUnitEach => units.extend(ReduceOp::ALL.map(|op| runtime_unit(spec(op)))),
-            Ops::RuntimeOneAndRestUnoptimised => {
-                let n = ReduceOp::ALL.len();
-                let rest: Vec<ReduceOp> = (1..n).map(|k| ReduceOp::ALL[(i + k) % n]).collect();
-                units.push(runtime_unit(spec(ReduceOp::ALL[i % n])));
-                let mut all = entries.iter().map(|e| e.to_string()).collect::<Vec<_>>();
-                for &op in &rest[1..] {
-                    all.extend(entries.iter().map(|e| format!("{e}_{}", op_copy(op))));
-                }
-                units.push(Unit {
-                    name: format!("{}_and_{}_more_ops_O0", name(spec(rest[0])), rest.len() - 1),
-                    source: every_op_source(&source(spec(rest[0])), kernel_text, entries, &rest),
-                    entries: all,
-                    options: vec!["-O0".to_string()],
-                });
-            }
+        let n = ReduceOp::ALL.len();
+        let rest: Vec<ReduceOp> = (1..n).map(|k| ReduceOp::ALL[(i + k) % n]).collect();
+        units.push(runtime_unit(spec(ReduceOp::ALL[i % n])));
+        let mut all = entries.iter().map(|e| e.to_string()).collect::<Vec<_>>();
+        for &op in &rest[1..] {
+            all.extend(entries.iter().map(|e| format!("{e}_{}", op_copy(op))));
         }
+        units.push(Unit {
+            name: format!("{}_and_{}_more_ops_O0", name(spec(rest[0])), rest.len() - 1),
+            source: every_op_source(&source(spec(rest[0])), kernel_text, entries, &rest),
+            entries: all,
+            options: vec!["-O0".to_string()],
+        });
     }
     units
 }
 
-fn every_unit(ops: Ops) -> Vec<Unit> {
+fn every_unit() -> Vec<Unit> {
     let mut units = Vec::new();
     for k in KERNELS {
         let entries = match k.name {
@@ -164,7 +148,6 @@ fn every_unit(ops: Ops) -> Vec<Unit> {
     for file in CollectiveFile::ALL {
         if file.reduces() {
             units.extend(reducing_units(
-                ops,
                 file.source(),
                 file.entry_points(),
                 |spec| kc::unit_name(file, Some(spec)),
@@ -180,7 +163,6 @@ fn every_unit(ops: Ops) -> Vec<Unit> {
         }
     }
     units.extend(reducing_units(
-        ops,
         port_allreduce::KERNEL_SOURCE,
         &[port_allreduce::EXCHANGE_ENTRY, port_allreduce::REDUCE_ENTRY],
         port_allreduce::unit_name,
@@ -290,7 +272,7 @@ fn every_kernel_unit_compiles_for_gfx90a_through_hiprtc() {
     let compiler = format!("hiprtc {:?} at {}", hiprtc.version(), hiprtc.location());
     eprintln!("{test}: {compiler}");
     let headers = mscclpp_kernels_hip::all_headers();
-    let units = every_unit(Ops::RuntimeOneAndRestUnoptimised);
+    let units = every_unit();
     let cache = Cache::from_env();
     let failures = compile_all(&units, workers(), &|unit| {
         let key = Cache::key(&compiler, "gfx90a", unit, &headers);
@@ -386,7 +368,7 @@ fn every_kernel_unit_compiles_for_gfx942_through_clang() {
     }
     let runtime = dir.join("hiprtc_runtime.h");
     std::fs::write(&runtime, &header).expect("runtime header");
-    let units = every_unit(Ops::OneUnitEach);
+    let units = every_unit();
     let cache = Cache::from_env();
     let failures = compile_all(&units, workers(), &|unit| {
         let key = Cache::key(&version, "gfx942", unit, &headers);
