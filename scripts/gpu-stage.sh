@@ -25,7 +25,9 @@ else
   echo "gpu-stage: ../shared/fixtures/plans missing: the suite's plans section will check builder plans only" >&2
 fi
 cargo run -q --release -p mscclpp-executor --example builder_plans -- .gpu/builder-plans 2 4 8
-cp scripts/gpu-run.sh scripts/mps.sh scripts/simulate-hosts.sh scripts/fault-inject.py .gpu/
+cp scripts/gpu-run.sh scripts/gpu-steps.sh scripts/mps.sh scripts/simulate-hosts.sh scripts/fault-inject.py .gpu/
+# A kernel cache brought back from an earlier machine (gpu-steps.sh saves it as OUT/kcache.tgz).
+if [ -f .gpu-kcache.tgz ]; then cp .gpu-kcache.tgz .gpu/kcache.tgz; fi
 # The Python package: a release wheel (abi3, any Python >= 3.9; the release profile shares the
 # dependencies just built), its GPU check and the examples. On the GPU machine:
 #   pip install --no-deps --target /tmp/site .gpu/*.whl && bash .gpu/python-run.sh
