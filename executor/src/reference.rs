@@ -24,7 +24,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Condvar, Mutex};
+use std::sync::{Condvar, Mutex, MutexGuard};
 
 /// Why a plan failed its check.
 #[derive(Debug, Clone, PartialEq)]
@@ -476,7 +476,7 @@ impl<'a> Machine<'a> {
         // The proxy carries out what is still queued by this threadblock.
         if st.failure.is_none() {
             if let Err(e) = self.drain(&mut st, |p| p.tid == tid) {
-                st.failure.get_or_insert(e);
+                self.fail(&mut st, e);
             }
         }
         st.live -= 1;
@@ -486,24 +486,58 @@ impl<'a> Machine<'a> {
     /// Runs one op: waits (under the lock, on the condition variable) until it can proceed, then
     /// runs it atomically. False once the run has failed.
     fn step(&self, rank: usize, t: usize, tid: usize, o: usize, op: &Op, win: Window) -> bool {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let label = &self.labels[tid][o];
+        let Some(mut st) = self.block_until(st, tid, label, |st| self.ready(st, rank, t, op, win))
+        else {
+            return false;
+        };
+        st.clocks[tid][tid] += 1;
+        let arrived = match self.exec(&mut st, rank, t, tid, o, op, win) {
+            Ok(arrived) => arrived,
+            Err(e) => {
+                self.fail(&mut st, e);
+                return false;
+            }
+        };
+        self.progress(&mut st);
+        // A barrier's second half: wait until the generation we arrived in has completed.
+        if let Some((key, generation)) = arrived {
+            let done = |st: &State| Ok(st.barriers[&key].1 != generation);
+            let Some(mut st) = self.block_until(st, tid, label, done) else {
+                return false;
+            };
+            let clock = st.barriers[&key].2.clone();
+            join(&mut st.clocks[tid], &clock);
+        }
+        true
+    }
+
+    /// Waits on the condition variable until `done` holds, listed as blocked on `label` meanwhile
+    /// (what the deadlock check reports). None once the run has failed, `done`'s error included.
+    fn block_until<'s>(
+        &self,
+        mut st: MutexGuard<'s, State>,
+        tid: usize,
+        label: &str,
+        done: impl Fn(&State) -> Result<bool, CheckError>,
+    ) -> Option<MutexGuard<'s, State>> {
         loop {
             if st.failure.is_some() {
-                return false;
+                return None;
             }
-            match self.ready(&st, rank, t, op, win) {
-                Ok(true) => break,
+            match done(&st) {
+                Ok(true) => return Some(st),
                 Ok(false) => {}
                 Err(e) => {
-                    st.failure.get_or_insert(e);
-                    self.wake.notify_all();
-                    return false;
+                    self.fail(&mut st, e);
+                    return None;
                 }
             }
-            st.blocked[tid] = Some(self.labels[tid][o].clone());
+            st.blocked[tid] = Some(label.to_string());
             let carried_out = self.check_deadlock(&mut st);
             if st.failure.is_some() {
-                return false;
+                return None;
             }
             if carried_out {
                 continue;
@@ -511,38 +545,12 @@ impl<'a> Machine<'a> {
             st = self.wake.wait(st).unwrap_or_else(|e| e.into_inner());
             st.blocked[tid] = None;
         }
-        st.clocks[tid][tid] += 1;
-        let result = self.exec(&mut st, rank, t, tid, o, op, win);
-        let arrived = match result {
-            Ok(arrived) => arrived,
-            Err(e) => {
-                st.failure.get_or_insert(e);
-                self.wake.notify_all();
-                return false;
-            }
-        };
-        self.progress(&mut st);
-        // A barrier's second half: wait until the generation we arrived in has completed.
-        if let Some((key, generation)) = arrived {
-            while st.barriers[&key].1 == generation {
-                if st.failure.is_some() {
-                    return false;
-                }
-                st.blocked[tid] = Some(self.labels[tid][o].clone());
-                let carried_out = self.check_deadlock(&mut st);
-                if st.failure.is_some() {
-                    return false;
-                }
-                if carried_out {
-                    continue;
-                }
-                st = self.wake.wait(st).unwrap_or_else(|e| e.into_inner());
-                st.blocked[tid] = None;
-            }
-            let clock = st.barriers[&key].2.clone();
-            join(&mut st.clocks[tid], &clock);
-        }
-        true
+    }
+
+    /// Records the run's first failure and wakes every waiter to see it.
+    fn fail(&self, st: &mut State, e: CheckError) {
+        st.failure.get_or_insert(e);
+        self.wake.notify_all();
     }
 
     /// Something changed: every waiter must look again before anyone may call it a deadlock.
