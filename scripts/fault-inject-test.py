@@ -5,8 +5,8 @@
 The fake bench: rank 0 listens on MASTER_PORT + 1, the other ranks connect and send a heartbeat
 every 0.1 s; rank 0 blames a rank whose connection closes ("died") or who is silent for
 MSCCLPP_DEVICE_WAIT_TIMEOUT seconds ("stalled") and tells the others, and every rank then logs the
-bench's timestamped "the timed loop stopped" warning and its error line, and exits 1. FAKE_MODE
-makes it misbehave: `early` (rank 1 fails before any signal), `hang` (survivors never exit),
+bench's timestamped "the timed loop stopped" and "torn down" warnings and its error line, and exits
+1. FAKE_MODE makes it misbehave: `early` (rank 1 fails before any signal), `hang` (survivors never exit),
 `noloop` (no "timed loop stopped" line), `fault` (a context fault logged before the error)."""
 
 import json
@@ -34,6 +34,9 @@ def fail(msg):
         print("WARN drop: cuMemFree: CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access", flush=True)
     if mode != "noloop":
         print(f"{stamp}Z  WARN mscclpp::bench: rank {rank}: the timed loop stopped: {msg}", flush=True)
+        time.sleep(0.1)  # teardown
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")
+        print(f"{stamp}Z  WARN mscclpp::bench: torn down (rank {rank}), exiting on the error", flush=True)
     print(f"mscclpp-bench (rank {rank}): error: communicator aborted: rank {rank}: {msg}", flush=True)
     sys.exit(1)
 
@@ -144,6 +147,9 @@ def main():
     check(max(kill) < 1.0 and 0.9 < min(stop) and max(stop) < 2.0,
           f"KILL noticed in {min(kill):.2f}-{max(kill):.2f} s, STOP in {min(stop):.2f}-{max(stop):.2f} s")
     check(rows["4 ranks STOP eager no MPS"]["kinds"] == {"stalled": 9}, "STOP errors are 'stalled'")
+    check(all(len(row["torn_down"]) == 3 and
+              all(t - n >= 0.09 for n, t in zip(row["noticed"], row["torn_down"]))
+              for row in rows.values()), "the teardown's end is timed, after the loop stopped")
     check(all(v.startswith("continued, exited by itself")
               for v in rows["2 ranks STOP graph no MPS"]["victim"]), "a stopped victim exits by itself")
 

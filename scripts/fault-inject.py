@@ -103,6 +103,8 @@ RUNNING = set()
 TERMINATED = []
 
 LOOP_STOPPED = "the timed loop stopped"
+# The bench's last timestamped line on a failure: everything it owned is torn down.
+TORN_DOWN = "torn down"
 HEADER = b"# rank 0 thread:"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # A fault of the process's own context (sticky: the context is lost), or its MPS server gone. A
@@ -209,11 +211,11 @@ def classify(error, before=None):
     return "other"
 
 
-def noticed_at(text):
-    """Unix time of the bench's warning that its timed loop stopped on the failure (its log lines
-    start with a UTC timestamp), or None."""
+def stamped(text, marker):
+    """Unix time of the bench's first log line holding `marker` (its log lines start with a UTC
+    timestamp), or None."""
     for line in text.splitlines():
-        if LOOP_STOPPED in line:
+        if marker in line:
             m = STAMP.match(line.strip())
             if m:
                 whole, _, frac = m.group(1).partition(".")
@@ -392,7 +394,8 @@ class World:
 
     def _verdicts(self):
         """One verdict per survivor: (rank, seconds from the signal to its exit, why it failed or
-        None, its last error line, seconds from the signal to the moment its loop stopped)."""
+        None, its last error line, seconds from the signal to the moment its loop stopped and to
+        the end of its teardown)."""
         a = self.a
         named = re.compile(rf"\brank {self.victim}\b")
         budget = a.timeout + a.slack
@@ -406,8 +409,10 @@ class World:
             last = errors[-1] if errors else (text.strip().splitlines() or [""])[-1]
             last = re.sub(r"^mscclpp-bench \(rank \d+\): error: ", "", last)
             t = self.ended.get(r)
-            noticed = noticed_at(text)
-            noticed = None if noticed is None or before else noticed - self.sent_wall
+            # Seconds from the signal to the moment the timed loop stopped, and to the end of
+            # the bench's teardown: the rest of the exit time is the process's own exit.
+            noticed, torn = (None if s is None or before else s - self.sent_wall
+                             for s in (stamped(text, LOOP_STOPPED), stamped(text, TORN_DOWN)))
             if self.early:
                 why = f"rank(s) {self.early} ended before the signal"
             elif self.not_running:
@@ -426,7 +431,7 @@ class World:
                 why = "no 'timed loop stopped' line: the signal landed outside the timed loop"
             else:
                 why = None
-            verdicts.append((r, t, why, last, noticed))
+            verdicts.append((r, t, why, last, noticed, torn))
         others = [f"{tag} {sig} at {t - self.sent if self.sent else t - self.started:+.2f} s"
                   for t, tag, sig in self.signals_sent
                   if tag != self.tag and self.started <= t <= self.finished]
@@ -456,6 +461,7 @@ def new_row(cfg):
     nranks, sig, workload, mps = cfg
     return {"configuration": config_name(cfg), "ranks": nranks, "signal": sig,
             "workload": workload, "mps": mps, "runs": 0, "passed": 0, "times": [], "noticed": [],
+            "torn_down": [],
             "kinds": {}, "reasons": {}, "example": None, "victim": [], "not_started": 0,
             "warm_up": [], "gpu_usable_after": [], "parallel_ranks": [], "load": []}
 
@@ -475,9 +481,10 @@ def record(row, world, logs, kept):
     row["passed"] += not failed
     if slowest[1] is not None and not res["before"]:
         row["times"].append(round(slowest[1], 3))
-        if slowest[4] is not None:
-            row["noticed"].append(round(slowest[4], 3))
-    for _, _, why, last, _ in verdicts:
+        for k, i in (("noticed", 4), ("torn_down", 5)):
+            if slowest[i] is not None:
+                row[k].append(round(slowest[i], 3))
+    for _, _, why, last, _, _ in verdicts:
         kind = classify(last, res["before"])
         row["kinds"][kind] = row["kinds"].get(kind, 0) + 1
         row["example"] = row["example"] or last
@@ -491,10 +498,11 @@ def record(row, world, logs, kept):
     shown = f"{slowest[1]:.2f} s" if slowest[1] is not None else "-"
     title = f"[{name}] {world.tag}: {status}, victim rank {world.victim} ({world.victim_end})"
     print(f"{title}, slowest survivor {shown}", flush=True)
-    for r, t, why, last, noticed in verdicts:
+    for r, t, why, last, noticed, torn in verdicts:
         mark = f"FAIL ({why})" if why else "ok"
         tt = f"{t:.2f} s" if t is not None else "-"
-        seen = f" (loop stopped at {noticed:.2f} s)" if noticed is not None else ""
+        seen = "".join(f" ({what} at {at:.2f} s)" for what, at in
+                       (("loop stopped", noticed), ("torn down", torn)) if at is not None)
         print(f"    rank {r}: {tt}{seen} {mark}: {last[:240]}", flush=True)
     if res["victim_fault"]:
         print(f"    victim rank {world.victim}: FAIL ({res['victim_fault']})", flush=True)
@@ -648,14 +656,15 @@ def percentile(values, q):
 
 def table(rows, intro):
     lines = ["| configuration | pass | not started | min s | median s | p90 s | max s | "
-             "loop stopped, median s | survivors' errors | failures | example | stopped victim | "
+             "loop stopped, median s | torn down, median s | survivors' errors | failures | example | stopped victim | "
              "ranks at once: limit (alive at the signal) | GPU usable after |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         times = row["times"]
         stats = (f"{min(times):.2f} | {statistics.median(times):.2f} | "
                  f"{percentile(times, 90):.2f} | {max(times):.2f}" if times else "- | - | - | -")
-        noticed = f"{statistics.median(row['noticed']):.2f}" if row["noticed"] else "-"
+        noticed, torn = (f"{statistics.median(row[k]):.2f}" if row.get(k) else "-"
+                         for k in ("noticed", "torn_down"))
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(row["kinds"].items(), key=lambda kv: -kv[1]))
         reasons = "; ".join((["warm-up failed"] if "FAILED" in row["warm_up"] else [])
                             + [f"{k} ({n})" for k, n in row["reasons"].items()]).replace("|", "/")
@@ -666,7 +675,7 @@ def table(rows, intro):
         if row.get("load"):
             at_once += f" (at the signal: {min(row['load'])}-{max(row['load'])})"
         lines.append(f"| {row['configuration']} | {row['passed']}/{row['runs']} | "
-                     f"{row['not_started']} | {stats} | {noticed} | {kinds or '-'} | "
+                     f"{row['not_started']} | {stats} | {noticed} | {torn} | {kinds or '-'} | "
                      f"{reasons or '-'} | {example} | {'; '.join(ends) or '-'} | {at_once} | "
                      f"{usable} |")
     return intro + "\n\n" + "\n".join(lines) + "\n"
@@ -692,9 +701,10 @@ def merge_rows(documents):
                 into[k] += row[k]
             # Runs left out by one document's budget and run by another's --missing-from.
             into["not_started"] = max(0, into["not_started"] + row["not_started"] - row["runs"])
-            for k in ("times", "noticed", "victim", "warm_up", "gpu_usable_after", "parallel_ranks",
-                      "load"):
-                into[k] += row[k]
+            # "torn_down" came later: earlier summaries lack it.
+            for k in ("times", "noticed", "torn_down", "victim", "warm_up", "gpu_usable_after",
+                      "parallel_ranks", "load"):
+                into[k] = into.get(k, []) + row.get(k, [])
             for k in ("kinds", "reasons"):
                 for kind, n in row[k].items():
                     into[k][kind] = into[k].get(kind, 0) + n
@@ -878,7 +888,8 @@ def main():
              f"fault injection: {time.monotonic() - command_start:.0f} s in all, at most "
              f"{a.parallel_ranks} ranks at once (several worlds side by side); times are the "
              f"slowest survivor's, from its world's signal to its exit (\"loop stopped\": to the "
-             f"moment its timed loop stopped on the failure; the rest is draining and teardown); "
+             f"moment its timed loop stopped on the failure; \"torn down\": to the end of its "
+             f"draining and teardown; the rest is the process's exit); "
              f"pass within {a.timeout + a.slack} s (MSCCLPP_DEVICE_WAIT_TIMEOUT={a.timeout}), "
              f"settle {a.settle} s" + (f"; {not_started} run(s) not started (budget)"
                                        if not_started else ""))

@@ -193,6 +193,9 @@ fn main() -> ExitCode {
             let who = std::env::var("RANK")
                 .map(|r| format!(" (rank {r})"))
                 .unwrap_or_default();
+            // Timestamped: with "the timed loop stopped" it splits a failed run's exit time into
+            // noticing, our teardown (drain, unmapping, freeing) and the process's own exit.
+            tracing::warn!(target: "mscclpp::bench", "torn down{who}, exiting on the error");
             eprintln!("mscclpp-bench{who}: error: {e}");
             ExitCode::FAILURE
         }
