@@ -2,6 +2,7 @@
 # Runs the GPU suite and the benchmark on the device machine (from the repository root there).
 # Usage: [NGPU=k] [NRANKS=n] [MPS=1] [HOSTS=h] bash .gpu/gpu-run.sh [suite|bench|all] [extra args for the binary]
 #        [NRANKS=n] [MPS=1] [SHIM_CHECK_QUICK=1] bash .gpu/gpu-run.sh nccl [torch|initall|kill|abort|fallback]
+#        [TORCH_BENCH_TIMEOUT=s] bash .gpu/gpu-run.sh nccl bench [torch_bench.py run options]
 # Writes logs into $OUT (or ./gpu-out when $OUT is unset).
 set -uo pipefail
 # SAFETY: NVLink multicast can take shared GPUs out of service; it stays off for us and for NCCL.
@@ -74,6 +75,25 @@ if [ "$what" = nccl ]; then
     kill|abort) env -u MSCCLPP_NCCL_LIB_PATH torchrun --nproc_per_node=2 --master_port="${PORT:-29511}" "$script" "$mode" ;;
     fallback) LD_PRELOAD="$shim" MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION=all \
                 torchrun --nproc_per_node=1 --master_port="${PORT:-29511}" "$script" torch ;;
+    # PyTorch's collectives timed with PyTorch's NCCL, then with the shim preloaded, then compared
+    # (torch_bench.py; one GPU a rank, NCCL refuses shared GPUs). TORCH_BENCH_TIMEOUT seconds
+    # (default 400) bound the three together: each run gets half of what the comparison leaves,
+    # the shim's also what NCCL's left unused. A run cut short still leaves the rows it measured.
+    bench) limit="${TORCH_BENCH_TIMEOUT:-400}" start=$SECONDS code=0
+       shift
+       bench_run() {  # label, seconds, then the launcher's environment prefix
+         local label="$1" seconds="$2"; shift 2
+         echo "== torch_bench with $label (at most $seconds s)"
+         timeout -k 10 "$seconds" env "$@" torchrun --nproc_per_node="$nranks" \
+           --master_port="${PORT:-29511}" .gpu/torch_bench.py run --json "$out/torch-$label.json" "${args[@]}"
+         local c=$?; echo "torch_bench with $label: exit $c in $((SECONDS - start)) s"; return $c
+       }
+       args=("$@")
+       bench_run nccl $(((limit - 20) / 2)) LD_PRELOAD= || code=1
+       PORT=$((${PORT:-29511} + 1)) bench_run mscclpp $((limit - 20 - (SECONDS - start))) LD_PRELOAD="$shim" || code=1
+       python3 .gpu/torch_bench.py compare "$out/torch-nccl.json" "$out/torch-mscclpp.json" \
+         --out "$out/torch-compare.md" || code=1
+       exit $code ;;
     # A hang must not eat the machine: the whole run is bounded (SHIM_CHECK_TIMEOUT seconds).
     *) start=$SECONDS
        timeout -k 10 "${SHIM_CHECK_TIMEOUT:-540}" \

@@ -9,9 +9,10 @@ rm -rf .gpu && mkdir -p .gpu/bin .gpu/lib
 for b in mscclpp-bench mscclpp-gpu-suite; do
   if [ -x "target/release/$b" ]; then cp "target/release/$b" .gpu/bin/; fi
 done
-# The NCCL shim and its checks (`bash .gpu/gpu-run.sh nccl [torch|initall|kill|abort|fallback]`).
+# The NCCL shim, its checks (`bash .gpu/gpu-run.sh nccl [torch|initall|kill|abort|fallback]`) and
+# its timings against PyTorch's NCCL (`bash .gpu/gpu-run.sh nccl bench`).
 cp target/release/libmscclpp_nccl.so .gpu/lib/
-cp nccl/scripts/torch_check.py .gpu/
+cp nccl/scripts/torch_check.py nccl/scripts/torch_bench.py .gpu/
 # The device tool carries at most 64 MiB; debug info is most of each binary (symbols stay, so
 # backtraces still name functions).
 if command -v strip >/dev/null; then strip --strip-debug .gpu/bin/* .gpu/lib/*; fi
@@ -25,7 +26,9 @@ else
   echo "gpu-stage: ../shared/fixtures/plans missing: the suite's plans section will check builder plans only" >&2
 fi
 cargo run -q --release -p mscclpp-executor --example builder_plans -- .gpu/builder-plans 2 4 8
-cp scripts/gpu-run.sh scripts/gpu-steps.sh scripts/mps.sh scripts/simulate-hosts.sh scripts/fault-inject.py .gpu/
+# plan-bench.py times the fixture plans against the native algorithms (`python3 .gpu/plan-bench.py`).
+cp scripts/gpu-run.sh scripts/gpu-steps.sh scripts/mps.sh scripts/simulate-hosts.sh scripts/fault-inject.py \
+  scripts/plan-bench.py .gpu/
 # A kernel cache brought back from an earlier machine (gpu-steps.sh saves it as OUT/kcache.tgz).
 if [ -f .gpu-kcache.tgz ]; then cp .gpu-kcache.tgz .gpu/kcache.tgz; fi
 # The Python package: a release wheel (abi3, any Python >= 3.9; the release profile shares the

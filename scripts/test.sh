@@ -18,3 +18,6 @@ if [ "${MSCCLPP_SKIP_CU12:-0}" != 1 ]; then
 fi
 # The fault-injection script's scheduling, timing and verdicts against a fake bench (~20 s, no GPU).
 python3 scripts/fault-inject-test.py
+# The timing tools of the same-run comparisons (torch_bench.py compare, gpu-run.sh nccl bench,
+# plan-bench.py) against fakes (~3 s, no torch, no GPU).
+python3 scripts/bench-tools-test.py

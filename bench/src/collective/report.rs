@@ -225,7 +225,41 @@ pub fn row_notes(row: &Row) -> Vec<String> {
     notes
 }
 
-/// The whole run as JSON: the device line, the options as given, the tolerance, every row.
+/// An execution plan loaded by `--plan`, with the message range it takes here: its file's range
+/// capped by the scratch, in input bytes per rank (the selector's measure; all-gather's `size`
+/// column is the gathered output, `world_size` times more).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LoadedPlan {
+    pub name: String,
+    pub collective: &'static str,
+    pub world_size: usize,
+    pub min_bytes: u64,
+    pub max_bytes: u64,
+    /// The plan's buffer mode: it runs only calls of this placement.
+    pub in_place: bool,
+}
+
+impl LoadedPlan {
+    /// The header line printed for it.
+    pub fn describe(&self) -> String {
+        format!(
+            "# plan {} ({}, {} ranks, {}..={} bytes, {})",
+            self.name,
+            self.collective,
+            self.world_size,
+            self.min_bytes,
+            self.max_bytes,
+            if self.in_place {
+                "in place"
+            } else {
+                "out of place"
+            }
+        )
+    }
+}
+
+/// The whole run as JSON: the device line, the options as given, the tolerance, every row, and
+/// the plans loaded (absent without `--plan`).
 #[derive(Debug, Clone, Serialize)]
 pub struct JsonReport<'a> {
     pub device: &'a str,
@@ -240,6 +274,8 @@ pub struct JsonReport<'a> {
     pub tolerance: &'a str,
     pub rows: &'a [Row],
     pub total_wrong: usize,
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    pub plans: &'a [LoadedPlan],
 }
 
 /// Serialises `report` with two-space indentation.
@@ -353,13 +389,55 @@ mod tests {
             tolerance: "exact",
             rows: &rows,
             total_wrong: 0,
+            plans: &[],
         });
         let v: serde_json::Value = serde_json::from_str(&j).expect("valid JSON");
+        assert!(v.get("plans").is_none(), "no --plan, no plans key: {j}");
         let r = &v["rows"][0];
         assert_eq!(r["size_bytes"], 1 << 20);
         assert_eq!(r["out_of_place"]["measured"]["nccl_time_us"], 25.0);
         assert_eq!(r["in_place"]["skipped"], "too large for the scratch");
         assert_eq!(v["device"], "NVIDIA H200 x2");
         assert_eq!(v["total_wrong"], 0);
+    }
+
+    /// The plans loaded are reported with their range and buffer mode (scripts/plan-bench.py
+    /// reads them to tell the sizes a plan takes from those it refuses).
+    #[test]
+    fn json_reports_the_loaded_plans() {
+        let plans = vec![LoadedPlan {
+            name: "allreduce_pkt".into(),
+            collective: "allreduce",
+            world_size: 2,
+            min_bytes: 0,
+            max_bytes: 50 << 20,
+            in_place: true,
+        }];
+        let j = to_json(&JsonReport {
+            device: "d",
+            nccl: "n",
+            nranks: 2,
+            collective: "allreduce",
+            mode: "eager".into(),
+            iters: 1,
+            warmup: 1,
+            batches: 1,
+            graph_replays: 0,
+            tolerance: "exact",
+            rows: &[],
+            total_wrong: 0,
+            plans: &plans,
+        });
+        let v: serde_json::Value = serde_json::from_str(&j).expect("valid JSON");
+        let p = &v["plans"][0];
+        assert_eq!(p["name"], "allreduce_pkt");
+        assert_eq!(p["collective"], "allreduce");
+        assert_eq!(p["world_size"], 2);
+        assert_eq!(p["max_bytes"], 50 << 20);
+        assert_eq!(p["in_place"], true);
+        assert_eq!(
+            plans[0].describe(),
+            "# plan allreduce_pkt (allreduce, 2 ranks, 0..=52428800 bytes, in place)"
+        );
     }
 }

@@ -24,7 +24,7 @@ use super::check::{check_output, sendrecv_peers, CheckResult, TOLERANCE_TEXT};
 use super::data::{poison_byte, InputSpec};
 use super::device_line;
 use super::options::{AlgoChoice, BenchOptions, Placement};
-use super::report::{self, JsonReport, Measure, Outcome, Row};
+use super::report::{self, JsonReport, LoadedPlan, Measure, Outcome, Row};
 use super::shape::Shape;
 use crate::nccl::{Nccl, NcclComm};
 use mscclpp_collectives::p2p::sendrecv::{P2pSendRecv, SENDRECV_P2P};
@@ -167,20 +167,34 @@ struct Bench<'a> {
     cpu_binding: String,
 }
 
+/// What the table's header and the JSON report say besides the rows, filled while setting up.
+struct RunHeader {
+    /// The device line.
+    device: String,
+    /// NCCL's version line, or why there is none.
+    nccl: String,
+    /// The execution plans `--plan` loaded.
+    plans: Vec<LoadedPlan>,
+}
+
 /// Runs the benchmark on this rank (collective: every rank calls it with the same options).
 /// Rank 0 prints the table as rows complete and writes `--json` at the end, also when the run
 /// stops on an error (with the rows done so far).
 pub fn run_rank(setup: RankSetup, opts: &BenchOptions) -> Result<Summary> {
     let (rank, nranks) = (setup.bootstrap.rank(), setup.bootstrap.size());
     let mut rows = Vec::new();
-    let mut header = (String::new(), String::from("NCCL: not requested"));
+    let mut header = RunHeader {
+        device: String::new(),
+        nccl: String::from("NCCL: not requested"),
+        plans: Vec::new(),
+    };
     let result = run_rows(setup, opts, &mut rows, &mut header);
     let total_wrong = rows.iter().map(Row::wrong).sum();
     if rank == 0 {
         if let Some(path) = &opts.json {
             let text = report::to_json(&JsonReport {
-                device: &header.0,
-                nccl: &header.1,
+                device: &header.device,
+                nccl: &header.nccl,
                 nranks,
                 collective: opts.collective.name(),
                 mode: mode_text(opts),
@@ -191,6 +205,7 @@ pub fn run_rank(setup: RankSetup, opts: &BenchOptions) -> Result<Summary> {
                 tolerance: TOLERANCE_TEXT,
                 rows: &rows,
                 total_wrong,
+                plans: &header.plans,
             });
             std::fs::write(path, text)
                 .map_err(|e| Error::io(format!("writing the JSON report {}", path.display()), e))?;
@@ -215,7 +230,7 @@ fn run_rows(
     setup: RankSetup,
     opts: &BenchOptions,
     rows: &mut Vec<Row>,
-    header: &mut (String, String),
+    header: &mut RunHeader,
 ) -> Result<()> {
     let mut bench = Bench::new(setup, opts, header)?;
     let result = bench.run(rows);
@@ -224,11 +239,7 @@ fn run_rows(
 }
 
 impl<'a> Bench<'a> {
-    fn new(
-        setup: RankSetup,
-        opts: &'a BenchOptions,
-        header: &mut (String, String),
-    ) -> Result<Self> {
+    fn new(setup: RankSetup, opts: &'a BenchOptions, header: &mut RunHeader) -> Result<Self> {
         let RankSetup {
             env,
             gpu,
@@ -299,16 +310,20 @@ impl<'a> Bench<'a> {
                 mscclpp_executor::load::load_plans(path)?
             };
             let added = mscclpp_executor::load::add_plans(&comm, &mut builder, &plans)?;
-            if rank == 0 {
-                for a in &added {
-                    let (min, max) = a.message_range();
-                    println!(
-                        "# plan {} ({}, {} ranks, {min}..={max} bytes)",
-                        a.name(),
-                        a.collective(),
-                        a.plan().world_size()
-                    );
+            for a in &added {
+                let (min_bytes, max_bytes) = a.message_range();
+                let loaded = LoadedPlan {
+                    name: a.name().to_string(),
+                    collective: a.collective().name(),
+                    world_size: a.plan().world_size(),
+                    min_bytes,
+                    max_bytes,
+                    in_place: a.plan().inplace,
+                };
+                if rank == 0 {
+                    println!("{}", loaded.describe());
                 }
+                header.plans.push(loaded);
             }
         }
         let algos = builder.build();
@@ -373,9 +388,9 @@ impl<'a> Bench<'a> {
             device_text: String::new(),
             cpu_binding,
         };
-        header.1 = bench.open_nccl()?;
-        header.0 = bench.describe(&header.1)?;
-        bench.device_text = header.0.clone();
+        header.nccl = bench.open_nccl()?;
+        header.device = bench.describe(&header.nccl)?;
+        bench.device_text = header.device.clone();
         Ok(bench)
     }
 
