@@ -368,6 +368,11 @@ impl NativeBase {
         self.residency.sm
     }
 
+    /// Whose GPU this rank runs on.
+    pub fn vendor(&self) -> GpuVendor {
+        self.vendor
+    }
+
     /// The most blocks this rank's grids may have ([`Residency::max_blocks`]).
     pub fn residency(&self) -> Residency {
         self.residency

@@ -37,6 +37,7 @@
 //! | `MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION` | `force_nccl_fallback_operation` | `all` or a comma list of `allreduce allgather reducescatter broadcast reduce alltoall send recv sendrecv gather scatter` | empty |
 //! | `MSCCLPP_NCCL_SYMMETRIC_MEMORY` | `nccl_symmetric_memory` | bool | false |
 //! | `MSCCLPP_NCCL_ACCUM_DTYPE` | `nccl_accum_dtype` | `f16`, `f32` or `auto`: the type the NCCL shim's fp8 reductions accumulate in (NCCL has no such option) | `auto` (the input type) |
+//! | `MSCCLPP_NCCL_GROUP_LOCKSTEP` | `nccl_group_lockstep` | bool; an NCCL group over several communicators of this process launches every communicator's i-th operation before any (i+1)-th (see the NCCL shim's `group` module); `0` only to compare | true |
 //! | `MSCCLPP_EXECUTION_PLAN_DIR` | `execution_plan_dir` | directory of JSON plans | unset |
 //! | `MSCCLPP_NPKIT_DUMP_DIR` | `npkit_dump_dir` | directory | unset |
 //! | `MSCCLPP_DISABLE_CHANNEL_CACHE` | `disable_channel_cache` | bool | false |
@@ -98,6 +99,7 @@ pub const VARIABLES: &[&str] = &[
     "MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION",
     "MSCCLPP_NCCL_SYMMETRIC_MEMORY",
     "MSCCLPP_NCCL_ACCUM_DTYPE",
+    "MSCCLPP_NCCL_GROUP_LOCKSTEP",
     "MSCCLPP_EXECUTION_PLAN_DIR",
     "MSCCLPP_NPKIT_DUMP_DIR",
     "MSCCLPP_DISABLE_CHANNEL_CACHE",
@@ -414,6 +416,7 @@ pub struct Env {
     pub force_nccl_fallback_operation: Vec<String>,
     pub nccl_symmetric_memory: bool,
     pub nccl_accum_dtype: crate::dtype::AccumType,
+    pub nccl_group_lockstep: bool,
     pub execution_plan_dir: Option<PathBuf>,
     pub npkit_dump_dir: Option<PathBuf>,
     pub disable_channel_cache: bool,
@@ -916,6 +919,7 @@ impl Env {
             force_nccl_fallback_operation,
             nccl_symmetric_memory: vars.flag("MSCCLPP_NCCL_SYMMETRIC_MEMORY")?,
             nccl_accum_dtype,
+            nccl_group_lockstep: vars.boolean("MSCCLPP_NCCL_GROUP_LOCKSTEP")?.unwrap_or(true),
             execution_plan_dir: vars.path("MSCCLPP_EXECUTION_PLAN_DIR"),
             npkit_dump_dir: vars.path("MSCCLPP_NPKIT_DUMP_DIR"),
             disable_channel_cache: vars.flag("MSCCLPP_DISABLE_CHANNEL_CACHE")?,
@@ -1004,6 +1008,12 @@ mod tests {
                 .programmatic_launch
         );
         assert!(e.eager_graph_launch);
+        assert!(e.nccl_group_lockstep);
+        assert!(
+            !env(&[("MSCCLPP_NCCL_GROUP_LOCKSTEP", "off")])
+                .unwrap()
+                .nccl_group_lockstep
+        );
         assert!(
             !env(&[("MSCCLPP_EAGER_GRAPH_LAUNCH", "false")])
                 .unwrap()

@@ -9,7 +9,10 @@ Modes (run through `.gpu/gpu-run.sh nccl MODE`, which preloads the shim and sets
             all-reduce and all-gather in one group, then ncclReduce, ncclGather, ncclScatter at
             every root and ncclAlltoAll, each a group over every communicator; each rank on one of
             PyTorch's streams, or with INITALL_STREAMS=raw on one created through the driver;
-            INITALL_COUNT sets the first group's element count (100003);
+            INITALL_COUNT sets the first group's element count (100003); INITALL_FIRST picks
+            what that group holds: both (all-reduce then all-gather, the default), allreduce,
+            allgather (of the unreduced inputs), or apart (the two in separate groups, synced
+            between), to tell one kernel's fault from the two's interplay;
   kill      under torchrun, 2 ranks: rank 1 exits without teardown while rank 0 is in an
             all-reduce; rank 0 must see ncclCommGetAsyncError report an error, not hang;
   abort     under torchrun, 2 ranks: rank 0 is blocked in an all-reduce rank 1 never joins, and
@@ -514,25 +517,44 @@ def initall_mode():
     outs = [torch.zeros(count * n, device=f"cuda:{devs[r]}") for r in range(n)]
     for d in set(devs):  # the outputs were zeroed on the default streams
         torch.cuda.synchronize(d)
-    lib.ncclGroupStart()
-    for r in range(n):
-        p = ctypes.c_void_p(bufs[r].data_ptr())
-        s = ctypes.c_void_p(streams[r].cuda_stream)
-        rc = lib.ncclAllReduce(p, p, ctypes.c_size_t(count), NCCL_FLOAT, NCCL_SUM,
-                               ctypes.c_void_p(comms[r]), s)
-        rc |= lib.ncclAllGather(p, ctypes.c_void_p(outs[r].data_ptr()),
-                                ctypes.c_size_t(count), NCCL_FLOAT, ctypes.c_void_p(comms[r]), s)
-        if rc:
-            report("FAIL", f"enqueue rank {r}", last_error(lib))
-    rc = lib.ncclGroupEnd()
-    report("PASS" if rc == 0 else "FAIL", "ncclGroupEnd over all communicators", last_error(lib) if rc else "")
-    torch.cuda.synchronize()
-    if async_errors(lib, list(comms), "initall all_reduce + all_gather group"):
+    first = os.environ.get("INITALL_FIRST", "both")
+    if first not in ("both", "allreduce", "allgather", "apart"):
+        raise SystemExit(f"INITALL_FIRST={first}: expected both, allreduce, allgather or apart")
+    reduce_ = first != "allgather"
+    gather = first != "allreduce"
+    # One group per entry: the operations each holds.
+    groups = [("allreduce", "allgather")] if first == "both" else (
+        [("allreduce",), ("allgather",)] if first == "apart" else [(first,)])
+    for ops in groups:
+        lib.ncclGroupStart()
+        for r in range(n):
+            p = ctypes.c_void_p(bufs[r].data_ptr())
+            s = ctypes.c_void_p(streams[r].cuda_stream)
+            rc = 0
+            if "allreduce" in ops:
+                rc |= lib.ncclAllReduce(p, p, ctypes.c_size_t(count), NCCL_FLOAT, NCCL_SUM,
+                                        ctypes.c_void_p(comms[r]), s)
+            if "allgather" in ops:
+                rc |= lib.ncclAllGather(p, ctypes.c_void_p(outs[r].data_ptr()), ctypes.c_size_t(count),
+                                        NCCL_FLOAT, ctypes.c_void_p(comms[r]), s)
+            if rc:
+                report("FAIL", f"enqueue rank {r}", last_error(lib))
+        rc = lib.ncclGroupEnd()
+        report("PASS" if rc == 0 else "FAIL", f"ncclGroupEnd over all communicators ({' + '.join(ops)})",
+               last_error(lib) if rc else "")
+        torch.cuda.synchronize()
+    if async_errors(lib, list(comms), f"initall first group ({first})"):
         report("PASS", "ncclCommGetAsyncError after the group: every rank ncclSuccess")
-    want = reduce_ref(xs, "sum", torch.float32)
+    want = reduce_ref(xs, "sum", torch.float32) if reduce_ else None
     for r in range(n):
-        check(f"initall all_reduce rank {r}", bufs[r], want, torch.float32, n)
-        check(f"initall all_gather (after all_reduce) rank {r}", outs[r], want.repeat(n), torch.float32, n)
+        if reduce_:
+            check(f"initall all_reduce rank {r}", bufs[r], want, torch.float32, n)
+        if gather:
+            name = f"initall all_gather ({'after all_reduce' if reduce_ else 'of the inputs'}) rank {r}"
+            if reduce_:
+                check(name, outs[r], want.repeat(n), torch.float32, n)
+            else:
+                check_exact(name, outs[r], torch.cat(xs))
     rooted_and_exchanges(lib, list(comms), devs, streams)
     lib.ncclGroupStart()
     for r in range(n):

@@ -13,6 +13,21 @@
 //! for this rank, it would wait for that kernel, which then fails on its device timeout with
 //! nothing from us. If any communicator fails to prepare, none launches (its peers' kernels
 //! would wait for it in vain) and the group reports that failure.
+//!
+//! The launches go in lock step (`MSCCLPP_NCCL_GROUP_LOCKSTEP`, on by default): every
+//! communicator launches its first operation, and only once all have does any launch its second,
+//! and so on. Without it, one communicator's thread could launch its all-reduce and then its
+//! all-gather before a peer's thread launched its all-reduce. The all-gather, which cannot start
+//! before its own all-reduce ends, then sits ahead of the peer's all-reduce in whatever the
+//! streams share on the way to the GPU (the driver's launch path, its hardware queues: which of
+//! them was not established) and can hold it back, while its own all-reduce, which it waits
+//! for, waits for that one: a cycle that only the device wait timeout ends.
+//! In lock step every kernel a launch depends on (the same call on the peers, the earlier calls on
+//! its stream) was launched before it, so nothing queued can stand in front of a kernel it waits
+//! for. Seen with ncclCommInitAll over one GPU at 4 ranks: `default_allreduce_packet` then
+//! `default_allgather_packet` in one group timed out on every rank, while the same all-reduce
+//! followed by `default_allgather_fullmesh2` (whose registration meets every peer's thread before
+//! it launches: in lock step by accident) passed.
 
 use crate::abi::{NcclResult, SUCCESS};
 use crate::comm::Comm;
@@ -38,6 +53,21 @@ pub enum Op {
 }
 
 impl Op {
+    /// What the launch trace calls it: the algorithm's name, or the point-to-point group.
+    fn name(&self) -> &str {
+        match self {
+            Op::Collective(algorithm, _) => algorithm.name(),
+            Op::PointToPoint(..) => "send/recv group",
+        }
+    }
+
+    fn stream(&self) -> Stream {
+        match self {
+            Op::Collective(_, args) => args.stream,
+            Op::PointToPoint(_, stream) => *stream,
+        }
+    }
+
     fn prepare(&self, comm: &Comm) -> mscclpp::Result<()> {
         match self {
             Op::Collective(algorithm, args) => algorithm.prepare(args),
@@ -131,17 +161,36 @@ fn run_ops(ops: Vec<(Arc<Comm>, Op)>) -> mscclpp::Result<()> {
             None => per_comm.push((comm, vec![op])),
         }
     }
+    let lockstep = mscclpp::core::env::Env::get()?.nccl_group_lockstep;
+    let group_start = Instant::now();
     prepare_all_then_launch(
         per_comm,
-        |(comm, list)| {
+        lockstep,
+        |comm, list| {
             comm.gpu.set_device(comm.device)?;
             list.iter().try_for_each(|op| op.prepare(comm))
         },
-        |(comm, list)| {
+        |comm, round, op| {
             comm.gpu.set_device(comm.device)?;
+            // The launch order across communicators is what a device timeout of a multi-rank
+            // group turns on (see the module docs): MSCCLPP_LOG_LEVEL=DEBUG shows it.
+            let traced = tracing::enabled!(target: "mscclpp::nccl", tracing::Level::DEBUG)
+                .then(|| (op.name().to_string(), op.stream()));
             let started = Instant::now();
-            let launched = list.into_iter().try_for_each(|op| op.launch(&comm));
-            note_slow_launch(comm.rank, started.elapsed());
+            let launched = op.launch(comm);
+            let took = started.elapsed();
+            if let Some((name, stream)) = traced {
+                tracing::debug!(
+                    target: "mscclpp::nccl",
+                    "rank {}: operation {round} ({name}, stream {:#x}) launched at +{:?} in \
+                     {took:?}{}",
+                    comm.rank,
+                    stream.0,
+                    started - group_start,
+                    if launched.is_ok() { "" } else { " (failed)" }
+                );
+            }
+            note_slow_launch(comm.rank, took);
             launched
         },
     )
@@ -151,58 +200,87 @@ fn run_ops(ops: Vec<(Arc<Comm>, Op)>) -> mscclpp::Result<()> {
 /// this slow was held up by host or driver work while its peers' kernels already waited for it.
 const SLOW_LAUNCH: Duration = Duration::from_secs(1);
 
-/// Logs a launch of one communicator's grouped operations that took `took` (see
-/// [`SLOW_LAUNCH`]): what a device timeout on its peers then points to.
+/// Logs a launch of one grouped operation that took `took` (see [`SLOW_LAUNCH`]): what a device
+/// timeout on its peers then points to.
 fn note_slow_launch(rank: usize, took: Duration) {
     if took > SLOW_LAUNCH {
         tracing::warn!(
             target: "mscclpp::nccl",
-            "rank {rank}: launching its grouped operations took {took:.1?}; its peers' kernels \
+            "rank {rank}: launching a grouped operation took {took:.1?}; its peers' kernels \
              waited for it meanwhile (beyond MSCCLPP_DEVICE_WAIT_TIMEOUT they fail)"
         );
     }
 }
 
-/// Runs `prepare` on every part, then `launch` on every part, each part on its own thread when
-/// there are several; no part launches before every part is prepared, and none launches if any
-/// failed to prepare (that failure is the result). Every thread passes the barrier exactly once,
-/// whatever its preparation did (a panic included), so none waits for a thread that left.
-fn prepare_all_then_launch<T: Send>(
-    parts: Vec<T>,
-    prepare: impl Fn(&T) -> mscclpp::Result<()> + Sync,
-    launch: impl Fn(T) -> mscclpp::Result<()> + Sync,
+/// Runs `f`, turning a panic into an error naming `what`, so a thread that panics still takes
+/// part in every barrier of [`prepare_all_then_launch`].
+fn caught(what: &str, f: impl FnOnce() -> mscclpp::Result<()>) -> mscclpp::Result<()> {
+    std::panic::catch_unwind(AssertUnwindSafe(f))
+        .unwrap_or_else(|_| Err(mscclpp::Error::Internal(format!("{what} panicked"))))
+}
+
+/// Runs `prepare` on every part (a communicator and its operations, in call order), then
+/// `launch` on every operation (with its index), each part on its own thread when there are
+/// several. No part launches before every part is prepared, and none launches if any failed to
+/// prepare (that failure is the result). In `lockstep` (see the module docs) operation i of every
+/// part is launched before operation i + 1 of any. A part stops launching at its first failure,
+/// which is its result. Every thread passes every barrier exactly once, whatever its preparation
+/// or launches did (a panic included), so none waits for a thread that left.
+fn prepare_all_then_launch<C: Send, O: Send>(
+    parts: Vec<(C, Vec<O>)>,
+    lockstep: bool,
+    prepare: impl Fn(&C, &[O]) -> mscclpp::Result<()> + Sync,
+    launch: impl Fn(&C, usize, O) -> mscclpp::Result<()> + Sync,
 ) -> mscclpp::Result<()> {
+    // Launches a part's operations in order; `between` runs after each round (the lock step).
+    let launch_all = |part: &C, ops: Vec<O>, rounds: usize, between: &dyn Fn()| {
+        let mut result = Ok(());
+        let mut ops = ops.into_iter();
+        for round in 0..rounds {
+            if let Some(op) = ops.next() {
+                if result.is_ok() {
+                    result = caught("launching a grouped operation", || launch(part, round, op));
+                }
+            }
+            between();
+        }
+        result
+    };
     if parts.len() <= 1 {
-        return parts.into_iter().try_for_each(|part| {
-            prepare(&part)?;
-            launch(part)
+        return parts.into_iter().try_for_each(|(part, ops)| {
+            prepare(&part, &ops)?;
+            let rounds = ops.len();
+            launch_all(&part, ops, rounds, &|| {})
         });
     }
+    let rounds = parts.iter().map(|(_, ops)| ops.len()).max().unwrap_or(0);
     let prepared = Barrier::new(parts.len());
+    let launched = Barrier::new(parts.len());
     let failed = AtomicBool::new(false);
-    let (prepare, launch) = (&prepare, &launch);
+    let (prepare, launch_all) = (&prepare, &launch_all);
     std::thread::scope(|s| {
         let handles: Vec<_> = parts
             .into_iter()
-            .map(|part| {
-                let (prepared, failed) = (&prepared, &failed);
+            .map(|(part, ops)| {
+                let (prepared, launched, failed) = (&prepared, &launched, &failed);
                 s.spawn(move || {
-                    let ready = std::panic::catch_unwind(AssertUnwindSafe(|| prepare(&part)))
-                        .unwrap_or_else(|_| {
-                            Err(mscclpp::Error::Internal(
-                                "preparing a grouped operation panicked".into(),
-                            ))
-                        });
+                    let ready = caught("preparing a grouped operation", || prepare(&part, &ops));
                     if ready.is_err() {
                         failed.store(true, Ordering::SeqCst);
                     }
                     prepared.wait();
                     ready?;
                     if failed.load(Ordering::SeqCst) {
-                        // Another part's failure is the one the group reports.
+                        // Another part's failure is the one the group reports. Every thread
+                        // reads the same flag after the barrier, so all of them stop here.
                         return Ok(());
                     }
-                    launch(part)
+                    let between = || {
+                        if lockstep {
+                            launched.wait();
+                        }
+                    };
+                    launch_all(&part, ops, rounds, &between)
                 })
             })
             .collect();
@@ -293,25 +371,27 @@ mod tests {
     use super::*;
     use std::sync::Mutex;
 
+    /// `n` parts (ranks), rank r with `ops(r)` operations numbered 0.. in call order.
+    fn parts(n: usize, ops: impl Fn(usize) -> usize) -> Vec<(usize, Vec<usize>)> {
+        (0..n).map(|r| (r, (0..ops(r)).collect())).collect()
+    }
+
     /// What ncclGroupEnd over ncclCommInitAll's communicators relies on: no communicator launches
     /// while another still prepares (loads kernels, which may synchronize the shared context).
     #[test]
     fn every_part_is_prepared_before_any_launches() {
         let events = Mutex::new(Vec::new());
         let result = prepare_all_then_launch(
-            (0..4).collect(),
-            |r: &usize| {
+            parts(4, |_| 1),
+            true,
+            |r: &usize, _: &[usize]| {
                 // The last rank prepares slowest, as a rank compiling a kernel would.
-                std::thread::sleep(std::time::Duration::from_millis(if *r == 3 {
-                    50
-                } else {
-                    0
-                }));
+                std::thread::sleep(Duration::from_millis(if *r == 3 { 50 } else { 0 }));
                 events.lock().unwrap().push(("prepare", *r));
                 Ok(())
             },
-            |r| {
-                events.lock().unwrap().push(("launch", r));
+            |r: &usize, _, _| {
+                events.lock().unwrap().push(("launch", *r));
                 Ok(())
             },
         );
@@ -328,6 +408,66 @@ mod tests {
         );
     }
 
+    /// The 4-rank initall group (all-reduce then all-gather on every communicator): every rank's
+    /// operation i is launched before any rank's operation i + 1, however the threads are
+    /// scheduled. Rank 0 rushes through its launches and the others are slow to start theirs, as a
+    /// thread woken last from the barrier is; parts with fewer operations still take their turn
+    /// in every round. Without lock step the rushing rank's second launch goes first.
+    #[test]
+    fn lockstep_launches_round_by_round() {
+        for lockstep in [true, false] {
+            let events = Mutex::new(Vec::new());
+            let result = prepare_all_then_launch(
+                parts(4, |r| if r == 2 { 1 } else { 2 + usize::from(r == 3) }),
+                lockstep,
+                |_: &usize, _: &[usize]| Ok(()),
+                |r: &usize, round, op| {
+                    assert_eq!(round, op, "operations launch in call order");
+                    if *r != 0 {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    events.lock().unwrap().push((round, *r));
+                    Ok(())
+                },
+            );
+            assert!(result.is_ok());
+            let events = events.into_inner().unwrap();
+            assert_eq!(events.len(), 2 + 2 + 1 + 3);
+            let in_rounds = events.windows(2).all(|w| w[0].0 <= w[1].0);
+            assert_eq!(in_rounds, lockstep, "lock step {lockstep}: {events:?}");
+        }
+    }
+
+    /// A rank whose launch fails (or panics) launches nothing more but still takes its turn in
+    /// every round, so the others are not left waiting at the barrier; its error is the group's.
+    #[test]
+    fn a_failed_launch_stops_its_part_only() {
+        for panics in [false, true] {
+            let launched = Mutex::new(Vec::new());
+            let result = prepare_all_then_launch(
+                parts(3, |_| 3),
+                true,
+                |_: &usize, _: &[usize]| Ok(()),
+                |r: &usize, round, _| {
+                    if (*r, round) == (1, 0) {
+                        if panics {
+                            panic!("rank 1 panicked");
+                        }
+                        return Err(mscclpp::Error::InvalidArgument("rank 1 refused".into()));
+                    }
+                    launched.lock().unwrap().push((*r, round));
+                    Ok(())
+                },
+            );
+            let e = result.unwrap_err().to_string();
+            let want = if panics { "panicked" } else { "rank 1 refused" };
+            assert!(e.contains(want), "{e}");
+            let mut launched = launched.into_inner().unwrap();
+            launched.sort();
+            assert_eq!(launched, [(0, 0), (0, 1), (0, 2), (2, 0), (2, 1), (2, 2)]);
+        }
+    }
+
     /// A rank that cannot prepare (or panics doing so) stops every launch, and its error is the
     /// group's: its peers' kernels would otherwise wait for it until their device timeout.
     #[test]
@@ -335,14 +475,15 @@ mod tests {
         for panics in [false, true] {
             let launched = Mutex::new(Vec::new());
             let result = prepare_all_then_launch(
-                (0..4).collect(),
-                |r: &usize| match (*r, panics) {
+                parts(4, |_| 2),
+                true,
+                |r: &usize, _: &[usize]| match (*r, panics) {
                     (1, false) => Err(mscclpp::Error::InvalidArgument("rank 1 refused".into())),
                     (1, true) => panic!("rank 1 panicked"),
                     _ => Ok(()),
                 },
-                |r| {
-                    launched.lock().unwrap().push(r);
+                |r: &usize, _, _| {
+                    launched.lock().unwrap().push(*r);
                     Ok(())
                 },
             );
@@ -357,12 +498,16 @@ mod tests {
     fn one_part_runs_on_the_calling_thread() {
         let caller = std::thread::current().id();
         let result = prepare_all_then_launch(
-            vec![0],
-            |_| {
+            parts(1, |_| 2),
+            true,
+            |_: &usize, _: &[usize]| {
                 assert_eq!(std::thread::current().id(), caller);
                 Ok(())
             },
-            |_| Ok(()),
+            |_: &usize, _, _| {
+                assert_eq!(std::thread::current().id(), caller);
+                Ok(())
+            },
         );
         assert!(result.is_ok());
     }
