@@ -4,8 +4,10 @@
 //!   the copy-engine all-reduce for large messages (`copy_engine`), and, behind the NVLS gate, the four NVLS variants (`nvls`);
 //! - all-gather: packets, zero-copy fullmesh2, scratch-staged fullmesh;
 //! - reduce-scatter: packets and zero-copy; broadcast: zero-copy;
-//! - an all-reduce over PortChannels (`port_allreduce`), CudaIpc on a host and Ethernet between
-//!   hosts: the default for ranks on several hosts;
+//! - across hosts: the hierarchical all-reduce of H hosts x k ranks (`hierarchical`: the
+//!   single-host algorithms in each host, `port_allreduce` across hosts), and the flat all-reduce
+//!   over PortChannels (`port_allreduce`, CudaIpc on a host and Ethernet between hosts), the
+//!   default for uneven ranks per host and one rank per host;
 //! - at world size 1, every collective as one device copy (`single_rank`);
 //! - the all-to-all family (`alltoall`): packet and zero-copy all-to-all, all-to-all-v, gather,
 //!   scatter (`gather_scatter` serves the last two as collection algorithms);
@@ -20,6 +22,7 @@ pub mod alltoall;
 pub mod copy_engine;
 pub mod gather_scatter;
 pub mod geometry;
+pub mod hierarchical;
 pub mod native;
 pub mod nvls;
 pub mod p2p;
@@ -89,17 +92,16 @@ pub fn build_default_algorithms_with_resources(
         }
     }
     if !comm.topology().is_single_host() {
-        // The NVLink kernels and their shared scratch need every peer's memory mapped here; across
-        // hosts the flat PortChannel all-reduce runs (the hierarchical algorithms are still to
-        // come), and no packet algorithm is built.
+        // The NVLink kernels and their shared scratch need every peer's memory mapped here:
+        // across hosts they run inside each host only, within the hierarchical algorithm.
         let limits = NativeLimits {
             allpair_packet_max_bytes: 0,
             packet_max_bytes: 0,
             allgather_packet_max_bytes: 0,
             reducescatter_packet_max_bytes: 0,
             max_ranks: MAX_RANKS,
+            multi_host_allreduce: add_multi_host_algorithms(comm, scratch_bytes, &mut builder)?,
         };
-        add_multi_host_algorithms(comm, scratch_bytes, &mut builder)?;
         builder.set_selector(default_native_selector(limits));
         return Ok((builder, None));
     }
@@ -115,6 +117,7 @@ pub fn build_default_algorithms_with_resources(
         allgather_packet_max_bytes: limit(NativeKind::AllgatherPacket),
         reducescatter_packet_max_bytes: limit(NativeKind::ReducescatterPacket),
         max_ranks: MAX_RANKS,
+        multi_host_allreduce: None,
     };
     for kind in NativeKind::ALL {
         builder.add_algorithm(algorithms::build(kind, comm, &scratch)?)?;
@@ -164,34 +167,74 @@ pub fn collection_resources(
     )?))
 }
 
-/// The algorithms of a job whose ranks span hosts: `port_allreduce` with segments of
-/// `scratch_bytes`, up to its rank limit. Where it cannot start (e.g. under
-/// `CUDA_DEVICE_MAX_CONNECTIONS=1`) the reason is logged and the collection goes without it, so
-/// the selector's choice of it fails naming what is registered.
+/// Collective: the algorithms of a job whose ranks span hosts, in this order on every rank:
+/// - for H hosts x k ranks (2..=8 each; `Topology::hierarchy`), `default_allreduce_hierarchical`
+///   (its memory: `hierarchical`'s module docs);
+/// - up to 8 ranks, the flat `port_allreduce`, whose scratch (slots and staging buffer) is about
+///   `scratch_bytes` in all (`hierarchical::port_segment_bytes`): the default where the hierarchy
+///   does not apply, kept beside it for comparison (`--algo port_allreduce`).
+///
+/// Returns the all-reduce the selector takes (the hierarchical one where built), logged once per
+/// communicator; `None` where neither could be built. Where an algorithm cannot start (e.g. under
+/// `CUDA_DEVICE_MAX_CONNECTIONS=1`) the reason is logged and the collection goes without it.
 fn add_multi_host_algorithms(
     comm: &Arc<Communicator>,
     scratch_bytes: usize,
     builder: &mut AlgorithmCollectionBuilder,
-) -> Result<()> {
-    let name = port_allreduce::NAME;
+) -> Result<Option<&'static str>> {
     let topology = comm.topology();
-    tracing::info!(target: "mscclpp::algo", "ranks on {topology}: building {name} only");
-    if comm.size() > MAX_RANKS {
-        let n = comm.size();
-        tracing::warn!(target: "mscclpp::algo", "{name} takes at most {MAX_RANKS} ranks, not {n}");
-        return Ok(());
-    }
-    let config = mscclpp_core::port_channel::PortChannelConfig::default();
-    match port_allreduce::PortAllreduce::new(comm.clone(), scratch_bytes, config) {
-        Ok(algo) => {
+    let n = comm.size();
+    let mut chosen = None;
+    if topology.hierarchy(comm.rank()).is_some() {
+        let built = unless_unsupported(hierarchical::HierarchicalAllreduce::new(
+            comm.clone(),
+            scratch_bytes,
+        ))?;
+        if let Some(algo) = built {
             builder.add_algorithm(Arc::new(algo))?;
+            chosen = Some(hierarchical::NAME);
         }
-        Err(e @ mscclpp_core::Error::Unsupported(_)) => {
-            tracing::warn!(target: "mscclpp::algo", "{e}");
-        }
-        Err(e) => return Err(e),
     }
-    Ok(())
+    let flat = port_allreduce::NAME;
+    if n <= MAX_RANKS {
+        let config = mscclpp_core::port_channel::PortChannelConfig::default();
+        let segment = hierarchical::port_segment_bytes(scratch_bytes, n);
+        let built = unless_unsupported(port_allreduce::PortAllreduce::new(
+            comm.clone(),
+            segment,
+            config,
+        ))?;
+        if let Some(algo) = built {
+            builder.add_algorithm(Arc::new(algo))?;
+            chosen = chosen.or(Some(flat));
+        }
+    } else {
+        tracing::warn!(target: "mscclpp::algo", "{flat} takes at most {MAX_RANKS} ranks, not {n}");
+    }
+    if comm.rank() == 0 {
+        match chosen {
+            Some(name) => {
+                tracing::info!(target: "mscclpp::algo", "ranks on {topology}: allreduce runs {name}")
+            }
+            None => {
+                tracing::warn!(target: "mscclpp::algo", "ranks on {topology}: no allreduce could be built")
+            }
+        }
+    }
+    Ok(chosen)
+}
+
+/// `built`, or `None` with the reason logged where it is `Unsupported` (the collection goes without
+/// it); other errors stay errors.
+fn unless_unsupported<T>(built: Result<T>) -> Result<Option<T>> {
+    match built {
+        Ok(algo) => Ok(Some(algo)),
+        Err(mscclpp_core::Error::Unsupported(why)) => {
+            tracing::warn!(target: "mscclpp::algo", "{why}");
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// [`build_default_algorithms`] into a fresh collection.
