@@ -7,7 +7,8 @@
 //! - across hosts: the hierarchical all-reduce of H hosts x k ranks (`hierarchical`: the
 //!   single-host algorithms in each host, `port_allreduce` across hosts), and the flat all-reduce
 //!   over PortChannels (`port_allreduce`, CudaIpc on a host and Ethernet between hosts), the
-//!   default for uneven ranks per host and one rank per host;
+//!   default for uneven ranks per host and one rank per host; all-gather and broadcast through
+//!   either (`via_allreduce`);
 //! - at world size 1, every collective as one device copy (`single_rank`);
 //! - the all-to-all family (`alltoall`): packet and zero-copy all-to-all, all-to-all-v, gather,
 //!   scatter (`gather_scatter` serves the last two as collection algorithms);
@@ -31,9 +32,11 @@ pub mod resources;
 pub mod single_rank;
 pub mod testing;
 pub mod tune;
+pub mod via_allreduce;
 
 pub use native::{check_shape, max_input_bytes, max_input_bytes_on, NativeBase, NativeKind};
 
+use mscclpp_core::algorithm::Algorithm;
 use mscclpp_core::algorithm_collection::{
     default_native_selector, AlgorithmCollection, AlgorithmCollectionBuilder, NativeLimits,
 };
@@ -174,9 +177,12 @@ pub fn collection_resources(
 ///   `scratch_bytes` in all (`hierarchical::port_segment_bytes`): the default where the hierarchy
 ///   does not apply, kept beside it for comparison (`--algo port_allreduce`).
 ///
-/// Returns the all-reduce the selector takes (the hierarchical one where built), logged once per
-/// communicator; `None` where neither could be built. Where an algorithm cannot start (e.g. under
-/// `CUDA_DEVICE_MAX_CONNECTIONS=1`) the reason is logged and the collection goes without it.
+/// - with the all-reduce the selector takes (the hierarchical one where built), all-gather and
+///   broadcast through it (`via_allreduce`).
+///
+/// Returns the name of that all-reduce, logged once per communicator; `None` where neither could
+/// be built. Where an algorithm cannot start (e.g. under `CUDA_DEVICE_MAX_CONNECTIONS=1`) the
+/// reason is logged and the collection goes without it.
 fn add_multi_host_algorithms(
     comm: &Arc<Communicator>,
     scratch_bytes: usize,
@@ -184,15 +190,17 @@ fn add_multi_host_algorithms(
 ) -> Result<Option<&'static str>> {
     let topology = comm.topology();
     let n = comm.size();
-    let mut chosen = None;
+    // The all-reduce the selector takes, with its name for the selector's limits.
+    let mut chosen: Option<(Arc<dyn Algorithm>, &'static str)> = None;
     if topology.hierarchy(comm.rank()).is_some() {
         let built = unless_unsupported(hierarchical::HierarchicalAllreduce::new(
             comm.clone(),
             scratch_bytes,
         ))?;
         if let Some(algo) = built {
-            builder.add_algorithm(Arc::new(algo))?;
-            chosen = Some(hierarchical::NAME);
+            let algo: Arc<dyn Algorithm> = Arc::new(algo);
+            builder.add_algorithm(algo.clone())?;
+            chosen = Some((algo, hierarchical::NAME));
         }
     }
     let flat = port_allreduce::NAME;
@@ -205,23 +213,27 @@ fn add_multi_host_algorithms(
             config,
         ))?;
         if let Some(algo) = built {
-            builder.add_algorithm(Arc::new(algo))?;
-            chosen = chosen.or(Some(flat));
+            let algo: Arc<dyn Algorithm> = Arc::new(algo);
+            builder.add_algorithm(algo.clone())?;
+            chosen = chosen.or(Some((algo, flat)));
         }
     } else {
         tracing::warn!(target: "mscclpp::algo", "{flat} takes at most {MAX_RANKS} ranks, not {n}");
     }
-    if comm.rank() == 0 {
-        match chosen {
-            Some(name) => {
-                tracing::info!(target: "mscclpp::algo", "ranks on {topology}: allreduce runs {name}")
-            }
-            None => {
-                tracing::warn!(target: "mscclpp::algo", "ranks on {topology}: no allreduce could be built")
-            }
+    let Some((allreduce, name)) = chosen else {
+        if comm.rank() == 0 {
+            tracing::warn!(target: "mscclpp::algo", "ranks on {topology}: no allreduce could be built");
         }
+        return Ok(None);
+    };
+    for collective in via_allreduce::COLLECTIVES {
+        let algo = via_allreduce::ViaAllreduce::new(collective, allreduce.clone(), comm.clone())?;
+        builder.add_algorithm(Arc::new(algo))?;
     }
-    Ok(chosen)
+    if comm.rank() == 0 {
+        tracing::info!(target: "mscclpp::algo", "ranks on {topology}: allreduce runs {name}, allgather and broadcast through it");
+    }
+    Ok(Some(name))
 }
 
 /// `built`, or `None` with the reason logged where it is `Unsupported` (the collection goes without

@@ -149,8 +149,9 @@ fn unserved_reason(ctx: &SelectionContext) -> Option<String> {
     if ctx.world_size > 1 && ctx.local_world_size != ctx.world_size {
         return Some(format!(
             "the ranks span several hosts ({} of {} on this host); across hosts only allreduce \
-             has algorithms so far ({} for H hosts x k ranks, up to 8 x 8; {}, flat, up to 8 \
-             ranks), the multi-host {} is not implemented yet",
+             ({} for H hosts x k ranks, up to 8 x 8; {}, flat, up to 8 ranks), and allgather \
+             and broadcast through it, have algorithms so far; the multi-host {} is not \
+             implemented yet",
             ctx.local_world_size,
             ctx.world_size,
             native_names::ALLREDUCE_HIERARCHICAL,
@@ -270,6 +271,11 @@ pub mod native_names {
     /// The all-reduce of H hosts x k ranks: reduce-scatter in the host, all-reduce across hosts
     /// among equal local ranks, all-gather in the host (`mscclpp_collectives::hierarchical`).
     pub const ALLREDUCE_HIERARCHICAL: &str = "default_allreduce_hierarchical";
+    /// Ours, for ranks on several hosts: all-gather and broadcast as a bit-exact byte-wise sum
+    /// all-reduce of the zero-filled output, through the multi-host all-reduce
+    /// (`mscclpp_collectives::via_allreduce`).
+    pub const ALLGATHER_VIA_ALLREDUCE: &str = "default_allgather_via_allreduce";
+    pub const BROADCAST_VIA_ALLREDUCE: &str = "default_broadcast_via_allreduce";
 
     /// The single-rank algorithm of `collective`, if it has one.
     pub const fn single_rank_name(collective: Collective) -> Option<&'static str> {
@@ -314,7 +320,8 @@ pub struct NativeLimits {
     /// for every all-reduce there (`None`: none could be built; a single-host collection leaves
     /// it `None`): `mscclpp_collectives` builds [`native_names::ALLREDUCE_HIERARCHICAL`] for H
     /// hosts x k ranks and [`native_names::PORT_ALLREDUCE`] (flat) for the other topologies, and
-    /// logs its choice once.
+    /// logs its choice once. With it come [`native_names::ALLGATHER_VIA_ALLREDUCE`] and
+    /// [`native_names::BROADCAST_VIA_ALLREDUCE`], which the selector takes there too.
     pub multi_host_allreduce: Option<&'static str>,
 }
 
@@ -373,7 +380,8 @@ pub fn packet_gather_scatter_threshold(world_size: usize) -> usize {
 /// The built-in policy for the native algorithms (see the module docs for the NVLS rule): at world
 /// size 1 the single-rank algorithms (any device); on several hosts the all-reduce built for the
 /// topology (`limits.multi_host_allreduce`: hierarchical for H hosts x k ranks, else the flat
-/// [`native_names::PORT_ALLREDUCE`]; the other collectives have no multi-host algorithm yet); else the native kernels, on CUDA sm_70 or newer and on AMD CDNA (gfx90a,
+/// [`native_names::PORT_ALLREDUCE`]), and all-gather and broadcast through it; the other
+/// collectives have no multi-host algorithm yet; else the native kernels, on CUDA sm_70 or newer and on AMD CDNA (gfx90a,
 /// gfx942, gfx950), on one host of at most `limits.max_ranks` ranks.
 pub fn default_native_selector(limits: NativeLimits) -> Selector {
     Box::new(move |ctx: &SelectionContext| native_choice(&limits, ctx).map(str::to_string))
@@ -428,10 +436,13 @@ fn native_choice(limits: &NativeLimits, ctx: &SelectionContext) -> Option<&'stat
         return single_rank_name(ctx.collective);
     }
     if ctx.local_world_size != ctx.world_size {
-        return match ctx.collective {
+        let via_allreduce = match ctx.collective {
             Collective::AllReduce => limits.multi_host_allreduce,
+            Collective::AllGather => Some(ALLGATHER_VIA_ALLREDUCE),
+            Collective::Broadcast => Some(BROADCAST_VIA_ALLREDUCE),
             _ => None,
         };
+        return limits.multi_host_allreduce.and(via_allreduce);
     }
     let amd = amd_arch_ok(&ctx.arch);
     if !(cuda_arch_ok(&ctx.arch) || amd)
@@ -753,8 +764,8 @@ mod tests {
     }
 
     /// Several hosts, even or uneven: all-reduce takes the algorithm built for the topology
-    /// (none where none could be built); the other collectives have none yet, and the error says
-    /// why.
+    /// (none where none could be built), all-gather and broadcast go through it; the other
+    /// collectives have none yet, and the error says why.
     #[rstest]
     #[case(4, 2, Some(ALLREDUCE_HIERARCHICAL))]
     #[case(16, 8, Some(ALLREDUCE_HIERARCHICAL))]
@@ -775,10 +786,18 @@ mod tests {
         assert_eq!(sel(&c).as_deref(), built);
         c.arch = "gfx942".into();
         assert_eq!(sel(&c).as_deref(), built, "no kernel arch rule");
+        for (other, via) in [
+            (Collective::AllGather, ALLGATHER_VIA_ALLREDUCE),
+            (Collective::Broadcast, BROADCAST_VIA_ALLREDUCE),
+        ] {
+            let mut c = ctx(other, 1024, world);
+            c.local_world_size = local;
+            assert_eq!(sel(&c).as_deref(), built.map(|_| via));
+        }
         for other in [
-            Collective::AllGather,
             Collective::ReduceScatter,
-            Collective::Broadcast,
+            Collective::Reduce,
+            Collective::AllToAll,
         ] {
             let mut c = ctx(other, 1024, world);
             c.local_world_size = local;

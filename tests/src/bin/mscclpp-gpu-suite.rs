@@ -12,8 +12,9 @@
 //! included), `reduce` (`default_reduce_zero_copy` at every root), `plans` (execution plans: the
 //! fixtures at this world size and the builder's), `resources`: device memory per rank, which fails
 //! above 32 MiB, and set-up times), `multi_host` (ranks on several hosts: the matrix of every
-//! all-reduce of the multi-host collection, `default_allreduce_hierarchical` and the flat
-//! `port_allreduce`; the algorithm names select one),
+//! algorithm of the multi-host collection, `default_allreduce_hierarchical`, the flat
+//! `port_allreduce`, `default_allgather_via_allreduce`, `default_broadcast_via_allreduce`; the
+//! algorithm names select one),
 //! `--primitives-only`, `--cpu-bind none` (leave the launcher's CPU placement; by default each
 //! rank's thread runs on its GPU's local CPUs, as in mscclpp-bench).
 
@@ -451,10 +452,12 @@ const MULTI_HOST: &str = "multi_host";
 /// The sections that run when the ranks span hosts (the others map every peer's memory):
 /// `port_allreduce`'s own checks, and the multi-host collection's matrices (all, or one by name).
 /// `--only port_allreduce` runs both its own checks and its matrix in the multi-host collection.
-const CROSS_HOST_SECTIONS: [&str; 3] = [
+const CROSS_HOST_SECTIONS: [&str; 5] = [
     mscclpp_collectives::port_allreduce::NAME,
     MULTI_HOST,
     mscclpp_collectives::hierarchical::NAME,
+    mscclpp::core::algorithm_collection::native_names::ALLGATHER_VIA_ALLREDUCE,
+    mscclpp::core::algorithm_collection::native_names::BROADCAST_VIA_ALLREDUCE,
 ];
 
 /// The names given to `--only`, if it was given.
@@ -1245,10 +1248,11 @@ fn algorithm_matrix(
     )
 }
 
-/// Ranks on several hosts: the matrix of every all-reduce of the multi-host collection
+/// Ranks on several hosts: the matrix of every algorithm of the multi-host collection
 /// (`default_allreduce_hierarchical` for H hosts x k ranks, the flat `port_allreduce` up to 8
-/// ranks), the same matrix as the single-host algorithms' ([`algorithm_matrix`], 1 GiB
-/// included). `--only multi_host` runs them all, an algorithm's name its own.
+/// ranks, `default_allgather_via_allreduce`, `default_broadcast_via_allreduce`), the same matrix
+/// as the single-host algorithms' ([`algorithm_matrix`], 1 GiB for the all-reduces). `--only
+/// multi_host` runs them all, an algorithm's name its own.
 fn multi_host_matrices(s: &mut Suite, only: Option<&[String]>) {
     use mscclpp::core::algorithm::Collective;
     let comm = s.ctx.comm.clone();
@@ -1263,7 +1267,15 @@ fn multi_host_matrices(s: &mut Suite, only: Option<&[String]>) {
             return;
         }
     };
-    let names = coll.names(Collective::AllReduce);
+    let algos: Vec<(Collective, String)> = [
+        Collective::AllReduce,
+        Collective::AllGather,
+        Collective::Broadcast,
+    ]
+    .into_iter()
+    .flat_map(|c| coll.names(c).into_iter().map(move |n| (c, n)))
+    .collect();
+    let names: Vec<&str> = algos.iter().map(|(_, n)| n.as_str()).collect();
     s.record(
         "build the multi-host algorithms",
         if names.is_empty() {
@@ -1282,15 +1294,17 @@ fn multi_host_matrices(s: &mut Suite, only: Option<&[String]>) {
     let mut case = 0u64;
     // `--quick`: the build only, as for the single-host matrices.
     let quick = std::env::args().any(|a| a == "--quick");
-    for name in names {
-        if quick || !(is_selected(only, MULTI_HOST) || is_selected(only, &name)) {
+    for (collective, name) in &algos {
+        if quick || !(is_selected(only, MULTI_HOST) || is_selected(only, name)) {
             continue;
         }
-        let Some(algo) = coll.get(Collective::AllReduce, &name) else {
+        let Some(algo) = coll.get(*collective, name) else {
             continue;
         };
-        // Every size must run: these algorithms have no scratch bound.
-        let result = algorithm_matrix(s, &comm, algo.as_ref(), (true, false), &mut case);
+        // Every size must run: these algorithms have no scratch bound. 1 GiB for the all-reduces,
+        // as for the single-host large-message all-reduces.
+        let gib = *collective == Collective::AllReduce;
+        let result = algorithm_matrix(s, &comm, algo.as_ref(), (gib, false), &mut case);
         s.record(&format!("{MULTI_HOST} {name}"), result);
     }
 }
