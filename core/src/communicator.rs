@@ -241,6 +241,8 @@ pub struct Communicator {
     device_sharers: usize,
     /// Whether another rank runs in this process (`topology::ranks_in_process`).
     shares_process: bool,
+    /// Made by [`split`](Self::split): kernels are launched plainly ([`fast_launches`](Self::fast_launches)).
+    is_split: bool,
     health: Arc<Health>,
     slab: SyncSlab,
     /// Next free semaphore slot per peer (same on every rank because setup is collective).
@@ -265,12 +267,14 @@ impl Communicator {
     /// communicator's job.
     pub fn split(&self, members: &[usize]) -> Result<Communicator> {
         let sub = crate::bootstrap::SubBootstrap::split(self.bootstrap.clone(), members)?;
-        Self::build(
+        let mut comm = Self::build(
             Arc::new(sub),
             self.gpu.clone(),
             self.device,
             Some(self.health.clone()),
-        )
+        )?;
+        comm.is_split = true;
+        Ok(comm)
     }
 
     /// [`new`](Self::new), or [`split`](Self::split) with the parent's health.
@@ -334,6 +338,7 @@ impl Communicator {
             topology,
             device_sharers,
             shares_process,
+            is_split: false,
             health,
             slab: SyncSlab {
                 alloc,
@@ -389,8 +394,8 @@ impl Communicator {
         Ok(sm_share(sm.max(1), self.device_sharers))
     }
 
-    /// Whether no other rank of this process runs on this device. Only then are this rank's
-    /// kernels launched programmatically (`LaunchConfig::programmatic`) or through cached graphs
+    /// Whether no other rank of this process runs on this device. Only then (and not on a split:
+    /// [`fast_launches`](Self::fast_launches)) are this rank's kernels launched programmatically (`LaunchConfig::programmatic`) or through cached graphs
     /// (`LaunchConfig::cached_graph`). A programmatic launch lets the stream's next grid become
     /// resident, waiting, while the current one runs, which doubles what the rank holds: with SM
     /// shares ([`multiprocessors`](Self::multiprocessors)) a waiting grid of one rank could keep a
@@ -399,6 +404,18 @@ impl Communicator {
     /// for this rank's launch.
     pub fn owns_device(&self) -> bool {
         self.device_sharers == 1
+    }
+
+    /// Whether this rank's kernels take the fast launch paths: programmatic launch and cached
+    /// one-kernel graphs. Only where the rank [owns the device](Self::owns_device), and not on a
+    /// [split](Self::split): splits serve algorithms that put their kernels on one stream next to
+    /// a PortChannel exchange kernel of this process (the hierarchical all-reduce), which spins
+    /// until this process's own Ethernet receiver has copied the peers' data in. Building a
+    /// launch graph is driver work that may wait on the context's running kernels (see
+    /// `owns_device`), which would wait for that receiver in turn; plain launches are what the
+    /// exchange's own kernels use beside it.
+    pub fn fast_launches(&self) -> bool {
+        self.owns_device() && !self.is_split
     }
 
     /// Whether another rank of this communicator runs in this process (`ncclCommInitAll`, or a
@@ -822,6 +839,8 @@ mod tests {
             c.bootstrap().barrier().expect("cross barrier");
             let shared =
                 Arc::ptr_eq(&h.health, &comm.health) && Arc::ptr_eq(&c.health, &comm.health);
+            // Splits launch plainly (here the parent does too: its ranks share one device).
+            assert!(!h.fast_launches() && !c.fast_launches());
             comm.bootstrap().barrier().expect("parent barrier");
             // An abort of a split is the parent's, and the other split's.
             if rank == 3 {
