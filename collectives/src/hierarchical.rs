@@ -434,6 +434,35 @@ mod tests {
         );
     }
 
+    /// The host group's collection, built from a quarter of the default scratch, still has every
+    /// part (the point-to-point region and the semaphores of a 132-SM or larger GPU taken out of
+    /// the staging part), with room for the all-to-all tables, at every host size.
+    #[test]
+    fn the_host_groups_scratch_holds_a_collection() {
+        use crate::native::NativeKind;
+        use crate::resources::{private_tail_bytes, scratch_bounds};
+        use mscclpp_core::device::D2DSemaphoreHandle;
+        let s = host_scratch_bytes(crate::DEFAULT_SCRATCH_BYTES);
+        for sm in [132u32, 256] {
+            let blocks = NativeKind::ALL
+                .iter()
+                .map(|k| k.semaphore_blocks(sm))
+                .max()
+                .unwrap_or(0) as usize;
+            for k in 2..=MAX_RANKS {
+                let table = blocks * (k - 1) * std::mem::size_of::<D2DSemaphoreHandle>();
+                let p2p = crate::p2p::plan::layout(k).region_bytes;
+                let b = scratch_bounds(s, private_tail_bytes(table, p2p) + p2p);
+                assert!(b.windows(2).all(|w| w[1] > w[0]), "{k} ranks: {b:?}");
+                let staging = b[2] - b[1];
+                assert!(
+                    staging >= mscclpp_kernels_cu::alltoall::TABLE_SCRATCH_BYTES,
+                    "{k} ranks: staging {staging}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn scratch_shares_fit_the_budget() {
         let s = crate::DEFAULT_SCRATCH_BYTES;
