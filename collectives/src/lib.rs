@@ -59,6 +59,9 @@ use std::sync::Arc;
 /// 2 / nranks), packet reduce-scatter 8.4 MiB (3.75), one-step rsag 1.97 MiB (4), copy-engine
 /// pieces 8.6 MiB at 2 ranks (32). Every selector threshold stays within these, so the default
 /// selection is unchanged (`native` tests).
+/// Across hosts s buys: the hierarchical all-reduce's host-group collection from s/4 (7.5 MiB) and
+/// its cross-host `port_allreduce` of about s, plus the flat `port_allreduce` of about s: about
+/// 24 MiB at 2 hosts x 2 or x 4 ranks (`hierarchical`).
 pub const DEFAULT_SCRATCH_BYTES: usize = 8 << 20;
 
 /// Collective: builds every native algorithm for `comm` into `builder`, lending them one scratch of
