@@ -27,6 +27,13 @@
 //! lazy loading may wait for the running kernels of the context, among them the cross-host
 //! exchange, which waits for this process's Ethernet receiver).
 //!
+//! # Integer averages
+//! The host step's average is rounded (truncated) before the cross-host step averages again, and
+//! `trunc(trunc(a / k) + trunc(b / k)) / 2` is not `trunc((a + b) / 2k)`: an integer `avg` runs
+//! the flat all-reduce the collection passes in (one division of the whole sum, as on one host),
+//! and is refused where there is none (more than 8 ranks). Float averages stay hierarchical (each
+//! step's rounding is within the type's tolerance).
+//!
 //! # Device memory per rank
 //! The host group's collection lends one scratch built from `scratch_bytes / 4`
 //! ([`host_scratch_bytes`]: about 3.75 x that, 7.5 MiB for the default 8 MiB), the cross group's
@@ -39,7 +46,7 @@ use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::algorithm_collection::{native_names, AlgorithmCollection, SelectionContext};
 use mscclpp_core::communicator::Communicator;
 use mscclpp_core::port_channel::PortChannelConfig;
-use mscclpp_core::{Error, Result};
+use mscclpp_core::{Error, ReduceOp, Result};
 use mscclpp_kernels_cu::collectives::MAX_RANKS;
 use std::sync::Arc;
 
@@ -121,6 +128,8 @@ pub struct HierarchicalAllreduce {
     // before the parent.
     host: AlgorithmCollection,
     cross: Arc<PortAllreduce>,
+    /// The flat all-reduce over the whole communicator, for integer averages.
+    flat: Option<Arc<dyn Algorithm>>,
     host_comm: Arc<Communicator>,
     cross_comm: Arc<Communicator>,
     /// The device's architecture, for the host group's selector.
@@ -130,10 +139,15 @@ pub struct HierarchicalAllreduce {
 
 impl HierarchicalAllreduce {
     /// Collective over `comm`: splits it into its host and cross-host groups and builds each
-    /// group's algorithms (see the module docs for what `scratch_bytes` buys). `Unsupported`
+    /// group's algorithms (see the module docs for what `scratch_bytes` buys). `flat`, an
+    /// all-reduce over all of `comm`, runs the integer averages (module docs). `Unsupported`
     /// where the hierarchy does not apply (one host, one rank per host, uneven hosts, more than
     /// 8 hosts or 8 ranks per host), before anything collective, so every rank refuses alike.
-    pub fn new(comm: Arc<Communicator>, scratch_bytes: usize) -> Result<HierarchicalAllreduce> {
+    pub fn new(
+        comm: Arc<Communicator>,
+        scratch_bytes: usize,
+        flat: Option<Arc<dyn Algorithm>>,
+    ) -> Result<HierarchicalAllreduce> {
         let topology = comm.topology();
         let groups = topology.hierarchy(comm.rank()).ok_or_else(|| {
             Error::Unsupported(format!(
@@ -166,6 +180,7 @@ impl HierarchicalAllreduce {
         Ok(HierarchicalAllreduce {
             host,
             cross,
+            flat,
             host_comm,
             cross_comm,
             arch,
@@ -231,6 +246,18 @@ impl HierarchicalAllreduce {
     /// The call's steps as (algorithm, arguments), in enqueue order (see [`steps`]).
     fn calls(&self, args: &ExecuteArgs) -> Result<Vec<(Arc<dyn Algorithm>, ExecuteArgs)>> {
         let count = port_allreduce::check_args_of(NAME, args)?;
+        if args.op == ReduceOp::Avg && !args.dtype.is_float() {
+            let flat = self.flat.clone().ok_or_else(|| {
+                Error::Unsupported(format!(
+                    "{NAME}: the {} average over {} ranks needs one division of the whole sum \
+                     (a hierarchical one truncates twice), and no flat all-reduce serves {} ranks",
+                    args.dtype,
+                    self.comm.size(),
+                    self.comm.size()
+                ))
+            })?;
+            return Ok(vec![(flat, *args)]);
+        }
         let (k, local) = (self.host_comm.size(), self.host_comm.rank());
         let at = |base: u64, offset: usize| base + offset as u64;
         let cross: Arc<dyn Algorithm> = self.cross.clone();

@@ -7,8 +7,8 @@
 //! - across hosts: the hierarchical all-reduce of H hosts x k ranks (`hierarchical`: the
 //!   single-host algorithms in each host, `port_allreduce` across hosts), and the flat all-reduce
 //!   over PortChannels (`port_allreduce`, CudaIpc on a host and Ethernet between hosts), the
-//!   default for uneven ranks per host and one rank per host; all-gather and broadcast through
-//!   either (`via_allreduce`);
+//!   default for uneven ranks per host and one rank per host; all-gather, broadcast and
+//!   reduce-scatter through either (`via_allreduce`);
 //! - at world size 1, every collective as one device copy (`single_rank`);
 //! - the all-to-all family (`alltoall`): packet and zero-copy all-to-all, all-to-all-v, gather,
 //!   scatter (`gather_scatter` serves the last two as collection algorithms);
@@ -60,8 +60,9 @@ use std::sync::Arc;
 /// pieces 8.6 MiB at 2 ranks (32). Every selector threshold stays within these, so the default
 /// selection is unchanged (`native` tests).
 /// Across hosts s buys: the hierarchical all-reduce's host-group collection from s/4 (7.5 MiB) and
-/// its cross-host `port_allreduce` of about s, plus the flat `port_allreduce` of about s: about
-/// 24 MiB at 2 hosts x 2 or x 4 ranks (`hierarchical`).
+/// its cross-host `port_allreduce` of about s, the flat `port_allreduce` of about s, and the
+/// reduce-scatter's s/4: about 26 MiB at 2 hosts x 2 or x 4 ranks (`hierarchical`,
+/// `via_allreduce`).
 pub const DEFAULT_SCRATCH_BYTES: usize = 8 << 20;
 
 /// Collective: builds every native algorithm for `comm` into `builder`, lending them one scratch of
@@ -174,14 +175,16 @@ pub fn collection_resources(
 }
 
 /// Collective: the algorithms of a job whose ranks span hosts, in this order on every rank:
-/// - for H hosts x k ranks (2..=8 each; `Topology::hierarchy`), `default_allreduce_hierarchical`
-///   (its memory: `hierarchical`'s module docs);
 /// - up to 8 ranks, the flat `port_allreduce`, whose scratch (slots and staging buffer) is about
 ///   `scratch_bytes` in all (`hierarchical::port_segment_bytes`): the default where the hierarchy
-///   does not apply, kept beside it for comparison (`--algo port_allreduce`).
+///   does not apply, kept beside it for comparison (`--algo port_allreduce`) and for the
+///   hierarchical one's integer averages;
+/// - for H hosts x k ranks (2..=8 each; `Topology::hierarchy`), `default_allreduce_hierarchical`
+///   (its memory: `hierarchical`'s module docs);
 ///
-/// - with the all-reduce the selector takes (the hierarchical one where built), all-gather and
-///   broadcast through it (`via_allreduce`).
+/// - with the all-reduce the selector takes (the hierarchical one where built), all-gather,
+///   broadcast and reduce-scatter through it (`via_allreduce`; the reduce-scatter's scratch is
+///   `scratch_bytes / 4`).
 ///
 /// Returns the name of that all-reduce, logged once per communicator; `None` where neither could
 /// be built. Where an algorithm cannot start (e.g. under `CUDA_DEVICE_MAX_CONNECTIONS=1`) the
@@ -193,20 +196,9 @@ fn add_multi_host_algorithms(
 ) -> Result<Option<&'static str>> {
     let topology = comm.topology();
     let n = comm.size();
-    // The all-reduce the selector takes, with its name for the selector's limits.
-    let mut chosen: Option<(Arc<dyn Algorithm>, &'static str)> = None;
-    if topology.hierarchy(comm.rank()).is_some() {
-        let built = unless_unsupported(hierarchical::HierarchicalAllreduce::new(
-            comm.clone(),
-            scratch_bytes,
-        ))?;
-        if let Some(algo) = built {
-            let algo: Arc<dyn Algorithm> = Arc::new(algo);
-            builder.add_algorithm(algo.clone())?;
-            chosen = Some((algo, hierarchical::NAME));
-        }
-    }
+    // The flat all-reduce first: the hierarchical one runs integer averages through it.
     let flat = port_allreduce::NAME;
+    let mut flat_algo: Option<Arc<dyn Algorithm>> = None;
     if n <= MAX_RANKS {
         let config = mscclpp_core::port_channel::PortChannelConfig::default();
         let segment = hierarchical::port_segment_bytes(scratch_bytes, n);
@@ -218,10 +210,25 @@ fn add_multi_host_algorithms(
         if let Some(algo) = built {
             let algo: Arc<dyn Algorithm> = Arc::new(algo);
             builder.add_algorithm(algo.clone())?;
-            chosen = chosen.or(Some((algo, flat)));
+            flat_algo = Some(algo);
         }
     } else {
         tracing::warn!(target: "mscclpp::algo", "{flat} takes at most {MAX_RANKS} ranks, not {n}");
+    }
+    // The all-reduce the selector takes, with its name for the selector's limits.
+    let mut chosen: Option<(Arc<dyn Algorithm>, &'static str)> =
+        flat_algo.clone().map(|a| (a, flat));
+    if topology.hierarchy(comm.rank()).is_some() {
+        let built = unless_unsupported(hierarchical::HierarchicalAllreduce::new(
+            comm.clone(),
+            scratch_bytes,
+            flat_algo,
+        ))?;
+        if let Some(algo) = built {
+            let algo: Arc<dyn Algorithm> = Arc::new(algo);
+            builder.add_algorithm(algo.clone())?;
+            chosen = Some((algo, hierarchical::NAME));
+        }
     }
     let Some((allreduce, name)) = chosen else {
         if comm.rank() == 0 {
@@ -233,8 +240,13 @@ fn add_multi_host_algorithms(
         let algo = via_allreduce::ViaAllreduce::new(collective, allreduce.clone(), comm.clone())?;
         builder.add_algorithm(Arc::new(algo))?;
     }
+    builder.add_algorithm(Arc::new(via_allreduce::ReduceScatterViaAllreduce::new(
+        allreduce,
+        comm.clone(),
+        scratch_bytes,
+    )?))?;
     if comm.rank() == 0 {
-        tracing::info!(target: "mscclpp::algo", "ranks on {topology}: allreduce runs {name}, allgather and broadcast through it");
+        tracing::info!(target: "mscclpp::algo", "ranks on {topology}: allreduce runs {name}, allgather, broadcast and reducescatter through it");
     }
     Ok(Some(name))
 }

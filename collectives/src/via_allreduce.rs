@@ -1,21 +1,37 @@
-//! `default_allgather_via_allreduce` and `default_broadcast_via_allreduce`: all-gather and
-//! broadcast for ranks on several hosts, as a byte-wise sum all-reduce of the output, through the
-//! all-reduce the multi-host collection built (`default_allreduce_hierarchical`, or the flat
-//! `port_allreduce`), so every topology that has a multi-host all-reduce has these two as well.
+//! `default_allgather_via_allreduce`, `default_broadcast_via_allreduce` and
+//! `default_reducescatter_via_allreduce`: all-gather, broadcast and reduce-scatter for ranks on
+//! several hosts, through the all-reduce the multi-host collection built
+//! (`default_allreduce_hierarchical`, or the flat `port_allreduce`), so every topology that has a
+//! multi-host all-reduce has these as well. A stop-gap until cross-host primitives of their own
+//! exist: each moves about twice the bytes its collective must.
+//!
+//! # All-gather and broadcast: a byte-wise sum of the output
 //!
 //! Each rank zeroes the bytes of the output it does not own and writes its own (all-gather: its
 //! input into its slot; broadcast: the root its input, the others nothing); then the output is
 //! all-reduced as `u8` with `sum`. Every byte has exactly one rank that may make it non-zero, and
 //! `0 + ... + x + ... + 0 = x` in `u8` arithmetic for any byte, so the result is bit-exact for
 //! every data type (negative zeros and NaN payloads included). The cost: an all-reduce of the
-//! whole output, about twice the bytes an all-gather or a broadcast must move, and a memset. All
-//! on the caller's stream (stream-ordered copies and memsets, then the all-reduce): no host
-//! synchronisation, legal during CUDA-graph capture.
+//! whole output, about twice the bytes an all-gather or a broadcast must move, and a memset.
+//!
+//! # Reduce-scatter: the rank-ordered pieces packed into a scratch
+//! [`ReduceScatterViaAllreduce`] owns a scratch of `scratch_bytes / 4` (2 MiB by default). The
+//! chunks go in segments of `scratch / nranks` bytes: for each, every rank's piece of that segment
+//! (`input[r * chunk + offset ..]` for every rank r) is copied into the scratch side by side, the
+//! scratch is all-reduced in place with the call's type and op, and this rank's piece is copied
+//! out to its output. In place (output = this rank's chunk of the input) too: the copy out lands
+//! on bytes already packed, and later segments read only later bytes.
+//!
+//! All on the caller's stream (stream-ordered copies and memsets, then the all-reduce): no host
+//! synchronisation, legal during CUDA-graph capture. The all-reduce's kernels are loaded before
+//! anything of a call is enqueued.
 
+use crate::resources::DeviceBuffer;
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::algorithm_collection::native_names;
 use mscclpp_core::communicator::Communicator;
 use mscclpp_core::{AccumType, DataType, Error, ReduceOp, Result};
+use mscclpp_kernels_cu::collectives::resolve_accumulator;
 use std::sync::Arc;
 
 /// The collectives served this way.
@@ -199,6 +215,161 @@ impl Algorithm for ViaAllreduce {
     }
 }
 
+/// The name of the reduce-scatter through an all-reduce.
+pub const REDUCESCATTER_NAME: &str = native_names::REDUCESCATTER_VIA_ALLREDUCE;
+
+/// The reduce-scatter's scratch for a collection built with `scratch_bytes`.
+pub fn reducescatter_scratch_bytes(scratch_bytes: usize) -> usize {
+    scratch_bytes / 4
+}
+
+/// Checks a reduce-scatter call on `nranks` ranks and returns the bytes of each rank's chunk
+/// (0: nothing to do). Pure, so it is tested on the CPU.
+pub fn reducescatter_chunk(nranks: usize, args: &ExecuteArgs) -> Result<usize> {
+    let name = REDUCESCATTER_NAME;
+    let count = args.input_count()?;
+    resolve_accumulator(args.dtype, args.accum)
+        .map_err(|e| Error::Unsupported(format!("{name}: {e}")))?;
+    let es = args.dtype.size();
+    if args.input_bytes % (nranks.max(1) * es) != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{name}: input of {} bytes does not split into {nranks} chunks of whole {} elements",
+            args.input_bytes, args.dtype
+        )));
+    }
+    let chunk = args.input_bytes / nranks.max(1);
+    if args.output_bytes < chunk {
+        return Err(Error::InvalidArgument(format!(
+            "{name}: the output holds {} bytes, the call needs {chunk}",
+            args.output_bytes
+        )));
+    }
+    if count > 0 && (args.input == 0 || args.output == 0) {
+        return Err(Error::InvalidArgument(format!(
+            "{name}: null {} pointer",
+            if args.input == 0 { "input" } else { "output" }
+        )));
+    }
+    Ok(chunk)
+}
+
+/// The segments `(offset, len)` of a chunk of `chunk` bytes through a scratch of `scratch` bytes
+/// on `nranks` ranks: whole elements of `elem_bytes`, at most `scratch / nranks` bytes each. An
+/// error where the scratch cannot hold one element per rank.
+pub fn reducescatter_segments(
+    chunk: usize,
+    elem_bytes: usize,
+    scratch: usize,
+    nranks: usize,
+) -> Result<Vec<(usize, usize)>> {
+    let seg = scratch / nranks.max(1) / elem_bytes * elem_bytes;
+    if seg == 0 && chunk > 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{REDUCESCATTER_NAME}: a scratch of {scratch} bytes holds no {elem_bytes}-byte \
+             element per rank of {nranks}"
+        )));
+    }
+    Ok((0..chunk)
+        .step_by(seg.max(1))
+        .map(|offset| (offset, seg.min(chunk - offset)))
+        .collect())
+}
+
+/// Reduce-scatter through a multi-host all-reduce. See the module docs.
+pub struct ReduceScatterViaAllreduce {
+    // Field order is drop order: the all-reduce (which may have registered the scratch with
+    // peers) before the scratch.
+    allreduce: Arc<dyn Algorithm>,
+    scratch: DeviceBuffer,
+    scratch_bytes: usize,
+    comm: Arc<Communicator>,
+}
+
+impl ReduceScatterViaAllreduce {
+    /// Over `allreduce`, an all-reduce of `comm`, with a scratch of
+    /// [`reducescatter_scratch_bytes`]`(scratch_bytes)`. Allocates (not collective).
+    pub fn new(
+        allreduce: Arc<dyn Algorithm>,
+        comm: Arc<Communicator>,
+        scratch_bytes: usize,
+    ) -> Result<ReduceScatterViaAllreduce> {
+        if allreduce.collective() != Collective::AllReduce {
+            return Err(Error::InvalidArgument(format!(
+                "{REDUCESCATTER_NAME}: {} is not an all-reduce",
+                allreduce.name()
+            )));
+        }
+        let bytes = reducescatter_scratch_bytes(scratch_bytes);
+        Ok(ReduceScatterViaAllreduce {
+            allreduce,
+            scratch: DeviceBuffer::zeroed(comm.gpu(), bytes)?,
+            scratch_bytes: bytes,
+            comm,
+        })
+    }
+
+    /// The all-reduce of `len` bytes per rank piece, in place in the scratch.
+    fn allreduce_args(&self, args: &ExecuteArgs, len: usize) -> ExecuteArgs {
+        let bytes = self.comm.size() * len;
+        ExecuteArgs {
+            input: self.scratch.ptr(),
+            output: self.scratch.ptr(),
+            input_bytes: bytes,
+            output_bytes: bytes,
+            ..*args
+        }
+    }
+
+    /// The segments of a checked call.
+    fn segments(&self, args: &ExecuteArgs) -> Result<Vec<(usize, usize)>> {
+        let n = self.comm.size();
+        let chunk = reducescatter_chunk(n, args)?;
+        reducescatter_segments(chunk, args.dtype.size(), self.scratch_bytes, n)
+    }
+}
+
+impl Algorithm for ReduceScatterViaAllreduce {
+    fn name(&self) -> &str {
+        REDUCESCATTER_NAME
+    }
+
+    fn collective(&self) -> Collective {
+        Collective::ReduceScatter
+    }
+
+    fn check(&self, args: &ExecuteArgs) -> Result<()> {
+        self.segments(args).map(|_| ())
+    }
+
+    fn prepare(&self, args: &ExecuteArgs) -> Result<()> {
+        // Segments differ in length only at the end: the first and the last cover every shape.
+        let segments = self.segments(args)?;
+        for &(_, len) in segments.first().into_iter().chain(segments.last()) {
+            self.allreduce.prepare(&self.allreduce_args(args, len))?;
+        }
+        Ok(())
+    }
+
+    fn execute(&self, args: &ExecuteArgs) -> Result<()> {
+        self.comm.check(REDUCESCATTER_NAME)?;
+        self.prepare(args)?;
+        let (rank, n) = (self.comm.rank(), self.comm.size());
+        let chunk = args.input_bytes / n;
+        let gpu = self.comm.gpu();
+        let scratch = self.scratch.ptr();
+        for (offset, len) in self.segments(args)? {
+            for r in 0..n {
+                let from = args.input + (r * chunk + offset) as u64;
+                gpu.memcpy_async(scratch + (r * len) as u64, from, len, args.stream)?;
+            }
+            self.allreduce.execute(&self.allreduce_args(args, len))?;
+            let mine = scratch + (rank * len) as u64;
+            gpu.memcpy_async(args.output + offset as u64, mine, len, args.stream)?;
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -271,6 +442,53 @@ mod tests {
         assert_eq!((other.zero.clone(), other.copy), (vec![(0, 8)], None));
         let empty = staging(Collective::Broadcast, 0, 3, &args(0, 0, 0, 0)).expect("empty");
         assert_eq!(empty.total, 0);
+    }
+
+    /// Segments tile the chunk in whole elements, each at most a rank's share of the scratch.
+    #[rstest]
+    #[case(0, 2, 1024, 4)]
+    #[case(6, 2, 1024, 4)]
+    #[case(1000, 4, 1024, 8)]
+    #[case(1 << 20, 2, 2 << 20, 8)]
+    #[case(7, 1, 3, 2)]
+    fn reducescatter_segments_tile_the_chunk(
+        #[case] chunk: usize,
+        #[case] es: usize,
+        #[case] scratch: usize,
+        #[case] n: usize,
+    ) {
+        let segs = reducescatter_segments(chunk, es, scratch, n).expect("fits");
+        let mut next = 0;
+        for (offset, len) in segs {
+            assert_eq!(offset, next);
+            assert!(
+                len > 0 && len % es == 0 && len * n <= scratch,
+                "{offset} {len}"
+            );
+            next += len;
+        }
+        assert_eq!(next, chunk);
+        let e = reducescatter_segments(8, 8, 15, 2).unwrap_err().to_string();
+        assert!(e.contains(REDUCESCATTER_NAME), "{e}");
+    }
+
+    #[test]
+    fn reducescatter_arguments_are_checked() {
+        let rs = |n, a: ExecuteArgs| reducescatter_chunk(n, &a);
+        assert_eq!(rs(4, args(1, 2, 64, 16)).ok(), Some(16));
+        assert_eq!(rs(4, args(0, 0, 0, 0)).ok(), Some(0));
+        let e = rs(4, args(1, 2, 60, 16)).unwrap_err().to_string();
+        assert!(e.contains("does not split into 4 chunks"), "{e}");
+        let e = rs(4, args(1, 2, 64, 15)).unwrap_err().to_string();
+        assert!(e.contains(REDUCESCATTER_NAME) && e.contains("16"), "{e}");
+        assert!(rs(4, args(0, 2, 64, 16))
+            .unwrap_err()
+            .to_string()
+            .contains("null input"));
+        let mut a = args(1, 2, 64, 16);
+        a.accum = AccumType::F16;
+        a.dtype = DataType::F32;
+        assert!(matches!(rs(4, a), Err(Error::Unsupported(_))));
     }
 
     #[test]

@@ -149,9 +149,9 @@ fn unserved_reason(ctx: &SelectionContext) -> Option<String> {
     if ctx.world_size > 1 && ctx.local_world_size != ctx.world_size {
         return Some(format!(
             "the ranks span several hosts ({} of {} on this host); across hosts only allreduce \
-             ({} for H hosts x k ranks, up to 8 x 8; {}, flat, up to 8 ranks), and allgather \
-             and broadcast through it, have algorithms so far; the multi-host {} is not \
-             implemented yet",
+             ({} for H hosts x k ranks, up to 8 x 8; {}, flat, up to 8 ranks), and allgather, \
+             broadcast and reducescatter through it, have algorithms so far; the multi-host {} \
+             is not implemented yet",
             ctx.local_world_size,
             ctx.world_size,
             native_names::ALLREDUCE_HIERARCHICAL,
@@ -276,6 +276,9 @@ pub mod native_names {
     /// (`mscclpp_collectives::via_allreduce`).
     pub const ALLGATHER_VIA_ALLREDUCE: &str = "default_allgather_via_allreduce";
     pub const BROADCAST_VIA_ALLREDUCE: &str = "default_broadcast_via_allreduce";
+    /// Ours, for ranks on several hosts: reduce-scatter as an all-reduce of the ranks' pieces
+    /// packed into a scratch, through the multi-host all-reduce.
+    pub const REDUCESCATTER_VIA_ALLREDUCE: &str = "default_reducescatter_via_allreduce";
 
     /// The single-rank algorithm of `collective`, if it has one.
     pub const fn single_rank_name(collective: Collective) -> Option<&'static str> {
@@ -320,8 +323,9 @@ pub struct NativeLimits {
     /// for every all-reduce there (`None`: none could be built; a single-host collection leaves
     /// it `None`): `mscclpp_collectives` builds [`native_names::ALLREDUCE_HIERARCHICAL`] for H
     /// hosts x k ranks and [`native_names::PORT_ALLREDUCE`] (flat) for the other topologies, and
-    /// logs its choice once. With it come [`native_names::ALLGATHER_VIA_ALLREDUCE`] and
-    /// [`native_names::BROADCAST_VIA_ALLREDUCE`], which the selector takes there too.
+    /// logs its choice once. With it come [`native_names::ALLGATHER_VIA_ALLREDUCE`],
+    /// [`native_names::BROADCAST_VIA_ALLREDUCE`] and
+    /// [`native_names::REDUCESCATTER_VIA_ALLREDUCE`], which the selector takes there too.
     pub multi_host_allreduce: Option<&'static str>,
 }
 
@@ -380,9 +384,10 @@ pub fn packet_gather_scatter_threshold(world_size: usize) -> usize {
 /// The built-in policy for the native algorithms (see the module docs for the NVLS rule): at world
 /// size 1 the single-rank algorithms (any device); on several hosts the all-reduce built for the
 /// topology (`limits.multi_host_allreduce`: hierarchical for H hosts x k ranks, else the flat
-/// [`native_names::PORT_ALLREDUCE`]), and all-gather and broadcast through it; the other
-/// collectives have no multi-host algorithm yet; else the native kernels, on CUDA sm_70 or newer and on AMD CDNA (gfx90a,
-/// gfx942, gfx950), on one host of at most `limits.max_ranks` ranks.
+/// [`native_names::PORT_ALLREDUCE`]), and all-gather, broadcast and reduce-scatter through it;
+/// the other collectives have no multi-host algorithm yet; else the native kernels, on CUDA
+/// sm_70 or newer and on AMD CDNA (gfx90a, gfx942, gfx950), on one host of at most
+/// `limits.max_ranks` ranks.
 pub fn default_native_selector(limits: NativeLimits) -> Selector {
     Box::new(move |ctx: &SelectionContext| native_choice(&limits, ctx).map(str::to_string))
 }
@@ -440,6 +445,7 @@ fn native_choice(limits: &NativeLimits, ctx: &SelectionContext) -> Option<&'stat
             Collective::AllReduce => limits.multi_host_allreduce,
             Collective::AllGather => Some(ALLGATHER_VIA_ALLREDUCE),
             Collective::Broadcast => Some(BROADCAST_VIA_ALLREDUCE),
+            Collective::ReduceScatter => Some(REDUCESCATTER_VIA_ALLREDUCE),
             _ => None,
         };
         return limits.multi_host_allreduce.and(via_allreduce);
@@ -764,8 +770,8 @@ mod tests {
     }
 
     /// Several hosts, even or uneven: all-reduce takes the algorithm built for the topology
-    /// (none where none could be built), all-gather and broadcast go through it; the other
-    /// collectives have none yet, and the error says why.
+    /// (none where none could be built), all-gather, broadcast and reduce-scatter go through it;
+    /// the other collectives have none yet, and the error says why.
     #[rstest]
     #[case(4, 2, Some(ALLREDUCE_HIERARCHICAL))]
     #[case(16, 8, Some(ALLREDUCE_HIERARCHICAL))]
@@ -789,16 +795,13 @@ mod tests {
         for (other, via) in [
             (Collective::AllGather, ALLGATHER_VIA_ALLREDUCE),
             (Collective::Broadcast, BROADCAST_VIA_ALLREDUCE),
+            (Collective::ReduceScatter, REDUCESCATTER_VIA_ALLREDUCE),
         ] {
             let mut c = ctx(other, 1024, world);
             c.local_world_size = local;
             assert_eq!(sel(&c).as_deref(), built.map(|_| via));
         }
-        for other in [
-            Collective::ReduceScatter,
-            Collective::Reduce,
-            Collective::AllToAll,
-        ] {
+        for other in [Collective::Reduce, Collective::AllToAll, Collective::Gather] {
             let mut c = ctx(other, 1024, world);
             c.local_world_size = local;
             assert_eq!(sel(&c), None);

@@ -13,8 +13,8 @@
 //! fixtures at this world size and the builder's), `resources`: device memory per rank, which fails
 //! above 32 MiB, and set-up times), `multi_host` (ranks on several hosts: the matrix of every
 //! algorithm of the multi-host collection, `default_allreduce_hierarchical`, the flat
-//! `port_allreduce`, `default_allgather_via_allreduce`, `default_broadcast_via_allreduce`; the
-//! algorithm names select one),
+//! `port_allreduce`, `default_allgather_via_allreduce`, `default_broadcast_via_allreduce`,
+//! `default_reducescatter_via_allreduce`; the algorithm names select one),
 //! `--primitives-only`, `--cpu-bind none` (leave the launcher's CPU placement; by default each
 //! rank's thread runs on its GPU's local CPUs, as in mscclpp-bench).
 
@@ -459,12 +459,13 @@ const MULTI_HOST: &str = "multi_host";
 /// The sections that run when the ranks span hosts (the others map every peer's memory):
 /// `port_allreduce`'s own checks, and the multi-host collection's matrices (all, or one by name).
 /// `--only port_allreduce` runs both its own checks and its matrix in the multi-host collection.
-const CROSS_HOST_SECTIONS: [&str; 5] = [
+const CROSS_HOST_SECTIONS: [&str; 6] = [
     mscclpp_collectives::port_allreduce::NAME,
     MULTI_HOST,
     mscclpp_collectives::hierarchical::NAME,
     mscclpp::core::algorithm_collection::native_names::ALLGATHER_VIA_ALLREDUCE,
     mscclpp::core::algorithm_collection::native_names::BROADCAST_VIA_ALLREDUCE,
+    mscclpp::core::algorithm_collection::native_names::REDUCESCATTER_VIA_ALLREDUCE,
 ];
 
 /// Whether `only` (on several hosts, already cut to [`CROSS_HOST_SECTIONS`]) names one of the
@@ -1264,7 +1265,8 @@ fn algorithm_matrix(
 
 /// Ranks on several hosts: the matrix of every algorithm of the multi-host collection
 /// (`default_allreduce_hierarchical` for H hosts x k ranks, the flat `port_allreduce` up to 8
-/// ranks, `default_allgather_via_allreduce`, `default_broadcast_via_allreduce`), the same matrix
+/// ranks, `default_allgather_via_allreduce`, `default_broadcast_via_allreduce`,
+/// `default_reducescatter_via_allreduce`), the same matrix
 /// as the single-host algorithms' ([`algorithm_matrix`], 1 GiB for the all-reduces). `--only
 /// multi_host` runs them all, an algorithm's name its own.
 fn multi_host_matrices(s: &mut Suite, only: Option<&[String]>) {
@@ -1284,6 +1286,7 @@ fn multi_host_matrices(s: &mut Suite, only: Option<&[String]>) {
     let algos: Vec<(Collective, String)> = [
         Collective::AllReduce,
         Collective::AllGather,
+        Collective::ReduceScatter,
         Collective::Broadcast,
     ]
     .into_iter()
