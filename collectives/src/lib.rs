@@ -4,8 +4,11 @@
 //!   the copy-engine all-reduce for large messages (`copy_engine`), and, behind the NVLS gate, the four NVLS variants (`nvls`);
 //! - all-gather: packets, zero-copy fullmesh2, scratch-staged fullmesh;
 //! - reduce-scatter: packets and zero-copy; broadcast: zero-copy;
-//! - an all-reduce over PortChannels (`port_allreduce`), CudaIpc on a host and Ethernet between
-//!   hosts: the default for ranks on several hosts;
+//! - across hosts: the hierarchical all-reduce of H hosts x k ranks (`hierarchical`: the
+//!   single-host algorithms in each host, `port_allreduce` across hosts), and the flat all-reduce
+//!   over PortChannels (`port_allreduce`, CudaIpc on a host and Ethernet between hosts), the
+//!   default for uneven ranks per host and one rank per host; all-gather, broadcast and
+//!   reduce-scatter through either (`via_allreduce`);
 //! - at world size 1, every collective as one device copy (`single_rank`);
 //! - the all-to-all family (`alltoall`): packet and zero-copy all-to-all, all-to-all-v, gather,
 //!   scatter (`gather_scatter` serves the last two as collection algorithms);
@@ -20,6 +23,7 @@ pub mod alltoall;
 pub mod copy_engine;
 pub mod gather_scatter;
 pub mod geometry;
+pub mod hierarchical;
 pub mod native;
 pub mod nvls;
 pub mod p2p;
@@ -28,9 +32,11 @@ pub mod resources;
 pub mod single_rank;
 pub mod testing;
 pub mod tune;
+pub mod via_allreduce;
 
 pub use native::{check_shape, max_input_bytes, max_input_bytes_on, NativeBase, NativeKind};
 
+use mscclpp_core::algorithm::Algorithm;
 use mscclpp_core::algorithm_collection::{
     default_native_selector, AlgorithmCollection, AlgorithmCollectionBuilder, NativeLimits,
 };
@@ -53,6 +59,10 @@ use std::sync::Arc;
 /// 2 / nranks), packet reduce-scatter 8.4 MiB (3.75), one-step rsag 1.97 MiB (4), copy-engine
 /// pieces 8.6 MiB at 2 ranks (32). Every selector threshold stays within these, so the default
 /// selection is unchanged (`native` tests).
+/// Across hosts s buys: the hierarchical all-reduce's host-group collection from s/4 (7.5 MiB) and
+/// its cross-host `port_allreduce` of about s, the flat `port_allreduce` of about s, and the
+/// reduce-scatter's s/4: about 26 MiB at 2 hosts x 2 or x 4 ranks (`hierarchical`,
+/// `via_allreduce`).
 pub const DEFAULT_SCRATCH_BYTES: usize = 8 << 20;
 
 /// Collective: builds every native algorithm for `comm` into `builder`, lending them one scratch of
@@ -89,17 +99,16 @@ pub fn build_default_algorithms_with_resources(
         }
     }
     if !comm.topology().is_single_host() {
-        // The NVLink kernels and their shared scratch need every peer's memory mapped here; across
-        // hosts the flat PortChannel all-reduce runs (the hierarchical algorithms are still to
-        // come), and no packet algorithm is built.
+        // The NVLink kernels and their shared scratch need every peer's memory mapped here:
+        // across hosts they run inside each host only, within the hierarchical algorithm.
         let limits = NativeLimits {
             allpair_packet_max_bytes: 0,
             packet_max_bytes: 0,
             allgather_packet_max_bytes: 0,
             reducescatter_packet_max_bytes: 0,
             max_ranks: MAX_RANKS,
+            multi_host_allreduce: add_multi_host_algorithms(comm, scratch_bytes, &mut builder)?,
         };
-        add_multi_host_algorithms(comm, scratch_bytes, &mut builder)?;
         builder.set_selector(default_native_selector(limits));
         return Ok((builder, None));
     }
@@ -115,6 +124,7 @@ pub fn build_default_algorithms_with_resources(
         allgather_packet_max_bytes: limit(NativeKind::AllgatherPacket),
         reducescatter_packet_max_bytes: limit(NativeKind::ReducescatterPacket),
         max_ranks: MAX_RANKS,
+        multi_host_allreduce: None,
     };
     for kind in NativeKind::ALL {
         builder.add_algorithm(algorithms::build(kind, comm, &scratch)?)?;
@@ -164,34 +174,94 @@ pub fn collection_resources(
     )?))
 }
 
-/// The algorithms of a job whose ranks span hosts: `port_allreduce` with segments of
-/// `scratch_bytes`, up to its rank limit. Where it cannot start (e.g. under
-/// `CUDA_DEVICE_MAX_CONNECTIONS=1`) the reason is logged and the collection goes without it, so
-/// the selector's choice of it fails naming what is registered.
+/// Collective: the algorithms of a job whose ranks span hosts, in this order on every rank:
+/// - up to 8 ranks, the flat `port_allreduce`, whose scratch (slots and staging buffer) is about
+///   `scratch_bytes` in all (`hierarchical::port_segment_bytes`): the default where the hierarchy
+///   does not apply, kept beside it for comparison (`--algo port_allreduce`) and for the
+///   hierarchical one's integer averages;
+/// - for H hosts x k ranks (2..=8 each; `Topology::hierarchy`), `default_allreduce_hierarchical`
+///   (its memory: `hierarchical`'s module docs);
+///
+/// - with the all-reduce the selector takes (the hierarchical one where built), all-gather,
+///   broadcast and reduce-scatter through it (`via_allreduce`; the reduce-scatter's scratch is
+///   `scratch_bytes / 4`).
+///
+/// Returns the name of that all-reduce, logged once per communicator; `None` where neither could
+/// be built. Where an algorithm cannot start (e.g. under `CUDA_DEVICE_MAX_CONNECTIONS=1`) the
+/// reason is logged and the collection goes without it.
 fn add_multi_host_algorithms(
     comm: &Arc<Communicator>,
     scratch_bytes: usize,
     builder: &mut AlgorithmCollectionBuilder,
-) -> Result<()> {
-    let name = port_allreduce::NAME;
+) -> Result<Option<&'static str>> {
     let topology = comm.topology();
-    tracing::info!(target: "mscclpp::algo", "ranks on {topology}: building {name} only");
-    if comm.size() > MAX_RANKS {
-        let n = comm.size();
-        tracing::warn!(target: "mscclpp::algo", "{name} takes at most {MAX_RANKS} ranks, not {n}");
-        return Ok(());
-    }
-    let config = mscclpp_core::port_channel::PortChannelConfig::default();
-    match port_allreduce::PortAllreduce::new(comm.clone(), scratch_bytes, config) {
-        Ok(algo) => {
-            builder.add_algorithm(Arc::new(algo))?;
+    let n = comm.size();
+    // The flat all-reduce first: the hierarchical one runs integer averages through it.
+    let flat = port_allreduce::NAME;
+    let mut flat_algo: Option<Arc<dyn Algorithm>> = None;
+    if n <= MAX_RANKS {
+        let config = mscclpp_core::port_channel::PortChannelConfig::default();
+        let segment = hierarchical::port_segment_bytes(scratch_bytes, n);
+        let built = unless_unsupported(port_allreduce::PortAllreduce::new(
+            comm.clone(),
+            segment,
+            config,
+        ))?;
+        if let Some(algo) = built {
+            let algo: Arc<dyn Algorithm> = Arc::new(algo);
+            builder.add_algorithm(algo.clone())?;
+            flat_algo = Some(algo);
         }
-        Err(e @ mscclpp_core::Error::Unsupported(_)) => {
-            tracing::warn!(target: "mscclpp::algo", "{e}");
-        }
-        Err(e) => return Err(e),
+    } else {
+        tracing::warn!(target: "mscclpp::algo", "{flat} takes at most {MAX_RANKS} ranks, not {n}");
     }
-    Ok(())
+    // The all-reduce the selector takes, with its name for the selector's limits.
+    let mut chosen: Option<(Arc<dyn Algorithm>, &'static str)> =
+        flat_algo.clone().map(|a| (a, flat));
+    if topology.hierarchy(comm.rank()).is_some() {
+        let built = unless_unsupported(hierarchical::HierarchicalAllreduce::new(
+            comm.clone(),
+            scratch_bytes,
+            flat_algo,
+        ))?;
+        if let Some(algo) = built {
+            let algo: Arc<dyn Algorithm> = Arc::new(algo);
+            builder.add_algorithm(algo.clone())?;
+            chosen = Some((algo, hierarchical::NAME));
+        }
+    }
+    let Some((allreduce, name)) = chosen else {
+        if comm.rank() == 0 {
+            tracing::warn!(target: "mscclpp::algo", "ranks on {topology}: no allreduce could be built");
+        }
+        return Ok(None);
+    };
+    for collective in via_allreduce::COLLECTIVES {
+        let algo = via_allreduce::ViaAllreduce::new(collective, allreduce.clone(), comm.clone())?;
+        builder.add_algorithm(Arc::new(algo))?;
+    }
+    builder.add_algorithm(Arc::new(via_allreduce::ReduceScatterViaAllreduce::new(
+        allreduce,
+        comm.clone(),
+        scratch_bytes,
+    )?))?;
+    if comm.rank() == 0 {
+        tracing::info!(target: "mscclpp::algo", "ranks on {topology}: allreduce runs {name}, allgather, broadcast and reducescatter through it");
+    }
+    Ok(Some(name))
+}
+
+/// `built`, or `None` with the reason logged where it is `Unsupported` (the collection goes without
+/// it); other errors stay errors.
+fn unless_unsupported<T>(built: Result<T>) -> Result<Option<T>> {
+    match built {
+        Ok(algo) => Ok(Some(algo)),
+        Err(mscclpp_core::Error::Unsupported(why)) => {
+            tracing::warn!(target: "mscclpp::algo", "{why}");
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// [`build_default_algorithms`] into a fresh collection.

@@ -480,8 +480,8 @@ impl NativeBase {
         // a cached one-kernel graph is cheaper for the calling thread (see LaunchConfig). Neither
         // when ranks of this process share the device (`Communicator::owns_device`).
         let cfg = cfg
-            .with_programmatic(self.comm.owns_device())
-            .with_cached_graph(self.comm.owns_device());
+            .with_programmatic(self.comm.fast_launches())
+            .with_cached_graph(self.comm.fast_launches());
         launch_with_args(self.comm.gpu().as_ref(), f, cfg, args.stream, kernel_args)
     }
 }

@@ -165,18 +165,24 @@ pub fn proxy_connections(
 /// (0: nothing to do). Unsupported combinations are `Error::Unsupported` naming them. Any size is
 /// accepted: messages beyond `layout.max_bytes` run as several segments ([`segment_bytes`]).
 pub fn check_args(args: &ExecuteArgs) -> Result<usize> {
+    check_args_of(NAME, args)
+}
+
+/// [`check_args`] for all-reduce algorithm `name` (errors name it): the checks of every all-reduce
+/// built on this one (`hierarchical`).
+pub fn check_args_of(name: &str, args: &ExecuteArgs) -> Result<usize> {
     let count = args.input_count()?;
     resolve_accumulator(args.dtype, args.accum)
-        .map_err(|e| Error::Unsupported(format!("{NAME}: {e}")))?;
+        .map_err(|e| Error::Unsupported(format!("{name}: {e}")))?;
     if args.output_bytes < args.input_bytes {
         return Err(Error::InvalidArgument(format!(
-            "{NAME}: the output holds {} bytes, the call needs {}",
+            "{name}: the output holds {} bytes, the call needs {}",
             args.output_bytes, args.input_bytes
         )));
     }
     if count > 0 && (args.input == 0 || args.output == 0) {
         return Err(Error::InvalidArgument(format!(
-            "{NAME}: null {} pointer",
+            "{name}: null {} pointer",
             if args.input == 0 { "input" } else { "output" }
         )));
     }
@@ -326,6 +332,15 @@ impl PortAllreduce {
         })
     }
 
+    /// The unit a call of `args` runs.
+    fn spec(&self, args: &ExecuteArgs) -> Result<ReduceSpec> {
+        Ok(ReduceSpec {
+            dtype: args.dtype,
+            acc: resolve_accumulator(args.dtype, args.accum)?,
+            op: args.op,
+        })
+    }
+
     fn kernels(&self, spec: ReduceSpec) -> Result<Kernels> {
         let lock = || {
             self.kernels.lock().map_err(|_| {
@@ -360,6 +375,18 @@ impl Algorithm for PortAllreduce {
         check_args(args).map(|_| ())
     }
 
+    /// Loads the call's two kernels (one unit) without enqueuing anything: an algorithm that
+    /// enqueues this one after other work of its call (`hierarchical`) prepares it first, since
+    /// loading a kernel may wait for the exchange kernel of an earlier step, which waits for this
+    /// process's own Ethernet receiver.
+    fn prepare(&self, args: &ExecuteArgs) -> Result<()> {
+        self.comm.check(NAME)?;
+        if check_args(args)? > 0 {
+            self.kernels(self.spec(args)?)?;
+        }
+        Ok(())
+    }
+
     fn execute(&self, args: &ExecuteArgs) -> Result<()> {
         // A failed communicator (dead or stalled peer, abort) queues nothing more: one host load.
         self.comm.check(NAME)?;
@@ -369,12 +396,7 @@ impl Algorithm for PortAllreduce {
         if count == 0 {
             return Ok(());
         }
-        let spec = ReduceSpec {
-            dtype: args.dtype,
-            acc: resolve_accumulator(args.dtype, args.accum)?,
-            op: args.op,
-        };
-        let kernels = self.kernels(spec)?;
+        let kernels = self.kernels(self.spec(args)?)?;
         let threads = args.nthreads.unwrap_or(DEFAULT_THREADS);
         let max_blocks = self.residency.max_blocks(threads);
         let reduce_cfg = geometry::launch_config(

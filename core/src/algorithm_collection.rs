@@ -149,10 +149,12 @@ fn unserved_reason(ctx: &SelectionContext) -> Option<String> {
     if ctx.world_size > 1 && ctx.local_world_size != ctx.world_size {
         return Some(format!(
             "the ranks span several hosts ({} of {} on this host); across hosts only allreduce \
-             has an algorithm so far ({}, up to 8 ranks), the hierarchical multi-host {} is not \
-             implemented yet",
+             ({} for H hosts x k ranks, up to 8 x 8; {}, flat, up to 8 ranks), and allgather, \
+             broadcast and reducescatter through it, have algorithms so far; the multi-host {} \
+             is not implemented yet",
             ctx.local_world_size,
             ctx.world_size,
+            native_names::ALLREDUCE_HIERARCHICAL,
             native_names::PORT_ALLREDUCE,
             ctx.collective
         ));
@@ -263,8 +265,20 @@ pub mod native_names {
     pub const GATHER_SINGLE_RANK: &str = "default_gather_single_rank";
     pub const SCATTER_SINGLE_RANK: &str = "default_scatter_single_rank";
     /// Ours: the flat all-reduce over PortChannels (CudaIpc on a host, Ethernet between hosts),
-    /// the default for ranks on several hosts until the hierarchical algorithms land.
+    /// the default for ranks on several hosts when [`ALLREDUCE_HIERARCHICAL`] does not apply
+    /// (uneven ranks per host, one rank per host).
     pub const PORT_ALLREDUCE: &str = "port_allreduce";
+    /// The all-reduce of H hosts x k ranks: reduce-scatter in the host, all-reduce across hosts
+    /// among equal local ranks, all-gather in the host (`mscclpp_collectives::hierarchical`).
+    pub const ALLREDUCE_HIERARCHICAL: &str = "default_allreduce_hierarchical";
+    /// Ours, for ranks on several hosts: all-gather and broadcast as a bit-exact byte-wise sum
+    /// all-reduce of the zero-filled output, through the multi-host all-reduce
+    /// (`mscclpp_collectives::via_allreduce`).
+    pub const ALLGATHER_VIA_ALLREDUCE: &str = "default_allgather_via_allreduce";
+    pub const BROADCAST_VIA_ALLREDUCE: &str = "default_broadcast_via_allreduce";
+    /// Ours, for ranks on several hosts: reduce-scatter as an all-reduce of the ranks' pieces
+    /// packed into a scratch, through the multi-host all-reduce.
+    pub const REDUCESCATTER_VIA_ALLREDUCE: &str = "default_reducescatter_via_allreduce";
 
     /// The single-rank algorithm of `collective`, if it has one.
     pub const fn single_rank_name(collective: Collective) -> Option<&'static str> {
@@ -305,6 +319,14 @@ pub struct NativeLimits {
     pub reducescatter_packet_max_bytes: usize,
     /// Largest world size of the native kernels.
     pub max_ranks: usize,
+    /// The all-reduce the collection built for ranks on several hosts, which the selector takes
+    /// for every all-reduce there (`None`: none could be built; a single-host collection leaves
+    /// it `None`): `mscclpp_collectives` builds [`native_names::ALLREDUCE_HIERARCHICAL`] for H
+    /// hosts x k ranks and [`native_names::PORT_ALLREDUCE`] (flat) for the other topologies, and
+    /// logs its choice once. With it come [`native_names::ALLGATHER_VIA_ALLREDUCE`],
+    /// [`native_names::BROADCAST_VIA_ALLREDUCE`] and
+    /// [`native_names::REDUCESCATTER_VIA_ALLREDUCE`], which the selector takes there too.
+    pub multi_host_allreduce: Option<&'static str>,
 }
 
 /// Message size (bytes) up to which the all-pair packet all-reduce is preferred, by world size.
@@ -360,10 +382,12 @@ pub fn packet_gather_scatter_threshold(world_size: usize) -> usize {
 }
 
 /// The built-in policy for the native algorithms (see the module docs for the NVLS rule): at world
-/// size 1 the single-rank algorithms (any device); on several hosts, or uneven ranks per host, the
-/// flat [`native_names::PORT_ALLREDUCE`] for all-reduce (the hierarchical multi-host algorithms
-/// are not written yet); else the native kernels, on CUDA sm_70 or newer and on AMD CDNA (gfx90a,
-/// gfx942, gfx950), on one host of at most `limits.max_ranks` ranks.
+/// size 1 the single-rank algorithms (any device); on several hosts the all-reduce built for the
+/// topology (`limits.multi_host_allreduce`: hierarchical for H hosts x k ranks, else the flat
+/// [`native_names::PORT_ALLREDUCE`]), and all-gather, broadcast and reduce-scatter through it;
+/// the other collectives have no multi-host algorithm yet; else the native kernels, on CUDA
+/// sm_70 or newer and on AMD CDNA (gfx90a, gfx942, gfx950), on one host of at most
+/// `limits.max_ranks` ranks.
 pub fn default_native_selector(limits: NativeLimits) -> Selector {
     Box::new(move |ctx: &SelectionContext| native_choice(&limits, ctx).map(str::to_string))
 }
@@ -417,8 +441,14 @@ fn native_choice(limits: &NativeLimits, ctx: &SelectionContext) -> Option<&'stat
         return single_rank_name(ctx.collective);
     }
     if ctx.local_world_size != ctx.world_size {
-        return (ctx.collective == Collective::AllReduce && ctx.world_size <= limits.max_ranks)
-            .then_some(PORT_ALLREDUCE);
+        let via_allreduce = match ctx.collective {
+            Collective::AllReduce => limits.multi_host_allreduce,
+            Collective::AllGather => Some(ALLGATHER_VIA_ALLREDUCE),
+            Collective::Broadcast => Some(BROADCAST_VIA_ALLREDUCE),
+            Collective::ReduceScatter => Some(REDUCESCATTER_VIA_ALLREDUCE),
+            _ => None,
+        };
+        return limits.multi_host_allreduce.and(via_allreduce);
     }
     let amd = amd_arch_ok(&ctx.arch);
     if !(cuda_arch_ok(&ctx.arch) || amd)
@@ -519,6 +549,7 @@ mod tests {
         allgather_packet_max_bytes: 1 << 20,
         reducescatter_packet_max_bytes: 2 << 20,
         max_ranks: 8,
+        multi_host_allreduce: None,
     };
 
     fn ctx(collective: Collective, bytes: usize, world: usize) -> SelectionContext {
@@ -676,6 +707,7 @@ mod tests {
             allgather_packet_max_bytes: 1024,
             reducescatter_packet_max_bytes: 2048,
             max_ranks: 8,
+            multi_host_allreduce: None,
         };
         let sel = default_native_selector(small);
         let c = |b| sel(&ctx(Collective::AllReduce, b, 2));
@@ -737,38 +769,48 @@ mod tests {
         assert_eq!(default_native_selector(LIMITS)(&x), None);
     }
 
-    /// Several hosts, even or uneven: all-reduce takes the flat PortChannel algorithm (up to the
-    /// native rank limit); the other collectives have none yet, and the error says why.
+    /// Several hosts, even or uneven: all-reduce takes the algorithm built for the topology
+    /// (none where none could be built), all-gather, broadcast and reduce-scatter go through it;
+    /// the other collectives have none yet, and the error says why.
     #[rstest]
-    #[case(4, 2)]
-    #[case(8, 4)]
-    #[case(3, 2)]
-    #[case(5, 1)]
-    fn several_hosts(#[case] world: usize, #[case] local: usize) {
-        let sel = default_native_selector(LIMITS);
+    #[case(4, 2, Some(ALLREDUCE_HIERARCHICAL))]
+    #[case(16, 8, Some(ALLREDUCE_HIERARCHICAL))]
+    #[case(3, 2, Some(PORT_ALLREDUCE))]
+    #[case(5, 1, Some(PORT_ALLREDUCE))]
+    #[case(12, 4, None)]
+    fn several_hosts(
+        #[case] world: usize,
+        #[case] local: usize,
+        #[case] built: Option<&'static str>,
+    ) {
+        let sel = default_native_selector(NativeLimits {
+            multi_host_allreduce: built,
+            ..LIMITS
+        });
         let mut c = ctx(Collective::AllReduce, 1 << 20, world);
         c.local_world_size = local;
-        assert_eq!(sel(&c).as_deref(), Some(PORT_ALLREDUCE));
+        assert_eq!(sel(&c).as_deref(), built);
         c.arch = "gfx942".into();
-        assert_eq!(
-            sel(&c).as_deref(),
-            Some(PORT_ALLREDUCE),
-            "no kernel arch rule"
-        );
-        c.world_size = 16;
-        assert_eq!(sel(&c), None, "beyond the rank limit");
-        for other in [
-            Collective::AllGather,
-            Collective::ReduceScatter,
-            Collective::Broadcast,
+        assert_eq!(sel(&c).as_deref(), built, "no kernel arch rule");
+        for (other, via) in [
+            (Collective::AllGather, ALLGATHER_VIA_ALLREDUCE),
+            (Collective::Broadcast, BROADCAST_VIA_ALLREDUCE),
+            (Collective::ReduceScatter, REDUCESCATTER_VIA_ALLREDUCE),
         ] {
+            let mut c = ctx(other, 1024, world);
+            c.local_world_size = local;
+            assert_eq!(sel(&c).as_deref(), built.map(|_| via));
+        }
+        for other in [Collective::Reduce, Collective::AllToAll, Collective::Gather] {
             let mut c = ctx(other, 1024, world);
             c.local_world_size = local;
             assert_eq!(sel(&c), None);
             let err = native_collection().select(&c).err().expect("none");
             let msg = err.to_string();
             assert!(
-                msg.contains("span several hosts") && msg.contains(PORT_ALLREDUCE),
+                msg.contains("span several hosts")
+                    && msg.contains(PORT_ALLREDUCE)
+                    && msg.contains(ALLREDUCE_HIERARCHICAL),
                 "{msg}"
             );
         }

@@ -241,6 +241,8 @@ pub struct Communicator {
     device_sharers: usize,
     /// Whether another rank runs in this process (`topology::ranks_in_process`).
     shares_process: bool,
+    /// Made by [`split`](Self::split): kernels are launched plainly ([`fast_launches`](Self::fast_launches)).
+    is_split: bool,
     health: Arc<Health>,
     slab: SyncSlab,
     /// Next free semaphore slot per peer (same on every rank because setup is collective).
@@ -250,6 +252,38 @@ pub struct Communicator {
 impl Communicator {
     /// Creates the communicator on `device` (collective: every rank calls it).
     pub fn new(bootstrap: Arc<dyn Bootstrap>, gpu: Arc<dyn Gpu>, device: usize) -> Result<Self> {
+        Self::build(bootstrap, gpu, device, None)
+    }
+
+    /// Collective over this communicator (every rank calls it, in the same order relative to its
+    /// other setup calls): a communicator over `members`, this rank's group as ranks of this
+    /// communicator in the new communicator's rank order (this rank among them; every member
+    /// passes the same list), as `ncclCommSplit` makes one. Its bootstrap is a view of this one's
+    /// ([`SubBootstrap`](crate::bootstrap::SubBootstrap)): no new sockets. It shares this
+    /// communicator's health: an abort of either, a dead peer anywhere in the job, or a device
+    /// wait that gave up in either's kernels fails both, and errors name this communicator's
+    /// rank. It has its own semaphore slab (`2 x members x SEMAPHORES_PER_PEER` words) and its
+    /// own topology (one host when the members share one). Keep it no longer than this
+    /// communicator's job.
+    pub fn split(&self, members: &[usize]) -> Result<Communicator> {
+        let sub = crate::bootstrap::SubBootstrap::split(self.bootstrap.clone(), members)?;
+        let mut comm = Self::build(
+            Arc::new(sub),
+            self.gpu.clone(),
+            self.device,
+            Some(self.health.clone()),
+        )?;
+        comm.is_split = true;
+        Ok(comm)
+    }
+
+    /// [`new`](Self::new), or [`split`](Self::split) with the parent's health.
+    fn build(
+        bootstrap: Arc<dyn Bootstrap>,
+        gpu: Arc<dyn Gpu>,
+        device: usize,
+        parent_health: Option<Arc<Health>>,
+    ) -> Result<Self> {
         gpu.set_device(device)?;
         let size = bootstrap.size();
         // Who shares a host decides what can be mapped (MSCCLPP_HOSTID can split one machine).
@@ -270,20 +304,28 @@ impl Communicator {
         let topology = Topology::from_host_ids(&ids)?;
         let device_sharers = ranks_sharing_device(&placements, bootstrap.rank());
         let shares_process = ranks_in_process(&placements, bootstrap.rank()) > 1;
-        let word = gpu.alloc_host_mapped(crate::device::ERROR_WORD_BYTES)?;
-        let budget = crate::device::wait_budget_ms(crate::env::Env::get()?.device_wait_timeout);
-        // SAFETY: the allocation is ERROR_WORD_BYTES of pinned host memory, u32-aligned, and no
-        // kernel can read it yet.
-        unsafe {
-            (word.host_ptr.add(crate::device::ERROR_WORD_BUDGET_OFFSET) as *mut u32)
-                .write_volatile(budget)
+        // A split shares its parent's word, which the parent's bootstrap listener already watches.
+        let watch = parent_health.is_none();
+        let health = match parent_health {
+            Some(health) => health,
+            None => {
+                let word = gpu.alloc_host_mapped(crate::device::ERROR_WORD_BYTES)?;
+                let budget =
+                    crate::device::wait_budget_ms(crate::env::Env::get()?.device_wait_timeout);
+                // SAFETY: the allocation is ERROR_WORD_BYTES of pinned host memory, u32-aligned,
+                // and no kernel can read it yet.
+                unsafe {
+                    (word.host_ptr.add(crate::device::ERROR_WORD_BUDGET_OFFSET) as *mut u32)
+                        .write_volatile(budget)
+                };
+                Arc::new(Health {
+                    rank: bootstrap.rank(),
+                    gpu: gpu.clone(),
+                    word,
+                    reason: Mutex::new(None),
+                })
+            }
         };
-        let health = Arc::new(Health {
-            rank: bootstrap.rank(),
-            gpu: gpu.clone(),
-            word,
-            reason: Mutex::new(None),
-        });
         let slab_bytes = 2 * size * SEMAPHORES_PER_PEER * std::mem::size_of::<u64>();
         let alloc = gpu.alloc(slab_bytes, MemoryKind::Plain)?;
         gpu.memset_async(alloc.ptr, 0, slab_bytes, crate::gpu::Stream::DEFAULT)?;
@@ -296,6 +338,7 @@ impl Communicator {
             topology,
             device_sharers,
             shares_process,
+            is_split: false,
             health,
             slab: SyncSlab {
                 alloc,
@@ -307,8 +350,10 @@ impl Communicator {
         let local = comm.register(&slab_alloc, slab_alloc.ptr, slab_bytes)?;
         comm.slab.peers = comm.exchange(local)?;
         // After the exchange every rank is up, so the bootstrap can open its liveness links.
-        let listener: Weak<dyn FailureListener> = Arc::downgrade(&comm.health) as _;
-        comm.bootstrap.watch_failures(listener);
+        if watch {
+            let listener: Weak<dyn FailureListener> = Arc::downgrade(&comm.health) as _;
+            comm.bootstrap.watch_failures(listener);
+        }
         Ok(comm)
     }
 
@@ -349,8 +394,8 @@ impl Communicator {
         Ok(sm_share(sm.max(1), self.device_sharers))
     }
 
-    /// Whether no other rank of this process runs on this device. Only then are this rank's
-    /// kernels launched programmatically (`LaunchConfig::programmatic`) or through cached graphs
+    /// Whether no other rank of this process runs on this device. Only then (and not on a split:
+    /// [`fast_launches`](Self::fast_launches)) are this rank's kernels launched programmatically (`LaunchConfig::programmatic`) or through cached graphs
     /// (`LaunchConfig::cached_graph`). A programmatic launch lets the stream's next grid become
     /// resident, waiting, while the current one runs, which doubles what the rank holds: with SM
     /// shares ([`multiprocessors`](Self::multiprocessors)) a waiting grid of one rank could keep a
@@ -359,6 +404,18 @@ impl Communicator {
     /// for this rank's launch.
     pub fn owns_device(&self) -> bool {
         self.device_sharers == 1
+    }
+
+    /// Whether this rank's kernels take the fast launch paths: programmatic launch and cached
+    /// one-kernel graphs. Only where the rank [owns the device](Self::owns_device), and not on a
+    /// [split](Self::split): splits serve algorithms that put their kernels on one stream next to
+    /// a PortChannel exchange kernel of this process (the hierarchical all-reduce), which spins
+    /// until this process's own Ethernet receiver has copied the peers' data in. Building a
+    /// launch graph is driver work that may wait on the context's running kernels (see
+    /// `owns_device`), which would wait for that receiver in turn; plain launches are what the
+    /// exchange's own kernels use beside it.
+    pub fn fast_launches(&self) -> bool {
+        self.owns_device() && !self.is_split
     }
 
     /// Whether another rank of this communicator runs in this process (`ncclCommInitAll`, or a
@@ -758,6 +815,76 @@ mod tests {
             let want = crate::env::Env::get().expect("env").device_wait_timeout;
             assert_eq!(budget, crate::device::wait_budget_ms(want));
         });
+    }
+
+    /// 2 "hosts" x 2 ranks as threads: each rank splits its host group, then its cross group.
+    /// The splits have their own ranks, sizes and semaphore slabs (a semaphore towards a sub-rank
+    /// lands in that rank's sub slab), and share the parent's health both ways.
+    #[test]
+    fn splits_have_their_own_ranks_and_share_the_parents_health() {
+        let got = with_comms(4, Duration::from_secs(10), |rank, comm| {
+            let host = if rank < 2 { vec![0, 1] } else { vec![2, 3] };
+            let cross = vec![rank % 2, rank % 2 + 2];
+            let h = comm.split(&host).expect("host split");
+            let c = comm.split(&cross).expect("cross split");
+            let shape = (h.rank(), h.size(), c.rank(), c.size());
+            let sems = h.d2d_semaphores(1 - h.rank(), 2).expect("semaphores");
+            // Our signals land in the peer's sub slab, not in its parent slab.
+            let peer_sub_slab = h.slab.peers[1 - h.rank()].ptr();
+            let in_sub_slab = sems[0].remote_inbound >= peer_sub_slab
+                && sems[0].remote_inbound < peer_sub_slab + h.slab.alloc.size as u64;
+            let peer_parent_slab = comm.slab.peers[host[1 - h.rank()]].ptr();
+            let not_parent = sems[0].remote_inbound != peer_parent_slab;
+            h.bootstrap().barrier().expect("host barrier");
+            c.bootstrap().barrier().expect("cross barrier");
+            let shared =
+                Arc::ptr_eq(&h.health, &comm.health) && Arc::ptr_eq(&c.health, &comm.health);
+            // Splits launch plainly (here the parent does too: its ranks share one device).
+            assert!(!h.fast_launches() && !c.fast_launches());
+            comm.bootstrap().barrier().expect("parent barrier");
+            // An abort of a split is the parent's, and the other split's.
+            if rank == 3 {
+                h.abort("sub failed");
+            }
+            let seen = comm.check("x").err().map(|e| e.to_string());
+            let seen_by_cross = c.check("y").err().map(|e| e.to_string());
+            (
+                shape,
+                in_sub_slab,
+                not_parent,
+                shared,
+                rank,
+                seen,
+                seen_by_cross,
+            )
+        });
+        for (shape, in_sub, not_parent, shared, rank, seen, seen_by_cross) in got {
+            assert_eq!(shape, (rank % 2, 2, rank / 2, 2), "rank {rank}");
+            assert!(in_sub && not_parent && shared, "rank {rank}");
+            if rank == 3 {
+                assert!(seen.is_some_and(|e| e.contains("rank 3: sub failed")));
+                assert!(seen_by_cross.is_some_and(|e| e.contains("y: rank 3: sub failed")));
+            }
+        }
+    }
+
+    #[test]
+    fn a_split_that_leaves_this_rank_out_is_refused() {
+        let got = with_comms(2, Duration::from_secs(5), |rank, comm| {
+            // Rank 1 names a group without itself; rank 0 a group rank 1 does not agree to.
+            let members = if rank == 0 { vec![0, 1] } else { vec![0] };
+            comm.split(&members).err().map(|e| e.to_string())
+        });
+        assert!(
+            got[0].as_deref().is_some_and(|e| e.contains("rank 1")),
+            "{got:?}"
+        );
+        assert!(
+            got[1]
+                .as_deref()
+                .is_some_and(|e| e.contains("not in its own group")),
+            "{got:?}"
+        );
     }
 
     /// One thread waits on the error word as a device wait does; another aborts: the waiter is

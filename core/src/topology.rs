@@ -99,6 +99,17 @@ pub fn sm_share(multiprocessors: u32, sharers: usize) -> u32 {
     (multiprocessors / sharers).max(1)
 }
 
+/// One rank's groups in a hierarchical algorithm ([`Topology::hierarchy`]), as parent ranks in
+/// the order of the group's ranks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hierarchy {
+    /// The ranks of this rank's host (its position here is its local rank).
+    pub host: Vec<usize>,
+    /// The ranks with this rank's local rank, one per host in host order (its position here is
+    /// its host index).
+    pub cross: Vec<usize>,
+}
+
 /// The hosts of a job and where each rank sits. See the module docs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Topology {
@@ -191,6 +202,22 @@ impl Topology {
         let k = self.ranks_of[0].len();
         self.ranks_of.iter().all(|r| r.len() == k).then_some(k)
     }
+
+    /// The groups of `rank` in a hierarchical algorithm: its host's ranks, and the ranks with its
+    /// local rank on every host (one per host, in host order). `None` where the hierarchy does
+    /// not apply: one host, one rank per host (the cross-host group is the whole job), or uneven
+    /// ranks per host (flat algorithms serve those).
+    pub fn hierarchy(&self, rank: usize) -> Option<Hierarchy> {
+        let k = self.ranks_per_host()?;
+        if self.nhosts() < 2 || k < 2 {
+            return None;
+        }
+        let local = self.local_rank(rank);
+        Some(Hierarchy {
+            host: self.ranks_on_host(self.host_index(rank)).to_vec(),
+            cross: self.ranks_of.iter().map(|r| r[local]).collect(),
+        })
+    }
 }
 
 impl fmt::Display for Topology {
@@ -261,6 +288,31 @@ mod tests {
         assert_eq!(t.ranks_on_host(1), &[1, 3]);
         assert_eq!(t.host_id(2), "n2");
         assert!(t.same_host(1, 3) && !t.same_host(0, 1));
+    }
+
+    /// Which ranks form which group: per host in rank order, across hosts by local rank, also
+    /// when the launcher interleaves hosts; no hierarchy on one host, with one rank per host, or
+    /// with uneven hosts.
+    #[rstest]
+    #[case(&["a", "a", "b", "b"], 0, Some((vec![0, 1], vec![0, 2])))]
+    #[case(&["a", "a", "b", "b"], 3, Some((vec![2, 3], vec![1, 3])))]
+    #[case(&["a", "b", "a", "b"], 2, Some((vec![0, 2], vec![2, 3])))]
+    #[case(&["a", "b", "a", "b"], 1, Some((vec![1, 3], vec![0, 1])))]
+    #[case(&["a", "a", "a", "a", "b", "b", "b", "b"], 6, Some((vec![4, 5, 6, 7], vec![2, 6])))]
+    #[case(&["a", "a", "b", "b", "c", "c"], 5, Some((vec![4, 5], vec![1, 3, 5])))]
+    #[case(&["b", "a", "b", "a"], 1, Some((vec![1, 3], vec![0, 1])))]
+    #[case(&["a"; 4], 0, None)]
+    #[case(&["a", "b", "c"], 1, None)]
+    #[case(&["a", "a", "b"], 0, None)]
+    #[case(&["a", "a", "b", "c", "c"], 4, None)]
+    fn hierarchy_groups(
+        #[case] ids: &[&str],
+        #[case] rank: usize,
+        #[case] want: Option<(Vec<usize>, Vec<usize>)>,
+    ) {
+        let t = Topology::from_host_ids(ids).unwrap();
+        let got = t.hierarchy(rank).map(|h| (h.host, h.cross));
+        assert_eq!(got, want, "{t} rank {rank}");
     }
 
     #[test]

@@ -230,7 +230,8 @@ impl Comm {
             message_bytes: args.input_bytes,
             dtype: args.dtype,
             world_size: self.nranks,
-            local_world_size: self.nranks,
+            // Ranks on other hosts (MSCCLPP_HOSTID) take the multi-host branch of the selector.
+            local_world_size: self.communicator.topology().local_size(self.rank),
             symmetric_memory: false,
             capturing: self.gpu.is_capturing(args.stream)?,
             arch: self.arch.clone(),

@@ -247,11 +247,9 @@ impl PyCollection {
                     message_bytes: message_size,
                     dtype,
                     world_size: comm.size(),
-                    local_world_size: env
-                        .launcher
-                        .as_ref()
-                        .and_then(|l| l.local_size)
-                        .unwrap_or(comm.size()),
+                    // Who can map whose memory (MSCCLPP_HOSTID), not how the launcher
+                    // grouped the processes: simulated hosts share one launcher node.
+                    local_world_size: comm.topology().local_size(comm.rank()),
                     symmetric_memory,
                     capturing: gpu.is_capturing(Stream(stream))?,
                     arch: props.arch.clone(),

@@ -176,8 +176,8 @@ impl Algorithm for AlltoallPacket {
         };
         let f = self.kernel()?;
         let cfg = cfg
-            .with_programmatic(self.comm.owns_device())
-            .with_cached_graph(self.comm.owns_device());
+            .with_programmatic(self.comm.fast_launches())
+            .with_cached_graph(self.comm.fast_launches());
         let mut params = [param_ptr(&mut kargs)];
         // SAFETY: `params` matches the kernel's one `AlltoallPacketArgs` parameter (layout checked
         // by the NVRTC test's static_asserts); the addresses are the caller's checked buffers and

@@ -535,8 +535,8 @@ impl AlltoallZeroCopy {
             entry,
         )?;
         let cfg = cfg
-            .with_programmatic(self.comm.owns_device())
-            .with_cached_graph(self.comm.owns_device());
+            .with_programmatic(self.comm.fast_launches())
+            .with_cached_graph(self.comm.fast_launches());
         let mut params = [param_ptr(args)];
         // SAFETY: per this function's contract.
         unsafe { self.comm.gpu().launch(f, cfg, stream, &mut params) }

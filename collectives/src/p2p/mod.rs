@@ -258,7 +258,8 @@ impl P2pEngine {
         };
         kargs.ops[..planned.len()].copy_from_slice(&planned);
         let f = self.function()?;
-        let cfg = LaunchConfig::linear(blocks, THREADS).with_programmatic(self.comm.owns_device());
+        let cfg =
+            LaunchConfig::linear(blocks, THREADS).with_programmatic(self.comm.fast_launches());
         let mut params = [param_ptr(&mut kargs)];
         let gpu = self.comm.gpu();
         // SAFETY: `params` matches the kernel's one `P2pArgs` parameter (layout checked by the NVRTC

@@ -13,12 +13,14 @@ pub mod iface;
 mod mailbox;
 mod root;
 mod sock;
+pub mod sub;
 pub mod tcp;
 pub mod unique_id;
 mod wire;
 
 pub use config::BootstrapConfig;
 pub use iface::{list_interfaces, InterfaceAddr};
+pub use sub::SubBootstrap;
 pub use tcp::{root_address_from_env, TcpBootstrap};
 pub use unique_id::UniqueId;
 pub use wire::{Secret, SECRET_LEN};

@@ -11,7 +11,10 @@
 //! `p2p` (the point-to-point engine), `alltoall` (the whole all-to-all family, gather and scatter
 //! included), `reduce` (`default_reduce_zero_copy` at every root), `plans` (execution plans: the
 //! fixtures at this world size and the builder's), `resources`: device memory per rank, which fails
-//! above 32 MiB, and set-up times),
+//! above 32 MiB, and set-up times), `multi_host` (ranks on several hosts: the matrix of every
+//! algorithm of the multi-host collection, `default_allreduce_hierarchical`, the flat
+//! `port_allreduce`, `default_allgather_via_allreduce`, `default_broadcast_via_allreduce`,
+//! `default_reducescatter_via_allreduce`; the algorithm names select one),
 //! `--primitives-only`, `--cpu-bind none` (leave the launcher's CPU placement; by default each
 //! rank's thread runs on its GPU's local CPUs, as in mscclpp-bench).
 
@@ -143,17 +146,25 @@ fn run() -> Result<i32> {
 
     // `--only NAME[,NAME...]` runs those sections alone (plus the kernel build checks). Ranks on
     // several hosts (MSCCLPP_HOSTID, scripts/simulate-hosts.sh) run the sections whose algorithms
-    // cross hosts only: the others map every peer's memory.
+    // cross hosts only (those `--only` names, the others map every peer's memory).
     let multi_host = !suite.ctx.comm.topology().is_single_host();
     let only = if multi_host {
-        let name = mscclpp_collectives::port_allreduce::NAME;
+        let cross_host = CROSS_HOST_SECTIONS.map(str::to_string).to_vec();
+        let picked: Vec<String> = match only_sections() {
+            Some(names) => names
+                .into_iter()
+                .filter(|n| cross_host.contains(n))
+                .collect(),
+            None => cross_host,
+        };
         if suite.ctx.rank() == 0 {
             println!(
-                "ranks on {}: running {name} only",
-                suite.ctx.comm.topology()
+                "ranks on {}: running the cross-host sections only: {}",
+                suite.ctx.comm.topology(),
+                picked.join(", ")
             );
         }
-        Some(vec![name.to_string()])
+        Some(picked)
     } else {
         only_sections()
     };
@@ -221,6 +232,17 @@ fn run() -> Result<i32> {
         }
     }
     let only_primitives = std::env::args().any(|a| a == "--primitives-only");
+    if !only_primitives && multi_host && (wants(MULTI_HOST) || only_names_an_algorithm(&only)) {
+        // The host groups of the multi-host algorithms run the single-host kernels: compiled
+        // first, shared out among the ranks (on-disk cache), so no first call waits for NVRTC
+        // while its peers' kernels wait for it.
+        let r = precompile_collectives(&mut suite);
+        let ok = r.is_ok();
+        suite.record("precompile collective kernels", r);
+        if ok {
+            multi_host_matrices(&mut suite, only.as_deref());
+        }
+    }
     if !only_primitives && !multi_host {
         let r = precompile_collectives(&mut suite);
         let ok = r.is_ok();
@@ -431,6 +453,27 @@ const GATHER_SCATTER: &str = "gather_scatter";
 
 /// `--only` section: `default_reduce_zero_copy` at every root ([`reduce_at_every_root`]).
 const REDUCE: &str = "reduce";
+
+/// `--only` section of ranks on several hosts: [`multi_host_matrices`].
+const MULTI_HOST: &str = "multi_host";
+/// The sections that run when the ranks span hosts (the others map every peer's memory):
+/// `port_allreduce`'s own checks, and the multi-host collection's matrices (all, or one by name).
+/// `--only port_allreduce` runs both its own checks and its matrix in the multi-host collection.
+const CROSS_HOST_SECTIONS: [&str; 6] = [
+    mscclpp_collectives::port_allreduce::NAME,
+    MULTI_HOST,
+    mscclpp_collectives::hierarchical::NAME,
+    mscclpp::core::algorithm_collection::native_names::ALLGATHER_VIA_ALLREDUCE,
+    mscclpp::core::algorithm_collection::native_names::BROADCAST_VIA_ALLREDUCE,
+    mscclpp::core::algorithm_collection::native_names::REDUCESCATTER_VIA_ALLREDUCE,
+];
+
+/// Whether `only` (on several hosts, already cut to [`CROSS_HOST_SECTIONS`]) names one of the
+/// multi-host collection's algorithms (whose matrix [`multi_host_matrices`] runs).
+fn only_names_an_algorithm(only: &Option<Vec<String>>) -> bool {
+    only.as_deref()
+        .is_some_and(|names| names.iter().any(|n| n != MULTI_HOST))
+}
 
 /// The names given to `--only`, if it was given.
 fn only_sections() -> Option<Vec<String>> {
@@ -1079,8 +1122,7 @@ fn matrix_result(checks: usize, failures: &[String], passed: String) -> Result<S
 /// element against the host reference. The full type/op matrix runs at the small sizes; large sizes
 /// run a representative subset so the suite fits in a few minutes.
 fn collectives_matrix(s: &mut Suite, only: Option<&[String]>) {
-    use mscclpp::core::algorithm::Collective;
-    use mscclpp_collectives::{testing::run_collective_check, NativeKind};
+    use mscclpp_collectives::NativeKind;
     let comm = s.ctx.comm.clone();
     let coll = match mscclpp_collectives::default_algorithm_collection(
         &comm,
@@ -1109,95 +1151,179 @@ fn collectives_matrix(s: &mut Suite, only: Option<&[String]>) {
             );
             continue;
         };
-        let reduces = kind.collective().reduces();
-        let ops: &[ReduceOp] = if reduces {
-            &ReduceOp::ALL
-        } else {
-            &[ReduceOp::Sum]
-        };
-        // (dtype, ops, sizes in bytes, graph) tiers.
-        let small = [1usize, 3, 1023, 4096 + 8];
-        let mut plan: Vec<(DataType, Vec<ReduceOp>, Vec<usize>, bool)> = Vec::new();
-        for dtype in DataType::ALL {
-            let es = dtype.size();
-            plan.push((
-                dtype,
-                ops.to_vec(),
-                small.iter().map(|b| b.div_ceil(es) * es).collect(),
-                false,
-            ));
-            plan.push((dtype, vec![ReduceOp::Sum], vec![MIB - es], false));
-        }
-        for dtype in [DataType::Bf16, DataType::F32] {
-            plan.push((
-                dtype,
-                vec![ReduceOp::Sum],
-                vec![4096 + 8, MIB - dtype.size()],
-                true,
-            ));
-            plan.push((
-                dtype,
-                vec![ReduceOp::Sum, ReduceOp::Max],
-                vec![64 * MIB],
-                false,
-            ));
-        }
-        plan.push((DataType::I32, vec![ReduceOp::Sum], vec![64 * MIB], true));
         // 1 GiB: the host reference alone takes seconds, so only the large-message all-reduce.
-        if matches!(
+        let gib = matches!(
             kind,
             NativeKind::AllreduceRsagZeroCopy | NativeKind::AllreduceCopyEngine
-        ) {
-            plan.push((DataType::Bf16, vec![ReduceOp::Sum], vec![1 << 30], false));
-        }
-        let (mut checks, mut failures, mut skipped) = (0usize, Vec::new(), 0usize);
-        let t = Instant::now();
-        for (dtype, ops, sizes, graph) in plan {
-            for op in ops {
-                for &bytes in &sizes {
-                    // The natural per-rank unit: allgather input, reduce-scatter output.
-                    let count = match kind.collective() {
-                        Collective::AllGather | Collective::ReduceScatter => {
-                            (bytes / dtype.size() / s.ctx.size()).max(1)
-                        }
-                        _ => bytes / dtype.size(),
-                    };
-                    for in_place in [false, true] {
-                        case += 1;
-                        let seed = s.run_seed ^ case.wrapping_mul(0x2545_f491_4f6c_dd1d);
-                        match run_collective_check(
-                            &comm, algo.as_ref(), dtype, op, count, in_place, seed, graph, None,
-                        ) {
-                            Ok(r) if r.wrong == 0 => checks += 1,
-                            Ok(r) => failures.push(format!(
-                                "{dtype} {op} count {count} in_place {in_place} graph {graph}: {} wrong, first {:?} (tol {})",
-                                r.wrong, r.first_wrong, r.tolerance
-                            )),
-                            // Sizes beyond a packet algorithm's scratch are refused by design.
-                            Err(Error::InvalidArgument(_)) | Err(Error::Unsupported(_)) => skipped += 1,
-                            Err(e) => failures.push(format!(
-                                "{dtype} {op} count {count} in_place {in_place} graph {graph}: {e}"
-                            )),
-                        }
-                        if failures.len() > 20 {
-                            break;
-                        }
-                    }
-                }
-            }
-        }
-        let secs = t.elapsed().as_secs_f64();
-        let result = matrix_result(
-            checks,
-            &failures,
-            format!(
-                "{checks} checks exact/within tolerance, {skipped} refused by design, {secs:.1} s"
-            ),
         );
+        let result = algorithm_matrix(s, &comm, algo.as_ref(), (gib, true), &mut case);
         s.record(kind.name(), result);
     }
     let r = two_communicators(s, &coll);
     s.record("two communicators in one process", r);
+}
+
+/// One algorithm's matrix: every data type x op (for reductions) x size x placement, eager, and
+/// the graph and large-size tiers, each check element by element against the host reference
+/// (`run_collective_check`); `gib` adds a 1 GiB bf16 sum. Where `may_refuse`, a call refused as
+/// an invalid argument or unsupported counts as refused by design (a packet algorithm's scratch
+/// bounds its sizes), else as a failure. `case` numbers the checks of the run (each check's seed
+/// follows from it).
+fn algorithm_matrix(
+    s: &Suite,
+    comm: &std::sync::Arc<mscclpp::core::communicator::Communicator>,
+    algo: &dyn mscclpp::core::algorithm::Algorithm,
+    (gib, may_refuse): (bool, bool),
+    case: &mut u64,
+) -> Result<String> {
+    use mscclpp::core::algorithm::Collective;
+    use mscclpp_collectives::testing::run_collective_check;
+    let reduces = algo.collective().reduces();
+    let ops: &[ReduceOp] = if reduces {
+        &ReduceOp::ALL
+    } else {
+        &[ReduceOp::Sum]
+    };
+    // (dtype, ops, sizes in bytes, graph) tiers.
+    let small = [1usize, 3, 1023, 4096 + 8];
+    let mut plan: Vec<(DataType, Vec<ReduceOp>, Vec<usize>, bool)> = Vec::new();
+    for dtype in DataType::ALL {
+        let es = dtype.size();
+        plan.push((
+            dtype,
+            ops.to_vec(),
+            small.iter().map(|b| b.div_ceil(es) * es).collect(),
+            false,
+        ));
+        plan.push((dtype, vec![ReduceOp::Sum], vec![MIB - es], false));
+    }
+    for dtype in [DataType::Bf16, DataType::F32] {
+        plan.push((
+            dtype,
+            vec![ReduceOp::Sum],
+            vec![4096 + 8, MIB - dtype.size()],
+            true,
+        ));
+        plan.push((
+            dtype,
+            vec![ReduceOp::Sum, ReduceOp::Max],
+            vec![64 * MIB],
+            false,
+        ));
+    }
+    plan.push((DataType::I32, vec![ReduceOp::Sum], vec![64 * MIB], true));
+    if gib {
+        plan.push((DataType::Bf16, vec![ReduceOp::Sum], vec![1 << 30], false));
+    }
+    let (mut checks, mut failures, mut skipped) = (0usize, Vec::new(), 0usize);
+    let t = Instant::now();
+    for (dtype, ops, sizes, graph) in plan {
+        for op in ops {
+            for &bytes in &sizes {
+                // The natural per-rank unit: allgather input, reduce-scatter output.
+                let count = match algo.collective() {
+                    Collective::AllGather | Collective::ReduceScatter => {
+                        (bytes / dtype.size() / s.ctx.size()).max(1)
+                    }
+                    _ => bytes / dtype.size(),
+                };
+                for in_place in [false, true] {
+                    *case += 1;
+                    let seed = s.run_seed ^ case.wrapping_mul(0x2545_f491_4f6c_dd1d);
+                    match run_collective_check(
+                        comm, algo, dtype, op, count, in_place, seed, graph, None,
+                    ) {
+                        Ok(r) if r.wrong == 0 => checks += 1,
+                        Ok(r) => failures.push(format!(
+                            "{dtype} {op} count {count} in_place {in_place} graph {graph}: {} wrong, first {:?} (tol {})",
+                            r.wrong, r.first_wrong, r.tolerance
+                        )),
+                        // Sizes beyond a packet algorithm's scratch are refused by design.
+                        Err(Error::InvalidArgument(_)) | Err(Error::Unsupported(_))
+                            if may_refuse =>
+                        {
+                            skipped += 1
+                        }
+                        Err(e) => failures.push(format!(
+                            "{dtype} {op} count {count} in_place {in_place} graph {graph}: {e}"
+                        )),
+                    }
+                    if failures.len() > 20 {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    let secs = t.elapsed().as_secs_f64();
+    matrix_result(
+        checks,
+        &failures,
+        format!("{checks} checks exact/within tolerance, {skipped} refused by design, {secs:.1} s"),
+    )
+}
+
+/// Ranks on several hosts: the matrix of every algorithm of the multi-host collection
+/// (`default_allreduce_hierarchical` for H hosts x k ranks, the flat `port_allreduce` up to 8
+/// ranks, `default_allgather_via_allreduce`, `default_broadcast_via_allreduce`,
+/// `default_reducescatter_via_allreduce`), the same matrix
+/// as the single-host algorithms' ([`algorithm_matrix`], 1 GiB for the all-reduces). `--only
+/// multi_host` runs them all, an algorithm's name its own.
+fn multi_host_matrices(s: &mut Suite, only: Option<&[String]>) {
+    use mscclpp::core::algorithm::Collective;
+    let comm = s.ctx.comm.clone();
+    let t = Instant::now();
+    let coll = match mscclpp_collectives::default_algorithm_collection(
+        &comm,
+        mscclpp_collectives::DEFAULT_SCRATCH_BYTES,
+    ) {
+        Ok(c) => c,
+        Err(e) => {
+            s.record("build the multi-host algorithms", Err(e));
+            return;
+        }
+    };
+    let algos: Vec<(Collective, String)> = [
+        Collective::AllReduce,
+        Collective::AllGather,
+        Collective::ReduceScatter,
+        Collective::Broadcast,
+    ]
+    .into_iter()
+    .flat_map(|c| coll.names(c).into_iter().map(move |n| (c, n)))
+    .collect();
+    let names: Vec<&str> = algos.iter().map(|(_, n)| n.as_str()).collect();
+    s.record(
+        "build the multi-host algorithms",
+        if names.is_empty() {
+            Err(Error::Internal(format!(
+                "no all-reduce for ranks on {}",
+                comm.topology()
+            )))
+        } else {
+            Ok(format!(
+                "{} in {:.1} s",
+                names.join(", "),
+                t.elapsed().as_secs_f64()
+            ))
+        },
+    );
+    let mut case = 0u64;
+    // `--quick`: the build only, as for the single-host matrices.
+    let quick = std::env::args().any(|a| a == "--quick");
+    for (collective, name) in &algos {
+        if quick || !(is_selected(only, MULTI_HOST) || is_selected(only, name)) {
+            continue;
+        }
+        let Some(algo) = coll.get(*collective, name) else {
+            continue;
+        };
+        // Every size must run: these algorithms have no scratch bound. 1 GiB for the all-reduces,
+        // as for the single-host large-message all-reduces.
+        let gib = *collective == Collective::AllReduce;
+        let result = algorithm_matrix(s, &comm, algo.as_ref(), (gib, false), &mut case);
+        s.record(&format!("{MULTI_HOST} {name}"), result);
+    }
 }
 
 /// A second communicator in the same process (its own bootstrap from a UniqueId that rank 0
