@@ -37,29 +37,11 @@ NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "MSCCLPP_FORCE_DISABLE_NVLS": "1",
             "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 DEFAULT_LAUNCHER = "torchrun --no-python --nproc_per_node={ranks} --master_port={port}"
 
-
-def parse_size(text):
-    t = text.strip()
-    shift = {"K": 10, "M": 20, "G": 30}.get(t[-1:].upper(), 0)
-    digits = t[:-1] if shift else t
-    if not digits.isdigit():
-        raise argparse.ArgumentTypeError(f"size {text!r} is not a number with an optional K, M or G")
-    return int(digits) << shift
-
-
-def fmt_size(b):
-    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
-        if b >= 1 << shift and b % (1 << shift) == 0:
-            return f"{b >> shift}{unit}"
-    return str(b)
-
-
-def fmt_bw(m):
-    return "-" if not m else f"{m['busbw_gbs']:.2f}"
-
-
-def fmt_us(t):
-    return "-" if t is None else f"{t:.0f}" if t >= 10000 else f"{t:.1f}" if t >= 100 else f"{t:.2f}"
+# Sizes and numbers are read and written as torch_bench.py does (beside this file in .gpu/, in
+# nccl/scripts/ of the repository; it imports torch only when it runs collectives).
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "nccl", "scripts")]
+from torch_bench import fmt_bw, fmt_size, fmt_us, parse_size  # noqa: E402
 
 
 def parse_args(argv):

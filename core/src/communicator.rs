@@ -728,7 +728,7 @@ impl Drop for Communicator {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bootstrap::{BootstrapConfig, TcpBootstrap};
+    use crate::bootstrap::on_loopback_ranks;
     use crate::port_channel::test_gpu::HostGpu;
     use std::time::Instant;
 
@@ -740,23 +740,12 @@ mod tests {
         body: impl Fn(usize, Communicator) -> T + Send + Sync + 'static,
     ) -> Vec<T> {
         let gpu: Arc<dyn Gpu> = Arc::new(HostGpu::new());
-        let cfg = BootstrapConfig::default().with_timeout(timeout);
-        let id = TcpBootstrap::create_unique_id(&cfg).expect("unique id");
-        let body = Arc::new(body);
-        let threads: Vec<_> = (0..n)
-            .map(|rank| {
-                let (gpu, id, cfg, body) = (gpu.clone(), id.clone(), cfg.clone(), body.clone());
-                std::thread::spawn(move || {
-                    let boot: Arc<dyn Bootstrap> =
-                        Arc::new(TcpBootstrap::new(rank, n, &id, &cfg).expect("bootstrap"));
-                    body(rank, Communicator::new(boot, gpu, 0).expect("communicator"))
-                })
-            })
-            .collect();
-        threads
-            .into_iter()
-            .map(|t| t.join().expect("rank"))
-            .collect()
+        on_loopback_ranks(n, timeout, move |rank, boot| {
+            body(
+                rank,
+                Communicator::new(boot, gpu.clone(), 0).expect("communicator"),
+            )
+        })
     }
 
     #[test]

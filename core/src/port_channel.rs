@@ -762,7 +762,7 @@ pub(crate) mod test_gpu {
 mod tests {
     use super::test_gpu::HostGpu;
     use super::*;
-    use crate::bootstrap::{Bootstrap, BootstrapConfig, TcpBootstrap};
+    use crate::bootstrap::on_loopback_ranks;
     use crate::device::{TriggerFields, TriggerType};
     use crate::proxy::wait_handled;
     use crate::transport::cuda_ipc::CudaIpcTransport;
@@ -824,58 +824,47 @@ mod tests {
     #[test]
     fn a_failed_communicator_s_triggers_are_skipped() {
         let gpu: Arc<dyn Gpu> = Arc::new(HostGpu::new());
-        let cfg = BootstrapConfig::default().with_timeout(T);
-        let id = TcpBootstrap::create_unique_id(&cfg).expect("unique id");
         let bytes = 4096;
-        let threads: Vec<_> = (0..2)
-            .map(|rank| {
-                let (gpu, id, cfg) = (gpu.clone(), id.clone(), cfg.clone());
-                std::thread::spawn(move || -> Result<()> {
-                    let boot: Arc<dyn Bootstrap> = Arc::new(TcpBootstrap::new(rank, 2, &id, &cfg)?);
-                    let comm = Communicator::new(boot.clone(), gpu.clone(), 0)?;
-                    let peer = 1 - rank;
-                    let src = gpu.alloc(bytes, MemoryKind::Plain)?;
-                    let dst = gpu.alloc(bytes, MemoryKind::Plain)?;
-                    gpu.copy_to_device(src.ptr, &pattern(rank, bytes))?;
-                    gpu.memset_async(dst.ptr, 0xee, bytes, crate::gpu::Stream::DEFAULT)?;
-                    let mems = comm.exchange(comm.register(&dst, dst.ptr, bytes)?)?;
-                    let local_src = comm.register(&src, src.ptr, bytes)?;
-                    let mut svc = PortChannelService::new(&comm, PortChannelConfig::default())?;
-                    let dst_id = svc.add_memory(&mems[peer])?;
-                    let src_id = svc.add_memory(&local_src)?;
-                    let conn = Arc::new(CudaIpcTransport::new(gpu.clone(), 0, peer)?);
-                    let sem = svc.add_semaphore(&comm, conn)?;
-                    let chan = svc.port_channel(sem, dst_id, src_id)?;
-                    svc.start()?;
-                    comm.abort("the test gave up");
-                    let pusher = svc.host_pusher();
-                    let t = trigger(
-                        &chan,
-                        TriggerType::DATA | TriggerType::FLAG,
-                        0,
-                        bytes as u64,
-                    );
-                    let pos = pusher.push(t, T)?;
-                    pusher.sync(pos, T)?;
-                    boot.barrier()?;
-                    let mut got = vec![0u8; bytes];
-                    gpu.copy_from_device(&mut got, dst.ptr)?;
-                    assert!(got.iter().all(|&b| b == 0xee), "rank {rank}: data arrived");
-                    // SAFETY: on the host test GPU device words are live, aligned heap words.
-                    let signals =
-                        unsafe { AtomicU64::from_ptr(chan.semaphore.inbound as *mut u64) };
-                    assert_eq!(signals.load(Ordering::Acquire), 0, "rank {rank}: signalled");
-                    assert_eq!(svc.stop()?.handled, 1);
-                    drop((svc, mems, local_src));
-                    gpu.free(&src)?;
-                    gpu.free(&dst)
-                })
-            })
-            .collect();
-        for (rank, t) in threads.into_iter().enumerate() {
-            t.join()
-                .expect("rank thread")
-                .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        let results = on_loopback_ranks(2, T, move |rank, boot| -> Result<()> {
+            let comm = Communicator::new(boot.clone(), gpu.clone(), 0)?;
+            let peer = 1 - rank;
+            let src = gpu.alloc(bytes, MemoryKind::Plain)?;
+            let dst = gpu.alloc(bytes, MemoryKind::Plain)?;
+            gpu.copy_to_device(src.ptr, &pattern(rank, bytes))?;
+            gpu.memset_async(dst.ptr, 0xee, bytes, crate::gpu::Stream::DEFAULT)?;
+            let mems = comm.exchange(comm.register(&dst, dst.ptr, bytes)?)?;
+            let local_src = comm.register(&src, src.ptr, bytes)?;
+            let mut svc = PortChannelService::new(&comm, PortChannelConfig::default())?;
+            let dst_id = svc.add_memory(&mems[peer])?;
+            let src_id = svc.add_memory(&local_src)?;
+            let conn = Arc::new(CudaIpcTransport::new(gpu.clone(), 0, peer)?);
+            let sem = svc.add_semaphore(&comm, conn)?;
+            let chan = svc.port_channel(sem, dst_id, src_id)?;
+            svc.start()?;
+            comm.abort("the test gave up");
+            let pusher = svc.host_pusher();
+            let t = trigger(
+                &chan,
+                TriggerType::DATA | TriggerType::FLAG,
+                0,
+                bytes as u64,
+            );
+            let pos = pusher.push(t, T)?;
+            pusher.sync(pos, T)?;
+            boot.barrier()?;
+            let mut got = vec![0u8; bytes];
+            gpu.copy_from_device(&mut got, dst.ptr)?;
+            assert!(got.iter().all(|&b| b == 0xee), "rank {rank}: data arrived");
+            // SAFETY: on the host test GPU device words are live, aligned heap words.
+            let signals = unsafe { AtomicU64::from_ptr(chan.semaphore.inbound as *mut u64) };
+            assert_eq!(signals.load(Ordering::Acquire), 0, "rank {rank}: signalled");
+            assert_eq!(svc.stop()?.handled, 1);
+            drop((svc, mems, local_src));
+            gpu.free(&src)?;
+            gpu.free(&dst)
+        });
+        for (rank, result) in results.into_iter().enumerate() {
+            result.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
         }
     }
 
@@ -887,77 +876,66 @@ mod tests {
     #[case::fifo_wraps(40, 40 * 1000 + 13)]
     fn two_ranks_put_signal_flush(#[case] chunks: usize, #[case] bytes: usize) {
         let gpu: Arc<dyn Gpu> = Arc::new(HostGpu::new());
-        let cfg = BootstrapConfig::default().with_timeout(T);
-        let id = TcpBootstrap::create_unique_id(&cfg).expect("unique id");
-        let threads: Vec<_> = (0..2)
-            .map(|rank| {
-                let (gpu, id, cfg) = (gpu.clone(), id.clone(), cfg.clone());
-                std::thread::spawn(move || -> Result<ProxyStats> {
-                    let boot: Arc<dyn Bootstrap> = Arc::new(TcpBootstrap::new(rank, 2, &id, &cfg)?);
-                    let comm = Communicator::new(boot.clone(), gpu.clone(), 0)?;
-                    let peer = 1 - rank;
-                    let src = gpu.alloc(bytes, MemoryKind::Plain)?;
-                    let dst = gpu.alloc(bytes, MemoryKind::Plain)?;
-                    gpu.copy_to_device(src.ptr, &pattern(rank, bytes))?;
-                    gpu.memset_async(dst.ptr, 0xee, bytes, crate::gpu::Stream::DEFAULT)?;
-                    let mems = comm.exchange(comm.register(&dst, dst.ptr, bytes)?)?;
-                    let local_src = comm.register(&src, src.ptr, bytes)?;
-                    // Depth 8: the wrapping case pushes far more triggers than slots.
-                    let config = PortChannelConfig {
-                        fifo_depth: 8,
-                        ..Default::default()
-                    };
-                    let mut svc = PortChannelService::new(&comm, config)?;
-                    let dst_id = svc.add_memory(&mems[peer])?;
-                    let src_id = svc.add_memory(&local_src)?;
-                    let conn = Arc::new(CudaIpcTransport::new(gpu.clone(), 0, peer)?);
-                    let sem = svc.add_semaphore(&comm, conn)?;
-                    let chan = svc.port_channel(sem, dst_id, src_id)?;
-                    assert_eq!(chan.fifo.error_word, comm.error_word_device_ptr());
-                    svc.start()?;
-                    let pusher = svc.host_pusher();
-                    let chunk = bytes / chunks;
-                    for k in 0..chunks {
-                        let size = if k + 1 == chunks {
-                            bytes - k * chunk
-                        } else {
-                            chunk
-                        };
-                        let t = trigger(
-                            &chan,
-                            TriggerType::DATA | TriggerType::FLAG,
-                            (k * chunk) as u64,
-                            size as u64,
-                        );
-                        pusher.push(t, T)?;
-                    }
-                    device_wait(&chan.semaphore, chunks as u64);
-                    let mut got = vec![0u8; bytes];
-                    gpu.copy_from_device(&mut got, dst.ptr)?;
-                    assert!(
-                        got == pattern(peer, bytes),
-                        "rank {rank}: data from rank {peer} differs"
-                    );
-                    let pos = pusher.push(trigger(&chan, TriggerType::SYNC, 0, 0), T)?;
-                    pusher.sync(pos, T)?;
-                    svc.check()?;
-                    // The peer may still be pushing into our memory until it is done too.
-                    boot.barrier()?;
-                    let stats = svc.stop()?;
-                    drop(svc);
-                    drop(mems);
-                    drop(local_src);
-                    gpu.free(&src)?;
-                    gpu.free(&dst)?;
-                    Ok(stats)
-                })
-            })
-            .collect();
-        for (rank, t) in threads.into_iter().enumerate() {
-            let stats = t
-                .join()
-                .expect("rank thread")
-                .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        let results = on_loopback_ranks(2, T, move |rank, boot| -> Result<ProxyStats> {
+            let comm = Communicator::new(boot.clone(), gpu.clone(), 0)?;
+            let peer = 1 - rank;
+            let src = gpu.alloc(bytes, MemoryKind::Plain)?;
+            let dst = gpu.alloc(bytes, MemoryKind::Plain)?;
+            gpu.copy_to_device(src.ptr, &pattern(rank, bytes))?;
+            gpu.memset_async(dst.ptr, 0xee, bytes, crate::gpu::Stream::DEFAULT)?;
+            let mems = comm.exchange(comm.register(&dst, dst.ptr, bytes)?)?;
+            let local_src = comm.register(&src, src.ptr, bytes)?;
+            // Depth 8: the wrapping case pushes far more triggers than slots.
+            let config = PortChannelConfig {
+                fifo_depth: 8,
+                ..Default::default()
+            };
+            let mut svc = PortChannelService::new(&comm, config)?;
+            let dst_id = svc.add_memory(&mems[peer])?;
+            let src_id = svc.add_memory(&local_src)?;
+            let conn = Arc::new(CudaIpcTransport::new(gpu.clone(), 0, peer)?);
+            let sem = svc.add_semaphore(&comm, conn)?;
+            let chan = svc.port_channel(sem, dst_id, src_id)?;
+            assert_eq!(chan.fifo.error_word, comm.error_word_device_ptr());
+            svc.start()?;
+            let pusher = svc.host_pusher();
+            let chunk = bytes / chunks;
+            for k in 0..chunks {
+                let size = if k + 1 == chunks {
+                    bytes - k * chunk
+                } else {
+                    chunk
+                };
+                let t = trigger(
+                    &chan,
+                    TriggerType::DATA | TriggerType::FLAG,
+                    (k * chunk) as u64,
+                    size as u64,
+                );
+                pusher.push(t, T)?;
+            }
+            device_wait(&chan.semaphore, chunks as u64);
+            let mut got = vec![0u8; bytes];
+            gpu.copy_from_device(&mut got, dst.ptr)?;
+            assert!(
+                got == pattern(peer, bytes),
+                "rank {rank}: data from rank {peer} differs"
+            );
+            let pos = pusher.push(trigger(&chan, TriggerType::SYNC, 0, 0), T)?;
+            pusher.sync(pos, T)?;
+            svc.check()?;
+            // The peer may still be pushing into our memory until it is done too.
+            boot.barrier()?;
+            let stats = svc.stop()?;
+            drop(svc);
+            drop(mems);
+            drop(local_src);
+            gpu.free(&src)?;
+            gpu.free(&dst)?;
+            Ok(stats)
+        });
+        for (rank, result) in results.into_iter().enumerate() {
+            let stats = result.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
             assert_eq!(
                 stats,
                 ProxyStats {

@@ -71,3 +71,31 @@ pub trait Bootstrap: Send + Sync {
         Vec::new()
     }
 }
+
+/// Test support: runs `body(rank, bootstrap)` on `n` ranks of one TCP bootstrap job over loopback
+/// whose steps time out after `timeout`, a thread each; their results in rank order (a rank that
+/// panics fails the test).
+#[cfg(test)]
+pub(crate) fn on_loopback_ranks<T: Send + 'static>(
+    n: usize,
+    timeout: Duration,
+    body: impl Fn(usize, std::sync::Arc<dyn Bootstrap>) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    use std::sync::Arc;
+    let cfg = BootstrapConfig::default().with_timeout(timeout);
+    let id = TcpBootstrap::create_unique_id(&cfg).expect("unique id");
+    let body = Arc::new(body);
+    let threads: Vec<_> = (0..n)
+        .map(|rank| {
+            let (id, cfg, body) = (id.clone(), cfg.clone(), body.clone());
+            std::thread::spawn(move || {
+                let boot = TcpBootstrap::new(rank, n, &id, &cfg).expect("bootstrap");
+                body(rank, Arc::new(boot))
+            })
+        })
+        .collect();
+    threads
+        .into_iter()
+        .map(|t| t.join().expect("rank thread"))
+        .collect()
+}

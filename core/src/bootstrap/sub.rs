@@ -245,30 +245,14 @@ impl Bootstrap for SubBootstrap {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bootstrap::{BootstrapConfig, TcpBootstrap};
+    use crate::bootstrap::on_loopback_ranks;
 
     /// Runs `body(parent)` on `n` thread ranks of one TCP bootstrap job over loopback.
     fn with_parents<T: Send + 'static>(
         n: usize,
         body: impl Fn(Arc<dyn Bootstrap>) -> T + Send + Sync + 'static,
     ) -> Vec<T> {
-        let cfg = BootstrapConfig::default().with_timeout(Duration::from_secs(10));
-        let id = TcpBootstrap::create_unique_id(&cfg).expect("unique id");
-        let body = Arc::new(body);
-        let threads: Vec<_> = (0..n)
-            .map(|rank| {
-                let (id, cfg, body) = (id.clone(), cfg.clone(), body.clone());
-                std::thread::spawn(move || {
-                    let boot: Arc<dyn Bootstrap> =
-                        Arc::new(TcpBootstrap::new(rank, n, &id, &cfg).expect("bootstrap"));
-                    body(boot)
-                })
-            })
-            .collect();
-        threads
-            .into_iter()
-            .map(|t| t.join().expect("rank"))
-            .collect()
+        on_loopback_ranks(n, Duration::from_secs(10), move |_, parent| body(parent))
     }
 
     /// 2 hosts x 3 ranks: the per-host groups and the cross-host groups of a hierarchical

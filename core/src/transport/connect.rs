@@ -133,7 +133,7 @@ fn connect_ethernet(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bootstrap::{Bootstrap, BootstrapConfig, TcpBootstrap};
+    use crate::bootstrap::on_loopback_ranks;
     use crate::env::IbvMode;
     use crate::gpu::MemoryKind;
     use crate::port_channel::test_gpu::HostGpu;
@@ -152,58 +152,50 @@ mod tests {
     #[case(4)]
     fn ranks_on_separate_hosts_talk_over_ethernet_into_device_memory(#[case] n: usize) {
         let gpu: Arc<dyn Gpu> = Arc::new(HostGpu::new());
-        let cfg = BootstrapConfig::default().with_timeout(T);
-        let id = TcpBootstrap::create_unique_id(&cfg).expect("unique id");
         let bytes = 8 * n + 8;
-        let threads: Vec<_> = (0..n)
-            .map(|rank| {
-                let (gpu, id, cfg) = (gpu.clone(), id.clone(), cfg.clone());
-                std::thread::spawn(move || -> Result<Vec<u8>> {
-                    let boot: Arc<dyn Bootstrap> = Arc::new(TcpBootstrap::new(rank, n, &id, &cfg)?);
-                    let comm = Communicator::new(boot.clone(), gpu.clone(), 0)?;
-                    let ids: Vec<String> = (0..n).map(|r| format!("host-{r}")).collect();
-                    let topo = Topology::from_host_ids(&ids)?;
-                    let ib = IbAvailability::Unusable("test".into());
-                    let plan = TransportPlan::new(&topo, rank, ib, IbvMode::Host);
-                    let peers: Vec<usize> = (0..n).filter(|&p| p != rank).collect();
-                    let buf = gpu.alloc(bytes, MemoryKind::Plain)?;
-                    gpu.copy_to_device(buf.ptr, &vec![0xee; bytes])?;
-                    gpu.copy_to_device(buf.ptr + 8 * rank as u64, &[rank as u8; 8])?;
-                    let resolver = Arc::new(DeviceMemoryResolver::new(gpu.clone(), 0));
-                    resolver.register(buf.ptr, bytes)?;
-                    let links = connect_peers(&comm, &plan, &peers, resolver)?;
-                    let addrs = boot.all_gather(&buf.ptr.to_le_bytes())?;
-                    let src = MemoryRegion {
-                        addr: buf.ptr,
-                        size: bytes as u64,
-                        key: 0,
-                    };
-                    for (&peer, link) in peers.iter().zip(&links) {
-                        assert_eq!(link.kind(), TransportKind::Ethernet);
-                        assert_eq!(link.remote_rank(), peer);
-                        let addr = u64::from_le_bytes(addrs[peer][..8].try_into().unwrap());
-                        let dst = MemoryRegion {
-                            addr,
-                            size: bytes as u64,
-                            key: 0,
-                        };
-                        let at = 8 * rank as u64;
-                        link.write(&dst, at, &src, at, 8)?;
-                        link.update_and_sync(&dst, 8 * n as u64, 7)?;
-                        link.flush(T)?;
-                    }
-                    boot.barrier()?;
-                    let mut out = vec![0u8; bytes];
-                    gpu.copy_from_device(&mut out, buf.ptr)?;
-                    drop(links);
-                    boot.barrier()?;
-                    gpu.free(&buf)?;
-                    Ok(out)
-                })
-            })
-            .collect();
-        for (rank, t) in threads.into_iter().enumerate() {
-            let got = t.join().expect("thread").expect("rank");
+        let results = on_loopback_ranks(n, T, move |rank, boot| -> Result<Vec<u8>> {
+            let comm = Communicator::new(boot.clone(), gpu.clone(), 0)?;
+            let ids: Vec<String> = (0..n).map(|r| format!("host-{r}")).collect();
+            let topo = Topology::from_host_ids(&ids)?;
+            let ib = IbAvailability::Unusable("test".into());
+            let plan = TransportPlan::new(&topo, rank, ib, IbvMode::Host);
+            let peers: Vec<usize> = (0..n).filter(|&p| p != rank).collect();
+            let buf = gpu.alloc(bytes, MemoryKind::Plain)?;
+            gpu.copy_to_device(buf.ptr, &vec![0xee; bytes])?;
+            gpu.copy_to_device(buf.ptr + 8 * rank as u64, &[rank as u8; 8])?;
+            let resolver = Arc::new(DeviceMemoryResolver::new(gpu.clone(), 0));
+            resolver.register(buf.ptr, bytes)?;
+            let links = connect_peers(&comm, &plan, &peers, resolver)?;
+            let addrs = boot.all_gather(&buf.ptr.to_le_bytes())?;
+            let src = MemoryRegion {
+                addr: buf.ptr,
+                size: bytes as u64,
+                key: 0,
+            };
+            for (&peer, link) in peers.iter().zip(&links) {
+                assert_eq!(link.kind(), TransportKind::Ethernet);
+                assert_eq!(link.remote_rank(), peer);
+                let addr = u64::from_le_bytes(addrs[peer][..8].try_into().unwrap());
+                let dst = MemoryRegion {
+                    addr,
+                    size: bytes as u64,
+                    key: 0,
+                };
+                let at = 8 * rank as u64;
+                link.write(&dst, at, &src, at, 8)?;
+                link.update_and_sync(&dst, 8 * n as u64, 7)?;
+                link.flush(T)?;
+            }
+            boot.barrier()?;
+            let mut out = vec![0u8; bytes];
+            gpu.copy_from_device(&mut out, buf.ptr)?;
+            drop(links);
+            boot.barrier()?;
+            gpu.free(&buf)?;
+            Ok(out)
+        });
+        for (rank, result) in results.into_iter().enumerate() {
+            let got = result.expect("rank");
             for r in 0..n {
                 assert_eq!(
                     &got[8 * r..8 * r + 8],
