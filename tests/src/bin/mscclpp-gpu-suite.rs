@@ -1143,10 +1143,13 @@ fn collectives_matrix(s: &mut Suite, only: Option<&[String]>) {
             ));
         }
         plan.push((DataType::I32, vec![ReduceOp::Sum], vec![64 * MIB], true));
-        // 1 GiB: the host reference alone takes seconds, so only the large-message all-reduce.
+        // 1 GiB: the host reference alone takes seconds, so only the large-message all-reduces
+        // (for the push pipeline, hundreds of steps through both halves).
         if matches!(
             kind,
-            NativeKind::AllreduceRsagZeroCopy | NativeKind::AllreduceCopyEngine
+            NativeKind::AllreduceRsagZeroCopy
+                | NativeKind::AllreduceCopyEngine
+                | NativeKind::AllreduceRsagPush
         ) {
             plan.push((DataType::Bf16, vec![ReduceOp::Sum], vec![1 << 30], false));
         }
