@@ -213,16 +213,55 @@ pub fn rsag_geometry(
     nranks: usize,
     pipelined: bool,
 ) -> Result<PipelineGeometry> {
-    let vec = vec_elems(elem_bytes)?;
     let n = nranks.max(1);
     let slot = slot_bytes(scratch_bytes, n, rsag_regions(pipelined));
+    let step = rsag_chunk(count, elem_bytes, scratch_bytes, slot, n, pipelined)?;
+    Ok(PipelineGeometry {
+        slot_bytes: slot as u64,
+        half_bytes: if pipelined { 2 * (n * slot) as u64 } else { 0 },
+        step,
+    })
+}
+
+/// Geometry of `allreduce_rsag_push` (`default_allreduce_rsag_push`) for `count` elements of
+/// `elem_bytes`: the pipelined rsag's chunks, with halves of `nranks - 1` receive slots only (a
+/// rank's own chunk never goes through its scratch, and the reduced chunks go straight into the
+/// peers' outputs), so each step carries more than twice the pipelined rsag's in the same scratch.
+pub fn push_geometry(
+    count: usize,
+    elem_bytes: usize,
+    scratch_bytes: usize,
+    nranks: usize,
+) -> Result<PipelineGeometry> {
+    let n = nranks.max(1);
+    let peers = (n - 1).max(1);
+    let slot = slot_bytes(scratch_bytes, peers, 2);
+    let step = rsag_chunk(count, elem_bytes, scratch_bytes, slot, n, true)?;
+    Ok(PipelineGeometry {
+        slot_bytes: slot as u64,
+        half_bytes: (peers * slot) as u64,
+        step,
+    })
+}
+
+/// Elements of each rank's chunk per step of the rsag kernels: `count` cut into `nranks` runs of
+/// whole vectors, capped at a `slot`-byte slot when `pipelined`, else refused beyond it.
+fn rsag_chunk(
+    count: usize,
+    elem_bytes: usize,
+    scratch_bytes: usize,
+    slot: usize,
+    nranks: usize,
+    pipelined: bool,
+) -> Result<u64> {
+    let vec = vec_elems(elem_bytes)?;
     let slot_vecs = (slot / VECTOR_BYTES) as u64;
     if slot_vecs == 0 {
         return Err(Error::InvalidArgument(format!(
-            "a scratch of {scratch_bytes} bytes holds no 16-byte slot for {n} ranks"
+            "a scratch of {scratch_bytes} bytes holds no 16-byte slot for {nranks} ranks"
         )));
     }
-    let per_vecs = (count as u64).div_ceil(vec).div_ceil(n as u64).max(1);
+    let per_vecs = (count as u64).div_ceil(vec).div_ceil(nranks as u64).max(1);
     let per_vecs = if pipelined {
         per_vecs.min(slot_vecs)
     } else if per_vecs > slot_vecs {
@@ -234,11 +273,7 @@ pub fn rsag_geometry(
     } else {
         per_vecs
     };
-    Ok(PipelineGeometry {
-        slot_bytes: slot as u64,
-        half_bytes: if pipelined { 2 * (n * slot) as u64 } else { 0 },
-        step: per_vecs * vec,
-    })
+    Ok(per_vecs * vec)
 }
 
 /// Geometry of the full-mesh kernels (all-reduce: elements; all-gather: `elem_bytes` = 1, bytes):
@@ -445,6 +480,139 @@ mod tests {
         assert_eq!(g.step * es as u64 % VECTOR_BYTES as u64, 0);
         let steps = g.steps(count, n, false);
         assert!(steps * g.step >= count as u64 && (steps - 1) * g.step < count as u64);
+    }
+
+    /// `block_range` of collective_common.cuh: block `b` of `blocks` takes items [begin, end) of
+    /// `n`, in whole groups of `align`.
+    fn block_range(n: u64, align: u64, blocks: u64, b: u64) -> (u64, u64) {
+        let per = n.div_ceil(align).div_ceil(blocks);
+        let begin = (b * per * align).min(n);
+        (begin, (begin + per * align).min(n))
+    }
+
+    /// Sorted, the intervals tile [0, end): no gap, no overlap.
+    fn assert_tiles(mut v: Vec<(u64, u64)>, end: u64, what: &str) {
+        v.retain(|&(lo, hi)| lo < hi);
+        v.sort_unstable();
+        let mut at = 0;
+        for (lo, hi) in v {
+            assert_eq!(lo, at, "{what}: gap or overlap at {at}");
+            at = hi;
+        }
+        assert_eq!(at, end, "{what}: ends at {at}, not {end}");
+    }
+
+    /// `allreduce_rsag_push`'s indexing, mirrored from allreduce.cu (`chunk`, `push_slot`,
+    /// `pipeline_half`) over the geometry the host launches it with (`scratch` = both halves of
+    /// the staging part, `half_bytes` as `ScratchRegion::half_bytes`): every element of the message
+    /// is reduced by exactly one (step, owner, block); what each sender's block writes into a
+    /// receiver's scratch in a step lies inside that step's half, and no two (sender, block) pairs
+    /// share a byte there; consecutive steps, and the last step of a call and the first of the
+    /// next, use different halves. Odd counts, counts not divisible by the ranks or the vector, one
+    /// element, grids of 1, 3 and 128 blocks, and a part small enough for many steps.
+    #[rstest]
+    fn push_steps_cover_the_message_once_inside_their_half(
+        #[values(2, 3, 4, 5, 6, 7, 8)] n: usize,
+        #[values(1, 2, 4, 8)] es: usize,
+    ) {
+        let default_part = 7 << 20;
+        // Three vectors per slot and change: nothing divides evenly.
+        let tiny_part = 2 * ((n - 1) * 3 * VECTOR_BYTES + 40) + 256;
+        let vec = (VECTOR_BYTES / es) as u64;
+        for part in [default_part, tiny_part] {
+            let half_bytes = (part / 2 / 128 * 128) as u64;
+            let window_of = |count: usize| {
+                let g = push_geometry(count, es, 2 * half_bytes as usize, n).expect("geometry");
+                g.step * n as u64
+            };
+            let big = window_of(usize::MAX / 64) as usize;
+            let counts = [
+                1,
+                2,
+                3,
+                vec as usize * n - 1,
+                vec as usize * n + 1,
+                1023,
+                4099,
+                2 * big + 5,
+                3 * big - 1,
+            ];
+            for count in counts {
+                let g = push_geometry(count, es, 2 * half_bytes as usize, n).expect("geometry");
+                let (per, slot) = (g.step, g.slot_bytes);
+                assert_eq!(per % vec, 0, "whole vectors");
+                assert!(per * es as u64 <= slot, "a chunk fits its slot");
+                assert_eq!(slot % VECTOR_BYTES as u64, 0);
+                assert!(g.half_bytes <= half_bytes, "{n} ranks, part {part}");
+                let window = per * n as u64;
+                let steps = g.steps(count, n, true);
+                assert_eq!(steps, (count as u64).div_ceil(window));
+                for blocks in [1u64, 3, 128] {
+                    let mut reduced = Vec::new();
+                    for k in 0..steps {
+                        // Per receiver: the bytes of its half written in step k.
+                        let mut written = vec![Vec::new(); n];
+                        for b in 0..blocks {
+                            let (b0, b1) = block_range(per, vec, blocks, b);
+                            for q in 0..n as u64 {
+                                let base = k * window + q * per;
+                                let lo = (base + b0).min(count as u64);
+                                let hi = (base + b1).min(count as u64);
+                                reduced.push((lo, hi));
+                                if lo >= hi {
+                                    continue;
+                                }
+                                for s in (0..n as u64).filter(|&s| s != q) {
+                                    let slot_index = if s < q { s } else { s - 1 };
+                                    assert!(slot_index < n as u64 - 1);
+                                    let at = slot_index * slot + b0 * es as u64;
+                                    let end = at + (hi - lo) * es as u64;
+                                    assert!(end <= half_bytes, "step {k} sender {s}");
+                                    written[q as usize].push((at, end));
+                                }
+                            }
+                        }
+                        for (q, mut w) in written.into_iter().enumerate() {
+                            w.sort_unstable();
+                            for pair in w.windows(2) {
+                                assert!(pair[0].1 <= pair[1].0, "receiver {q}, step {k}");
+                            }
+                        }
+                    }
+                    let what = format!("{n} ranks, {es}-byte elements, {count}, {blocks} blocks");
+                    assert_tiles(reduced, count as u64, &what);
+                }
+                // The kernel's half of step k is ((calls + k) & 1) * half_bytes, and it advances
+                // the call counter by `steps`: neighbours in the sequence of steps, within a call
+                // or across two, never share a half.
+                for calls in [0u64, 1, 7] {
+                    let half = |c: u64, k: u64| ((c + k) & 1) * half_bytes;
+                    for k in 1..steps {
+                        assert_ne!(half(calls, k), half(calls, k - 1));
+                    }
+                    assert_ne!(half(calls + steps, 0), half(calls, steps - 1));
+                    assert!(half(calls, 1) + half_bytes <= part as u64);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn push_steps_are_larger_than_the_pipelined_rsag() {
+        // Same scratch: rsag's halves hold [RS][AG] x n slots, push's n - 1 slots.
+        for n in 2..=8 {
+            let scratch = 7 << 20;
+            let rsag = rsag_geometry(1 << 30, 2, scratch, n, true).expect("rsag");
+            let push = push_geometry(1 << 30, 2, scratch, n).expect("push");
+            assert!(push.step > 2 * rsag.step, "{n} ranks");
+            assert!(push.steps(1 << 30, n, true) < rsag.steps(1 << 30, n, true) / 2);
+        }
+        // 2 ranks: one slot of a whole half (3.5 MiB of a 7 MiB part).
+        let g = push_geometry(1 << 30, 2, 7 << 20, 2).expect("push");
+        assert_eq!(g.slot_bytes, 7 << 19);
+        assert!(push_geometry(1, 4, 2 * 3 * 16 - 1, 4).is_err());
+        assert!(push_geometry(1, 4, 2 * 3 * 16, 4).is_ok());
+        assert!(push_geometry(1, 3, 1 << 20, 4).is_err());
     }
 
     #[test]

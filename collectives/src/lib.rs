@@ -1,6 +1,7 @@
 //! Native collective algorithms of mscclpp-rs over NVLink (one host, 1..=8 ranks):
 //! - all-reduce: all-pair packets, two-phase packets, zero-copy reduce-scatter + all-gather on
 //!   registered buffers, scratch-staged rsag / rsag_pipeline / fullmesh for unregistered buffers,
+//!   the write-only rsag_push (inputs staged, reduced chunks written into registered outputs),
 //!   the copy-engine all-reduce for large messages (`copy_engine`), and, behind the NVLS gate, the four NVLS variants (`nvls`);
 //! - all-gather: packets, zero-copy fullmesh2, scratch-staged fullmesh;
 //! - reduce-scatter: packets and zero-copy; broadcast: zero-copy;

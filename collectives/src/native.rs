@@ -42,10 +42,13 @@ pub enum NativeKind {
     AllreduceCopyEngine,
     /// The root reduces every rank's registered input into its output.
     ReduceZeroCopy,
+    /// The pipelined reduce-scatter + all-gather with every transfer a write: inputs pushed into
+    /// the peers' scratch, reduced chunks pushed into the peers' registered outputs.
+    AllreduceRsagPush,
 }
 
 impl NativeKind {
-    pub const ALL: [NativeKind; 14] = [
+    pub const ALL: [NativeKind; 15] = [
         NativeKind::AllreduceAllpairPacket,
         NativeKind::AllreducePacket,
         NativeKind::AllreduceRsagZeroCopy,
@@ -60,6 +63,7 @@ impl NativeKind {
         NativeKind::AllgatherFullmesh,
         NativeKind::AllreduceCopyEngine,
         NativeKind::ReduceZeroCopy,
+        NativeKind::AllreduceRsagPush,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -78,6 +82,7 @@ impl NativeKind {
             NativeKind::AllgatherFullmesh => names::ALLGATHER_FULLMESH,
             NativeKind::AllreduceCopyEngine => names::ALLREDUCE_COPY_ENGINE,
             NativeKind::ReduceZeroCopy => names::REDUCE_ZERO_COPY,
+            NativeKind::AllreduceRsagPush => names::ALLREDUCE_RSAG_PUSH,
         }
     }
 
@@ -89,7 +94,8 @@ impl NativeKind {
             | NativeKind::AllreduceRsag
             | NativeKind::AllreduceRsagPipeline
             | NativeKind::AllreduceFullmesh
-            | NativeKind::AllreduceCopyEngine => Collective::AllReduce,
+            | NativeKind::AllreduceCopyEngine
+            | NativeKind::AllreduceRsagPush => Collective::AllReduce,
             NativeKind::AllgatherFullmesh2
             | NativeKind::AllgatherPacket
             | NativeKind::AllgatherFullmesh => Collective::AllGather,
@@ -128,11 +134,12 @@ impl NativeKind {
             // The reduction of one staged piece; the unit also holds `allreduce_ce_sync`.
             NativeKind::AllreduceCopyEngine => (CollectiveFile::AllReduce, "allreduce_ce_reduce"),
             NativeKind::ReduceZeroCopy => (CollectiveFile::Reduce, "reduce_zero_copy"),
+            NativeKind::AllreduceRsagPush => (CollectiveFile::AllReduce, "allreduce_rsag_push"),
         }
     }
 
-    /// The kinds that stage unregistered buffers through a shared scratch in steps, with
-    /// semaphores and a device step counter (one kernel signature, see `execute`).
+    /// The kinds that stage their input through a shared scratch in steps, with semaphores and
+    /// a device step counter (one kernel signature, `scratch_pipeline::launch`).
     pub const fn uses_scratch_pipeline(self) -> bool {
         matches!(
             self,
@@ -140,6 +147,7 @@ impl NativeKind {
                 | NativeKind::AllreduceRsagPipeline
                 | NativeKind::AllreduceFullmesh
                 | NativeKind::AllgatherFullmesh
+                | NativeKind::AllreduceRsagPush
         )
     }
 
@@ -159,7 +167,8 @@ impl NativeKind {
             NativeKind::AllreduceRsag
             | NativeKind::AllreduceRsagPipeline
             | NativeKind::AllreduceFullmesh
-            | NativeKind::AllgatherFullmesh => Some(ScratchPart::Staging),
+            | NativeKind::AllgatherFullmesh
+            | NativeKind::AllreduceRsagPush => Some(ScratchPart::Staging),
             _ => None,
         }
     }
@@ -525,7 +534,8 @@ pub fn max_input_bytes(kind: NativeKind, scratch_bytes: usize, nranks: usize) ->
         | NativeKind::AllreduceRsagPipeline
         | NativeKind::AllreduceFullmesh
         | NativeKind::AllgatherFullmesh
-        | NativeKind::AllreduceCopyEngine => usize::MAX,
+        | NativeKind::AllreduceCopyEngine
+        | NativeKind::AllreduceRsagPush => usize::MAX,
     }
 }
 
@@ -605,6 +615,8 @@ mod tests {
     #[case(NativeKind::AllreduceFullmesh, 4, 4, 2, true)]
     #[case(NativeKind::AllgatherFullmesh, 4, 28, 7, true)]
     #[case(NativeKind::AllgatherFullmesh, 4, 27, 7, false)]
+    #[case(NativeKind::AllreduceRsagPush, 4, 4, 8, true)]
+    #[case(NativeKind::AllreduceRsagPush, 6, 4, 3, false)]
     fn shapes(
         #[case] kind: NativeKind,
         #[case] inb: usize,
@@ -720,6 +732,7 @@ mod tests {
     #[case(NativeKind::AllreduceRsagPipeline, 8 << 20, 8, usize::MAX)]
     #[case(NativeKind::AllreduceFullmesh, 8 << 20, 8, usize::MAX)]
     #[case(NativeKind::AllgatherFullmesh, 8 << 20, 8, usize::MAX)]
+    #[case(NativeKind::AllreduceRsagPush, 8 << 20, 8, usize::MAX)]
     fn packet_capacities(
         #[case] kind: NativeKind,
         #[case] scratch: usize,

@@ -36,8 +36,8 @@ fn every_collective_variant_compiles_for_sm_90() {
     }
 }
 
-/// The scratch pipeline kernels (default_allreduce_rsag[_pipeline], default_allreduce_fullmesh,
-/// default_allgather_fullmesh) on the other architectures CI targets, for a spread of element
+/// The scratch pipeline kernels (default_allreduce_rsag[_pipeline], default_allreduce_rsag_push,
+/// default_allreduce_fullmesh, default_allgather_fullmesh) on the other architectures CI targets, for a spread of element
 /// sizes, accumulators and ops; every type and op for sm_90 is covered above. Each entry point must
 /// be in the CUBIN's symbols (extern "C", so unmangled).
 #[test]
@@ -58,7 +58,11 @@ fn scratch_pipeline_kernels_compile_for_sm_80_and_sm_100() {
             let name = kc::unit_name(CollectiveFile::AllReduce, spec);
             let src = kc::unit_source(CollectiveFile::AllReduce, spec).expect("source");
             let image = compile_for(&nvrtc, &name, &src, arch);
-            for entry in ["allreduce_rsag", "allreduce_fullmesh"] {
+            for entry in [
+                "allreduce_rsag",
+                "allreduce_rsag_push",
+                "allreduce_fullmesh",
+            ] {
                 assert!(has_symbol(&image, entry), "{name} for {arch} lacks {entry}");
             }
         }

@@ -247,6 +247,10 @@ pub mod native_names {
     pub const ALLREDUCE_RSAG_PIPELINE: &str = "default_allreduce_rsag_pipeline";
     pub const ALLREDUCE_FULLMESH: &str = "default_allreduce_fullmesh";
     pub const ALLGATHER_FULLMESH: &str = "default_allgather_fullmesh";
+    /// Ours (MSCCL++ has no push all-reduce of this name): the rsag pipeline with every transfer a
+    /// write over NVLink, the reduced chunks written straight into the peers' registered outputs;
+    /// selectable by name and by the tuner, not chosen by the default selector until measured.
+    pub const ALLREDUCE_RSAG_PUSH: &str = "default_allreduce_rsag_push";
     /// Ours (MSCCL++ has no copy-engine all-reduce): the copy engines move the data of large
     /// messages while the SMs reduce.
     pub const ALLREDUCE_COPY_ENGINE: &str = "default_allreduce_copy_engine";
@@ -879,6 +883,25 @@ mod tests {
                                 }
                             }
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The push all-reduce is unmeasured: the default policy leaves it to `--algo` and the tuner,
+    /// at every size, world size, architecture and capture mode.
+    #[test]
+    fn default_policy_never_picks_the_unmeasured_push_allreduce() {
+        let sel = default_native_selector(LIMITS);
+        for bytes in [1usize, 1 << 20, 64 << 20, 256 << 20, 1 << 30] {
+            for world in 2..=8 {
+                for arch in ["sm_80", "sm_90", "sm_100", "gfx942"] {
+                    for capturing in [false, true] {
+                        let mut c = ctx(Collective::AllReduce, bytes, world);
+                        c.arch = arch.into();
+                        c.capturing = capturing;
+                        assert_ne!(sel(&c).as_deref(), Some(ALLREDUCE_RSAG_PUSH), "{c:?}");
                     }
                 }
             }

@@ -301,7 +301,8 @@ pub struct PacketArgs {
 }
 
 /// `coll::PipelineArgs`: the only parameter of the scratch pipelines (`allreduce_rsag`,
-/// `allreduce_fullmesh`, `allgather_fullmesh`); see "Scratch pipelines" in collective_common.cuh.
+/// `allreduce_rsag_push`, `allreduce_fullmesh`, `allgather_fullmesh`); see "Scratch pipelines" in
+/// collective_common.cuh.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PipelineArgs {
@@ -309,6 +310,8 @@ pub struct PipelineArgs {
     pub output: DevicePtr,
     pub count: u64,
     pub peer_scratch: PeerPtrs,
+    /// Every rank's (registered) output, read by `allreduce_rsag_push` only; zero for the others.
+    pub peer_outputs: PeerPtrs,
     pub local_scratch: DevicePtr,
     pub slot_bytes: u64,
     pub half_bytes: u64,
@@ -616,6 +619,7 @@ pub fn layouts() -> Vec<StructLayout> {
                 output,
                 count,
                 peer_scratch,
+                peer_outputs,
                 local_scratch,
                 slot_bytes,
                 half_bytes,
@@ -724,7 +728,7 @@ mod tests {
     #[case("LL8Packet", 8, 8)]
     #[case("coll::PeerPtrs", 64, 8)]
     #[case("coll::PacketArgs", 144, 8)]
-    #[case("coll::PipelineArgs", 160, 8)]
+    #[case("coll::PipelineArgs", 224, 8)]
     #[case("coll::ZeroCopyArgs", 192, 8)]
     #[case("coll::CopyEngineArgs", 120, 8)]
     fn sizes_match_the_abi_document(#[case] name: &str, #[case] size: usize, #[case] align: usize) {

@@ -116,6 +116,7 @@ impl CollectiveFile {
                 "allreduce_packet",
                 "allreduce_rsag_zero_copy",
                 "allreduce_rsag",
+                "allreduce_rsag_push",
                 "allreduce_fullmesh",
                 "allreduce_ce_reduce",
                 "allreduce_ce_sync",

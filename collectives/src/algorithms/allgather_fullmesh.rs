@@ -5,6 +5,7 @@ use super::{native_algorithm, scratch_pipeline};
 use crate::geometry;
 use crate::native::NativeKind;
 use mscclpp_core::algorithm::ExecuteArgs;
+use mscclpp_core::device::PeerPtrs;
 use mscclpp_core::Result;
 
 native_algorithm!(
@@ -19,6 +20,6 @@ impl AllgatherFullmesh {
         let scratch = 2 * self.base.scratch()?.half_bytes();
         let bytes = args.input_bytes;
         let g = geometry::fullmesh_geometry(bytes, 1, scratch, self.base.comm().size());
-        scratch_pipeline::launch(&self.base, args, bytes as u64, g)
+        scratch_pipeline::launch(&self.base, args, bytes as u64, g, PeerPtrs::default())
     }
 }

@@ -5,6 +5,7 @@ use super::{native_algorithm, scratch_pipeline};
 use crate::geometry;
 use crate::native::NativeKind;
 use mscclpp_core::algorithm::ExecuteArgs;
+use mscclpp_core::device::PeerPtrs;
 use mscclpp_core::Result;
 
 native_algorithm!(
@@ -18,6 +19,6 @@ impl AllreduceFullmesh {
         let (es, n) = (args.dtype.size(), self.base.comm().size());
         let scratch = 2 * self.base.scratch()?.half_bytes();
         let g = geometry::fullmesh_geometry(count, es, scratch, n);
-        scratch_pipeline::launch(&self.base, args, count as u64, g)
+        scratch_pipeline::launch(&self.base, args, count as u64, g, PeerPtrs::default())
     }
 }

@@ -17,6 +17,7 @@ pub mod allreduce_fullmesh;
 pub mod allreduce_packet;
 pub mod allreduce_rsag;
 pub mod allreduce_rsag_pipeline;
+pub mod allreduce_rsag_push;
 pub mod allreduce_rsag_zero_copy;
 pub mod broadcast_zero_copy;
 pub mod packet;
@@ -75,6 +76,9 @@ pub fn build(
             Arc::new(allreduce_copy_engine::AllreduceCopyEngine::new(c, r)?)
         }
         NativeKind::ReduceZeroCopy => Arc::new(reduce_zero_copy::ReduceZeroCopy::new(c, r)?),
+        NativeKind::AllreduceRsagPush => {
+            Arc::new(allreduce_rsag_push::AllreduceRsagPush::new(c, r)?)
+        }
     })
 }
 

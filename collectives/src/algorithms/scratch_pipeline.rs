@@ -1,22 +1,25 @@
 //! The scratch-pipeline kernel family (`coll::PipelineArgs`, "Scratch pipelines" in
-//! collective_common.cuh): unregistered buffers staged through the collection's scratch in steps,
+//! collective_common.cuh): unregistered inputs staged through the collection's scratch in steps,
 //! with a block barrier per step.
 
 use crate::geometry::{self, PipelineGeometry};
 use crate::native::{NativeBase, DEFAULT_THREADS};
 use mscclpp_core::algorithm::ExecuteArgs;
-use mscclpp_core::device::PipelineArgs;
+use mscclpp_core::device::{PeerPtrs, PipelineArgs};
 use mscclpp_core::{Error, Result};
 use mscclpp_kernels_cu::collectives::MAX_PACKET_BLOCKS;
 
 /// Launches the kind's pipeline kernel for a checked call of `units` (elements; bytes for the
 /// all-gather) cut by `geometry`. Every geometry lies in one half of the staging part of the
 /// scratch, and the halves alternate by the shared counter (see `resources::CollectionResources`).
+/// `peer_outputs`: every rank's registered output for the kernel that writes into them
+/// (`allreduce_rsag_push`), default (null) for the others.
 pub fn launch(
     base: &NativeBase,
     args: &ExecuteArgs,
     units: u64,
     geometry: Result<PipelineGeometry>,
+    peer_outputs: PeerPtrs,
 ) -> Result<()> {
     let g = geometry.map_err(|e| Error::InvalidArgument(format!("{}: {e}", base.kind().name())))?;
     let f = base.function(args)?;
@@ -39,6 +42,7 @@ pub fn launch(
         output: args.output,
         count: units,
         peer_scratch: scratch.peers,
+        peer_outputs,
         local_scratch: scratch.local,
         slot_bytes: g.slot_bytes,
         half_bytes: scratch.half_bytes() as u64,

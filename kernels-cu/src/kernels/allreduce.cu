@@ -10,6 +10,8 @@
 //   allreduce_rsag             reduce-scatter + all-gather staged through the scratch (unregistered
 //                              buffers); several double-buffered steps for messages beyond the
 //                              scratch (default_allreduce_rsag_pipeline)
+//   allreduce_rsag_push        the same pipeline with the all-gather written straight into the
+//                              peers' registered outputs: every byte moves by NVLink writes
 //   allreduce_fullmesh         every rank pushes its whole input into every peer's scratch and
 //                              reduces all of it locally (unregistered buffers, pipelined by steps)
 
@@ -229,31 +231,47 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 }
 
 // ------------------------------------------------------------------------------------------------
-// Reduce-scatter + all-gather through the scratch (see "Scratch pipelines" in collective_common.cuh).
+// Reduce-scatter + all-gather through the scratch (see "Scratch pipelines" in collective_common.cuh),
+// one body for two entry points: allreduce_rsag (kPush false) and allreduce_rsag_push (kPush true).
 //   per         elements of each rank's chunk per step (a whole number of 16-byte vectors,
 //               per * sizeof(T) <= slot_bytes); step k covers the window [k * W, (k + 1) * W) of the
 //               message, W = nranks * per, and chunk q of it starts at k * W + q * per (clamped to
 //               count: the last window's chunks may be short or empty).
-//   scratch     half h at h * half_bytes: [RS: nranks slots][AG: nranks slots] of slot_bytes.
+//   scratch     half h at h * half_bytes. rsag: [RS: nranks slots][AG: nranks slots] of slot_bytes,
+//               sender s in RS slot s. push: RS only, nranks - 1 slots, sender s in slot
+//               push_slot(s, receiver) (the receiver's own chunk never goes through its scratch),
+//               so a step is twice as large (and more) in the same scratch.
 // Per step k:
-//   A(k) send:   chunk p of my window -> RS slot `rank` of peer p (remote stores)
-//   B(k) reduce: my chunk from my input and my RS slots, in rank order -> my output and AG slot
-//                `rank` of every peer (remote stores)
-//   C(k) gather: AG slot q -> chunk q of my output, q != rank (local)
+//   A(k) send:   chunk p of my window -> RS slot of mine at peer p (remote stores)
+//   B(k) reduce: my chunk from my input and my RS slots, in rank order -> my output, and
+//                rsag: AG slot `rank` of every peer (remote stores);
+//                push: chunk `rank` of window k of every peer's registered output (remote stores)
+//   C(k) gather (rsag only): AG slot q -> chunk q of my output, q != rank (local)
+// So push moves every byte over NVLink by writes, as rsag does, and skips the local gather copy
+// (and the AG region); allreduce_rsag_zero_copy instead reads the peers' inputs.
 // Schedule: A(0); then barriers j = 1..nsteps + 1, each publishing what came before it and followed
 // by B(j - 1), A(j), C(j - 2) where they exist: RS(k) is published by barrier k + 1 and AG(k) by
-// barrier k + 2, so a pipelined call costs nsteps + 1 barriers, not 2 * nsteps.
+// barrier k + 2 (push: B(k)'s stores into the outputs by barrier k + 2, the last by the final
+// barrier nsteps + 1, after which every peer's stores into my output are visible), so a pipelined
+// call costs nsteps + 1 barriers, not 2 * nsteps.
 // Scratch reuse: B(k) writes AG half (k) of a peer, which that peer last read in C(k - 2), before its
 // barrier k + 1; A(k) writes RS half (k), last read in B(k - 2), before barrier k. Both barriers are
 // behind us when we write. default_allreduce_rsag is the same kernel on a message that fits one
 // step (the host guarantees it).
-// In place: A(k) reads window k before the barriers after which C(k) and B(k) write it, and B's
-// element e is read and written by the same thread; windows of different steps are disjoint.
+// Peers' outputs (push): B(k) of block b writes peer q's output at the elements q's block b read
+// from its input in its A(k) (the same memory in place), before barrier k + 1, which our block b has
+// passed; so q is in this call too (its previous kernel on its stream is done with the output).
+// Every block uses the same partition of every chunk, so the barrier of block b orders exactly the
+// elements it writes.
+// In place: A(k) reads window k before the barriers after which C(k) and B(k) (mine or, push, the
+// peers') write it, and B's element e of my chunk is read and written by the same thread; windows of
+// different steps are disjoint.
 // ------------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(1024, 1)
-    allreduce_rsag(const PipelineArgs args) {
-  wait_prior_grids();
-  if (block_aborted(args.error_word)) return;
+// RS slot of `sender` in `receiver`'s scratch half under push: its peer index as the receiver sees it.
+MSCCLPP_DEVICE_INLINE u32 push_slot(u32 sender, u32 receiver) { return sender < receiver ? sender : sender - 1; }
+
+template <bool kPush>
+MSCCLPP_DEVICE_INLINE void rsag_pipeline(const PipelineArgs& args) {
   const void* input = args.input;
   void* output = args.output;
   const u64 count = args.count;
@@ -272,7 +290,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
   const u64 window = per * nranks;
   const u64 nsteps = (count + window - 1) / window;
   const u64 slot = slot_bytes / sizeof(CollT);
-  const u64 region = nranks * slot;  // elements from RS slot 0 to AG slot 0
+  const u64 region = nranks * slot;  // elements from RS slot 0 to AG slot 0 (rsag)
   u64 b0, b1;
   block_range(per, kVec, b0, b1);
   const CollT* in = static_cast<const CollT*>(input);
@@ -286,6 +304,8 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
   auto half = [&](void* scratch, u64 k) {
     return reinterpret_cast<CollT*>(static_cast<u8*>(scratch) + pipeline_half(calls, k, half_bytes));
   };
+  // Element offset, in a half of `receiver`, of the RS slot `sender` writes.
+  auto rs_slot = [&](u32 sender, u32 receiver) { return (kPush ? push_slot(sender, receiver) : sender) * slot; };
   auto send = [&](u64 k) {
     for (u32 i = 0; i < npeers; ++i) {
       // Each rank starts with a different peer so the links share the load.
@@ -293,7 +313,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
       u64 lo, hi;
       chunk(k, p, lo, hi);
       if (lo < hi) {
-        copy(half(peer_scratch.p[p], k) + rank * slot + b0, in + lo, (hi - lo) * sizeof(CollT), threadIdx.x,
+        copy(half(peer_scratch.p[p], k) + rs_slot(rank, p) + b0, in + lo, (hi - lo) * sizeof(CollT), threadIdx.x,
              blockDim.x);
       }
     }
@@ -305,8 +325,14 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
     PeerPtrs srcs, dsts;
     CollT* rs = half(local_scratch, k);
     for (u32 r = 0; r < nranks; ++r) {
-      srcs.p[r] = r == rank ? const_cast<CollT*>(in + lo) : rs + r * slot + b0;
-      dsts.p[r] = r == rank ? out + lo : half(peer_scratch.p[r], k) + region + rank * slot + b0;
+      srcs.p[r] = r == rank ? const_cast<CollT*>(in + lo) : rs + rs_slot(r, rank) + b0;
+      if (r == rank) {
+        dsts.p[r] = out + lo;
+      } else if (kPush) {
+        dsts.p[r] = static_cast<CollT*>(args.peer_outputs.p[r]) + lo;
+      } else {
+        dsts.p[r] = half(peer_scratch.p[r], k) + region + rank * slot + b0;
+      }
     }
     reduce_to_all<CollT, CollAcc, kCollOp>(srcs, nranks, 0, dsts, nranks, 0, hi - lo, nranks, rank,
                                            threadIdx.x, blockDim.x);
@@ -327,9 +353,23 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
     if (!block_barrier(sems, npeers, true)) break;
     if (j <= nsteps) reduce(j - 1);
     if (j < nsteps) send(j);
-    if (j >= 2) gather(j - 2);
+    if (!kPush && j >= 2) gather(j - 2);
   }
   finish_call(state, calls, nsteps);
+}
+
+extern "C" __global__ void __launch_bounds__(1024, 1)
+    allreduce_rsag(const PipelineArgs args) {
+  wait_prior_grids();
+  if (block_aborted(args.error_word)) return;
+  rsag_pipeline<false>(args);
+}
+
+extern "C" __global__ void __launch_bounds__(1024, 1)
+    allreduce_rsag_push(const PipelineArgs args) {
+  wait_prior_grids();
+  if (block_aborted(args.error_word)) return;
+  rsag_pipeline<true>(args);
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -80,12 +80,14 @@ struct PacketArgs {
   u32 nranks;
 };
 
-// The scratch pipelines (see "Scratch pipelines" below).
+// The scratch pipelines (see "Scratch pipelines" below). `peer_outputs` (every rank's registered
+// output) is read by allreduce_rsag_push only.
 struct PipelineArgs {
   const void* input;
   void* output;
   u64 count;
   PeerPtrs peer_scratch;
+  PeerPtrs peer_outputs;
   void* local_scratch;
   u64 slot_bytes;
   u64 half_bytes;
@@ -190,8 +192,9 @@ MSCCLPP_DEVICE_INLINE bool block_barrier(const D2DSemaphoreHandle* sems, u32 npe
   return ok != 0;
 }
 
-// Scratch pipelines (allreduce_rsag, allreduce_fullmesh, allgather_fullmesh): for user buffers that
-// are not registered, data is staged through the algorithm's scratch, which every peer maps. The
+// Scratch pipelines (allreduce_rsag, allreduce_rsag_push, allreduce_fullmesh, allgather_fullmesh):
+// inputs that are not registered are staged through the algorithm's scratch, which every peer maps
+// (allreduce_rsag_push registers only the outputs). The
 // message is cut into steps that fit the scratch; per step a rank pushes (remote stores) into the
 // peers' scratch, then the block barrier publishes the stores, then each rank consumes its own
 // scratch locally. Rules that make the reuse of scratch safe without extra barriers:

@@ -1151,10 +1151,13 @@ fn collectives_matrix(s: &mut Suite, only: Option<&[String]>) {
             );
             continue;
         };
-        // 1 GiB: the host reference alone takes seconds, so only the large-message all-reduce.
+        // 1 GiB: the host reference alone takes seconds, so only the large-message all-reduces
+        // (for the push pipeline, hundreds of steps through both halves).
         let gib = matches!(
             kind,
-            NativeKind::AllreduceRsagZeroCopy | NativeKind::AllreduceCopyEngine
+            NativeKind::AllreduceRsagZeroCopy
+                | NativeKind::AllreduceCopyEngine
+                | NativeKind::AllreduceRsagPush
         );
         let result = algorithm_matrix(s, &comm, algo.as_ref(), (gib, true), &mut case);
         s.record(kind.name(), result);
