@@ -49,3 +49,21 @@ pub fn has_symbol(image: &[u8], entry: &str) -> bool {
     let sym = format!("{entry}\0");
     image.windows(sym.len()).any(|w| w == sym.as_bytes())
 }
+
+/// Runs `f` on every item from as many threads as the machine has cores: NVRTC compiles a unit on
+/// one thread, and a gate's units are independent, so on CI's two cores a serial loop leaves one
+/// idle. A panic in `f` (a unit that does not compile) fails the caller once the threads are done.
+pub fn for_each_on_all_cores<T: Sync>(items: &[T], f: impl Fn(&T) + Sync) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let next = AtomicUsize::new(0);
+    let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
+    std::thread::scope(|s| {
+        for _ in 0..workers.min(items.len()) {
+            s.spawn(|| {
+                while let Some(item) = items.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    f(item);
+                }
+            });
+        }
+    });
+}

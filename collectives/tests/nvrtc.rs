@@ -2,7 +2,7 @@
 //! reason when NVRTC is absent, unless MSCCLPP_REQUIRE_NVRTC=1).
 
 use mscclpp_core::{DataType, ReduceOp};
-use mscclpp_cuda::compile_test::{compile_cubin, has_symbol, nvrtc_or_skip};
+use mscclpp_cuda::compile_test::{compile_cubin, for_each_on_all_cores, has_symbol, nvrtc_or_skip};
 use mscclpp_cuda::Nvrtc;
 use mscclpp_kernels_cu::collectives::{self as kc, CollectiveFile, ReduceSpec};
 
@@ -19,21 +19,25 @@ fn every_collective_variant_compiles_for_sm_90() {
     let Some(nvrtc) = nvrtc_or_skip("every_collective_variant_compiles_for_sm_90") else {
         return;
     };
+    let mut units = Vec::new();
     for file in CollectiveFile::ALL {
         if !file.reduces() {
             let mut src = kc::unit_source(file, None).expect("source");
             src.push_str(&kc::layout_asserts());
-            compile(&nvrtc, &kc::unit_name(file, None), &src);
+            units.push((kc::unit_name(file, None), src));
             continue;
         }
         for (dtype, acc) in kc::reduce_type_pairs() {
             for op in ReduceOp::ALL {
                 let spec = Some(ReduceSpec { dtype, acc, op });
                 let src = kc::unit_source(file, spec).expect("source");
-                compile(&nvrtc, &kc::unit_name(file, spec), &src);
+                units.push((kc::unit_name(file, spec), src));
             }
         }
     }
+    for_each_on_all_cores(&units, |(name, src)| {
+        compile(&nvrtc, name, src);
+    });
 }
 
 /// The scratch pipeline kernels (default_allreduce_rsag[_pipeline], default_allreduce_rsag_push,
