@@ -146,10 +146,16 @@ fn every_unit() -> Vec<Unit> {
         });
     }
     for file in CollectiveFile::ALL {
+        let entries: Vec<&str> = file
+            .entry_points()
+            .iter()
+            .copied()
+            .filter(|e| !kc::CUDA_ONLY_ENTRY_POINTS.contains(e))
+            .collect();
         if file.reduces() {
             units.extend(reducing_units(
                 file.source(),
-                file.entry_points(),
+                &entries,
                 |spec| kc::unit_name(file, Some(spec)),
                 |spec| kc::unit_source(file, Some(spec)).expect("reducing unit"),
             ));
@@ -157,7 +163,7 @@ fn every_unit() -> Vec<Unit> {
             units.push(Unit {
                 name: kc::unit_name(file, None),
                 source: kc::unit_source(file, None).expect("byte-oriented unit"),
-                entries: file.entry_points().iter().map(|s| s.to_string()).collect(),
+                entries: entries.iter().map(|s| s.to_string()).collect(),
                 options: Vec::new(),
             });
         }

@@ -1,7 +1,8 @@
 //! Native collective algorithms of mscclpp-rs over NVLink (one host, 1..=8 ranks):
 //! - all-reduce: all-pair packets, two-phase packets, zero-copy reduce-scatter + all-gather on
 //!   registered buffers, scratch-staged rsag / rsag_pipeline / fullmesh for unregistered buffers,
-//!   the write-only rsag_push (inputs staged, reduced chunks written into registered outputs),
+//!   the write-only rsag_push (inputs staged, reduced chunks written into registered outputs; CUDA
+//!   only for now),
 //!   the copy-engine all-reduce for large messages (`copy_engine`), and, behind the NVLS gate, the four NVLS variants (`nvls`);
 //! - all-gather: packets, zero-copy fullmesh2, scratch-staged fullmesh;
 //! - reduce-scatter: packets and zero-copy; broadcast: zero-copy;
@@ -42,6 +43,7 @@ use mscclpp_core::algorithm_collection::{
     default_native_selector, AlgorithmCollection, AlgorithmCollectionBuilder, NativeLimits,
 };
 use mscclpp_core::communicator::Communicator;
+use mscclpp_core::gpu::GpuVendor;
 use mscclpp_core::Result;
 use mscclpp_kernels_cu::collectives::MAX_RANKS;
 use std::sync::Arc;
@@ -128,6 +130,10 @@ pub fn build_default_algorithms_with_resources(
         multi_host_allreduce: None,
     };
     for kind in NativeKind::ALL {
+        if properties.vendor == GpuVendor::Amd && kind.is_cuda_only() {
+            tracing::debug!(target: "mscclpp::algo", "{}: CUDA only for now, left out", kind.name());
+            continue;
+        }
         builder.add_algorithm(algorithms::build(kind, comm, &scratch)?)?;
     }
     // The all-to-all family borrows the same resources (`resources::CollectionResources`).

@@ -107,6 +107,11 @@ impl NativeKind {
         }
     }
 
+    /// Whether its kernel is built for CUDA only (`collectives::CUDA_ONLY_ENTRY_POINTS`).
+    pub fn is_cuda_only(self) -> bool {
+        mscclpp_kernels_cu::collectives::CUDA_ONLY_ENTRY_POINTS.contains(&self.file_and_entry().1)
+    }
+
     const fn file_and_entry(self) -> (CollectiveFile, &'static str) {
         match self {
             NativeKind::AllreduceAllpairPacket => {

@@ -53,6 +53,12 @@ impl Default for CallState {
     }
 }
 
+/// Entry points built for CUDA only (`#if !defined(MSCCLPP_HIP)` in their .cu file):
+/// `allreduce_rsag_push` has not run on any GPU and is never selected by default, and its
+/// instance of the scratch pipeline doubles the all-reduce unit's compile time, which the ROCm
+/// compile gate would pay for every type pair. On AMD the collection leaves its algorithm out.
+pub const CUDA_ONLY_ENTRY_POINTS: &[&str] = &["allreduce_rsag_push"];
+
 /// The kernel files, one per collective.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CollectiveFile {
@@ -108,7 +114,7 @@ impl CollectiveFile {
         )
     }
 
-    /// The kernel entry points the file defines.
+    /// The kernel entry points the file defines (on ROCm less [`CUDA_ONLY_ENTRY_POINTS`]).
     pub const fn entry_points(self) -> &'static [&'static str] {
         match self {
             CollectiveFile::AllReduce => &[

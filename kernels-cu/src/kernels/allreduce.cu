@@ -365,12 +365,17 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
   rsag_pipeline<false>(args);
 }
 
+// CUDA only for now (CUDA_ONLY_ENTRY_POINTS in collectives.rs): it has not run on any GPU, the
+// selector never takes it, and its instance of the pipeline doubles this unit's compile time,
+// which the ROCm compile gate pays for every type pair.
+#if !defined(MSCCLPP_HIP)
 extern "C" __global__ void __launch_bounds__(1024, 1)
     allreduce_rsag_push(const PipelineArgs args) {
   wait_prior_grids();
   if (block_aborted(args.error_word)) return;
   rsag_pipeline<true>(args);
 }
+#endif
 
 // ------------------------------------------------------------------------------------------------
 // Full-mesh all-reduce through the scratch (see "Scratch pipelines" in collective_common.cuh): every
