@@ -26,6 +26,8 @@ Workloads (the bench's options; each run is a long loop the signal lands in):
   port    PortChannel traffic: port_allreduce (1 MiB, eager), the ranks split into two simulated
           hosts by MSCCLPP_HOSTID (CudaIpc within a half, the Ethernet transport between halves;
           the host proxy threads carry every transfer)
+  hosts   as port with the selector's choice: default_allreduce_hierarchical from 2 x 2 ranks on
+          (reduce-scatter in each half, port_allreduce across, all-gather in each half)
 
 Configurations are every combination of --ranks, --signals, --workloads and --mps (or the --config
 list). Several worlds run at once on the GPU, each with its own bootstrap port, victim and logs, as
@@ -87,7 +89,7 @@ NVLS_OFF = {
     "NVSHMEM_DISABLE_NVLS": "1",
 }
 SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
-WORKLOADS = ("eager", "small", "graph", "port")
+WORKLOADS = ("eager", "small", "graph", "port", "hosts")
 # Bootstrap roots listen on MASTER_PORT + 1; ports cycle below Linux's ephemeral range (32768 up),
 # so no connection's local port can take one.
 PORT_FIRST, PORT_LAST = 20000, 32000
@@ -128,13 +130,18 @@ def workload_args(name, size, short=False):
     if name == "port":
         return common + ["-b", "1M", "-e", "1M", "--algo", "port_allreduce",
                          "-n", "5" if short else "1000000"]
+    if name == "hosts":
+        # The selector's choice across two simulated hosts: default_allreduce_hierarchical from
+        # 2 x 2 ranks on (host sub-communicators plus a cross-host port_allreduce), the flat
+        # port_allreduce at 2 ranks.
+        return common + ["-b", "1M", "-e", "1M", "-n", "5" if short else "1000000"]
     raise SystemExit(f"unknown workload {name!r} ({', '.join(WORKLOADS)})")
 
 
 def rank_env(workload, rank, nranks):
-    """Per-rank variables beyond the launcher's: the port workload's simulated host."""
+    """Per-rank variables beyond the launcher's: the port and hosts workloads' simulated host."""
     env = {"RANK": str(rank), "LOCAL_RANK": str(rank)}
-    if workload == "port":
+    if workload in ("port", "hosts"):
         env["MSCCLPP_HOSTID"] = f"sim-host-{rank * 2 // nranks}"
     return env
 
