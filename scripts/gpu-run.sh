@@ -12,8 +12,15 @@ export MSCCLPP_CACHE_DIR="${MSCCLPP_CACHE_DIR:-/tmp/mscclpp-cache}"
 out="${OUT:-./gpu-out}"; mkdir -p "$out"
 what="${1:-all}"; shift || true
 # NGPU=k runs k ranks on the first k GPUs (a 2-rank run on a bigger machine, say).
-ngpu="${NGPU:-$(nvidia-smi -L | wc -l)}"
-if [ -n "${NGPU:-}" ]; then export CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((NGPU - 1)))"; fi
+# Without NGPU, a CUDA_VISIBLE_DEVICES already set is kept: several runs can then share one machine,
+# each on its own GPUs (give each its own PORT).
+if [ -n "${NGPU:-}" ]; then
+  ngpu="$NGPU"; export CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((NGPU - 1)))"
+elif [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+  ngpu=$(tr , '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c .)
+else
+  ngpu=$(nvidia-smi -L | wc -l)
+fi
 # NRANKS=n runs n ranks (default: one per GPU). More ranks than GPUs share them, which checks the
 # suite's results at a world size the machine lacks GPUs for (NCCL refuses shared GPUs, so the
 # benchmark runs that way only without --vs-nccl). MPS=1 starts an MPS server first (mps.sh).

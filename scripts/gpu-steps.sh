@@ -16,6 +16,10 @@
 #   terminal and to OUT/steps.log, its verdict (exit code, seconds) to OUT/steps.txt; the files it
 #   writes into its own OUT (gpu-run.sh logs, fault-inject summaries) are packed by `finish` into
 #   OUT/step-files.tgz. The device tool brings back at most 8 files: these are 4.
+# - Lanes: on a machine with several GPUs, independent checks can run side by side, each in a
+#   background subshell with its own GPUs and port, e.g.
+#     ( export CUDA_VISIBLE_DEVICES=2 PORT=29620; step hosts 250 "HOSTS=2 NRANKS=4 bash .gpu/gpu-run.sh suite --only multi_host" ) &
+#   then `wait` before `finish`. Each step's output is also kept whole in its own output.log.
 # - A step whose LIMIT no longer fits in STEPS_BUDGET seconds (default 570) from the first `source`
 #   is skipped and said so, so the call ends inside the tool's 600 s limit with every file written.
 export NCCL_NVLS_ENABLE=0 MSCCLPP_FORCE_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -37,11 +41,15 @@ step() {
   fi
   echo "===== $name (limit ${limit} s): $command" | tee -a "$steps_out/steps.log"
   mkdir -p "$steps_files/$name"
-  OUT="$steps_files/$name" timeout -k 10 "$limit" bash -c "$command" 2>&1 | tee -a "$steps_out/steps.log"
+  OUT="$steps_files/$name" timeout -k 10 "$limit" bash -c "$command" 2>&1 |
+    tee -a "$steps_out/steps.log" "$steps_files/$name/output.log"
   code=${PIPESTATUS[0]}
   # A step cut by its limit can leave its MPS server (mps.sh) running: the next step must not inherit it.
-  if pgrep -f 'nvidia-cuda-mps-control -d' >/dev/null; then
-    echo quit | CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe nvidia-cuda-mps-control; sleep 1
+  # (Each server has the pipe folder of its GPUs, mps.sh; a step in a lane quits only its own.)
+  local pipe="/tmp/mps-pipe-${CUDA_VISIBLE_DEVICES:-all}"
+  pipe="${pipe//,/-}"
+  if [ -d "$pipe" ] && pgrep -f 'nvidia-cuda-mps-control -d' >/dev/null; then
+    echo quit | CUDA_MPS_PIPE_DIRECTORY="$pipe" nvidia-cuda-mps-control; sleep 1
   fi
   echo "$name: exit $code$([ "$code" = 124 ] && echo ' (time limit)') in $((SECONDS - start)) s" | tee -a "$steps_out/steps.txt"
 }

@@ -15,7 +15,8 @@ nranks="${NRANKS:-2}"
 if [ "${MPS:-0}" = 1 ]; then
   # shellcheck source=scripts/mps.sh
   source "$here/mps.sh"
-  start_mps "$nranks" "$(nvidia-smi -L | wc -l)"
+  if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then ngpu=$(tr , '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c .); else ngpu=$(nvidia-smi -L | wc -l); fi
+  start_mps "$nranks" "$ngpu"
 fi
 run() {
   echo "== $1 on $nranks ranks"

@@ -155,6 +155,18 @@ impl Health {
         unsafe { &*(self.word.host_ptr as *const AtomicU32) }
     }
 
+    /// The wait budget (milliseconds) written next to the code at creation.
+    fn budget_ms(&self) -> u32 {
+        // SAFETY: as in `code`; the budget is written once, before any kernel or split reads it.
+        unsafe {
+            (self
+                .word
+                .host_ptr
+                .add(crate::device::ERROR_WORD_BUDGET_OFFSET) as *const u32)
+                .read_volatile()
+        }
+    }
+
     fn set_reason(&self, reason: &str) {
         if let Ok(mut r) = self.reason.lock() {
             r.get_or_insert_with(|| reason.to_string());
@@ -244,6 +256,9 @@ pub struct Communicator {
     /// Made by [`split`](Self::split): kernels are launched plainly ([`fast_launches`](Self::fast_launches)).
     is_split: bool,
     health: Arc<Health>,
+    /// This communicator's error page (device memory after the slab's semaphores): what its
+    /// kernels get as the error word (`error_word_device_ptr`).
+    error_page: DevicePtr,
     slab: SyncSlab,
     /// Next free semaphore slot per peer (same on every rank because setup is collective).
     next_slot: Mutex<Vec<usize>>,
@@ -326,10 +341,20 @@ impl Communicator {
                 })
             }
         };
+        // The slab's semaphores, then this communicator's error page (only the semaphores are
+        // shared with peers).
         let slab_bytes = 2 * size * SEMAPHORES_PER_PEER * std::mem::size_of::<u64>();
-        let alloc = gpu.alloc(slab_bytes, MemoryKind::Plain)?;
+        let alloc = gpu.alloc(
+            slab_bytes + crate::device::ERROR_WORD_BYTES,
+            MemoryKind::Plain,
+        )?;
         gpu.memset_async(alloc.ptr, 0, slab_bytes, crate::gpu::Stream::DEFAULT)?;
         gpu.synchronize_stream(crate::gpu::Stream::DEFAULT)?;
+        let error_page = alloc.ptr + slab_bytes as DevicePtr;
+        gpu.copy_to_device(
+            error_page,
+            &crate::device::error_page(health.budget_ms(), health.word.device_ptr),
+        )?;
         let mut comm = Communicator {
             bootstrap,
             gpu,
@@ -340,6 +365,7 @@ impl Communicator {
             shares_process,
             is_split: false,
             health,
+            error_page,
             slab: SyncSlab {
                 alloc,
                 peers: Vec::new(),
@@ -432,11 +458,11 @@ impl Communicator {
         (self.slab.alloc.ptr, self.slab.alloc.size)
     }
 
-    /// Device address of the host-visible error word that device-side bounded waits write and
-    /// kernels check at entry (`mscclpp::aborted`); the wait budget follows it (see
-    /// [`ERROR_WORD_BYTES`](crate::device::ERROR_WORD_BYTES)).
+    /// Device address of the error page every kernel gets: device-side bounded waits write it
+    /// (and the host word), kernels check it at entry (`mscclpp::aborted`), and waits bring an
+    /// abort from the host word into it (see [`ERROR_WORD_BYTES`](crate::device::ERROR_WORD_BYTES)).
     pub fn error_word_device_ptr(&self) -> DevicePtr {
-        self.health.word.device_ptr
+        self.error_page
     }
 
     /// Aborts the communicator: records `reason` (the first one wins) and sets the error word to
@@ -803,6 +829,27 @@ mod tests {
             };
             let want = crate::env::Env::get().expect("env").device_wait_timeout;
             assert_eq!(budget, crate::device::wait_budget_ms(want));
+        });
+    }
+
+    #[test]
+    fn kernels_get_a_device_error_page_that_points_at_the_host_word() {
+        with_comms(1, Duration::from_secs(5), |_, comm| {
+            let page = comm.error_word_device_ptr();
+            assert_ne!(
+                page, comm.health.word.device_ptr,
+                "kernels must not poll host memory"
+            );
+            let mut got = [0u8; crate::device::ERROR_WORD_BYTES];
+            comm.gpu()
+                .copy_from_device(&mut got, page)
+                .expect("read the page");
+            let budget = comm.health.budget_ms();
+            assert_eq!(
+                got,
+                crate::device::error_page(budget, comm.health.word.device_ptr)
+            );
+            assert!(budget > 0);
         });
     }
 

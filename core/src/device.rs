@@ -40,13 +40,29 @@ pub const DEVICE_ERROR_COUNT_MISMATCH: u32 = 7;
 /// Spin bound (iterations) the device uses when a handle's `max_spin` is 0.
 pub const DEFAULT_MAX_SPIN: u64 = 1 << 32;
 
-/// Bytes of host-mapped memory behind an error word: the code (u32) at offset 0, then the wait
-/// budget in milliseconds (u32) at [`ERROR_WORD_BUDGET_OFFSET`]. A device wait gives up when the
-/// budget passes (wall clock, `%globaltimer`), when `max_spin` polls passed, or at once when the
-/// code is non-zero; a budget of 0 leaves only the spin bound (`mscclpp::spin_until`).
-pub const ERROR_WORD_BYTES: usize = 8;
-/// Offset of the wait budget (milliseconds, u32) in the error word's memory.
+/// Bytes of an error page and of the host-mapped error word, which share one layout: the code
+/// (u32) at offset 0, the wait budget in milliseconds (u32) at [`ERROR_WORD_BUDGET_OFFSET`], and at
+/// [`ERROR_WORD_HOST_OFFSET`] the device address of the host word (u64; null in the host word
+/// itself). Kernels get the page, device memory in the communicator's semaphore slab: they read it
+/// at entry and while they wait, and read the host word only after a wait has lasted a millisecond,
+/// because GPU reads of host memory can be serialised across the whole GPU (`mscclpp::spin_until`,
+/// error.cuh). A device wait gives up when the budget passes (wall clock, `%globaltimer`), when
+/// `max_spin` polls passed, or at once when the code is non-zero; a budget of 0 leaves only the
+/// spin bound. The host reads and aborts through its word; device errors are written to both.
+pub const ERROR_WORD_BYTES: usize = 16;
+/// Offset of the wait budget (milliseconds, u32) in an error page or word.
 pub const ERROR_WORD_BUDGET_OFFSET: usize = 4;
+/// Offset of the host word's device address (u64) in an error page.
+pub const ERROR_WORD_HOST_OFFSET: usize = 8;
+
+/// An error page's contents: no error yet, `budget_ms`, and the device address of the host word.
+pub fn error_page(budget_ms: u32, host_word: DevicePtr) -> [u8; ERROR_WORD_BYTES] {
+    let mut page = [0u8; ERROR_WORD_BYTES];
+    page[ERROR_WORD_BUDGET_OFFSET..ERROR_WORD_BUDGET_OFFSET + 4]
+        .copy_from_slice(&budget_ms.to_le_bytes());
+    page[ERROR_WORD_HOST_OFFSET..].copy_from_slice(&host_word.to_le_bytes());
+    page
+}
 
 /// The wait budget to store next to an error word for a host timeout: whole milliseconds, at
 /// least 1, saturated at u32::MAX (49 days).

@@ -961,7 +961,9 @@ mod tests {
     fn loopback(depth: u32) -> Loopback {
         let gpu = Arc::new(HostGpu::new());
         let dyn_gpu: Arc<dyn Gpu> = gpu.clone();
-        let error_word = gpu.alloc_host_mapped(8).unwrap();
+        let error_word = gpu
+            .alloc_host_mapped(crate::device::ERROR_WORD_BYTES)
+            .unwrap();
         let config = PortChannelConfig {
             fifo_depth: depth,
             ..Default::default()
