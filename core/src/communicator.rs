@@ -706,7 +706,7 @@ impl Communicator {
                     expected: own + half + ((peer * SEMAPHORES_PER_PEER) as u64 + slot) * word,
                     // Our signals land in the peer's slab, in its row for us.
                     remote_inbound: remote + ((me * SEMAPHORES_PER_PEER) as u64 + slot) * word,
-                    error_word: self.health.word.device_ptr,
+                    error_word: self.error_word_device_ptr(),
                     max_spin: 0,
                 }
             })
@@ -834,12 +834,15 @@ mod tests {
 
     #[test]
     fn kernels_get_a_device_error_page_that_points_at_the_host_word() {
-        with_comms(1, Duration::from_secs(5), |_, comm| {
+        with_comms(2, Duration::from_secs(5), |rank, comm| {
             let page = comm.error_word_device_ptr();
             assert_ne!(
                 page, comm.health.word.device_ptr,
                 "kernels must not poll host memory"
             );
+            for sem in comm.d2d_semaphores(1 - rank, 2).expect("semaphores") {
+                assert_eq!(sem.error_word, page, "semaphore waits must poll the page");
+            }
             let mut got = [0u8; crate::device::ERROR_WORD_BYTES];
             comm.gpu()
                 .copy_from_device(&mut got, page)
