@@ -337,10 +337,12 @@ pub struct NativeLimits {
 /// All-pair sends the whole message to every peer in 16-byte packets carrying 8 bytes, so its
 /// traffic grows with the world size; above it the two-phase packet all-reduce (LL128 lines,
 /// 1.07x its bytes per phase) takes over. 2xH200: all-pair 4.03 against 4.71 µs at 256 KiB,
-/// 5.92 against 5.51 µs at 512 KiB.
+/// 5.92 against 5.51 µs at 512 KiB. 4xH200 (2026-11-26, bf16, graph mode): all-pair 5.83 µs at
+/// 128 KiB and 9.49 at 256 KiB (0.84x NCCL), the two-phase one 6.86 at 512 KiB.
 pub fn allpair_threshold(world_size: usize) -> usize {
     match world_size {
-        0..=4 => 256 << 10,
+        0..=2 => 256 << 10,
+        3..=4 => 128 << 10,
         _ => 32 << 10,
     }
 }
@@ -640,6 +642,8 @@ mod tests {
     #[case(Collective::AllReduce, 1024, 2, ALLREDUCE_ALLPAIR_PACKET)]
     #[case(Collective::AllReduce, 256 << 10, 2, ALLREDUCE_ALLPAIR_PACKET)]
     #[case(Collective::AllReduce, (256 << 10) + 2, 2, ALLREDUCE_PACKET)]
+    #[case(Collective::AllReduce, 128 << 10, 4, ALLREDUCE_ALLPAIR_PACKET)]
+    #[case(Collective::AllReduce, 256 << 10, 4, ALLREDUCE_PACKET)]
     #[case(Collective::AllReduce, 4 << 20, 2, ALLREDUCE_PACKET)]
     #[case(Collective::AllReduce, (4 << 20) + 2, 2, ALLREDUCE_RSAG_ZERO_COPY)]
     #[case(Collective::AllReduce, 1 << 20, 4, ALLREDUCE_PACKET)]
