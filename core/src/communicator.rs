@@ -342,7 +342,8 @@ impl Communicator {
             }
         };
         // The slab's semaphores, then this communicator's error page (only the semaphores are
-        // shared with peers).
+        // shared with peers). The page fits in the slab's last 2 MiB granule unless the slab
+        // fills it exactly (32 ranks: one more granule, 2 MiB).
         let slab_bytes = 2 * size * SEMAPHORES_PER_PEER * std::mem::size_of::<u64>();
         let alloc = gpu.alloc(
             slab_bytes + crate::device::ERROR_WORD_BYTES,
