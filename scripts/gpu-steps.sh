@@ -20,6 +20,8 @@
 #   background subshell with its own GPUs and port, e.g.
 #     ( export CUDA_VISIBLE_DEVICES=2 PORT=29620; step hosts 250 "HOSTS=2 NRANKS=4 bash .gpu/gpu-run.sh suite --only multi_host" ) &
 #   then `wait` before `finish`. Each step's output is also kept whole in its own output.log.
+#   Give MPS (MPS=1) to one lane at a time: when a third lane started its MPS server on
+#   2026-11-26, two other lanes' MPS clients died of SIGSEGV at that instant (cause not proven).
 # - A step whose LIMIT no longer fits in STEPS_BUDGET seconds (default 570) from the first `source`
 #   is skipped and said so, so the call ends inside the tool's 600 s limit with every file written.
 export NCCL_NVLS_ENABLE=0 MSCCLPP_FORCE_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
