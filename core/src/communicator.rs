@@ -623,7 +623,16 @@ impl Communicator {
             let desc: MemoryDescriptor =
                 serde_json::from_slice(bytes).map_err(|e| Error::Peer {
                     rank,
-                    message: format!("sent a malformed memory descriptor: {e}"),
+                    message: if bytes.is_empty() {
+                        // A barrier's empty contribution met this exchange.
+                        "sent nothing where this rank exchanged a memory descriptor: the ranks \
+                         are out of step, e.g. a zero-copy call found its buffer already \
+                         registered on one rank and new on another (registration assumes that \
+                         every rank allocates its buffers in the same pattern)"
+                            .to_string()
+                    } else {
+                        format!("sent a malformed memory descriptor: {e}")
+                    },
                 })?;
             if desc.host_id != self.host_id {
                 // Not mappable here; network transports address it in its owner's process.
@@ -831,6 +840,22 @@ mod tests {
             let want = crate::env::Env::get().expect("env").device_wait_timeout;
             assert_eq!(budget, crate::device::wait_budget_ms(want));
         });
+    }
+
+    #[test]
+    fn an_exchange_that_meets_a_barrier_says_the_ranks_are_out_of_step() {
+        let errors = with_comms(2, Duration::from_secs(5), |rank, comm| {
+            if rank == 0 {
+                let alloc = comm.gpu().alloc(4096, MemoryKind::Plain).expect("alloc");
+                let local = comm.register(&alloc, alloc.ptr, 4096).expect("register");
+                comm.exchange(local).err().map(|e| e.to_string())
+            } else {
+                comm.bootstrap().barrier().expect("barrier");
+                None
+            }
+        });
+        let e = errors[0].as_deref().expect("rank 0 must fail");
+        assert!(e.contains("rank 1") && e.contains("out of step"), "{e}");
     }
 
     #[test]
