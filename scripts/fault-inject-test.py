@@ -7,7 +7,8 @@ every 0.1 s; rank 0 blames a rank whose connection closes ("died") or who is sil
 MSCCLPP_DEVICE_WAIT_TIMEOUT seconds ("stalled") and tells the others, and every rank then logs the
 bench's timestamped "the timed loop stopped" and "torn down" warnings and its error line, and exits
 1. FAKE_MODE makes it misbehave: `early` (rank 1 fails before any signal), `hang` (survivors never exit),
-`noloop` (no "timed loop stopped" line), `fault` (a context fault logged before the error)."""
+`noloop` (no "timed loop stopped" line), `setup` (the bench's set-up line
+instead: the signal landed in the graph capture), `fault` (a context fault logged before the error)."""
 
 import json
 import os
@@ -32,8 +33,12 @@ def fail(msg):
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")
     if mode == "fault":
         print("WARN drop: cuMemFree: CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access", flush=True)
-    if mode != "noloop":
+    if mode == "setup":
+        print(f"{stamp}Z  WARN mscclpp::bench: rank {rank}: the timed loop's set-up stopped in the "
+              f"graph capture: {msg}", flush=True)
+    elif mode != "noloop":
         print(f"{stamp}Z  WARN mscclpp::bench: rank {rank}: the timed loop stopped: {msg}", flush=True)
+    if mode != "noloop":
         time.sleep(0.1)  # teardown
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")
         print(f"{stamp}Z  WARN mscclpp::bench: torn down (rank {rank}), exiting on the error", flush=True)
@@ -158,9 +163,12 @@ def main():
                                          "2:STOP:eager:0"])
     check(r.returncode == 0 and took < 5.0, f"6 STOP runs side by side in {took:.1f} s", r)
 
-    # A rank failing before the signal, a hang and a missing loop line are failures.
+    # A rank failing before the signal, a hang, a missing loop line and a set-up that stopped
+    # instead (named) are failures.
     for mode, reason in (("early", "ended before the signal"), ("hang", "hang"),
-                         ("noloop", "timed loop"), ("fault", "context faulted")):
+                         ("noloop", "no 'timed loop stopped' line"),
+                         ("setup", "before the timed loop, in the graph capture (raise --settle)"),
+                         ("fault", "context faulted")):
         r, rows, _, _ = run(tmp, mode, ["--runs", "1", "--config", "2:KILL:eager:0", "--hang-after",
                                         "2"], {"FAKE_MODE": mode})
         row = rows["2 ranks KILL eager no MPS"]

@@ -8,7 +8,8 @@ table header (communicator and algorithms up) and --settle seconds more (the tim
 its launch queue full), or --delay seconds in all when given, then SIGKILLs or SIGSTOPs one rank
 (the victim). It passes when every survivor exits non-zero within MSCCLPP_DEVICE_WAIT_TIMEOUT +
 --slack seconds of that run's own signal, its error names the victim ("rank V"), and its log says
-its timed loop stopped on the failure (so the signal landed in the loop, not in set-up), and no
+its timed loop stopped on the failure (so the signal landed in the loop, not in set-up; a survivor
+whose log says its set-up stopped instead names the step, and --settle was too short), and no
 survivor's log, nor a continued stopped victim's, shows a fault of its CUDA context. A run in which
 any rank ended before the signal fails too (a false timeout under load is a failure, not a skipped
 run). Survivors still running --hang-after seconds after the signal are killed and the run
@@ -105,6 +106,9 @@ RUNNING = set()
 TERMINATED = []
 
 LOOP_STOPPED = "the timed loop stopped"
+# The bench's line when it stopped before its timed batches (warm-up, graph capture, the graph's
+# first replay): the signal landed before the loop on that rank.
+SETUP_STOPPED = re.compile(r"the timed loop's set-up stopped in (.+?): ")
 # The bench's last timestamped line on a failure: everything it owned is torn down.
 TORN_DOWN = "torn down"
 HEADER = b"# rank 0 thread:"
@@ -435,7 +439,10 @@ class World:
             elif not named.search("\n".join(errors)):
                 why = f"error does not name rank {self.victim}"
             elif not a.bench_args and LOOP_STOPPED not in text:
-                why = "no 'timed loop stopped' line: the signal landed outside the timed loop"
+                setup = SETUP_STOPPED.search(text)
+                why = (f"the signal landed before the timed loop, in {setup.group(1)} (raise --settle)"
+                       if setup else
+                       "no 'timed loop stopped' line: the signal landed outside the timed loop")
             else:
                 why = None
             verdicts.append((r, t, why, last, noticed, torn))

@@ -5,7 +5,7 @@
 //! its own calls resolve inside it and never back into this shim, even when the shim is
 //! preloaded or installed as `libnccl.so.2`.
 
-use crate::abi::{NcclResult, UniqueId, SUCCESS};
+use crate::abi::{self, NcclResult, UniqueId, SUCCESS};
 use crate::guard::{CallResult, Failure};
 use libloading::os::unix::Library;
 use std::ffi::{c_char, c_int, c_void, CStr};
@@ -89,8 +89,8 @@ impl RealNccl {
         Ok(real)
     }
 
-    /// Turns a real NCCL result into ours, with its own last-error text. `comm` is only handed
-    /// back to NCCL (an opaque handle, or null), never dereferenced here.
+    /// Turns a real NCCL result into ours, with its code's name and its own last-error text.
+    /// `comm` is only handed back to NCCL (an opaque handle, or null), never dereferenced here.
     #[allow(clippy::not_unsafe_ptr_arg_deref)]
     pub fn check(&self, call: &str, code: NcclResult, comm: RawComm) -> CallResult {
         if code == SUCCESS || code == crate::abi::IN_PROGRESS {
@@ -105,10 +105,35 @@ impl RealNccl {
                 CStr::from_ptr(p).to_string_lossy().into_owned()
             }
         };
+        // NCCL can refuse without a text (its one-rank path returns ncclInvalidArgument for an
+        // fp8 avg and logs nothing), so the code's name is always given.
+        let text = if text.is_empty() {
+            "its ncclGetLastError is empty".to_string()
+        } else {
+            text
+        };
         Err(Failure::new(
             code,
-            format!("{call} in the real NCCL ({}) failed: {text}", self.location),
+            format!(
+                "{call} in the real NCCL ({}) failed with {}: {text}",
+                self.location,
+                result_name(code)
+            ),
         ))
+    }
+}
+
+/// NCCL's name of a result code. `nccl/scripts/torch_check.py` reads `ncclInvalidArgument` in the
+/// message as the real library refusing the combination.
+fn result_name(code: NcclResult) -> String {
+    match code {
+        abi::UNHANDLED_CUDA_ERROR => "ncclUnhandledCudaError".into(),
+        abi::SYSTEM_ERROR => "ncclSystemError".into(),
+        abi::INTERNAL_ERROR => "ncclInternalError".into(),
+        abi::INVALID_ARGUMENT => "ncclInvalidArgument".into(),
+        abi::INVALID_USAGE => "ncclInvalidUsage".into(),
+        abi::REMOTE_ERROR => "ncclRemoteError".into(),
+        other => format!("result code {other}"),
     }
 }
 
@@ -116,3 +141,19 @@ impl RealNccl {
 // thread-safe as documented.
 unsafe impl Send for RealNccl {}
 unsafe impl Sync for RealNccl {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn result_codes_are_named_as_nccl_names_them() {
+        // torch_check.py's fallback mode keys on this name.
+        assert_eq!(result_name(abi::INVALID_ARGUMENT), "ncclInvalidArgument");
+        assert_eq!(
+            result_name(abi::UNHANDLED_CUDA_ERROR),
+            "ncclUnhandledCudaError"
+        );
+        assert_eq!(result_name(42), "result code 42");
+    }
+}
