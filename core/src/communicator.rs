@@ -850,12 +850,13 @@ mod tests {
                 let local = comm.register(&alloc, alloc.ptr, 4096).expect("register");
                 comm.exchange(local).err().map(|e| e.to_string())
             } else {
-                comm.bootstrap().barrier().expect("barrier");
-                None
+                comm.bootstrap().barrier().err().map(|e| e.to_string())
             }
         });
         let e = errors[0].as_deref().expect("rank 0 must fail");
         assert!(e.contains("rank 1") && e.contains("out of step"), "{e}");
+        let e = errors[1].as_deref().expect("rank 1 must fail");
+        assert!(e.contains("rank 0") && e.contains("out of step"), "{e}");
     }
 
     #[test]

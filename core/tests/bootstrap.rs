@@ -195,6 +195,41 @@ fn closed_peer_wakes_blocked_receiver() {
     assert!(matches!(e, Error::Peer { rank: 0, .. }), "{e}");
 }
 
+/// Ranks that call different collectives at the same point (rank 0 a barrier or a broadcast, the
+/// others an all_gather) all fail within a fraction of the 30 s timeout, naming both collectives.
+/// A broadcast's root only sends, so its own call succeeds: it learns at its next call, from the
+/// abort of the ranks that found out.
+#[rstest]
+fn ranks_out_of_step_all_fail_at_once_naming_both(
+    #[values(2, 3)] n: usize,
+    #[values("barrier", "broadcast")] odd: &'static str,
+) {
+    let out = run_threads(n, config(30), move |b| {
+        // One collective in step first, so that the sequence numbers are not 0.
+        b.barrier().unwrap();
+        let t0 = Instant::now();
+        let first = match (b.rank(), odd) {
+            (0, "barrier") => b.barrier().err(),
+            (0, _) => b.broadcast(0, b"x").err(),
+            _ => b.all_gather(b"a memory descriptor").err(),
+        };
+        let e = first.or_else(|| b.barrier().err()).map(|e| e.to_string());
+        (t0.elapsed(), e)
+    });
+    let theirs = match odd {
+        "barrier" => "barrier #1",
+        _ => "broadcast (root 0) #1",
+    };
+    for (r, (took, e)) in out.into_iter().enumerate() {
+        let e = e.unwrap_or_else(|| panic!("rank {r} did not fail"));
+        assert!(took < Duration::from_secs(5), "rank {r} took {took:?}: {e}");
+        assert!(
+            e.contains("out of step") && e.contains(theirs) && e.contains("all_gather #1"),
+            "rank {r}: {e}"
+        );
+    }
+}
+
 #[test]
 fn connections_without_the_secret_are_refused() {
     let port = free_port();

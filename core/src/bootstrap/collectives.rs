@@ -6,8 +6,17 @@
 //! exchanges) and fine for large ones. Contributions may differ in size per rank, so the choice
 //! of algorithm must not depend on local sizes: one algorithm for all sizes keeps every rank in
 //! step. Each rank talks to ceil(log2 n) distinct peers, which bounds the sockets a job opens.
+//!
+//! Messages are matched by the collective's sequence number alone, so every message leads with
+//! the [`Op`] it belongs to: a rank that meets a peer in another collective under the same number
+//! (the ranks called collectives in different orders) fails at once, naming both, instead of
+//! taking the peer's bytes for its own and failing later and elsewhere (a barrier's empty
+//! contribution read as a memory descriptor, or a timeout in an unrelated step). The cost is one
+//! byte per message (five for a broadcast). This layout is part of the bootstrap protocol: a
+//! change bumps `wire::PROTOCOL_VERSION`.
 
 use crate::error::{Error, Result};
+use std::fmt;
 
 /// What a collective needs from the transport: ordered messages to and from any peer under a
 /// per-collective sequence number.
@@ -15,14 +24,111 @@ pub(crate) trait Exchange {
     fn rank(&self) -> usize;
     fn size(&self) -> usize;
     fn send_coll(&self, peer: usize, seq: u64, data: &[u8]) -> Result<()>;
-    /// `op` names the collective for error messages.
-    fn recv_coll(&self, peer: usize, seq: u64, op: &str) -> Result<Vec<u8>>;
+    /// `op` names the collective for a timeout's error.
+    fn recv_coll(&self, peer: usize, seq: u64, op: Op) -> Result<Vec<u8>>;
+    /// Turns `e`, the failure of a step with `peer` in collective `op` number `seq`, into the
+    /// error the caller gets, doing whatever the transport does when a collective fails (the TCP
+    /// bootstrap aborts the job, so that every rank fails rather than waits).
+    fn fail(&self, peer: usize, seq: u64, op: Op, e: Error) -> Error;
 }
 
-/// Packs blocks as: count (u32), each length (u64), then the bytes back to back.
-fn pack(blocks: &[Vec<u8>]) -> Vec<u8> {
+/// The collective a message belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Op {
+    AllGather,
+    Barrier,
+    Broadcast { root: usize },
+}
+
+impl Op {
+    /// Leading byte of a message of each kind; a broadcast's is followed by its root (u32).
+    const ALL_GATHER: u8 = 1;
+    const BARRIER: u8 = 2;
+    const BROADCAST: u8 = 3;
+
+    fn header_len(self) -> usize {
+        match self {
+            Op::Broadcast { .. } => 5,
+            Op::AllGather | Op::Barrier => 1,
+        }
+    }
+
+    /// A message buffer with this op's header written, room reserved for `body` more bytes.
+    fn message(self, body: usize) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.header_len() + body);
+        match self {
+            Op::AllGather => out.push(Self::ALL_GATHER),
+            Op::Barrier => out.push(Self::BARRIER),
+            Op::Broadcast { root } => {
+                out.push(Self::BROADCAST);
+                // Roots are ranks, and job sizes fit a u32 (TcpBootstrap::new checks).
+                out.extend_from_slice(&(root as u32).to_le_bytes());
+            }
+        }
+        out
+    }
+
+    /// The op a received message leads with; the error says what is wrong with its header.
+    fn parse(msg: &[u8]) -> std::result::Result<Op, String> {
+        match msg.first() {
+            Some(&Self::ALL_GATHER) => Ok(Op::AllGather),
+            Some(&Self::BARRIER) => Ok(Op::Barrier),
+            Some(&Self::BROADCAST) => msg
+                .get(1..5)
+                .and_then(|b| b.try_into().ok())
+                .map(|b| Op::Broadcast {
+                    root: u32::from_le_bytes(b) as usize,
+                })
+                .ok_or_else(|| format!("a {}-byte broadcast header", msg.len())),
+            Some(k) => Err(format!("unknown collective kind {k}")),
+            None => Err("an empty message".into()),
+        }
+    }
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Op::AllGather => f.write_str("all_gather"),
+            Op::Barrier => f.write_str("barrier"),
+            Op::Broadcast { root } => write!(f, "broadcast (root {root})"),
+        }
+    }
+}
+
+/// Sends `msg` (built by [`Op::message`]) to `peer`.
+fn send(x: &impl Exchange, peer: usize, seq: u64, op: Op, msg: &[u8]) -> Result<()> {
+    x.send_coll(peer, seq, msg)
+        .map_err(|e| x.fail(peer, seq, op, e))
+}
+
+/// Receives `peer`'s message of collective `op` number `seq`, header checked (still in place:
+/// the body starts at `op.header_len()`).
+fn recv(x: &impl Exchange, peer: usize, seq: u64, op: Op) -> Result<Vec<u8>> {
+    let msg = x
+        .recv_coll(peer, seq, op)
+        .map_err(|e| x.fail(peer, seq, op, e))?;
+    let wrong = match Op::parse(&msg) {
+        Ok(theirs) if theirs == op => return Ok(msg),
+        Ok(theirs) => Error::Bootstrap(format!(
+            "rank {peer} is in {theirs} #{seq} while this rank ({}) is in {op} #{seq}: the ranks \
+             are out of step (they called bootstrap collectives, e.g. communicator setup or \
+             buffer registration, in different orders)",
+            x.rank()
+        )),
+        Err(why) => Error::Peer {
+            rank: peer,
+            message: format!("sent an unreadable message in {op} #{seq}: {why}"),
+        },
+    };
+    Err(x.fail(peer, seq, op, wrong))
+}
+
+/// Packs blocks behind `op`'s header as: count (u32), each length (u64), then the bytes back to
+/// back.
+fn pack(op: Op, blocks: &[Vec<u8>]) -> Vec<u8> {
     let total: usize = blocks.iter().map(Vec::len).sum();
-    let mut out = Vec::with_capacity(4 + 8 * blocks.len() + total);
+    let mut out = op.message(4 + 8 * blocks.len() + total);
     out.extend_from_slice(&(blocks.len() as u32).to_le_bytes());
     for b in blocks {
         out.extend_from_slice(&(b.len() as u64).to_le_bytes());
@@ -76,10 +182,21 @@ fn unpack(msg: &[u8], expected: usize, from: usize) -> Result<Vec<Vec<u8>>> {
     Ok(blocks)
 }
 
+/// Bruck all_gather: see [`gather`].
+pub(crate) fn all_gather(x: &impl Exchange, seq: u64, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+    gather(x, seq, Op::AllGather, data)
+}
+
+/// A dissemination barrier is exactly Bruck's pattern with empty payloads; its messages say
+/// barrier, so that it never passes for a peer's all_gather of nothing.
+pub(crate) fn barrier(x: &impl Exchange, seq: u64) -> Result<()> {
+    gather(x, seq, Op::Barrier, &[]).map(|_| ())
+}
+
 /// Bruck all_gather. After round k rank r holds the blocks of ranks r..r+2^(k+1) (mod n); in
 /// round k it sends what it holds (capped so nobody receives more than n blocks in total) to
 /// r - 2^k and receives from r + 2^k.
-pub(crate) fn all_gather(x: &impl Exchange, seq: u64, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+fn gather(x: &impl Exchange, seq: u64, op: Op, data: &[u8]) -> Result<Vec<Vec<u8>>> {
     let (rank, n) = (x.rank(), x.size());
     // held[i] is the contribution of rank (rank + i) % n.
     let mut held: Vec<Vec<u8>> = vec![data.to_vec()];
@@ -88,9 +205,10 @@ pub(crate) fn all_gather(x: &impl Exchange, seq: u64, data: &[u8]) -> Result<Vec
         let count = dist.min(n - dist);
         let to = (rank + n - dist) % n;
         let from = (rank + dist) % n;
-        x.send_coll(to, seq, &pack(&held[..count]))?;
-        let msg = x.recv_coll(from, seq, "all_gather")?;
-        held.extend(unpack(&msg, count, from)?);
+        send(x, to, seq, op, &pack(op, &held[..count]))?;
+        let msg = recv(x, from, seq, op)?;
+        let blocks = unpack(&msg[op.header_len()..], count, from);
+        held.extend(blocks.map_err(|e| x.fail(from, seq, op, e))?);
         dist *= 2;
     }
     // Rotate so index = rank.
@@ -107,9 +225,13 @@ pub(crate) fn broadcast(x: &impl Exchange, seq: u64, root: usize, data: &[u8]) -
             "broadcast root {root} is not a rank of this {n}-rank job"
         )));
     }
+    let op = Op::Broadcast { root };
     let vrank = (rank + n - root) % n;
-    let mut value = if vrank == 0 {
-        Some(data.to_vec())
+    // The message with its header: children get it as received.
+    let mut msg = if vrank == 0 {
+        let mut m = op.message(data.len());
+        m.extend_from_slice(data);
+        Some(m)
     } else {
         None
     };
@@ -118,22 +240,23 @@ pub(crate) fn broadcast(x: &impl Exchange, seq: u64, root: usize, data: &[u8]) -
     while mask < n {
         if vrank & mask != 0 {
             let parent = (vrank - mask + root) % n;
-            value = Some(x.recv_coll(parent, seq, "broadcast")?);
+            msg = Some(recv(x, parent, seq, op)?);
             break;
         }
         mask <<= 1;
     }
-    let value =
-        value.ok_or_else(|| Error::Internal("broadcast tree left a rank without data".into()))?;
+    let mut msg =
+        msg.ok_or_else(|| Error::Internal("broadcast tree left a rank without data".into()))?;
     // Forward to children vrank + m for every m below the bit we received on.
     mask >>= 1;
     while mask > 0 {
         if vrank + mask < n {
-            x.send_coll((vrank + mask + root) % n, seq, &value)?;
+            send(x, (vrank + mask + root) % n, seq, op, &msg)?;
         }
         mask >>= 1;
     }
-    Ok(value)
+    msg.drain(..op.header_len());
+    Ok(msg)
 }
 
 #[cfg(test)]
@@ -171,7 +294,7 @@ mod tests {
             self.net.cv.notify_all();
             Ok(())
         }
-        fn recv_coll(&self, peer: usize, _seq: u64, _op: &str) -> Result<Vec<u8>> {
+        fn recv_coll(&self, peer: usize, _seq: u64, _op: Op) -> Result<Vec<u8>> {
             let mut q = self.net.q.lock().unwrap();
             loop {
                 if let Some(m) = q.get_mut(&(peer, self.rank)).and_then(VecDeque::pop_front) {
@@ -179,6 +302,9 @@ mod tests {
                 }
                 q = self.net.cv.wait(q).unwrap();
             }
+        }
+        fn fail(&self, _peer: usize, _seq: u64, _op: Op, e: Error) -> Error {
+            e
         }
     }
 
@@ -224,11 +350,41 @@ mod tests {
         }
     }
 
+    /// Ranks that call different collectives under one sequence number fail at once, each
+    /// naming both collectives. (Two ranks: with more, some wait on a failed rank, which only
+    /// the TCP bootstrap's abort ends; core/tests/bootstrap.rs covers that.)
+    #[test]
+    fn ranks_out_of_step_name_both_collectives() {
+        let out = run(2, |node| match node.rank {
+            0 => barrier(node, 7).unwrap_err().to_string(),
+            _ => all_gather(node, 7, &[1]).unwrap_err().to_string(),
+        });
+        for (e, want) in out.iter().zip([
+            "rank 1 is in all_gather #7 while this rank (0) is in barrier #7",
+            "rank 0 is in barrier #7 while this rank (1) is in all_gather #7",
+        ]) {
+            assert!(e.contains(want) && e.contains("out of step"), "{e}");
+        }
+    }
+
+    #[test]
+    fn headers_round_trip_and_garbage_is_named() {
+        for op in [Op::AllGather, Op::Barrier, Op::Broadcast { root: 70000 }] {
+            let m = op.message(0);
+            assert_eq!((Op::parse(&m), m.len()), (Ok(op), op.header_len()));
+        }
+        assert!(Op::parse(&[9]).unwrap_err().contains("kind 9"));
+        assert!(Op::parse(&[Op::BROADCAST, 1])
+            .unwrap_err()
+            .contains("2-byte"));
+        assert!(Op::parse(&[]).unwrap_err().contains("empty"));
+    }
+
     #[test]
     fn unpack_rejects_overrun() {
-        let mut m = pack(&[vec![1, 2, 3]]);
+        let mut m = pack(Op::AllGather, &[vec![1, 2, 3]]);
         m.pop();
-        assert!(unpack(&m, 1, 4)
+        assert!(unpack(&m[1..], 1, 4)
             .unwrap_err()
             .to_string()
             .contains("overruns"));

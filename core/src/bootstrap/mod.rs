@@ -38,7 +38,8 @@ pub trait FailureListener: Send + Sync {
 /// expires, returns `Error::Timeout` naming the rank that did not answer. Messages between one
 /// (sender, receiver, tag) triple are delivered in order. `Send + Sync`: calls may come from several
 /// threads; calls that involve every rank (all_gather, barrier, broadcast) must be made in the same
-/// order by every rank.
+/// order by every rank: a rank that meets a peer in another one fails with an error naming both
+/// (the TCP bootstrap then aborts the job, so every rank fails).
 pub trait Bootstrap: Send + Sync {
     fn rank(&self) -> usize;
     fn size(&self) -> usize;

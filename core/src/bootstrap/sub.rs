@@ -16,7 +16,7 @@
 //! Collectives (all-gather, barrier, broadcast) are the parent's algorithms run over the members.
 //! Liveness is the parent's: a failure of any parent rank reaches the sub-bootstrap's listeners.
 
-use super::collectives::{self, Exchange};
+use super::collectives::{self, Exchange, Op};
 use super::{Bootstrap, FailureListener};
 use crate::error::{Error, Result};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -84,20 +84,21 @@ impl Exchange for Link {
             data,
         )
     }
-    fn recv_coll(&self, peer: usize, seq: u64, op: &str) -> Result<Vec<u8>> {
+    fn recv_coll(&self, peer: usize, seq: u64, _op: Op) -> Result<Vec<u8>> {
         let from = self.parent_rank(peer)?;
-        self.parent
-            .recv(
-                from,
-                self.tag(COLLECTIVE_BIT | (seq & (COLLECTIVE_BIT - 1))),
-            )
-            .map_err(|e| {
-                let me = self.index;
-                Error::Bootstrap(format!(
-                    "sub-bootstrap {op} #{seq}: sub-rank {me} waiting for sub-rank {peer} \
-                     (parent rank {from}): {e}"
-                ))
-            })
+        self.parent.recv(
+            from,
+            self.tag(COLLECTIVE_BIT | (seq & (COLLECTIVE_BIT - 1))),
+        )
+    }
+    /// Adds which sub-bootstrap step failed. The parent's job is not aborted from here (the
+    /// `Bootstrap` trait offers no abort): a member whose peer fails may wait out its timeout.
+    fn fail(&self, peer: usize, seq: u64, op: Op, e: Error) -> Error {
+        let (me, from) = (self.index, self.members.get(peer).copied().unwrap_or(peer));
+        Error::Bootstrap(format!(
+            "sub-bootstrap {op} #{seq}: sub-rank {me} with sub-rank {peer} (parent rank \
+             {from}): {e}"
+        ))
     }
 }
 
@@ -222,7 +223,7 @@ impl Bootstrap for SubBootstrap {
         collectives::all_gather(&self.link, self.next_seq(), data)
     }
     fn barrier(&self) -> Result<()> {
-        collectives::all_gather(&self.link, self.next_seq(), &[]).map(|_| ())
+        collectives::barrier(&self.link, self.next_seq())
     }
     fn broadcast(&self, root: usize, data: &[u8]) -> Result<Vec<u8>> {
         collectives::broadcast(&self.link, self.next_seq(), root, data)
@@ -328,6 +329,31 @@ mod tests {
             );
             assert!(distinct);
             assert!(b_rank < 2);
+        }
+    }
+
+    /// Sub-ranks out of step (one in a barrier, the other in an all_gather) both fail at once,
+    /// naming both collectives and the sub-bootstrap.
+    #[test]
+    fn members_out_of_step_name_both_collectives() {
+        let got = with_parents(2, |parent| {
+            let s = SubBootstrap::split(parent, &[1, 0]).expect("split");
+            let e = match s.rank() {
+                0 => s.barrier().unwrap_err(),
+                _ => s.all_gather(b"x").unwrap_err(),
+            };
+            (s.rank(), e.to_string())
+        });
+        for (r, e) in got {
+            assert!(
+                e.starts_with("bootstrap: sub-bootstrap ")
+                    && e.contains("out of step")
+                    && e.contains("barrier #0")
+                    && e.contains("all_gather #0")
+                    // The peer's parent rank: with members [1, 0], this sub-rank's number.
+                    && e.contains(&format!("parent rank {r}")),
+                "sub-rank {r}: {e}"
+            );
         }
     }
 

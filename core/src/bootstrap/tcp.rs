@@ -15,8 +15,10 @@
 //!    peer's connection closes.
 //!
 //! Collectives (Bruck all_gather, dissemination barrier, binomial broadcast) run on the same
-//! links under a per-call sequence number. When a collective fails on some rank (peer died,
-//! timeout), that rank floods an abort over its open links, so every rank fails promptly with the
+//! links under a per-call sequence number; each message also says which collective it belongs
+//! to, so ranks that called collectives in different orders fail at once with both named
+//! (collectives.rs). When a collective fails on some rank (peer died, timeout, ranks out of
+//! step), that rank floods an abort over its open links, so every rank fails promptly with the
 //! rank to blame instead of waiting out its own timeout. After that the bootstrap is poisoned:
 //! the job cannot complete collectives any more.
 //!
@@ -44,7 +46,7 @@
 //! (Bootstrap::unresponsive_peers) (pings answered by reader threads) names the stopped rank when a
 //! device wait timed out first.
 
-use super::collectives::{self, Exchange};
+use super::collectives::{self, Exchange, Op};
 use super::config::BootstrapConfig;
 use super::iface::{choose_address, list_interfaces, parse_root_spec};
 use super::mailbox::Mailbox;
@@ -881,38 +883,6 @@ impl Inner {
             })
             .collect()
     }
-
-    /// Runs after any failed collective step: turns the local failure into a job abort. A
-    /// timeout blames the peer waited for only when no other peer is silent: with a stopped
-    /// rank, the peer waited for may itself be waiting for it.
-    fn fail(self: &Arc<Inner>, peer: usize, op: &str, e: Error) -> Error {
-        if let Error::Timeout { .. } = &e {
-            let silent = self.unresponsive_peers(Duration::from_millis(500));
-            if let Some(&stalled) = silent
-                .iter()
-                .find(|&&p| p != peer)
-                .filter(|_| !silent.contains(&peer))
-            {
-                let why = format!(
-                    "rank {} timed out in {op} and rank {stalled} does not answer liveness pings \
-                     (stopped or hung): {e}",
-                    self.rank
-                );
-                self.abort_job(stalled, why.clone());
-                return Error::Peer {
-                    rank: stalled,
-                    message: why,
-                };
-            }
-        }
-        if !matches!(&e, Error::Peer { message, .. } if message.starts_with("job aborted")) {
-            self.abort_job(
-                peer,
-                format!("rank {} gave up on rank {peer} in {op}: {e}", self.rank),
-            );
-        }
-        e
-    }
 }
 
 impl Exchange for Arc<Inner> {
@@ -924,14 +894,54 @@ impl Exchange for Arc<Inner> {
     }
     fn send_coll(&self, peer: usize, seq: u64, data: &[u8]) -> Result<()> {
         self.send_frame(peer, FrameKind::Collective, seq, data)
-            .map_err(|e| self.fail(peer, "a collective send", e))
     }
-    fn recv_coll(&self, peer: usize, seq: u64, op: &str) -> Result<Vec<u8>> {
+    fn recv_coll(&self, peer: usize, seq: u64, op: Op) -> Result<Vec<u8>> {
         let me = self.rank;
         self.recv_frame(peer, FrameKind::Collective, seq, || {
             format!("rank {peer} in {op} #{seq} (rank {me} waiting)")
         })
-        .map_err(|e| self.fail(peer, op, e))
+    }
+    /// Runs after any failed collective step: turns the local failure into a job abort. A
+    /// timeout blames the peer waited for only when no other peer is silent: with a stopped
+    /// rank, the peer waited for may itself be waiting for it.
+    fn fail(&self, peer: usize, seq: u64, op: Op, e: Error) -> Error {
+        // A link that fails after the job was aborted fails because of it (a send to a peer that
+        // already left, say): the abort's reason is the one the caller needs.
+        if let (Error::Peer { message, .. }, Some((rank, reason))) = (&e, self.mailbox.aborted()) {
+            if !message.starts_with("job aborted") {
+                return Error::Peer {
+                    rank,
+                    message: format!("job aborted: {reason}"),
+                };
+            }
+        }
+        if let Error::Timeout { .. } = &e {
+            let silent = self.unresponsive_peers(Duration::from_millis(500));
+            if let Some(&stalled) = silent
+                .iter()
+                .find(|&&p| p != peer)
+                .filter(|_| !silent.contains(&peer))
+            {
+                let why = format!(
+                    "rank {} timed out in {op} #{seq} and rank {stalled} does not answer liveness \
+                     pings (stopped or hung): {e}",
+                    self.rank
+                );
+                self.abort_job(stalled, why.clone());
+                return Error::Peer {
+                    rank: stalled,
+                    message: why,
+                };
+            }
+        }
+        self.abort_job(
+            peer,
+            format!(
+                "rank {} gave up on rank {peer} in {op} #{seq}: {e}",
+                self.rank
+            ),
+        );
+        e
     }
 }
 
@@ -955,8 +965,7 @@ impl Bootstrap for TcpBootstrap {
         self.collective(|x, seq| collectives::all_gather(x, seq, data))
     }
     fn barrier(&self) -> Result<()> {
-        // A dissemination barrier is exactly Bruck's pattern with empty payloads.
-        self.collective(|x, seq| collectives::all_gather(x, seq, &[]).map(|_| ()))
+        self.collective(collectives::barrier)
     }
     fn broadcast(&self, root: usize, data: &[u8]) -> Result<Vec<u8>> {
         self.collective(|x, seq| collectives::broadcast(x, seq, root, data))

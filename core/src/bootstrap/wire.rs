@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 
 /// Leads every handshake and the [`UniqueId`](super::UniqueId): "MSCLPPRS".
 pub(crate) const MAGIC: [u8; 8] = *b"MSCLPPRS";
-/// Bumped whenever a layout in this file changes; both ends must agree.
-pub(crate) const PROTOCOL_VERSION: u16 = 2;
+/// Bumped whenever a layout in this file, or the collectives' message layout (collectives.rs),
+/// changes; both ends must agree. 3: collective messages lead with the collective they belong to.
+pub(crate) const PROTOCOL_VERSION: u16 = 3;
 /// Length of the per-job secret carried by the UniqueId and every handshake.
 pub const SECRET_LEN: usize = 16;
 /// The per-job secret: random for a UniqueId, derived from the address for `ip:port` bootstraps.
@@ -161,7 +162,8 @@ impl Hello {
 pub(crate) enum FrameKind {
     /// A user `send` under the user's tag.
     User = 0,
-    /// Internal traffic of a collective; the tag is the collective's sequence number.
+    /// Internal traffic of a collective; the tag is the collective's sequence number, the
+    /// payload leads with which collective it is (collectives.rs).
     Collective = 1,
     /// The sender is shutting down its bootstrap cleanly: not a failure.
     Goodbye = 2,
