@@ -26,6 +26,27 @@
 //! counter); `port_allreduce_reduce` (every block: output = reduction of the ranks' data in rank
 //! order, so every rank gets bit-identical results). Why parity double buffering makes a second
 //! signal round unnecessary is explained in port_allreduce.cu.
+//!
+//! # Segments in flight (`InFlight`)
+//! A large message is hundreds of segments, three stream operations each (1 GiB at 2 ranks: 960
+//! for the cross-host step of the hierarchical all-reduce, 2,700 for the flat one at 3 ranks),
+//! and every segment's exchange needs this process's proxy thread and Ethernet receiver, which
+//! make CUDA calls of their own (copies to and from the device, event records and queries).
+//! Once about a thousand operations are queued the driver blocks the next launch until the GPU
+//! retires some, and other threads' CUDA calls in the process wait too (reported on NVIDIA's
+//! forums, where launches and copies of other threads on other streams blocked, and in other
+//! projects' deadlock analyses as exhaustion of a launch queue the process shares): the proxy
+//! and the receiver stop, the exchange kernels wait for them, and every rank's device waits time
+//! out. That is what 1 GiB did on one H200 (2 hosts x 2 ranks hierarchical, 2 + 1 ranks flat: a
+//! receiver stuck in its copy for the whole 30 s budget, the peer's flush unacknowledged), while
+//! 2 x 4 (half the segments per rank) passed; inferred from the logs and the segment counts, not
+//! profiled. So an eager call keeps at most `3 x SEGMENTS_PER_MARK` of its segments queued
+//! (`InFlight`): every `SEGMENTS_PER_MARK`-th segment records an event, and before recording it
+//! again the host waits (polling, with the communicator's and the proxy's health) for its
+//! previous record, two marks back; the wait ends with about `2 x SEGMENTS_PER_MARK` segments
+//! still queued, so the GPU does not starve. Not under graph capture (nothing runs then; a replay
+//! is one operation) and not where another rank runs in this process (one thread may drive both,
+//! and the wait would need the other rank's kernels, not enqueued yet).
 
 use crate::geometry::{self, Residency};
 use crate::resources::{param_ptr, DeviceBuffer, SharedScratch};
@@ -33,7 +54,7 @@ use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::communicator::Communicator;
 use mscclpp_core::device::PortChannelHandle;
 use mscclpp_core::env::Env;
-use mscclpp_core::gpu::{DevicePtr, Function, LaunchConfig};
+use mscclpp_core::gpu::{DevicePtr, Event, Function, Gpu, LaunchConfig, Stream};
 use mscclpp_core::port_channel::{shared_queue_hazard, PortChannelConfig, PortChannelService};
 use mscclpp_core::proxy::ProxyStats;
 use mscclpp_core::transport::connect::connect_peers;
@@ -62,6 +83,104 @@ const DEFAULT_THREADS: u32 = 512;
 const MAX_TRIGGER_OFFSET: u64 = u32::MAX as u64;
 /// Slot alignment: the reduce kernel uses 16-byte vector accesses when slots and buffers allow.
 const SLOT_ALIGN: usize = 16;
+/// Segments between two events of `InFlight` (module docs, "Segments in flight"): at most three
+/// times this many are queued, 72 stream operations of this algorithm, far below the driver's
+/// launch queue even with the per-segment work of a caller (the reduce-scatter through the
+/// all-reduce adds a copy per rank and the hierarchical host steps).
+const SEGMENTS_PER_MARK: usize = 8;
+
+/// Which of two marks (events) to wait for and record after a segment: the counting of
+/// [`Marks`], pure so it is tested on the CPU.
+#[derive(Debug, Default)]
+struct InFlight {
+    /// Whether each mark has been recorded (and so may be waited for).
+    recorded: [bool; 2],
+    /// The mark recorded next.
+    next: usize,
+    /// Segments enqueued since the last mark.
+    since_mark: usize,
+}
+
+/// What the host does after a segment (see [`InFlight::segment_enqueued`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct MarkStep {
+    /// Wait for this mark's previous record first.
+    wait: Option<usize>,
+    /// Then record this mark behind the segment.
+    record: usize,
+}
+
+impl InFlight {
+    /// Counts one segment just enqueued: every [`SEGMENTS_PER_MARK`]-th, the mark to record behind
+    /// it, after waiting for that mark's previous record (two marks back).
+    fn segment_enqueued(&mut self) -> Option<MarkStep> {
+        self.since_mark += 1;
+        if self.since_mark < SEGMENTS_PER_MARK {
+            return None;
+        }
+        let m = self.next;
+        let step = MarkStep {
+            wait: self.recorded[m].then_some(m),
+            record: m,
+        };
+        self.recorded[m] = true;
+        self.next = 1 - m;
+        self.since_mark = 0;
+        Some(step)
+    }
+}
+
+/// Bounds the segments of this algorithm queued on the GPU (module docs, "Segments in flight"):
+/// two events recorded in turn as [`InFlight`] says, across calls.
+struct Marks {
+    events: [Event; 2],
+    count: InFlight,
+    gpu: Arc<dyn Gpu>,
+}
+
+impl Marks {
+    fn new(gpu: Arc<dyn Gpu>) -> Result<Marks> {
+        let first = gpu.create_event()?;
+        let second = match gpu.create_event() {
+            Ok(e) => e,
+            Err(e) => {
+                let _ = gpu.destroy_event(first);
+                return Err(e);
+            }
+        };
+        Ok(Marks {
+            events: [first, second],
+            count: InFlight::default(),
+            gpu,
+        })
+    }
+
+    /// After a segment enqueued on `stream`: waits (with `wait`) and records as [`InFlight`] says.
+    fn segment_enqueued(
+        &mut self,
+        stream: Stream,
+        wait: impl FnOnce(Event) -> Result<()>,
+    ) -> Result<()> {
+        let Some(step) = self.count.segment_enqueued() else {
+            return Ok(());
+        };
+        if let Some(m) = step.wait {
+            wait(self.events[m])?;
+        }
+        self.gpu.record_event(self.events[step.record], stream)
+    }
+}
+
+impl Drop for Marks {
+    fn drop(&mut self) {
+        // An event still pending is released once it completes (cuEventDestroy).
+        for e in self.events {
+            if let Err(err) = self.gpu.destroy_event(e) {
+                tracing::warn!(target: "mscclpp::coll", "destroying a {NAME} event: {err}");
+            }
+        }
+    }
+}
 
 /// Where each rank's data lands in a rank's scratch. Pure arithmetic, mirrored by the kernels
 /// (which receive `slot_stride` and compute the same offsets).
@@ -231,6 +350,7 @@ pub struct PortAllreduce {
     calls: DeviceBuffer,
     scratch: SharedScratch,
     kernels: Mutex<HashMap<ReduceSpec, Kernels>>,
+    marks: Mutex<Marks>,
     layout: ScratchLayout,
     residency: Residency,
     comm: Arc<Communicator>,
@@ -290,6 +410,7 @@ impl PortAllreduce {
             handles.push(service.port_channel(sem, dst, src)?);
         }
         let channels = DeviceBuffer::upload(&gpu, &handles)?;
+        let marks = Mutex::new(Marks::new(gpu.clone())?);
         service.start()?;
         Ok(PortAllreduce {
             service: Mutex::new(service),
@@ -298,6 +419,7 @@ impl PortAllreduce {
             calls,
             scratch,
             kernels: Mutex::new(HashMap::new()),
+            marks,
             layout,
             residency,
             comm,
@@ -414,17 +536,47 @@ impl Algorithm for PortAllreduce {
                 self.layout.max_bytes, args.dtype
             )));
         }
+        // Module docs, "Segments in flight".
+        let bounded = !self.comm.shares_process() && !self.comm.gpu().is_capturing(args.stream)?;
+        let mut marks = self.marks.lock().map_err(|_| {
+            Error::Internal(format!(
+                "{NAME}: the in-flight marks were poisoned by a panic"
+            ))
+        })?;
         let mut done = 0usize;
         while done < args.input_bytes {
             let len = segment.min(args.input_bytes - done);
             self.enqueue_segment(&kernels, reduce_cfg, args, done as u64, len)?;
             done += len;
+            if bounded {
+                marks.segment_enqueued(args.stream, |mark| self.wait_mark(mark, args.stream))?;
+            }
         }
         Ok(())
     }
 }
 
 impl PortAllreduce {
+    /// Waits until the work before `mark` has run, polling the communicator's and the proxy's
+    /// health in between (a failure ends the wait with its error; the kernels still queued return
+    /// at their entry check). Bounded without a timeout of its own: every device wait of the
+    /// queued kernels gives up after the device wait budget. A backend without event queries
+    /// waits for all of `stream` instead (less overlap, the same bound).
+    fn wait_mark(&self, mark: Event, stream: Stream) -> Result<()> {
+        let gpu = self.comm.gpu();
+        loop {
+            match gpu.query_event(mark) {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(Error::Unsupported(_)) => return gpu.synchronize_stream(stream),
+                Err(e) => return Err(e),
+            }
+            self.comm.check(NAME)?;
+            self.check_proxy()?;
+            std::thread::sleep(std::time::Duration::from_micros(20));
+        }
+    }
+
     /// Enqueues the all-reduce of bytes `[offset, offset + len)` of the caller's buffers (`len` at
     /// most the slot size, a whole number of elements): copy into staging, exchange, reduce.
     fn enqueue_segment(
@@ -509,6 +661,33 @@ mod tests {
             nblocks: None,
             nthreads: None,
         }
+    }
+
+    /// Whatever the GPU does in between, the host never leaves more than three marks' worth of
+    /// segments queued, waits only for marks already recorded, and leaves two marks' worth queued
+    /// when a wait ends (here: a GPU that runs nothing until waited for).
+    #[test]
+    fn at_most_three_marks_of_segments_are_queued() {
+        let mut count = InFlight::default();
+        let mut recorded_at = [None::<usize>; 2];
+        let mut done = 0usize;
+        let mut waits = 0;
+        for enqueued in 1..=1000usize {
+            if let Some(step) = count.segment_enqueued() {
+                if let Some(m) = step.wait {
+                    let at = recorded_at[m].expect("a recorded mark");
+                    assert_eq!(enqueued - at, 2 * SEGMENTS_PER_MARK);
+                    done = done.max(at);
+                    waits += 1;
+                }
+                recorded_at[step.record] = Some(enqueued);
+            }
+            assert!(
+                enqueued - done < 3 * SEGMENTS_PER_MARK,
+                "{enqueued} queued, {done} done"
+            );
+        }
+        assert_eq!(waits, 1000 / SEGMENTS_PER_MARK - 2);
     }
 
     #[rstest]

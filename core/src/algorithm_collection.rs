@@ -60,15 +60,51 @@ impl SelectionContext {
 pub type Selector = Box<dyn Fn(&SelectionContext) -> Option<String> + Send + Sync>;
 
 /// Algorithms by collective and name, and the selector. Built by [`AlgorithmCollectionBuilder`].
+/// Dropped in the reverse order of registration (`Registry` says why).
 pub struct AlgorithmCollection {
-    algorithms: HashMap<Collective, BTreeMap<String, Arc<dyn Algorithm>>>,
+    algorithms: Registry,
     selector: Option<Selector>,
+}
+
+/// Algorithms by collective and name, released in the reverse order of registration.
+///
+/// Why the order is fixed: tearing down some algorithms is collective (their scratch's drop
+/// barriers over the communicator's bootstrap, a sub-communicator's drop barriers over its group),
+/// so every rank must release them in the same order, as it built them. A `HashMap` drops its
+/// entries in an order drawn per process (`RandomState`): on 2 hosts x 4 ranks one rank released
+/// the hierarchical all-reduce (barriers over its host and cross-host groups) before the flat
+/// `port_allreduce` (a barrier over every rank) while a peer did the opposite, and each waited for
+/// the other until the bootstrap timed out, after every check had passed. Reverse registration is
+/// the order that also releases an algorithm before the ones it was built on (the multi-host
+/// all-gather before the all-reduce it runs through).
+#[derive(Default)]
+struct Registry {
+    by_collective: HashMap<Collective, BTreeMap<String, Arc<dyn Algorithm>>>,
+    /// `(collective, name)` in registration order.
+    order: Vec<(Collective, String)>,
+}
+
+impl Registry {
+    fn get(&self, collective: Collective) -> Option<&BTreeMap<String, Arc<dyn Algorithm>>> {
+        self.by_collective.get(&collective)
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        while let Some((collective, name)) = self.order.pop() {
+            if let Some(by_name) = self.by_collective.get_mut(&collective) {
+                by_name.remove(&name);
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for AlgorithmCollection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let names: BTreeMap<&str, Vec<&str>> = self
             .algorithms
+            .by_collective
             .iter()
             .map(|(c, m)| (c.name(), m.keys().map(String::as_str).collect()))
             .collect();
@@ -86,13 +122,13 @@ impl AlgorithmCollection {
 
     /// The algorithm `name` of `collective`.
     pub fn get(&self, collective: Collective, name: &str) -> Option<Arc<dyn Algorithm>> {
-        self.algorithms.get(&collective)?.get(name).cloned()
+        self.algorithms.get(collective)?.get(name).cloned()
     }
 
     /// Names registered for `collective`, sorted.
     pub fn names(&self, collective: Collective) -> Vec<String> {
         self.algorithms
-            .get(&collective)
+            .get(collective)
             .map(|m| m.keys().cloned().collect())
             .unwrap_or_default()
     }
@@ -175,7 +211,7 @@ fn is_nvls_name(name: &str) -> bool {
 /// Builds an [`AlgorithmCollection`].
 #[derive(Default)]
 pub struct AlgorithmCollectionBuilder {
-    algorithms: HashMap<Collective, BTreeMap<String, Arc<dyn Algorithm>>>,
+    algorithms: Registry,
     selector: Option<Selector>,
 }
 
@@ -183,15 +219,16 @@ impl AlgorithmCollectionBuilder {
     /// Adds `algorithm` under its name and collective; a second algorithm of the same name for the
     /// same collective is an error naming it.
     pub fn add_algorithm(&mut self, algorithm: Arc<dyn Algorithm>) -> Result<&mut Self> {
-        let by_name = self.algorithms.entry(algorithm.collective()).or_default();
+        let collective = algorithm.collective();
+        let by_name = self.algorithms.by_collective.entry(collective).or_default();
         let name = algorithm.name().to_string();
         if by_name.contains_key(&name) {
             return Err(Error::InvalidArgument(format!(
-                "{} algorithm {name} is registered twice",
-                algorithm.collective()
+                "{collective} algorithm {name} is registered twice"
             )));
         }
-        by_name.insert(name, algorithm);
+        by_name.insert(name.clone(), algorithm);
+        self.algorithms.order.push((collective, name));
         Ok(self)
     }
 
@@ -570,6 +607,79 @@ mod tests {
             arch: "sm_90".into(),
             nvls_allowed: false,
             in_place: false,
+        }
+    }
+
+    /// Algorithms are released in the reverse order of registration, whatever their collectives
+    /// (a `HashMap`'s order differs between processes; collective teardowns must match), also
+    /// when the builder is dropped without building; an algorithm that only another one holds (as
+    /// the hierarchical all-reduce holds its groups' algorithms) goes with its holder.
+    #[test]
+    fn algorithms_are_released_in_reverse_registration_order() {
+        use std::sync::Mutex;
+        type Log = Arc<Mutex<Vec<&'static str>>>;
+        struct Logged {
+            fake: Fake,
+            log: Log,
+            _holds: Option<Arc<dyn Algorithm>>,
+        }
+        impl Algorithm for Logged {
+            fn name(&self) -> &str {
+                self.fake.name()
+            }
+            fn collective(&self) -> Collective {
+                self.fake.collective()
+            }
+            fn check(&self, args: &ExecuteArgs) -> Result<()> {
+                self.fake.check(args)
+            }
+            fn execute(&self, args: &ExecuteArgs) -> Result<()> {
+                self.fake.execute(args)
+            }
+        }
+        impl Drop for Logged {
+            fn drop(&mut self) {
+                self.log.lock().unwrap().push(self.fake.0);
+            }
+        }
+        let logged = |name, c, log: &Log, holds| -> Arc<dyn Algorithm> {
+            Arc::new(Logged {
+                fake: Fake(name, c),
+                log: log.clone(),
+                _holds: holds,
+            })
+        };
+        let registered = [
+            ("flat", Collective::AllReduce),
+            ("b_allgather", Collective::AllGather),
+            ("a_allreduce", Collective::AllReduce),
+            ("reducescatter", Collective::ReduceScatter),
+            ("broadcast", Collective::Broadcast),
+            ("alltoall", Collective::AllToAll),
+        ];
+        for build in [true, false] {
+            let log = Log::default();
+            let mut b = AlgorithmCollection::builder();
+            for (name, c) in registered {
+                let holds = (name == "b_allgather")
+                    .then(|| logged("inner", Collective::AllReduce, &log, None));
+                b.add_algorithm(logged(name, c, &log, holds)).unwrap();
+            }
+            if build {
+                drop(b.build());
+            } else {
+                drop(b);
+            }
+            let want = [
+                "alltoall",
+                "broadcast",
+                "reducescatter",
+                "a_allreduce",
+                "b_allgather",
+                "inner",
+                "flat",
+            ];
+            assert_eq!(*log.lock().unwrap(), want, "built: {build}");
         }
     }
 

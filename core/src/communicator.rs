@@ -234,6 +234,16 @@ impl FailureFlag {
     pub fn is_set(&self) -> bool {
         self.0.upgrade().is_some_and(|h| h.failed())
     }
+
+    /// Fails the communicator with `reason`, as [`Communicator::abort`] does, while it is alive:
+    /// for a thread working for it that finds it broken (the proxy after a transfer failed), so
+    /// its kernels stop waiting within a millisecond instead of after the device wait budget, and
+    /// its next call says why.
+    pub fn fail(&self, reason: &str) {
+        if let Some(h) = self.0.upgrade() {
+            h.abort(reason);
+        }
+    }
 }
 
 impl std::fmt::Debug for FailureFlag {

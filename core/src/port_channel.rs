@@ -868,6 +868,48 @@ mod tests {
         }
     }
 
+    /// A trigger the proxy cannot carry out (a put past the end of the peer's memory) fails the
+    /// communicator with the proxy's error, so its kernels stop waiting for what will never come;
+    /// the service still reports the error itself, once.
+    #[test]
+    fn a_failed_trigger_fails_the_communicator() {
+        let gpu: Arc<dyn Gpu> = Arc::new(HostGpu::new());
+        let bytes = 4096;
+        let results = on_loopback_ranks(2, T, move |rank, boot| -> Result<()> {
+            let comm = Communicator::new(boot.clone(), gpu.clone(), 0)?;
+            let peer = 1 - rank;
+            let buf = gpu.alloc(bytes, MemoryKind::Plain)?;
+            let mems = comm.exchange(comm.register(&buf, buf.ptr, bytes)?)?;
+            let mut svc = PortChannelService::new(&comm, PortChannelConfig::default())?;
+            let dst_id = svc.add_memory(&mems[peer])?;
+            let src_id = svc.add_memory(&mems[rank])?;
+            let conn = Arc::new(CudaIpcTransport::new(gpu.clone(), 0, peer)?);
+            let sem = svc.add_semaphore(&comm, conn)?;
+            let chan = svc.port_channel(sem, dst_id, src_id)?;
+            svc.start()?;
+            let pusher = svc.host_pusher();
+            let t = trigger(&chan, TriggerType::DATA, bytes as u64, 16);
+            let pos = pusher.push(t, T)?;
+            pusher.sync(pos, T)?;
+            let e = comm.check("allreduce").expect_err("failed by the proxy");
+            assert!(
+                matches!(e, Error::Aborted(_)) && e.to_string().contains("PortChannel proxy"),
+                "rank {rank}: {e}"
+            );
+            assert!(
+                svc.check().is_err(),
+                "rank {rank}: the service's own report"
+            );
+            assert!(svc.check().is_ok(), "rank {rank}: reported once");
+            boot.barrier()?;
+            drop((svc, mems));
+            gpu.free(&buf)
+        });
+        for (rank, result) in results.into_iter().enumerate() {
+            result.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        }
+    }
+
     /// Two ranks as threads, each with a communicator, a service and a CudaIpc connection to the
     /// other: both put their data in chunks with a signal each, wait for the peer's signals,
     /// check the data byte for byte, flush, and stop cleanly.

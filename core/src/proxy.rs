@@ -284,7 +284,10 @@ impl TransportProxyHandler {
     /// Once `flag` is set (the communicator failed), triggers are popped without being carried
     /// out: a transfer to a peer that died would touch its freed memory (docs/fail-fast.md), one
     /// to a stopped peer would block the proxy until the transport's timeout, and the kernels
-    /// that pushed them give up on their waits anyway.
+    /// that pushed them give up on their waits anyway. A trigger that fails sets it: the data or
+    /// signal it owed never arrives, so the kernels waiting for it (here and at the peer) could
+    /// only time out, and this rank's would hold it up to a device wait budget longer than its
+    /// peers (on 2 + 1 ranks, past the bootstrap's timeout in the next collective step).
     pub fn skip_after_failure(&mut self, flag: FailureFlag) {
         self.failed = Some(flag);
     }
@@ -324,9 +327,23 @@ fn push_limited<T>(table: &mut Vec<T>, item: T, max_id: u64, what: &str) -> Resu
 
 impl ProxyHandler for TransportProxyHandler {
     fn handle(&mut self, trigger: ProxyTrigger) -> Result<ProxyAction> {
-        if self.failed.as_ref().is_some_and(FailureFlag::is_set) {
+        let Some(flag) = self.failed.clone() else {
+            return self.carry_out(trigger);
+        };
+        if flag.is_set() {
             return Ok(ProxyAction::Continue);
         }
+        let result = self.carry_out(trigger);
+        if let Err(e) = &result {
+            // See `skip_after_failure`.
+            flag.fail(&format!("the PortChannel proxy failed: {e}"));
+        }
+        result
+    }
+}
+
+impl TransportProxyHandler {
+    fn carry_out(&mut self, trigger: ProxyTrigger) -> Result<ProxyAction> {
         let f = trigger.decode().ok_or_else(|| {
             Error::Internal(format!(
                 "proxy handed an empty FIFO slot to the handler: {trigger:?}"

@@ -260,7 +260,11 @@ fn run() -> Result<i32> {
         }
     }
 
-    suite.ctx.bootstrap.barrier()?;
+    // A rank that does not arrive is a failure of its own; the summary still prints, so the checks
+    // that passed before it stay on record.
+    if let Err(e) = suite.ctx.bootstrap.barrier() {
+        suite.record("every rank reaches the end of the suite", Err(e));
+    }
     if suite.ctx.rank() == 0 {
         println!("\n| measurement | value |\n|---|---|");
         for (k, v) in &suite.measurements {
@@ -1272,12 +1276,17 @@ fn algorithm_matrix(
 /// `default_reducescatter_via_allreduce`), the same matrix
 /// as the single-host algorithms' ([`algorithm_matrix`], 1 GiB for the all-reduces). `--only
 /// multi_host` runs them all, an algorithm's name its own.
+///
+/// The collection is built once on the suite's communicator (the algorithms it lists) and torn
+/// down as its own check (teardown is collective: scratch and sub-communicator barriers). Each
+/// algorithm's matrix then runs on a fresh communicator and collection, torn down with it: a
+/// device timeout is sticky on its communicator, so on a shared one the first failure failed every
+/// later algorithm's checks at once, and results stopped saying which algorithm failed.
 fn multi_host_matrices(s: &mut Suite, only: Option<&[String]>) {
     use mscclpp::core::algorithm::Collective;
-    let comm = s.ctx.comm.clone();
     let t = Instant::now();
     let coll = match mscclpp_collectives::default_algorithm_collection(
-        &comm,
+        &s.ctx.comm,
         mscclpp_collectives::DEFAULT_SCRATCH_BYTES,
     ) {
         Ok(c) => c,
@@ -1301,7 +1310,7 @@ fn multi_host_matrices(s: &mut Suite, only: Option<&[String]>) {
         if names.is_empty() {
             Err(Error::Internal(format!(
                 "no all-reduce for ranks on {}",
-                comm.topology()
+                s.ctx.comm.topology()
             )))
         } else {
             Ok(format!(
@@ -1311,6 +1320,12 @@ fn multi_host_matrices(s: &mut Suite, only: Option<&[String]>) {
             ))
         },
     );
+    let r = tear_down(s, Some(coll), None).map(|secs| format!("{secs:.1} s, then a barrier"));
+    let torn_down = r.is_ok();
+    s.record("tear down the multi-host algorithms", r);
+    if !torn_down {
+        return;
+    }
     let mut case = 0u64;
     // `--quick`: the build only, as for the single-host matrices.
     let quick = std::env::args().any(|a| a == "--quick");
@@ -1318,15 +1333,71 @@ fn multi_host_matrices(s: &mut Suite, only: Option<&[String]>) {
         if quick || !(is_selected(only, MULTI_HOST) || is_selected(only, name)) {
             continue;
         }
-        let Some(algo) = coll.get(*collective, name) else {
-            continue;
-        };
-        // Every size must run: these algorithms have no scratch bound. 1 GiB for the all-reduces,
-        // as for the single-host large-message all-reduces.
-        let gib = *collective == Collective::AllReduce;
-        let result = algorithm_matrix(s, &comm, algo.as_ref(), (gib, false), &mut case);
+        let result = fresh_matrix(s, *collective, name, &mut case);
         s.record(&format!("{MULTI_HOST} {name}"), result);
     }
+}
+
+/// One algorithm's matrix on a fresh communicator and multi-host collection (see
+/// [`multi_host_matrices`]), both torn down after it; the teardown's time is in the result. Every
+/// path ends in [`tear_down`]'s barrier on the suite's bootstrap, so ranks stay in step whatever
+/// failed.
+fn fresh_matrix(
+    s: &Suite,
+    collective: mscclpp::core::algorithm::Collective,
+    name: &str,
+    case: &mut u64,
+) -> Result<String> {
+    use mscclpp::core::algorithm::Collective;
+    let comm = match s.ctx.fresh_communicator() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = tear_down(s, None, None);
+            return Err(e);
+        }
+    };
+    let (result, coll) = match mscclpp_collectives::default_algorithm_collection(
+        &comm,
+        mscclpp_collectives::DEFAULT_SCRATCH_BYTES,
+    ) {
+        Ok(coll) => {
+            // Every size must run: these algorithms have no scratch bound. 1 GiB for the
+            // all-reduces, as for the single-host large-message all-reduces.
+            let gib = collective == Collective::AllReduce;
+            let result = match coll.get(collective, name) {
+                Some(algo) => algorithm_matrix(s, &comm, algo.as_ref(), (gib, false), case),
+                None => Err(Error::Internal(format!(
+                    "{name} is not in a fresh collection"
+                ))),
+            };
+            (result, Some(coll))
+        }
+        Err(e) => (Err(e), None),
+    };
+    let teardown = tear_down(s, coll, Some(comm));
+    match (result, teardown) {
+        (Ok(text), Ok(secs)) => Ok(format!("{text}; torn down in {secs:.1} s")),
+        (Err(e), _) => Err(e),
+        (Ok(_), Err(e)) => Err(Error::Internal(format!(
+            "every check passed, the teardown failed: {e}"
+        ))),
+    }
+}
+
+/// Drops `coll`, then `comm` (the last holder of a fresh communicator: its drop barriers over its
+/// own bootstrap), then meets every rank on the suite's bootstrap, so a rank whose teardown hangs
+/// is named here rather than in the next section. Seconds the drops took.
+fn tear_down(
+    s: &Suite,
+    coll: Option<mscclpp::core::algorithm_collection::AlgorithmCollection>,
+    comm: Option<std::sync::Arc<mscclpp::core::communicator::Communicator>>,
+) -> Result<f64> {
+    let t = Instant::now();
+    drop(coll);
+    drop(comm);
+    let secs = t.elapsed().as_secs_f64();
+    s.ctx.bootstrap.barrier()?;
+    Ok(secs)
 }
 
 /// A second communicator in the same process (its own bootstrap from a UniqueId that rank 0
