@@ -25,6 +25,9 @@
 //! pair's types, which the collectives build for every op. NVLS units are CUDA-only (multicast)
 //! and not built for HIP.
 //!
+//! hiprtc compiles one program at a time per process, so the gfx90a test runs itself again as one
+//! child process per core (`MSCCLPP_HIP_GATE_JOBS`), each compiling its share of the units.
+//!
 //! Without the toolchain the tests print why they skip, unless `MSCCLPP_REQUIRE_HIP=1` (CI, set
 //! by scripts/hip-env.sh), which turns absence into a failure. Compiled units are remembered in
 //! `MSCCLPP_HIP_GATE_CACHE` (a directory; unset: no cache) by a hash of source, headers, options
@@ -249,6 +252,44 @@ fn compile_all(
     failures.into_inner().unwrap()
 }
 
+/// Set in the child processes of the gfx90a gate to `i/n`: compile every n-th unit from the i-th.
+const GFX90A_SHARD_ENV: &str = "MSCCLPP_HIP_GATE_GFX90A_SHARD";
+
+/// This process's part of the gfx90a units (`GFX90A_SHARD_ENV`), if it is a child of the gate.
+fn gfx90a_shard() -> Option<(usize, usize)> {
+    let v = std::env::var(GFX90A_SHARD_ENV).ok()?;
+    let (i, n) = v.split_once('/')?;
+    let (i, n) = (i.parse().ok()?, n.parse().ok()?);
+    (i < n).then_some((i, n))
+}
+
+/// hiprtc compiles one program at a time per process (`Hiprtc`'s lock: ROCm 5.2's crashes
+/// otherwise), which left one of CI's cores idle for most of the gfx90a gate. So the gate runs
+/// itself again as `shards` child processes of this test binary, each compiling every
+/// `shards`-th unit, and fails if any of them does (their output, failures included, is
+/// inherited).
+fn compile_gfx90a_in_processes(test: &str, shards: usize) {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let children: Vec<_> = (0..shards)
+        .map(|i| {
+            Command::new(&exe)
+                .args([test, "--exact", "--nocapture", "--test-threads=1"])
+                .env(GFX90A_SHARD_ENV, format!("{i}/{shards}"))
+                .spawn()
+                .unwrap_or_else(|e| panic!("{test}: starting shard {i} of {shards}: {e}"))
+        })
+        .collect();
+    let failed: Vec<usize> = children
+        .into_iter()
+        .enumerate()
+        .filter_map(|(i, mut c)| (!c.wait().is_ok_and(|s| s.success())).then_some(i))
+        .collect();
+    assert!(
+        failed.is_empty(),
+        "{test}: shards {failed:?} of {shards} failed (their output is above)"
+    );
+}
+
 /// Compiles at once: `MSCCLPP_HIP_GATE_JOBS`, else one per core.
 fn workers() -> usize {
     std::env::var("MSCCLPP_HIP_GATE_JOBS")
@@ -276,11 +317,22 @@ fn every_kernel_unit_compiles_for_gfx90a_through_hiprtc() {
         Err(e) => return unavailable(test, &e.to_string()),
     };
     let compiler = format!("hiprtc {:?} at {}", hiprtc.version(), hiprtc.location());
-    eprintln!("{test}: {compiler}");
+    let (shard, shards) = match gfx90a_shard() {
+        Some(s) => s,
+        None if workers() > 1 => return compile_gfx90a_in_processes(test, workers()),
+        None => (0, 1),
+    };
+    eprintln!("{test}: {compiler}, shard {shard} of {shards}");
     let headers = mscclpp_kernels_hip::all_headers();
-    let units = every_unit();
+    let units: Vec<Unit> = every_unit()
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| i % shards == shard)
+        .map(|(_, u)| u)
+        .collect();
     let cache = Cache::from_env();
-    let failures = compile_all(&units, workers(), &|unit| {
+    // One worker: hiprtc compiles one program at a time in a process anyway (`Hiprtc`).
+    let failures = compile_all(&units, 1, &|unit| {
         let key = Cache::key(&compiler, "gfx90a", unit, &headers);
         if cache.hit(&key) {
             return Ok(());
