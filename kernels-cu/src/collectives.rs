@@ -54,7 +54,7 @@ impl Default for CallState {
 }
 
 /// Entry points built for CUDA only (`#if !defined(MSCCLPP_HIP)` in their .cu file):
-/// `allreduce_rsag_push` has not run on any GPU and is never selected by default, and its
+/// `allreduce_rsag_push` has not run on an AMD GPU and is never selected by default, and its
 /// instance of the scratch pipeline doubles the all-reduce unit's compile time, which the ROCm
 /// compile gate would pay for every type pair. On AMD the collection leaves its algorithm out.
 pub const CUDA_ONLY_ENTRY_POINTS: &[&str] = &["allreduce_rsag_push"];

@@ -365,7 +365,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
   rsag_pipeline<false>(args);
 }
 
-// CUDA only for now (CUDA_ONLY_ENTRY_POINTS in collectives.rs): it has not run on any GPU, the
+// CUDA only for now (CUDA_ONLY_ENTRY_POINTS in collectives.rs): it has not run on an AMD GPU, the
 // selector never takes it, and its instance of the pipeline doubles this unit's compile time,
 // which the ROCm compile gate pays for every type pair.
 #if !defined(MSCCLPP_HIP)
