@@ -549,7 +549,11 @@ impl Algorithm for PortAllreduce {
             self.enqueue_segment(&kernels, reduce_cfg, args, done as u64, len)?;
             done += len;
             if bounded {
-                marks.segment_enqueued(args.stream, |mark| self.wait_mark(mark, args.stream))?;
+                marks.segment_enqueued(args.stream, |mark| {
+                    // Bounded too by the device wait budget of every queued kernel's waits.
+                    self.comm
+                        .wait_event(mark, args.stream, NAME, &|| self.check_proxy())
+                })?;
             }
         }
         Ok(())
@@ -557,26 +561,6 @@ impl Algorithm for PortAllreduce {
 }
 
 impl PortAllreduce {
-    /// Waits until the work before `mark` has run, polling the communicator's and the proxy's
-    /// health in between (a failure ends the wait with its error; the kernels still queued return
-    /// at their entry check). Bounded without a timeout of its own: every device wait of the
-    /// queued kernels gives up after the device wait budget. A backend without event queries
-    /// waits for all of `stream` instead (less overlap, the same bound).
-    fn wait_mark(&self, mark: Event, stream: Stream) -> Result<()> {
-        let gpu = self.comm.gpu();
-        loop {
-            match gpu.query_event(mark) {
-                Ok(true) => return Ok(()),
-                Ok(false) => {}
-                Err(Error::Unsupported(_)) => return gpu.synchronize_stream(stream),
-                Err(e) => return Err(e),
-            }
-            self.comm.check(NAME)?;
-            self.check_proxy()?;
-            std::thread::sleep(std::time::Duration::from_micros(20));
-        }
-    }
-
     /// Enqueues the all-reduce of bytes `[offset, offset + len)` of the caller's buffers (`len` at
     /// most the slot size, a whole number of elements): copy into staging, exchange, reduce.
     fn enqueue_segment(

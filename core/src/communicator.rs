@@ -13,7 +13,7 @@ use crate::device::{D2DSemaphoreHandle, MemoryChannelHandle};
 use crate::env::Env;
 use crate::error::{Error, Result};
 use crate::gpu::{
-    Allocation, DevicePtr, Gpu, HostMapped, ImportedMemory, IpcMemHandle, MemoryKind,
+    Allocation, DevicePtr, Event, Gpu, HostMapped, ImportedMemory, IpcMemHandle, MemoryKind, Stream,
 };
 use crate::topology::{
     host_identity, ranks_in_process, ranks_sharing_device, sm_share, Placement, Topology,
@@ -21,7 +21,7 @@ use crate::topology::{
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Semaphore slots each rank reserves for each peer in its sync slab. Algorithms draw slots from
 /// this budget in setup order: the default native collection takes about 1,200 per peer on a
@@ -533,6 +533,38 @@ impl Communicator {
         })
     }
 
+    /// Waits until the work before `event`'s record on `stream` has run, checking the
+    /// communicator ([`check`](Self::check) with `what`) and `also` between polls, so a failure
+    /// ends the wait at once with its error; bounded by MSCCLPP_DEVICE_WAIT_TIMEOUT. A backend
+    /// without event queries synchronises `stream` instead.
+    pub fn wait_event(
+        &self,
+        event: Event,
+        stream: Stream,
+        what: &str,
+        also: &dyn Fn() -> Result<()>,
+    ) -> Result<()> {
+        let timeout = Env::get()?.device_wait_timeout;
+        let start = Instant::now();
+        loop {
+            match self.gpu.query_event(event) {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(Error::Unsupported(_)) => return self.gpu.synchronize_stream(stream),
+                Err(e) => return Err(e),
+            }
+            self.check(what)?;
+            also()?;
+            if start.elapsed() > timeout {
+                return Err(Error::Timeout {
+                    what: format!("rank {}'s stream ({what} did not complete)", self.rank()),
+                    timeout,
+                });
+            }
+            std::thread::sleep(Duration::from_micros(20));
+        }
+    }
+
     /// The device error word as a result, for after a stream sync: the same as
     /// [`check`](Self::check) without naming an operation. Sticky: the word is not cleared, so a
     /// failed communicator keeps failing (create a new one to go on).
@@ -633,16 +665,7 @@ impl Communicator {
             let desc: MemoryDescriptor =
                 serde_json::from_slice(bytes).map_err(|e| Error::Peer {
                     rank,
-                    message: if bytes.is_empty() {
-                        // A barrier's empty contribution met this exchange.
-                        "sent nothing where this rank exchanged a memory descriptor: the ranks \
-                         are out of step, e.g. a zero-copy call found its buffer already \
-                         registered on one rank and new on another (registration assumes that \
-                         every rank allocates its buffers in the same pattern)"
-                            .to_string()
-                    } else {
-                        format!("sent a malformed memory descriptor: {e}")
-                    },
+                    message: format!("sent a malformed memory descriptor: {e}"),
                 })?;
             if desc.host_id != self.host_id {
                 // Not mappable here; network transports address it in its owner's process.
@@ -776,7 +799,6 @@ mod tests {
     use super::*;
     use crate::bootstrap::on_loopback_ranks;
     use crate::port_channel::test_gpu::HostGpu;
-    use std::time::Instant;
 
     /// Runs `body(rank, comm)` on `n` thread ranks, each with a communicator over a TCP bootstrap
     /// whose steps time out after `timeout`.
@@ -852,6 +874,8 @@ mod tests {
         });
     }
 
+    /// A registration on one rank while its peer is in a barrier (buffers registered in different
+    /// patterns) is caught by the bootstrap, which names both collectives.
     #[test]
     fn an_exchange_that_meets_a_barrier_says_the_ranks_are_out_of_step() {
         let errors = with_comms(2, Duration::from_secs(5), |rank, comm| {

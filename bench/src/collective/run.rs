@@ -42,7 +42,7 @@ use std::collections::HashSet;
 use std::io::Write;
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// What one rank needs to run the benchmark; `main` builds it from the launcher's variables.
 pub struct RankSetup {
@@ -830,7 +830,12 @@ impl<'a> Bench<'a> {
                             self.comm.check("a graph replay")?;
                             let mark = self.replay_marks[i % REPLAYS_IN_FLIGHT];
                             if i >= REPLAYS_IN_FLIGHT {
-                                self.wait_event(mark, "a graph replay")?;
+                                self.comm.wait_event(
+                                    mark,
+                                    self.stream,
+                                    "a graph replay",
+                                    &|| Ok(()),
+                                )?;
                             }
                             self.gpu.launch_graph(g, self.stream)?;
                             self.gpu.record_event(mark, self.stream)?;
@@ -873,28 +878,6 @@ impl<'a> Bench<'a> {
             tracing::warn!(target: "mscclpp::bench", "rank {}: the timed loop's set-up stopped in {phase}: {e}", self.rank());
         }
         e
-    }
-
-    /// Waits until the work before `event`'s record has run, polling the communicator's health in
-    /// between: a failure ends the wait at once with the communicator's error (naming the peer);
-    /// otherwise bounded like [`Bench::sync`].
-    fn wait_event(&self, event: Event, what: &str) -> Result<()> {
-        let start = Instant::now();
-        let timeout = self.env.device_wait_timeout;
-        while !self.gpu.query_event(event)? {
-            self.comm.check(what)?;
-            if start.elapsed() > timeout {
-                return Err(Error::Timeout {
-                    what: format!(
-                        "rank {}'s benchmark stream ({what} did not complete)",
-                        self.rank()
-                    ),
-                    timeout,
-                });
-            }
-            std::thread::sleep(Duration::from_micros(20));
-        }
-        Ok(())
     }
 
     /// One checked call; see the module docs.
