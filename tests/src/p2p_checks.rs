@@ -495,7 +495,7 @@ mod tests {
             let (sent, received) = MISMATCHES[1];
             assert_eq!(chunks(sent, slot), chunks(received, slot), "{n} ranks");
             for (sent, received) in MISMATCHES {
-                let slots = mscclpp_collectives::p2p::plan::SLOTS as u64;
+                let slots = layout(n).slots as u64;
                 assert!(chunks(sent.min(received), slot) > slots, "{n} ranks");
             }
         }

@@ -234,7 +234,7 @@ impl P2pEngine {
             return Ok(());
         }
         let (rank, n) = (self.comm.rank(), self.comm.size());
-        let planned = plan::plan(rank, n, ops, self.layout.slot_bytes, self.max_blocks)?;
+        let planned = plan::plan(rank, n, ops, &self.layout, self.max_blocks)?;
         let Some(last) = planned.last() else {
             return Ok(());
         };
@@ -250,7 +250,7 @@ impl P2pEngine {
             headers_offset: self.layout.headers_offset as u64,
             acks_offset: self.layout.acks_offset as u64,
             posts_offset: self.layout.posts_offset as u64,
-            slots: plan::SLOTS as u32,
+            slots: self.layout.slots as u32,
             rank: rank as u32,
             nranks: n as u32,
             nops: planned.len() as u32,

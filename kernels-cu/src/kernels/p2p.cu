@@ -32,9 +32,10 @@
 // group at kP2pMaxOps and kP2pPosts > 2 * kP2pMaxOps, while a receiver can post at most one group
 // ahead of the sender it waits for.
 //
-// Blocks. The host gives every op its own blocks (first_block, nblocks; 1 to `slots` of them): ops
-// never wait for one another inside a kernel, so any set of groups that NCCL completes completes
-// here. Block j of an op handles chunks j, j + nblocks, ... A self op (copy) splits its bytes among
+// Blocks. The host gives every op its own blocks (first_block, nblocks; 1 to `slots / 2` of them):
+// ops never wait for one another inside a kernel, so any set of groups that NCCL completes completes
+// here. Block j of an op handles chunks j, j + nblocks, ..., so with slots / 2 blocks each block
+// alternates between two slots and fills one while the receiver drains the other. A self op (copy) splits its bytes among
 // its blocks. Every wait is spin_until (bounded, error word, wait budget). Every decision a block
 // acts on is thread 0's, shared (p2p_block_agrees, block_aborted): a block whose warps read the error
 // word apart once split around two barriers, and the warps that missed the error copied their share
