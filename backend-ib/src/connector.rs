@@ -48,10 +48,10 @@ impl IbConnector for VerbsConnector {
     fn availability(&self, env: &Env) -> IbAvailability {
         let sysfs = mscclpp_noib::list_hcas(Path::new(mscclpp_noib::SYSFS_INFINIBAND));
         if env.disable_ib_tests || sysfs.is_empty() {
-            return IbAvailability::from_hcas(env, &sysfs, true);
+            return IbAvailability::from_hcas(env, &sysfs);
         }
         match crate::Verbs::load(env).and_then(|v| v.device_names()) {
-            Ok(found) => IbAvailability::from_hcas(env, &found, true),
+            Ok(found) => IbAvailability::from_hcas(env, &found),
             Err(e) => IbAvailability::Unusable(e.to_string()),
         }
     }

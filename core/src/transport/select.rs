@@ -32,10 +32,9 @@ pub enum IbAvailability {
 
 impl IbAvailability {
     /// Usable HCAs given the names found on this host and `MSCCLPP_HCA_DEVICES` (NCCL-style entries
-    /// may carry a port, `mlx5_0:1`), unless `MSCCLPP_DISABLE_IB_TESTS` rules IB out or `openable`
-    /// is false (the caller has no IB connector: `connect::IbConnector`, which `mscclpp-ib`
-    /// implements). The reason names which of these applied.
-    pub fn from_hcas(env: &Env, found: &[String], openable: bool) -> IbAvailability {
+    /// may carry a port, `mlx5_0:1`), unless `MSCCLPP_DISABLE_IB_TESTS` rules IB out. The reason
+    /// names which of these applied.
+    pub fn from_hcas(env: &Env, found: &[String]) -> IbAvailability {
         if env.disable_ib_tests {
             return IbAvailability::Unusable("disabled by MSCCLPP_DISABLE_IB_TESTS=1".into());
         }
@@ -64,12 +63,6 @@ impl IbAvailability {
                     env.hca_devices.join(",")
                 )
             });
-        }
-        if !openable {
-            return IbAvailability::Unusable(format!(
-                "{hcas} HCA(s) present, but this caller has no IB connector (mscclpp-ib's \
-                 VerbsConnector) to open IB connections with"
-            ));
         }
         IbAvailability::Usable { hcas }
     }
@@ -212,21 +205,19 @@ mod tests {
     }
 
     #[rstest]
-    #[case(&[], &["mlx5_0", "mlx5_1"], true, Some(2), "")]
-    #[case(&[("MSCCLPP_HCA_DEVICES", "mlx5_1:1")], &["mlx5_0", "mlx5_1"], true, Some(1), "")]
-    #[case(&[("MSCCLPP_HCA_DEVICES", "mlx5_7")], &["mlx5_0"], true, None,
+    #[case(&[], &["mlx5_0", "mlx5_1"], Some(2), "")]
+    #[case(&[("MSCCLPP_HCA_DEVICES", "mlx5_1:1")], &["mlx5_0", "mlx5_1"], Some(1), "")]
+    #[case(&[("MSCCLPP_HCA_DEVICES", "mlx5_7")], &["mlx5_0"], None,
            "MSCCLPP_HCA_DEVICES=mlx5_7 names none of the HCAs here (found: mlx5_0)")]
-    #[case(&[], &[], true, None, "no InfiniBand HCA (none found)")]
-    #[case(&[("MSCCLPP_DISABLE_IB_TESTS", "1")], &["mlx5_0"], true, None, "MSCCLPP_DISABLE_IB_TESTS=1")]
-    #[case(&[], &["mlx5_0"], false, None, "no IB connector")]
+    #[case(&[], &[], None, "no InfiniBand HCA (none found)")]
+    #[case(&[("MSCCLPP_DISABLE_IB_TESTS", "1")], &["mlx5_0"], None, "MSCCLPP_DISABLE_IB_TESTS=1")]
     fn ib_availability_respects_the_environment(
         #[case] vars: &[(&str, &str)],
         #[case] found: &[&str],
-        #[case] built: bool,
         #[case] hcas: Option<usize>,
         #[case] why: &str,
     ) {
-        match IbAvailability::from_hcas(&env(vars), &names(found), built) {
+        match IbAvailability::from_hcas(&env(vars), &names(found)) {
             IbAvailability::Usable { hcas: n } => assert_eq!(Some(n), hcas),
             IbAvailability::Unusable(reason) => {
                 assert_eq!(hcas, None, "{reason}");
