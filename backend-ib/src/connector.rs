@@ -104,36 +104,17 @@ impl IbEndpoint for VerbsEndpoint {
         resolver: Arc<dyn MemoryResolver>,
     ) -> Result<Arc<dyn Transport>> {
         let me = bootstrap.rank();
-        let mut sent = 0usize;
-        let mut notified = false;
-        let mut exchange = |bytes: &[u8]| -> Result<Vec<u8>> {
-            bootstrap.send(peer, TAG_IB_CONNECT, bytes)?;
-            sent += 1;
-            let reply = bootstrap.recv(peer, TAG_IB_CONNECT)?;
-            match reply.strip_prefix(FAILURE_NOTICE) {
-                Some(why) => {
-                    notified = true;
-                    Err(Error::Peer {
-                        rank: peer,
-                        message: format!(
-                            "failed to set up its end of the IB connection: {}",
-                            String::from_utf8_lossy(why)
-                        ),
-                    })
-                }
-                None => Ok(reply),
-            }
-        };
+        let mut handshake = Handshake::new(bootstrap, peer);
         let result = (|| -> Result<IbPeerTransport> {
             let mut config = IbConfig::new(me, peer);
             config.op_timeout = self.op_timeout;
-            let link = IbTransport::connect(&self.ctx, config, &mut exchange)?;
+            let link = IbTransport::connect(&self.ctx, config, |b| handshake.exchange(b))?;
             let local = MemoryTable {
                 rank: me as u32,
                 remote_rank: peer as u32,
                 regions: self.memory.iter().map(IbMemory::remote).collect(),
             };
-            let reply = exchange(&local.encode())?;
+            let reply = handshake.exchange(&local.encode())?;
             let remote = MemoryTable::decode(&reply, peer, me)?.regions;
             Ok(IbPeerTransport {
                 link,
@@ -146,16 +127,60 @@ impl IbEndpoint for VerbsEndpoint {
         })();
         match result {
             Ok(t) => Ok(Arc::new(t)),
-            Err(e) => {
-                if !notified && sent < HANDSHAKE_MESSAGES {
-                    let mut notice = FAILURE_NOTICE.to_vec();
-                    notice.extend_from_slice(e.to_string().as_bytes());
-                    // Best effort: the peer's bounded receive reports it otherwise.
-                    let _ = bootstrap.send(peer, TAG_IB_CONNECT, &notice);
-                }
-                Err(e)
-            }
+            Err(e) => Err(handshake.fail(e)),
         }
+    }
+}
+
+/// One end of a pair's handshake over the bootstrap (module docs, "Failure at one end").
+struct Handshake<'a> {
+    bootstrap: &'a dyn Bootstrap,
+    peer: usize,
+    /// Messages sent so far.
+    sent: usize,
+    /// Whether the peer's failure notice arrived (it reads this tag no more).
+    notified: bool,
+}
+
+impl<'a> Handshake<'a> {
+    fn new(bootstrap: &'a dyn Bootstrap, peer: usize) -> Self {
+        Handshake {
+            bootstrap,
+            peer,
+            sent: 0,
+            notified: false,
+        }
+    }
+
+    /// Sends `bytes` and returns the peer's message, or its failure as an error.
+    fn exchange(&mut self, bytes: &[u8]) -> Result<Vec<u8>> {
+        self.bootstrap.send(self.peer, TAG_IB_CONNECT, bytes)?;
+        self.sent += 1;
+        let reply = self.bootstrap.recv(self.peer, TAG_IB_CONNECT)?;
+        match reply.strip_prefix(FAILURE_NOTICE) {
+            Some(why) => {
+                self.notified = true;
+                Err(Error::Peer {
+                    rank: self.peer,
+                    message: format!(
+                        "failed to set up its end of the IB connection: {}",
+                        String::from_utf8_lossy(why)
+                    ),
+                })
+            }
+            None => Ok(reply),
+        }
+    }
+
+    /// `e`, after telling the peer in place of our next message while it still waits for one.
+    fn fail(&self, e: Error) -> Error {
+        if !self.notified && self.sent < HANDSHAKE_MESSAGES {
+            let mut notice = FAILURE_NOTICE.to_vec();
+            notice.extend_from_slice(e.to_string().as_bytes());
+            // Best effort: the peer's bounded receive reports it otherwise.
+            let _ = self.bootstrap.send(self.peer, TAG_IB_CONNECT, &notice);
+        }
+        e
     }
 }
 
@@ -286,6 +311,58 @@ mod tests {
 
     fn env(pairs: &[(&str, &str)]) -> Env {
         Env::from_vars(pairs.iter().map(|(k, v)| (k.to_string(), v.to_string()))).unwrap()
+    }
+
+    /// Rank 1 fails after the first message (as a failed `ibv_modify_qp` would): rank 0, waiting
+    /// for its second, fails at once naming rank 1 and the cause, instead of timing out.
+    #[test]
+    fn a_failed_end_tells_the_waiting_peer() {
+        use mscclpp_core::bootstrap::{BootstrapConfig, TcpBootstrap};
+        let cfg = BootstrapConfig::default().with_timeout(Duration::from_secs(20));
+        let id = TcpBootstrap::create_unique_id(&cfg).unwrap();
+        let start = std::time::Instant::now();
+        let ranks: Vec<_> = (0..2)
+            .map(|rank| {
+                let (id, cfg) = (id.clone(), cfg.clone());
+                std::thread::spawn(move || {
+                    let boot = TcpBootstrap::new(rank, 2, &id, &cfg).unwrap();
+                    let mut hs = Handshake::new(&boot, 1 - rank);
+                    assert_eq!(hs.exchange(&[rank as u8]).unwrap(), [1 - rank as u8]);
+                    let e = if rank == 0 {
+                        hs.exchange(b"ready").unwrap_err()
+                    } else {
+                        hs.fail(Error::Driver {
+                            call: "ibv_modify_qp",
+                            code: 110,
+                            message: "moving the QP to RTR on device mlx5_0 port 1".into(),
+                        })
+                    };
+                    boot.barrier().unwrap();
+                    e
+                })
+            })
+            .collect();
+        let errors: Vec<Error> = ranks.into_iter().map(|t| t.join().unwrap()).collect();
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            start.elapsed()
+        );
+        match &errors[0] {
+            Error::Peer { rank: 1, message } => {
+                assert!(message.contains("failed to set up its end"), "{message}");
+                assert!(message.contains("ibv_modify_qp"), "{message}");
+                assert!(message.contains("mlx5_0 port 1"), "{message}");
+            }
+            other => panic!("rank 0: {other:?}"),
+        }
+        assert!(matches!(
+            errors[1],
+            Error::Driver {
+                call: "ibv_modify_qp",
+                ..
+            }
+        ));
     }
 
     /// The explicit switch is the reason, whatever the host has.
