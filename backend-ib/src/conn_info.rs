@@ -1,12 +1,17 @@
-//! What two ends of an RC queue pair tell each other to connect: 48 bytes, little endian.
+//! What two ends of an RC queue pair tell each other to connect, little endian.
 //!
-//! `magic[8] rank:u32 remote_rank:u32 qpn:u32 psn:u32 lid:u16 port:u8 link_layer:u8 mtu:u8
-//! no_atomic:u8 reserved[2] gid[16]`
+//! [`IbConnInfo`], 48 bytes: `magic[8] rank:u32 remote_rank:u32 qpn:u32 psn:u32 lid:u16 port:u8
+//! link_layer:u8 mtu:u8 no_atomic:u8 reserved[2] gid[16]`
+//!
+//! [`MemoryTable`], the memory each end registered with its HCA, so that writes name peer memory
+//! by address and the transport adds the key: `magic[8] rank:u32 remote_rank:u32 count:u32
+//! reserved:u32`, then `count` entries of `addr:u64 size:u64 rkey:u32 reserved:u32`.
 //!
 //! `rank` is the sender, `remote_rank` whom it is for, so a message delivered to the wrong rank is
 //! caught. `no_atomic` says the sender needs write-with-immediate signalling (its mode or HCA); the
 //! connection then uses it in both directions, since the receiving end must post receives for it.
 
+use mscclpp_core::transport::MemoryRegion;
 use mscclpp_core::{Error, Result};
 
 /// Magic and version of the format.
@@ -103,10 +108,186 @@ impl IbConnInfo {
     }
 }
 
+/// Magic and version of the memory table.
+pub const MEMORY_TABLE_MAGIC: [u8; 8] = *b"MSCLIBMT";
+const TABLE_HEADER: usize = 24;
+const TABLE_ENTRY: usize = 24;
+
+/// One end's registered memory as the other end addresses it: each region's address in the
+/// owner's process, size and rkey.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryTable {
+    pub rank: u32,
+    pub remote_rank: u32,
+    pub regions: Vec<MemoryRegion>,
+}
+
+impl MemoryTable {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(TABLE_HEADER + TABLE_ENTRY * self.regions.len());
+        b.extend_from_slice(&MEMORY_TABLE_MAGIC);
+        b.extend_from_slice(&self.rank.to_le_bytes());
+        b.extend_from_slice(&self.remote_rank.to_le_bytes());
+        b.extend_from_slice(&(self.regions.len() as u32).to_le_bytes());
+        b.extend_from_slice(&[0; 4]);
+        for r in &self.regions {
+            b.extend_from_slice(&r.addr.to_le_bytes());
+            b.extend_from_slice(&r.size.to_le_bytes());
+            b.extend_from_slice(&r.key.to_le_bytes());
+            b.extend_from_slice(&[0; 4]);
+        }
+        b
+    }
+
+    /// Decodes and validates the table rank `from` sent to rank `to`.
+    pub fn decode(bytes: &[u8], from: usize, to: usize) -> Result<MemoryTable> {
+        let bad = |why: String| Error::Peer {
+            rank: from,
+            message: format!("invalid IB memory table: {why}"),
+        };
+        if bytes.len() < TABLE_HEADER || bytes[0..8] != MEMORY_TABLE_MAGIC {
+            return Err(bad(format!(
+                "{} bytes without the {:?} header (another version, or out of step)",
+                bytes.len(),
+                String::from_utf8_lossy(&MEMORY_TABLE_MAGIC)
+            )));
+        }
+        let u32_at =
+            |i: usize| u32::from_le_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]]);
+        let u64_at = |i: usize| u64::from(u32_at(i)) | (u64::from(u32_at(i + 4)) << 32);
+        let (rank, remote_rank, count) = (u32_at(8), u32_at(12), u32_at(16) as usize);
+        if (rank as usize, remote_rank as usize) != (from, to) {
+            return Err(bad(format!(
+                "sent by rank {rank} for rank {remote_rank}, expected {from} for {to}"
+            )));
+        }
+        if bytes.len() != TABLE_HEADER + TABLE_ENTRY * count {
+            return Err(bad(format!(
+                "{} bytes for {count} regions, expected {}",
+                bytes.len(),
+                TABLE_HEADER + TABLE_ENTRY * count
+            )));
+        }
+        let regions = (0..count)
+            .map(|i| {
+                let at = TABLE_HEADER + TABLE_ENTRY * i;
+                MemoryRegion {
+                    addr: u64_at(at),
+                    size: u64_at(at + 8),
+                    key: u32_at(at + 16),
+                }
+            })
+            .collect();
+        Ok(MemoryTable {
+            rank,
+            remote_rank,
+            regions,
+        })
+    }
+}
+
+/// `region` with the key of the entry of `table` that holds `[region.addr + offset, +bytes)`, or
+/// `None` if no entry holds all of it.
+pub fn with_key(
+    table: impl IntoIterator<Item = MemoryRegion>,
+    region: &MemoryRegion,
+    offset: u64,
+    bytes: u64,
+) -> Option<MemoryRegion> {
+    let start = region.addr.checked_add(offset)?;
+    let end = start.checked_add(bytes)?;
+    table
+        .into_iter()
+        .find(|e| e.addr <= start && e.addr.checked_add(e.size).is_some_and(|e_end| end <= e_end))
+        .map(|e| MemoryRegion {
+            key: e.key,
+            ..*region
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use rstest::rstest;
+
+    fn table() -> MemoryTable {
+        MemoryTable {
+            rank: 4,
+            remote_rank: 0,
+            regions: vec![
+                MemoryRegion {
+                    addr: 0x7f00_0000_0000,
+                    size: 1 << 21,
+                    key: 0xdead_beef,
+                },
+                MemoryRegion {
+                    addr: 0x7f00_1000_0000,
+                    size: 8 * 4096,
+                    key: 7,
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn memory_table_round_trip() {
+        let b = table().encode();
+        assert_eq!(b.len(), 24 + 2 * 24);
+        assert_eq!(MemoryTable::decode(&b, 4, 0).unwrap(), table());
+        let empty = MemoryTable {
+            regions: vec![],
+            ..table()
+        };
+        assert_eq!(MemoryTable::decode(&empty.encode(), 4, 0).unwrap(), empty);
+    }
+
+    #[rstest]
+    #[case(|b: &mut Vec<u8>| { b.truncate(10); }, 4, "10 bytes without")]
+    #[case(|b: &mut Vec<u8>| { b[0] = b'X'; }, 4, "header")]
+    #[case(|b: &mut Vec<u8>| { b.pop(); }, 4, "71 bytes for 2 regions, expected 72")]
+    #[case(|_: &mut Vec<u8>| {}, 5, "sent by rank 4 for rank 0, expected 5 for 0")]
+    fn memory_table_rejects(
+        #[case] corrupt: fn(&mut Vec<u8>),
+        #[case] from: usize,
+        #[case] text: &str,
+    ) {
+        let mut b = table().encode();
+        corrupt(&mut b);
+        match MemoryTable::decode(&b, from, 0) {
+            Err(Error::Peer { rank, message }) => {
+                assert_eq!(rank, from);
+                assert!(message.contains(text), "{message}");
+            }
+            other => panic!("expected a Peer error, got {other:?}"),
+        }
+    }
+
+    /// Keys come from the entry holding the whole accessed range; a range that leaves it (or
+    /// lies in no entry) gets none.
+    #[rstest]
+    #[case(0x7f00_0000_0000, 0, 1 << 21, Some(0xdead_beef))]
+    #[case(0x7f00_0000_0000, (1 << 21) - 8, 8, Some(0xdead_beef))]
+    #[case(0x7f00_0000_0000, (1 << 21) - 8, 16, None)]
+    #[case(0x7f00_1000_0000, 8 * 100, 8, Some(7))]
+    #[case(0x1000, 0, 8, None)]
+    #[case(u64::MAX, 8, 8, None)]
+    fn keys_by_address(
+        #[case] addr: u64,
+        #[case] offset: u64,
+        #[case] bytes: u64,
+        #[case] key: Option<u32>,
+    ) {
+        let region = MemoryRegion {
+            addr,
+            size: 1 << 40,
+            key: 0,
+        };
+        let got = with_key(table().regions, &region, offset, bytes);
+        assert_eq!(got.map(|r| r.key), key);
+        if let Some(r) = got {
+            assert_eq!((r.addr, r.size), (addr, region.size));
+        }
+    }
 
     fn sample() -> IbConnInfo {
         IbConnInfo {

@@ -4,6 +4,9 @@
 //! hosts without rdma-core; there [`open_ib`] answers with `Error::IbUnavailable` saying why, in the
 //! words of the IB-less stub (`mscclpp-noib`).
 //!
+//! PortChannel algorithms reach IB through [`VerbsConnector`], which the core's `connect_peers`
+//! is handed (see [`connector`]); the example below is the lower-level use, one connection by hand.
+//!
 //! ```no_run
 //! # fn demo(env: &mscclpp_core::env::Env, bootstrap: &dyn mscclpp_core::bootstrap::Bootstrap) -> mscclpp_core::Result<()> {
 //! use mscclpp_core::Transport;
@@ -18,12 +21,14 @@
 //! ```
 
 pub mod conn_info;
+pub mod connector;
 pub mod device;
 pub mod ffi;
 pub mod library;
 pub mod transport;
 
-pub use conn_info::IbConnInfo;
+pub use conn_info::{IbConnInfo, MemoryTable};
+pub use connector::{IbPeerTransport, VerbsConnector};
 pub use device::{HcaSpec, IbContext, IbMemory, PortInfo};
 pub use library::Verbs;
 pub use transport::{IbConfig, IbTransport};

@@ -8,7 +8,7 @@
 //! - reduce-scatter: packets and zero-copy; broadcast: zero-copy;
 //! - across hosts: the hierarchical all-reduce of H hosts x k ranks (`hierarchical`: the
 //!   single-host algorithms in each host, `port_allreduce` across hosts), and the flat all-reduce
-//!   over PortChannels (`port_allreduce`, CudaIpc on a host and Ethernet between hosts), the
+//!   over PortChannels (`port_allreduce`, CudaIpc on a host and IB or Ethernet between hosts), the
 //!   default for uneven ranks per host and one rank per host; all-gather, broadcast and
 //!   reduce-scatter through either (`via_allreduce`);
 //! - at world size 1, every collective as one device copy (`single_rank`);

@@ -11,10 +11,11 @@
 //!   because the proxy's memory table is closed once it runs, while callers pass new buffers on
 //!   every call; and rather than copied by a kernel, because a one-block copy is slow and a
 //!   many-block copy would need a grid barrier before block 0 may push the puts.
-//! - A [`PortChannelService`] with, per peer in rank order, one connection (CudaIpc on this host,
-//!   Ethernet to another host: `mscclpp_core::transport::select`), one semaphore and one channel
-//!   (dst = the peer's scratch, src = the staging buffer); then the proxy starts. Ethernet peers
-//!   reach our scratch, staging buffer and semaphore words through a `DeviceMemoryResolver`.
+//! - A [`PortChannelService`] with, per peer in rank order, one connection (CudaIpc on this host;
+//!   to another host IB where both ends can use it, else Ethernet: [`proxy_connections`]), one
+//!   semaphore and one channel (dst = the peer's scratch, src = the staging buffer); then the
+//!   proxy starts. IB peers write into our scratch and semaphore words through their HCA (the
+//!   memory is registered with ours), Ethernet peers through a `DeviceMemoryResolver`.
 //!
 //! Refuses to start under `CUDA_DEVICE_MAX_CONNECTIONS=1`, where its exchange kernel would wait for
 //! copies queued behind it ([`shared_queue_hazard`]).
@@ -57,8 +58,8 @@ use mscclpp_core::env::Env;
 use mscclpp_core::gpu::{DevicePtr, Event, Function, Gpu, LaunchConfig, Stream};
 use mscclpp_core::port_channel::{shared_queue_hazard, PortChannelConfig, PortChannelService};
 use mscclpp_core::proxy::ProxyStats;
-use mscclpp_core::transport::connect::connect_peers;
-use mscclpp_core::transport::select::{IbAvailability, TransportPlan};
+use mscclpp_core::transport::connect::{agree_plan, connect_peers, IbConnector, IbSetup};
+use mscclpp_core::transport::select::TransportPlan;
 use mscclpp_core::transport::{DeviceMemoryResolver, MemoryRegion, Transport};
 use mscclpp_core::{Error, Result};
 use mscclpp_kernels_cu::collectives::{
@@ -257,27 +258,33 @@ impl ScratchLayout {
     }
 }
 
-/// Collective with `peers`: a proxy transport towards each (CudaIpc on this host, Ethernet to
-/// other hosts; IB is not wired into the proxy algorithms yet, the transport plan's log line says
-/// so when HCAs are present). `buffers` are what Ethernet peers write into and read from here;
-/// the communicator's semaphore words are served too.
+/// Collective with `peers`: a proxy transport towards each: CudaIpc on this host; to other hosts
+/// IB where both ends can use it (`mscclpp_ib::VerbsConnector`: `buffers` and the communicator's
+/// semaphore slab registered with the HCA, GPU memory through GPUDirect RDMA), Ethernet otherwise
+/// (`buffers` and the slab served to peers by a `DeviceMemoryResolver`). The plan is agreed by
+/// both ends of every pair and logged once (`mscclpp_core::transport::connect`).
 pub fn proxy_connections(
     comm: &Communicator,
     peers: &[usize],
     buffers: &[(DevicePtr, usize)],
 ) -> Result<Vec<Arc<dyn Transport>>> {
     let env = Env::get()?;
-    let hcas = mscclpp_noib::list_hcas(std::path::Path::new(mscclpp_noib::SYSFS_INFINIBAND));
-    let ib = IbAvailability::from_hcas(env, &hcas, false);
+    let connector = mscclpp_ib::VerbsConnector;
+    let ib = connector.availability(env);
     let plan = TransportPlan::new(comm.topology(), comm.rank(), ib, env.ibv_mode);
+    let plan = agree_plan(comm.bootstrap().as_ref(), plan)?;
     plan.log_once();
+    let mut memory = buffers.to_vec();
+    memory.push(comm.semaphore_slab());
     let resolver = Arc::new(DeviceMemoryResolver::new(comm.gpu().clone(), comm.device()));
-    for &(ptr, bytes) in buffers {
+    for &(ptr, bytes) in &memory {
         resolver.register(ptr, bytes)?;
     }
-    let (slab, slab_bytes) = comm.semaphore_slab();
-    resolver.register(slab, slab_bytes)?;
-    connect_peers(comm, &plan, peers, resolver)
+    let ib = IbSetup {
+        connector: &connector,
+        memory: &memory,
+    };
+    connect_peers(comm, &plan, peers, resolver, Some(ib))
 }
 
 /// Validates `args` (no device access) and returns the element count
@@ -395,7 +402,8 @@ impl PortAllreduce {
         let mut handles: Vec<PortChannelHandle> = Vec::with_capacity(nranks - 1);
         for (&peer, conn) in peers.iter().zip(connections) {
             // On another host: the scratch's address in its owner's process, which the Ethernet
-            // transport names to the owner's resolver.
+            // transport names to the owner's resolver and the IB transport keys with the owner's
+            // rkey.
             let peer_scratch = *scratch_ptrs.get(peer).ok_or_else(|| {
                 Error::Internal(format!("{NAME}: no scratch address of rank {peer}"))
             })?;

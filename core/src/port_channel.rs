@@ -406,6 +406,8 @@ impl PortChannelService {
             size: 8,
             key: 0,
         };
+        // The peer's signals for this semaphore land in our inbound word (see the trait method).
+        connection.deliver_signals_to(word(words.inbound))?;
         let signaller = SemaphoreSignaller::new(connection, word(words.remote_inbound), 0)?;
         let semaphore = Arc::new(Host2DeviceSemaphore::new(signaller, word(words.inbound)));
         let id = self
@@ -1031,6 +1033,82 @@ mod tests {
             size: a.size as u64,
             key: 0,
         }
+    }
+
+    /// A CudaIpc connection that records where it was told to deliver the peer's signals, and
+    /// refuses a second word as IB in write-with-immediate mode does.
+    struct SignalSink {
+        inner: Arc<dyn Transport>,
+        words: std::sync::Mutex<Vec<MemoryRegion>>,
+    }
+
+    impl Transport for SignalSink {
+        fn kind(&self) -> TransportKind {
+            TransportKind::Ib(0)
+        }
+        fn remote_rank(&self) -> usize {
+            self.inner.remote_rank()
+        }
+        fn write(
+            &self,
+            dst: &MemoryRegion,
+            dst_offset: u64,
+            src: &MemoryRegion,
+            src_offset: u64,
+            bytes: u64,
+        ) -> Result<()> {
+            self.inner.write(dst, dst_offset, src, src_offset, bytes)
+        }
+        fn update_and_sync(&self, dst: &MemoryRegion, dst_offset: u64, value: u64) -> Result<()> {
+            self.inner.update_and_sync(dst, dst_offset, value)
+        }
+        fn flush(&self, timeout: Duration) -> Result<()> {
+            self.inner.flush(timeout)
+        }
+        fn deliver_signals_to(&self, word: MemoryRegion) -> Result<()> {
+            let mut words = self.words.lock().unwrap();
+            if words.first().is_some_and(|w| *w != word) {
+                return Err(Error::Unsupported("one semaphore per connection".into()));
+            }
+            words.push(word);
+            Ok(())
+        }
+    }
+
+    /// Registering a semaphore tells its connection our inbound word (where the peer's signals
+    /// land); a connection's refusal fails the registration.
+    #[test]
+    fn semaphores_tell_their_connection_the_inbound_word() {
+        let Loopback {
+            gpu,
+            mut svc,
+            words,
+            ..
+        } = loopback(4);
+        let dyn_gpu: Arc<dyn Gpu> = gpu.clone();
+        let sink = Arc::new(SignalSink {
+            inner: Arc::new(CudaIpcTransport::new(dyn_gpu, 0, 0).unwrap()),
+            words: std::sync::Mutex::new(Vec::new()),
+        });
+        let first = D2DSemaphoreHandle {
+            inbound: words.ptr,
+            expected: words.ptr + 8,
+            remote_inbound: words.ptr,
+            ..Default::default()
+        };
+        svc.add_semaphore_words(&first, sink.clone()).unwrap();
+        let want = MemoryRegion {
+            addr: words.ptr,
+            size: 8,
+            key: 0,
+        };
+        assert_eq!(*sink.words.lock().unwrap(), vec![want]);
+        let second = D2DSemaphoreHandle {
+            inbound: words.ptr + 8,
+            ..first
+        };
+        let err = svc.add_semaphore_words(&second, sink.clone()).unwrap_err();
+        assert!(err.to_string().contains("one semaphore"), "{err}");
     }
 
     #[test]

@@ -82,6 +82,15 @@ pub trait Transport: Send + Sync {
 
     /// Waits until every operation issued so far has completed at the destination, or `timeout`.
     fn flush(&self, timeout: Duration) -> Result<()>;
+
+    /// Where the peer's `update_and_sync` calls on this connection land here: `word`, a local
+    /// 64-bit semaphore word. Most transports carry the address with each update and ignore this;
+    /// IB in write-with-immediate mode (`MSCCLPP_IBV_MODE=host-no-atomic`) carries only the value,
+    /// so its receiver stores every update into this word (and refuses a second, different one).
+    fn deliver_signals_to(&self, word: MemoryRegion) -> Result<()> {
+        let _ = word;
+        Ok(())
+    }
 }
 
 pub mod connect;

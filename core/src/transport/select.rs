@@ -1,21 +1,25 @@
 //! Which transport each peer pair uses: CudaIpc on one host; between hosts InfiniBand when an HCA
 //! is usable, Ethernet (TCP through the proxy) otherwise.
 //!
-//! Whether IB is usable is decided by the IB crates (`mscclpp-ib` opens the HCAs named by
-//! `MSCCLPP_HCA_DEVICES`, or every HCA found; `MSCCLPP_DISABLE_IB_TESTS=1` rules IB out; the stub
-//! `mscclpp-noib` says why when it cannot be used) and handed in as [`IbAvailability`], since the core
-//! depends on no backend. Ranks of one host spread over the usable HCAs by local rank, as NCCL
+//! Whether IB is usable is decided by the IB crate and handed in as [`IbAvailability`], since the
+//! core depends on no backend: `mscclpp-ib`'s `VerbsConnector::availability` counts the HCAs
+//! libibverbs lists after `MSCCLPP_HCA_DEVICES` (or every HCA found), unless
+//! `MSCCLPP_DISABLE_IB_TESTS=1`, no HCA, or a missing libibverbs rules IB out, and says which. Ranks of one host spread over the usable HCAs by local rank, as NCCL
 //! pairs each GPU with its nearest NIC on the usual 1 GPU : 1 NIC machines.
 //!
-//! [`TransportPlan::log_once`] logs the choice once per process, with the IB mode
+//! Both ends of a pair must pick the same transport: [`TransportPlan::agree`] (fed by the collective
+//! `connect::agree_plan`) turns IB into Ethernet towards every peer whose own end cannot use IB
+//! (no HCA there, `MSCCLPP_DISABLE_IB_TESTS=1` set there only, no libibverbs there).
+//!
+//! [`TransportPlan::log_once`] logs each distinct plan once per process, with the IB mode
 //! (`MSCCLPP_IBV_MODE`) when IB is chosen, so a job's log says how its ranks talk.
 
 use crate::env::{Env, IbvMode};
 use crate::topology::Topology;
 use crate::transport::TransportKind;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::fmt;
-use std::sync::Once;
+use std::sync::Mutex;
 
 /// Whether InfiniBand can carry traffic between hosts in this process.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,10 +32,9 @@ pub enum IbAvailability {
 
 impl IbAvailability {
     /// Usable HCAs given the names found on this host and `MSCCLPP_HCA_DEVICES` (NCCL-style entries
-    /// may carry a port, `mlx5_0:1`), unless `MSCCLPP_DISABLE_IB_TESTS` rules IB out or `openable`
-    /// is false (the caller cannot open IB connections: no IB transport in the build, or none wired
-    /// into its path). The reason names which of these applied.
-    pub fn from_hcas(env: &Env, found: &[String], openable: bool) -> IbAvailability {
+    /// may carry a port, `mlx5_0:1`), unless `MSCCLPP_DISABLE_IB_TESTS` rules IB out. The reason
+    /// names which of these applied.
+    pub fn from_hcas(env: &Env, found: &[String]) -> IbAvailability {
         if env.disable_ib_tests {
             return IbAvailability::Unusable("disabled by MSCCLPP_DISABLE_IB_TESTS=1".into());
         }
@@ -60,12 +63,6 @@ impl IbAvailability {
                     env.hca_devices.join(",")
                 )
             });
-        }
-        if !openable {
-            return IbAvailability::Unusable(format!(
-                "{hcas} HCA(s) present, but this path cannot open IB connections yet \
-                 (PortChannel algorithms connect over Ethernet until mscclpp-ib is wired in)"
-            ));
         }
         IbAvailability::Usable { hcas }
     }
@@ -100,6 +97,9 @@ pub struct TransportPlan {
     pub ibv_mode: IbvMode,
     /// The topology in words (`2 hosts x 4 ranks`).
     pub topology: String,
+    /// Peers on other hosts that get Ethernet although IB is usable here, because it is not at
+    /// their end ([`TransportPlan::agree`]).
+    pub ib_unusable_at: Vec<usize>,
 }
 
 impl TransportPlan {
@@ -114,7 +114,21 @@ impl TransportPlan {
             ib,
             ibv_mode,
             topology: topo.to_string(),
+            ib_unusable_at: Vec::new(),
         }
+    }
+
+    /// The plan both ends of every pair agree on: `usable[r]` says whether rank `r` can use IB
+    /// (its own [`IbAvailability`]); a peer that cannot gets Ethernet instead of IB, as it plans
+    /// Ethernet towards us. `usable` must cover every rank of the job.
+    pub fn agree(mut self, usable: &[bool]) -> Self {
+        for (&peer, kind) in self.peers.iter_mut() {
+            if matches!(kind, TransportKind::Ib(_)) && !usable.get(peer).copied().unwrap_or(false) {
+                *kind = TransportKind::Ethernet;
+                self.ib_unusable_at.push(peer);
+            }
+        }
+        self
     }
 
     /// The transport towards `peer` (`None` for this rank itself or a rank outside the job).
@@ -122,10 +136,19 @@ impl TransportPlan {
         self.peers.get(&peer).copied()
     }
 
-    /// Logs the plan at INFO, once per process.
+    /// Logs the plan at INFO, once per process for each distinct plan (a rank that builds several
+    /// PortChannel algorithms, or the cross-host communicator of `hierarchical`, says it once).
     pub fn log_once(&self) {
-        static LOGGED: Once = Once::new();
-        LOGGED.call_once(|| tracing::info!(target: "mscclpp::net", "{self}"));
+        static LOGGED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+        let line = self.to_string();
+        let first = match LOGGED.lock() {
+            Ok(mut seen) => seen.get_or_insert_with(HashSet::new).insert(line.clone()),
+            // A panic elsewhere while logging: saying it twice beats not saying it.
+            Err(_) => true,
+        };
+        if first {
+            tracing::info!(target: "mscclpp::net", "{line}");
+        }
     }
 }
 
@@ -159,7 +182,12 @@ impl fmt::Display for TransportPlan {
             }
             IbAvailability::Unusable(why) if crosses_hosts => write!(f, " (IB unusable: {why})"),
             _ => Ok(()),
+        }?;
+        if !self.ib_unusable_at.is_empty() {
+            let ranks: Vec<String> = self.ib_unusable_at.iter().map(|r| r.to_string()).collect();
+            write!(f, " (IB unusable at rank {})", ranks.join(","))?;
         }
+        Ok(())
     }
 }
 
@@ -177,21 +205,19 @@ mod tests {
     }
 
     #[rstest]
-    #[case(&[], &["mlx5_0", "mlx5_1"], true, Some(2), "")]
-    #[case(&[("MSCCLPP_HCA_DEVICES", "mlx5_1:1")], &["mlx5_0", "mlx5_1"], true, Some(1), "")]
-    #[case(&[("MSCCLPP_HCA_DEVICES", "mlx5_7")], &["mlx5_0"], true, None,
+    #[case(&[], &["mlx5_0", "mlx5_1"], Some(2), "")]
+    #[case(&[("MSCCLPP_HCA_DEVICES", "mlx5_1:1")], &["mlx5_0", "mlx5_1"], Some(1), "")]
+    #[case(&[("MSCCLPP_HCA_DEVICES", "mlx5_7")], &["mlx5_0"], None,
            "MSCCLPP_HCA_DEVICES=mlx5_7 names none of the HCAs here (found: mlx5_0)")]
-    #[case(&[], &[], true, None, "no InfiniBand HCA (none found)")]
-    #[case(&[("MSCCLPP_DISABLE_IB_TESTS", "1")], &["mlx5_0"], true, None, "MSCCLPP_DISABLE_IB_TESTS=1")]
-    #[case(&[], &["mlx5_0"], false, None, "cannot open IB connections")]
+    #[case(&[], &[], None, "no InfiniBand HCA (none found)")]
+    #[case(&[("MSCCLPP_DISABLE_IB_TESTS", "1")], &["mlx5_0"], None, "MSCCLPP_DISABLE_IB_TESTS=1")]
     fn ib_availability_respects_the_environment(
         #[case] vars: &[(&str, &str)],
         #[case] found: &[&str],
-        #[case] built: bool,
         #[case] hcas: Option<usize>,
         #[case] why: &str,
     ) {
-        match IbAvailability::from_hcas(&env(vars), &names(found), built) {
+        match IbAvailability::from_hcas(&env(vars), &names(found)) {
             IbAvailability::Usable { hcas: n } => assert_eq!(Some(n), hcas),
             IbAvailability::Unusable(reason) => {
                 assert_eq!(hcas, None, "{reason}");
@@ -260,5 +286,31 @@ mod tests {
             IbvMode::Host,
         );
         assert_eq!(one.to_string(), "rank 0 (1 host x 1 rank): no peers");
+    }
+
+    /// A peer whose end cannot use IB gets Ethernet from both ends; IB stays towards the others.
+    #[test]
+    fn plans_agree_with_peers_without_ib() {
+        let topo = Topology::from_host_ids(&["a", "a", "b", "c"]).unwrap();
+        let usable = [true, true, true, false];
+        let ib = || IbAvailability::Usable { hcas: 1 };
+        let plan = TransportPlan::new(&topo, 0, ib(), IbvMode::Host).agree(&usable);
+        assert_eq!(plan.kind(1), Some(TransportKind::CudaIpc));
+        assert_eq!(plan.kind(2), Some(TransportKind::Ib(0)));
+        assert_eq!(plan.kind(3), Some(TransportKind::Ethernet));
+        assert_eq!(
+            plan.to_string(),
+            "rank 0 (3 hosts, uneven: 2+1+1 ranks): CudaIpc to 1; Ethernet to 3; IB0 to 2 \
+             (IB: 1 HCAs, MSCCLPP_IBV_MODE=Host) (IB unusable at rank 3)"
+        );
+        // Rank 3 itself has no IB: its own plan is Ethernet to everyone, matching the others'.
+        let none = IbAvailability::Unusable("no InfiniBand HCA (none found)".into());
+        let three = TransportPlan::new(&topo, 3, none, IbvMode::Host).agree(&usable);
+        assert!((0..3).all(|p| three.kind(p) == Some(TransportKind::Ethernet)));
+        assert!(three.ib_unusable_at.is_empty());
+        for me in 0..3 {
+            let p = TransportPlan::new(&topo, me, ib(), IbvMode::Host).agree(&usable);
+            assert_eq!(p.kind(3), three.kind(me), "rank {me} and rank 3 disagree");
+        }
     }
 }
