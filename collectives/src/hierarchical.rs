@@ -42,10 +42,10 @@
 //! and every call of `port_allreduce` and of the host collection is ordered on the device, as
 //! `resources::CollectionResources` requires, across calls too (the tail's all-reduce across
 //! hosts runs on the caller's stream after the join). Smaller messages, and jobs where a rank's
-//! SM share is one SM (nothing to reserve), keep the sequential steps on the caller's stream. A failed enqueue still joins the
-//! second stream before the error is returned (no capture is left with an unjoined stream); a
-//! failure on the device is the communicator's sticky error naming the step's algorithm, as
-//! before, and every device wait is bounded, so nothing hangs.
+//! SM share is one SM (nothing to reserve), keep the sequential steps on the caller's stream. A
+//! failed enqueue still joins the second stream before the error is returned (no capture is left
+//! with an unjoined stream); a failure on the device is the communicator's sticky error naming
+//! the step's algorithm, as before, and every device wait is bounded, so nothing hangs.
 //!
 //! # Residency
 //! Every host-group kernel waits for its peers' blocks, so its whole grid must be resident, and
@@ -605,7 +605,7 @@ fn enqueue(
             .record_event(c.events[CROSSED], c.stream)
             .and_then(|()| gpu.stream_wait_event(caller, c.events[CROSSED]));
         if let Err(e) = joined {
-            tracing::warn!(target: "mscclpp::algo", "{NAME}: joining the cross stream after an error: {e}");
+            tracing::warn!(target: "mscclpp::algo", "{NAME}: joining the second stream: {e}");
         }
     }
     result

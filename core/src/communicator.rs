@@ -266,7 +266,8 @@ pub struct Communicator {
     shares_process: bool,
     /// Made by [`split`](Self::split): kernels are launched plainly ([`fast_launches`](Self::fast_launches)).
     is_split: bool,
-    /// SMs of this rank's share its kernels leave free ([`reserve_multiprocessors`](Self::reserve_multiprocessors)).
+    /// SMs of this rank's share its kernels leave free
+    /// ([`reserve_multiprocessors`](Self::reserve_multiprocessors)).
     reserved_sms: u32,
     health: Arc<Health>,
     /// This communicator's error page (device memory after the slab's semaphores): what its
