@@ -126,7 +126,7 @@ impl Pipeline {
                 Ok(e) => events.push(e),
                 Err(e) => {
                     // Undo what was made; a failure here is secondary to the one reported.
-                    destroy(gpu, copy_stream, &events);
+                    destroy(gpu, "copy-engine all-reduce", copy_stream, &events);
                     return Err(e);
                 }
             }
@@ -148,15 +148,16 @@ impl Pipeline {
     }
 }
 
-/// Destroys the stream and events, logging (not returning) failures: used on teardown paths.
-fn destroy(gpu: &dyn Gpu, stream: Stream, events: &[Event]) {
+/// Destroys the stream and events of algorithm `who`, logging (not returning) failures: used on
+/// teardown paths (here and by the hierarchical all-reduce's second stream).
+pub(crate) fn destroy(gpu: &dyn Gpu, who: &str, stream: Stream, events: &[Event]) {
     for &ev in events {
         if let Err(e) = gpu.destroy_event(ev) {
-            tracing::warn!(target: "mscclpp::algo", "copy-engine all-reduce: destroying an event: {e}");
+            tracing::warn!(target: "mscclpp::algo", "{who}: destroying an event: {e}");
         }
     }
     if let Err(e) = gpu.destroy_stream(stream) {
-        tracing::warn!(target: "mscclpp::algo", "copy-engine all-reduce: destroying a stream: {e}");
+        tracing::warn!(target: "mscclpp::algo", "{who}: destroying a stream: {e}");
     }
 }
 
@@ -357,7 +358,12 @@ impl Drop for CopyEngine {
         if let Err(e) = self.gpu.synchronize_stream(p.copy_stream) {
             tracing::warn!(target: "mscclpp::algo", "copy-engine all-reduce: waiting for the copy stream: {e}");
         }
-        destroy(self.gpu.as_ref(), p.copy_stream, &p.events());
+        destroy(
+            self.gpu.as_ref(),
+            "copy-engine all-reduce",
+            p.copy_stream,
+            &p.events(),
+        );
     }
 }
 

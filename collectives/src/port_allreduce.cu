@@ -35,7 +35,11 @@ constexpr int kPortOp = MSCCLPP_COLL_OP;
 // A call that starts after a failure (the word is sticky: the communicator is finished) pushes
 // nothing: the proxy would copy into a peer that may be dead, and a queue of calls behind the
 // failure drains without a round trip through the proxy each.
-extern "C" __global__ void port_allreduce_exchange(const PortChannelHandle* chans, u32 npeers, u64 bytes,
+// __launch_bounds__(1024, 1) for its register cap (64 a thread, as every kernel of the host
+// collections): the hierarchical all-reduce runs this block beside its host group's grid, which
+// leaves it room only if the block needs no more of an SM than 32 threads of that grid do
+// (hierarchical.rs, "Residency").
+extern "C" __global__ void __launch_bounds__(1024, 1) port_allreduce_exchange(const PortChannelHandle* chans, u32 npeers, u64 bytes,
                                                    u64 slot_stride, u32 rank, u32 nranks, u64* calls) {
   if (block_aborted(chans[0].fifo.error_word)) return;
   const u64 call = *calls;

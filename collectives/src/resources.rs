@@ -15,7 +15,7 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-fn lock<T>(m: &Mutex<T>) -> Result<MutexGuard<'_, T>> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> Result<MutexGuard<'_, T>> {
     m.lock().map_err(|_| {
         Error::Internal("a collective's resource table was poisoned by a panic".into())
     })

@@ -16,7 +16,8 @@ use crate::gpu::{
     Allocation, DevicePtr, Event, Gpu, HostMapped, ImportedMemory, IpcMemHandle, MemoryKind, Stream,
 };
 use crate::topology::{
-    host_identity, ranks_in_process, ranks_sharing_device, sm_share, Placement, Topology,
+    host_identity, ranks_in_process, ranks_sharing_device, sm_share, usable_sms, Placement,
+    Topology,
 };
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -265,6 +266,9 @@ pub struct Communicator {
     shares_process: bool,
     /// Made by [`split`](Self::split): kernels are launched plainly ([`fast_launches`](Self::fast_launches)).
     is_split: bool,
+    /// SMs of this rank's share its kernels leave free
+    /// ([`reserve_multiprocessors`](Self::reserve_multiprocessors)).
+    reserved_sms: u32,
     health: Arc<Health>,
     /// This communicator's error page (device memory after the slab's semaphores): what its
     /// kernels get as the error word (`error_word_device_ptr`).
@@ -375,6 +379,7 @@ impl Communicator {
             device_sharers,
             shares_process,
             is_split: false,
+            reserved_sms: 0,
             health,
             error_page,
             slab: SyncSlab {
@@ -426,9 +431,22 @@ impl Communicator {
     /// one process share one context and the SMs with no MPS partition, so grids sized for the
     /// whole GPU by each of them could not all be resident, and a kernel waiting for a peer whose
     /// kernel cannot be scheduled times out. The one place every algorithm reads its SM count.
+    /// Less the SMs [reserved](Self::reserve_multiprocessors) for other kernels, keeping one.
     pub fn multiprocessors(&self) -> Result<u32> {
         let sm = self.gpu.properties(self.device)?.multiprocessors;
-        Ok(sm_share(sm.max(1), self.device_sharers))
+        Ok(usable_sms(
+            sm_share(sm.max(1), self.device_sharers),
+            self.reserved_sms,
+        ))
+    }
+
+    /// Leaves `sms` SMs of this rank's share to kernels that run beside this communicator's
+    /// (which size their grids by [`multiprocessors`](Self::multiprocessors)): the hierarchical
+    /// all-reduce runs its host group's kernels beside a cross-host exchange kernel of the same
+    /// rank, and both must be resident at once. Call it before any algorithm is built on this
+    /// communicator; a share of one SM keeps it (check `multiprocessors` to see what was left).
+    pub fn reserve_multiprocessors(&mut self, sms: u32) {
+        self.reserved_sms = sms;
     }
 
     /// Whether no other rank of this process runs on this device. Only then (and not on a split:

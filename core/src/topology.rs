@@ -99,6 +99,12 @@ pub fn sm_share(multiprocessors: u32, sharers: usize) -> u32 {
     (multiprocessors / sharers).max(1)
 }
 
+/// The SMs left of a `share` when `reserved` of them are kept for other kernels
+/// (`Communicator::reserve_multiprocessors`): at least one, so a share of one SM keeps it.
+pub fn usable_sms(share: u32, reserved: u32) -> u32 {
+    share.saturating_sub(reserved).max(1)
+}
+
 /// One rank's groups in a hierarchical algorithm ([`Topology::hierarchy`]), as parent ranks in
 /// the order of the group's ranks.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -368,6 +374,10 @@ mod tests {
         assert_eq!(sm_share(132, 1), 132);
         assert_eq!(sm_share(3, 8), 1, "never zero");
         assert_eq!(sm_share(132, 0), 132);
+        assert_eq!(usable_sms(132, 0), 132);
+        assert_eq!(usable_sms(132, 1), 131);
+        assert_eq!(usable_sms(1, 1), 1, "a share of one SM keeps it");
+        assert_eq!(usable_sms(2, 5), 1);
     }
 
     #[test]
