@@ -109,6 +109,7 @@ pub fn build_default_algorithms_with_resources(
             packet_max_bytes: 0,
             allgather_packet_max_bytes: 0,
             reducescatter_packet_max_bytes: 0,
+            alltoall_packet_max_chunk: 0,
             max_ranks: MAX_RANKS,
             multi_host_allreduce: add_multi_host_algorithms(comm, scratch_bytes, &mut builder)?,
         };
@@ -121,11 +122,16 @@ pub fn build_default_algorithms_with_resources(
         let part = kind.scratch_part().map_or(0, |p| scratch.region(p).bytes);
         max_input_bytes_on(kind, part, comm.size(), properties.vendor)
     };
+    let alltoall_packet = Arc::new(alltoall::AlltoallPacket::with_resources(
+        comm.clone(),
+        scratch.clone(),
+    )?);
     let limits = NativeLimits {
         allpair_packet_max_bytes: limit(NativeKind::AllreduceAllpairPacket),
         packet_max_bytes: limit(NativeKind::AllreducePacket),
         allgather_packet_max_bytes: limit(NativeKind::AllgatherPacket),
         reducescatter_packet_max_bytes: limit(NativeKind::ReducescatterPacket),
+        alltoall_packet_max_chunk: alltoall_packet.max_chunk_bytes(),
         max_ranks: MAX_RANKS,
         multi_host_allreduce: None,
     };
@@ -147,10 +153,7 @@ pub fn build_default_algorithms_with_resources(
         exchange.clone(),
     )))?;
     builder.add_algorithm(Arc::new(gather_scatter::GatherScatter::scatter(exchange)))?;
-    builder.add_algorithm(Arc::new(alltoall::AlltoallPacket::with_resources(
-        comm.clone(),
-        scratch.clone(),
-    )?))?;
+    builder.add_algorithm(alltoall_packet)?;
     // NVLS (NVLink multicast) only behind its safety gate and on hardware that supports it; the
     // selector takes its NVLS branch only when the caller's SelectionContext allows it.
     let env = mscclpp_core::env::Env::get()?;

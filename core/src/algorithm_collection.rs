@@ -343,9 +343,13 @@ pub mod native_names {
 /// hardware. `default_allreduce_nvls_packet` is built with scratch for at least this much.
 pub const NVLS_PACKET_THRESHOLD: usize = 256 << 10;
 
-/// Chunk (bytes per peer) up to which the default selector takes `default_alltoall_packet`; below
-/// its scratch's capacity at 8 ranks (120 KiB). A starting point; retune with `mscclpp-bench`.
-pub const ALLTOALL_PACKET_MAX_CHUNK: usize = 64 << 10;
+/// Chunk (bytes per peer) up to which the default selector takes `default_alltoall_packet` (also
+/// bounded by its scratch: `NativeLimits::alltoall_packet_max_chunk`, 120 KiB at 8 ranks). The
+/// zero-copy exchange costs about 15 µs whatever the size (its count exchange and barriers): on
+/// 2 x H100 (2026-11-27, bf16, graph mode) the packet kernel took 3.69 µs at 128 KiB chunks and
+/// 4.12 µs at 256 KiB (0.45x and 0.43x NCCL), the zero-copy one 15.16 and 15.26 µs (1.82x and
+/// 1.58x NCCL).
+pub const ALLTOALL_PACKET_MAX_CHUNK: usize = 256 << 10;
 
 /// Limits the default selector needs from the algorithms as built (their scratch capacity).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -358,6 +362,8 @@ pub struct NativeLimits {
     pub allgather_packet_max_bytes: usize,
     /// Largest input (bytes per rank, all chunks) `default_reducescatter_packet` can take.
     pub reducescatter_packet_max_bytes: usize,
+    /// Largest chunk (bytes per peer) `default_alltoall_packet` can take.
+    pub alltoall_packet_max_chunk: usize,
     /// Largest world size of the native kernels.
     pub max_ranks: usize,
     /// The all-reduce the collection built for ranks on several hosts, which the selector takes
@@ -550,7 +556,8 @@ fn native_choice(limits: &NativeLimits, ctx: &SelectionContext) -> Option<&'stat
         Collective::Broadcast => Some(BROADCAST_ZERO_COPY),
         // `bytes` is this rank's whole send buffer, one chunk per rank.
         Collective::AllToAll => {
-            if bytes / ctx.world_size <= ALLTOALL_PACKET_MAX_CHUNK {
+            let chunk = bytes / ctx.world_size;
+            if chunk <= ALLTOALL_PACKET_MAX_CHUNK && chunk <= limits.alltoall_packet_max_chunk {
                 Some(ALLTOALL_PACKET)
             } else {
                 Some(ALLTOALL_ZERO_COPY)
@@ -591,6 +598,7 @@ mod tests {
         packet_max_bytes: 4 << 20,
         allgather_packet_max_bytes: 1 << 20,
         reducescatter_packet_max_bytes: 2 << 20,
+        alltoall_packet_max_chunk: 480 << 10,
         max_ranks: 8,
         multi_host_allreduce: None,
     };
@@ -781,10 +789,12 @@ mod tests {
     #[case(Collective::ReduceScatter, 512 << 10, 8, REDUCESCATTER_PACKET)]
     #[case(Collective::ReduceScatter, (512 << 10) + 8, 8, REDUCESCATTER_ZERO_COPY)]
     #[case(Collective::Broadcast, 1, 2, BROADCAST_ZERO_COPY)]
-    #[case(Collective::AllToAll, 1 << 20, 8, ALLTOALL_ZERO_COPY)]
-    #[case(Collective::AllToAll, 512 << 10, 8, ALLTOALL_PACKET)]
-    #[case(Collective::AllToAll, (512 << 10) + 8, 8, ALLTOALL_ZERO_COPY)]
+    #[case(Collective::AllToAll, 4 << 20, 8, ALLTOALL_ZERO_COPY)]
+    #[case(Collective::AllToAll, 2 << 20, 8, ALLTOALL_PACKET)]
+    #[case(Collective::AllToAll, (2 << 20) + 8, 8, ALLTOALL_ZERO_COPY)]
     #[case(Collective::AllToAll, 128 << 10, 2, ALLTOALL_PACKET)]
+    #[case(Collective::AllToAll, 512 << 10, 2, ALLTOALL_PACKET)]
+    #[case(Collective::AllToAll, (512 << 10) + 16, 2, ALLTOALL_ZERO_COPY)]
     #[case(Collective::SendRecv, 1 << 20, 4, SENDRECV_ZERO_COPY)]
     #[case(Collective::Reduce, 1, 8, REDUCE_ZERO_COPY)]
     #[case(Collective::Reduce, 1 << 30, 2, REDUCE_ZERO_COPY)]
@@ -824,6 +834,7 @@ mod tests {
             packet_max_bytes: 64 << 10,
             allgather_packet_max_bytes: 1024,
             reducescatter_packet_max_bytes: 2048,
+            alltoall_packet_max_chunk: 1024,
             max_ranks: 8,
             multi_host_allreduce: None,
         };
@@ -838,6 +849,9 @@ mod tests {
         let rs = |b| sel(&ctx(Collective::ReduceScatter, b, 2));
         assert_eq!(rs(2048).as_deref(), Some(REDUCESCATTER_PACKET));
         assert_eq!(rs(2050).as_deref(), Some(REDUCESCATTER_ZERO_COPY));
+        let a2a = |b| sel(&ctx(Collective::AllToAll, b, 2));
+        assert_eq!(a2a(2048).as_deref(), Some(ALLTOALL_PACKET));
+        assert_eq!(a2a(2050).as_deref(), Some(ALLTOALL_ZERO_COPY));
     }
 
     #[rstest]
