@@ -224,7 +224,8 @@ def compare(a, b):
             state += "; not measured at " + ", ".join(unmeasured)
         elif unmeasured and len(unmeasured) < len(results):
             state = "met where measured; not measured at " + ", ".join(unmeasured)
-        lines.append(f"- {collective} {mode}, {t}: {state} ({len(missed)} of {len(results)} sizes missed)")
+        counted = f"{len(missed)} of {len(results)} sizes" if missed else f"{len(results)} sizes"
+        lines.append(f"- {collective} {mode}, {t}: {state} ({counted})")
     for side, run in (("NCCL", nccl), ("ours", ours)):
         for r in run.get("skipped", []):
             failed.append(f"{r['collective']} {r['mode']} {fmt_size(r['size_bytes'])} {side}: not measured: {r['why']}")
