@@ -633,24 +633,15 @@ MSCCLPP_DEVICE_INLINE bool run_pipeline(const PlanArgs& a, u32 o, u32 flag) {
 // block walks them: otherwise every op starts with a chain of dependent L2 round trips (the op,
 // then its references or ids), which is most of a small message's time in plans of many ops.
 // MSCCL++ copies its ops into shared memory for the same reason. A hint only: nothing waits on it.
-// A hint to bring `p` into L1 (PTX prefetch; no such hint on AMD GPUs, where it does nothing).
-MSCCLPP_DEVICE_INLINE void prefetch_l1(const void* p) {
-#if defined(MSCCLPP_HIP)
-  (void)p;
-#else
-  asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
-#endif
-}
-
 MSCCLPP_DEVICE_INLINE void prefetch_ops(const PlanArgs& a, u32 first, u32 last) {
   for (u32 o = first + threadIdx.x; o < last; o += blockDim.x) {
     const PlanOp op = a.ops[o];
     if (op.nsrc + op.ndst > 0) {
       const PlanRef* r = a.refs + op.first_ref;
-      prefetch_l1(r);
-      prefetch_l1(r + op.nsrc + op.ndst - 1);
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(r));
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(r + op.nsrc + op.ndst - 1));
     }
-    if (op.nids > 0) prefetch_l1(a.ids + op.first_id);
+    if (op.nids > 0) asm volatile("prefetch.global.L1 [%0];" ::"l"(a.ids + op.first_id));
   }
 }
 
