@@ -365,6 +365,84 @@ mod tests {
         ));
     }
 
+    /// The child process that plays rank 1 in [`a_killed_or_stopped_peer_fails_the_waiting_end`]:
+    /// it joins the bootstrap whose id the parent passes, does the handshake's first exchange,
+    /// then waits to be killed or stopped.
+    const PEER_ID_VAR: &str = "MSCCLPP_IB_TEST_PEER_ID";
+
+    fn liveness_config() -> mscclpp_core::bootstrap::BootstrapConfig {
+        mscclpp_core::bootstrap::BootstrapConfig::default()
+            .with_timeout(Duration::from_secs(20))
+            .with_liveness_timeout(Duration::from_secs(2))
+    }
+
+    /// A communicator's bootstrap watches its peers (`Communicator::new` does this); the test
+    /// needs only the watch, not a listener.
+    struct NoListener;
+
+    impl mscclpp_core::bootstrap::FailureListener for NoListener {
+        fn job_failed(&self, _rank: usize, _reason: &str) {}
+    }
+
+    /// Watches the peers as a communicator does, then lets a few heartbeats pass: connections
+    /// open well after the communicator (until a peer's first beat is heard the bootstrap allows
+    /// it its full timeout, see `TcpBootstrap`'s liveness docs).
+    fn watched(boot: &mscclpp_core::bootstrap::TcpBootstrap, listener: &Arc<NoListener>) {
+        let weak: std::sync::Weak<NoListener> = Arc::downgrade(listener);
+        boot.watch_failures(weak);
+        boot.barrier().unwrap();
+        std::thread::sleep(Duration::from_millis(600));
+    }
+
+    /// A real peer process dies (SIGKILL) or stalls (SIGSTOP) in the middle of the handshake, after
+    /// its first message: the waiting end fails naming rank 1 (its bootstrap connection closed,
+    /// or no heartbeat within the 2 s liveness timeout), within seconds, instead of hanging.
+    #[test]
+    fn a_killed_or_stopped_peer_fails_the_waiting_end() {
+        use mscclpp_core::bootstrap::{TcpBootstrap, UniqueId};
+        use std::process::{Command, Stdio};
+        if let Ok(hex) = std::env::var(PEER_ID_VAR) {
+            let id = UniqueId::from_hex(&hex).unwrap();
+            let boot = TcpBootstrap::new(1, 2, &id, &liveness_config()).unwrap();
+            let listener = Arc::new(NoListener);
+            watched(&boot, &listener);
+            Handshake::new(&boot, 0).exchange(b"one").unwrap();
+            std::thread::sleep(Duration::from_secs(120));
+            panic!("the parent never signalled this peer");
+        }
+        for signal in [libc::SIGKILL, libc::SIGSTOP] {
+            let cfg = liveness_config();
+            let id = TcpBootstrap::create_unique_id(&cfg).unwrap();
+            let mut child = Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "connector::tests::a_killed_or_stopped_peer_fails_the_waiting_end",
+                ])
+                .env(PEER_ID_VAR, id.to_hex())
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap();
+            let boot = TcpBootstrap::new(0, 2, &id, &cfg).unwrap();
+            let listener = Arc::new(NoListener);
+            watched(&boot, &listener);
+            let mut hs = Handshake::new(&boot, 1);
+            assert_eq!(hs.exchange(b"one").unwrap(), b"one");
+            // SAFETY: signals the child this test spawned and still owns.
+            assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, signal) }, 0);
+            let signalled = std::time::Instant::now();
+            let err = hs.exchange(b"two").unwrap_err().to_string();
+            let took = signalled.elapsed();
+            let _ = child.kill();
+            let _ = child.wait();
+            eprintln!("signal {signal}: the waiting end failed after {took:?}: {err}");
+            assert!(
+                took < Duration::from_secs(10),
+                "signal {signal}: {took:?}: {err}"
+            );
+            assert!(err.contains("rank 1"), "signal {signal}: {err}");
+        }
+    }
+
     /// The explicit switch is the reason, whatever the host has.
     #[test]
     fn disabled_by_env_is_unusable() {
