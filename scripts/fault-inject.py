@@ -151,6 +151,11 @@ def rank_env(workload, rank, nranks):
 
 
 def gpu_count():
+    """The GPUs this command may use: CUDA_VISIBLE_DEVICES's list when set (a lane of a machine
+    with several GPUs), else every GPU nvidia-smi lists."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if visible:
+        return len([d for d in visible.split(",") if d.strip()])
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True)
         return max(1, len(out.stdout.strip().splitlines()))
@@ -169,13 +174,21 @@ class Mps:
         }
         for key in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"):
             os.makedirs(self.env[key], exist_ok=True)
+        # The server sees only the GPUs visible when it starts, numbered from 0, and its clients
+        # name GPUs by that numbering (CUDA_VISIBLE_DEVICES=2 would leave a client with no GPU):
+        # the daemon keeps the caller's list, the clients get it renumbered.
+        self.daemon_env = dict(self.env)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+        if visible:
+            self.env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpu_count()))
 
     def start(self):
-        subprocess.run(["nvidia-cuda-mps-control", "-d"], env={**os.environ, **self.env}, check=True)
+        subprocess.run(["nvidia-cuda-mps-control", "-d"], env={**os.environ, **self.daemon_env},
+                       check=True)
 
     def stop(self):
         subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True,
-                       env={**os.environ, **self.env}, check=False)
+                       env={**os.environ, **self.daemon_env}, check=False)
         time.sleep(1)
 
 

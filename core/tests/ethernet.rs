@@ -199,9 +199,15 @@ impl Parent {
     }
 
     fn accept(&self) -> EthernetTransport {
-        self.listener
-            .accept(&config(PARENT, CHILD), self.reg.clone())
-            .unwrap()
+        self.accept_naming(CHILD)
+    }
+
+    /// As `accept`, the child being rank `job_rank` of the whole job: a sub-communicator's link,
+    /// where its rank in the group (CHILD) is another number.
+    fn accept_naming(&self, job_rank: usize) -> EthernetTransport {
+        let mut c = config(PARENT, CHILD);
+        c.remote_job_rank = job_rank;
+        self.listener.accept(&c, self.reg.clone()).unwrap()
     }
 
     /// The region the child posted into the mailbox (after signal 1).
@@ -411,11 +417,14 @@ fn killed_sender_is_a_peer_error_on_the_receiver() {
     assert!(matches!(err, Error::Peer { rank: CHILD, .. }), "{err}");
 }
 
+/// The writer's errors name the dead peer by its rank in the whole job (a cross-host group's link
+/// of a hierarchical algorithm once named its group rank, another process's number).
 #[test]
 fn killed_receiver_is_a_peer_error_on_the_writer() {
+    const CHILD_JOB_RANK: usize = 7;
     let p = Parent::new();
     let mut child = ChildGuard(spawn_child("sink", p.addr(), &[p.inbound_r, p.mailbox_r]));
-    let t = Arc::new(p.accept());
+    let t = Arc::new(p.accept_naming(CHILD_JOB_RANK));
     let dst_r = p.child_region();
     let mut src = Buf::new(64 * MIB, 3);
     let src_r = src.register(&p.reg);
@@ -434,11 +443,23 @@ fn killed_receiver_is_a_peer_error_on_the_writer() {
     let err: Error = writer.join().unwrap().unwrap_err();
     eprintln!("writer error {:?} after the kill: {err}", killed.elapsed());
     assert!(killed.elapsed() < Duration::from_secs(5));
-    assert!(matches!(err, Error::Peer { rank: CHILD, .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::Peer {
+                rank: CHILD_JOB_RANK,
+                ..
+            }
+        ),
+        "{err}"
+    );
     // Every later call fails fast with the same cause.
     assert!(matches!(
         t.flush(T).unwrap_err(),
-        Error::Peer { rank: CHILD, .. }
+        Error::Peer {
+            rank: CHILD_JOB_RANK,
+            ..
+        }
     ));
 }
 

@@ -71,6 +71,13 @@ pub trait Bootstrap: Send + Sync {
         let _ = within;
         Vec::new()
     }
+
+    /// `rank`'s rank in the whole job, which errors name: a sub-bootstrap's ranks are its group's
+    /// (`SubBootstrap`), so "rank 1" of a cross-host group would be a different process than the
+    /// job's rank 1. The default: the same rank (a bootstrap of the whole job).
+    fn job_rank(&self, rank: usize) -> usize {
+        rank
+    }
 }
 
 /// Test support: runs `body(rank, bootstrap)` on `n` ranks of one TCP bootstrap job over loopback

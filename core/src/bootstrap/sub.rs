@@ -222,6 +222,10 @@ impl Bootstrap for SubBootstrap {
     fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
         collectives::all_gather(&self.link, self.next_seq(), data)
     }
+    fn job_rank(&self, rank: usize) -> usize {
+        let parent_rank = self.link.members.get(rank).copied().unwrap_or(rank);
+        self.link.parent.job_rank(parent_rank)
+    }
     fn barrier(&self) -> Result<()> {
         collectives::barrier(&self.link, self.next_seq())
     }
@@ -269,6 +273,8 @@ mod tests {
             let c = SubBootstrap::split(parent.clone(), &cross).expect("cross split");
             assert_eq!((h.rank(), h.size()), (r % 3, 3));
             assert_eq!((c.rank(), c.size()), (r / 3, 2));
+            // Errors name the job's ranks: cross sub-rank 1 is job rank r % 3 + 3.
+            assert_eq!((c.job_rank(1), h.job_rank(0)), (r % 3 + 3, r / 3 * 3));
             let hg = h.all_gather(&[r as u8]).expect("host all_gather");
             let cg = c.all_gather(&[r as u8, 7]).expect("cross all_gather");
             // Same user tag in both groups and in the parent: each reaches its own receiver.

@@ -284,6 +284,7 @@ fn connect_ethernet(
     let addrs = bootstrap.all_gather(mine.as_bytes())?;
     let config = |peer: usize| {
         let mut c = EthernetConfig::new(me, peer, secret.clone());
+        c.remote_job_rank = bootstrap.job_rank(peer);
         c.connect_timeout = env.bootstrap_timeout;
         c.io_timeout = env.device_wait_timeout;
         c

@@ -72,6 +72,10 @@ pub struct EthernetConfig {
     pub rank: usize,
     /// The rank at the other end.
     pub remote_rank: usize,
+    /// The other end's rank in the whole job, which errors and logs name: inside a
+    /// sub-communicator (`Communicator::split`) `remote_rank` is its rank in the group. Defaults
+    /// to `remote_rank`.
+    pub remote_job_rank: usize,
     /// Job secret both ends must present (the bootstrap's secret, typically).
     pub secret: Vec<u8>,
     /// How long connect/accept (including the handshake) may take.
@@ -87,6 +91,7 @@ impl EthernetConfig {
         EthernetConfig {
             rank,
             remote_rank,
+            remote_job_rank: remote_rank,
             secret: secret.into(),
             connect_timeout: Duration::from_secs(30),
             io_timeout: Duration::from_secs(30),
@@ -268,7 +273,7 @@ fn connect_one(
         let remaining = deadline.saturating_duration_since(Instant::now());
         if remaining.is_zero() {
             return Err(Error::Timeout {
-                what: format!("connecting to rank {} at {addr}", config.remote_rank),
+                what: format!("connecting to rank {} at {addr}", config.remote_job_rank),
                 timeout: config.connect_timeout,
             });
         }
@@ -285,7 +290,7 @@ fn connect_one(
             Err(e) if e.kind() == io::ErrorKind::TimedOut => continue,
             Err(e) => {
                 return Err(Error::io(
-                    format!("connecting to rank {} at {addr}", config.remote_rank),
+                    format!("connecting to rank {} at {addr}", config.remote_job_rank),
                     e,
                 ))
             }
@@ -295,7 +300,7 @@ fn connect_one(
         Error::io(
             format!(
                 "Ethernet handshake with rank {} at {addr}",
-                config.remote_rank
+                config.remote_job_rank
             ),
             e,
         )
@@ -320,15 +325,15 @@ fn connect_one(
         STATUS_OK => Ok(stream),
         STATUS_BAD_SECRET => Err(Error::Bootstrap(format!(
             "rank {} rejected our Ethernet connection: job secret mismatch",
-            config.remote_rank
+            config.remote_job_rank
         ))),
         STATUS_BAD_RANK => Err(Error::Bootstrap(format!(
             "the listener at {addr} is not rank {}",
-            config.remote_rank
+            config.remote_job_rank
         ))),
         other => Err(Error::Bootstrap(format!(
             "rank {} answered the Ethernet handshake with unknown status {other}",
-            config.remote_rank
+            config.remote_job_rank
         ))),
     }
 }
@@ -448,7 +453,7 @@ impl EthernetTransport {
             let resolver = Arc::clone(&resolver);
             let config = config.clone();
             std::thread::Builder::new()
-                .name(format!("mscclpp-eth-rx-{}", config.remote_rank))
+                .name(format!("mscclpp-eth-rx-{}", config.remote_job_rank))
                 .spawn(move || {
                     let mut rx = Receiver {
                         stream: inc,
@@ -460,7 +465,7 @@ impl EthernetTransport {
                     if let Err(msg) = rx.run() {
                         tracing::error!(
                             "Ethernet receiver for rank {}: {msg}",
-                            rx.config.remote_rank
+                            rx.config.remote_job_rank
                         );
                         if let Ok(mut f) = shared.failure.lock() {
                             f.get_or_insert(msg);
@@ -497,7 +502,7 @@ impl EthernetTransport {
 
     fn peer_error(&self, message: String) -> Error {
         Error::Peer {
-            rank: self.remote_rank,
+            rank: self.config.remote_job_rank,
             message,
         }
     }
@@ -521,7 +526,10 @@ impl EthernetTransport {
         ) {
             s.broken = Some(format!("timed out {doing}"));
             Error::Timeout {
-                what: format!("rank {} while {doing} over Ethernet", self.remote_rank),
+                what: format!(
+                    "rank {} while {doing} over Ethernet",
+                    self.config.remote_job_rank
+                ),
                 timeout: self.config.io_timeout,
             }
         } else {
@@ -626,7 +634,10 @@ impl Transport for EthernetTransport {
                 s.broken =
                     Some("a flush timed out; its acknowledgement would arrive out of turn".into());
                 return Err(Error::Timeout {
-                    what: format!("rank {} to acknowledge an Ethernet flush", self.remote_rank),
+                    what: format!(
+                        "rank {} to acknowledge an Ethernet flush",
+                        self.config.remote_job_rank
+                    ),
                     timeout,
                 });
             }
@@ -760,7 +771,7 @@ impl Receiver {
     fn note(&mut self, msg: String) {
         tracing::warn!(
             "Ethernet receiver for rank {}: {msg}",
-            self.config.remote_rank
+            self.config.remote_job_rank
         );
         self.pending_error.get_or_insert(msg);
     }
