@@ -107,6 +107,7 @@ impl IbEndpoint for VerbsEndpoint {
         let mut handshake = Handshake::new(bootstrap, peer);
         let result = (|| -> Result<IbPeerTransport> {
             let mut config = IbConfig::new(me, peer);
+            config.remote_job_rank = bootstrap.job_rank(peer);
             config.op_timeout = self.op_timeout;
             let link = IbTransport::connect(&self.ctx, config, |b| handshake.exchange(b))?;
             let local = MemoryTable {
@@ -161,7 +162,7 @@ impl<'a> Handshake<'a> {
             Some(why) => {
                 self.notified = true;
                 Err(Error::Peer {
-                    rank: self.peer,
+                    rank: self.bootstrap.job_rank(self.peer),
                     message: format!(
                         "failed to set up its end of the IB connection: {}",
                         String::from_utf8_lossy(why)

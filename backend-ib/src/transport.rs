@@ -67,6 +67,9 @@ pub struct IbConfig {
     pub rank: usize,
     /// The rank at the other end.
     pub remote_rank: usize,
+    /// The other end's rank in the whole job, which errors and logs name: inside a
+    /// sub-communicator `remote_rank` is its rank in the group. Defaults to `remote_rank`.
+    pub remote_job_rank: usize,
     /// Send queue depth: work requests in flight before a post waits for completions.
     pub max_send_wr: u32,
     /// Receive queue depth (used in write-with-immediate mode).
@@ -86,6 +89,7 @@ impl IbConfig {
         IbConfig {
             rank,
             remote_rank,
+            remote_job_rank: remote_rank,
             max_send_wr: 1024,
             max_recv_wr: 1024,
             op_timeout: Duration::from_secs(60),
@@ -205,7 +209,7 @@ impl std::fmt::Debug for IbTransport {
             f,
             "IbTransport(rank {} -> {} over {}, QPN {:#x}, {})",
             self.config.rank,
-            self.config.remote_rank,
+            self.config.remote_job_rank,
             self.device.describe(),
             self.qp_num(),
             if self.no_atomic {
@@ -232,7 +236,7 @@ impl IbTransport {
         if mode == IbvMode::Host && !atomics {
             tracing::warn!(target: mscclpp_core::log::target::NET,
                 "{} does not support RDMA atomics; signalling rank {} with write-with-immediate instead",
-                device.describe(), config.remote_rank);
+                device.describe(), config.remote_job_rank);
         }
         let want_no_atomic = mode == IbvMode::HostNoAtomic || !atomics;
         let scratch = Box::new(AtomicU64::new(0));
@@ -286,7 +290,7 @@ impl IbTransport {
         let ready = exchange(READY_MARKER)?;
         if ready.as_slice() != READY_MARKER {
             return Err(Error::Peer {
-                rank: t.config.remote_rank,
+                rank: t.config.remote_job_rank,
                 message: format!(
                     "expected the IB ready marker after connection info, got {} bytes",
                     ready.len()
@@ -364,7 +368,7 @@ impl IbTransport {
 
     fn peer_error(&self, message: String) -> Error {
         Error::Peer {
-            rank: self.config.remote_rank,
+            rank: self.config.remote_job_rank,
             message: format!("{} ({})", message, self.device.describe()),
         }
     }
@@ -387,7 +391,7 @@ impl IbTransport {
                 last_errno(),
                 &format!(
                     "creating a completion queue of {depth} entries for rank {}",
-                    self.config.remote_rank
+                    self.config.remote_job_rank
                 ),
             ));
         }
@@ -418,7 +422,7 @@ impl IbTransport {
                 last_errno(),
                 &format!(
                     "creating an RC queue pair for rank {}",
-                    self.config.remote_rank
+                    self.config.remote_job_rank
                 ),
             ));
         }
@@ -435,7 +439,7 @@ impl IbTransport {
                 rc,
                 &format!(
                     "moving the queue pair to rank {} to {step}",
-                    self.config.remote_rank
+                    self.config.remote_job_rank
                 ),
             ));
         }
@@ -557,7 +561,7 @@ impl IbTransport {
                 rc,
                 &format!(
                     "posting a receive for signals from rank {}",
-                    self.config.remote_rank
+                    self.config.remote_job_rank
                 ),
             )
         })
@@ -570,7 +574,7 @@ impl IbTransport {
         };
         let device = self.device.clone();
         let shared = self.signals.clone();
-        let remote = self.config.remote_rank;
+        let remote = self.config.remote_job_rank;
         let thread = std::thread::Builder::new()
             .name(format!("mscclpp-ib-recv-{remote}"))
             .spawn(move || receive_signals(handles, device, shared, remote))
@@ -599,7 +603,7 @@ impl IbTransport {
                 let what = format!(
                     "{} to rank {} on {} failed: {} (vendor error {:#x})",
                     kind_name(c.wr_id),
-                    self.config.remote_rank,
+                    self.config.remote_job_rank,
                     self.device.describe(),
                     wc_status_text(c.status),
                     c.vendor_err
@@ -627,7 +631,7 @@ impl IbTransport {
                     return Err(Error::Timeout {
                         what: format!(
                             "room in the IB send queue to rank {} ({} work requests outstanding on {})",
-                            self.config.remote_rank,
+                            self.config.remote_job_rank,
                             s.outstanding,
                             self.device.describe()
                         ),
@@ -650,7 +654,7 @@ impl IbTransport {
                 &format!(
                     "posting an {} to rank {}",
                     kind_name(kind),
-                    self.config.remote_rank
+                    self.config.remote_job_rank
                 ),
             ));
         }
@@ -802,7 +806,7 @@ impl Transport for IbTransport {
         if remote_addr % 8 != 0 {
             return Err(Error::InvalidArgument(format!(
                 "IB semaphore {remote_addr:#x} on rank {} is not 8-byte aligned",
-                self.config.remote_rank
+                self.config.remote_job_rank
             )));
         }
         let mut s = lock(&self.send, "IB send state")?;
@@ -867,7 +871,7 @@ impl Transport for IbTransport {
                         what: format!(
                             "IB completions of {} work request(s) to rank {} on {}",
                             s.outstanding,
-                            self.config.remote_rank,
+                            self.config.remote_job_rank,
                             self.device.describe()
                         ),
                         timeout,

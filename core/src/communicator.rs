@@ -535,7 +535,11 @@ impl Communicator {
                  reach this wait)"
                     .to_string()
             } else {
-                let ranks: Vec<String> = silent.iter().map(|r| format!("rank {r}")).collect();
+                // A sub-communicator's ranks are its group's: name the job's.
+                let ranks: Vec<String> = silent
+                    .iter()
+                    .map(|&r| format!("rank {}", self.bootstrap.job_rank(r)))
+                    .collect();
                 format!(
                     "{} did not answer a liveness ping within {:?} (stopped, hung or dead)",
                     ranks.join(", "),
