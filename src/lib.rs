@@ -97,6 +97,9 @@ impl Gpu for GpuBackend {
     fn properties(&self, device: usize) -> Result<DeviceProperties> {
         dispatch!(self, g => g.properties(device))
     }
+    fn shared_memory_kind(&self, device: usize) -> MemoryKind {
+        dispatch!(self, g => g.shared_memory_kind(device))
+    }
     fn alloc(&self, size: usize, kind: MemoryKind) -> Result<Allocation> {
         dispatch!(self, g => g.alloc(size, kind))
     }

@@ -591,6 +591,17 @@ impl Gpu for CudaGpu {
         })
     }
 
+    /// VMM where the device has it and this process may copy its peers' descriptors
+    /// ([`crate::ipc::peer_descriptors_copyable`]): otherwise peers could not import it.
+    fn shared_memory_kind(&self, device: usize) -> MemoryKind {
+        let vmm = self.properties(device).is_ok_and(|p| p.supports_vmm);
+        if vmm && crate::ipc::peer_descriptors_copyable() {
+            MemoryKind::Vmm
+        } else {
+            MemoryKind::Plain
+        }
+    }
+
     fn alloc(&self, size: usize, kind: MemoryKind) -> Result<Allocation> {
         if size == 0 {
             return Err(Error::InvalidArgument(

@@ -164,6 +164,38 @@ pub fn fetch_peer_fd(pid: u32, fd: i32) -> Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(got as i32) })
 }
 
+/// Whether this process may copy its peers' descriptors (module docs), decided once: the
+/// syscalls work here (kernel >= 5.6, not filtered by seccomp: tried on a descriptor of our own),
+/// and Yama lets a process attach to a non-descendant of the same user (no Yama, or
+/// `ptrace_scope` 0), or this process holds CAP_SYS_PTRACE. Peers run as the same user and under
+/// the same sysctl, so the answer holds for them too.
+pub fn peer_descriptors_copyable() -> bool {
+    static COPYABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *COPYABLE.get_or_init(|| {
+        let syscalls_work = std::fs::File::open("/dev/null").is_ok_and(|f| {
+            use std::os::fd::AsRawFd;
+            fetch_peer_fd(std::process::id(), f.as_raw_fd()).is_ok()
+        });
+        let yama_allows = match std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope") {
+            Ok(scope) => scope.trim() == "0",
+            Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+        };
+        syscalls_work && (yama_allows || holds_cap_sys_ptrace())
+    })
+}
+
+/// CAP_SYS_PTRACE (bit 19) in this process's effective capabilities.
+fn holds_cap_sys_ptrace() -> bool {
+    const CAP_SYS_PTRACE: u32 = 19;
+    std::fs::read_to_string("/proc/self/status").is_ok_and(|status| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("CapEff:"))
+            .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+            .is_some_and(|caps| caps & (1 << CAP_SYS_PTRACE) != 0)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -214,6 +246,18 @@ mod tests {
             // Old kernels or seccomp sandboxes: the message must say what failed.
             Err(e) => assert!(e.to_string().contains("pidfd"), "{e}"),
         }
+    }
+
+    /// Where the syscalls fail (old kernel, seccomp), VMM must not be chosen for shared buffers.
+    #[test]
+    fn descriptors_are_not_copyable_where_the_syscalls_fail() {
+        let file = std::fs::File::open("/dev/null").unwrap();
+        let syscalls_work = fetch_peer_fd(std::process::id(), file.as_raw_fd()).is_ok();
+        eprintln!(
+            "pidfd_getfd works: {syscalls_work}; peers' descriptors copyable: {}",
+            peer_descriptors_copyable()
+        );
+        assert!(syscalls_work || !peer_descriptors_copyable());
     }
 
     #[test]

@@ -30,7 +30,12 @@ pub struct DeviceBuffer {
 impl DeviceBuffer {
     /// `bytes` of zeroed device memory (zeroed synchronously: this runs at setup only).
     pub fn zeroed(gpu: &Arc<dyn Gpu>, bytes: usize) -> Result<DeviceBuffer> {
-        let alloc = gpu.alloc(bytes.max(1), MemoryKind::Plain)?;
+        DeviceBuffer::zeroed_as(gpu, bytes, MemoryKind::Plain)
+    }
+
+    /// As [`DeviceBuffer::zeroed`], of memory `kind`.
+    pub fn zeroed_as(gpu: &Arc<dyn Gpu>, bytes: usize, kind: MemoryKind) -> Result<DeviceBuffer> {
+        let alloc = gpu.alloc(bytes.max(1), kind)?;
         let buf = DeviceBuffer {
             gpu: gpu.clone(),
             alloc,
@@ -89,7 +94,8 @@ impl SharedScratch {
         bytes: usize,
         tail: usize,
     ) -> Result<SharedScratch> {
-        let local = DeviceBuffer::zeroed(comm.gpu(), bytes + tail)?;
+        let kind = comm.gpu().shared_memory_kind(comm.device());
+        let local = DeviceBuffer::zeroed_as(comm.gpu(), bytes + tail, kind)?;
         let reg = comm.register(local.allocation(), local.ptr(), bytes)?;
         let peers = comm.exchange(reg)?;
         Ok(SharedScratch {

@@ -13,7 +13,7 @@ use crate::device::{D2DSemaphoreHandle, MemoryChannelHandle};
 use crate::env::Env;
 use crate::error::{Error, Result};
 use crate::gpu::{
-    Allocation, DevicePtr, Event, Gpu, HostMapped, ImportedMemory, IpcMemHandle, MemoryKind, Stream,
+    Allocation, DevicePtr, Event, Gpu, HostMapped, ImportedMemory, IpcMemHandle, Stream,
 };
 use crate::topology::{
     host_identity, ranks_in_process, ranks_sharing_device, sm_share, usable_sms, Placement,
@@ -361,7 +361,7 @@ impl Communicator {
         let slab_bytes = 2 * size * SEMAPHORES_PER_PEER * std::mem::size_of::<u64>();
         let alloc = gpu.alloc(
             slab_bytes + crate::device::ERROR_WORD_BYTES,
-            MemoryKind::Plain,
+            gpu.shared_memory_kind(device),
         )?;
         gpu.memset_async(alloc.ptr, 0, slab_bytes, crate::gpu::Stream::DEFAULT)?;
         gpu.synchronize_stream(crate::gpu::Stream::DEFAULT)?;
@@ -820,6 +820,7 @@ impl Drop for Communicator {
 mod tests {
     use super::*;
     use crate::bootstrap::on_loopback_ranks;
+    use crate::gpu::MemoryKind;
     use crate::port_channel::test_gpu::HostGpu;
 
     /// Runs `body(rank, comm)` on `n` thread ranks, each with a communicator over a TCP bootstrap

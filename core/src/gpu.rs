@@ -281,6 +281,15 @@ pub trait Gpu: Send + Sync {
 
     fn properties(&self, device: usize) -> Result<DeviceProperties>;
 
+    /// The kind of memory for buffers that peers map (semaphore slabs, scratch). A backend
+    /// answers VMM where its peers can import VMM allocations, because an importer's mapping of
+    /// one keeps it alive after its exporter died, where a legacy IPC import may fault
+    /// (docs/fail-fast.md, "A dead peer's memory"). The default: Plain, valid everywhere.
+    fn shared_memory_kind(&self, device: usize) -> MemoryKind {
+        let _ = device;
+        MemoryKind::Plain
+    }
+
     /// Allocates `size` bytes (size > 0) on the current device.
     fn alloc(&self, size: usize, kind: MemoryKind) -> Result<Allocation>;
 
