@@ -221,6 +221,19 @@ impl CudaGpu {
         Ok(v)
     }
 
+    /// VMM allocations that can be exported as POSIX file descriptors (how peers import them).
+    fn supports_vmm(&self, dev: sys::CUdevice) -> Result<bool> {
+        use sys::CUdevice_attribute as A;
+        Ok(self.attribute(
+            dev,
+            A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+        )? != 0
+            && self.attribute(
+                dev,
+                A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+            )? != 0)
+    }
+
     fn vmm_prop(&self, dev: sys::CUdevice) -> Result<sys::CUmemAllocationProp> {
         let rdma = self.attribute(
             dev,
@@ -572,8 +585,7 @@ impl Gpu for CudaGpu {
         let attr = |a| self.attribute(dev, a);
         let major = attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
         let minor = attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
-        let vmm = attr(A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)? != 0
-            && attr(A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED)? != 0;
+        let vmm = self.supports_vmm(dev)?;
         let to_u32 = |v: i32| u32::try_from(v).unwrap_or(0);
         Ok(DeviceProperties {
             vendor: GpuVendor::Nvidia,
@@ -594,7 +606,11 @@ impl Gpu for CudaGpu {
     /// VMM where the device has it and this process may copy its peers' descriptors
     /// ([`crate::ipc::peer_descriptors_copyable`]): otherwise peers could not import it.
     fn shared_memory_kind(&self, device: usize) -> MemoryKind {
-        let vmm = self.properties(device).is_ok_and(|p| p.supports_vmm);
+        // Two attributes, not the whole `properties` query: this runs for every shared buffer.
+        let vmm = self
+            .device(device)
+            .and_then(|dev| self.supports_vmm(dev))
+            .unwrap_or(false);
         if vmm && crate::ipc::peer_descriptors_copyable() {
             MemoryKind::Vmm
         } else {
