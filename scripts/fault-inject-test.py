@@ -174,6 +174,11 @@ def main():
         row = rows["2 ranks KILL eager no MPS"]
         check(r.returncode == 1 and row["passed"] == 0 and any(reason in k for k in row["reasons"]),
               f"FAKE_MODE={mode}: the run fails ({row['reasons']})", r)
+        if mode == "hang":
+            with open(os.path.join(tmp, mode, "fault-inject", "failures.log")) as f:
+                log = f.read()
+            check("hung; its threads at the kill:" in log and "thread " in log,
+                  "a hung survivor's threads are in failures.log", r)
 
     # A budget too small for every run: the rest is reported as not started, then run by
     # --missing-from, and the summaries merge into 6 runs of that configuration.

@@ -40,15 +40,19 @@ worlds first within a round, and started in that order as processes end, so a cu
 leaves every configuration with about as many runs.
 
 Configurations with and without MPS run in separate phases (MPS ones last): an MPS control daemon
-serves every client started while it runs, so the phase starts one and quits it at its end. Each
-MPS client is held to --mps-share percent of the SMs (default 100 x GPUs / --parallel-ranks): every
-native kernel needs its whole grid resident while it waits for its peers, and only shares that add
-up to at most 100 % keep the worlds' grids from crowding each other out. Each phase first runs one
-short job per rank count and workload without a signal (smallest worlds first: they compile the
-kernels into the cache that the rest read), then the timed runs, then checks that a new process can
-still create a CUDA context (the "GPU usable after" column: a killed MPS client that took the server
-down shows here, and as failed runs of the worlds that ran beside it; each failed run's log names
-the other worlds' signals sent during its life).
+serves every client started while it runs, so the phase starts one and quits it at its end. Its
+timed worlds run one at a time: the server answers the SIGKILL of a client whose kernel is running
+with a fatal fault in every client of the GPU (scripts/mps-fault-probe.py), so worlds beside it
+would fail for the driver's reason. Such a fault in a survivor after a KILL under MPS is counted
+as a note, not a failure (the run is judged on its time and error); without MPS, or after a STOP,
+a context fault fails the run. Each MPS client is held to --mps-share percent of the SMs (default:
+its world's share, 100 x GPUs / ranks): every native kernel needs its whole grid resident while it
+waits for its peers. Each phase first runs one short job per rank count and workload without a
+signal (smallest worlds first: they compile the kernels into the cache that the rest read), then
+the timed runs, then checks that a new process can still create a CUDA context (the "GPU usable
+after" column: a killed MPS client that took the server down shows here). A survivor that hangs
+(still running --hang-after seconds after the signal) gets its threads' names, states and kernel
+wait channels (/proc) written into its log before it is killed.
 
 --budget S bounds the whole command (warm-up, MPS start and stop, the probe included): a world is
 started only if it should end in time by the mean duration of its configuration's finished runs;
@@ -396,6 +400,9 @@ class World:
         return self.state == "done"
 
     def _finish(self):
+        # A survivor still running here hangs: where its threads wait goes into its log.
+        dumps = {r: thread_dump(self.procs[r].pid) for r in self.survivors
+                 if self.sent is not None and r not in self.ended and self.procs[r].poll() is None}
         for p in self.procs:
             if p.poll() is None:
                 p.kill()  # a stopped process dies too
@@ -407,6 +414,8 @@ class World:
         for path in self.paths:
             with open(path, "rb") as log:
                 texts.append(ANSI.sub("", log.read().decode("utf-8", "replace")))
+        for r, dump in dumps.items():
+            texts[r] += f"\n[fault-inject] rank {r} hung; its threads at the kill:\n{dump}\n"
         self.texts = texts
         self.result = self._verdicts() if self.warm_up is None else self._warm_up_result()
         self.state = "done"
@@ -423,6 +432,11 @@ class World:
         a = self.a
         named = re.compile(rf"\brank {self.victim}\b")
         budget = a.timeout + a.slack
+        # Under MPS the server answers the SIGKILL of a client whose kernel is running with a
+        # fatal fault in every client of the GPU (scripts/mps-fault-probe.py: even a kernel that
+        # only reads its own device memory): the driver's, not a survivor's own access. Such a
+        # run is judged on the rest and the fault is counted as a note.
+        driver_fault = self.cfg[3] and self.cfg[1] == "KILL"
         before = ("ended before the signal" if self.early else
                   "not running in time" if self.not_running else None)
         verdicts = []
@@ -445,7 +459,7 @@ class World:
                 why = f"still running after {a.hang_after} s (hang)"
             elif self.procs[r].returncode == 0:
                 why = "exited 0"
-            elif CONTEXT_FAULT.search(text):
+            elif CONTEXT_FAULT.search(text) and not driver_fault:
                 why = f"its context faulted ({CONTEXT_FAULT.search(text).group(0)})"
             elif t > budget:
                 why = f"took {t:.2f} s > {budget} s"
@@ -464,8 +478,32 @@ class World:
                   if tag != self.tag and self.started <= t <= self.finished]
         fault = CONTEXT_FAULT.search(self.texts[self.victim]) if self.cfg[1] == "STOP" else None
         victim_fault = f"the continued victim's context faulted ({fault.group(0)})" if fault else None
+        driver_faults = sum(1 for r in self.survivors
+                            if driver_fault and CONTEXT_FAULT.search(self.texts[r]))
         return {"verdicts": verdicts, "before": before, "others": others,
-                "victim_fault": victim_fault}
+                "victim_fault": victim_fault, "driver_faults": driver_faults}
+
+
+def thread_dump(pid):
+    """Each thread of `pid`: its name, state and the kernel function it sleeps in (from /proc, so
+    no debugger is needed on the GPU machine), to see where a hung survivor waits."""
+    lines = []
+    try:
+        for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+            base = f"/proc/{pid}/task/{tid}"
+            try:
+                with open(f"{base}/comm") as f:
+                    comm = f.read().strip()
+                with open(f"{base}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+                with open(f"{base}/wchan") as f:
+                    wchan = f.read().strip() or "-"
+            except OSError:
+                continue
+            lines.append(f"  thread {tid} {comm!r}: state {state}, waiting in {wchan}")
+    except OSError as e:
+        lines.append(f"  (no thread list: {e})")
+    return "\n".join(lines)
 
 
 def excerpt(text, head=15, tail=60):
@@ -519,6 +557,8 @@ def record(row, world, logs, kept):
         reason = re.sub(r"[0-9.]+ s", "N s", failed[0])
         row["reasons"][reason] = row["reasons"].get(reason, 0) + 1
     row["victim"].append(world.victim_end)
+    if res.get("driver_faults"):
+        row["driver_faults"] = row.get("driver_faults", 0) + 1
     if world.load is not None:
         row["load"].append(world.load)
     status = "PASS" if not failed else "FAIL"
@@ -553,10 +593,10 @@ def estimate(a, cfg, durations):
     return 1.0 + 0.2 * cfg[0] + a.settle + detect
 
 
-def run_worlds(a, pending, launch, on_done, deadline=None, estimate_of=None):
-    """Starts the pending items in order as their processes fit under --parallel-ranks, steps the
-    running worlds, and hands each finished one to `on_done`. Items that would not end by
-    `deadline` are dropped; returns them."""
+def run_worlds(a, pending, launch, on_done, deadline=None, estimate_of=None, one_at_a_time=False):
+    """Starts the pending items in order as their processes fit under --parallel-ranks (or, with
+    `one_at_a_time`, each once the one before ended), steps the running worlds, and hands each
+    finished one to `on_done`. Items that would not end by `deadline` are dropped; returns them."""
     active, dropped = [], []
     pending = list(pending)
     while pending or active:
@@ -570,7 +610,7 @@ def run_worlds(a, pending, launch, on_done, deadline=None, estimate_of=None):
         used = sum(w.live() for w in active)
         while pending:
             item = pending[0]
-            if used + item[0] > a.parallel_ranks and active:
+            if active and (one_at_a_time or used + item[0] > a.parallel_ranks):
                 break
             pending.pop(0)
             # Judged when it could start: by then the estimate has the latest finished runs.
@@ -587,14 +627,24 @@ def run_worlds(a, pending, launch, on_done, deadline=None, estimate_of=None):
 def run_phase(a, mps, configs, rows, ngpu, workdir, rundir, logs, ports, phase_deadline, durations):
     """Every run of `configs` (all with or all without MPS): warm-up, timed runs, GPU probe."""
     label = "MPS" if mps else "no MPS"
-    share = a.mps_share or max(1, 100 * ngpu // a.parallel_ranks)
+    # Under MPS timed worlds run one at a time: a SIGKILLed client's running kernel makes the
+    # server fault every client of the GPU (see _verdicts), so worlds beside it would fail for
+    # the driver's reason. Each client is held to its world's share of the SMs.
+    share = a.mps_share or 100
     server = Mps(share, workdir) if mps else None
     extra = server.env if server else {}
+
+    def world_env(n):
+        """A world's extra environment: under MPS without --mps-share, its clients' SM share."""
+        if server and not a.mps_share:
+            return {**extra, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(max(1, 100 * ngpu // n))}
+        return extra
     signals_sent, kept = [], set()
     phase_start = time.monotonic()
     if server:
         server.start()
-        print(f"[{label}] MPS server started, each client held to {share} % of the SMs", flush=True)
+        held = f"{share} %" if a.mps_share else "its world's share (100 % / ranks)"
+        print(f"[{label}] MPS server started, each client held to {held} of the SMs", flush=True)
     try:
         if not a.bench_args:
             # One short job per rank count and kernel family (graph replays launch the eager
@@ -610,7 +660,7 @@ def run_phase(a, mps, configs, rows, ngpu, workdir, rundir, logs, ports, phase_d
             def launch_warm(job):
                 n, w, limit = job
                 return World(a, (n, "KILL", w, mps), ports.take(), rundir,
-                             f"warm-{'mps' if mps else 'nomps'}-n{n}-{w}", extra, signals_sent,
+                             f"warm-{'mps' if mps else 'nomps'}-n{n}-{w}", world_env(n), signals_sent,
                              warm_up=limit)
 
             def warm_done(world):
@@ -627,7 +677,7 @@ def run_phase(a, mps, configs, rows, ngpu, workdir, rundir, logs, ports, phase_d
 
             warm_started = time.monotonic()
             for wave in waves:
-                run_worlds(a, wave, launch_warm, warm_done)
+                run_worlds(a, wave, launch_warm, warm_done, one_at_a_time=bool(server))
             print(f"[{label}] warm-up: {time.monotonic() - warm_started:.1f} s", flush=True)
 
         # Round by round, larger worlds first within a round.
@@ -642,7 +692,7 @@ def run_phase(a, mps, configs, rows, ngpu, workdir, rundir, logs, ports, phase_d
         def launch_run(cfg):
             n, sig, w, _ = cfg
             tag = f"n{n}-{sig}-{w}-{'mps' if mps else 'nomps'}-{next(counter)}"
-            return World(a, cfg, ports.take(), rundir, tag, extra, signals_sent)
+            return World(a, cfg, ports.take(), rundir, tag, world_env(n), signals_sent)
 
         results = {"passed": 0, "failed": 0}
 
@@ -655,7 +705,7 @@ def run_phase(a, mps, configs, rows, ngpu, workdir, rundir, logs, ports, phase_d
         # The probe and the MPS server's quit come after the last world.
         reserve = 0.0 if a.no_gpu else 17.0
         dropped = run_worlds(a, queue, launch_run, run_done, phase_deadline - reserve,
-                             lambda cfg: estimate(a, cfg, durations))
+                             lambda cfg: estimate(a, cfg, durations), one_at_a_time=bool(server))
         for cfg in dropped:
             rows[cfg]["not_started"] += 1
         if dropped:
@@ -669,7 +719,7 @@ def run_phase(a, mps, configs, rows, ngpu, workdir, rundir, logs, ports, phase_d
             server.stop()
     for cfg in configs:
         rows[cfg]["gpu_usable_after"].append(usable)
-        rows[cfg]["parallel_ranks"].append(a.parallel_ranks)
+        rows[cfg]["parallel_ranks"].append(cfg[0] if server else a.parallel_ranks)
     print(f"[{label}] {results['passed']} passed, {results['failed']} failed, "
           f"{time.monotonic() - phase_start:.0f} s", flush=True)
     return len(dropped)
@@ -694,7 +744,10 @@ def table(rows, intro):
                          for k in ("noticed", "torn_down"))
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(row["kinds"].items(), key=lambda kv: -kv[1]))
         reasons = "; ".join((["warm-up failed"] if "FAILED" in row["warm_up"] else [])
-                            + [f"{k} ({n})" for k, n in row["reasons"].items()]).replace("|", "/")
+                            + [f"{k} ({n})" for k, n in row["reasons"].items()]
+                            + ([f"not failures: the MPS server faulted the survivors' contexts after "
+                                f"the kill ({row['driver_faults']} runs)"]
+                               if row.get("driver_faults") else [])).replace("|", "/")
         example = (row["example"] or "-")[:110].replace("|", "/")
         ends = sorted(set(re.sub(r"[0-9.]+ s", "N s", v) for v in row["victim"]))
         usable = "; ".join(sorted(set(row["gpu_usable_after"]))) or "-"
@@ -726,6 +779,7 @@ def merge_rows(documents):
                 continue
             for k in ("runs", "passed"):
                 into[k] += row[k]
+            into["driver_faults"] = into.get("driver_faults", 0) + row.get("driver_faults", 0)
             # Runs left out by one document's budget and run by another's --missing-from.
             into["not_started"] = max(0, into["not_started"] + row["not_started"] - row["runs"])
             # "torn_down" came later: earlier summaries lack it.
@@ -805,7 +859,7 @@ def main():
                    "at once (worlds run side by side while they fit; 8 with 8-rank worlds: one at a "
                    "time)")
     p.add_argument("--mps-share", type=int, default=0, help="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of "
-                   "each MPS client (default 100 x GPUs / --parallel-ranks)")
+                   "each MPS client (default: its world's share, 100 x GPUs / ranks)")
     p.add_argument("--victim", type=int, default=-1, help="rank to signal (default: the last)")
     p.add_argument("--delay", type=float, default=0.0, help="seconds from launch to the signal "
                    "(default: --settle seconds after rank 0's table header)")

@@ -28,7 +28,7 @@ fi
 cargo run -q --release -p mscclpp-executor --example builder_plans -- .gpu/builder-plans 2 4 8
 # plan-bench.py times the fixture plans against the native algorithms (`python3 .gpu/plan-bench.py`).
 cp scripts/gpu-run.sh scripts/gpu-steps.sh scripts/mps.sh scripts/simulate-hosts.sh scripts/fault-inject.py \
-  scripts/plan-bench.py .gpu/
+  scripts/plan-bench.py scripts/mps-fault-probe.py .gpu/
 # A kernel cache brought back from an earlier machine (gpu-steps.sh saves it as OUT/kcache.tgz).
 if [ -f .gpu-kcache.tgz ]; then cp .gpu-kcache.tgz .gpu/kcache.tgz; fi
 # The Python package: a release wheel (abi3, any Python >= 3.9; the release profile shares the

@@ -36,6 +36,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+/// How long dropping a connection waits for its last copies. Copies do not wait for kernels, so
+/// they end within this unless the device is faulted or wedged; then teardown goes on without them.
+const DROP_DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// Slots of the staging ring used when the backend cannot store a 64-bit value from a stream.
 const STAGING_WORDS: usize = 256;
 
@@ -308,15 +312,19 @@ impl Drop for CudaIpcTransport {
         if let Err(e) = self.bind() {
             return warn("selecting the device for teardown", e);
         }
-        let state = match self.state.get_mut() {
-            Ok(s) => s,
+        let mut guard = match self.state.lock() {
+            Ok(g) => g,
             Err(p) => p.into_inner(),
         };
-        // Pending copies may still read the staging ring: let them finish before freeing it.
-        if let Err(e) = self.gpu.synchronize_stream(state.stream) {
-            warn("waiting for the last copies", e);
+        let state = &mut *guard;
+        // Pending copies may still read the staging ring: let them finish before freeing it, for
+        // a bounded time (every wait of the library has one). Copies that did not finish keep the
+        // ring: it is left allocated rather than freed under them.
+        let drained = self.flush_locked(state, DROP_DRAIN_TIMEOUT);
+        if let Err(e) = &drained {
+            tracing::warn!(target: "mscclpp::conn", "CudaIpc to rank {remote}: waiting for the last copies: {e}; the staging ring stays allocated");
         }
-        if let Some(staging) = state.staging.take() {
+        if let Some(staging) = state.staging.take().filter(|_| drained.is_ok()) {
             if let Err(e) = self.gpu.free_host_mapped(&staging.mem) {
                 warn("freeing the staging ring", e);
             }
@@ -426,5 +434,20 @@ mod tests {
         t.flush(Duration::from_secs(1)).unwrap();
         assert_eq!(t.kind(), TransportKind::CudaIpc);
         assert_eq!(t.remote_rank(), 7);
+    }
+
+    /// Copies that never finish (a wedged device) hold a dropped connection for a bounded time.
+    #[test]
+    fn drop_waits_for_copies_a_bounded_time() {
+        let gpu = Arc::new(HostGpu::new());
+        gpu.hold_events(true);
+        let t = CudaIpcTransport::new(gpu.clone(), 0, 3).unwrap();
+        let start = std::time::Instant::now();
+        drop(t);
+        let took = start.elapsed();
+        assert!(
+            took >= DROP_DRAIN_TIMEOUT && took < DROP_DRAIN_TIMEOUT + Duration::from_secs(2),
+            "{took:?}"
+        );
     }
 }
