@@ -524,15 +524,27 @@ impl CudaGpu {
     }
 }
 
+/// A context release longer than this is logged (see the drop).
+const SLOW_CONTEXT_RELEASE: std::time::Duration = std::time::Duration::from_millis(250);
+
 impl Drop for CudaGpu {
     fn drop(&mut self) {
         for (ordinal, (cell, &dev)) in self.contexts.iter().zip(&self.devices).enumerate() {
             if let Some(&ctx) = cell.get() {
                 self.graph_launches.clear(ordinal, ctx as sys::CUcontext);
+                let start = std::time::Instant::now();
                 // SAFETY: balances the retain made in `context`.
                 let r = unsafe { sys::cuDevicePrimaryCtxRelease_v2(dev) };
                 if let Err(e) = driver::check("cuDevicePrimaryCtxRelease", r) {
                     tracing::warn!("releasing the primary context of device {dev}: {e}");
+                }
+                // The last release destroys the context, which waits for its work: said when it
+                // is long, so a slow exit after a failure shows where its time went.
+                if start.elapsed() > SLOW_CONTEXT_RELEASE {
+                    tracing::warn!(
+                        "releasing the primary context of device {dev} took {:.2} s",
+                        start.elapsed().as_secs_f64()
+                    );
                 }
             }
         }

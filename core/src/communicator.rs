@@ -798,6 +798,7 @@ impl Communicator {
 
 impl Drop for Communicator {
     fn drop(&mut self) {
+        let start = Instant::now();
         // After a failure, unmapping the peers' slabs first waits for our kernels still in
         // flight (RegisteredMemory's drop).
         // Peers' mappings of our slab must be gone before it is freed; best effort, since a dead
@@ -813,8 +814,16 @@ impl Drop for Communicator {
         if let Err(e) = self.gpu.free(&self.slab.alloc) {
             tracing::warn!(target: "mscclpp::conn", "freeing the semaphore slab failed: {e}");
         }
+        // Said when it is long, as the drain is (DRAIN_WORTH_LOGGING): where a slow exit after a
+        // failure spent its time.
+        if start.elapsed() > SLOW_TEARDOWN {
+            tracing::warn!(target: "mscclpp::conn", "rank {}: communicator teardown took {:.2} s", self.rank(), start.elapsed().as_secs_f64());
+        }
     }
 }
+
+/// A communicator teardown longer than this is logged.
+const SLOW_TEARDOWN: Duration = Duration::from_millis(250);
 
 #[cfg(test)]
 mod tests {
