@@ -180,6 +180,11 @@ def main():
             check("hung; its threads at the kill:" in log and "thread " in log,
                   "a hung survivor's threads are in failures.log", r)
 
+    # PortChannel traffic under MPS at more than 2 ranks a GPU is refused by the library: not run.
+    r, _, _, _ = run(tmp, "mpsport", ["--runs", "1", "--config", "4:KILL:port:1"])
+    check(r.returncode != 0 and "refuses more than 2 ranks a GPU under MPS" in r.stdout
+          and "nothing to run" in r.stderr, "port under MPS at 4 ranks a GPU is not run", r)
+
     # A budget too small for every run: the rest is reported as not started, then run by
     # --missing-from, and the summaries merge into 6 runs of that configuration.
     r, rows, _, cut = run(tmp, "budget", ["--runs", "6", "--budget", "6", "--parallel-ranks",

@@ -100,6 +100,9 @@ impl Gpu for GpuBackend {
     fn shared_memory_kind(&self, device: usize) -> MemoryKind {
         dispatch!(self, g => g.shared_memory_kind(device))
     }
+    fn is_mps_client(&self, device: usize) -> bool {
+        dispatch!(self, g => g.is_mps_client(device))
+    }
     fn alloc(&self, size: usize, kind: MemoryKind) -> Result<Allocation> {
         dispatch!(self, g => g.alloc(size, kind))
     }

@@ -630,6 +630,19 @@ impl Gpu for CudaGpu {
         }
     }
 
+    /// CUDA's own answer (CU_DEVICE_ATTRIBUTE_MPS_ENABLED: contexts on the device are shared
+    /// through MPS). A driver too old to know the attribute answers no.
+    fn is_mps_client(&self, device: usize) -> bool {
+        self.device(device)
+            .and_then(|dev| {
+                self.attribute(
+                    dev,
+                    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MPS_ENABLED,
+                )
+            })
+            .is_ok_and(|v| v != 0)
+    }
+
     fn alloc(&self, size: usize, kind: MemoryKind) -> Result<Allocation> {
         if size == 0 {
             return Err(Error::InvalidArgument(

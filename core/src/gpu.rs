@@ -290,6 +290,15 @@ pub trait Gpu: Send + Sync {
         MemoryKind::Plain
     }
 
+    /// Whether this process's contexts on `device` are clients of an MPS server. MPS clients
+    /// share one pool of the GPU's hardware work queues, so a client may get too few for a
+    /// PortChannel proxy's copies to run beside the kernel that waits for them
+    /// (`port_channel::shared_queue_hazard`). The default: no.
+    fn is_mps_client(&self, device: usize) -> bool {
+        let _ = device;
+        false
+    }
+
     /// Allocates `size` bytes (size > 0) on the current device.
     fn alloc(&self, size: usize, kind: MemoryKind) -> Result<Allocation>;
 

@@ -33,8 +33,11 @@
 //! after the kernel that asked for them is running. CUDA feeds a process's streams into
 //! `CUDA_DEVICE_MAX_CONNECTIONS` hardware queues (8 by default); at 1, as Megatron-LM sets it, that
 //! work waits behind the kernel spinning on it (a flush, or a wait for a peer that waits for this
-//! copy in turn) until the device wait times out. [`shared_queue_hazard`] says so; the service
-//! warns once per process, and `port_allreduce` refuses to start.
+//! copy in turn) until the device wait times out. MPS clients share one pool of the GPU's queues:
+//! with more than [`MPS_PORT_RANKS_PER_GPU`] ranks a GPU the same happened (port_allreduce timed
+//! out in its first calls at 4 and 8 ranks on one H100, one job at a time, and passed at 2).
+//! [`shared_queue_hazard`] says so; the service warns once per process, and `port_allreduce` and
+//! port-channel plans refuse to start.
 
 use crate::communicator::{Communicator, FailureFlag, RegisteredMemory};
 use crate::device::{D2DSemaphoreHandle, FifoHandle, H2DSemaphoreHandle, PortChannelHandle};
@@ -48,17 +51,33 @@ use crate::transport::{MemoryRegion, Transport, TransportKind};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// Most ranks of one communicator on one GPU under MPS for which PortChannel traffic worked
+/// (see "One hardware queue" in the module docs).
+pub const MPS_PORT_RANKS_PER_GPU: usize = 2;
+
 /// Why PortChannel kernels over CudaIpc or Ethernet connections can hang in this process, if
-/// they can (see "One hardware queue" in the module docs). Measured on H100 with 2 ranks:
-/// `port_allreduce` hung in its first call (device wait timeout) with `CUDA_DEVICE_MAX_CONNECTIONS=1`
-/// and passed all 116 checks without it.
-pub fn shared_queue_hazard(env: &Env) -> Option<String> {
-    (env.cuda_device_max_connections == Some(1)).then(|| {
-        "CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream of this process on one hardware queue, \
-         so the proxy's copies for CudaIpc and Ethernet connections wait behind the kernels that \
-         wait for them; unset it or set it above 1 (CUDA's default is 8)"
-            .to_string()
-    })
+/// they can (see "One hardware queue" in the module docs). `mps_gpu_sharers` is
+/// `Communicator::mps_gpu_sharers`: the ranks on this GPU when this process is an MPS client.
+/// Measured on H100 with 2 ranks: `port_allreduce` hung in its first call (device wait timeout)
+/// with `CUDA_DEVICE_MAX_CONNECTIONS=1` and passed all 116 checks without it.
+pub fn shared_queue_hazard(env: &Env, mps_gpu_sharers: Option<usize>) -> Option<String> {
+    if env.cuda_device_max_connections == Some(1) {
+        return Some(
+            "CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream of this process on one hardware \
+             queue, so the proxy's copies for CudaIpc and Ethernet connections wait behind the \
+             kernels that wait for them; unset it or set it above 1 (CUDA's default is 8)"
+                .to_string(),
+        );
+    }
+    match mps_gpu_sharers {
+        Some(n) if n > MPS_PORT_RANKS_PER_GPU => Some(format!(
+            "{n} ranks share this GPU as MPS clients, which share one pool of the GPU's hardware \
+             queues, so the proxy's copies for CudaIpc and Ethernet connections can wait behind \
+             the kernels that wait for them (seen at 4 and 8 ranks a GPU); run at most \
+             {MPS_PORT_RANKS_PER_GPU} ranks a GPU under MPS, or these ranks without MPS"
+        )),
+        _ => None,
+    }
 }
 
 /// A memory registered with a [`PortChannelService`]: the id triggers carry (9 bits).
@@ -259,6 +278,9 @@ pub struct PortChannelService {
     semaphores: Vec<H2DSemaphoreHandle>,
     /// The communicator's health (services made by [`new`](Self::new)).
     failed: Option<FailureFlag>,
+    /// `Communicator::mps_gpu_sharers` (services made by [`new`](Self::new)), for the
+    /// [`shared_queue_hazard`] warning.
+    mps_gpu_sharers: Option<usize>,
 }
 
 /// How long stopping the proxy of a failed communicator waits for a handler still running: it is
@@ -295,6 +317,7 @@ impl PortChannelService {
             p.handler.skip_after_failure(flag.clone());
         }
         svc.failed = Some(flag);
+        svc.mps_gpu_sharers = comm.mps_gpu_sharers();
         Ok(svc)
     }
 
@@ -324,6 +347,7 @@ impl PortChannelService {
             memories: Vec::new(),
             semaphores: Vec::new(),
             failed: None,
+            mps_gpu_sharers: None,
         })
     }
 
@@ -383,7 +407,7 @@ impl PortChannelService {
             connection.kind(),
             TransportKind::CudaIpc | TransportKind::Ethernet
         ) {
-            if let Some(hazard) = shared_queue_hazard(Env::get()?) {
+            if let Some(hazard) = shared_queue_hazard(Env::get()?, self.mps_gpu_sharers) {
                 static WARNED: std::sync::Once = std::sync::Once::new();
                 WARNED
                     .call_once(|| tracing::warn!(target: "mscclpp::conn", "PortChannel: {hazard}"));
@@ -781,10 +805,32 @@ mod tests {
     fn one_hardware_queue_is_a_hazard(#[case] vars: &[(&str, &str)], #[case] hazard: bool) {
         let env = Env::from_vars(vars.iter().map(|(k, v)| (k.to_string(), v.to_string())))
             .expect("valid environment");
-        let reason = shared_queue_hazard(&env);
+        let reason = shared_queue_hazard(&env, None);
         assert_eq!(reason.is_some(), hazard, "{reason:?}");
         if let Some(r) = reason {
             assert!(r.contains("CUDA_DEVICE_MAX_CONNECTIONS=1"), "{r}");
+        }
+    }
+
+    /// Under MPS, PortChannel traffic worked at 2 ranks a GPU and hung at 4 and 8.
+    #[rstest]
+    #[case(None, false)]
+    #[case(Some(1), false)]
+    #[case(Some(2), false)]
+    #[case(Some(4), true)]
+    #[case(Some(8), true)]
+    fn many_mps_clients_on_a_gpu_are_a_hazard(
+        #[case] sharers: Option<usize>,
+        #[case] hazard: bool,
+    ) {
+        let env = Env::from_vars(std::iter::empty()).expect("valid environment");
+        let reason = shared_queue_hazard(&env, sharers);
+        assert_eq!(reason.is_some(), hazard, "{reason:?}");
+        if let Some(r) = reason {
+            assert!(
+                r.contains("MPS") && r.contains(&format!("{} ranks", sharers.unwrap())),
+                "{r}"
+            );
         }
     }
 

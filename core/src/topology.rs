@@ -19,48 +19,79 @@ pub fn host_identity(env: &Env) -> String {
     if let Some(id) = &env.host_id {
         return id.clone();
     }
-    let read = |path| std::fs::read_to_string(path).unwrap_or_default();
     format!(
         "{}/{}",
-        read("/proc/sys/kernel/hostname").trim(),
-        read("/proc/sys/kernel/random/boot_id").trim()
+        read_trimmed("/proc/sys/kernel/hostname"),
+        boot_id()
     )
 }
 
+/// This machine's boot id: one machine, whatever `MSCCLPP_HOSTID` says.
+fn boot_id() -> String {
+    read_trimmed("/proc/sys/kernel/random/boot_id")
+}
+
+fn read_trimmed(path: &str) -> String {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .trim()
+        .to_string()
+}
+
+/// The physical GPU with PCI bus id `pci_bus_id` on this machine, as [`Placement::gpu`] names it:
+/// the boot id and the bus id, so ranks of simulated hosts (`MSCCLPP_HOSTID`) on one GPU still
+/// count as sharing it.
+pub fn gpu_identity(pci_bus_id: &str) -> String {
+    format!("{}/{}", boot_id(), pci_bus_id.replace(' ', "_"))
+}
+
 /// What each rank says about where it runs, gathered once when a communicator is created: its
-/// host identity (see the module docs), its process and its device ordinal. Encoded as
-/// `"{pid} {device} {host}"` (the host identity last, so it may hold spaces).
+/// host identity (see the module docs), its process, its device ordinal and its physical GPU
+/// ([`gpu_identity`]). Encoded as `"{pid} {device} {gpu} {host}"` (the host identity last, so it
+/// may hold spaces).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Placement {
     pub host: String,
     pub pid: u32,
     pub device: usize,
+    pub gpu: String,
 }
 
 impl Placement {
     pub fn encode(&self) -> String {
-        format!("{} {} {}", self.pid, self.device, self.host)
+        format!("{} {} {} {}", self.pid, self.device, self.gpu, self.host)
     }
 
     /// The placement rank `rank` sent; an error naming the rank when it is not one.
     pub fn decode(rank: usize, text: &str) -> Result<Placement> {
-        let mut parts = text.splitn(3, ' ');
-        let (pid, device, host) = (parts.next(), parts.next(), parts.next());
+        let mut parts = text.splitn(4, ' ');
+        let (pid, device, gpu, host) = (parts.next(), parts.next(), parts.next(), parts.next());
         match (
             pid.and_then(|p| p.parse().ok()),
             device.and_then(|d| d.parse().ok()),
+            gpu,
             host,
         ) {
-            (Some(pid), Some(device), Some(host)) => Ok(Placement {
+            (Some(pid), Some(device), Some(gpu), Some(host)) => Ok(Placement {
                 host: host.to_string(),
                 pid,
                 device,
+                gpu: gpu.to_string(),
             }),
             _ => Err(Error::InvalidArgument(format!(
-                "rank {rank} sent a malformed placement {text:?} (expected \"pid device host\")"
+                "rank {rank} sent a malformed placement {text:?} (expected \"pid device gpu host\")"
             ))),
         }
     }
+}
+
+/// How many ranks of `placements` (index = rank) run on the physical GPU of `rank`, in any
+/// process and any (simulated) host, itself included.
+pub fn ranks_on_gpu(placements: &[Placement], rank: usize) -> usize {
+    let Some(me) = placements.get(rank) else {
+        return 1;
+    };
+    placements.iter().filter(|p| p.gpu == me.gpu).count().max(1)
 }
 
 /// How many ranks of `placements` (index = rank) run in the process of `rank` on its device, itself
@@ -343,6 +374,7 @@ mod tests {
             host: host.into(),
             pid,
             device,
+            gpu: format!("boot-{}/bus-{device}", host.replace(' ', "_")),
         }
     }
 
@@ -378,6 +410,27 @@ mod tests {
         assert_eq!(usable_sms(132, 1), 131);
         assert_eq!(usable_sms(1, 1), 1, "a share of one SM keeps it");
         assert_eq!(usable_sms(2, 5), 1);
+    }
+
+    /// MPS clients are separate processes, and simulated hosts (MSCCLPP_HOSTID) may share a GPU:
+    /// the physical GPU alone decides.
+    #[test]
+    fn ranks_on_one_physical_gpu_count_across_processes_and_simulated_hosts() {
+        let on = |pid: u32, gpu: &str| Placement {
+            host: format!("sim-{pid}"),
+            pid,
+            device: 0,
+            gpu: gpu.into(),
+        };
+        let ranks = vec![on(1, "b/0"), on(2, "b/0"), on(3, "b/1"), on(4, "b/0")];
+        assert_eq!(ranks_on_gpu(&ranks, 0), 3);
+        assert_eq!(ranks_on_gpu(&ranks, 2), 1);
+        assert_eq!(ranks_on_gpu(&ranks, 9), 1);
+        let gpu = gpu_identity("0000:19:00.0");
+        assert!(
+            gpu.ends_with("/0000:19:00.0") && !gpu.contains(' '),
+            "{gpu}"
+        );
     }
 
     #[test]

@@ -156,7 +156,9 @@ impl PlanAlgorithm {
             .iter()
             .any(|g| !g.channel_peers(ChannelType::Port).is_empty());
         if staged {
-            if let Some(hazard) = shared_queue_hazard(mscclpp_core::env::Env::get()?) {
+            if let Some(hazard) =
+                shared_queue_hazard(mscclpp_core::env::Env::get()?, comm.mps_gpu_sharers())
+            {
                 return Err(Error::Unsupported(format!(
                     "plan {} (port channels): {hazard}",
                     plan.name

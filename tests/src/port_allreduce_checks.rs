@@ -12,10 +12,13 @@
 //! After every check the ranks agree (bootstrap all-gather) on whether it ran to completion: an
 //! error (a device timeout, a failed launch) may leave the channels' signal counts out of step, so
 //! the remaining checks are then skipped on every rank instead of each timing out.
+//!
+//! Under MPS with more than `MPS_PORT_RANKS_PER_GPU` ranks on this GPU the algorithm must refuse
+//! to start, naming MPS (`port_channel::shared_queue_hazard`): that refusal is the one check.
 
 use crate::tally::Tally;
 use crate::{RankContext, MIB};
-use mscclpp::core::port_channel::PortChannelConfig;
+use mscclpp::core::port_channel::{PortChannelConfig, MPS_PORT_RANKS_PER_GPU};
 use mscclpp::core::{DataType, Error, ReduceOp, Result};
 use mscclpp_collectives::port_allreduce::PortAllreduce;
 use mscclpp_collectives::testing::run_collective_check;
@@ -74,6 +77,21 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
         max_spin: MAX_SPIN,
         ..Default::default()
     };
+    if let Some(n) = ctx
+        .comm
+        .mps_gpu_sharers()
+        .filter(|&n| n > MPS_PORT_RANKS_PER_GPU)
+    {
+        let refused = match PortAllreduce::new(ctx.comm.clone(), MAX_BYTES, config) {
+            Err(Error::Unsupported(why)) if why.contains("MPS") => Ok(format!("refused: {why}")),
+            Err(e) => Err(e),
+            Ok(_) => Err(Error::Internal(format!(
+                "built with {n} MPS clients on this GPU; it must refuse (its proxy's copies can \
+                 queue behind the kernels that wait for them)"
+            ))),
+        };
+        return vec![("port_allreduce under MPS".into(), refused)];
+    }
     let algo = match PortAllreduce::new(ctx.comm.clone(), MAX_BYTES, config) {
         Ok(a) => Arc::new(a),
         Err(e) => return vec![("port_allreduce setup".into(), Err(e))],

@@ -168,18 +168,7 @@ fn run() -> Result<i32> {
     } else {
         only_sections()
     };
-    // MSCCLPP_SUITE_SKIP=NAME[,NAME...] leaves sections out, said once: gpu-run.sh uses it where
-    // a section cannot pass in the launch mode (port_allreduce under MPS with over 2 ranks a GPU),
-    // then runs that section in a mode where it can.
-    let skipped: Vec<String> = std::env::var("MSCCLPP_SUITE_SKIP")
-        .map(|v| v.split(',').map(|s| s.trim().to_string()).collect())
-        .unwrap_or_default();
-    if suite.ctx.rank() == 0 && !skipped.is_empty() {
-        println!("left out by MSCCLPP_SUITE_SKIP: {}", skipped.join(", "));
-    }
-    let wants = |section: &str| {
-        is_selected(only.as_deref(), section) && !skipped.iter().any(|s| s == section)
-    };
+    let wants = |section: &str| is_selected(only.as_deref(), section);
     let modules = compile_modules(&mut suite);
     if let (Ok((primitives, measure)), true) = (modules, wants(PRIMITIVES)) {
         if suite.peer().is_some() {
