@@ -372,7 +372,7 @@ impl PortAllreduce {
         config: PortChannelConfig,
     ) -> Result<PortAllreduce> {
         // Its exchange flushes and waits in one kernel: on one hardware queue that hangs.
-        if let Some(hazard) = shared_queue_hazard(Env::get()?, comm.mps_gpu_sharers()) {
+        if let Some(hazard) = shared_queue_hazard(Env::get()?, comm.mps_clients_per_gpu()) {
             return Err(Error::Unsupported(format!("{NAME}: {hazard}")));
         }
         let (rank, nranks) = (comm.rank(), comm.size());

@@ -16,8 +16,8 @@ use crate::gpu::{
     Allocation, DevicePtr, Event, Gpu, HostMapped, ImportedMemory, IpcMemHandle, Stream,
 };
 use crate::topology::{
-    gpu_identity, host_identity, ranks_in_process, ranks_on_gpu, ranks_sharing_device, sm_share,
-    usable_sms, Placement, Topology,
+    gpu_identity, host_identity, most_mps_clients_on_a_gpu, ranks_in_process, ranks_sharing_device,
+    sm_share, usable_sms, Placement, Topology,
 };
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -262,10 +262,8 @@ pub struct Communicator {
     topology: Topology,
     /// Ranks of this process on this device, this one included (`topology::ranks_sharing_device`).
     device_sharers: usize,
-    /// Ranks on this physical GPU in any process, this one included (`topology::ranks_on_gpu`).
-    gpu_sharers: usize,
-    /// Whether this process is an MPS client of the device (`Gpu::is_mps_client`).
-    mps_client: bool,
+    /// The most ranks sharing one GPU as MPS clients (`topology::most_mps_clients_on_a_gpu`).
+    mps_clients_per_gpu: Option<usize>,
     /// Whether another rank runs in this process (`topology::ranks_in_process`).
     shares_process: bool,
     /// Made by [`split`](Self::split): kernels are launched plainly ([`fast_launches`](Self::fast_launches)).
@@ -331,6 +329,7 @@ impl Communicator {
                 |_| format!("process-{}/device-{device}", std::process::id()),
                 |p| gpu_identity(&p.pci_bus_id),
             ),
+            mps_client: gpu.is_mps_client(device),
         };
         let placements = bootstrap
             .all_gather(me.encode().as_bytes())?
@@ -341,8 +340,7 @@ impl Communicator {
         let ids: Vec<&str> = placements.iter().map(|p| p.host.as_str()).collect();
         let topology = Topology::from_host_ids(&ids)?;
         let device_sharers = ranks_sharing_device(&placements, bootstrap.rank());
-        let gpu_sharers = ranks_on_gpu(&placements, bootstrap.rank());
-        let mps_client = gpu.is_mps_client(device);
+        let mps_clients_per_gpu = most_mps_clients_on_a_gpu(&placements);
         let shares_process = ranks_in_process(&placements, bootstrap.rank()) > 1;
         // A split shares its parent's word, which the parent's bootstrap listener already watches.
         let watch = parent_health.is_none();
@@ -388,8 +386,7 @@ impl Communicator {
             host_id,
             topology,
             device_sharers,
-            gpu_sharers,
-            mps_client,
+            mps_clients_per_gpu,
             shares_process,
             is_split: false,
             reserved_sms: 0,
@@ -438,11 +435,11 @@ impl Communicator {
         self.device_sharers
     }
 
-    /// Under MPS, how many ranks of this communicator are clients on this physical GPU (this one
-    /// included), in any process; `None` when this process is not an MPS client. MPS clients
-    /// share the GPU's hardware work queues (`port_channel::shared_queue_hazard`).
-    pub fn mps_gpu_sharers(&self) -> Option<usize> {
-        self.mps_client.then_some(self.gpu_sharers)
+    /// The most ranks of this communicator that share one physical GPU as MPS clients, over
+    /// every GPU of the job (the same on every rank); `None` where no rank is an MPS client. MPS
+    /// clients share the GPU's hardware work queues (`port_channel::shared_queue_hazard`).
+    pub fn mps_clients_per_gpu(&self) -> Option<usize> {
+        self.mps_clients_per_gpu
     }
 
     /// The SMs this rank's kernels may size their grids for: the device's, divided among the

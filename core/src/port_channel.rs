@@ -56,11 +56,11 @@ use std::time::Duration;
 pub const MPS_PORT_RANKS_PER_GPU: usize = 2;
 
 /// Why PortChannel kernels over CudaIpc or Ethernet connections can hang in this process, if
-/// they can (see "One hardware queue" in the module docs). `mps_gpu_sharers` is
-/// `Communicator::mps_gpu_sharers`: the ranks on this GPU when this process is an MPS client.
+/// they can (see "One hardware queue" in the module docs). `mps_clients_per_gpu` is
+/// `Communicator::mps_clients_per_gpu`: the most ranks on one GPU as MPS clients.
 /// Measured on H100 with 2 ranks: `port_allreduce` hung in its first call (device wait timeout)
 /// with `CUDA_DEVICE_MAX_CONNECTIONS=1` and passed all 116 checks without it.
-pub fn shared_queue_hazard(env: &Env, mps_gpu_sharers: Option<usize>) -> Option<String> {
+pub fn shared_queue_hazard(env: &Env, mps_clients_per_gpu: Option<usize>) -> Option<String> {
     if env.cuda_device_max_connections == Some(1) {
         return Some(
             "CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream of this process on one hardware \
@@ -69,9 +69,9 @@ pub fn shared_queue_hazard(env: &Env, mps_gpu_sharers: Option<usize>) -> Option<
                 .to_string(),
         );
     }
-    match mps_gpu_sharers {
+    match mps_clients_per_gpu {
         Some(n) if n > MPS_PORT_RANKS_PER_GPU => Some(format!(
-            "{n} ranks share this GPU as MPS clients, which share one pool of the GPU's hardware \
+            "{n} ranks share a GPU as MPS clients, which share one pool of the GPU's hardware \
              queues, so the proxy's copies for CudaIpc and Ethernet connections can wait behind \
              the kernels that wait for them (seen at 4 and 8 ranks a GPU); run at most \
              {MPS_PORT_RANKS_PER_GPU} ranks a GPU under MPS, or these ranks without MPS"
@@ -278,9 +278,9 @@ pub struct PortChannelService {
     semaphores: Vec<H2DSemaphoreHandle>,
     /// The communicator's health (services made by [`new`](Self::new)).
     failed: Option<FailureFlag>,
-    /// `Communicator::mps_gpu_sharers` (services made by [`new`](Self::new)), for the
+    /// `Communicator::mps_clients_per_gpu` (services made by [`new`](Self::new)), for the
     /// [`shared_queue_hazard`] warning.
-    mps_gpu_sharers: Option<usize>,
+    mps_clients_per_gpu: Option<usize>,
 }
 
 /// How long stopping the proxy of a failed communicator waits for a handler still running: it is
@@ -317,7 +317,7 @@ impl PortChannelService {
             p.handler.skip_after_failure(flag.clone());
         }
         svc.failed = Some(flag);
-        svc.mps_gpu_sharers = comm.mps_gpu_sharers();
+        svc.mps_clients_per_gpu = comm.mps_clients_per_gpu();
         Ok(svc)
     }
 
@@ -347,7 +347,7 @@ impl PortChannelService {
             memories: Vec::new(),
             semaphores: Vec::new(),
             failed: None,
-            mps_gpu_sharers: None,
+            mps_clients_per_gpu: None,
         })
     }
 
@@ -407,7 +407,7 @@ impl PortChannelService {
             connection.kind(),
             TransportKind::CudaIpc | TransportKind::Ethernet
         ) {
-            if let Some(hazard) = shared_queue_hazard(Env::get()?, self.mps_gpu_sharers) {
+            if let Some(hazard) = shared_queue_hazard(Env::get()?, self.mps_clients_per_gpu) {
                 static WARNED: std::sync::Once = std::sync::Once::new();
                 WARNED
                     .call_once(|| tracing::warn!(target: "mscclpp::conn", "PortChannel: {hazard}"));

@@ -46,52 +46,68 @@ pub fn gpu_identity(pci_bus_id: &str) -> String {
 }
 
 /// What each rank says about where it runs, gathered once when a communicator is created: its
-/// host identity (see the module docs), its process, its device ordinal and its physical GPU
-/// ([`gpu_identity`]). Encoded as `"{pid} {device} {gpu} {host}"` (the host identity last, so it
-/// may hold spaces).
+/// host identity (see the module docs), its process, its device ordinal, its physical GPU
+/// ([`gpu_identity`]) and whether it is an MPS client of it. Encoded as
+/// `"{pid} {device} {mps 0|1} {gpu} {host}"` (the host identity last, so it may hold spaces).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Placement {
     pub host: String,
     pub pid: u32,
     pub device: usize,
     pub gpu: String,
+    pub mps_client: bool,
 }
 
 impl Placement {
     pub fn encode(&self) -> String {
-        format!("{} {} {} {}", self.pid, self.device, self.gpu, self.host)
+        let mps = u8::from(self.mps_client);
+        format!(
+            "{} {} {mps} {} {}",
+            self.pid, self.device, self.gpu, self.host
+        )
     }
 
     /// The placement rank `rank` sent; an error naming the rank when it is not one.
     pub fn decode(rank: usize, text: &str) -> Result<Placement> {
-        let mut parts = text.splitn(4, ' ');
-        let (pid, device, gpu, host) = (parts.next(), parts.next(), parts.next(), parts.next());
+        let mut parts = text.splitn(5, ' ');
+        let mut next = || parts.next();
+        let (pid, device, mps, gpu, host) = (next(), next(), next(), next(), next());
+        let mps = mps.and_then(|m| match m {
+            "0" => Some(false),
+            "1" => Some(true),
+            _ => None,
+        });
         match (
             pid.and_then(|p| p.parse().ok()),
             device.and_then(|d| d.parse().ok()),
+            mps,
             gpu,
             host,
         ) {
-            (Some(pid), Some(device), Some(gpu), Some(host)) => Ok(Placement {
+            (Some(pid), Some(device), Some(mps_client), Some(gpu), Some(host)) => Ok(Placement {
                 host: host.to_string(),
                 pid,
                 device,
                 gpu: gpu.to_string(),
+                mps_client,
             }),
             _ => Err(Error::InvalidArgument(format!(
-                "rank {rank} sent a malformed placement {text:?} (expected \"pid device gpu host\")"
+                "rank {rank} sent a malformed placement {text:?} (expected \"pid device mps gpu \
+                 host\")"
             ))),
         }
     }
 }
 
-/// How many ranks of `placements` (index = rank) run on the physical GPU of `rank`, in any
-/// process and any (simulated) host, itself included.
-pub fn ranks_on_gpu(placements: &[Placement], rank: usize) -> usize {
-    let Some(me) = placements.get(rank) else {
-        return 1;
-    };
-    placements.iter().filter(|p| p.gpu == me.gpu).count().max(1)
+/// The most ranks of `placements` that share one physical GPU as MPS clients, over every GPU of
+/// the job; `None` where no rank is an MPS client. The same answer on every rank, so a decision
+/// made from it (`port_channel::shared_queue_hazard`) is made alike everywhere.
+pub fn most_mps_clients_on_a_gpu(placements: &[Placement]) -> Option<usize> {
+    let clients: Vec<&Placement> = placements.iter().filter(|p| p.mps_client).collect();
+    clients
+        .iter()
+        .map(|me| clients.iter().filter(|p| p.gpu == me.gpu).count())
+        .max()
 }
 
 /// How many ranks of `placements` (index = rank) run in the process of `rank` on its device, itself
@@ -375,6 +391,7 @@ mod tests {
             pid,
             device,
             gpu: format!("boot-{}/bus-{device}", host.replace(' ', "_")),
+            mps_client: pid % 2 == 0,
         }
     }
 
@@ -413,19 +430,26 @@ mod tests {
     }
 
     /// MPS clients are separate processes, and simulated hosts (MSCCLPP_HOSTID) may share a GPU:
-    /// the physical GPU alone decides.
+    /// the physical GPU alone decides, and every rank gets the job's largest count.
     #[test]
-    fn ranks_on_one_physical_gpu_count_across_processes_and_simulated_hosts() {
-        let on = |pid: u32, gpu: &str| Placement {
+    fn mps_clients_count_per_physical_gpu_across_processes_and_simulated_hosts() {
+        let on = |pid: u32, gpu: &str, mps_client: bool| Placement {
             host: format!("sim-{pid}"),
             pid,
             device: 0,
             gpu: gpu.into(),
+            mps_client,
         };
-        let ranks = vec![on(1, "b/0"), on(2, "b/0"), on(3, "b/1"), on(4, "b/0")];
-        assert_eq!(ranks_on_gpu(&ranks, 0), 3);
-        assert_eq!(ranks_on_gpu(&ranks, 2), 1);
-        assert_eq!(ranks_on_gpu(&ranks, 9), 1);
+        let job = vec![
+            on(1, "b/0", true),
+            on(2, "b/1", true),
+            on(3, "b/0", true),
+            on(4, "b/0", true),
+            on(5, "b/1", false),
+        ];
+        assert_eq!(most_mps_clients_on_a_gpu(&job), Some(3));
+        assert_eq!(most_mps_clients_on_a_gpu(&job[1..2]), Some(1));
+        assert_eq!(most_mps_clients_on_a_gpu(&job[4..]), None);
         let gpu = gpu_identity("0000:19:00.0");
         assert!(
             gpu.ends_with("/0000:19:00.0") && !gpu.contains(' '),

@@ -157,7 +157,7 @@ impl PlanAlgorithm {
             .any(|g| !g.channel_peers(ChannelType::Port).is_empty());
         if staged {
             if let Some(hazard) =
-                shared_queue_hazard(mscclpp_core::env::Env::get()?, comm.mps_gpu_sharers())
+                shared_queue_hazard(mscclpp_core::env::Env::get()?, comm.mps_clients_per_gpu())
             {
                 return Err(Error::Unsupported(format!(
                     "plan {} (port channels): {hazard}",

@@ -13,7 +13,7 @@
 //! error (a device timeout, a failed launch) may leave the channels' signal counts out of step, so
 //! the remaining checks are then skipped on every rank instead of each timing out.
 //!
-//! Under MPS with more than `MPS_PORT_RANKS_PER_GPU` ranks on this GPU the algorithm must refuse
+//! Under MPS with more than `MPS_PORT_RANKS_PER_GPU` ranks on a GPU the algorithm must refuse
 //! to start, naming MPS (`port_channel::shared_queue_hazard`): that refusal is the one check.
 
 use crate::tally::Tally;
@@ -79,14 +79,14 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
     };
     if let Some(n) = ctx
         .comm
-        .mps_gpu_sharers()
+        .mps_clients_per_gpu()
         .filter(|&n| n > MPS_PORT_RANKS_PER_GPU)
     {
         let refused = match PortAllreduce::new(ctx.comm.clone(), MAX_BYTES, config) {
             Err(Error::Unsupported(why)) if why.contains("MPS") => Ok(format!("refused: {why}")),
             Err(e) => Err(e),
             Ok(_) => Err(Error::Internal(format!(
-                "built with {n} MPS clients on this GPU; it must refuse (its proxy's copies can \
+                "built with {n} MPS clients on a GPU; it must refuse (its proxy's copies can \
                  queue behind the kernels that wait for them)"
             ))),
         };
