@@ -15,11 +15,9 @@ fn accum_for(dtype: DataType, acc: DataType) -> AccumType {
     }
 }
 
-#[test]
-fn interpreter_compiles_for_every_type_and_op() {
-    let Some(nvrtc) = nvrtc_or_skip("interpreter_compiles_for_every_type_and_op") else {
-        return;
-    };
+/// Every (dtype, accumulator) pair with Sum on sm_90, the other ops on three types, and two other
+/// architectures.
+fn cases() -> Vec<(DataType, DataType, ReduceOp, &'static str)> {
     let mut cases: Vec<(DataType, DataType, ReduceOp, &str)> = reduce_type_pairs()
         .into_iter()
         .map(|(d, a)| (d, a, ReduceOp::Sum, "sm_90"))
@@ -31,10 +29,31 @@ fn interpreter_compiles_for_every_type_and_op() {
     }
     cases.push((DataType::Bf16, DataType::F32, ReduceOp::Sum, "sm_80"));
     cases.push((DataType::F16, DataType::F16, ReduceOp::Max, "sm_100"));
-    for (dtype, acc, op, arch) in cases {
+    cases
+}
+
+/// Compiles every `SHARDS`-th case from `shard`: the shards are separate tests, so the test
+/// harness compiles them side by side (each unit takes NVRTC most of a minute; CI has 2 cores).
+fn compile_shard(test: &str, shard: usize) {
+    let Some(nvrtc) = nvrtc_or_skip(test) else {
+        return;
+    };
+    for (dtype, acc, op, arch) in cases().into_iter().skip(shard).step_by(SHARDS) {
         let (name, mut src) = unit_source(dtype, accum_for(dtype, acc), op).expect("source");
         src.push_str(&layout_asserts());
         let image = compile_cubin(&nvrtc, &name, &src, arch, mscclpp_kernels_cu::HEADERS);
         assert!(has_symbol(&image, ENTRY), "{name} for {arch} lacks {ENTRY}");
     }
+}
+
+const SHARDS: usize = 2;
+
+#[test]
+fn interpreter_compiles_for_every_type_and_op_shard_0() {
+    compile_shard("interpreter_compiles_for_every_type_and_op_shard_0", 0);
+}
+
+#[test]
+fn interpreter_compiles_for_every_type_and_op_shard_1() {
+    compile_shard("interpreter_compiles_for_every_type_and_op_shard_1", 1);
 }
