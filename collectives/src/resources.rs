@@ -685,12 +685,15 @@ mod tests {
             mscclpp_core::gpu::plain_allocation_bytes(b[3] + tail),
             2 << 20
         );
-        // AlltoallPacket::new: 1 MiB scratch, no semaphores; each LL128 half holds 8 slots of
-        // PACKET_SCRATCH_BYTES / 16, so the packet limits are those of PACKET_SCRATCH_BYTES.
+        // AlltoallPacket::new: 1 MiB scratch, no semaphores; its LL128 part carries the 2-rank
+        // chunks the selector gives the packet kernel (a 1 MiB all-to-all).
         let tail = std::mem::size_of::<CallState>() + std::mem::size_of::<AlltoallState>();
         let b = scratch_bounds(packet::STANDALONE_SCRATCH_BYTES, tail);
         let ll128 = b[3] - b[2];
-        assert!(ll128 / 2 / 128 * 128 >= packet::PACKET_SCRATCH_BYTES / 2);
+        assert!(
+            packet::max_chunk_bytes(ll128, 2)
+                >= mscclpp_core::algorithm_collection::alltoall_packet_max_chunk(2)
+        );
         assert_eq!(
             mscclpp_core::gpu::plain_allocation_bytes(b[3] + tail),
             4 << 20

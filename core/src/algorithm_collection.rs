@@ -343,13 +343,22 @@ pub mod native_names {
 /// hardware. `default_allreduce_nvls_packet` is built with scratch for at least this much.
 pub const NVLS_PACKET_THRESHOLD: usize = 256 << 10;
 
-/// Chunk (bytes per peer) up to which the default selector takes `default_alltoall_packet` (also
-/// bounded by its scratch: `NativeLimits::alltoall_packet_max_chunk`, 120 KiB at 8 ranks). The
-/// zero-copy exchange costs about 15 µs whatever the size (its count exchange and barriers): on
-/// 2 x H100 (2026-11-27, bf16, graph mode) the packet kernel took 3.69 µs at 128 KiB chunks and
-/// 4.12 µs at 256 KiB (0.45x and 0.43x NCCL), the zero-copy one 15.16 and 15.26 µs (1.82x and
-/// 1.58x NCCL).
-pub const ALLTOALL_PACKET_MAX_CHUNK: usize = 256 << 10;
+/// Chunk (bytes per peer) up to which the default selector takes `default_alltoall_packet`, by
+/// world size (also bounded by its scratch: `NativeLimits::alltoall_packet_max_chunk`, 960 KiB at
+/// 2 ranks, 240 KiB at 8). The zero-copy exchange costs about 12-15 µs whatever the size (its
+/// count exchange and barriers): on 2 x H100 (2026-11-27, bf16, graph mode) the packet kernel took
+/// 3.69 µs at 128 KiB chunks and 4.12 µs at 256 KiB (0.45x and 0.43x NCCL), the zero-copy one 15.16
+/// and 15.26 µs (1.82x and 1.58x NCCL); on 2 x H200 (session 16) the packet kernel 4.02 µs at
+/// 256 KiB chunks (0.42x), the zero-copy one 12.76 µs at 512 KiB (1.01x). So 2 ranks take the
+/// packet kernel up to 512 KiB chunks (a 1 MiB all-to-all); more ranks keep 256 KiB (at 8 ranks
+/// the scratch holds 240 KiB) until their packet rows are measured against the zero-copy ones
+/// (docs/pending-gpu-checks.md).
+pub fn alltoall_packet_max_chunk(world_size: usize) -> usize {
+    match world_size {
+        2 => 512 << 10,
+        _ => 256 << 10,
+    }
+}
 
 /// Limits the default selector needs from the algorithms as built (their scratch capacity).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -557,7 +566,9 @@ fn native_choice(limits: &NativeLimits, ctx: &SelectionContext) -> Option<&'stat
         // `bytes` is this rank's whole send buffer, one chunk per rank.
         Collective::AllToAll => {
             let chunk = bytes / ctx.world_size;
-            if chunk <= ALLTOALL_PACKET_MAX_CHUNK && chunk <= limits.alltoall_packet_max_chunk {
+            if chunk <= alltoall_packet_max_chunk(ctx.world_size)
+                && chunk <= limits.alltoall_packet_max_chunk
+            {
                 Some(ALLTOALL_PACKET)
             } else {
                 Some(ALLTOALL_ZERO_COPY)
@@ -598,7 +609,7 @@ mod tests {
         packet_max_bytes: 4 << 20,
         allgather_packet_max_bytes: 1 << 20,
         reducescatter_packet_max_bytes: 2 << 20,
-        alltoall_packet_max_chunk: 480 << 10,
+        alltoall_packet_max_chunk: 960 << 10,
         max_ranks: 8,
         multi_host_allreduce: None,
     };
@@ -793,8 +804,10 @@ mod tests {
     #[case(Collective::AllToAll, 2 << 20, 8, ALLTOALL_PACKET)]
     #[case(Collective::AllToAll, (2 << 20) + 8, 8, ALLTOALL_ZERO_COPY)]
     #[case(Collective::AllToAll, 128 << 10, 2, ALLTOALL_PACKET)]
-    #[case(Collective::AllToAll, 512 << 10, 2, ALLTOALL_PACKET)]
-    #[case(Collective::AllToAll, (512 << 10) + 16, 2, ALLTOALL_ZERO_COPY)]
+    #[case(Collective::AllToAll, 1 << 20, 2, ALLTOALL_PACKET)]
+    #[case(Collective::AllToAll, (1 << 20) + 16, 2, ALLTOALL_ZERO_COPY)]
+    #[case(Collective::AllToAll, 1 << 20, 4, ALLTOALL_PACKET)]
+    #[case(Collective::AllToAll, (1 << 20) + 16, 4, ALLTOALL_ZERO_COPY)]
     #[case(Collective::SendRecv, 1 << 20, 4, SENDRECV_ZERO_COPY)]
     #[case(Collective::Reduce, 1, 8, REDUCE_ZERO_COPY)]
     #[case(Collective::Reduce, 1 << 30, 2, REDUCE_ZERO_COPY)]

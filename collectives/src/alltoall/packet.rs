@@ -19,12 +19,14 @@ use mscclpp_kernels_cu::alltoall::AlltoallPacketArgs;
 use mscclpp_kernels_cu::collectives::{CollectiveFile, MAX_PACKET_BLOCKS, MAX_RANKS};
 use std::sync::Arc;
 
-/// Scratch per rank it uses at most: 2 halves x nranks slots; 2 MiB holds chunks up to 480 KiB at
-/// 2 ranks and 120 KiB at 8 (the default collection's LL128 part, 18 MiB, has room for it).
-pub const PACKET_SCRATCH_BYTES: usize = 2 << 20;
+/// Scratch per rank it uses at most: 2 halves x nranks slots; 4 MiB holds chunks up to 960 KiB at
+/// 2 ranks and 240 KiB at 8, above what the selector gives it (`alltoall_packet_max_chunk`), in
+/// the default collection's LL128 part (18 MiB), so it costs no memory of its own.
+pub const PACKET_SCRATCH_BYTES: usize = 4 << 20;
 
-/// `scratch_bytes` of the collection a stand-alone engine builds ([`AlltoallPacket::new`]): the
-/// smallest whose LL128 part's halves hold [`PACKET_SCRATCH_BYTES`] / 2 each.
+/// `scratch_bytes` of the collection a stand-alone engine builds ([`AlltoallPacket::new`]): one
+/// 4 MiB allocation, whose LL128 halves (1.125 MiB each) carry chunks up to 540 KiB at 2 ranks
+/// and 135 KiB at 8 (larger ones are refused by name).
 pub(crate) const STANDALONE_SCRATCH_BYTES: usize = 1 << 20;
 
 const DEFAULT_THREADS: u32 = 512;
@@ -192,9 +194,9 @@ mod tests {
 
     #[test]
     fn slots_are_whole_lines_and_capacities_follow() {
-        assert_eq!(slot_bytes(PACKET_SCRATCH_BYTES, 2), 512 << 10);
-        assert_eq!(max_chunk_bytes(PACKET_SCRATCH_BYTES, 2), 480 << 10);
-        assert_eq!(max_chunk_bytes(PACKET_SCRATCH_BYTES, 8), 120 << 10);
+        assert_eq!(slot_bytes(PACKET_SCRATCH_BYTES, 2), 1 << 20);
+        assert_eq!(max_chunk_bytes(PACKET_SCRATCH_BYTES, 2), 960 << 10);
+        assert_eq!(max_chunk_bytes(PACKET_SCRATCH_BYTES, 8), 240 << 10);
         let s = slot_bytes(1000, 3);
         assert_eq!(s % LL128_LINE_BYTES, 0);
         assert!(2 * 3 * s <= 1000);
