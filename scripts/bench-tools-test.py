@@ -8,7 +8,8 @@
   the calls captured): every row timed and checked, a broken all_gather and a refused capture
   reported;
 - scripts/gpu-run.sh `nccl bench` with a fake torchrun and nvidia-smi: PyTorch's NCCL, then the
-  shim preloaded, NVLS off, options passed on, the comparison written;
+  shim preloaded, NVLS off, options passed on, the comparison written; `nccl hostcost` likewise
+  (nccl/scripts/host_cost.py, whose --help needs no torch);
 - scripts/plan-bench.py: the choice of plans among the fixtures (other world sizes and NVLS left
   out), the bench command lines, and a whole run against a fake mscclpp-bench (a few lines of
   Python writing the bench's JSON) with a plan that meets the target, one that misses it at large
@@ -324,27 +325,52 @@ with open(os.environ["FAKE_LOG"], "a") as f:
     f.write(json.dumps({"args": a, "preload": pre, "nvls": os.environ.get("NCCL_NVLS_ENABLE")}) + "\n")
 ours = pre.endswith("libmscclpp_nccl.so")
 t = 2.4 if ours else 11.05
-json.dump({"library": {"name": "mscclpp" if ours else "nccl", "served": "x"}, "rows": [
-    {"collective": "all_reduce", "mode": "graph", "size_bytes": 1024, "time_us": t, "busbw_gbs": 1024 / t / 1e3,
-     "check": "ok"}]}, open(a[a.index("--json") + 1], "w"))
+if "--json" in a:
+    json.dump({"library": {"name": "mscclpp" if ours else "nccl", "served": "x"}, "rows": [
+        {"collective": "all_reduce", "mode": "graph", "size_bytes": 1024, "time_us": t, "busbw_gbs": 1024 / t / 1e3,
+         "check": "ok"}]}, open(a[a.index("--json") + 1], "w"))
 '''
+
+
+def fake_gpu_dir(d):
+    """A fake torchrun and nvidia-smi on PATH, and .gpu/ with the shim's name and the timing
+    scripts; returns the environment that runs gpu-run.sh against them."""
+    bin_dir, gpu = os.path.join(d, "bin"), os.path.join(d, ".gpu")
+    os.makedirs(bin_dir)
+    os.makedirs(os.path.join(gpu, "lib"))
+    for name, text in (("torchrun", FAKE_TORCHRUN), ("nvidia-smi", "#!/bin/sh\necho 'GPU 0: fake'\necho 'GPU 1: fake'\n")):
+        with open(os.path.join(bin_dir, name), "w") as f:
+            f.write(text)
+        os.chmod(os.path.join(bin_dir, name), 0o755)
+    open(os.path.join(gpu, "lib", "libmscclpp_nccl.so"), "w").close()
+    for script in ("torch_bench.py", "host_cost.py"):
+        with open(os.path.join(ROOT, "nccl/scripts", script)) as f, open(os.path.join(gpu, script), "w") as g:
+            g.write(f.read())
+    return dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"], OUT=os.path.join(d, "out"),
+                FAKE_LOG=os.path.join(d, "calls.log"), TORCH_BENCH_TIMEOUT="60", PYTHONDONTWRITEBYTECODE="1")
+
+
+def gpu_run_hostcost_test():
+    with tempfile.TemporaryDirectory() as d:
+        env = fake_gpu_dir(d)
+        p = subprocess.run(["bash", os.path.join(ROOT, "scripts/gpu-run.sh"), "nccl", "hostcost", "--sizes", "1K"],
+                           cwd=d, env=env, capture_output=True, text=True)
+        with open(env["FAKE_LOG"]) as f:
+            calls = [json.loads(line) for line in f]
+        expect(p.returncode == 0 and len(calls) == 2 and calls[0]["preload"] == ""
+               and calls[1]["preload"] == os.path.join(d, ".gpu/lib/libmscclpp_nccl.so")
+               and all(c["args"][-3:] == [".gpu/host_cost.py", "--sizes", "1K"] for c in calls)
+               and calls[0]["args"][1] != calls[1]["args"][1],
+               f"gpu-run.sh nccl hostcost: PyTorch's NCCL, then the shim, options passed on ({p.returncode})")
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "nccl/scripts/host_cost.py"), "--help"],
+                       cwd=os.path.join(ROOT, "nccl/scripts"), capture_output=True, text=True)
+    expect(p.returncode == 0 and "torch host" in p.stdout, "host_cost.py --help without torch")
 
 
 def gpu_run_bench_test():
     with tempfile.TemporaryDirectory() as d:
-        bin_dir, gpu = os.path.join(d, "bin"), os.path.join(d, ".gpu")
-        os.makedirs(bin_dir)
-        os.makedirs(os.path.join(gpu, "lib"))
-        for name, text in (("torchrun", FAKE_TORCHRUN), ("nvidia-smi", "#!/bin/sh\necho 'GPU 0: fake'\necho 'GPU 1: fake'\n")):
-            with open(os.path.join(bin_dir, name), "w") as f:
-                f.write(text)
-            os.chmod(os.path.join(bin_dir, name), 0o755)
-        open(os.path.join(gpu, "lib", "libmscclpp_nccl.so"), "w").close()
-        with open(os.path.join(ROOT, "nccl/scripts/torch_bench.py")) as f, open(os.path.join(gpu, "torch_bench.py"), "w") as g:
-            g.write(f.read())
-        log, out = os.path.join(d, "calls.log"), os.path.join(d, "out")
-        env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"], OUT=out, FAKE_LOG=log,
-                   TORCH_BENCH_TIMEOUT="60", PYTHONDONTWRITEBYTECODE="1")
+        env = fake_gpu_dir(d)
+        log, out = env["FAKE_LOG"], env["OUT"]
         p = subprocess.run(["bash", os.path.join(ROOT, "scripts/gpu-run.sh"), "nccl", "bench", "--collectives", "all_reduce"],
                            cwd=d, env=env, capture_output=True, text=True)
         with open(log) as f:
@@ -488,6 +514,7 @@ if __name__ == "__main__":
     torch_bench_tests()
     torch_bench_run_test()
     gpu_run_bench_test()
+    gpu_run_hostcost_test()
     plan_bench_tests()
     print(f"bench-tools-test: {len(FAILURES)} failed" if FAILURES else "bench-tools-test: all passed")
     sys.exit(1 if FAILURES else 0)

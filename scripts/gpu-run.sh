@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU suite and the benchmark on the device machine (from the repository root there).
 # Usage: [NGPU=k] [NRANKS=n] [MPS=1] [HOSTS=h] bash .gpu/gpu-run.sh [suite|bench|all] [extra args for the binary]
-#        [NRANKS=n] [MPS=1] [SHIM_CHECK_QUICK=1] bash .gpu/gpu-run.sh nccl [torch|initall|kill|abort|fallback]
+#        [NRANKS=n] [MPS=1] [SHIM_CHECK_QUICK=1] bash .gpu/gpu-run.sh nccl [torch|initall|kill|abort|fallback|bench|hostcost]
 #        [TORCH_BENCH_TIMEOUT=s] bash .gpu/gpu-run.sh nccl bench [torch_bench.py run options]
 # Writes logs into $OUT (or ./gpu-out when $OUT is unset).
 set -uo pipefail
@@ -107,6 +107,13 @@ if [ "$what" = nccl ]; then
        python3 .gpu/torch_bench.py compare "$out/torch-nccl.json" "$out/torch-mscclpp.json" \
          --out "$out/torch-compare.md" || code=1
        exit $code ;;
+    # PyTorch's own host work per eager all_reduce against the library's (host_cost.py), with
+    # PyTorch's NCCL, then with the shim preloaded; one GPU a rank.
+    hostcost) shift
+       torchrun --nproc_per_node="$nranks" --master_port="${PORT:-29511}" .gpu/host_cost.py "$@" || rc=1
+       LD_PRELOAD="$shim" torchrun --nproc_per_node="$nranks" --master_port="$((${PORT:-29511} + 1))" \
+         .gpu/host_cost.py "$@" || rc=1
+       exit $rc ;;
     # A hang must not eat the machine: the whole run is bounded (SHIM_CHECK_TIMEOUT seconds).
     *) start=$SECONDS
        timeout -k 10 "${SHIM_CHECK_TIMEOUT:-540}" \
