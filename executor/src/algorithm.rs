@@ -10,6 +10,9 @@
 //! On first use of a pair of user buffers they are registered with every peer (collective, host
 //! only, through the zero-copy algorithms' `RegistrationCache`), so an execute is one launch with
 //! its buffer table passed by value: no host sync, no per-call upload, legal under graph capture.
+//! The launch may overlap the stream's previous kernel (programmatic launch, as the natives'), and
+//! each plan threadblock runs as one or more blocks, more for larger chunks where the plan allows
+//! it ([`replicas_for`], executor.cu's "Replicas").
 //!
 //! Plans with port channels are staged: the host proxy copies between memories registered before
 //! it starts, while callers pass new buffers on every call. Each rank gets one block (scratch,
@@ -19,7 +22,7 @@
 //! peer's channel of the same ordinal, puts from this rank's block into the peer's (one proxy per
 //! plan, started at set-up).
 
-use crate::encode::{encode, packet_bytes, unit_bytes, EncodedPlan};
+use crate::encode::{encode, packet_bytes, unit_bytes, EncodedPlan, Replication};
 use crate::plan::{BufferType, ChannelType, Collective as PlanCollective, Plan, PlanReduceOp};
 use crate::reference::plan_reduce_op;
 use mscclpp_collectives::geometry::Residency;
@@ -42,6 +45,9 @@ use std::sync::{Arc, Mutex};
 /// by `check` naming both sizes. A plan's `max_message_size` is often unbounded, so the plan is
 /// sized for the smaller of the two.
 pub const MAX_PLAN_SCRATCH_BYTES: usize = 8 << 20;
+
+/// Most blocks a plan threadblock is spread over (`PlanArgs::replicas`).
+const MAX_REPLICAS: u32 = 16;
 
 /// The plan's collective in the core's terms.
 pub fn core_collective(c: PlanCollective) -> Result<Collective> {
@@ -112,6 +118,8 @@ pub struct PlanAlgorithm {
     collective: Collective,
     reduce_op: ReduceOp,
     threadblocks: u32,
+    /// Whether (and at what price) a threadblock may run as several blocks.
+    replication: Replication,
     /// Most threadblocks this rank's grid may have: the interpreter's threadblocks wait for each
     /// other and for the peers', so all must be resident at once ([`Residency`]).
     max_threadblocks: u32,
@@ -205,6 +213,7 @@ impl PlanAlgorithm {
             staging,
             layout,
             threadblocks: encoded.threadblocks() as u32,
+            replication: encoded.replication(),
             max_threadblocks,
             collective,
             reduce_op: core_op(reduce_op),
@@ -309,6 +318,18 @@ impl PlanAlgorithm {
             ));
         }
         Ok(chunk)
+    }
+
+    /// Blocks per plan threadblock for chunks of `chunk` bytes ([`replicas_for`]), within what
+    /// stays resident beside the plan's other threadblocks.
+    fn replicas(&self, chunk: usize) -> u32 {
+        replicas_for(
+            self.replication,
+            block_threads(&self.plan),
+            unit_bytes(self.plan.protocol),
+            chunk,
+            self.max_threadblocks / self.threadblocks.max(1),
+        )
     }
 
     /// Every rank's input and output for chunks of `chunk` bytes: the staging areas of a staged
@@ -416,6 +437,29 @@ impl PlanAlgorithm {
 /// Threads per block of the plan's grid: its `num_threads_per_block` as a launchable block size.
 fn block_threads(plan: &Plan) -> u32 {
     plan.num_threads_per_block.clamp(32, 1024) / 32 * 32
+}
+
+/// Blocks per plan threadblock for chunks of `chunk` bytes, at most `fit` (and
+/// [`MAX_REPLICAS`]): one per `threads` units of a chunk (a unit per thread and pass), or per 8 x
+/// `threads` units where the replicas meet around signals and waits (a meeting costs about as
+/// much as moving that much). A local choice: peers may pick differently (executor.cu,
+/// "Replicas").
+fn replicas_for(
+    replication: Replication,
+    threads: u32,
+    unit_bytes: u32,
+    chunk: usize,
+    fit: u32,
+) -> u32 {
+    let units_per_replica = threads as u64
+        * match replication {
+            Replication::Never => return 1,
+            Replication::Free => 1,
+            Replication::Synced => 8,
+        };
+    let units = (chunk as u64).div_ceil(unit_bytes as u64);
+    let most = fit.clamp(1, MAX_REPLICAS) as u64;
+    (units / units_per_replica).clamp(1, most) as u32
 }
 
 fn mode(in_place: bool) -> &'static str {
@@ -604,7 +648,7 @@ fn state_bytes(
         port_channels: put(&mut out, ports),
         semaphores: put(&mut out, &enc.semaphores),
         barriers: put(&mut out, &vec![0u64; enc.barriers as usize]),
-        flags: put(&mut out, &vec![0u32; enc.threadblocks()]),
+        flags: put(&mut out, &vec![0u32; kx::TB_WORDS * enc.threadblocks()]),
         end: 0,
     };
     out.resize(out.len().next_multiple_of(8) + 8, 0);
@@ -685,6 +729,7 @@ impl Algorithm for PlanAlgorithm {
             max_spin: 0,
             packet_bytes: packet_bytes(self.plan.protocol),
             unit_bytes: unit_bytes(self.plan.protocol),
+            replicas: self.replicas(chunk),
             ..PlanArgs::default()
         };
         debug_assert!(self.layout.end <= self.state.allocation().size);
@@ -708,7 +753,17 @@ impl Algorithm for PlanAlgorithm {
                 a.block_offsets[slot] = a.buffers[slot].saturating_sub(self.block_ptrs[owner]);
             }
         }
-        let cfg = LaunchConfig::linear(self.threadblocks.max(1), block_threads(&self.plan));
+        // The interpreter begins with wait_prior_grids(), so its launch may overlap the end of the
+        // stream's previous kernel, and outside capture a cached one-kernel graph costs the
+        // calling thread less: the natives' fast launches, under the same condition
+        // (`Communicator::fast_launches`: not where ranks of this process share the device).
+        let fast = self.comm.fast_launches();
+        let cfg = LaunchConfig::linear(
+            self.threadblocks.max(1) * a.replicas,
+            block_threads(&self.plan),
+        )
+        .with_programmatic(fast)
+        .with_cached_graph(fast);
         let mut params = [&mut a as *mut PlanArgs as *mut c_void];
         // SAFETY: `PlanArgs` is the entry point's one parameter (layout checked by the NVRTC
         // test's static_asserts); its addresses are the caller's checked buffers, the peers'
@@ -751,6 +806,22 @@ mod tests {
     }
 
     #[test]
+    fn replicas_grow_with_the_chunk_up_to_what_fits() {
+        use Replication::*;
+        // 1024 threads, 8-byte units: a replica per 8 KiB of chunk, or per 64 KiB with meetings.
+        assert_eq!(replicas_for(Free, 1024, 8, 512, 66), 1);
+        assert_eq!(replicas_for(Free, 1024, 8, 16 << 10, 66), 2);
+        assert_eq!(replicas_for(Free, 1024, 8, 64 << 10, 66), 8);
+        assert_eq!(replicas_for(Free, 1024, 8, 512 << 10, 66), MAX_REPLICAS);
+        assert_eq!(replicas_for(Free, 1024, 8, 512 << 10, 5), 5);
+        assert_eq!(replicas_for(Free, 1024, 8, 512 << 10, 0), 1);
+        assert_eq!(replicas_for(Synced, 1024, 8, 64 << 10, 16), 1);
+        assert_eq!(replicas_for(Synced, 1024, 8, 256 << 10, 16), 4);
+        assert_eq!(replicas_for(Synced, 1024, 8, 64 << 20, 16), 16);
+        assert_eq!(replicas_for(Never, 1024, 8, 64 << 20, 16), 1);
+    }
+
+    #[test]
     fn device_state_parts_are_aligned_and_in_order() {
         let p = plan(4, Protocol::Simple);
         let enc = encode(&p, 1, false).expect("encodes");
@@ -776,6 +847,10 @@ mod tests {
             (enc.ops.len() * 20).next_multiple_of(8)
         );
         assert_eq!(bytes.len(), layout.end);
-        assert_eq!(layout.end - layout.flags, 8 + 8);
+        // TB_WORDS u32 words per threadblock, then the 8 bytes of slack after the last part.
+        assert_eq!(
+            layout.end - layout.flags,
+            (kx::TB_WORDS * 4 * enc.threadblocks()).next_multiple_of(8) + 8
+        );
     }
 }

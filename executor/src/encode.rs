@@ -45,9 +45,53 @@ pub struct EncodedPlan {
     pub remote_buffers: Vec<(usize, BufferType)>,
 }
 
+/// Whether the interpreter may run each plan threadblock as several CUDA blocks ("replicas",
+/// each taking a contiguous share of the units of every chunk of every op, as a threadblock
+/// group's members do), and at what price.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Replication {
+    /// A threadblock must stay one block: a pipeline (its windows count one block's units), a
+    /// port-channel op (one thread pushes every trigger of the op), a local barrier or semaphore
+    /// (they count blocks).
+    Never,
+    /// Data ops only: replicas never meet (the same units of a chunk always fall to the same
+    /// replica, so an op reads what the replica's earlier ops wrote).
+    Free,
+    /// Memory-channel signals, waits, flushes or nops too: one replica runs them and the
+    /// replicas meet at a barrier where the threadblock goes from data to them or back.
+    Synced,
+}
+
 impl EncodedPlan {
     pub fn threadblocks(&self) -> usize {
         self.tb_ops.len().saturating_sub(1)
+    }
+
+    pub fn replication(&self) -> Replication {
+        let mut syncs = false;
+        for op in &self.ops {
+            if op.flags & FLAG_PORT != 0 {
+                return Replication::Never;
+            }
+            match op.kind {
+                k if k == OpKind::Data as u8 => syncs |= op.flags & FLAG_SIGNAL_AFTER != 0,
+                k if k == OpKind::Nop as u8
+                    || k == OpKind::Signal as u8
+                    || k == OpKind::RelaxedSignal as u8
+                    || k == OpKind::Wait as u8
+                    || k == OpKind::RelaxedWait as u8
+                    || k == OpKind::Flush as u8 =>
+                {
+                    syncs = true
+                }
+                _ => return Replication::Never,
+            }
+        }
+        if syncs {
+            Replication::Synced
+        } else {
+            Replication::Free
+        }
     }
 }
 

@@ -59,3 +59,24 @@ fn every_non_nvls_fixture_encodes_on_every_rank() {
         }
     }
 }
+
+#[test]
+fn fixtures_replicate_as_their_ops_allow() {
+    use mscclpp_executor::encode::Replication;
+    let want = [
+        ("allgather_packet_2gpu.json", Replication::Free),
+        ("allreduce_packet_2gpu.json", Replication::Free),
+        ("allreduce_2gpu.json", Replication::Synced),
+    ];
+    let fixtures = common::fixtures();
+    for (file, replication) in want {
+        let Some((_, bytes)) = fixtures.iter().find(|(name, _)| name == file) else {
+            continue; // no fixtures here (printed by common::fixtures)
+        };
+        let plan = Plan::from_json(bytes).unwrap();
+        for rank in 0..plan.world_size() {
+            let enc = encode(&plan, rank, false).unwrap();
+            assert_eq!(enc.replication(), replication, "{file} rank {rank}");
+        }
+    }
+}

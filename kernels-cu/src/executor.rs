@@ -25,6 +25,8 @@ pub const SLOT_INPUT: u16 = 0;
 pub const SLOT_OUTPUT: u16 = 1;
 pub const SLOT_SCRATCH: u16 = 2;
 pub const FIRST_REMOTE_SLOT: u16 = 3;
+/// `u32` words of [`PlanArgs::flags`] per plan threadblock (`kTbWords`).
+pub const TB_WORDS: usize = 4;
 
 /// What the kernel does for one op (`PlanOp::kind`). Every data-moving op code of the plan format
 /// is one [`OpKind::Data`]: read every source (waiting for LL packets), reduce them with the
@@ -106,7 +108,8 @@ pub struct PlanArgs {
     pub semaphores: u64,
     /// `u64*`: arrivals by barrier id (only grow).
     pub barriers: u64,
-    /// `u32*`: executions so far, one counter per threadblock: the LL flag of the next one.
+    /// `u32*`: [`TB_WORDS`] words per threadblock: executions so far (the LL flag of the next one
+    /// is one more), then the replicas' finish count and group barrier (arrivals, generation).
     pub flags: u64,
     pub error_word: u64,
     /// Addresses by slot: input, output, scratch, then remote buffer k at 3 + k.
@@ -122,6 +125,10 @@ pub struct PlanArgs {
     pub packet_bytes: u32,
     /// Payload bytes per unit of work: 4 for LL8, 8 otherwise.
     pub unit_bytes: u32,
+    /// Blocks per plan threadblock (at least 1), each doing its part of every op's units: the
+    /// grid has `threadblocks * replicas` blocks. More than 1 only for plans whose
+    /// `mscclpp_executor::encode::Replication` allows it.
+    pub replicas: u32,
 }
 
 impl Default for PlanArgs {
@@ -144,6 +151,7 @@ impl Default for PlanArgs {
             max_spin: 0,
             packet_bytes: 0,
             unit_bytes: 8,
+            replicas: 1,
         }
     }
 }
@@ -188,7 +196,7 @@ pub fn layout_asserts() -> String {
     fields!(PlanOp: kind, flags, nsrc, ndst, nids, tbg_part, tbg_parts, barrier_tbs, first_ref, first_id);
     fields!(PlanRef: slot, packets, index, size);
     fields!(PlanArgs: ops, tb_ops, refs, ids, channels, port_channels, semaphores, barriers, flags,
-        error_word, buffers, block_offsets, chunk_bytes, scratch_half_bytes, max_spin, packet_bytes, unit_bytes);
+        error_word, buffers, block_offsets, chunk_bytes, scratch_half_bytes, max_spin, packet_bytes, unit_bytes, replicas);
     for (ty, size) in [
         ("PlanOp", size_of::<PlanOp>()),
         ("PlanRef", size_of::<PlanRef>()),
@@ -201,6 +209,7 @@ pub fn layout_asserts() -> String {
     out += &format!(
         "static_assert(mscclpp::plan::kMaxPlanBuffers == {MAX_PLAN_BUFFERS}, \"kMaxPlanBuffers\");\n\
          static_assert(mscclpp::plan::kFirstRemoteSlot == {FIRST_REMOTE_SLOT}, \"kFirstRemoteSlot\");\n\
+         static_assert(mscclpp::plan::kTbWords == {TB_WORDS}, \"kTbWords\");\n\
          static_assert(mscclpp::plan::kSignalAfter == {FLAG_SIGNAL_AFTER}, \"kSignalAfter\");\n\
          static_assert(mscclpp::plan::kFlushAfter == {FLAG_FLUSH_AFTER}, \"kFlushAfter\");\n\
          static_assert(mscclpp::plan::kPort == {FLAG_PORT}, \"kPort\");\n"
@@ -235,7 +244,8 @@ mod tests {
         assert_eq!(size_of::<PlanOp>(), 20);
         assert_eq!(size_of::<PlanRef>(), 12);
         assert_eq!(offset_of!(PlanArgs, buffers), 80);
-        assert_eq!(size_of::<PlanArgs>(), 80 + 2 * 8 * MAX_PLAN_BUFFERS + 32);
+        // The u32 `replicas` after `unit_bytes`, padded to the struct's 8-byte alignment.
+        assert_eq!(size_of::<PlanArgs>(), 80 + 2 * 8 * MAX_PLAN_BUFFERS + 40);
         let asserts = layout_asserts();
         assert!(asserts.contains("offsetof(mscclpp::plan::PlanOp, first_id) == 16"));
         assert!(asserts.contains("mscclpp::plan::kBarrier == 9"));

@@ -164,4 +164,18 @@ MSCCLPP_DEVICE_INLINE u64 effective_max_spin(u64 max_spin) {
 MSCCLPP_DEVICE_INLINE u32 global_thread_id() { return blockIdx.x * blockDim.x + threadIdx.x; }
 MSCCLPP_DEVICE_INLINE u32 global_num_threads() { return gridDim.x * blockDim.x; }
 
+// First statement of every native collective kernel and of the plan interpreter. With
+// programmatic dependent launch (sm_90+) this grid may start while the stream's previous grid still
+// runs: griddepcontrol.wait returns once that grid has completed and its memory operations are
+// visible, so nothing below reads an input or overwrites a buffer early. Launched normally, the wait returns at once. launch_dependents then lets
+// the stream's next programmatic kernel start its own launch; it waits in turn, and since every block
+// of this grid is resident by the time all have signalled, its blocks can never keep ours from
+// being scheduled (the co-residency the peer waits rely on).
+MSCCLPP_DEVICE_INLINE void wait_prior_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 }  // namespace mscclpp

@@ -137,20 +137,6 @@ MSCCLPP_DEVICE_INLINE u32 peer_rank(u32 index, u32 rank) { return index < rank ?
 // previous call's flag, also across the wrap-around.
 MSCCLPP_DEVICE_INLINE u32 call_flag(u64 calls) { return static_cast<u32>(calls % 0xFFFFFFFFull) + 1u; }
 
-// First statement of every native collective kernel. With programmatic dependent launch (sm_90+)
-// this grid may start while the stream's previous grid still runs: griddepcontrol.wait returns once
-// that grid has completed and its memory operations are visible, so nothing below reads an input or
-// overwrites a buffer early. Launched normally, the wait returns at once. launch_dependents then lets
-// the stream's next programmatic kernel start its own launch; it waits in turn, and since every block
-// of this grid is resident by the time all have signalled, its blocks can never keep ours from
-// being scheduled (the co-residency the peer waits rely on).
-MSCCLPP_DEVICE_INLINE void wait_prior_grids() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 // Reads this block's slot of the call counter once per block (thread 0, shared with the block).
 MSCCLPP_DEVICE_INLINE u64 load_call_count(const CallState* state) {
   __shared__ u64 calls;

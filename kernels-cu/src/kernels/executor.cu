@@ -1,9 +1,22 @@
 // mscclpp-rs: the interpreter of MSCCL++ JSON execution plans.
 //
-// One launch per execution, one block per plan threadblock. Block b walks its ops
+// One launch per execution, `replicas` blocks per plan threadblock (blocks b * replicas ..
+// (b + 1) * replicas - 1 run threadblock b). Each walks the threadblock's ops
 // (ops[tb_ops[b]..tb_ops[b+1]]), encoded once per plan by mscclpp-executor (encode.rs) from the
 // validated JSON; the struct layouts are mirrored by kernels-cu/src/executor.rs and checked by the
 // static_asserts it generates.
+//
+// Replicas: one block of a 1024-thread threadblock moves a few tens of GB/s (LL packets about 25),
+// so a plan of few threadblocks (MSCCL++'s 2-rank plans have 1 to 8) cannot use the GPU. The host
+// gives each plan threadblock `replicas` blocks where the chunk is large enough and the plan allows
+// it (mscclpp_executor::encode::Replication: memory-channel data, signal, wait, flush and nop ops
+// only). Replica k of a threadblock does part k of every op's part of every chunk (the op's
+// threadblock-group part cut again into `replicas` parts of whole units), so a unit of a chunk
+// always falls to the same replica and an op reads what the replica's earlier ops wrote. Replica 0
+// alone runs the synchronisation ops; the replicas meet (group_barrier) where the threadblock goes
+// from data to a wait, signal, flush or nop (so replica 0 signals after every replica's writes)
+// and from a wait back to data (so no replica moves on before the wait is over). How many replicas
+// a call gets is a local choice: signals, packets and flags are the same for any number.
 //
 // Every data-moving op is one kind (kData) with the meaning the CPU reference interpreter gives
 // it: read every source, wait for LL packets where the source holds packets, reduce the sources
@@ -21,8 +34,9 @@
 // write one packet.
 //
 // CUDA-graph safe: nothing is set by the host per call. The LL flag of an execution is the
-// per-block execution counter (flags[b] + 1, stored back at the end; every block of every rank
-// runs every execution, so the counters agree across ranks), and LL scratch alternates two halves
+// per-threadblock execution counter (flags[kTbWords * b] + 1, stored back at the end by the last
+// replica to finish; every threadblock of every rank runs every execution, so the counters agree
+// across ranks), and LL scratch alternates two halves
 // by the flag's parity, so a fast writer of execution k + 1 never overwrites packets of execution
 // k that a slow reader has not read. Channel semaphores, local semaphores and barriers are counters
 // that only grow (or come back to their initial value), so replays need no reset.
@@ -64,6 +78,10 @@ constexpr u8 kSemRelease = 7;
 constexpr u8 kSemAcquire = 8;
 constexpr u8 kBarrier = 9;
 constexpr u8 kPipeline = 10;
+
+// u32 words of `flags` per plan threadblock: the execution counter, then the replicas that
+// finished this execution, and the group barrier's arrivals and generation.
+constexpr u32 kTbWords = 4;
 
 constexpr u8 kSignalAfter = 1;
 constexpr u8 kFlushAfter = 2;
@@ -107,6 +125,7 @@ struct PlanArgs {
   u64 max_spin;
   u32 packet_bytes;
   u32 unit_bytes;
+  u32 replicas;
 };
 
 // Units [begin, end) of every op a step runs (a pipeline iteration's window, or everything).
@@ -203,15 +222,19 @@ struct OpUnits {
   u64 total;
 };
 
+// The block's part of each chunk is part tbg_part * replicas + replica of tbg_parts * replicas:
+// the replicas' parts put together are the threadblock's part (floor(x * k / k) = floor(x)).
 MSCCLPP_DEVICE_INLINE OpUnits op_units(const PlanArgs& a, const PlanOp& op) {
   const PlanRef* refs = a.refs + op.first_ref;
   const u32 nrefs = static_cast<u32>(op.nsrc) + op.ndst;
   u32 chunks = refs[0].size;
   for (u32 i = 1; i < nrefs; ++i) chunks = refs[i].size < chunks ? refs[i].size : chunks;
+  const u64 part = static_cast<u64>(op.tbg_part) * a.replicas + blockIdx.x % a.replicas;
+  const u64 parts = static_cast<u64>(op.tbg_parts) * a.replicas;
   OpUnits n;
   n.upc = (a.chunk_bytes + a.unit_bytes - 1) / a.unit_bytes;
-  n.u0 = n.upc * op.tbg_part / op.tbg_parts;
-  n.per_chunk = n.upc * (op.tbg_part + 1) / op.tbg_parts - n.u0;
+  n.u0 = n.upc * part / parts;
+  n.per_chunk = n.upc * (part + 1) / parts - n.u0;
   n.chunks = chunks;
   n.total = n.per_chunk * chunks;
   return n;
@@ -414,7 +437,16 @@ MSCCLPP_DEVICE_INLINE bool run_data(const PlanArgs& a, const PlanOp& op, u32 fla
     if (lo >= hi) continue;
     u64 u = n.u0 + lo - first;
     const u64 end = n.u0 + hi - first;
-    if (!packets) u = run_plain_words(a, op, refs, c, u, end);
+    if (!packets) {
+      // A part that starts in the middle of a 16-byte word (8-byte units; replicas and group
+      // members start anywhere) does its first unit alone, so the rest can go as words.
+      if (reinterpret_cast<u64>(plain_address(a, refs[0], c, u * a.unit_bytes)) % sizeof(uint4) !=
+          0) {
+        if (!run_units(a, op, refs, c, u, u + 1, n.upc, flag)) return false;
+        ++u;
+      }
+      u = run_plain_words(a, op, refs, c, u, end);
+    }
     if (!run_units(a, op, refs, c, u, end, n.upc, flag)) return false;
   }
   return true;
@@ -600,9 +632,70 @@ MSCCLPP_DEVICE_INLINE bool run_sync(const PlanArgs& a, const PlanOp& op) {
   }
 }
 
+// The replicas of the threadblock whose words are `words` meet. The last to arrive resets the
+// arrivals (words[2]) and moves the generation (words[3]) on, which the others wait for: nothing
+// depends on how many replicas earlier calls had.
+MSCCLPP_DEVICE_INLINE bool group_barrier(const PlanArgs& a, u32* words) {
+  bool ok = true;
+  if (threadIdx.x == 0) {
+    u32* arrivals = words + 2;
+    u32* generation = words + 3;
+    const u32 gen = *reinterpret_cast<volatile u32*>(generation);
+    __threadfence();
+    if (atomicAdd(arrivals, 1u) == a.replicas - 1) {
+      atomicExch(arrivals, 0u);
+      __threadfence();
+      atomicAdd(generation, 1u);
+    } else {
+      ok = spin_until(
+          [generation, gen] { return *reinterpret_cast<volatile u32*>(generation) != gen; },
+          a.max_spin, a.error_word, kErrorSemaphoreWaitTimeout);
+    }
+    __threadfence();
+  }
+  return !__syncthreads_or(!ok);
+}
+
+// A block's place among its threadblock's replicas, and what the replicas did since they last
+// met: nothing that needs a meeting (signals and flushes by replica 0 need none), data (cut into
+// parts by `key`: a data op cut otherwise reads units another replica wrote), or a wait by
+// replica 0. With one replica every step is free.
+struct Replicas {
+  static constexpr u32 kSinceNothing = 0;
+  static constexpr u32 kSinceData = 1;
+  static constexpr u32 kSinceWait = 2;
+  u32* words;
+  u32 since;
+  u32 key;
+
+  // Whether this block runs the synchronisation ops (replica 0; every block when alone).
+  MSCCLPP_DEVICE_INLINE static bool runs_sync(const PlanArgs& a) {
+    return blockIdx.x % a.replicas == 0;
+  }
+  // Before a data op: meet after a wait, or after data cut into other parts.
+  MSCCLPP_DEVICE_INLINE bool before_data(const PlanArgs& a, const PlanOp& op) {
+    if (a.replicas == 1) return true;
+    const u32 k = (static_cast<u32>(op.tbg_part) << 16) | op.tbg_parts;
+    const bool meet = since == kSinceWait || (since == kSinceData && key != k);
+    since = kSinceData;
+    key = k;
+    return !meet || group_barrier(a, words);
+  }
+  // Before a synchronisation op (or a data op's signal): meet after data.
+  MSCCLPP_DEVICE_INLINE bool before_sync(const PlanArgs& a) {
+    if (a.replicas == 1 || since != kSinceData) return true;
+    since = kSinceNothing;
+    return group_barrier(a, words);
+  }
+  MSCCLPP_DEVICE_INLINE void after_sync(const PlanOp& op) {
+    if (op.kind == kWait || op.kind == kRelaxedWait) since = kSinceWait;
+  }
+};
+
 // One op over the window `w`, called by every thread of the block; false (in every thread) when
 // the block gives up. A block that gave up still meets the others at the __syncthreads_or.
-MSCCLPP_DEVICE_INLINE bool run_op(const PlanArgs& a, const PlanOp& op, u32 flag, Window w) {
+MSCCLPP_DEVICE_INLINE bool run_op(const PlanArgs& a, const PlanOp& op, u32 flag, Window w,
+                                  Replicas& r) {
   bool ok = true;
   if (op.kind == kData && (op.flags & kPort)) {
     // The proxy's copy engine reads what this block wrote (or received): publish it first.
@@ -613,19 +706,24 @@ MSCCLPP_DEVICE_INLINE bool run_op(const PlanArgs& a, const PlanOp& op, u32 flag,
     return !__syncthreads_or(!ok);
   }
   if (op.kind == kData) {
+    if (!r.before_data(a, op)) return false;
     ok = run_data(a, op, flag, w);
     if (__syncthreads_or(!ok)) return false;
-    if ((op.flags & kSignalAfter) && threadIdx.x == 0) run_sync(a, op);
+    if (!(op.flags & kSignalAfter)) return true;
+    if (!r.before_sync(a)) return false;
+    if (Replicas::runs_sync(a) && threadIdx.x == 0) run_sync(a, op);
     return true;
   }
-  if (threadIdx.x == 0) ok = run_sync(a, op);
+  if (!r.before_sync(a)) return false;
+  if (Replicas::runs_sync(a) && threadIdx.x == 0) ok = run_sync(a, op);
+  r.after_sync(op);
   return !__syncthreads_or(!ok);
 }
 
 // A pipeline at ops[o]: its nids ops, iteration by iteration. The window is unit_size bytes of
 // units; the iterations cover num_chunks whole chunks (ids: unit_size low and high word,
 // num_chunks).
-MSCCLPP_DEVICE_INLINE bool run_pipeline(const PlanArgs& a, u32 o, u32 flag) {
+MSCCLPP_DEVICE_INLINE bool run_pipeline(const PlanArgs& a, u32 o, u32 flag, Replicas& r) {
   const PlanOp& op = a.ops[o];
   const u32* p = a.ids + op.first_id;
   const u64 unit_size = static_cast<u64>(p[0]) | (static_cast<u64>(p[1]) << 32);
@@ -635,7 +733,7 @@ MSCCLPP_DEVICE_INLINE bool run_pipeline(const PlanArgs& a, u32 o, u32 flag) {
   for (u64 it = 0; it < iters; ++it) {
     const Window w = {it * per_iter, (it + 1) * per_iter};
     for (u32 j = 1; j <= op.nids; ++j) {
-      if (!run_op(a, a.ops[o + j], flag, w)) return false;
+      if (!run_op(a, a.ops[o + j], flag, w, r)) return false;
     }
   }
   return true;
@@ -672,23 +770,38 @@ MSCCLPP_DEVICE_INLINE void prefetch_ops(const PlanArgs& a, u32 first, u32 last) 
 extern "C" __global__ void __launch_bounds__(1024) plan_execute(mscclpp::plan::PlanArgs a) {
   using namespace mscclpp;
   using namespace mscclpp::plan;
+  // Before anything reads memory (the host may launch this grid programmatically); the abort
+  // check comes after it (collective_common.cuh says why).
+  wait_prior_grids();
   if (mscclpp::block_aborted(a.error_word)) return;
-  const u32 block = blockIdx.x;
-  const u32 flag = a.flags[block] + 1;
-  const u32 first = a.tb_ops[block];
-  const u32 last = a.tb_ops[block + 1];
+  const u32 tb = blockIdx.x / a.replicas;
+  u32* words = a.flags + kTbWords * tb;
+  const u32 flag = words[0] + 1;
+  const u32 first = a.tb_ops[tb];
+  const u32 last = a.tb_ops[tb + 1];
   prefetch_ops(a, first, last);
+  Replicas r = {words, Replicas::kSinceNothing, 0};
   for (u32 o = first; o < last; ++o) {
     const PlanOp op = a.ops[o];
     if (op.kind == kPipeline) {
-      if (!run_pipeline(a, o, flag)) return;
+      if (!run_pipeline(a, o, flag, r)) return;
       o += op.nids;
-    } else if (!run_op(a, op, flag, kWhole)) {
+    } else if (!run_op(a, op, flag, kWhole, r)) {
       return;
     }
   }
-  // Every thread has read flags[block] before the first __syncthreads_or; a plan with no op
-  // still needs that order.
+  // Every thread has read the counter before this; a plan with no op still needs that order. The
+  // last replica to finish stores it, after every replica has read it.
   __syncthreads();
-  if (threadIdx.x == 0) a.flags[block] = flag;
+  if (threadIdx.x == 0) {
+    if (a.replicas == 1) {
+      words[0] = flag;
+    } else {
+      __threadfence();
+      if (atomicAdd(words + 1, 1u) == a.replicas - 1) {
+        words[1] = 0;
+        words[0] = flag;
+      }
+    }
+  }
 }
