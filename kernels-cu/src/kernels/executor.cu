@@ -641,7 +641,9 @@ MSCCLPP_DEVICE_INLINE bool group_barrier(const PlanArgs& a, u32* words) {
     u32* arrivals = words + 2;
     u32* generation = words + 3;
     const u32 gen = *reinterpret_cast<volatile u32*>(generation);
-    __threadfence();
+    // System scope: replica 0 may signal a peer GPU after this meeting, and that signal must
+    // publish every replica's writes to the peer's memory, not only replica 0's.
+    __threadfence_system();
     if (atomicAdd(arrivals, 1u) == a.replicas - 1) {
       atomicExch(arrivals, 0u);
       __threadfence();
