@@ -133,18 +133,17 @@ struct Window {
   u64 begin;
   u64 end;
 };
-constexpr Window kWhole = {0, ~0ull};
 
 typedef MSCCLPP_PLAN_T T;
 typedef MSCCLPP_PLAN_ACC Acc;
 constexpr int kOp = MSCCLPP_PLAN_OP;
 
 // The two halves of the batched data path (run_plain_words, run_units) are functions of their own
-// on HIP. Inlined, as on CUDA, they sit twice in plan_execute (run_data is inlined in its loop and
-// in run_pipeline), each copy with its unrolled reductions (16 lanes of software fp8 or int8
-// arithmetic per 16-byte word), and clang-19's AMDGPU 'Structurize control flow' pass crashed on
-// that one huge function (in SSAUpdater, on a few of the 1-byte type units, different ones each
-// run). One call per chunk costs nothing next to the chunk's bytes.
+// on HIP. Inlined, as on CUDA, they put their unrolled reductions (16 lanes of software fp8 or
+// int8 arithmetic per 16-byte word) into plan_execute, and clang-19's AMDGPU 'Structurize control
+// flow' pass crashed on that one huge function (in SSAUpdater, on a few of the 1-byte type units,
+// different ones each run; seen when they sat there twice). One call per chunk costs nothing next
+// to the chunk's bytes.
 #if defined(MSCCLPP_HIP)
 #define MSCCLPP_PLAN_DATA_PATH __device__ __attribute__((noinline))
 #else
@@ -359,11 +358,13 @@ MSCCLPP_DEVICE_INLINE u8* plain_address(const PlanArgs& a, const PlanRef& r, u64
 // Words i + k * stride (k < kN) of the op's plain references from byte `from` of chunk c: the
 // sources reduced in order (an op that reduces has at least two), written to every destination.
 // Both first sources' loads are issued before any arithmetic, so they are in flight together.
+// Their words are s0 and s1, found once per chunk by the caller: worked out here, each pass
+// reloaded both references (the stores may alias them) and the values kept for it spilled
+// inside the loop (ptxas -v and the SASS of the bf16 unit).
 template <u32 kN>
 MSCCLPP_DEVICE_INLINE void reduce_words(const PlanArgs& a, const PlanOp& op, const PlanRef* refs,
-                                        u64 c, u64 from, u64 i, u64 stride) {
-  const uint4* s0 = reinterpret_cast<const uint4*>(plain_address(a, refs[0], c, from));
-  const uint4* s1 = reinterpret_cast<const uint4*>(plain_address(a, refs[1], c, from));
+                                        u64 c, u64 from, u64 i, u64 stride, const uint4* s0,
+                                        const uint4* s1) {
   uint4 x[kN];
   uint4 y[kN];
 #pragma unroll
@@ -413,13 +414,24 @@ MSCCLPP_PLAN_DATA_PATH u64 run_plain_words(const PlanArgs& a, const PlanOp& op,
     }
   } else {
     const u64 stride = blockDim.x;
+    const uint4* s0 = reinterpret_cast<const uint4*>(plain_address(a, refs[0], c, from));
+    const uint4* s1 = reinterpret_cast<const uint4*>(plain_address(a, refs[1], c, from));
     u64 i = threadIdx.x;
     for (; i + (kReduceUnroll - 1) * stride < words; i += kReduceUnroll * stride) {
-      reduce_words<kReduceUnroll>(a, op, refs, c, from, i, stride);
+      reduce_words<kReduceUnroll>(a, op, refs, c, from, i, stride, s0, s1);
     }
-    for (; i < words; i += stride) reduce_words<1>(a, op, refs, c, from, i, stride);
+    for (; i < words; i += stride) reduce_words<1>(a, op, refs, c, from, i, stride, s0, s1);
   }
   return u + words * sizeof(uint4) / a.unit_bytes;
+}
+
+// Units from unit u of chunk c of a plain reference to its next 16-byte boundary (0 where u is on
+// one, or where no whole unit lands on one: the reference is misaligned for words anyway).
+MSCCLPP_DEVICE_INLINE u64 units_to_word(const PlanArgs& a, const PlanRef& r, u64 c, u64 u) {
+  const u64 gap = (sizeof(uint4) - reinterpret_cast<u64>(plain_address(a, r, c, u * a.unit_bytes)) %
+                                       sizeof(uint4)) %
+                  sizeof(uint4);
+  return gap % a.unit_bytes == 0 ? gap / a.unit_bytes : 0;
 }
 
 // One data op over the window `w`, cooperatively by every thread of the block, chunk by chunk
@@ -437,17 +449,19 @@ MSCCLPP_DEVICE_INLINE bool run_data(const PlanArgs& a, const PlanOp& op, u32 fla
     if (lo >= hi) continue;
     u64 u = n.u0 + lo - first;
     const u64 end = n.u0 + hi - first;
-    if (!packets) {
-      // A part that starts in the middle of a 16-byte word (8-byte units; replicas and group
-      // members start anywhere) does its first unit alone, so the rest can go as words.
-      if (reinterpret_cast<u64>(plain_address(a, refs[0], c, u * a.unit_bytes)) % sizeof(uint4) !=
-          0) {
-        if (!run_units(a, op, refs, c, u, u + 1, n.upc, flag)) return false;
-        ++u;
-      }
-      u = run_plain_words(a, op, refs, c, u, end);
+    // Unit by unit to `stop`, then (plain data) as words from there, then the tail unit by unit.
+    // Packets go unit by unit throughout. A plain part that starts inside a 16-byte word (replicas
+    // and group members start at any unit) takes units alone up to the next word, so the rest can
+    // go as words. One call of each (a loop, not two calls): both are inlined on CUDA, and every
+    // copy of them is compile time (NVRTC's and ptxas's) in every unit.
+    u64 stop = packets ? end : u + units_to_word(a, refs[0], c, u);
+    stop = stop < end ? stop : end;
+    for (;;) {
+      if (!run_units(a, op, refs, c, u, stop, n.upc, flag)) return false;
+      if (stop == end) break;
+      u = run_plain_words(a, op, refs, c, stop, end);
+      stop = end;
     }
-    if (!run_units(a, op, refs, c, u, end, n.upc, flag)) return false;
   }
   return true;
 }
@@ -722,23 +736,27 @@ MSCCLPP_DEVICE_INLINE bool run_op(const PlanArgs& a, const PlanOp& op, u32 flag,
   return !__syncthreads_or(!ok);
 }
 
-// A pipeline at ops[o]: its nids ops, iteration by iteration. The window is unit_size bytes of
-// units; the iterations cover num_chunks whole chunks (ids: unit_size low and high word,
-// num_chunks).
-MSCCLPP_DEVICE_INLINE bool run_pipeline(const PlanArgs& a, u32 o, u32 flag, Replicas& r) {
+// What a threadblock runs from ops[o] on: the ops [begin, end), `iters` times, iteration `it` over
+// the window of units [it * per_iter, (it + 1) * per_iter). A pipeline (kPipeline) is its nids ops
+// after it, in windows of unit_size bytes of units covering num_chunks whole chunks (ids: unit_size
+// low and high word, num_chunks); any other op runs once over every unit. Pipelines and plain ops
+// go through this one loop so that run_op (and the data path inlined in it) is in the kernel once:
+// each copy of it is compile time in every unit.
+struct Step {
+  u32 begin;
+  u32 end;
+  u64 iters;
+  u64 per_iter;
+};
+
+MSCCLPP_DEVICE_INLINE Step step_at(const PlanArgs& a, u32 o) {
   const PlanOp& op = a.ops[o];
+  if (op.kind != kPipeline) return {o, o + 1, 1, ~0ull};
   const u32* p = a.ids + op.first_id;
   const u64 unit_size = static_cast<u64>(p[0]) | (static_cast<u64>(p[1]) << 32);
   const u64 per_iter = unit_size / a.unit_bytes > 0 ? unit_size / a.unit_bytes : 1;
   const u64 upc = (a.chunk_bytes + a.unit_bytes - 1) / a.unit_bytes;
-  const u64 iters = (p[2] * upc + per_iter - 1) / per_iter;
-  for (u64 it = 0; it < iters; ++it) {
-    const Window w = {it * per_iter, (it + 1) * per_iter};
-    for (u32 j = 1; j <= op.nids; ++j) {
-      if (!run_op(a, a.ops[o + j], flag, w, r)) return false;
-    }
-  }
-  return true;
+  return {o + 1, o + 1 + op.nids, (p[2] * upc + per_iter - 1) / per_iter, per_iter};
 }
 
 // A hint to bring `p` into L1 (PTX prefetch; no such hint on AMD GPUs, where it does nothing).
@@ -783,14 +801,16 @@ extern "C" __global__ void __launch_bounds__(1024) plan_execute(mscclpp::plan::P
   const u32 last = a.tb_ops[tb + 1];
   prefetch_ops(a, first, last);
   Replicas r = {words, Replicas::kSinceNothing, 0};
-  for (u32 o = first; o < last; ++o) {
-    const PlanOp op = a.ops[o];
-    if (op.kind == kPipeline) {
-      if (!run_pipeline(a, o, flag, r)) return;
-      o += op.nids;
-    } else if (!run_op(a, op, flag, kWhole, r)) {
-      return;
+  for (u32 o = first; o < last;) {
+    const Step step = step_at(a, o);
+    for (u64 it = 0; it < step.iters; ++it) {
+      const Window w = {it * step.per_iter, (it + 1) * step.per_iter};
+      for (u32 j = step.begin; j < step.end; ++j) {
+        const PlanOp op = a.ops[j];
+        if (!run_op(a, op, flag, w, r)) return;
+      }
     }
+    o = step.end;
   }
   // Every thread has read the counter before this; a plan with no op still needs that order. The
   // last replica to finish stores it, after every replica has read it.
