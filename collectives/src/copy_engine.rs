@@ -4,6 +4,10 @@
 //! Why: on NVLink the copy engines write a peer at about 396 GB/s one way (391 GB/s each way when
 //! both directions run at once), where SM loads from a peer top out near 342 GB/s in the zero-copy
 //! kernel. Reductions stay on the SMs, overlapped with the copies, and only touch local memory.
+//! Measured on 2 x H200 with the collection's scratch as its ring (pieces of at most ~10 MiB since
+//! communicators keep to 32 MiB), it was slower than the zero-copy kernel at every size from 32 MiB
+//! to 1 GiB (3282 against 3128 µs at 1 GiB, 2026-11-27), so the default selector no longer takes it;
+//! it runs by name. Larger pieces (2879 µs at 1 GiB with 32 MiB pieces, earlier) need more memory.
 //!
 //! Every rank owns the share `[rank * per, (rank + 1) * per)` of the message (clamped to it), cut
 //! into pieces ([`piece_bytes`]: at least [`MIN_PIECES`], each at most a scratch slot). Each

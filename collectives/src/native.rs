@@ -38,7 +38,7 @@ pub enum NativeKind {
     AllreduceFullmesh,
     /// All-gather pushed through the peers' scratch in steps (unregistered buffers).
     AllgatherFullmesh,
-    /// Large messages: the copy engines move the data, the SMs reduce (`copy_engine`).
+    /// The copy engines move the data, the SMs reduce (`copy_engine`; by name only).
     AllreduceCopyEngine,
     /// The root reduces every rank's registered input into its output.
     ReduceZeroCopy,

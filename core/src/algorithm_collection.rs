@@ -410,21 +410,6 @@ pub fn packet_threshold(world_size: usize) -> usize {
     }
 }
 
-/// Message size (bytes) from which the copy-engine all-reduce is preferred to the zero-copy
-/// kernel, by world size and whether the call is being captured (`None`: never). The copy engines
-/// push more bytes per second than SM loads from a peer, but each call enqueues a few dozen copies,
-/// events and kernels; a graph replays them without gaps, an eager call pays the gaps again each
-/// time. 2xH200, graph: 200.9 against 206.5 µs (zero-copy) at 64 MiB, 121.8 against 109.1 µs at
-/// 32 MiB; eager: 244.7 against 210.4 µs at 64 MiB, 402.0 against 405.0 at 128 MiB. Not yet
-/// measured on more ranks; retune with `mscclpp-bench`.
-pub fn copy_engine_threshold(world_size: usize, capturing: bool) -> Option<usize> {
-    match (world_size, capturing) {
-        (2, true) => Some(64 << 20),
-        (2, false) => Some(256 << 20),
-        _ => None,
-    }
-}
-
 /// Total bytes (the all-gather's output, the reduce-scatter's input) up to which the packet
 /// all-gather and reduce-scatter are preferred to the zero-copy ones, by world size (the packet
 /// kinds' scratch capacity bounds it too). The zero-copy kernels pay two barrier rounds; the
@@ -531,13 +516,13 @@ fn native_choice(limits: &NativeLimits, ctx: &SelectionContext) -> Option<&'stat
                 // As MSCCL++ on AMD: the full-mesh kernel for large messages (xGMI links
                 // every GPU to every other, and the zero-copy kernel's barriers cost more there).
                 Some(ALLREDUCE_FULLMESH)
-            } else if copy_engine_threshold(ctx.world_size, ctx.capturing)
-                .is_some_and(|t| bytes >= t)
-            {
-                Some(ALLREDUCE_COPY_ENGINE)
             } else {
                 // Registration of unregistered buffers is host-only and cached per buffer, so the
                 // zero-copy kernel also serves non-symmetric memory (the first call pays for it).
+                // `default_allreduce_copy_engine` (by name only) is slower at every size it was
+                // measured at: 2 x H200, bf16, 32 MiB to 1 GiB, graph 208.4 against 227.5 µs at
+                // 64 MiB and 3128 against 3282 µs at 1 GiB, eager 793 against 918 µs at 256 MiB
+                // (2026-11-27; its pieces are bounded by the collection's scratch).
                 Some(ALLREDUCE_RSAG_ZERO_COPY)
             }
         }
@@ -777,9 +762,9 @@ mod tests {
     #[case(Collective::AllReduce, (4 << 20) + 2, 2, ALLREDUCE_RSAG_ZERO_COPY)]
     #[case(Collective::AllReduce, 1 << 20, 4, ALLREDUCE_PACKET)]
     #[case(Collective::AllReduce, (1 << 20) + 2, 4, ALLREDUCE_RSAG_ZERO_COPY)]
-    #[case(Collective::AllReduce, 1 << 30, 2, ALLREDUCE_COPY_ENGINE)]
+    #[case(Collective::AllReduce, 1 << 30, 2, ALLREDUCE_RSAG_ZERO_COPY)]
     #[case(Collective::AllReduce, 1 << 30, 4, ALLREDUCE_RSAG_ZERO_COPY)]
-    #[case(Collective::AllReduce, 64 << 20, 2, ALLREDUCE_COPY_ENGINE)]
+    #[case(Collective::AllReduce, 64 << 20, 2, ALLREDUCE_RSAG_ZERO_COPY)]
     #[case(Collective::AllReduce, (64 << 20) - 2, 2, ALLREDUCE_RSAG_ZERO_COPY)]
     #[case(Collective::AllReduce, 16 << 10, 8, ALLREDUCE_ALLPAIR_PACKET)]
     #[case(Collective::AllReduce, 256 << 10, 8, ALLREDUCE_PACKET)]
@@ -825,19 +810,21 @@ mod tests {
     }
 
     #[rstest]
-    #[case(64 << 20, true, ALLREDUCE_COPY_ENGINE)]
-    #[case(64 << 20, false, ALLREDUCE_RSAG_ZERO_COPY)]
-    #[case((256 << 20) - 2, false, ALLREDUCE_RSAG_ZERO_COPY)]
-    #[case(256 << 20, false, ALLREDUCE_COPY_ENGINE)]
-    fn eager_calls_take_the_copy_engine_later(
+    #[case(64 << 20, true)]
+    #[case(64 << 20, false)]
+    #[case(1 << 30, true)]
+    #[case(1 << 30, false)]
+    fn large_allreduces_take_the_zero_copy_kernel_captured_or_not(
         #[case] bytes: usize,
         #[case] capturing: bool,
-        #[case] want: &str,
     ) {
         let coll = native_collection();
         let mut c = ctx(Collective::AllReduce, bytes, 2);
         c.capturing = capturing;
-        assert_eq!(coll.select(&c).expect("selected").name(), want);
+        assert_eq!(
+            coll.select(&c).expect("selected").name(),
+            ALLREDUCE_RSAG_ZERO_COPY
+        );
     }
 
     #[test]
