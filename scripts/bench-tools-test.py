@@ -9,7 +9,8 @@
   reported;
 - scripts/gpu-run.sh `nccl bench` with a fake torchrun and nvidia-smi: PyTorch's NCCL, then the
   shim preloaded, NVLS off, options passed on, the comparison written; `nccl hostcost` likewise
-  (nccl/scripts/host_cost.py, whose --help needs no torch);
+  (nccl/scripts/host_cost.py, whose --help needs no torch); `fault` and the whole `suite` end
+  with fault-inject.py at the run's world size, sections and --quick without it;
 - scripts/plan-bench.py: the choice of plans among the fixtures (other world sizes and NVLS left
   out), the bench command lines, and a whole run against a fake mscclpp-bench (a few lines of
   Python writing the bench's JSON) with a plan that meets the target, one that misses it at large
@@ -20,6 +21,7 @@ import importlib.util
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -367,6 +369,46 @@ def gpu_run_hostcost_test():
     expect(p.returncode == 0 and "torch host" in p.stdout, "host_cost.py --help without torch")
 
 
+FAKE_FAULT_INJECT = r'''#!/usr/bin/env python3
+import json, os, sys
+with open(os.environ["FAKE_LOG"], "a") as f:
+    f.write(json.dumps({"fault_inject": sys.argv[1:]}) + "\n")
+'''
+
+
+def gpu_run_fault_test():
+    """The fault-injection check: `gpu-run.sh fault`, and after the whole suite only."""
+    with tempfile.TemporaryDirectory() as d:
+        env = fake_gpu_dir(d)
+        with open(os.path.join(d, ".gpu", "fault-inject.py"), "w") as f:
+            f.write(FAKE_FAULT_INJECT)
+        shutil.copy(os.path.join(ROOT, "scripts/gpu-run.sh"), os.path.join(d, ".gpu", "gpu-run.sh"))
+
+        def run(args, **extra):
+            open(env["FAKE_LOG"], "w").close()
+            p = subprocess.run(["bash", ".gpu/gpu-run.sh"] + args, cwd=d, env=dict(env, **extra),
+                               capture_output=True, text=True)
+            with open(env["FAKE_LOG"]) as f:
+                return p.returncode, [json.loads(line) for line in f]
+
+        code, calls = run(["fault"])
+        fi = [c["fault_inject"] for c in calls if "fault_inject" in c]
+        expect(code == 0 and len(fi) == 1 and fi[0][fi[0].index("--ranks") + 1] == "2"
+               and fi[0][fi[0].index("--mps") + 1] == "0" and "port" in fi[0][fi[0].index("--workloads") + 1],
+               f"gpu-run.sh fault: one fault-inject run of 2 ranks (2 GPUs here: {fi})")
+        code, calls = run(["suite"], NRANKS="4")
+        order = ["suite" if "args" in c else "fault" for c in calls]
+        fi = [c["fault_inject"] for c in calls if "fault_inject" in c]
+        expect(code == 0 and order == ["suite", "fault"] and fi[0][fi[0].index("--ranks") + 1] == "4",
+               f"gpu-run.sh suite: the suite, then the fault check at its world size ({order})")
+        for args in (["suite", "--quick"], ["suite", "--only", "plans"]):
+            code, calls = run(args)
+            expect(code == 0 and not any("fault_inject" in c for c in calls),
+                   f"gpu-run.sh {' '.join(args)}: no fault check")
+        code, calls = run(["suite"], HOSTS="2", NRANKS="4")
+        expect(not any("fault_inject" in c for c in calls), "gpu-run.sh suite with HOSTS: no fault check")
+
+
 def gpu_run_bench_test():
     with tempfile.TemporaryDirectory() as d:
         env = fake_gpu_dir(d)
@@ -515,6 +557,7 @@ if __name__ == "__main__":
     torch_bench_run_test()
     gpu_run_bench_test()
     gpu_run_hostcost_test()
+    gpu_run_fault_test()
     plan_bench_tests()
     print(f"bench-tools-test: {len(FAILURES)} failed" if FAILURES else "bench-tools-test: all passed")
     sys.exit(1 if FAILURES else 0)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the GPU suite and the benchmark on the device machine (from the repository root there).
-# Usage: [NGPU=k] [NRANKS=n] [MPS=1] [HOSTS=h] bash .gpu/gpu-run.sh [suite|bench|all] [extra args for the binary]
+# Usage: [NGPU=k] [NRANKS=n] [MPS=1] [HOSTS=h] bash .gpu/gpu-run.sh [suite|bench|all|fault] [extra args for the binary]
 #        [NRANKS=n] [MPS=1] [SHIM_CHECK_QUICK=1] bash .gpu/gpu-run.sh nccl [torch|initall|kill|abort|fallback|bench|hostcost]
 #        [TORCH_BENCH_TIMEOUT=s] bash .gpu/gpu-run.sh nccl bench [torch_bench.py run options]
 # Writes logs into $OUT (or ./gpu-out when $OUT is unset).
@@ -46,7 +46,19 @@ nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(nvidia.nccl.__path
 wrap=()
 if [ -n "${HOSTS:-}" ]; then wrap=(.gpu/simulate-hosts.sh); echo "simulating $HOSTS hosts"; fi
 launch() { torchrun --no-python --nproc_per_node="$nranks" --master_port="${PORT:-29511}" "${wrap[@]}" "$@"; }
+# The fault-injection check (#15, docs/fail-fast.md): one run of every configuration of
+# fault-inject.py at this world size (at least 2 ranks): a rank SIGKILLed, then one SIGSTOPped,
+# during eager calls, graph replays and PortChannel traffic; every survivor must fail naming it in
+# time. Under MPS=1 the script starts the MPS server of its own phase, so ours stops first.
+fault_check() {
+  if [ "${MPS:-0}" = 1 ]; then stop_mps; fi
+  python3 "$(dirname "$0")/fault-inject.py" --ranks "$((nranks < 2 ? 2 : nranks))" --signals KILL,STOP \
+    --workloads eager,graph,port --mps "${MPS:-0}" --runs 1 --timeout 2 --settle 3 --out "$out" 2>&1 |
+    tee "$out/fault.log"
+  return "${PIPESTATUS[0]}"
+}
 rc=0
+if [ "$what" = fault ]; then fault_check || rc=1; fi
 if [ "$what" = suite ] || [ "$what" = all ]; then
   # MPS clients share the GPU's hardware queues: with more than 2 ranks a GPU, a PortChannel proxy's
   # copy can queue behind a spinning kernel, and port_allreduce timed out (4 and 8 ranks; it passes
@@ -66,9 +78,19 @@ if [ "$what" = suite ] || [ "$what" = all ]; then
   else
     launch .gpu/bin/mscclpp-gpu-suite "$@" 2>&1 | tee "$out/suite.log"; rc=$((rc | PIPESTATUS[0]))
   fi
+  # The whole suite (no section named, not --quick) ends with the fault-injection check, after the
+  # benchmark of `all` (the check stops our MPS server).
+  case " $* " in
+    *" --only "* | *" --quick "* | *" --primitives-only "*) ;;
+    *) if [ -z "${HOSTS:-}" ]; then what_after=fault; fi ;;
+  esac
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   launch .gpu/bin/mscclpp-bench "$@" 2>&1 | tee "$out/bench.log"; rc=$((rc | PIPESTATUS[0]))
+fi
+if [ "${what_after:-}" = fault ]; then
+  echo "== fault injection" | tee -a "$out/suite.log"
+  fault_check || rc=1
 fi
 if [ "$what" = nccl ]; then
   # The NCCL shim: PyTorch's backend="nccl" with the shim preloaded (torch), one process driving
