@@ -364,6 +364,14 @@ def gpu_run_hostcost_test():
                and all(c["args"][-3:] == [".gpu/host_cost.py", "--sizes", "1K"] for c in calls)
                and calls[0]["args"][1] != calls[1]["args"][1],
                f"gpu-run.sh nccl hostcost: PyTorch's NCCL, then the shim, options passed on ({p.returncode})")
+        open(env["FAKE_LOG"], "w").close()
+        p = subprocess.run(["bash", os.path.join(ROOT, "scripts/gpu-run.sh"), "nccl", "hostcost"],
+                           cwd=d, env=dict(env, NRANKS="4"), capture_output=True, text=True)
+        with open(env["FAKE_LOG"]) as f:
+            calls = [json.loads(line) for line in f]
+        expect(p.returncode == 0 and len(calls) == 1 and calls[0]["preload"].endswith("libmscclpp_nccl.so")
+               and "NCCL refuses ranks sharing a GPU" in p.stdout,
+               "gpu-run.sh nccl hostcost, 4 ranks on 2 GPUs: the shim only, PyTorch's NCCL left out by name")
     p = subprocess.run([sys.executable, os.path.join(ROOT, "nccl/scripts/host_cost.py"), "--help"],
                        cwd=os.path.join(ROOT, "nccl/scripts"), capture_output=True, text=True)
     expect(p.returncode == 0 and "torch host" in p.stdout, "host_cost.py --help without torch")

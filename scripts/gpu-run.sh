@@ -130,9 +130,14 @@ if [ "$what" = nccl ]; then
          --out "$out/torch-compare.md" || code=1
        exit $code ;;
     # PyTorch's own host work per eager all_reduce against the library's (host_cost.py), with
-    # PyTorch's NCCL, then with the shim preloaded; one GPU a rank.
+    # PyTorch's NCCL (one GPU a rank: NCCL refuses ranks sharing a GPU, so it is left out then),
+    # then with the shim preloaded (ranks may share GPUs, NRANKS=n MPS=1).
     hostcost) shift
-       torchrun --nproc_per_node="$nranks" --master_port="${PORT:-29511}" .gpu/host_cost.py "$@" || rc=1
+       if [ "$nranks" -le "$ngpu" ]; then
+         torchrun --nproc_per_node="$nranks" --master_port="${PORT:-29511}" .gpu/host_cost.py "$@" || rc=1
+       else
+         echo "host_cost with PyTorch's NCCL left out: $nranks ranks on $ngpu GPU(s), and NCCL refuses ranks sharing a GPU"
+       fi
        LD_PRELOAD="$shim" torchrun --nproc_per_node="$nranks" --master_port="$((${PORT:-29511} + 1))" \
          .gpu/host_cost.py "$@" || rc=1
        exit $rc ;;

@@ -4,7 +4,8 @@
   torchrun --nproc_per_node=N host_cost.py [--sizes 1K,1M] [--calls 1000] [--batches 5]
 
 Run it twice: with the shim preloaded (LD_PRELOAD=libmscclpp_nccl.so) and without (PyTorch's own
-NCCL). Small eager collectives are bound by the host: each call's CPU work outlasts its kernel, so
+NCCL, one GPU a rank: NCCL refuses ranks sharing a GPU; with the shim they may, rank r on GPU
+LOCAL_RANK % GPUs, as `NRANKS=n MPS=1 bash .gpu/gpu-run.sh nccl hostcost` runs it). Small eager collectives are bound by the host: each call's CPU work outlasts its kernel, so
 torch_bench.py's eager time per call is PyTorch's work plus the library's. This tool times, in one
 process and on the same stream:
   library  ncclAllReduce called directly through ctypes on a communicator of its own (the library
