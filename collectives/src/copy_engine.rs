@@ -4,29 +4,32 @@
 //! Why: on NVLink the copy engines write a peer at about 396 GB/s one way (391 GB/s each way when
 //! both directions run at once), where SM loads from a peer top out near 342 GB/s in the zero-copy
 //! kernel. Reductions stay on the SMs, overlapped with the copies, and only touch local memory.
-//! Measured on 2 x H200 with the collection's scratch as its ring (pieces of at most ~10 MiB since
-//! communicators keep to 32 MiB), it was slower than the zero-copy kernel at every size from 32 MiB
-//! to 1 GiB (3282 against 3128 µs at 1 GiB, 2026-11-27), so the default selector no longer takes it;
-//! it runs by name. Larger pieces (2879 µs at 1 GiB with 32 MiB pieces, earlier) need more memory.
+//! Each copy costs the copy engines about 2 µs beyond its bytes, so pieces must be large: where
+//! the peers' pieces land decides how large they can be ([`Staging`]).
 //!
 //! Every rank owns the share `[rank * per, (rank + 1) * per)` of the message (clamped to it), cut
-//! into pieces ([`piece_bytes`]: at least [`MIN_PIECES`], each at most a scratch slot). Each
-//! rank's scratch, mapped by every peer, is a ring of [`SLOTS`] slots, each with room for one piece
-//! from every peer. One call, on the caller's stream S and this algorithm's copy stream C, every
+//! into pieces. One call, on the caller's stream S and this algorithm's copy stream C, every
 //! transfer a push (NVLink carries writes faster than reads):
 //! 1. Reduce-scatter, pushed: C forks from S. For each piece k, C copies piece k of every peer's
-//!    share of our input into that peer's scratch slot `k % SLOTS` (first waiting, from piece
-//!    SLOTS on, until every peer has reduced what that slot held). S waits for those copies, then
-//!    a barrier with every peer tells it that every rank's piece k has landed, then S reduces our
-//!    input's piece k and the peers' pieces in our scratch, in rank order, into our output.
+//!    share of our input into that peer's staging place for piece k (in a scratch ring, first
+//!    waiting, from piece SLOTS on, until every peer has reduced what that slot held). S waits for
+//!    those copies, then a barrier with every peer tells it that every rank's piece k has landed,
+//!    then S reduces our input's piece k and the peers' staged pieces, in rank order, into our
+//!    output.
 //! 2. All-gather, pushed, in two copies per peer: behind the last piece's reduce-scatter copies,
 //!    C copies every earlier piece of our reduced share (reduced meanwhile) into every peer's
 //!    output, then the last piece once S has reduced it. The copy engines stay busy while the
-//!    last piece is reduced, and each extra copy would cost a copy-engine start.
+//!    last piece is reduced, and each extra copy would cost a copy-engine start. Staged in the
+//!    output, these copies overwrite the peers' staging places, so they wait first for a barrier
+//!    saying every peer has reduced those pieces (the barrier of the last piece, and one more
+//!    after the last reduction).
 //! 3. S joins C and ends with a barrier: every peer's pushes into our output have landed.
 //!
 //! Why it is safe without other waits:
-//! - Slot reuse: the barrier of piece m passes only once every peer has sent its signal of piece m,
+//! - Output staging: sender s's piece k of our share lands where s's reduced piece k will be
+//!   gathered, `output[share s, piece k]`, which nothing else reads or writes during the call
+//!   (input and output are disjoint); the gather into it waits for our reduction (above).
+//! - Slot reuse (scratch ring): the barrier of piece m passes only once every peer has sent its signal of piece m,
 //!   which its stream issues after reducing piece m - 1; so after barrier k - SLOTS + 1 nobody reads
 //!   slot `k % SLOTS` any more. With three slots C waits for a barrier two pieces back, which has
 //!   long passed in steady state: the copy engines never wait for the barrier round trip.
@@ -53,12 +56,51 @@ use mscclpp_core::{Error, Result};
 use mscclpp_kernels_cu::collectives::PeerPtrs;
 use std::sync::{Arc, Mutex};
 
-/// Largest piece from one peer. Each copy costs the copy engines about 2 µs beyond its bytes on
+/// Where the peers' pieces of our share land before we reduce them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Staging {
+    /// In our output, at the place of the sender's own share (which it will all-gather there
+    /// later): no extra memory, so pieces can be as large as the schedule wants ([`OUTPUT_PIECES`]).
+    /// Needs an out-of-place call with disjoint buffers and equal shares (every share lands in a
+    /// place of its own size).
+    Output,
+    /// In a ring of [`SLOTS`] slots cut from the collection's scratch, each with room for one piece
+    /// from every peer: any call, but pieces of at most a slot (~2.9 MiB at 4 ranks, as the
+    /// communicator keeps to 32 MiB), so more copy starts: on 2 x H200 the zero-copy kernel beat
+    /// it at every size from 32 MiB (3128 against 3282 µs at 1 GiB, 2026-11-27), where 32 MiB
+    /// pieces had taken 2879 µs.
+    ScratchRing,
+}
+
+impl Staging {
+    /// Output staging where the call allows it (see [`Staging::Output`]), else the scratch ring.
+    pub fn for_call(
+        in_place: bool,
+        disjoint: bool,
+        count: usize,
+        elem_bytes: usize,
+        nranks: usize,
+    ) -> Staging {
+        if !in_place && disjoint && share_elements(count, elem_bytes, nranks) * nranks == count {
+            Staging::Output
+        } else {
+            Staging::ScratchRing
+        }
+    }
+}
+
+/// Pieces a share is cut into when staged in the output. Two suffice: the reduction of a piece
+/// reads local memory about ten times faster than the copy engines move the next one, so it
+/// hides behind it, and fewer pieces mean fewer copy starts and barriers.
+pub const OUTPUT_PIECES: usize = 2;
+
+/// Largest piece from one peer in the scratch ring. Each copy costs the copy engines about 2 µs beyond its bytes on
 /// 2xH200 (1 GiB all-reduce: 2912 µs with 16 MiB pieces, 2879 µs with 32 MiB).
 const MAX_PIECE_BYTES: usize = 32 << 20;
 
-/// Pieces a share is cut into at least (while they stay above [`PIECE_ALIGN`]): the first
-/// reduction waits for one piece, and with a single piece nothing overlaps.
+/// Pieces a share is cut into at least in the scratch ring (while they stay above
+/// [`PIECE_ALIGN`]): the first reduction waits for one piece, and with a single piece nothing
+/// overlaps.
 const MIN_PIECES: usize = 4;
 
 /// Pieces are whole multiples of this (and so of every element size and of 16-byte vectors).
@@ -85,6 +127,15 @@ pub fn piece_bytes(share_bytes: usize, slot_bytes: usize) -> usize {
         .div_ceil(MIN_PIECES)
         .next_multiple_of(PIECE_ALIGN);
     want.clamp(PIECE_ALIGN, slot_bytes.max(PIECE_ALIGN))
+}
+
+/// Bytes of one piece for a share of `share_bytes` staged in the output: [`OUTPUT_PIECES`] pieces,
+/// whole multiples of [`PIECE_ALIGN`] (the last one shorter).
+pub fn output_piece_bytes(share_bytes: usize) -> usize {
+    share_bytes
+        .div_ceil(OUTPUT_PIECES)
+        .next_multiple_of(PIECE_ALIGN)
+        .max(PIECE_ALIGN)
 }
 
 fn peer_count(nranks: usize) -> usize {
@@ -117,6 +168,9 @@ struct Pipeline {
     slot_free: [Event; SLOTS],
     /// Recorded on the caller's stream after the reduction of each piece.
     reduced: Event,
+    /// Output staging: recorded on the caller's stream once every peer has reduced the pieces the
+    /// next all-gather copies overwrite.
+    peers_reduced: Event,
     /// Recorded on the copy stream at the end of a call; the caller's stream waits for it.
     join: Event,
 }
@@ -125,7 +179,7 @@ impl Pipeline {
     fn new(gpu: &dyn Gpu) -> Result<Pipeline> {
         let copy_stream = gpu.create_stream()?;
         let mut events = Vec::new();
-        for _ in 0..4 + SLOTS {
+        for _ in 0..5 + SLOTS {
             match gpu.create_event() {
                 Ok(e) => events.push(e),
                 Err(e) => {
@@ -141,12 +195,19 @@ impl Pipeline {
             copied: events[1],
             reduced: events[2],
             join: events[3],
-            slot_free: std::array::from_fn(|i| events[4 + i]),
+            peers_reduced: events[4],
+            slot_free: std::array::from_fn(|i| events[5 + i]),
         })
     }
 
     fn events(&self) -> Vec<Event> {
-        let mut all = vec![self.fork, self.copied, self.reduced, self.join];
+        let mut all = vec![
+            self.fork,
+            self.copied,
+            self.reduced,
+            self.join,
+            self.peers_reduced,
+        ];
         all.extend_from_slice(&self.slot_free);
         all
     }
@@ -180,6 +241,7 @@ pub struct CallPlan<'a> {
     pub elem_bytes: usize,
     pub stream: Stream,
     pub reduce_config: LaunchConfig,
+    pub staging: Staging,
 }
 
 /// The copy-engine resources of one algorithm object. See the module docs.
@@ -232,6 +294,14 @@ impl CopyEngine {
         self.scratch_ptrs[receiver] + (index * self.slot_bytes) as u64
     }
 
+    /// Bytes of one piece of a share of `share_bytes` staged as `staging`.
+    pub fn piece_bytes(&self, share_bytes: usize, staging: Staging) -> usize {
+        match staging {
+            Staging::Output => output_piece_bytes(share_bytes),
+            Staging::ScratchRing => piece_bytes(share_bytes, self.slot_bytes),
+        }
+    }
+
     /// Enqueues one all-reduce (see the module docs); `rank` of `nranks`.
     pub fn enqueue(&self, plan: &CallPlan, rank: usize, nranks: usize) -> Result<()> {
         let gpu = self.gpu.as_ref();
@@ -241,7 +311,8 @@ impl CopyEngine {
             .map_err(|_| Error::Internal("copy-engine pipeline poisoned by a panic".into()))?;
         let es = plan.elem_bytes;
         let per = share_elements(plan.count, es, nranks);
-        let piece = piece_bytes(per * es, self.slot_bytes) / es;
+        let in_output = plan.staging == Staging::Output;
+        let piece = self.piece_bytes(per * es, plan.staging) / es;
         // Every rank runs the same number of pieces (and so of barriers): those of a full share.
         let npieces = per.div_ceil(piece);
         // Elements [lo, hi) of pieces [first, last) of `owner`'s share; empty past its end.
@@ -254,6 +325,14 @@ impl CopyEngine {
         // links serve several copies while others idle.
         let peers: Vec<usize> = (1..nranks).map(|i| (rank + i) % nranks).collect();
         let c = p.copy_stream;
+        // Where `sender`'s piece k of `receiver`'s share is staged.
+        let staged = |receiver: usize, k: usize, sender: usize| -> DevicePtr {
+            if in_output {
+                plan.outputs[receiver] + ((sender * per + k * piece) * es) as u64
+            } else {
+                self.slot_ptr(receiver, k % SLOTS, sender, nranks)
+            }
+        };
         let barrier = || -> Result<()> {
             let args = CopyEngineArgs {
                 sems: plan.semaphores,
@@ -288,17 +367,22 @@ impl CopyEngine {
         barrier()?;
         gpu.record_event(p.fork, plan.stream)?;
         gpu.stream_wait_event(c, p.fork)?;
+        // C waits until every peer has reduced what the next all-gather copies overwrite (output
+        // staging), after the barrier just enqueued on S.
+        let peers_reduced = || -> Result<()> {
+            gpu.record_event(p.peers_reduced, plan.stream)?;
+            gpu.stream_wait_event(c, p.peers_reduced)
+        };
         for k in 0..npieces {
             // Reduce-scatter of piece k: our input's piece k of every peer's share into its
-            // scratch slot.
-            let slot = k % SLOTS;
-            if k >= SLOTS {
-                gpu.stream_wait_event(c, p.slot_free[slot])?;
+            // staging place.
+            if !in_output && k >= SLOTS {
+                gpu.stream_wait_event(c, p.slot_free[k % SLOTS])?;
             }
             for &peer in &peers {
                 let (lo, hi) = pieces(peer, k, k + 1);
                 if hi > lo {
-                    let to = self.slot_ptr(peer, slot, rank, nranks);
+                    let to = staged(peer, k, rank);
                     gpu.memcpy_async(to, plan.inputs[rank] + (lo * es) as u64, (hi - lo) * es, c)?;
                 }
             }
@@ -306,13 +390,18 @@ impl CopyEngine {
             // Behind the last piece's copies, the all-gather of every earlier piece (reduced
             // while those copies ran), so the copy engines do not idle while the last piece is
             // reduced. Earlier gathers would cost a copy-engine start each and gain nothing.
-            if k >= 1 && k + 1 == npieces {
+            let gather_earlier = k >= 1 && k + 1 == npieces;
+            if gather_earlier && !in_output {
                 gather(0, k)?;
             }
             gpu.stream_wait_event(plan.stream, p.copied)?;
             // Every rank's piece k has landed, and every peer has reduced piece k - 1.
             barrier()?;
-            if k >= 1 {
+            if gather_earlier && in_output {
+                peers_reduced()?;
+                gather(0, k)?;
+            }
+            if !in_output && k >= 1 {
                 gpu.record_event(p.slot_free[(k - 1) % SLOTS], plan.stream)?;
             }
             let (lo, hi) = pieces(rank, k, k + 1);
@@ -320,7 +409,7 @@ impl CopyEngine {
                 let mut srcs = PeerPtrs::default();
                 srcs.p[rank] = plan.inputs[rank] + (lo * es) as u64;
                 for &peer in &peers {
-                    srcs.p[peer] = self.slot_ptr(rank, slot, peer, nranks);
+                    srcs.p[peer] = staged(rank, k, peer);
                 }
                 // Every source and the output hold `hi - lo` elements (our share of registered
                 // buffers, or a slot of our scratch, which holds a whole piece).
@@ -338,10 +427,15 @@ impl CopyEngine {
             gpu.record_event(p.reduced, plan.stream)?;
         }
         // The last piece (or, with one piece, the whole share).
+        if in_output {
+            // Every peer has reduced its last piece.
+            barrier()?;
+            peers_reduced()?;
+        }
         gather(npieces - 1, npieces)?;
         // Every peer's pieces in our ring are reduced: clear what reached the LL128 part.
         let written = npieces.min(SLOTS) * peer_count(nranks) * self.slot_bytes;
-        if written > self.packet_offset {
+        if !in_output && written > self.packet_offset {
             let at = self.scratch_ptrs[rank] + self.packet_offset as u64;
             gpu.memset_async(at, 0, written - self.packet_offset, plan.stream)?;
         }
@@ -400,6 +494,24 @@ mod tests {
         let slot2 = slot_bytes(scratch, 2);
         assert_eq!(piece_bytes(32 << 20, slot2), 8 << 20);
         assert_eq!(piece_bytes(512 << 20, slot2), slot2);
+    }
+
+    #[test]
+    fn output_staging_only_where_every_share_has_a_place_of_its_own_size() {
+        let out = Staging::for_call;
+        // 4 ranks of bf16: shares of whole 16-byte vectors, equal when count is a multiple of 32.
+        assert_eq!(out(false, true, 1 << 20, 2, 4), Staging::Output);
+        assert_eq!(out(false, true, (1 << 20) + 8, 2, 4), Staging::ScratchRing);
+        assert_eq!(out(true, false, 1 << 20, 2, 4), Staging::ScratchRing);
+        assert_eq!(out(false, false, 1 << 20, 2, 4), Staging::ScratchRing);
+        assert_eq!(out(false, true, 3 << 20, 4, 3), Staging::Output);
+        // OUTPUT_PIECES aligned pieces covering the share; tiny shares take one piece.
+        for share in [16usize, 4096, 3 << 20, 64 << 20, 256 << 20] {
+            let piece = output_piece_bytes(share);
+            assert_eq!(piece % PIECE_ALIGN, 0);
+            assert!(piece * OUTPUT_PIECES >= share && share.div_ceil(piece) <= OUTPUT_PIECES);
+        }
+        assert_eq!(output_piece_bytes(256 << 20), (256 << 20) / OUTPUT_PIECES);
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! SMs reduce (`crate::copy_engine` has the schedule; kernels `allreduce_ce_reduce` and
 //! `allreduce_ce_sync`). Its ring is the collection's scratch.
 
-use crate::copy_engine::{CallPlan, CopyEngine};
+use crate::copy_engine::{CallPlan, CopyEngine, Staging};
 use crate::geometry;
 use crate::native::{NativeBase, NativeKind, DEFAULT_THREADS};
 use crate::resources::CollectionResources;
@@ -39,7 +39,11 @@ impl AllreduceCopyEngine {
         };
         let comm = base.comm();
         let (n, rank) = (comm.size(), comm.rank());
-        // The reduction's grid is sized for the largest piece (a whole slot), whatever this call's.
+        let (input, output, bytes) = (args.input, args.output, args.input_bytes as u64);
+        let disjoint = input + bytes <= output || output + bytes <= input;
+        let staging = Staging::for_call(args.in_place(), disjoint, count, args.dtype.size(), n);
+        // The reduction's grid is sized for the largest scratch piece (a whole slot), whatever this
+        // call's: larger pieces only loop more.
         let slot_vectors = self.engine.slot_bytes() / geometry::VECTOR_BYTES;
         let threads = args.nthreads.unwrap_or(DEFAULT_THREADS);
         let reduce_config = geometry::launch_config(
@@ -60,6 +64,7 @@ impl AllreduceCopyEngine {
             elem_bytes: args.dtype.size(),
             stream: args.stream,
             reduce_config,
+            staging,
         };
         self.engine.enqueue(&plan, rank, n)
     }
