@@ -86,7 +86,8 @@ if [ "$what" = suite ] || [ "$what" = all ]; then
   esac
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  launch .gpu/bin/mscclpp-bench "$@" 2>&1 | tee "$out/bench.log"; rc=$((rc | PIPESTATUS[0]))
+  # BENCH_BIN=path times another build of the benchmark (a same-machine A/B of two commits).
+  launch "${BENCH_BIN:-.gpu/bin/mscclpp-bench}" "$@" 2>&1 | tee "$out/bench.log"; rc=$((rc | PIPESTATUS[0]))
 fi
 if [ "${what_after:-}" = fault ]; then
   echo "== fault injection" | tee -a "$out/suite.log"
