@@ -8,9 +8,8 @@
 //! the peers' pieces land decides how large they can be ([`Staging`]).
 //!
 //! Every rank owns the share `[rank * per, (rank + 1) * per)` of the message (clamped to it), cut
-//! into pieces. One call, on the caller's stream S and this algorithm's copy streams C (one lane a
-//! peer, so the copies to different peers overlap), every transfer a push (NVLink carries writes
-//! faster than reads):
+//! into pieces. One call, on the caller's stream S and this algorithm's copy stream C, every
+//! transfer a push (NVLink carries writes faster than reads):
 //! 1. Reduce-scatter, pushed: C forks from S. For each piece k, C copies piece k of every peer's
 //!    share of our input into that peer's staging place for piece k (in a scratch ring, first
 //!    waiting, from piece SLOTS on, until every peer has reduced what that slot held). S waits for
@@ -32,7 +31,7 @@
 //!   (input and output are disjoint); the gather into it waits for our reduction (above).
 //! - Slot reuse (scratch ring): the barrier of piece m passes only once every peer has sent its signal of piece m,
 //!   which its stream issues after reducing piece m - 1; so after barrier k - SLOTS + 1 nobody reads
-//!   slot `k % SLOTS` any more. With three slots a lane waits for a barrier two pieces back, which has
+//!   slot `k % SLOTS` any more. With three slots C waits for a barrier two pieces back, which has
 //!   long passed in steady state: the copy engines never wait for the barrier round trip.
 //! - All-gather writes: our share of a peer's output is read by nobody during the call except, in
 //!   place, by that peer's own reduce-scatter pushes (it is its input too). Its pushes of piece k
@@ -47,7 +46,7 @@
 //!
 //! Every barrier is a kernel on S (bounded spins that report through the error word), and all
 //! signals go out on S in one order, so counting semaphores cannot mix them up. The whole sequence
-//! is capturable in a CUDA graph: the lanes join the capture through the fork event.
+//! is capturable in a CUDA graph: C joins the capture through the fork event.
 
 use crate::resources::{launch_with_args, CollectionResources};
 use mscclpp_core::communicator::Communicator;
@@ -158,24 +157,15 @@ pub fn share_elements(count: usize, elem_bytes: usize, nranks: usize) -> usize {
     count.div_ceil(vec).div_ceil(nranks.max(1)) * vec
 }
 
-/// A copy stream that pushes to one peer, with the events that order it against the caller's
-/// stream. One lane per peer: on one stream, each copy waited for the previous one to finish and
-/// the copy engines idled between them, about 9 µs a copy (4 x H200, 2026-11-27: ~120 µs a call
-/// beyond the bytes at 4 ranks with 12 copies, ~50 µs at 2 ranks with 4).
-struct Lane {
-    stream: Stream,
-    /// Recorded after the lane's pushes of a piece; the caller's stream waits for it.
-    copied: Event,
-    /// Recorded at the end of a call; the caller's stream waits for it.
-    join: Event,
-}
-
-/// The copy lanes and the caller-stream events they wait for.
+/// The copy stream and the events that order it against the caller's stream. One copy stream
+/// measured best: on 2 x H200 two streams taking turns were 0.3-4.5% slower from 64 MiB to 1 GiB,
+/// and on 4 x H200 one stream per peer (the copies to the three peers at once) took 1.6x the time
+/// of one stream from 16 MiB to 1 GiB (7223 against 4238 µs at 1 GiB, 2026-11-27).
 struct Pipeline {
-    /// Lane i pushes to peer `rank + 1 + i` (mod the world size).
-    lanes: Vec<Lane>,
-    /// Recorded on the caller's stream at the start of a call; every lane forks from it.
+    copy_stream: Stream,
     fork: Event,
+    /// Recorded on the copy stream after the pushes of a piece; the caller's stream waits for it.
+    copied: Event,
     /// Recorded on the caller's stream once every peer has reduced the piece a slot held.
     slot_free: [Event; SLOTS],
     /// Recorded on the caller's stream after the reduction of each piece.
@@ -183,69 +173,58 @@ struct Pipeline {
     /// Output staging: recorded on the caller's stream once every peer has reduced the pieces the
     /// next all-gather copies overwrite.
     peers_reduced: Event,
+    /// Recorded on the copy stream at the end of a call; the caller's stream waits for it.
+    join: Event,
 }
 
 impl Pipeline {
-    fn new(gpu: &dyn Gpu, nlanes: usize) -> Result<Pipeline> {
-        let (mut streams, mut events) = (Vec::new(), Vec::new());
-        let made = (|| -> Result<()> {
-            for _ in 0..nlanes {
-                streams.push(gpu.create_stream()?);
+    fn new(gpu: &dyn Gpu) -> Result<Pipeline> {
+        let copy_stream = gpu.create_stream()?;
+        let mut events = Vec::new();
+        for _ in 0..5 + SLOTS {
+            match gpu.create_event() {
+                Ok(e) => events.push(e),
+                Err(e) => {
+                    // Undo what was made; a failure here is secondary to the one reported.
+                    destroy(gpu, "copy-engine all-reduce", copy_stream, &events);
+                    return Err(e);
+                }
             }
-            for _ in 0..3 + SLOTS + 2 * nlanes {
-                events.push(gpu.create_event()?);
-            }
-            Ok(())
-        })();
-        if let Err(e) = made {
-            // Undo what was made; a failure here is secondary to the one reported.
-            destroy(gpu, "copy-engine all-reduce", &streams, &events);
-            return Err(e);
         }
-        let shared = 3 + SLOTS;
         Ok(Pipeline {
+            copy_stream,
             fork: events[0],
-            reduced: events[1],
-            peers_reduced: events[2],
-            slot_free: std::array::from_fn(|i| events[3 + i]),
-            lanes: streams
-                .iter()
-                .enumerate()
-                .map(|(i, &stream)| Lane {
-                    stream,
-                    copied: events[shared + 2 * i],
-                    join: events[shared + 2 * i + 1],
-                })
-                .collect(),
+            copied: events[1],
+            reduced: events[2],
+            join: events[3],
+            peers_reduced: events[4],
+            slot_free: std::array::from_fn(|i| events[5 + i]),
         })
     }
 
-    fn streams(&self) -> Vec<Stream> {
-        self.lanes.iter().map(|l| l.stream).collect()
-    }
-
     fn events(&self) -> Vec<Event> {
-        let mut all = vec![self.fork, self.reduced, self.peers_reduced];
+        let mut all = vec![
+            self.fork,
+            self.copied,
+            self.reduced,
+            self.join,
+            self.peers_reduced,
+        ];
         all.extend_from_slice(&self.slot_free);
-        for lane in &self.lanes {
-            all.extend([lane.copied, lane.join]);
-        }
         all
     }
 }
 
-/// Destroys the streams and events of algorithm `who`, logging (not returning) failures: used on
+/// Destroys the stream and events of algorithm `who`, logging (not returning) failures: used on
 /// teardown paths (here and by the hierarchical all-reduce's second stream).
-pub(crate) fn destroy(gpu: &dyn Gpu, who: &str, streams: &[Stream], events: &[Event]) {
+pub(crate) fn destroy(gpu: &dyn Gpu, who: &str, stream: Stream, events: &[Event]) {
     for &ev in events {
         if let Err(e) = gpu.destroy_event(ev) {
             tracing::warn!(target: "mscclpp::algo", "{who}: destroying an event: {e}");
         }
     }
-    for &stream in streams {
-        if let Err(e) = gpu.destroy_stream(stream) {
-            tracing::warn!(target: "mscclpp::algo", "{who}: destroying a stream: {e}");
-        }
+    if let Err(e) = gpu.destroy_stream(stream) {
+        tracing::warn!(target: "mscclpp::algo", "{who}: destroying a stream: {e}");
     }
 }
 
@@ -275,9 +254,9 @@ pub struct CopyEngine {
     slot_bytes: usize,
     /// Where in the ring the LL128 packet part begins: what a call wrote beyond it is zeroed.
     packet_offset: usize,
-    /// Locked for a whole call: the copy lanes and events are shared by every caller.
+    /// Locked for a whole call: the copy stream and events are shared by every caller.
     pipeline: Mutex<Pipeline>,
-    // Last: released after the copy lanes are drained (Drop) and after the other fields.
+    // Last: released after the copy stream is drained (Drop) and after the other fields.
     _scratch: Arc<CollectionResources>,
 }
 
@@ -295,7 +274,7 @@ impl CopyEngine {
                 ring.bytes
             )));
         }
-        let pipeline = Pipeline::new(gpu.as_ref(), peer_count(n))?;
+        let pipeline = Pipeline::new(gpu.as_ref())?;
         Ok(CopyEngine {
             gpu,
             scratch_ptrs: ring.peers.p[..n].to_vec(),
@@ -344,10 +323,10 @@ impl CopyEngine {
             let at = |k: usize| (owner * per + k * piece).min(end);
             (at(first), at(last))
         };
-        // Lane i pushes to peer rank + 1 + i: rotated from our rank, so the lanes of the same
-        // index on every rank push to different peers.
+        // Rotated from our rank: at each turn every rank pushes to a different peer, so no GPU's
+        // links serve several copies while others idle.
         let peers: Vec<usize> = (1..nranks).map(|i| (rank + i) % nranks).collect();
-        let lanes = || peers.iter().zip(&p.lanes);
+        let c = p.copy_stream;
         // Where `sender`'s piece k of `receiver`'s share is staged.
         let staged = |receiver: usize, k: usize, sender: usize| -> DevicePtr {
             if in_output {
@@ -378,43 +357,38 @@ impl CopyEngine {
             if hi <= lo {
                 return Ok(());
             }
+            gpu.stream_wait_event(c, p.reduced)?;
             let at = (lo * es) as u64;
-            for (&peer, lane) in lanes() {
-                gpu.stream_wait_event(lane.stream, p.reduced)?;
+            for &peer in &peers {
                 let to = plan.outputs[peer] + at;
-                gpu.memcpy_async(to, plan.outputs[rank] + at, (hi - lo) * es, lane.stream)?;
+                gpu.memcpy_async(to, plan.outputs[rank] + at, (hi - lo) * es, c)?;
             }
             Ok(())
         };
         // The scratch is shared: every peer must be done with what it ran on it before.
         barrier()?;
         gpu.record_event(p.fork, plan.stream)?;
-        for (_, lane) in lanes() {
-            gpu.stream_wait_event(lane.stream, p.fork)?;
-        }
-        // The lanes wait until every peer has reduced what the next all-gather copies overwrite
-        // (output staging), after the barrier just enqueued on S.
+        gpu.stream_wait_event(c, p.fork)?;
+        // C waits until every peer has reduced what the next all-gather copies overwrite (output
+        // staging), after the barrier just enqueued on S.
         let peers_reduced = || -> Result<()> {
             gpu.record_event(p.peers_reduced, plan.stream)?;
-            for (_, lane) in lanes() {
-                gpu.stream_wait_event(lane.stream, p.peers_reduced)?;
-            }
-            Ok(())
+            gpu.stream_wait_event(c, p.peers_reduced)
         };
         for k in 0..npieces {
             // Reduce-scatter of piece k: our input's piece k of every peer's share into its
             // staging place.
-            for (&peer, lane) in lanes() {
-                if !in_output && k >= SLOTS {
-                    gpu.stream_wait_event(lane.stream, p.slot_free[k % SLOTS])?;
-                }
+            if !in_output && k >= SLOTS {
+                gpu.stream_wait_event(c, p.slot_free[k % SLOTS])?;
+            }
+            for &peer in &peers {
                 let (lo, hi) = pieces(peer, k, k + 1);
                 if hi > lo {
-                    let from = plan.inputs[rank] + (lo * es) as u64;
-                    gpu.memcpy_async(staged(peer, k, rank), from, (hi - lo) * es, lane.stream)?;
+                    let to = staged(peer, k, rank);
+                    gpu.memcpy_async(to, plan.inputs[rank] + (lo * es) as u64, (hi - lo) * es, c)?;
                 }
-                gpu.record_event(lane.copied, lane.stream)?;
             }
+            gpu.record_event(p.copied, c)?;
             // Behind the last piece's copies, the all-gather of every earlier piece (reduced
             // while those copies ran), so the copy engines do not idle while the last piece is
             // reduced. Earlier gathers would cost a copy-engine start each and gain nothing.
@@ -422,9 +396,7 @@ impl CopyEngine {
             if gather_earlier && !in_output {
                 gather(0, k)?;
             }
-            for (_, lane) in lanes() {
-                gpu.stream_wait_event(plan.stream, lane.copied)?;
-            }
+            gpu.stream_wait_event(plan.stream, p.copied)?;
             // Every rank's piece k has landed, and every peer has reduced piece k - 1.
             barrier()?;
             if gather_earlier && in_output {
@@ -470,10 +442,8 @@ impl CopyEngine {
             gpu.memset_async(at, 0, written - self.packet_offset, plan.stream)?;
         }
         // Join; the barrier publishes our pushes (and the zeroing).
-        for (_, lane) in lanes() {
-            gpu.record_event(lane.join, lane.stream)?;
-            gpu.stream_wait_event(plan.stream, lane.join)?;
-        }
+        gpu.record_event(p.join, c)?;
+        gpu.stream_wait_event(plan.stream, p.join)?;
         barrier()
     }
 }
@@ -485,16 +455,13 @@ impl Drop for CopyEngine {
             Err(poisoned) => poisoned.into_inner(),
         };
         // Copies may still use the scratch: let them finish before it is freed.
-        let streams = p.streams();
-        for &stream in &streams {
-            if let Err(e) = self.gpu.synchronize_stream(stream) {
-                tracing::warn!(target: "mscclpp::algo", "copy-engine all-reduce: waiting for a copy stream: {e}");
-            }
+        if let Err(e) = self.gpu.synchronize_stream(p.copy_stream) {
+            tracing::warn!(target: "mscclpp::algo", "copy-engine all-reduce: waiting for the copy stream: {e}");
         }
         destroy(
             self.gpu.as_ref(),
             "copy-engine all-reduce",
-            &streams,
+            p.copy_stream,
             &p.events(),
         );
     }

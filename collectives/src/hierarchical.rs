@@ -302,7 +302,7 @@ impl CrossStream {
             match gpu.create_event() {
                 Ok(e) => events.push(e),
                 Err(e) => {
-                    crate::copy_engine::destroy(gpu.as_ref(), NAME, &[stream], &events);
+                    crate::copy_engine::destroy(gpu.as_ref(), NAME, stream, &events);
                     return Err(e);
                 }
             }
@@ -321,7 +321,7 @@ impl Drop for CrossStream {
         if let Err(e) = self.gpu.synchronize_stream(self.stream) {
             tracing::warn!(target: "mscclpp::algo", "{NAME}: waiting for the cross stream: {e}");
         }
-        crate::copy_engine::destroy(self.gpu.as_ref(), NAME, &[self.stream], &self.events);
+        crate::copy_engine::destroy(self.gpu.as_ref(), NAME, self.stream, &self.events);
     }
 }
 
