@@ -407,8 +407,9 @@ def gpu_run_fault_test():
         code, calls = run(["suite"], NRANKS="4")
         order = ["suite" if "args" in c else "fault" for c in calls]
         fi = [c["fault_inject"] for c in calls if "fault_inject" in c]
-        expect(code == 0 and order == ["suite", "fault"] and fi[0][fi[0].index("--ranks") + 1] == "4",
-               f"gpu-run.sh suite: the suite, then the fault check at its world size ({order})")
+        expect(code == 0 and order == ["suite", "fault"] and fi[0][fi[0].index("--ranks") + 1] == "4"
+               and fi[0][fi[0].index("--parallel-ranks") + 1] == "4",
+               f"gpu-run.sh suite: the suite, then the fault check at its world size, one world at a time ({order})")
         for args in (["suite", "--quick"], ["suite", "--only", "plans"]):
             code, calls = run(args)
             expect(code == 0 and not any("fault_inject" in c for c in calls),

@@ -3,8 +3,8 @@
 //!   registered buffers, scratch-staged rsag / rsag_pipeline / fullmesh for unregistered buffers,
 //!   the write-only rsag_push (inputs staged, reduced chunks written into registered outputs; CUDA
 //!   only for now),
-//!   the copy-engine all-reduce (`copy_engine`, by name: the default selector prefers the
-//!   zero-copy kernel at every size), and, behind the NVLS gate, the four NVLS variants (`nvls`);
+//!   the copy-engine all-reduce (`copy_engine`: the default selector takes it for large
+//!   out-of-place calls at 2-4 ranks), and, behind the NVLS gate, the four NVLS variants (`nvls`);
 //! - all-gather: packets, zero-copy fullmesh2, scratch-staged fullmesh;
 //! - reduce-scatter: packets and zero-copy; broadcast: zero-copy;
 //! - across hosts: the hierarchical all-reduce of H hosts x k ranks (`hierarchical`: the

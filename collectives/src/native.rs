@@ -38,7 +38,7 @@ pub enum NativeKind {
     AllreduceFullmesh,
     /// All-gather pushed through the peers' scratch in steps (unregistered buffers).
     AllgatherFullmesh,
-    /// The copy engines move the data, the SMs reduce (`copy_engine`; by name only).
+    /// The copy engines move the data, the SMs reduce (`copy_engine`).
     AllreduceCopyEngine,
     /// The root reduces every rank's registered input into its output.
     ReduceZeroCopy,

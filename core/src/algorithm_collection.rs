@@ -410,6 +410,32 @@ pub fn packet_threshold(world_size: usize) -> usize {
     }
 }
 
+/// Message size (bytes per rank) from which `default_allreduce_copy_engine` is preferred to the
+/// zero-copy kernel, by world size and whether the call is captured (`None`: never), for calls it
+/// can stage in their output (out of place, every rank's share a whole number of 16-byte vectors;
+/// see `mscclpp_collectives::copy_engine::Staging`). The copy engines push ~390 GB/s to a peer
+/// where the SMs reach ~370, but a call costs ~50 µs (2 ranks) to ~120 µs (4 ranks) beyond its
+/// bytes in copy starts and barriers. 4 x H200, bf16, graph (2026-11-27): 635.7 against 641.5 µs
+/// (zero-copy) at 128 MiB, 1153 against 1284 at 256 MiB, 4238 against 5057 at 1 GiB (f32; NCCL
+/// 4546); 377.9 against 313.1 at 64 MiB. 2 x H200: 398.4 against 402.8 µs at 128 MiB, 2800 against
+/// 3128 at 1 GiB (NCCL 3266). Eager calls enqueue the same two dozen operations from the host each
+/// time, so they start later. 3 ranks sit between the measured 2 and 4; 5-8 ranks (more copies
+/// per call) are not measured.
+pub fn copy_engine_threshold(world_size: usize, capturing: bool) -> Option<usize> {
+    match (world_size, capturing) {
+        (2..=4, true) => Some(128 << 20),
+        (2..=4, false) => Some(256 << 20),
+        _ => None,
+    }
+}
+
+/// Whether an all-reduce of `ctx` can stage the copy-engine pieces in its output (the conditions
+/// of `copy_engine::Staging::Output` the selector can see; overlapping distinct buffers fall back
+/// to the scratch ring inside the algorithm).
+fn copy_engine_stages_in_output(ctx: &SelectionContext) -> bool {
+    !ctx.in_place && ctx.message_bytes % (ctx.world_size.max(1) * 16) == 0
+}
+
 /// Total bytes (the all-gather's output, the reduce-scatter's input) up to which the packet
 /// all-gather and reduce-scatter are preferred to the zero-copy ones, by world size (the packet
 /// kinds' scratch capacity bounds it too). The zero-copy kernels pay two barrier rounds; the
@@ -516,13 +542,15 @@ fn native_choice(limits: &NativeLimits, ctx: &SelectionContext) -> Option<&'stat
                 // As MSCCL++ on AMD: the full-mesh kernel for large messages (xGMI links
                 // every GPU to every other, and the zero-copy kernel's barriers cost more there).
                 Some(ALLREDUCE_FULLMESH)
+            } else if copy_engine_stages_in_output(ctx)
+                && copy_engine_threshold(ctx.world_size, ctx.capturing).is_some_and(|t| bytes >= t)
+            {
+                Some(ALLREDUCE_COPY_ENGINE)
             } else {
                 // Registration of unregistered buffers is host-only and cached per buffer, so the
                 // zero-copy kernel also serves non-symmetric memory (the first call pays for it).
-                // `default_allreduce_copy_engine` (by name only) is slower at every size it was
-                // measured at: 2 x H200, bf16, 32 MiB to 1 GiB, graph 208.4 against 227.5 µs at
-                // 64 MiB and 3128 against 3282 µs at 1 GiB, eager 793 against 918 µs at 256 MiB
-                // (2026-11-27; its pieces are bounded by the collection's scratch).
+                // In place, the copy-engine all-reduce stages in the scratch ring, in pieces too
+                // small to beat it (2 x H200: 3282 against 3128 µs at 1 GiB).
                 Some(ALLREDUCE_RSAG_ZERO_COPY)
             }
         }
@@ -762,8 +790,13 @@ mod tests {
     #[case(Collective::AllReduce, (4 << 20) + 2, 2, ALLREDUCE_RSAG_ZERO_COPY)]
     #[case(Collective::AllReduce, 1 << 20, 4, ALLREDUCE_PACKET)]
     #[case(Collective::AllReduce, (1 << 20) + 2, 4, ALLREDUCE_RSAG_ZERO_COPY)]
-    #[case(Collective::AllReduce, 1 << 30, 2, ALLREDUCE_RSAG_ZERO_COPY)]
-    #[case(Collective::AllReduce, 1 << 30, 4, ALLREDUCE_RSAG_ZERO_COPY)]
+    #[case(Collective::AllReduce, 1 << 30, 2, ALLREDUCE_COPY_ENGINE)]
+    #[case(Collective::AllReduce, 1 << 30, 4, ALLREDUCE_COPY_ENGINE)]
+    #[case(Collective::AllReduce, 1 << 30, 8, ALLREDUCE_RSAG_ZERO_COPY)]
+    #[case(Collective::AllReduce, 3 << 27, 3, ALLREDUCE_COPY_ENGINE)]
+    #[case(Collective::AllReduce, 128 << 20, 3, ALLREDUCE_RSAG_ZERO_COPY)]
+    #[case(Collective::AllReduce, (128 << 20) - 64, 4, ALLREDUCE_RSAG_ZERO_COPY)]
+    #[case(Collective::AllReduce, (128 << 20) + 2, 4, ALLREDUCE_RSAG_ZERO_COPY)]
     #[case(Collective::AllReduce, 64 << 20, 2, ALLREDUCE_RSAG_ZERO_COPY)]
     #[case(Collective::AllReduce, (64 << 20) - 2, 2, ALLREDUCE_RSAG_ZERO_COPY)]
     #[case(Collective::AllReduce, 16 << 10, 8, ALLREDUCE_ALLPAIR_PACKET)]
@@ -810,21 +843,28 @@ mod tests {
     }
 
     #[rstest]
-    #[case(64 << 20, true)]
-    #[case(64 << 20, false)]
-    #[case(1 << 30, true)]
-    #[case(1 << 30, false)]
-    fn large_allreduces_take_the_zero_copy_kernel_captured_or_not(
+    #[case(128 << 20, true, false, ALLREDUCE_COPY_ENGINE)]
+    #[case(128 << 20, false, false, ALLREDUCE_RSAG_ZERO_COPY)]
+    #[case(256 << 20, false, false, ALLREDUCE_COPY_ENGINE)]
+    #[case(1 << 30, true, true, ALLREDUCE_RSAG_ZERO_COPY)]
+    #[case(1 << 30, false, true, ALLREDUCE_RSAG_ZERO_COPY)]
+    fn large_allreduces_take_the_copy_engine_out_of_place_eager_later(
         #[case] bytes: usize,
         #[case] capturing: bool,
+        #[case] in_place: bool,
+        #[case] want: &str,
     ) {
-        let coll = native_collection();
-        let mut c = ctx(Collective::AllReduce, bytes, 2);
-        c.capturing = capturing;
-        assert_eq!(
-            coll.select(&c).expect("selected").name(),
-            ALLREDUCE_RSAG_ZERO_COPY
-        );
+        for world in [2, 4] {
+            let mut c = ctx(Collective::AllReduce, bytes, world);
+            c.capturing = capturing;
+            c.in_place = in_place;
+            let coll = native_collection();
+            assert_eq!(
+                coll.select(&c).expect("selected").name(),
+                want,
+                "{world} ranks"
+            );
+        }
     }
 
     #[test]
