@@ -1207,7 +1207,9 @@ fn algorithm_matrix(
             false,
         ));
     }
-    plan.push((DataType::I32, vec![ReduceOp::Sum], vec![64 * MIB], true));
+    // 48 MiB: every rank's share whole 16-byte vectors at 2, 3, 4, 6 and 8 ranks, which the
+    // copy-engine all-reduce needs to stage in the output (64 MiB is not, at 3 ranks).
+    plan.push((DataType::I32, vec![ReduceOp::Sum], vec![48 * MIB], true));
     if gib {
         plan.push((DataType::Bf16, vec![ReduceOp::Sum], vec![1 << 30], false));
     }
