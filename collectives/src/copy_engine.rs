@@ -29,10 +29,11 @@
 //! - Output staging: sender s's piece k of our share lands where s's reduced piece k will be
 //!   gathered, `output[share s, piece k]`, which nothing else reads or writes during the call
 //!   (input and output are disjoint); the gather into it waits for our reduction (above).
-//! - Slot reuse (scratch ring): the barrier of piece m passes only once every peer has sent its signal of piece m,
-//!   which its stream issues after reducing piece m - 1; so after barrier k - SLOTS + 1 nobody reads
-//!   slot `k % SLOTS` any more. With three slots C waits for a barrier two pieces back, which has
-//!   long passed in steady state: the copy engines never wait for the barrier round trip.
+//! - Slot reuse (scratch ring): the barrier of piece m passes only once every peer has sent its
+//!   signal of piece m, which its stream issues after reducing piece m - 1; so after barrier
+//!   k - SLOTS + 1 nobody reads slot `k % SLOTS` any more. With three slots C waits for a barrier
+//!   two pieces back, which has long passed in steady state: the copy engines never wait for the
+//!   barrier round trip.
 //! - All-gather writes: our share of a peer's output is read by nobody during the call except, in
 //!   place, by that peer's own reduce-scatter pushes (it is its input too). Its pushes of piece k
 //!   are complete once the barrier of piece k has passed, and we gather piece k only after
@@ -60,7 +61,8 @@ use std::sync::{Arc, Mutex};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Staging {
     /// In our output, at the place of the sender's own share (which it will all-gather there
-    /// later): no extra memory, so pieces can be as large as the schedule wants ([`OUTPUT_PIECES`]).
+    /// later): no extra memory, so pieces can be as large as the schedule wants
+    /// ([`OUTPUT_PIECES`]).
     /// Needs an out-of-place call with disjoint buffers and equal shares (every share lands in a
     /// place of its own size). Graph mode, 2026-11-27: 1 GiB f32 in 4238 µs on 4 x H200 (380 GB/s
     /// busbw, NCCL 4546 µs), bf16 in 2801 µs on 2 x H200 (383 GB/s, NCCL 3241 µs); a call costs
@@ -97,8 +99,8 @@ impl Staging {
 /// hides behind it, and fewer pieces mean fewer copy starts and barriers.
 pub const OUTPUT_PIECES: usize = 2;
 
-/// Largest piece from one peer in the scratch ring. Each copy costs the copy engines about 2 µs beyond its bytes on
-/// 2xH200 (1 GiB all-reduce: 2912 µs with 16 MiB pieces, 2879 µs with 32 MiB).
+/// Largest piece from one peer in the scratch ring. Each copy costs the copy engines about 2 µs
+/// beyond its bytes on 2xH200 (1 GiB all-reduce: 2912 µs with 16 MiB pieces, 2879 µs with 32 MiB).
 const MAX_PIECE_BYTES: usize = 32 << 20;
 
 /// Pieces a share is cut into at least in the scratch ring (while they stay above
