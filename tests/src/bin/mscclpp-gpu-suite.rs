@@ -1181,7 +1181,9 @@ fn algorithm_matrix(
         &[ReduceOp::Sum]
     };
     // (dtype, ops, sizes in bytes, graph) tiers.
-    let small = [1usize, 3, 1023, 4096 + 8];
+    // 3072 bytes: whole 16-byte vectors per rank at 2, 3, 4, 6 and 8 ranks (the copy-engine
+    // all-reduce's output staging, in a single piece).
+    let small = [1usize, 3, 1023, 3072, 4096 + 8];
     let mut plan: Vec<(DataType, Vec<ReduceOp>, Vec<usize>, bool)> = Vec::new();
     for dtype in DataType::ALL {
         let es = dtype.size();
