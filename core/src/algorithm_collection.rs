@@ -419,7 +419,8 @@ pub fn packet_threshold(world_size: usize) -> usize {
 /// (zero-copy) at 128 MiB, 1153 against 1284 at 256 MiB, 4238 against 5057 at 1 GiB (f32; NCCL
 /// 4546); 377.9 against 313.1 at 64 MiB. 2 x H200: 398.4 against 402.8 µs at 128 MiB, 2800 against
 /// 3128 at 1 GiB (NCCL 3266). Eager calls enqueue the same two dozen operations from the host each
-/// time, so they start later. 3 ranks sit between the measured 2 and 4; 5-8 ranks (more copies
+/// time, so they start later: 2 x H200 eager, 758.2 against 794.1 µs at 256 MiB (4 ranks not
+/// measured eager). 3 ranks sit between the measured 2 and 4; 5-8 ranks (more copies
 /// per call) are not measured.
 pub fn copy_engine_threshold(world_size: usize, capturing: bool) -> Option<usize> {
     match (world_size, capturing) {
