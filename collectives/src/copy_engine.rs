@@ -50,6 +50,7 @@
 //! is capturable in a CUDA graph: C joins the capture through the fork event.
 
 use crate::resources::{launch_with_args, CollectionResources};
+use mscclpp_core::algorithm_collection;
 use mscclpp_core::communicator::Communicator;
 use mscclpp_core::device::CopyEngineArgs;
 use mscclpp_core::gpu::{DevicePtr, Event, Function, Gpu, LaunchConfig, Stream};
@@ -86,7 +87,9 @@ impl Staging {
         elem_bytes: usize,
         nranks: usize,
     ) -> Staging {
-        if !in_place && disjoint && share_elements(count, elem_bytes, nranks) * nranks == count {
+        let equal_shares =
+            algorithm_collection::copy_engine_equal_shares(count * elem_bytes, nranks);
+        if !in_place && disjoint && equal_shares {
             Staging::Output
         } else {
             Staging::ScratchRing

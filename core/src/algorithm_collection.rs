@@ -430,11 +430,18 @@ pub fn copy_engine_threshold(world_size: usize, capturing: bool) -> Option<usize
     }
 }
 
+/// Whether every rank's share of an all-reduce of `message_bytes` is the same whole number of
+/// 16-byte vectors, which the copy-engine all-reduce needs to stage its pieces in the output
+/// (`mscclpp_collectives::copy_engine::Staging::for_call` asks the same).
+pub fn copy_engine_equal_shares(message_bytes: usize, world_size: usize) -> bool {
+    message_bytes % (world_size.max(1) * 16) == 0
+}
+
 /// Whether an all-reduce of `ctx` can stage the copy-engine pieces in its output (the conditions
 /// of `copy_engine::Staging::Output` the selector can see; overlapping distinct buffers fall back
 /// to the scratch ring inside the algorithm).
 fn copy_engine_stages_in_output(ctx: &SelectionContext) -> bool {
-    !ctx.in_place && ctx.message_bytes % (ctx.world_size.max(1) * 16) == 0
+    !ctx.in_place && copy_engine_equal_shares(ctx.message_bytes, ctx.world_size)
 }
 
 /// Total bytes (the all-gather's output, the reduce-scatter's input) up to which the packet

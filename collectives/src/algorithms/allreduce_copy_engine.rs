@@ -1,6 +1,7 @@
 //! `default_allreduce_copy_engine`: large all-reduces whose data the copy engines move while the
 //! SMs reduce (`crate::copy_engine` has the schedule; kernels `allreduce_ce_reduce` and
-//! `allreduce_ce_sync`). Its ring is the collection's scratch.
+//! `allreduce_ce_sync`). The peers' pieces land in the output where the call allows it, else in a
+//! ring in the collection's scratch (`copy_engine::Staging`).
 
 use crate::copy_engine::{CallPlan, CopyEngine, Staging};
 use crate::geometry;
