@@ -68,7 +68,9 @@ pub enum Staging {
     /// place of its own size). Graph mode, 2026-11-27: 1 GiB f32 in 4238 µs on 4 x H200 (380 GB/s
     /// busbw, NCCL 4546 µs), bf16 in 2801 µs on 2 x H200 (383 GB/s, NCCL 3241 µs); a call costs
     /// ~120 µs beyond its bytes at 4 ranks (~50 at 2), which loses to the zero-copy kernel below
-    /// 128 MiB (`copy_engine_threshold` in the selector).
+    /// 128 MiB (`copy_engine_threshold` in the selector). Filling that time with the zero-copy
+    /// kernel on 15-45 % of the message beside the copies (its own stream, 16-64 blocks) was
+    /// slower at every size from 64 MiB on 4 x H200: the copies already keep the links busy.
     Output,
     /// In a ring of [`SLOTS`] slots cut from the collection's scratch, each with room for one piece
     /// from every peer: any call, but pieces of at most a slot (~2.9 MiB at 4 ranks, as the
@@ -99,7 +101,10 @@ impl Staging {
 
 /// Pieces a share is cut into when staged in the output. Two suffice: the reduction of a piece
 /// reads local memory about ten times faster than the copy engines move the next one, so it
-/// hides behind it, and fewer pieces mean fewer copy starts and barriers.
+/// hides behind it, and fewer pieces mean fewer copy starts and barriers. 4 x H200, bf16, graph
+/// mode, 2026-11-27 (µs, 1, 2 and 4 pieces): 64 MiB 349 / 377 / 424, 256 MiB 1186 / 1157 / 1201,
+/// 512 MiB 2293 / 2182 / 2258 (one piece leaves the last reduction exposed, four add copies and
+/// barriers); on 2 x H200 one and two pieces timed the same from 32 MiB to 1 GiB.
 pub const OUTPUT_PIECES: usize = 2;
 
 /// Largest piece from one peer in the scratch ring. Each copy costs the copy engines about 2 µs

@@ -3,8 +3,10 @@
 //! pushes chunk p of its input into rank p's scratch, then reduces its own chunk from its scratch
 //! and pushes the result into every rank's registered output, one block barrier per step. Why:
 //! `default_allreduce_rsag_zero_copy` reads three peers at 4 ranks and stays at 315-322 GB/s busbw
-//! on 4xH200 (NCCL 354); posted writes need no round trip per load. Its speed is unmeasured, so
-//! the default selector does not take it: `--algo`, the tuner and the GPU suite reach it by name.
+//! on 4xH200 (NCCL 354); posted writes need no round trip per load. Measured there (graph mode,
+//! bf16, 2026-11-27) it reached only 213-285 GB/s busbw from 16 MiB to 1 GiB (1.14-1.25x NCCL's
+//! time: the steps through the scratch barrier too often), so the default selector does not take
+//! it: `--algo`, the tuner and the GPU suite reach it by name.
 //!
 //! Registration: only the output is registered with the peers (cached per buffer, as the
 //! zero-copy kernels do); the input is read locally and staged through the collection's scratch,

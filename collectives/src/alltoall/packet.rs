@@ -46,7 +46,10 @@ fn default_geometry(work: usize, sm: u32) -> (u32, u32) {
         let blocks = geometry::packet_blocks(work, SMALL_THREADS, sm);
         (blocks.max(SMALL_MIN_BLOCKS), SMALL_THREADS)
     } else {
-        (geometry::packet_blocks(work, DEFAULT_THREADS, sm), DEFAULT_THREADS)
+        (
+            geometry::packet_blocks(work, DEFAULT_THREADS, sm),
+            DEFAULT_THREADS,
+        )
     }
 }
 
@@ -220,13 +223,22 @@ mod tests {
     #[test]
     fn small_calls_take_small_blocks() {
         // 1 KiB at 2 ranks (512 bytes to the peer): four blocks of 128 threads.
-        assert_eq!(default_geometry(512, 132), (SMALL_MIN_BLOCKS, SMALL_THREADS));
+        assert_eq!(
+            default_geometry(512, 132),
+            (SMALL_MIN_BLOCKS, SMALL_THREADS)
+        );
         // 128 KiB per rank: as many 128-thread blocks as the packets need.
         let (blocks, threads) = default_geometry(SMALL_WORK_BYTES, 132);
         assert_eq!(threads, SMALL_THREADS);
-        assert_eq!(blocks, geometry::packet_blocks(SMALL_WORK_BYTES, SMALL_THREADS, 132));
+        assert_eq!(
+            blocks,
+            geometry::packet_blocks(SMALL_WORK_BYTES, SMALL_THREADS, 132)
+        );
         // Beyond: 512-thread blocks, as before.
-        assert_eq!(default_geometry(SMALL_WORK_BYTES + 1, 132).1, DEFAULT_THREADS);
+        assert_eq!(
+            default_geometry(SMALL_WORK_BYTES + 1, 132).1,
+            DEFAULT_THREADS
+        );
     }
 
     #[test]
