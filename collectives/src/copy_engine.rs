@@ -69,8 +69,9 @@ pub enum Staging {
     /// busbw, NCCL 4546 µs), bf16 in 2801 µs on 2 x H200 (383 GB/s, NCCL 3241 µs); a call costs
     /// ~120 µs beyond its bytes at 4 ranks (~50 at 2), which loses to the zero-copy kernel below
     /// 128 MiB (`copy_engine_threshold` in the selector). Filling that time with the zero-copy
-    /// kernel on 15-45 % of the message beside the copies (its own stream, 16-64 blocks) was
-    /// slower at every size from 64 MiB on 4 x H200: the copies already keep the links busy.
+    /// kernel on 15-45 % of the message beside the copies (its own stream, 16-64 blocks) gained
+    /// at most 5 % at 64-128 MiB (15 %: 357 against 375 µs at 64 MiB, still behind the zero-copy
+    /// kernel's 314) and lost from 256 MiB on 4 x H200: the copies already keep the links busy.
     Output,
     /// In a ring of [`SLOTS`] slots cut from the collection's scratch, each with room for one piece
     /// from every peer: any call, but pieces of at most a slot (~2.9 MiB at 4 ranks, as the
