@@ -336,6 +336,12 @@ fn check_output(
                     (reduce(&vals, dtype, op, nranks), true)
                 }
                 Collective::AllGather => (exact(inputs.value(i / count, i % count), dtype), false),
+                // Chunk s of the output is chunk `rank` of rank s's input (count / nranks each).
+                Collective::AllToAll => {
+                    let chunk = (count / nranks).max(1);
+                    let (s, j) = (i / chunk, i % chunk);
+                    (exact(inputs.value(s, rank * chunk + j), dtype), false)
+                }
                 _ => (exact(inputs.value(root, i), dtype), false),
             };
             let (g, gi) = decode(chunk, j, dtype);
@@ -548,6 +554,23 @@ mod tests {
         // bf16: a wrong sum is still caught.
         let tol = rtol(DataType::Bf16, 2);
         assert!(!float_close(1.5, 1.0, &[0.5, 0.5], ReduceOp::Sum, tol));
+    }
+
+    #[test]
+    fn an_alltoall_output_is_every_ranks_chunk_for_us() {
+        let (n, rank, count, dtype) = (3, 1, 12, DataType::I32);
+        let inputs = Inputs::new(11, n, dtype, ReduceOp::Sum);
+        let chunk = count / n;
+        let mut got = encode_all(count, dtype, |i| {
+            inputs.value(i / chunk, rank * chunk + i % chunk)
+        });
+        let check = |got: &[u8]| check_output(got, &inputs, Collective::AllToAll, rank, count, 0);
+        assert_eq!(check(&got).0, 0);
+        // Our own input's chunks in place of the peers' are caught, every element but our own.
+        let own = encode_all(count, dtype, |i| inputs.value(rank, i));
+        assert_eq!(check(&own).0, count - chunk);
+        got[0] ^= 1;
+        assert_eq!(check(&got).0, 1);
     }
 
     /// Every rank count the suite runs on.

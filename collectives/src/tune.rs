@@ -164,9 +164,19 @@ pub fn tune_shape(
                 check_count: count,
             }
         }
+        // Whole elements for every peer: the input is nranks equal chunks.
+        Collective::AllToAll => {
+            let count = message_bytes / (es * n) * n;
+            TuneShape {
+                input_bytes: count * es,
+                output_bytes: count * es,
+                check_count: count,
+            }
+        }
         other => {
             return Err(Error::Unsupported(format!(
-                "tuning {other}: only allreduce, allgather, reducescatter and broadcast are tuned"
+                "tuning {other}: only allreduce, allgather, reducescatter, broadcast and alltoall \
+                 are tuned"
             )))
         }
     };
@@ -948,6 +958,8 @@ mod tests {
     #[case(Collective::ReduceScatter, DataType::F32, 1024, 3, Some((1020, 340, 85)))]
     #[case(Collective::ReduceScatter, DataType::F64, 8, 2, None)]
     #[case(Collective::Broadcast, DataType::U8, 4, 8, Some((4, 4, 4)))]
+    #[case(Collective::AllToAll, DataType::Bf16, 1024, 3, Some((1020, 1020, 510)))]
+    #[case(Collective::AllToAll, DataType::F32, 8, 4, None)]
     fn shapes(
         #[case] c: Collective,
         #[case] d: DataType,
@@ -963,7 +975,7 @@ mod tests {
 
     #[test]
     fn untunable_collectives_are_refused() {
-        let e = tune_shape(Collective::AllToAll, DataType::F32, 8, 2).expect_err("refused");
-        assert!(e.to_string().contains("alltoall"), "{e}");
+        let e = tune_shape(Collective::SendRecv, DataType::F32, 8, 2).expect_err("refused");
+        assert!(e.to_string().contains("sendrecv"), "{e}");
     }
 }
