@@ -181,7 +181,8 @@ fn every_unit() -> Vec<Unit> {
     for (i, (dtype, acc)) in kc::reduce_type_pairs().into_iter().enumerate() {
         let op = ReduceOp::ALL[i % ReduceOp::ALL.len()];
         let accum = kc::acc_request(dtype, acc).expect("an offered pair");
-        let (name, source) = executor::unit_source(dtype, accum, op).expect("executor unit");
+        let (name, source) = executor::unit_source(dtype, accum, op, executor::PlanFeatures::ALL)
+            .expect("executor unit");
         units.push(Unit {
             name,
             source,

@@ -36,7 +36,9 @@ use mscclpp_core::gpu::{DevicePtr, Function, LaunchConfig};
 use mscclpp_core::port_channel::{shared_queue_hazard, PortChannelConfig, PortChannelService};
 use mscclpp_core::transport::MemoryRegion;
 use mscclpp_core::{DataType, Error, ReduceOp, Result};
-use mscclpp_kernels_cu::executor::{self as kx, PlanArgs, PlanOp, PlanRef, FIRST_REMOTE_SLOT};
+use mscclpp_kernels_cu::executor::{
+    self as kx, PlanArgs, PlanFeatures, PlanOp, PlanRef, FIRST_REMOTE_SLOT,
+};
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
@@ -120,6 +122,8 @@ pub struct PlanAlgorithm {
     threadblocks: u32,
     /// Whether (and at what price) a threadblock may run as several blocks.
     replication: Replication,
+    /// What this rank's ops use: its interpreter unit leaves out the rest.
+    features: PlanFeatures,
     /// Most threadblocks this rank's grid may have: the interpreter's threadblocks wait for each
     /// other and for the peers', so all must be resident at once ([`Residency`]).
     max_threadblocks: u32,
@@ -214,6 +218,7 @@ impl PlanAlgorithm {
             layout,
             threadblocks: encoded.threadblocks() as u32,
             replication: encoded.replication(),
+            features: encoded.features(),
             max_threadblocks,
             collective,
             reduce_op: core_op(reduce_op),
@@ -416,7 +421,8 @@ impl PlanAlgorithm {
     }
 
     fn function(&self, args: &ExecuteArgs) -> Result<Function> {
-        let (name, source) = kx::unit_source(args.dtype, args.accum, self.reduce_op)?;
+        let (name, source) =
+            kx::unit_source(args.dtype, args.accum, self.reduce_op, self.features)?;
         let acc = mscclpp_kernels_cu::collectives::resolve_accumulator(args.dtype, args.accum)?;
         let key = (args.dtype, acc, self.reduce_op);
         let mut functions = self
@@ -671,7 +677,7 @@ impl Algorithm for PlanAlgorithm {
         }
         self.check_residency()?;
         self.chunk_bytes(args)?;
-        kx::unit_source(args.dtype, args.accum, self.reduce_op).map(|_| ())
+        kx::unit_source(args.dtype, args.accum, self.reduce_op, self.features).map(|_| ())
     }
 
     /// `check`, then the host work of `execute` that must not run while a peer's kernel in this

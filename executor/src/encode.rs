@@ -19,8 +19,8 @@
 use crate::error::{PlanError, Result};
 use crate::plan::{BufferRef, BufferType, ChannelType, Op, OpCode, Plan, Protocol};
 use mscclpp_kernels_cu::executor::{
-    OpKind, PlanOp, PlanRef, FIRST_REMOTE_SLOT, FLAG_FLUSH_AFTER, FLAG_PORT, FLAG_SIGNAL_AFTER,
-    MAX_PLAN_BUFFERS, SLOT_INPUT, SLOT_OUTPUT, SLOT_SCRATCH,
+    OpKind, PlanFeatures, PlanOp, PlanRef, FIRST_REMOTE_SLOT, FLAG_FLUSH_AFTER, FLAG_PORT,
+    FLAG_SIGNAL_AFTER, MAX_PLAN_BUFFERS, SLOT_INPUT, SLOT_OUTPUT, SLOT_SCRATCH,
 };
 
 /// One rank's plan as the interpreter reads it, plus what the host must set up for it.
@@ -65,6 +65,15 @@ pub enum Replication {
 impl EncodedPlan {
     pub fn threadblocks(&self) -> usize {
         self.tb_ops.len().saturating_sub(1)
+    }
+
+    /// What the rank's ops use, so its interpreter unit can leave out the rest.
+    pub fn features(&self) -> PlanFeatures {
+        PlanFeatures {
+            packets: self.refs.iter().any(|r| r.packets != 0),
+            ports: self.ops.iter().any(|op| op.flags & FLAG_PORT != 0),
+            pipelines: self.ops.iter().any(|op| op.kind == OpKind::Pipeline as u8),
+        }
     }
 
     pub fn replication(&self) -> Replication {
@@ -517,6 +526,35 @@ mod tests {
                 assert!(data.count() > 0);
             }
         }
+    }
+
+    #[test]
+    fn features_are_what_the_rank_uses() {
+        let features = |json: serde_json::Value| {
+            let plan = Plan::from_json(json.to_string().as_bytes()).expect("valid");
+            encode(&plan, 1, false).expect("encodes").features()
+        };
+        let sum = PlanReduceOp::Sum;
+        let none = PlanFeatures::default();
+        assert_eq!(features(builder::allreduce(2, Protocol::Simple, sum)), none);
+        let ll = features(builder::allreduce(2, Protocol::Ll, sum));
+        assert_eq!(
+            ll,
+            PlanFeatures {
+                packets: true,
+                ..none
+            }
+        );
+        let port = features(builder::port_allreduce(4, Protocol::Simple, sum));
+        assert_eq!(
+            port,
+            PlanFeatures {
+                ports: true,
+                ..none
+            }
+        );
+        let piped = features(builder::pipelined_allreduce(2, sum, 4096));
+        assert!(piped.pipelines && !piped.ports);
     }
 
     #[test]

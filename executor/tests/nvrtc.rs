@@ -5,7 +5,7 @@
 use mscclpp_core::{AccumType, DataType, ReduceOp};
 use mscclpp_cuda::compile_test::{compile_cubin, has_symbol, nvrtc_or_skip};
 use mscclpp_kernels_cu::collectives::reduce_type_pairs;
-use mscclpp_kernels_cu::executor::{layout_asserts, unit_source, ENTRY};
+use mscclpp_kernels_cu::executor::{layout_asserts, unit_source, PlanFeatures, ENTRY};
 
 fn accum_for(dtype: DataType, acc: DataType) -> AccumType {
     match acc {
@@ -39,7 +39,8 @@ fn compile_shard(test: &str, shard: usize) {
         return;
     };
     for (dtype, acc, op, arch) in cases().into_iter().skip(shard).step_by(SHARDS) {
-        let (name, mut src) = unit_source(dtype, accum_for(dtype, acc), op).expect("source");
+        let (name, mut src) =
+            unit_source(dtype, accum_for(dtype, acc), op, PlanFeatures::ALL).expect("source");
         src.push_str(&layout_asserts());
         let image = compile_cubin(&nvrtc, &name, &src, arch, mscclpp_kernels_cu::HEADERS);
         assert!(has_symbol(&image, ENTRY), "{name} for {arch} lacks {ENTRY}");
@@ -56,4 +57,36 @@ fn interpreter_compiles_for_every_type_and_op_shard_0() {
 #[test]
 fn interpreter_compiles_for_every_type_and_op_shard_1() {
     compile_shard("interpreter_compiles_for_every_type_and_op_shard_1", 1);
+}
+
+/// The specialised units (a plan without packets, port channels or pipelines leaves their code
+/// out): each combination of one feature at a time, and none, compiles.
+#[test]
+fn interpreter_compiles_without_the_features_a_plan_lacks() {
+    let Some(nvrtc) = nvrtc_or_skip("interpreter_compiles_without_the_features_a_plan_lacks")
+    else {
+        return;
+    };
+    let none = PlanFeatures::default();
+    for features in [
+        none,
+        PlanFeatures {
+            packets: true,
+            ..none
+        },
+        PlanFeatures {
+            ports: true,
+            ..none
+        },
+        PlanFeatures {
+            pipelines: true,
+            ..none
+        },
+    ] {
+        let (name, mut src) =
+            unit_source(DataType::Bf16, AccumType::Auto, ReduceOp::Sum, features).expect("source");
+        src.push_str(&layout_asserts());
+        let image = compile_cubin(&nvrtc, &name, &src, "sm_90", mscclpp_kernels_cu::HEADERS);
+        assert!(has_symbol(&image, ENTRY), "{name} lacks {ENTRY}");
+    }
 }

@@ -156,27 +156,66 @@ impl Default for PlanArgs {
     }
 }
 
-/// Name (logs, kernel cache) of the unit for `dtype` accumulating in `acc` with `op`.
-pub fn unit_name(dtype: DataType, acc: DataType, op: ReduceOp) -> String {
+/// What a plan's ops use beyond plain memory-channel data and synchronisation
+/// (`MSCCLPP_PLAN_FEATURES` in executor.cu): the unit of a plan leaves out the interpreter code of
+/// the features it lacks. That code is never run for such a plan, but compiled in it costs every
+/// op: a Simple-protocol memory-channel plan ran 35-40 % faster at 1-4 KiB without it (H100,
+/// reduce_2gpu.json 66.5 -> 40.5 us), as every thread of the block walks the interpreter's
+/// bookkeeping and the larger kernel's is slower.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct PlanFeatures {
+    /// LL packets in some buffer an op reads or writes (LL and LL8 plans).
+    pub packets: bool,
+    /// Port-channel ops (the host proxy's puts, signals, waits and flushes).
+    pub ports: bool,
+    /// `pipeline` ops.
+    pub pipelines: bool,
+}
+
+impl PlanFeatures {
+    /// Every feature: a unit that runs any plan.
+    pub const ALL: PlanFeatures = PlanFeatures {
+        packets: true,
+        ports: true,
+        pipelines: true,
+    };
+
+    /// The `MSCCLPP_PLAN_FEATURES` bit mask (executor.cu's kHasPackets, kHasPorts, kHasPipelines).
+    pub fn mask(self) -> u32 {
+        u32::from(self.packets) | u32::from(self.ports) << 1 | u32::from(self.pipelines) << 2
+    }
+}
+
+/// Name (logs, kernel cache) of the unit for `dtype` accumulating in `acc` with `op`, for plans
+/// with `features`.
+pub fn unit_name(dtype: DataType, acc: DataType, op: ReduceOp, features: PlanFeatures) -> String {
     format!(
-        "plan_executor_{}_acc_{}_{}",
+        "plan_executor_{}_acc_{}_{}_f{}",
         dtype.name(),
         acc.name(),
-        op.name()
+        op.name(),
+        features.mask()
     )
 }
 
-/// The unit for `dtype` with the accumulator `accum` resolves to and `op`; errors name a pair
-/// no kernel is offered for.
-pub fn unit_source(dtype: DataType, accum: AccumType, op: ReduceOp) -> Result<(String, String)> {
+/// The unit for `dtype` with the accumulator `accum` resolves to and `op`, for plans with
+/// `features`; errors name a pair no kernel is offered for.
+pub fn unit_source(
+    dtype: DataType,
+    accum: AccumType,
+    op: ReduceOp,
+    features: PlanFeatures,
+) -> Result<(String, String)> {
     let acc = resolve_accumulator(dtype, accum)?;
     let text = format!(
-        "#define MSCCLPP_PLAN_T {}\n#define MSCCLPP_PLAN_ACC {}\n#define MSCCLPP_PLAN_OP {}\n{SOURCE}",
+        "#define MSCCLPP_PLAN_T {}\n#define MSCCLPP_PLAN_ACC {}\n#define MSCCLPP_PLAN_OP {}\n\
+         #define MSCCLPP_PLAN_FEATURES {}\n{SOURCE}",
         cxx_type(dtype),
         cxx_type(acc),
-        op.to_nccl()
+        op.to_nccl(),
+        features.mask()
     );
-    Ok((unit_name(dtype, acc, op), text))
+    Ok((unit_name(dtype, acc, op, features), text))
 }
 
 /// C++ static_asserts of the interpreter's structs and constants against this file.
@@ -253,12 +292,38 @@ mod tests {
 
     #[test]
     fn units_are_specialised_and_refuse_narrowing() {
-        let (name, src) = unit_source(DataType::Fp8E4M3, AccumType::F32, ReduceOp::Max).unwrap();
-        assert_eq!(name, "plan_executor_fp8_e4m3_acc_f32_max");
+        let all = PlanFeatures::ALL;
+        let (name, src) =
+            unit_source(DataType::Fp8E4M3, AccumType::F32, ReduceOp::Max, all).unwrap();
+        assert_eq!(name, "plan_executor_fp8_e4m3_acc_f32_max_f7");
         assert!(
             src.starts_with("#define MSCCLPP_PLAN_T fp8_e4m3\n#define MSCCLPP_PLAN_ACC float\n")
         );
+        assert!(src.contains("#define MSCCLPP_PLAN_FEATURES 7\n"));
         assert!(src.contains("plan_execute(mscclpp::plan::PlanArgs a)"));
-        assert!(unit_source(DataType::F32, AccumType::F16, ReduceOp::Sum).is_err());
+        assert!(unit_source(DataType::F32, AccumType::F16, ReduceOp::Sum, all).is_err());
+    }
+
+    #[test]
+    fn features_name_their_own_unit() {
+        let packets_only = PlanFeatures {
+            packets: true,
+            ..PlanFeatures::default()
+        };
+        assert_eq!(PlanFeatures::default().mask(), 0);
+        assert_eq!(packets_only.mask(), 1);
+        assert_eq!(
+            PlanFeatures {
+                ports: true,
+                ..PlanFeatures::default()
+            }
+            .mask(),
+            2
+        );
+        assert_eq!(PlanFeatures::ALL.mask(), 7);
+        let (name, src) =
+            unit_source(DataType::Bf16, AccumType::Auto, ReduceOp::Sum, packets_only).unwrap();
+        assert_eq!(name, "plan_executor_bf16_acc_bf16_sum_f1");
+        assert!(src.contains("#define MSCCLPP_PLAN_FEATURES 1\n"));
     }
 }

@@ -60,6 +60,9 @@
 #define MSCCLPP_PLAN_ACC float
 #define MSCCLPP_PLAN_OP 0
 #endif
+#ifndef MSCCLPP_PLAN_FEATURES
+#define MSCCLPP_PLAN_FEATURES 7
+#endif
 
 namespace mscclpp {
 namespace plan {
@@ -82,6 +85,14 @@ constexpr u8 kPipeline = 10;
 // u32 words of `flags` per plan threadblock: the execution counter, then the replicas that
 // finished this execution, and the group barrier's arrivals and generation.
 constexpr u32 kTbWords = 4;
+
+// What the plan uses (mscclpp_kernels_cu::executor::PlanFeatures; every feature where the unit was
+// not specialised): code for a feature the plan lacks is left out of its unit. It would never run
+// there, but compiled in it slowed every op of a Simple memory-channel plan by about a third at
+// small sizes.
+constexpr bool kHasPackets = (MSCCLPP_PLAN_FEATURES & 1) != 0;
+constexpr bool kHasPorts = (MSCCLPP_PLAN_FEATURES & 2) != 0;
+constexpr bool kHasPipelines = (MSCCLPP_PLAN_FEATURES & 4) != 0;
 
 constexpr u8 kSignalAfter = 1;
 constexpr u8 kFlushAfter = 2;
@@ -178,7 +189,7 @@ MSCCLPP_DEVICE_INLINE u8* unit_address(const PlanArgs& a, const PlanRef& r, u64 
                                        u64 units_per_chunk, u32 flag) {
   u8* base = reinterpret_cast<u8*>(a.buffers[r.slot]);
   const u64 c = r.index + chunk;
-  if (r.packets) {
+  if (kHasPackets && r.packets) {
     return base + (flag & 1) * a.scratch_half_bytes +
            (c * units_per_chunk + u) * static_cast<u64>(a.packet_bytes);
   }
@@ -195,7 +206,7 @@ MSCCLPP_DEVICE_INLINE u32 unit_len(const PlanArgs& a, u64 u) {
 MSCCLPP_DEVICE_INLINE bool read_unit(const PlanArgs& a, const PlanRef& r, u64 chunk, u64 u,
                                      u64 units_per_chunk, u32 n, u32 flag, u64& out) {
   const u8* p = unit_address(a, r, chunk, u, units_per_chunk, flag);
-  if (!r.packets) {
+  if (!kHasPackets || !r.packets) {
     out = load_bytes(p, n);
     return true;
   }
@@ -272,10 +283,10 @@ MSCCLPP_DEVICE_INLINE bool read_batch(const PlanArgs& a, const PlanRef& r, u64 c
                                       u64 stride, u64 end, u64 upc, u32 flag,
                                       u64 (&w)[kUnitBatch]) {
   const u8* base = unit_address(a, r, c, 0, upc, flag);
-  if (r.packets && a.packet_bytes == 16) {
+  if (kHasPackets && r.packets && a.packet_bytes == 16) {
     return read_packets(a, reinterpret_cast<const LL16Packet*>(base), u, stride, end, flag, w);
   }
-  if (r.packets) {
+  if (kHasPackets && r.packets) {
     return read_packets(a, reinterpret_cast<const LL8Packet*>(base), u, stride, end, flag, w);
   }
   // Every unit a whole aligned word (the common case): plain loads with no branch between them,
@@ -307,7 +318,7 @@ MSCCLPP_DEVICE_INLINE void write_batch(const PlanArgs& a, const PlanRef& r, u64 
   for (u32 k = 0; k < kUnitBatch; ++k) {
     const u64 x = u + k * stride;
     if (x >= end) continue;
-    if (!r.packets) {
+    if (!kHasPackets || !r.packets) {
       store_bytes(base + x * a.unit_bytes, unit_len(a, x), w[k]);
     } else if (a.packet_bytes == 16) {
       reinterpret_cast<LL16Packet*>(base)[x].write(w[k], flag);
@@ -441,7 +452,7 @@ MSCCLPP_DEVICE_INLINE bool run_data(const PlanArgs& a, const PlanOp& op, u32 fla
   const OpUnits n = op_units(a, op);
   const u32 nrefs = static_cast<u32>(op.nsrc) + op.ndst;
   bool packets = false;
-  for (u32 r = 0; r < nrefs; ++r) packets |= refs[r].packets != 0;
+  for (u32 r = 0; kHasPackets && r < nrefs; ++r) packets |= refs[r].packets != 0;
   for (u64 c = 0; n.per_chunk > 0 && c < n.chunks; ++c) {
     const u64 first = c * n.per_chunk;
     const u64 lo = w.begin > first ? w.begin : first;
@@ -606,7 +617,7 @@ MSCCLPP_DEVICE_INLINE bool run_port_sync(const PlanArgs& a, const PlanOp& op) {
 // The synchronisation ops, run by thread 0 after the block's earlier writes (a __syncthreads
 // orders them before; the release of a signal publishes them, by cumulativity).
 MSCCLPP_DEVICE_INLINE bool run_sync(const PlanArgs& a, const PlanOp& op) {
-  if ((op.flags & kPort) && op.kind != kData) return run_port_sync(a, op);
+  if (kHasPorts && (op.flags & kPort) && op.kind != kData) return run_port_sync(a, op);
   const u32* ids = a.ids + op.first_id;
   switch (op.kind) {
     case kSignal:
@@ -713,7 +724,7 @@ struct Replicas {
 MSCCLPP_DEVICE_INLINE bool run_op(const PlanArgs& a, const PlanOp& op, u32 flag, Window w,
                                   Replicas& r) {
   bool ok = true;
-  if (op.kind == kData && (op.flags & kPort)) {
+  if (kHasPorts && op.kind == kData && (op.flags & kPort)) {
     // The proxy's copy engine reads what this block wrote (or received): publish it first.
     ok = await_packets(a, op, flag, w);
     __threadfence_system();
@@ -751,7 +762,7 @@ struct Step {
 
 MSCCLPP_DEVICE_INLINE Step step_at(const PlanArgs& a, u32 o) {
   const PlanOp& op = a.ops[o];
-  if (op.kind != kPipeline) return {o, o + 1, 1, ~0ull};
+  if (!kHasPipelines || op.kind != kPipeline) return {o, o + 1, 1, ~0ull};
   const u32* p = a.ids + op.first_id;
   const u64 unit_size = static_cast<u64>(p[0]) | (static_cast<u64>(p[1]) << 32);
   const u64 per_iter = unit_size / a.unit_bytes > 0 ? unit_size / a.unit_bytes : 1;
