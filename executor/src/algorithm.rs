@@ -25,7 +25,7 @@
 use crate::encode::{encode, packet_bytes, unit_bytes, EncodedPlan, Replication};
 use crate::plan::{BufferType, ChannelType, Collective as PlanCollective, Plan, PlanReduceOp};
 use crate::reference::plan_reduce_op;
-use mscclpp_collectives::geometry::Residency;
+use mscclpp_collectives::geometry::{Residency, RESIDENT_THREADS_PER_SM};
 use mscclpp_collectives::port_allreduce::proxy_connections;
 use mscclpp_collectives::resources::{DeviceBuffer, RegistrationCache, SharedScratch};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
@@ -206,7 +206,8 @@ impl PlanAlgorithm {
         };
         let (layout, bytes) = state_bytes(&encoded, &channels, &ports);
         let state = DeviceBuffer::upload(comm.gpu(), &bytes)?;
-        let max_threadblocks = Residency::of(&comm)?.max_blocks(block_threads(&plan));
+        // A block of the interpreter may use a whole SM's registers (kx::MAX_BLOCK_THREADS).
+        let max_threadblocks = Residency::of(&comm)?.max_blocks(RESIDENT_THREADS_PER_SM);
         Ok(PlanAlgorithm {
             proxy,
             functions: Mutex::default(),
@@ -440,9 +441,10 @@ impl PlanAlgorithm {
     }
 }
 
-/// Threads per block of the plan's grid: its `num_threads_per_block` as a launchable block size.
+/// Threads per block of the plan's grid: its `num_threads_per_block` as a launchable block size,
+/// at most the interpreter's [`kx::MAX_BLOCK_THREADS`] (executor.cu, "Block size").
 fn block_threads(plan: &Plan) -> u32 {
-    plan.num_threads_per_block.clamp(32, 1024) / 32 * 32
+    plan.num_threads_per_block.clamp(32, kx::MAX_BLOCK_THREADS) / 32 * 32
 }
 
 /// Blocks per plan threadblock for chunks of `chunk` bytes, at most `fit` (and

@@ -27,6 +27,9 @@ pub const SLOT_SCRATCH: u16 = 2;
 pub const FIRST_REMOTE_SLOT: u16 = 3;
 /// `u32` words of [`PlanArgs::flags`] per plan threadblock (`kTbWords`).
 pub const TB_WORDS: usize = 4;
+/// Most threads a block of the interpreter has (`kMaxBlockThreads`, its launch bound: each thread
+/// may use 128 registers, so a block of them takes a whole SM's registers).
+pub const MAX_BLOCK_THREADS: u32 = 512;
 
 /// What the kernel does for one op (`PlanOp::kind`). Every data-moving op code of the plan format
 /// is one [`OpKind::Data`]: read every source (waiting for LL packets), reduce them with the
@@ -158,10 +161,10 @@ impl Default for PlanArgs {
 
 /// What a plan's ops use beyond plain memory-channel data and synchronisation
 /// (`MSCCLPP_PLAN_FEATURES` in executor.cu): the unit of a plan leaves out the interpreter code of
-/// the features it lacks. That code is never run for such a plan, but compiled in it costs every
-/// op: a Simple-protocol memory-channel plan ran 35-40 % faster at 1-4 KiB without it (H100,
-/// reduce_2gpu.json 66.5 -> 40.5 us), as every thread of the block walks the interpreter's
-/// bookkeeping and the larger kernel's is slower.
+/// the features it lacks. That code never runs for such a plan, but compiled in it cost every op
+/// (it raised the spills of the 1024-thread kernel from 128 to 216 bytes a thread): without it
+/// every 2-GPU fixture plan ran 12-42 % faster from 1 KiB to 1 MiB (H100, same run; reduce_2gpu.json
+/// at 1 KiB 66.9 -> 39.0 us).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct PlanFeatures {
     /// LL packets in some buffer an op reads or writes (LL and LL8 plans).
@@ -249,6 +252,7 @@ pub fn layout_asserts() -> String {
         "static_assert(mscclpp::plan::kMaxPlanBuffers == {MAX_PLAN_BUFFERS}, \"kMaxPlanBuffers\");\n\
          static_assert(mscclpp::plan::kFirstRemoteSlot == {FIRST_REMOTE_SLOT}, \"kFirstRemoteSlot\");\n\
          static_assert(mscclpp::plan::kTbWords == {TB_WORDS}, \"kTbWords\");\n\
+         static_assert(mscclpp::plan::kMaxBlockThreads == {MAX_BLOCK_THREADS}, \"kMaxBlockThreads\");\n\
          static_assert(mscclpp::plan::kSignalAfter == {FLAG_SIGNAL_AFTER}, \"kSignalAfter\");\n\
          static_assert(mscclpp::plan::kFlushAfter == {FLAG_FLUSH_AFTER}, \"kFlushAfter\");\n\
          static_assert(mscclpp::plan::kPort == {FLAG_PORT}, \"kPort\");\n"
