@@ -7,11 +7,12 @@
 // static_asserts it generates.
 //
 // Block size: the plan's num_threads_per_block, at most kMaxBlockThreads. Every thread walks the
-// interpreter's bookkeeping for every op, so fewer warps cost less per op, and the bound of 512
-// leaves a thread 128 registers, where 1024 threads had 64 and spilled the loop's state to local
-// memory on every op (same-run timings on H100: every 2-rank fixture plan 10-40 % faster at 1 KiB,
-// the Simple all-reduce plan 2-10 % faster from 16 MiB). Such a block takes a whole SM's registers,
-// so the host counts one block per SM towards co-residency.
+// interpreter's bookkeeping for every op, so fewer warps cost less per op; and the launch bounds
+// (512 threads, one block per SM) leave a thread 128 registers, where 1024 threads had 64 and
+// spilled the loop's state to local memory on every op (with the bound of 512 alone, ptxas still
+// chose 64 registers and spills for some units). Same-run timings on H100: every 2-rank fixture
+// plan 10-40 % faster at 1 KiB, the Simple all-reduce plan 2-10 % faster from 16 MiB. Such a block
+// takes a whole SM's registers, so the host counts one block per SM towards co-residency.
 //
 // Replicas: one block of a threadblock moves a few tens of GB/s (LL packets about 25),
 // so a plan of few threadblocks (MSCCL++'s 2-rank plans have 1 to 8) cannot use the GPU. The host
@@ -206,6 +207,18 @@ MSCCLPP_DEVICE_INLINE u8* unit_address(const PlanArgs& a, const PlanRef& r, u64 
   return base + c * a.chunk_bytes + u * a.unit_bytes;
 }
 
+// Whole units in `bytes`. unit_bytes is 8 or 4 (mscclpp_executor::encode::unit_bytes), so this is a
+// shift: a 64-bit division by a value known only at run time is a subroutine of some 70
+// instructions, and every thread of the block runs the interpreter's arithmetic for every op.
+MSCCLPP_DEVICE_INLINE u64 bytes_to_units(const PlanArgs& a, u64 bytes) {
+  return a.unit_bytes == 8 ? bytes >> 3 : bytes >> 2;
+}
+
+// Units of a chunk (the last one may be short).
+MSCCLPP_DEVICE_INLINE u64 units_per_chunk(const PlanArgs& a) {
+  return bytes_to_units(a, a.chunk_bytes + a.unit_bytes - 1);
+}
+
 // Payload bytes of unit `u` of a chunk: a whole unit, or what is left of the chunk at its end.
 MSCCLPP_DEVICE_INLINE u32 unit_len(const PlanArgs& a, u64 u) {
   const u64 left = a.chunk_bytes - u * a.unit_bytes;
@@ -252,9 +265,10 @@ MSCCLPP_DEVICE_INLINE OpUnits op_units(const PlanArgs& a, const PlanOp& op) {
   const u64 part = static_cast<u64>(op.tbg_part) * a.replicas + blockIdx.x % a.replicas;
   const u64 parts = static_cast<u64>(op.tbg_parts) * a.replicas;
   OpUnits n;
-  n.upc = (a.chunk_bytes + a.unit_bytes - 1) / a.unit_bytes;
-  n.u0 = n.upc * part / parts;
-  n.per_chunk = n.upc * (part + 1) / parts - n.u0;
+  n.upc = units_per_chunk(a);
+  // One part (no group, no replicas) is the common case: no division.
+  n.u0 = parts == 1 ? 0 : n.upc * part / parts;
+  n.per_chunk = parts == 1 ? n.upc : n.upc * (part + 1) / parts - n.u0;
   n.chunks = chunks;
   n.total = n.per_chunk * chunks;
   return n;
@@ -301,7 +315,8 @@ MSCCLPP_DEVICE_INLINE bool read_batch(const PlanArgs& a, const PlanRef& r, u64 c
   }
   // Every unit a whole aligned word (the common case): plain loads with no branch between them,
   // so they are all in flight at once (a unit past `end` reads unit u again).
-  if (reinterpret_cast<u64>(base) % a.unit_bytes == 0 && a.chunk_bytes % a.unit_bytes == 0) {
+  const u64 unit_mask = a.unit_bytes - 1;
+  if ((reinterpret_cast<u64>(base) & unit_mask) == 0 && (a.chunk_bytes & unit_mask) == 0) {
 #pragma unroll
     for (u32 k = 0; k < kUnitBatch; ++k) {
       const u64 x = u + k * stride < end ? u + k * stride : u;
@@ -443,7 +458,7 @@ MSCCLPP_PLAN_DATA_PATH u64 run_plain_words(const PlanArgs& a, const PlanOp& op,
     }
     for (; i < words; i += stride) reduce_words<1>(a, op, refs, c, from, i, stride, s0, s1);
   }
-  return u + words * sizeof(uint4) / a.unit_bytes;
+  return u + bytes_to_units(a, words * sizeof(uint4));
 }
 
 // Units from unit u of chunk c of a plain reference to its next 16-byte boundary (0 where u is on
@@ -452,7 +467,7 @@ MSCCLPP_DEVICE_INLINE u64 units_to_word(const PlanArgs& a, const PlanRef& r, u64
   const u64 gap = (sizeof(uint4) - reinterpret_cast<u64>(plain_address(a, r, c, u * a.unit_bytes)) %
                                        sizeof(uint4)) %
                   sizeof(uint4);
-  return gap % a.unit_bytes == 0 ? gap / a.unit_bytes : 0;
+  return (gap & (a.unit_bytes - 1)) == 0 ? bytes_to_units(a, gap) : 0;
 }
 
 // One data op over the window `w`, cooperatively by every thread of the block, chunk by chunk
@@ -775,8 +790,8 @@ MSCCLPP_DEVICE_INLINE Step step_at(const PlanArgs& a, u32 o) {
   if (!kHasPipelines || op.kind != kPipeline) return {o, o + 1, 1, ~0ull};
   const u32* p = a.ids + op.first_id;
   const u64 unit_size = static_cast<u64>(p[0]) | (static_cast<u64>(p[1]) << 32);
-  const u64 per_iter = unit_size / a.unit_bytes > 0 ? unit_size / a.unit_bytes : 1;
-  const u64 upc = (a.chunk_bytes + a.unit_bytes - 1) / a.unit_bytes;
+  const u64 per_iter = bytes_to_units(a, unit_size) > 0 ? bytes_to_units(a, unit_size) : 1;
+  const u64 upc = units_per_chunk(a);
   return {o + 1, o + 1 + op.nids, (p[2] * upc + per_iter - 1) / per_iter, per_iter};
 }
 
@@ -808,7 +823,7 @@ MSCCLPP_DEVICE_INLINE void prefetch_ops(const PlanArgs& a, u32 first, u32 last) 
 }  // namespace plan
 }  // namespace mscclpp
 
-extern "C" __global__ void __launch_bounds__(mscclpp::plan::kMaxBlockThreads)
+extern "C" __global__ void __launch_bounds__(mscclpp::plan::kMaxBlockThreads, 1)
     plan_execute(mscclpp::plan::PlanArgs a) {
   using namespace mscclpp;
   using namespace mscclpp::plan;
