@@ -14,9 +14,12 @@ for commit in "$@"; do
   short=$(git rev-parse --short "$commit^{commit}")
   tree="$work/$short"
   [ -d "$tree" ] || git worktree add --detach "$tree" "$short" >/dev/null
-  # One target folder for every commit: the dependencies are built once.
-  (cd "$tree" && CARGO_TARGET_DIR="$work/target" cargo build --release -q -p mscclpp-bench)
-  cp "$work/target/release/mscclpp-bench" ".gpu/bench-$short"
+  # A target folder per commit. Cargo names a workspace crate's build by its path inside the
+  # workspace, not the worktree's, so in a shared folder an older worktree's sources (checked out
+  # earlier) looked up to date against a newer commit's build: session 19 timed such a binary as
+  # another commit's.
+  (cd "$tree" && CARGO_TARGET_DIR="$work/target-$short" cargo build --release -q -p mscclpp-bench)
+  cp "$work/target-$short/release/mscclpp-bench" ".gpu/bench-$short"
   if command -v strip >/dev/null; then strip --strip-debug ".gpu/bench-$short"; fi
   echo "bench-at: .gpu/bench-$short ($(git log -1 --format=%s "$short" | cut -c1-70))"
 done
