@@ -8,9 +8,9 @@
 //
 // Block size: the plan's num_threads_per_block, at most kMaxBlockThreads. Every thread walks the
 // interpreter's bookkeeping for every op, so fewer warps cost less per op; and the launch bounds
-// (512 threads, one block per SM) leave a thread 128 registers, where 1024 threads had 64 and
-// spilled the loop's state to local memory on every op (with the bound of 512 alone, ptxas still
-// chose 64 registers and spills for some units). Same-run timings of the 2-rank fixture plans on
+// (512 threads, at least one block per SM) let a thread use 128 registers, where 1024 threads had
+// 64 and spilled the loop's state to local memory on every op (with the bound of 512 alone, ptxas
+// still chose 64 registers and spills for some units). Same-run timings of the 2-rank fixture plans on
 // H100 against 1024 threads: 17-35 % faster at 1 KiB, 107 of 109 (plan, size) rows faster up to
 // 4 MiB (two 8-12 % slower), the Simple all-reduce plan 1-10 % faster from 16 MiB. Such a block
 // takes a whole SM's registers, so the host counts one block per SM towards co-residency.
