@@ -9,11 +9,12 @@
 // Block size: the plan's num_threads_per_block, at most kMaxBlockThreads. Every thread walks the
 // interpreter's bookkeeping for every op, so fewer warps cost less per op; and the launch bounds
 // (512 threads, at least one block per SM) let a thread use 128 registers, where 1024 threads had
-// 64 and spilled the loop's state to local memory on every op (with the bound of 512 alone, ptxas
-// still chose 64 registers and spills for some units). Same-run timings of the 2-rank fixture plans on
-// H100 against 1024 threads: 17-35 % faster at 1 KiB, 107 of 109 (plan, size) rows faster up to
-// 4 MiB (two 8-12 % slower), the Simple all-reduce plan 1-10 % faster from 16 MiB. Such a block
-// takes a whole SM's registers, so the host counts one block per SM towards co-residency.
+// 64 and spilled the loop's state to local memory on every op (with the bound of 512 alone,
+// ptxas still chose 64 registers and spills for some units). Same-run timings of the 2-rank
+// fixture plans on H100 against 1024 threads: 17-35 % faster at 1 KiB, 107 of 109 (plan, size)
+// rows faster up to 4 MiB (two 8-12 % slower), the Simple all-reduce plan 1-10 % faster from
+// 16 MiB. Such a block takes a whole SM's registers, so the host counts one block per SM towards
+// co-residency.
 //
 // Replicas: one block of a threadblock moves a few tens of GB/s (LL packets about 25),
 // so a plan of few threadblocks (MSCCL++'s 2-rank plans have 1 to 8) cannot use the GPU. The host
@@ -383,8 +384,8 @@ MSCCLPP_PLAN_DATA_PATH bool run_units(const PlanArgs& a, const PlanOp& op, const
 }
 
 // 16-byte words in flight per thread and source in the vector reduction: 4 where the running value
-// is the word itself (Acc == T), 2 where it is wider (more spilled inside the loop when a thread had
-// 64 registers, checked with ptxas -v and the SASS; not re-tuned for the 128 it has now).
+// is the word itself (Acc == T), 2 where it is wider (more spilled inside the loop when a thread
+// had 64 registers, checked with ptxas -v and the SASS; not re-tuned for the 128 it has now).
 constexpr u32 kReduceUnroll = IsSame<T, Acc>::value ? 4 : 2;
 
 // Address of byte `from` of chunk c of a plain reference.
