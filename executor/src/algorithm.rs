@@ -37,7 +37,7 @@ use mscclpp_core::port_channel::{shared_queue_hazard, PortChannelConfig, PortCha
 use mscclpp_core::transport::MemoryRegion;
 use mscclpp_core::{DataType, Error, ReduceOp, Result};
 use mscclpp_kernels_cu::executor::{
-    self as kx, PlanArgs, PlanFeatures, PlanOp, PlanRef, FIRST_REMOTE_SLOT,
+    self as kx, PlanArgs, PlanFeatures, PlanRef, FIRST_REMOTE_SLOT,
 };
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -82,7 +82,7 @@ fn core_op(op: PlanReduceOp) -> ReduceOp {
 #[derive(Debug, Clone, Copy, Default)]
 struct StateLayout {
     ops: usize,
-    tb_ops: usize,
+    tb_starts: usize,
     refs: usize,
     ids: usize,
     channels: usize,
@@ -124,6 +124,9 @@ pub struct PlanAlgorithm {
     replication: Replication,
     /// What this rank's ops use: its interpreter unit leaves out the rest.
     features: PlanFeatures,
+    /// Dynamic shared memory of a block: the largest threadblock program, which every block
+    /// copies there first (`encode` refuses programs that do not fit).
+    program_bytes: u32,
     /// Most threadblocks this rank's grid may have: the interpreter's threadblocks wait for each
     /// other and for the peers', so all must be resident at once ([`Residency`]).
     max_threadblocks: u32,
@@ -220,6 +223,7 @@ impl PlanAlgorithm {
             threadblocks: encoded.threadblocks() as u32,
             replication: encoded.replication(),
             features: encoded.features(),
+            program_bytes: encoded.largest_program_bytes() as u32,
             max_threadblocks,
             collective,
             reduce_op: core_op(reduce_op),
@@ -645,11 +649,11 @@ fn state_bytes(
         at
     }
     let mut out = Vec::new();
-    let ops: &[PlanOp] = &enc.ops;
+    let (ops, tb_starts) = enc.device_program();
     let refs: &[PlanRef] = &enc.refs;
     let layout = StateLayout {
-        ops: put(&mut out, ops),
-        tb_ops: put(&mut out, &enc.tb_ops),
+        ops: put(&mut out, &ops),
+        tb_starts: put(&mut out, &tb_starts),
         refs: put(&mut out, refs),
         ids: put(&mut out, &enc.ids),
         channels: put(&mut out, channels),
@@ -719,7 +723,7 @@ impl Algorithm for PlanAlgorithm {
         let at = |off: usize| base + off as u64;
         let mut a = PlanArgs {
             ops: at(self.layout.ops),
-            tb_ops: at(self.layout.tb_ops),
+            tb_starts: at(self.layout.tb_starts),
             refs: at(self.layout.refs),
             ids: at(self.layout.ids),
             channels: at(self.layout.channels),
@@ -766,10 +770,13 @@ impl Algorithm for PlanAlgorithm {
         // calling thread less: the natives' fast launches, under the same condition
         // (`Communicator::fast_launches`: not where ranks of this process share the device).
         let fast = self.comm.fast_launches();
-        let cfg = LaunchConfig::linear(
-            self.threadblocks.max(1) * a.replicas,
-            block_threads(&self.plan),
-        )
+        let cfg = LaunchConfig {
+            shared_mem_bytes: self.program_bytes,
+            ..LaunchConfig::linear(
+                self.threadblocks.max(1) * a.replicas,
+                block_threads(&self.plan),
+            )
+        }
         .with_programmatic(fast)
         .with_cached_graph(fast);
         let mut params = [&mut a as *mut PlanArgs as *mut c_void];
@@ -838,7 +845,7 @@ mod tests {
         let (layout, bytes) = state_bytes(&enc, &channels, &ports);
         let parts = [
             layout.ops,
-            layout.tb_ops,
+            layout.tb_starts,
             layout.refs,
             layout.ids,
             layout.channels,
@@ -851,7 +858,7 @@ mod tests {
         assert!(parts.iter().all(|o| o % 8 == 0));
         assert!(parts.windows(2).all(|w| w[0] <= w[1]));
         assert_eq!(
-            layout.tb_ops - layout.ops,
+            layout.tb_starts - layout.ops,
             (enc.ops.len() * 20).next_multiple_of(8)
         );
         assert_eq!(bytes.len(), layout.end);

@@ -19,16 +19,21 @@
 use crate::error::{PlanError, Result};
 use crate::plan::{BufferRef, BufferType, ChannelType, Op, OpCode, Plan, Protocol};
 use mscclpp_kernels_cu::executor::{
-    OpKind, PlanFeatures, PlanOp, PlanRef, FIRST_REMOTE_SLOT, FLAG_FLUSH_AFTER, FLAG_PORT,
-    FLAG_SIGNAL_AFTER, MAX_PLAN_BUFFERS, SLOT_INPUT, SLOT_OUTPUT, SLOT_SCRATCH,
+    program_bytes, OpKind, PlanFeatures, PlanOp, PlanRef, FIRST_REMOTE_SLOT, FLAG_FLUSH_AFTER,
+    FLAG_PORT, FLAG_SIGNAL_AFTER, MAX_PLAN_BUFFERS, MAX_SHARED_PROGRAM_BYTES, SLOT_INPUT,
+    SLOT_OUTPUT, SLOT_SCRATCH,
 };
 
 /// One rank's plan as the interpreter reads it, plus what the host must set up for it.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct EncodedPlan {
     pub ops: Vec<PlanOp>,
-    /// Threadblock `b`'s ops are `ops[tb_ops[b]..tb_ops[b + 1]]`.
+    /// Threadblock `b`'s ops are `ops[tb_ops[b]..tb_ops[b + 1]]`...
     pub tb_ops: Vec<u32>,
+    /// ... its ops' references `refs[tb_refs[b]..tb_refs[b + 1]]`...
+    pub tb_refs: Vec<u32>,
+    /// ... and their ids `ids[tb_ids[b]..tb_ids[b + 1]]`.
+    pub tb_ids: Vec<u32>,
     pub refs: Vec<PlanRef>,
     /// Channel (global memory- or port-channel index), semaphore and barrier ids of the ops, and
     /// the iteration context of pipelines.
@@ -65,6 +70,44 @@ pub enum Replication {
 impl EncodedPlan {
     pub fn threadblocks(&self) -> usize {
         self.tb_ops.len().saturating_sub(1)
+    }
+
+    /// The ops as the GPU interpreter reads them, each threadblock's a program of its own (the
+    /// kernel's `Program`): `first_ref` and `first_id` counted from the threadblock's first
+    /// reference and id; and `PlanArgs::tb_starts`, the (op, reference, id) starts of every
+    /// threadblock and of the end.
+    pub fn device_program(&self) -> (Vec<PlanOp>, Vec<u32>) {
+        let mut ops = self.ops.clone();
+        for b in 0..self.threadblocks() {
+            let (refs0, ids0) = (self.tb_refs[b], self.tb_ids[b]);
+            for op in &mut ops[self.tb_ops[b] as usize..self.tb_ops[b + 1] as usize] {
+                // An op that names no reference or id keeps 0.
+                op.first_ref = op.first_ref.saturating_sub(refs0);
+                op.first_id = op.first_id.saturating_sub(ids0);
+            }
+        }
+        let starts = (0..self.tb_ops.len())
+            .flat_map(|b| [self.tb_ops[b], self.tb_refs[b], self.tb_ids[b]])
+            .collect();
+        (ops, starts)
+    }
+
+    /// Bytes of the largest threadblock program in the interpreter's shared memory.
+    pub fn largest_program_bytes(&self) -> usize {
+        (0..self.threadblocks())
+            .map(|b| self.program_bytes(b))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Bytes of threadblock `b`'s program (its ops, references and ids) in shared memory.
+    pub fn program_bytes(&self, b: usize) -> usize {
+        let count = |starts: &[u32]| (starts[b + 1] - starts[b]) as usize;
+        program_bytes(
+            count(&self.tb_ops),
+            count(&self.tb_refs),
+            count(&self.tb_ids),
+        )
     }
 
     /// What the rank's ops use, so its interpreter unit can leave out the rest.
@@ -168,6 +211,8 @@ pub fn encode(plan: &Plan, rank: usize, nvls_allowed: bool) -> Result<EncodedPla
     }
     let mut enc = EncodedPlan {
         tb_ops: vec![0],
+        tb_refs: vec![0],
+        tb_ids: vec![0],
         channel_peers: gpu.channel_peers(ChannelType::Memory),
         port_channel_peers: gpu.channel_peers(ChannelType::Port),
         semaphores: gpu.semaphores.iter().map(|s| s.init_value).collect(),
@@ -196,6 +241,20 @@ pub fn encode(plan: &Plan, rank: usize, nvls_allowed: bool) -> Result<EncodedPla
             }
         }
         enc.tb_ops.push(enc.ops.len() as u32);
+        enc.tb_refs.push(enc.refs.len() as u32);
+        enc.tb_ids.push(enc.ids.len() as u32);
+        let bytes = enc.program_bytes(t);
+        if bytes > MAX_SHARED_PROGRAM_BYTES {
+            return Err(PlanError::new(
+                format!("{path}.threadblocks[{t}]"),
+                format!(
+                    "its ops take {bytes} bytes as the GPU interpreter encodes them (ops, buffer \
+                     references and channel ids); a threadblock's program must fit the \
+                     {MAX_SHARED_PROGRAM_BYTES} bytes of shared memory the interpreter copies it \
+                     into (split the ops over more threadblocks)"
+                ),
+            ));
+        }
     }
     Ok(enc)
 }
@@ -619,6 +678,33 @@ mod tests {
             err.contains("src_buff[0]: ppkt over port channels moves LL packets"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn threadblock_programs_beyond_the_shared_memory_are_refused_naming_the_threadblock() {
+        let json = builder::allreduce(2, Protocol::Simple, PlanReduceOp::Sum);
+        let with_nops = |nops: usize| {
+            let mut v = json.clone();
+            let ops = v["gpus"][1]["threadblocks"][0]["ops"]
+                .as_array_mut()
+                .unwrap();
+            ops.extend(std::iter::repeat_n(
+                serde_json::json!({"name": "nop"}),
+                nops,
+            ));
+            Plan::from_json(v.to_string().as_bytes()).expect("valid")
+        };
+        let fits = MAX_SHARED_PROGRAM_BYTES / size_of::<PlanOp>() / 2;
+        let enc = encode(&with_nops(fits), 1, false).expect("fits");
+        assert!(enc.largest_program_bytes() <= MAX_SHARED_PROGRAM_BYTES);
+        let too_many = MAX_SHARED_PROGRAM_BYTES / size_of::<PlanOp>() + 1;
+        let err = encode(&with_nops(too_many), 1, false)
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("gpus[1].threadblocks[0]"), "{err}");
+        assert!(err.contains("49152 bytes of shared memory"), "{err}");
+        // Rank 0's threadblocks are as they were.
+        assert!(encode(&with_nops(too_many), 0, false).is_ok());
     }
 
     #[test]

@@ -80,3 +80,63 @@ fn fixtures_replicate_as_their_ops_allow() {
         }
     }
 }
+
+#[test]
+fn threadblock_programs_name_the_references_and_ids_of_the_global_encoding() {
+    use mscclpp_kernels_cu::executor::program_bytes;
+    for (name, bytes) in common::fixtures() {
+        let plan = Plan::from_json(&bytes).unwrap_or_else(|e| panic!("{name}: {e}"));
+        if plan.needs_switch() {
+            continue;
+        }
+        for rank in 0..plan.world_size() {
+            let enc = encode(&plan, rank, false).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let (ops, starts) = enc.device_program();
+            assert_eq!(starts.len(), 3 * (enc.threadblocks() + 1), "{name}");
+            assert_eq!(
+                starts[3 * enc.threadblocks()..],
+                [
+                    enc.ops.len() as u32,
+                    enc.refs.len() as u32,
+                    enc.ids.len() as u32
+                ],
+                "{name}: the last starts are the ends"
+            );
+            let mut largest = 0;
+            for b in 0..enc.threadblocks() {
+                let s = &starts[3 * b..3 * b + 6];
+                let (refs, ids) = (
+                    &enc.refs[s[1] as usize..s[4] as usize],
+                    &enc.ids[s[2] as usize..s[5] as usize],
+                );
+                let range = s[0] as usize..s[3] as usize;
+                for (o, (global, local)) in
+                    enc.ops[range.clone()].iter().zip(&ops[range]).enumerate()
+                {
+                    let nrefs = (global.nsrc + global.ndst) as usize;
+                    let f = global.first_ref as usize;
+                    assert_eq!(
+                        &refs[local.first_ref as usize..][..nrefs],
+                        &enc.refs[f..f + nrefs],
+                        "{name} rank {rank} op {o}"
+                    );
+                    // A pipeline's ids are its three context words, not nids.
+                    let nids = if global.kind == OpKind::Pipeline as u8 {
+                        3
+                    } else {
+                        global.nids as usize
+                    };
+                    let f = global.first_id as usize;
+                    assert_eq!(
+                        &ids[local.first_id as usize..][..nids],
+                        &enc.ids[f..f + nids],
+                        "{name} rank {rank} op {o}"
+                    );
+                }
+                let count = |k: usize| (s[k + 3] - s[k]) as usize;
+                largest = largest.max(program_bytes(count(0), count(1), count(2)));
+            }
+            assert_eq!(enc.largest_program_bytes(), largest, "{name}");
+        }
+    }
+}

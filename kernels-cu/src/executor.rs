@@ -81,6 +81,16 @@ pub struct PlanOp {
     pub first_id: u32,
 }
 
+/// Most bytes of dynamic shared memory a block's program may take (what CUDA and HIP GPUs give a
+/// block without opting in): every block copies its threadblock's program there first.
+pub const MAX_SHARED_PROGRAM_BYTES: usize = 48 << 10;
+
+/// Bytes of a threadblock program of `ops` ops, `refs` references and `ids` ids in shared memory
+/// (executor.cu's `load_program`: the three arrays one after the other, as u32 words).
+pub fn program_bytes(ops: usize, refs: usize, ids: usize) -> usize {
+    ops * size_of::<PlanOp>() + refs * size_of::<PlanRef>() + ids * size_of::<u32>()
+}
+
 /// `size` chunks from chunk `index` of buffer `slot`; `packets` when the buffer holds LL packets.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -97,8 +107,10 @@ pub struct PlanRef {
 pub struct PlanArgs {
     /// `const PlanOp*`: every threadblock's ops, one list after the other.
     pub ops: u64,
-    /// `const u32*`: threadblock `b`'s ops are `ops[tb_ops[b]..tb_ops[b + 1]]`.
-    pub tb_ops: u64,
+    /// `const u32*`: threadblock `b`'s program is `ops[s[0]..s[3]]`, `refs[s[1]..s[4]]` and
+    /// `ids[s[2]..s[5]]` with `s = &tb_starts[3 * b..]`; its ops' `first_ref` and `first_id`
+    /// count from its own first reference and id.
+    pub tb_starts: u64,
     /// `const PlanRef*`.
     pub refs: u64,
     /// `const u32*`: channel, semaphore and barrier ids of the ops.
@@ -138,7 +150,7 @@ impl Default for PlanArgs {
     fn default() -> Self {
         PlanArgs {
             ops: 0,
-            tb_ops: 0,
+            tb_starts: 0,
             refs: 0,
             ids: 0,
             channels: 0,
@@ -237,7 +249,7 @@ pub fn layout_asserts() -> String {
     }
     fields!(PlanOp: kind, flags, nsrc, ndst, nids, tbg_part, tbg_parts, barrier_tbs, first_ref, first_id);
     fields!(PlanRef: slot, packets, index, size);
-    fields!(PlanArgs: ops, tb_ops, refs, ids, channels, port_channels, semaphores, barriers, flags,
+    fields!(PlanArgs: ops, tb_starts, refs, ids, channels, port_channels, semaphores, barriers, flags,
         error_word, buffers, block_offsets, chunk_bytes, scratch_half_bytes, max_spin, packet_bytes, unit_bytes, replicas);
     for (ty, size) in [
         ("PlanOp", size_of::<PlanOp>()),
@@ -287,7 +299,6 @@ mod tests {
         assert_eq!(size_of::<PlanOp>(), 20);
         assert_eq!(size_of::<PlanRef>(), 12);
         assert_eq!(offset_of!(PlanArgs, buffers), 80);
-        // The u32 `replicas` after `unit_bytes`, padded to the struct's 8-byte alignment.
         assert_eq!(size_of::<PlanArgs>(), 80 + 2 * 8 * MAX_PLAN_BUFFERS + 40);
         let asserts = layout_asserts();
         assert!(asserts.contains("offsetof(mscclpp::plan::PlanOp, first_id) == 16"));
@@ -304,7 +315,7 @@ mod tests {
             src.starts_with("#define MSCCLPP_PLAN_T fp8_e4m3\n#define MSCCLPP_PLAN_ACC float\n")
         );
         assert!(src.contains("#define MSCCLPP_PLAN_FEATURES 7\n"));
-        assert!(src.contains("plan_execute(mscclpp::plan::PlanArgs a)"));
+        assert!(src.contains("plan_execute(MSCCLPP_PLAN_ARGS a)"));
         assert!(unit_source(DataType::F32, AccumType::F16, ReduceOp::Sum, all).is_err());
     }
 

@@ -1,10 +1,10 @@
 // mscclpp-rs: the interpreter of MSCCL++ JSON execution plans.
 //
 // One launch per execution, `replicas` blocks per plan threadblock (blocks b * replicas ..
-// (b + 1) * replicas - 1 run threadblock b). Each walks the threadblock's ops
-// (ops[tb_ops[b]..tb_ops[b+1]]), encoded once per plan by mscclpp-executor (encode.rs) from the
-// validated JSON; the struct layouts are mirrored by kernels-cu/src/executor.rs and checked by the
-// static_asserts it generates.
+// (b + 1) * replicas - 1 run threadblock b). Each walks the threadblock's program (its ops and the
+// references and ids they name: Program, in shared memory where it fits), encoded once per plan by
+// mscclpp-executor (encode.rs) from the validated JSON; the struct layouts are mirrored by
+// kernels-cu/src/executor.rs and checked by the static_asserts it generates.
 //
 // Block size: the plan's num_threads_per_block, at most kMaxBlockThreads. Every thread walks the
 // interpreter's bookkeeping for every op, so fewer warps cost less per op; and the launch bounds
@@ -133,7 +133,7 @@ struct PlanRef {
 
 struct PlanArgs {
   const PlanOp* ops;
-  const u32* tb_ops;
+  const u32* tb_starts;
   const PlanRef* refs;
   const u32* ids;
   D2DSemaphoreHandle* channels;
@@ -150,6 +150,13 @@ struct PlanArgs {
   u32 packet_bytes;
   u32 unit_bytes;
   u32 replicas;
+};
+
+// An op with its references and ids found: `nsrc + ndst` PlanRefs at `refs`, `nids` ids at `ids`
+// (a pipeline's three words at `ids`), in the block's Program.
+struct Op : PlanOp {
+  const PlanRef* refs;
+  const u32* ids;
 };
 
 // Units [begin, end) of every op a step runs (a pipeline iteration's window, or everything).
@@ -259,12 +266,12 @@ struct OpUnits {
 
 // The block's part of each chunk is part tbg_part * replicas + replica of tbg_parts * replicas:
 // the replicas' parts put together are the threadblock's part (floor(x * k / k) = floor(x)).
-MSCCLPP_DEVICE_INLINE OpUnits op_units(const PlanArgs& a, const PlanOp& op) {
-  const PlanRef* refs = a.refs + op.first_ref;
+MSCCLPP_DEVICE_INLINE OpUnits op_units(const PlanArgs& a, const Op& op, u32 replica) {
+  const PlanRef* refs = op.refs;
   const u32 nrefs = static_cast<u32>(op.nsrc) + op.ndst;
   u32 chunks = refs[0].size;
   for (u32 i = 1; i < nrefs; ++i) chunks = refs[i].size < chunks ? refs[i].size : chunks;
-  const u64 part = static_cast<u64>(op.tbg_part) * a.replicas + blockIdx.x % a.replicas;
+  const u64 part = static_cast<u64>(op.tbg_part) * a.replicas + replica;
   const u64 parts = static_cast<u64>(op.tbg_parts) * a.replicas;
   OpUnits n;
   n.upc = units_per_chunk(a);
@@ -357,7 +364,7 @@ MSCCLPP_DEVICE_INLINE void write_batch(const PlanArgs& a, const PlanRef& r, u64 
 
 // Units [u, end) of chunk c, unit by unit (packets, odd alignments, tails), cooperatively by the
 // block. Sources reduce in order in Acc (lanes past a short unit's payload are never stored).
-MSCCLPP_PLAN_DATA_PATH bool run_units(const PlanArgs& a, const PlanOp& op, const PlanRef* refs,
+MSCCLPP_PLAN_DATA_PATH bool run_units(const PlanArgs& a, const Op& op, const PlanRef* refs,
                                       u64 c, u64 u, u64 end, u64 upc, u32 flag) {
   const u64 stride = blockDim.x;
   for (u64 x = u + threadIdx.x; x < end; x += kUnitBatch * stride) {
@@ -400,7 +407,7 @@ MSCCLPP_DEVICE_INLINE u8* plain_address(const PlanArgs& a, const PlanRef& r, u64
 // reloaded both references (the stores may alias them) and the values kept for it spilled
 // inside the loop (ptxas -v and the SASS of the bf16 unit).
 template <u32 kN>
-MSCCLPP_DEVICE_INLINE void reduce_words(const PlanArgs& a, const PlanOp& op, const PlanRef* refs,
+MSCCLPP_DEVICE_INLINE void reduce_words(const PlanArgs& a, const Op& op, const PlanRef* refs,
                                         u64 c, u64 from, u64 i, u64 stride, const uint4* s0,
                                         const uint4* s1) {
   uint4 x[kN];
@@ -433,7 +440,7 @@ MSCCLPP_DEVICE_INLINE void reduce_words(const PlanArgs& a, const PlanOp& op, con
 // 16-byte aligned there (copies through copy.cuh's unrolled body, reductions kReduceUnroll words
 // per thread and source). Returns the first unit it left to run_units: the tail after the last
 // whole word, or u itself when a reference is misaligned.
-MSCCLPP_PLAN_DATA_PATH u64 run_plain_words(const PlanArgs& a, const PlanOp& op,
+MSCCLPP_PLAN_DATA_PATH u64 run_plain_words(const PlanArgs& a, const Op& op,
                                            const PlanRef* refs, u64 c, u64 u, u64 end) {
   const u64 from = u * a.unit_bytes;
   const u64 to = end * a.unit_bytes < a.chunk_bytes ? end * a.unit_bytes : a.chunk_bytes;
@@ -474,9 +481,10 @@ MSCCLPP_DEVICE_INLINE u64 units_to_word(const PlanArgs& a, const PlanRef& r, u64
 
 // One data op over the window `w`, cooperatively by every thread of the block, chunk by chunk
 // (the window's units of chunk c are a contiguous run [u, end)). False when a packet read gave up.
-MSCCLPP_DEVICE_INLINE bool run_data(const PlanArgs& a, const PlanOp& op, u32 flag, Window w) {
-  const PlanRef* refs = a.refs + op.first_ref;
-  const OpUnits n = op_units(a, op);
+MSCCLPP_DEVICE_INLINE bool run_data(const PlanArgs& a, const Op& op, u32 flag, Window w,
+                                     u32 replica) {
+  const PlanRef* refs = op.refs;
+  const OpUnits n = op_units(a, op, replica);
   const u32 nrefs = static_cast<u32>(op.nsrc) + op.ndst;
   bool packets = false;
   for (u32 r = 0; kHasPackets && r < nrefs; ++r) packets |= refs[r].packets != 0;
@@ -550,9 +558,10 @@ MSCCLPP_DEVICE_INLINE bool barrier(const PlanArgs& a, u32 id, u32 n) {
 }
 
 // Waits until the source packets of the op's units in the window have come (every thread).
-MSCCLPP_DEVICE_INLINE bool await_packets(const PlanArgs& a, const PlanOp& op, u32 flag, Window w) {
-  const PlanRef* refs = a.refs + op.first_ref;
-  const OpUnits n = op_units(a, op);
+MSCCLPP_DEVICE_INLINE bool await_packets(const PlanArgs& a, const Op& op, u32 flag, Window w,
+                                          u32 replica) {
+  const PlanRef* refs = op.refs;
+  const OpUnits n = op_units(a, op, replica);
   const u64 end = w.end < n.total ? w.end : n.total;
   for (u64 i = w.begin + threadIdx.x; i < end; i += blockDim.x) {
     for (u32 s = 0; s < op.nsrc; ++s) {
@@ -586,10 +595,11 @@ MSCCLPP_DEVICE_INLINE void block_range(const PlanArgs& a, const PlanRef& r, u64 
 // A put over port channels, by thread 0: destination d gets source d (or the only source) through
 // the op's channel d, one trigger per chunk part in the window; then the signals and the flush of
 // pws / pwsf. The proxy works through its FIFO in order, so a signal follows the data it covers.
-MSCCLPP_DEVICE_INLINE bool run_port_put(const PlanArgs& a, const PlanOp& op, u32 flag, Window w) {
-  const PlanRef* refs = a.refs + op.first_ref;
-  const u32* ids = a.ids + op.first_id;
-  const OpUnits n = op_units(a, op);
+MSCCLPP_DEVICE_INLINE bool run_port_put(const PlanArgs& a, const Op& op, u32 flag, Window w,
+                                         u32 replica) {
+  const PlanRef* refs = op.refs;
+  const u32* ids = op.ids;
+  const OpUnits n = op_units(a, op, replica);
   for (u32 d = 0; d < op.ndst; ++d) {
     const PlanRef& src = refs[op.nsrc == op.ndst ? d : 0];
     const PlanRef& dst = refs[op.nsrc + d];
@@ -620,8 +630,8 @@ MSCCLPP_DEVICE_INLINE bool run_port_put(const PlanArgs& a, const PlanOp& op, u32
 }
 
 // signal / wait / flush over port channels, by thread 0.
-MSCCLPP_DEVICE_INLINE bool run_port_sync(const PlanArgs& a, const PlanOp& op) {
-  const u32* ids = a.ids + op.first_id;
+MSCCLPP_DEVICE_INLINE bool run_port_sync(const PlanArgs& a, const Op& op) {
+  const u32* ids = op.ids;
   for (u32 i = 0; i < op.nids; ++i) {
     const PortChannelHandle& ch = a.port_channels[ids[i]];
     switch (op.kind) {
@@ -643,9 +653,9 @@ MSCCLPP_DEVICE_INLINE bool run_port_sync(const PlanArgs& a, const PlanOp& op) {
 
 // The synchronisation ops, run by thread 0 after the block's earlier writes (a __syncthreads
 // orders them before; the release of a signal publishes them, by cumulativity).
-MSCCLPP_DEVICE_INLINE bool run_sync(const PlanArgs& a, const PlanOp& op) {
+MSCCLPP_DEVICE_INLINE bool run_sync(const PlanArgs& a, const Op& op) {
   if (kHasPorts && (op.flags & kPort) && op.kind != kData) return run_port_sync(a, op);
-  const u32* ids = a.ids + op.first_id;
+  const u32* ids = op.ids;
   switch (op.kind) {
     case kSignal:
     case kRelaxedSignal:
@@ -721,13 +731,12 @@ struct Replicas {
   u32* words;
   u32 since;
   u32 key;
+  u32 index;  // this block's place among the replicas (blockIdx.x % replicas, found once)
 
   // Whether this block runs the synchronisation ops (replica 0; every block when alone).
-  MSCCLPP_DEVICE_INLINE static bool runs_sync(const PlanArgs& a) {
-    return blockIdx.x % a.replicas == 0;
-  }
+  MSCCLPP_DEVICE_INLINE bool runs_sync() const { return index == 0; }
   // Before a data op: meet after a wait, or after data cut into other parts.
-  MSCCLPP_DEVICE_INLINE bool before_data(const PlanArgs& a, const PlanOp& op) {
+  MSCCLPP_DEVICE_INLINE bool before_data(const PlanArgs& a, const Op& op) {
     if (a.replicas == 1) return true;
     const u32 k = (static_cast<u32>(op.tbg_part) << 16) | op.tbg_parts;
     const bool meet = since == kSinceWait || (since == kSinceData && key != k);
@@ -741,35 +750,39 @@ struct Replicas {
     since = kSinceNothing;
     return group_barrier(a, words);
   }
-  MSCCLPP_DEVICE_INLINE void after_sync(const PlanOp& op) {
+  MSCCLPP_DEVICE_INLINE void after_sync(const Op& op) {
     if (op.kind == kWait || op.kind == kRelaxedWait) since = kSinceWait;
   }
 };
 
 // One op over the window `w`, called by every thread of the block; false (in every thread) when
 // the block gives up. A block that gave up still meets the others at the __syncthreads_or.
-MSCCLPP_DEVICE_INLINE bool run_op(const PlanArgs& a, const PlanOp& op, u32 flag, Window w,
+MSCCLPP_DEVICE_INLINE bool run_op(const PlanArgs& a, const Op& op, u32 flag, Window w,
                                   Replicas& r) {
   bool ok = true;
   if (kHasPorts && op.kind == kData && (op.flags & kPort)) {
     // The proxy's copy engine reads what this block wrote (or received): publish it first.
-    ok = await_packets(a, op, flag, w);
+    ok = await_packets(a, op, flag, w, r.index);
     __threadfence_system();
     if (__syncthreads_or(!ok)) return false;
-    if (threadIdx.x == 0) ok = run_port_put(a, op, flag, w);
+    if (threadIdx.x == 0) ok = run_port_put(a, op, flag, w, r.index);
     return !__syncthreads_or(!ok);
   }
   if (op.kind == kData) {
     if (!r.before_data(a, op)) return false;
-    ok = run_data(a, op, flag, w);
+    ok = run_data(a, op, flag, w, r.index);
     if (__syncthreads_or(!ok)) return false;
     if (!(op.flags & kSignalAfter)) return true;
     if (!r.before_sync(a)) return false;
-    if (Replicas::runs_sync(a) && threadIdx.x == 0) run_sync(a, op);
+    if (r.runs_sync() && threadIdx.x == 0) run_sync(a, op);
     return true;
   }
   if (!r.before_sync(a)) return false;
-  if (Replicas::runs_sync(a) && threadIdx.x == 0) ok = run_sync(a, op);
+  if (op.kind == kNop) {  // a block barrier and nothing else: no call into run_sync
+    __syncthreads();
+    return true;
+  }
+  if (r.runs_sync() && threadIdx.x == 0) ok = run_sync(a, op);
   r.after_sync(op);
   return !__syncthreads_or(!ok);
 }
@@ -787,65 +800,99 @@ struct Step {
   u64 per_iter;
 };
 
-MSCCLPP_DEVICE_INLINE Step step_at(const PlanArgs& a, u32 o) {
-  const PlanOp& op = a.ops[o];
+MSCCLPP_DEVICE_INLINE Step step_at(const PlanArgs& a, const Op& op, u32 o) {
   if (!kHasPipelines || op.kind != kPipeline) return {o, o + 1, 1, ~0ull};
-  const u32* p = a.ids + op.first_id;
+  const u32* p = op.ids;
   const u64 unit_size = static_cast<u64>(p[0]) | (static_cast<u64>(p[1]) << 32);
   const u64 per_iter = bytes_to_units(a, unit_size) > 0 ? bytes_to_units(a, unit_size) : 1;
   const u64 upc = units_per_chunk(a);
   return {o + 1, o + 1 + op.nids, (p[2] * upc + per_iter - 1) / per_iter, per_iter};
 }
 
-// A hint to bring `p` into L1 (PTX prefetch; no such hint on AMD GPUs, where it does nothing).
-MSCCLPP_DEVICE_INLINE void prefetch_l1(const void* p) {
-#if defined(MSCCLPP_HIP)
-  (void)p;
-#else
-  asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
-#endif
-}
+// A block's threadblock program: its ops, and the references and ids they name (an op's first_ref
+// and first_id count from the program's own, so the program moves as one piece). Copied into
+// shared memory by every thread at once (the host gives each block the largest program's bytes and
+// refuses plans whose programs do not fit), so each op costs shared-memory reads instead of a
+// chain of dependent global ones (the op, then its references or ids) on its critical path; and
+// the compiler knows where the tables are (a pointer that could be either global or shared memory
+// made every read a generic load, which slowed the LL fixture plans 10-40 % at 512 KiB-2 MiB).
+// MSCCL++ copies its ops into shared memory for the same reason.
+struct Program {
+  const PlanOp* ops;
+  const PlanRef* refs;
+  const u32* ids;
+  u32 nops;
 
-// Asks L1 for the block's ops and for the references and ids each names, all at once, before the
-// block walks them: otherwise every op starts with a chain of dependent L2 round trips (the op,
-// then its references or ids), which is most of a small message's time in plans of many ops.
-// MSCCL++ copies its ops into shared memory for the same reason. A hint only: nothing waits on it.
-MSCCLPP_DEVICE_INLINE void prefetch_ops(const PlanArgs& a, u32 first, u32 last) {
-  for (u32 o = first + threadIdx.x; o < last; o += blockDim.x) {
-    const PlanOp op = a.ops[o];
-    if (op.nsrc + op.ndst > 0) {
-      const PlanRef* r = a.refs + op.first_ref;
-      prefetch_l1(r);
-      prefetch_l1(r + op.nsrc + op.ndst - 1);
-    }
-    if (op.nids > 0) prefetch_l1(a.ids + op.first_id);
+  MSCCLPP_DEVICE_INLINE Op op(u32 j) const {
+    Op op;
+    static_cast<PlanOp&>(op) = ops[j];
+    op.refs = refs + op.first_ref;
+    op.ids = ids + op.first_id;
+    return op;
   }
+};
+
+// Threadblock tb's program: ops[s[0]..s[3]], refs[s[1]..s[4]], ids[s[2]..s[5]] with s =
+// tb_starts + 3 * tb. Called by every thread before wait_prior_grids (the program never changes
+// after the host uploads it, so it may be read while the previous grid still runs).
+MSCCLPP_DEVICE_INLINE Program load_program(const PlanArgs& a, u32 tb) {
+  const u32* s = a.tb_starts + 3 * tb;
+  const u32 op0 = s[0], ref0 = s[1], id0 = s[2];
+  const u32 nops = s[3] - op0, nrefs = s[4] - ref0, nids = s[5] - id0;
+  // One shared-memory image, words of ops then references then ids (all three are arrays of u32
+  // words: static_asserts below), each thread copying words with its loads all in flight.
+  extern __shared__ u32 program_words[];
+  const u32 op_words = nops * (sizeof(PlanOp) / 4);
+  const u32 ref_words = nrefs * (sizeof(PlanRef) / 4);
+  const u32 words = op_words + ref_words + nids;
+  const u32* op_src = reinterpret_cast<const u32*>(a.ops + op0);
+  const u32* ref_src = reinterpret_cast<const u32*>(a.refs + ref0);
+  const u32* id_src = a.ids + id0;
+  for (u32 i = threadIdx.x; i < words; i += blockDim.x) {
+    program_words[i] = i < op_words              ? op_src[i]
+                       : i < op_words + ref_words ? ref_src[i - op_words]
+                                                  : id_src[i - op_words - ref_words];
+  }
+  __syncthreads();
+  return {reinterpret_cast<const PlanOp*>(program_words),
+          reinterpret_cast<const PlanRef*>(program_words + op_words),
+          program_words + op_words + ref_words, nops};
 }
+static_assert(sizeof(PlanOp) % 4 == 0 && alignof(PlanOp) == 4, "PlanOp: whole u32 words");
+static_assert(sizeof(PlanRef) % 4 == 0 && alignof(PlanRef) == 4, "PlanRef: whole u32 words");
 
 }  // namespace plan
 }  // namespace mscclpp
 
+// __grid_constant__: the functions above take the argument by reference, which must not make a
+// local copy of it (~7 us a call when the data path was out of line, session 19).
+#if defined(MSCCLPP_HIP)
+#define MSCCLPP_PLAN_ARGS const mscclpp::plan::PlanArgs
+#else
+#define MSCCLPP_PLAN_ARGS const __grid_constant__ mscclpp::plan::PlanArgs
+#endif
+
 extern "C" __global__ void __launch_bounds__(mscclpp::plan::kMaxBlockThreads, 1)
-    plan_execute(mscclpp::plan::PlanArgs a) {
+    plan_execute(MSCCLPP_PLAN_ARGS a) {
   using namespace mscclpp;
   using namespace mscclpp::plan;
-  // Before anything reads memory (the host may launch this grid programmatically); the abort
-  // check comes after it (collective_common.cuh says why).
+  const u32 tb = blockIdx.x / a.replicas;
+  const Program program = load_program(a, tb);
+  // Before anything else reads memory (the host may launch this grid programmatically); the
+  // abort check comes after it (collective_common.cuh says why).
   wait_prior_grids();
   if (mscclpp::block_aborted(a.error_word)) return;
-  const u32 tb = blockIdx.x / a.replicas;
   u32* words = a.flags + kTbWords * tb;
   const u32 flag = words[0] + 1;
-  const u32 first = a.tb_ops[tb];
-  const u32 last = a.tb_ops[tb + 1];
-  prefetch_ops(a, first, last);
-  Replicas r = {words, Replicas::kSinceNothing, 0};
-  for (u32 o = first; o < last;) {
-    const Step step = step_at(a, o);
+  Replicas r = {words, Replicas::kSinceNothing, 0, blockIdx.x - tb * a.replicas};
+  for (u32 o = 0; o < program.nops;) {
+    const Op head = program.op(o);
+    const Step step = step_at(a, head, o);
     for (u64 it = 0; it < step.iters; ++it) {
       const Window w = {it * step.per_iter, (it + 1) * step.per_iter};
       for (u32 j = step.begin; j < step.end; ++j) {
-        const PlanOp op = a.ops[j];
+        // A plain op is its step's only op, already loaded; a pipeline's ops follow it.
+        const Op op = j == o ? head : program.op(j);
         if (!run_op(a, op, flag, w, r)) return;
       }
     }
