@@ -59,6 +59,11 @@ MSCCLPP_DEVICE_INLINE u32 atomic_load_acquire_sys(const u32* p) {
   asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+MSCCLPP_DEVICE_INLINE u32 atomic_load_relaxed_sys(const u32* p) {
+  u32 v;
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
 MSCCLPP_DEVICE_INLINE void atomic_store_release_sys(u64* p, u64 v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
@@ -114,6 +119,9 @@ MSCCLPP_DEVICE_INLINE u64 atomic_load_relaxed_sys(const u64* p) {
 }
 MSCCLPP_DEVICE_INLINE u32 atomic_load_acquire_sys(const u32* p) {
   return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+MSCCLPP_DEVICE_INLINE u32 atomic_load_relaxed_sys(const u32* p) {
+  return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
 }
 MSCCLPP_DEVICE_INLINE void atomic_store_release_sys(u64* p, u64 v) {
   __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);

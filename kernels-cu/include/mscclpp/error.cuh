@@ -60,10 +60,17 @@ MSCCLPP_DEVICE_INLINE bool aborted(const u32* word) {
   return word != nullptr && atomic_load_acquire_sys(word) != kErrorNone;
 }
 
-// aborted() at a kernel's entry, where every thread of the block calls it: thread 0 alone reads the
+// aborted() as a kernel's entry reads it: a relaxed load, because nothing the kernel reads depends
+// on it (an acquire would hold every later read of the thread back until it completed, and the
+// entry's other reads go out beside it: collective_common.cuh's block_enter).
+MSCCLPP_DEVICE_INLINE bool aborted_at_entry(const u32* word) {
+  return word != nullptr && atomic_load_relaxed_sys(word) != kErrorNone;
+}
+
+// The check at a kernel's entry, where every thread of the block calls it: thread 0 alone reads the
 // page and the block shares the answer.
 MSCCLPP_DEVICE_INLINE bool block_aborted(const u32* word) {
-  return __syncthreads_or(threadIdx.x == 0 && aborted(word)) != 0;
+  return __syncthreads_or(threadIdx.x == 0 && aborted_at_entry(word)) != 0;
 }
 
 // Whether the host aborted the communicator (ncclCommAbort, a dead or stalled peer): one read of

@@ -12,10 +12,11 @@
 //   - Peers are numbered by "peer index" i in [0, nranks-1): i -> rank (i < rank ? i : i + 1).
 //   - Every kernel begins with wait_prior_grids(), so the host may launch it programmatically
 //     (LaunchConfig::programmatic): its launch overlaps the end of the stream's previous kernel.
-//   - Then `if (block_aborted(args.error_word)) return;`: after an abort or a timed-out wait anywhere on
-//     the communicator, every later kernel drains at once. The check comes after the wait, not
-//     before: a grid that returned before griddepcontrol.wait could complete while its predecessor
-//     still runs, and the stream's next kernel (waiting only on us) would then overlap it.
+//   - Then `if (block_aborted(args.error_word)) return;` (or block_enter, which also reads the call
+//     counter): after an abort or a timed-out wait anywhere on the communicator, every later kernel
+//     drains at once. The check comes after the wait, not before: a grid that returned before
+//     griddepcontrol.wait could complete while its predecessor still runs, and the stream's next
+//     kernel (waiting only on us) would then overlap it.
 #pragma once
 #include "mscclpp/common.cuh"
 #include "mscclpp/copy.cuh"
@@ -145,12 +146,30 @@ MSCCLPP_DEVICE_INLINE u64 load_call_count(const CallState* state) {
   return calls;
 }
 
-// Every block calls this last, with the value load_call_count returned: advances the slots this
-// block owns (k = blockIdx.x mod gridDim.x) by `steps`, spread over its threads. No barrier is
-// needed: the block's own slot was read before the __syncthreads in load_call_count, and the other
-// slots it writes are read by no block of this call. The packet kernels advance by one (one flag
-// per call); the scratch pipelines advance by their step count, so the parity of the counter
-// alternates their double-buffered halves step after step, across calls too.
+// The entry of a kernel with a call counter, after wait_prior_grids(): block_aborted and
+// load_call_count in one. Thread 0 sends both reads out before it waits for either and the block
+// meets once; read in turn they were two memory round trips, one after the other, on the critical
+// path of every small call. True when the communicator failed (the kernel returns); `calls` is
+// this block's call count otherwise.
+MSCCLPP_DEVICE_INLINE bool block_enter(const u32* error_word, const CallState* state, u64& calls) {
+  __shared__ u64 shared_calls;
+  bool failed = false;
+  if (threadIdx.x == 0) {
+    shared_calls = state->calls[blockIdx.x];
+    failed = aborted_at_entry(error_word);
+  }
+  if (__syncthreads_or(failed)) return true;
+  calls = shared_calls;
+  return false;
+}
+
+// Every block calls this last, with the count load_call_count or block_enter gave: advances the
+// slots this block owns (k = blockIdx.x mod gridDim.x) by `steps`, spread over its threads. No
+// barrier is needed: the block's own slot was read before the barrier of load_call_count (or
+// block_enter), and the other slots it writes are read by no block of this call. The packet
+// kernels advance by one (one flag per call); the scratch pipelines advance by their step count, so
+// the parity of the counter alternates their double-buffered halves step after step, across calls
+// too.
 MSCCLPP_DEVICE_INLINE void finish_call(CallState* state, u64 calls, u64 steps = 1) {
   const u64 next = calls + steps;
   for (u32 k = blockIdx.x + threadIdx.x * gridDim.x; k < kMaxPacketBlocks; k += blockDim.x * gridDim.x) {

@@ -879,11 +879,12 @@ extern "C" __global__ void __launch_bounds__(mscclpp::plan::kMaxBlockThreads, 1)
   const u32 tb = blockIdx.x / a.replicas;
   const Program program = load_program(a, tb);
   // Before anything else reads memory (the host may launch this grid programmatically); the
-  // abort check comes after it (collective_common.cuh says why).
+  // abort check comes after it (collective_common.cuh says why). The execution counter is read
+  // before the check's barrier, so the two memory round trips overlap.
   wait_prior_grids();
-  if (mscclpp::block_aborted(a.error_word)) return;
   u32* words = a.flags + kTbWords * tb;
   const u32 flag = words[0] + 1;
+  if (mscclpp::block_aborted(a.error_word)) return;
   Replicas r = {words, Replicas::kSinceNothing, 0, blockIdx.x - tb * a.replicas};
   for (u32 o = 0; o < program.nops;) {
     const Op head = program.op(o);
