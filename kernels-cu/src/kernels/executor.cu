@@ -2,7 +2,7 @@
 //
 // One launch per execution, `replicas` blocks per plan threadblock (blocks b * replicas ..
 // (b + 1) * replicas - 1 run threadblock b). Each walks the threadblock's program (its ops and the
-// references and ids they name: Program, in shared memory where it fits), encoded once per plan by
+// references and ids they name: Program, copied into shared memory), encoded once per plan by
 // mscclpp-executor (encode.rs) from the validated JSON; the struct layouts are mirrored by
 // kernels-cu/src/executor.rs and checked by the static_asserts it generates.
 //
