@@ -61,7 +61,8 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 extern "C" __global__ void __launch_bounds__(1024, 1)
     allgather_packet(const PacketArgs args) {
   wait_prior_grids();
-  if (block_aborted(args.error_word)) return;
+  u64 calls;
+  if (block_enter(args.error_word, args.state, calls)) return;
   const void* input = args.input;
   void* output = args.output;
   const u64 bytes = args.count;
@@ -73,7 +74,6 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
   CallState* state = args.state;
   u32* error_word = args.error_word;
   const u64 max_spin = args.max_spin;
-  const u64 calls = load_call_count(state);
   const u64 flag = call_flag(calls);
   const u64 half = (calls & 1) * args.half_bytes;
   const u64 nlines = LL128::lines(bytes);
@@ -137,7 +137,8 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 extern "C" __global__ void __launch_bounds__(1024, 1)
     allgather_fullmesh(const PipelineArgs args) {
   wait_prior_grids();
-  if (block_aborted(args.error_word)) return;
+  u64 calls;
+  if (block_enter(args.error_word, args.state, calls)) return;
   const void* input = args.input;
   void* output = args.output;
   const u64 bytes = args.count;
@@ -150,7 +151,6 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
   const u32 nranks = args.nranks;
   const D2DSemaphoreHandle* sems = args.sems;
   CallState* state = args.state;
-  const u64 calls = load_call_count(state);
   const u32 npeers = nranks - 1;
   const u64 nsteps = (bytes + step - 1) / step;
   u64 b0, b1;

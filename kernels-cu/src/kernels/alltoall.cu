@@ -276,8 +276,8 @@ struct AlltoallPacketArgs {
 
 extern "C" __global__ void __launch_bounds__(1024, 1) alltoall_packet(AlltoallPacketArgs args) {
   wait_prior_grids();
-  if (block_aborted(args.error_word)) return;
-  const u64 calls = load_call_count(args.state);
+  u64 calls;
+  if (block_enter(args.error_word, args.state, calls)) return;
   const u64 flag = call_flag(calls);
   const u32 rank = args.rank, nranks = args.nranks, npeers = nranks - 1;
   const u64 bytes = args.bytes;

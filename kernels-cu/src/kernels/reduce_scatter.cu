@@ -41,7 +41,8 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 extern "C" __global__ void __launch_bounds__(1024, 1)
     reducescatter_packet(const PacketArgs args) {
   wait_prior_grids();
-  if (block_aborted(args.error_word)) return;
+  u64 calls;
+  if (block_enter(args.error_word, args.state, calls)) return;
   const void* input = args.input;
   void* output = args.output;
   const u64 count = args.count;
@@ -53,7 +54,6 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
   CallState* state = args.state;
   u32* error_word = args.error_word;
   const u64 max_spin = args.max_spin;
-  const u64 calls = load_call_count(state);
   const u64 flag = call_flag(calls);
   const u64 half = (calls & 1) * args.half_bytes;
   const u64 bytes = count * sizeof(CollT);  // one chunk
