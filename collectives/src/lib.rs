@@ -107,6 +107,7 @@ pub fn build_default_algorithms_with_resources(
         // across hosts they run inside each host only, within the hierarchical algorithm.
         let limits = NativeLimits {
             allpair_packet_max_bytes: 0,
+            allpair_ll128_max_bytes: 0,
             packet_max_bytes: 0,
             allgather_packet_max_bytes: 0,
             reducescatter_packet_max_bytes: 0,
@@ -129,6 +130,11 @@ pub fn build_default_algorithms_with_resources(
     )?);
     let limits = NativeLimits {
         allpair_packet_max_bytes: limit(NativeKind::AllreduceAllpairPacket),
+        allpair_ll128_max_bytes: if properties.vendor == GpuVendor::Amd {
+            0
+        } else {
+            limit(NativeKind::AllreduceAllpairLl128)
+        },
         packet_max_bytes: limit(NativeKind::AllreducePacket),
         allgather_packet_max_bytes: limit(NativeKind::AllgatherPacket),
         reducescatter_packet_max_bytes: limit(NativeKind::ReducescatterPacket),

@@ -22,6 +22,8 @@ use std::sync::Arc;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum NativeKind {
     AllreduceAllpairPacket,
+    /// The all-pair schedule through LL128 lines (CUDA only).
+    AllreduceAllpairLl128,
     AllreducePacket,
     AllreduceRsagZeroCopy,
     AllgatherFullmesh2,
@@ -48,8 +50,9 @@ pub enum NativeKind {
 }
 
 impl NativeKind {
-    pub const ALL: [NativeKind; 15] = [
+    pub const ALL: [NativeKind; 16] = [
         NativeKind::AllreduceAllpairPacket,
+        NativeKind::AllreduceAllpairLl128,
         NativeKind::AllreducePacket,
         NativeKind::AllreduceRsagZeroCopy,
         NativeKind::AllgatherFullmesh2,
@@ -69,6 +72,7 @@ impl NativeKind {
     pub const fn name(self) -> &'static str {
         match self {
             NativeKind::AllreduceAllpairPacket => names::ALLREDUCE_ALLPAIR_PACKET,
+            NativeKind::AllreduceAllpairLl128 => names::ALLREDUCE_ALLPAIR_LL128,
             NativeKind::AllreducePacket => names::ALLREDUCE_PACKET,
             NativeKind::AllreduceRsagZeroCopy => names::ALLREDUCE_RSAG_ZERO_COPY,
             NativeKind::AllgatherFullmesh2 => names::ALLGATHER_FULLMESH2,
@@ -89,6 +93,7 @@ impl NativeKind {
     pub const fn collective(self) -> Collective {
         match self {
             NativeKind::AllreduceAllpairPacket
+            | NativeKind::AllreduceAllpairLl128
             | NativeKind::AllreducePacket
             | NativeKind::AllreduceRsagZeroCopy
             | NativeKind::AllreduceRsag
@@ -116,6 +121,9 @@ impl NativeKind {
         match self {
             NativeKind::AllreduceAllpairPacket => {
                 (CollectiveFile::AllReduce, "allreduce_allpair_packet")
+            }
+            NativeKind::AllreduceAllpairLl128 => {
+                (CollectiveFile::AllReduce, "allreduce_allpair_ll128")
             }
             NativeKind::AllreducePacket => (CollectiveFile::AllReduce, "allreduce_packet"),
             NativeKind::AllreduceRsagZeroCopy => {
@@ -166,7 +174,8 @@ impl NativeKind {
     pub const fn scratch_part(self) -> Option<ScratchPart> {
         match self {
             NativeKind::AllreduceAllpairPacket => Some(ScratchPart::Ll16),
-            NativeKind::AllreducePacket
+            NativeKind::AllreduceAllpairLl128
+            | NativeKind::AllreducePacket
             | NativeKind::AllgatherPacket
             | NativeKind::ReducescatterPacket => Some(ScratchPart::Ll128),
             NativeKind::AllreduceRsag
@@ -184,6 +193,7 @@ impl NativeKind {
         matches!(
             self,
             NativeKind::AllreduceAllpairPacket
+                | NativeKind::AllreduceAllpairLl128
                 | NativeKind::AllreducePacket
                 | NativeKind::AllgatherPacket
                 | NativeKind::ReducescatterPacket
@@ -207,6 +217,7 @@ impl NativeKind {
     pub fn semaphore_blocks(self, sm: u32) -> u32 {
         match self {
             NativeKind::AllreduceAllpairPacket
+            | NativeKind::AllreduceAllpairLl128
             | NativeKind::AllreducePacket
             | NativeKind::AllgatherPacket
             | NativeKind::ReducescatterPacket => 0,
@@ -331,9 +342,9 @@ impl NativeBase {
             let n = comm.size();
             let min = match kind {
                 NativeKind::AllreducePacket => 4 * n * geometry::LL128_LINE_BYTES,
-                NativeKind::AllgatherPacket | NativeKind::ReducescatterPacket => {
-                    2 * n * geometry::LL128_LINE_BYTES
-                }
+                NativeKind::AllreduceAllpairLl128
+                | NativeKind::AllgatherPacket
+                | NativeKind::ReducescatterPacket => 2 * n * geometry::LL128_LINE_BYTES,
                 NativeKind::AllreduceAllpairPacket => 2 * 4 * n * geometry::PACKET_BYTES,
                 _ => 4 * n * geometry::VECTOR_BYTES,
             };
@@ -524,7 +535,10 @@ pub fn max_input_bytes_on(
 pub fn max_input_bytes(kind: NativeKind, scratch_bytes: usize, nranks: usize) -> usize {
     match kind {
         NativeKind::AllreduceAllpairPacket => geometry::allpair_max_bytes(scratch_bytes, nranks),
-        NativeKind::AllgatherPacket => geometry::line_slot_payload(scratch_bytes, nranks),
+        // Whole inputs in each peer's slot, as the packet all-gather.
+        NativeKind::AllreduceAllpairLl128 | NativeKind::AllgatherPacket => {
+            geometry::line_slot_payload(scratch_bytes, nranks)
+        }
         NativeKind::AllreducePacket => geometry::packet_max_bytes(scratch_bytes, nranks),
         NativeKind::ReducescatterPacket => {
             geometry::line_slot_payload(scratch_bytes, nranks).saturating_mul(nranks.max(1))
@@ -806,7 +820,8 @@ mod tests {
     fn default_parts_cover_the_selector_thresholds() {
         use crate::resources::scratch_bounds;
         use mscclpp_core::algorithm_collection::{
-            allpair_threshold, packet_gather_scatter_threshold, packet_threshold,
+            allpair_ll128_from, allpair_threshold, packet_gather_scatter_threshold,
+            packet_threshold,
         };
         for n in 2..=MAX_RANKS {
             // The call counter and a 256-block semaphore table towards n - 1 peers.
@@ -828,6 +843,12 @@ mod tests {
                 max(NativeKind::AllreduceAllpairPacket) >= allpair_threshold(n),
                 "{n}"
             );
+            if allpair_ll128_from(n).is_some() {
+                assert!(
+                    max(NativeKind::AllreduceAllpairLl128) >= allpair_threshold(n),
+                    "{n}"
+                );
+            }
             assert!(
                 max(NativeKind::AllreducePacket) >= packet_threshold(n),
                 "{n}"

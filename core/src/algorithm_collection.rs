@@ -257,6 +257,8 @@ pub mod native_names {
     use super::Collective;
 
     pub const ALLREDUCE_ALLPAIR_PACKET: &str = "default_allreduce_allpair_packet";
+    /// New in mscclpp-rs: the all-pair schedule through LL128 lines (CUDA only).
+    pub const ALLREDUCE_ALLPAIR_LL128: &str = "default_allreduce_allpair_ll128";
     pub const ALLREDUCE_PACKET: &str = "default_allreduce_packet";
     pub const ALLREDUCE_RSAG_ZERO_COPY: &str = "default_allreduce_rsag_zero_copy";
     pub const ALLGATHER_FULLMESH2: &str = "default_allgather_fullmesh2";
@@ -365,6 +367,9 @@ pub fn alltoall_packet_max_chunk(world_size: usize) -> usize {
 pub struct NativeLimits {
     /// Largest message (bytes per rank) `default_allreduce_allpair_packet` can take.
     pub allpair_packet_max_bytes: usize,
+    /// Largest message (bytes per rank) `default_allreduce_allpair_ll128` can take (0: not built,
+    /// as on AMD GPUs).
+    pub allpair_ll128_max_bytes: usize,
     /// Largest message (bytes per rank) `default_allreduce_packet` can take.
     pub packet_max_bytes: usize,
     /// Largest input (bytes per rank) `default_allgather_packet` can take.
@@ -396,6 +401,21 @@ pub fn allpair_threshold(world_size: usize) -> usize {
         0..=2 => 256 << 10,
         3..=4 => 128 << 10,
         _ => 32 << 10,
+    }
+}
+
+/// Message size (bytes) above which the all-pair schedule sends LL128 lines instead of LL16
+/// packets, up to [`allpair_threshold`], by world size (`None`: LL16 packets throughout). LL128
+/// lines put 1.07x the message on the wire where LL16 packets put 2x, but their reads vote across
+/// a warp, which costs ~0.5 µs at small sizes. bf16, graph mode, the same call (2026-11-27,
+/// LL128 against LL16, µs): 4 x H200 32 KiB 3.89 / 3.69, 64 KiB 4.16 / 4.31, 128 KiB 4.71 / 5.49
+/// (f32: 4.16 / 5.02 at 64 KiB, 4.80 / 6.26 at 128 KiB); 2 x H200 64 KiB 3.26 / 2.96, 256 KiB
+/// 3.80 / 4.00. 3 ranks follow 4, as in [`allpair_threshold`]; 8 ranks are not measured yet.
+pub fn allpair_ll128_from(world_size: usize) -> Option<usize> {
+    match world_size {
+        2 => Some(128 << 10),
+        3..=4 => Some(32 << 10),
+        _ => None,
     }
 }
 
@@ -540,6 +560,14 @@ fn native_choice(limits: &NativeLimits, ctx: &SelectionContext) -> Option<&'stat
         Collective::AllReduce => {
             if let Some(nvls) = nvls_allreduce_choice(ctx) {
                 Some(nvls)
+            } else if !amd
+                && allpair_ll128_from(ctx.world_size).is_some_and(|from| {
+                    bytes > from
+                        && bytes
+                            <= allpair_threshold(ctx.world_size).min(limits.allpair_ll128_max_bytes)
+                })
+            {
+                Some(ALLREDUCE_ALLPAIR_LL128)
             } else if bytes
                 <= allpair_threshold(ctx.world_size).min(limits.allpair_packet_max_bytes)
             {
@@ -627,6 +655,7 @@ mod tests {
 
     const LIMITS: NativeLimits = NativeLimits {
         allpair_packet_max_bytes: 2 << 20,
+        allpair_ll128_max_bytes: 1 << 20,
         packet_max_bytes: 4 << 20,
         allgather_packet_max_bytes: 1 << 20,
         reducescatter_packet_max_bytes: 2 << 20,
@@ -767,6 +796,7 @@ mod tests {
         let mut b = AlgorithmCollection::builder();
         for (n, c) in [
             (ALLREDUCE_ALLPAIR_PACKET, Collective::AllReduce),
+            (ALLREDUCE_ALLPAIR_LL128, Collective::AllReduce),
             (ALLREDUCE_PACKET, Collective::AllReduce),
             (ALLREDUCE_RSAG_ZERO_COPY, Collective::AllReduce),
             (ALLREDUCE_COPY_ENGINE, Collective::AllReduce),
@@ -790,9 +820,14 @@ mod tests {
 
     #[rstest]
     #[case(Collective::AllReduce, 1024, 2, ALLREDUCE_ALLPAIR_PACKET)]
-    #[case(Collective::AllReduce, 256 << 10, 2, ALLREDUCE_ALLPAIR_PACKET)]
+    #[case(Collective::AllReduce, 128 << 10, 2, ALLREDUCE_ALLPAIR_PACKET)]
+    #[case(Collective::AllReduce, (128 << 10) + 2, 2, ALLREDUCE_ALLPAIR_LL128)]
+    #[case(Collective::AllReduce, 256 << 10, 2, ALLREDUCE_ALLPAIR_LL128)]
     #[case(Collective::AllReduce, (256 << 10) + 2, 2, ALLREDUCE_PACKET)]
-    #[case(Collective::AllReduce, 128 << 10, 4, ALLREDUCE_ALLPAIR_PACKET)]
+    #[case(Collective::AllReduce, 32 << 10, 4, ALLREDUCE_ALLPAIR_PACKET)]
+    #[case(Collective::AllReduce, 64 << 10, 4, ALLREDUCE_ALLPAIR_LL128)]
+    #[case(Collective::AllReduce, 128 << 10, 4, ALLREDUCE_ALLPAIR_LL128)]
+    #[case(Collective::AllReduce, 64 << 10, 3, ALLREDUCE_ALLPAIR_LL128)]
     #[case(Collective::AllReduce, 256 << 10, 4, ALLREDUCE_PACKET)]
     #[case(Collective::AllReduce, 4 << 20, 2, ALLREDUCE_PACKET)]
     #[case(Collective::AllReduce, (4 << 20) + 2, 2, ALLREDUCE_RSAG_ZERO_COPY)]
@@ -809,7 +844,7 @@ mod tests {
     #[case(Collective::AllReduce, (64 << 20) - 2, 2, ALLREDUCE_RSAG_ZERO_COPY)]
     #[case(Collective::AllReduce, 16 << 10, 8, ALLREDUCE_ALLPAIR_PACKET)]
     #[case(Collective::AllReduce, 256 << 10, 8, ALLREDUCE_PACKET)]
-    #[case(Collective::AllReduce, 128 << 10, 4, ALLREDUCE_ALLPAIR_PACKET)]
+    #[case(Collective::AllReduce, 32 << 10, 8, ALLREDUCE_ALLPAIR_PACKET)]
     #[case(Collective::AllReduce, 512 << 10, 4, ALLREDUCE_PACKET)]
     #[case(Collective::AllGather, 1 << 20, 8, ALLGATHER_FULLMESH2)]
     #[case(Collective::AllGather, 1, 2, ALLGATHER_PACKET)]
@@ -879,6 +914,7 @@ mod tests {
     fn scratch_limits_are_respected() {
         let small = NativeLimits {
             allpair_packet_max_bytes: 4096,
+            allpair_ll128_max_bytes: 0,
             packet_max_bytes: 64 << 10,
             allgather_packet_max_bytes: 1024,
             reducescatter_packet_max_bytes: 2048,
@@ -996,10 +1032,12 @@ mod tests {
         }
     }
 
-    /// AMD (MSCCL++'s policy there): packets for small messages, the full-mesh kernel for large
-    /// all-reduce, never the copy engine or NVLS.
+    /// AMD (MSCCL++'s policy there): packets for small messages (LL16 all-pair throughout: the
+    /// LL128 all-pair kernel is CUDA only), the full-mesh kernel for large all-reduce, never the
+    /// copy engine or NVLS.
     #[rstest]
     #[case("gfx942", 1024, Some(ALLREDUCE_ALLPAIR_PACKET))]
+    #[case("gfx942", 256 << 10, Some(ALLREDUCE_ALLPAIR_PACKET))]
     #[case("gfx942", 4 << 20, Some(ALLREDUCE_PACKET))]
     #[case("gfx942", (4 << 20) + 2, Some(ALLREDUCE_FULLMESH))]
     #[case("gfx90a", 1 << 30, Some(ALLREDUCE_FULLMESH))]

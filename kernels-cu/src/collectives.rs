@@ -56,8 +56,10 @@ impl Default for CallState {
 /// Entry points built for CUDA only (`#if !defined(MSCCLPP_HIP)` in their .cu file):
 /// `allreduce_rsag_push` has not run on an AMD GPU and is never selected by default, and its
 /// instance of the scratch pipeline doubles the all-reduce unit's compile time, which the ROCm
-/// compile gate would pay for every type pair. On AMD the collection leaves its algorithm out.
-pub const CUDA_ONLY_ENTRY_POINTS: &[&str] = &["allreduce_rsag_push"];
+/// compile gate would pay for every type pair; `allreduce_allpair_ll128` has not run on an AMD GPU
+/// either (where an LL128 line carries 64 bytes, not 120). On AMD the collection leaves their
+/// algorithms out.
+pub const CUDA_ONLY_ENTRY_POINTS: &[&str] = &["allreduce_rsag_push", "allreduce_allpair_ll128"];
 
 /// The kernel files, one per collective.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -119,6 +121,7 @@ impl CollectiveFile {
         match self {
             CollectiveFile::AllReduce => &[
                 "allreduce_allpair_packet",
+                "allreduce_allpair_ll128",
                 "allreduce_packet",
                 "allreduce_rsag_zero_copy",
                 "allreduce_rsag",

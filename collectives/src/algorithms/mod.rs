@@ -11,6 +11,7 @@
 pub mod allgather_fullmesh;
 pub mod allgather_fullmesh2;
 pub mod allgather_packet;
+pub mod allreduce_allpair_ll128;
 pub mod allreduce_allpair_packet;
 pub mod allreduce_copy_engine;
 pub mod allreduce_fullmesh;
@@ -44,6 +45,9 @@ pub fn build(
     Ok(match kind {
         NativeKind::AllreduceAllpairPacket => {
             Arc::new(allreduce_allpair_packet::AllreduceAllpairPacket::new(c, r)?)
+        }
+        NativeKind::AllreduceAllpairLl128 => {
+            Arc::new(allreduce_allpair_ll128::AllreduceAllpairLl128::new(c, r)?)
         }
         NativeKind::AllreducePacket => Arc::new(allreduce_packet::AllreducePacket::new(c, r)?),
         NativeKind::AllreduceRsagZeroCopy => {

@@ -13,9 +13,9 @@ use mscclpp_kernels_cu::collectives::MAX_PACKET_BLOCKS;
 pub fn slot_bytes(kind: NativeKind, part_bytes: usize, nranks: usize) -> usize {
     match kind {
         NativeKind::AllreducePacket => geometry::packet_slot_bytes(part_bytes, nranks),
-        NativeKind::AllgatherPacket | NativeKind::ReducescatterPacket => {
-            geometry::line_slot_bytes(part_bytes, nranks)
-        }
+        NativeKind::AllreduceAllpairLl128
+        | NativeKind::AllgatherPacket
+        | NativeKind::ReducescatterPacket => geometry::line_slot_bytes(part_bytes, nranks),
         // All-pair layout: 2 parity halves x one slot per sending rank.
         _ => geometry::allpair_slot_bytes(part_bytes, nranks),
     }
@@ -43,7 +43,7 @@ pub fn footprint(
             let total = input_bytes.div_ceil(line_payload.max(1));
             (total.div_ceil(n) * geometry::LL128_LINE_BYTES, 2)
         }
-        NativeKind::AllgatherPacket => (lines(input_bytes), 1),
+        NativeKind::AllreduceAllpairLl128 | NativeKind::AllgatherPacket => (lines(input_bytes), 1),
         NativeKind::ReducescatterPacket => (lines(input_bytes / n), 1),
         _ => (
             input_bytes.div_ceil(geometry::PACKET_PAYLOAD) * geometry::PACKET_BYTES,
@@ -124,8 +124,9 @@ mod tests {
     use mscclpp_core::gpu::GpuVendor;
     use mscclpp_kernels_cu::collectives::MAX_RANKS;
 
-    const PACKET_KINDS: [NativeKind; 4] = [
+    const PACKET_KINDS: [NativeKind; 5] = [
         NativeKind::AllreduceAllpairPacket,
+        NativeKind::AllreduceAllpairLl128,
         NativeKind::AllreducePacket,
         NativeKind::AllgatherPacket,
         NativeKind::ReducescatterPacket,

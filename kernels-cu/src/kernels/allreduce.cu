@@ -4,6 +4,7 @@
 //
 // Entry points:
 //   allreduce_allpair_packet   small messages: everyone sends everything to everyone as LL16 packets
+//   allreduce_allpair_ll128    the same through LL128 lines (CUDA only), for mid-sized messages
 //   allreduce_packet           two-phase (reduce-scatter + all-gather) through LL128 lines
 //   allreduce_rsag_zero_copy   large messages on registered buffers: read peers' inputs over NVLink,
 //                              write each reduced chunk into every rank's output
@@ -92,6 +93,83 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
   }
   finish_call(state, calls);
 }
+
+// ------------------------------------------------------------------------------------------------
+// All-pair all-reduce through LL128 lines: allreduce_allpair_packet's schedule with 1.07x its
+// bytes on the wire instead of 2x, which wins once the message's bytes, not the latency, set the
+// time (default_allreduce_allpair_ll128, selected from 32 KiB at 4 ranks).
+//   local_scratch  this rank's part of the LL128 scratch: 2 halves (call-count parity) x nranks
+//                  slots of slot_bytes (whole lines); rank s writes its input, line by line, into
+//                  slot s of the current half of each peer.
+// Lines go 4 to a warp (LineLanes); the reading loop is warp-uniform because a read votes. Parity
+// double buffering is safe for the reason given at allreduce_allpair_packet. The same lanes handle
+// line j in both loops, so in-place is safe. CUDA only (CUDA_ONLY_ENTRY_POINTS): not run on an AMD
+// GPU yet, where an LL128 line carries 64 bytes.
+// ------------------------------------------------------------------------------------------------
+#if !defined(MSCCLPP_HIP)
+extern "C" __global__ void __launch_bounds__(1024, 1)
+    allreduce_allpair_ll128(const PacketArgs args) {
+  wait_prior_grids();
+  u64 calls;
+  if (block_enter(args.error_word, args.state, calls)) return;
+  const u64 bytes = args.count * sizeof(CollT);
+  const u32 rank = args.rank;
+  const u32 nranks = args.nranks;
+  const u32 npeers = nranks - 1;
+  const u64 slot_bytes = args.slot_bytes;
+  const u64 flag = call_flag(calls);
+  const u64 half = (calls & 1) * args.half_bytes;
+  const u64 nlines = LL128::lines(bytes);
+  const u8* in = static_cast<const u8*>(args.input);
+  u8* out = static_cast<u8*>(args.output);
+  const bool in_aligned = reinterpret_cast<u64>(in) % 8 == 0;
+  const bool out_aligned = reinterpret_cast<u64>(out) % 8 == 0;
+  const LineLanes me;
+  const u32 t = me.t;
+  const bool has_second = LL128::has_second(t);
+  for (u64 base = me.first; base < nlines; base += me.stride) {
+    const u64 j = base + me.sub;
+    if (j >= nlines) continue;
+    const u64 a = LL128::load_word(in, bytes, in_aligned, j, t, 0);
+    const u64 b = has_second ? LL128::load_word(in, bytes, in_aligned, j, t, 1) : flag;
+    for (u32 i = 0; i < npeers; ++i) {
+      u8* dst = static_cast<u8*>(args.peer_scratch.p[peer_rank(i, rank)]) + half + rank * slot_bytes +
+                j * LL128::kLineBytes;
+      LL128::store(dst, t, a, b);
+    }
+  }
+  const u8* scratch = static_cast<const u8*>(args.local_scratch) + half;
+  bool ok = true;
+  for (u64 base = me.first; ok && base < nlines; base += me.stride) {
+    const u64 j = base + me.sub;
+    const bool active = j < nlines;
+    // Peers in rank order (own input at its place) so every rank computes bit-identical results.
+    VecAccumulator<CollT, CollAcc, kCollOp, u64> acc0, acc1;
+    for (u32 s = 0; s < nranks && ok; ++s) {
+      u64 a = 0, b = 0;
+      if (s == rank) {
+        if (active) {
+          a = LL128::load_word(in, bytes, in_aligned, j, t, 0);
+          b = has_second ? LL128::load_word(in, bytes, in_aligned, j, t, 1) : 0;
+        }
+      } else {
+        ok = LL128::read(scratch + s * slot_bytes + j * LL128::kLineBytes, t, active, flag, a, b, args.max_spin,
+                         args.error_word);
+      }
+      if (s == 0) {
+        acc0.init(a);
+        acc1.init(b);
+      } else {
+        acc0.add(a);
+        acc1.add(b);
+      }
+    }
+    // A timeout is recorded in the error word; later lines would time out too.
+    if (ok && active) LL128::unpack(out, bytes, out_aligned, j, t, acc0.finish(nranks), acc1.finish(nranks));
+  }
+  finish_call(args.state, calls);
+}
+#endif
 
 // ------------------------------------------------------------------------------------------------
 // Two-phase packet all-reduce through LL128 lines (packet.cuh): 120 payload bytes per 128-byte line,
