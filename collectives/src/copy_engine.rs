@@ -4,8 +4,14 @@
 //! Why: on NVLink the copy engines write a peer at about 396 GB/s one way (391 GB/s each way when
 //! both directions run at once), where SM loads from a peer top out near 342 GB/s in the zero-copy
 //! kernel. Reductions stay on the SMs, overlapped with the copies, and only touch local memory.
-//! Each copy costs the copy engines about 2 µs beyond its bytes, so pieces must be large: where
-//! the peers' pieces land decides how large they can be ([`Staging`]).
+//! Each copy costs several microseconds beyond its bytes, so pieces must be large: where the
+//! peers' pieces land decides how large they can be ([`Staging`]). Timed with CUDA events between
+//! the copies of one eager call (2026-11-27, bf16, 64 MiB, output staging): on 4 x H100 each 8 MiB
+//! copy took 27-32 µs (about 290 GB/s, ~7 µs more than 8 MiB at 391 GB/s) even back to back on
+//! the copy stream, and on 2 x H200 a 16 MiB copy 49 µs (~6 µs more); the rest of the call's
+//! ~120 µs beyond its bytes at 4 ranks is the first barrier (~12 µs), the hand-off to the
+//! all-gather after the last piece's barrier (~25 µs) and the join with the end barrier (~30 µs,
+//! eager).
 //!
 //! Every rank owns the share `[rank * per, (rank + 1) * per)` of the message (clamped to it), cut
 //! into pieces. One call, on the caller's stream S and this algorithm's copy stream C, every
@@ -101,15 +107,16 @@ impl Staging {
 }
 
 /// Pieces a share is cut into when staged in the output. Two suffice: the reduction of a piece
-/// reads local memory about ten times faster than the copy engines move the next one, so it
-/// hides behind it, and fewer pieces mean fewer copy starts and barriers. 4 x H200, bf16, graph
+/// (~34 µs for 8 MiB at 4 ranks, beside the copies) hides behind the next piece's copies (~87 µs),
+/// and fewer pieces mean fewer copies and barriers. 4 x H200, bf16, graph
 /// mode, 2026-11-27 (µs, 1, 2 and 4 pieces): 64 MiB 349 / 377 / 424, 256 MiB 1186 / 1157 / 1201,
 /// 512 MiB 2293 / 2182 / 2258 (one piece leaves the last reduction exposed, four add copies and
 /// barriers); on 2 x H200 one and two pieces timed the same from 32 MiB to 1 GiB.
 pub const OUTPUT_PIECES: usize = 2;
 
-/// Largest piece from one peer in the scratch ring. Each copy costs the copy engines about 2 µs
-/// beyond its bytes on 2xH200 (1 GiB all-reduce: 2912 µs with 16 MiB pieces, 2879 µs with 32 MiB).
+/// Largest piece from one peer in the scratch ring. Halving the pieces cost about 2 µs a copy on
+/// 2xH200 (1 GiB all-reduce: 2912 µs with 16 MiB pieces, 2879 µs with 32 MiB), less than a copy's
+/// whole cost beyond its bytes (module docs): in the ring the copies partly overlap its waits.
 const MAX_PIECE_BYTES: usize = 32 << 20;
 
 /// Pieces a share is cut into at least in the scratch ring (while they stay above
