@@ -143,29 +143,12 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
   for (u64 base = me.first; ok && base < nlines; base += me.stride) {
     const u64 j = base + me.sub;
     const bool active = j < nlines;
-    // Peers in rank order (own input at its place) so every rank computes bit-identical results.
-    VecAccumulator<CollT, CollAcc, kCollOp, u64> acc0, acc1;
-    for (u32 s = 0; s < nranks && ok; ++s) {
-      u64 a = 0, b = 0;
-      if (s == rank) {
-        if (active) {
-          a = LL128::load_word(in, bytes, in_aligned, j, t, 0);
-          b = has_second ? LL128::load_word(in, bytes, in_aligned, j, t, 1) : 0;
-        }
-      } else {
-        ok = LL128::read(scratch + s * slot_bytes + j * LL128::kLineBytes, t, active, flag, a, b, args.max_spin,
-                         args.error_word);
-      }
-      if (s == 0) {
-        acc0.init(a);
-        acc1.init(b);
-      } else {
-        acc0.add(a);
-        acc1.add(b);
-      }
-    }
+    u64 r0, r1;
+    ok = reduce_line<CollT, CollAcc, kCollOp>(in, bytes, in_aligned, j, t, active, scratch, slot_bytes,
+                                              j * LL128::kLineBytes, rank, nranks, flag, args.max_spin,
+                                              args.error_word, r0, r1);
     // A timeout is recorded in the error word; later lines would time out too.
-    if (ok && active) LL128::unpack(out, bytes, out_aligned, j, t, acc0.finish(nranks), acc1.finish(nranks));
+    if (ok && active) LL128::unpack(out, bytes, out_aligned, j, t, r0, r1);
   }
   finish_call(args.state, calls);
 }
@@ -234,28 +217,10 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
     const u64 j = base + me.sub;
     const bool active = j < my_end;
     const u64 at = (j - my_begin) * LL128::kLineBytes;
-    VecAccumulator<CollT, CollAcc, kCollOp, u64> acc0, acc1;
-    for (u32 s = 0; s < nranks && ok; ++s) {
-      u64 a = 0, b = 0;
-      if (s == rank) {
-        if (active) {
-          a = LL128::load_word(in, bytes, in_aligned, j, t, 0);
-          b = has_second ? LL128::load_word(in, bytes, in_aligned, j, t, 1) : 0;
-        }
-      } else {
-        ok = LL128::read(scratch + s * slot_bytes + at, t, active, flag, a, b, max_spin, error_word);
-      }
-      if (s == 0) {
-        acc0.init(a);
-        acc1.init(b);
-      } else {
-        acc0.add(a);
-        acc1.add(b);
-      }
-    }
+    u64 r0, r1;
+    ok = reduce_line<CollT, CollAcc, kCollOp>(in, bytes, in_aligned, j, t, active, scratch, slot_bytes, at, rank,
+                                              nranks, flag, max_spin, error_word, r0, r1);
     if (!ok || !active) continue;
-    const u64 r0 = acc0.finish(nranks);
-    const u64 r1 = acc1.finish(nranks);
     for (u32 i = 0; i < npeers; ++i) {
       u8* dst = static_cast<u8*>(peer_scratch.p[peer_rank(i, rank)]) + half + region + rank * slot_bytes + at;
       LL128::store(dst, t, r0, has_second ? r1 : flag);

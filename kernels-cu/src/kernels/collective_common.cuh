@@ -228,6 +228,40 @@ MSCCLPP_DEVICE_INLINE void block_range(u64 n, u64 align, u64& begin, u64& end) {
   end = min(begin + per * align, n);
 }
 
+// One LL128 line of a packet reduction, for lane t of its 8 lanes: line j of this rank's own data
+// (`own`, `bytes` long) reduced with every peer's line in `scratch` (peer s's at
+// s * slot_bytes + at), in rank order so every rank computes bit-identical results. Every lane of
+// the warp must call it together (the reads vote); inactive lanes read nothing. Returns false
+// after a timed-out read (recorded in the error word); {r0, r1} is lane t's part of the result.
+template <typename T, typename AccT, int Op>
+MSCCLPP_DEVICE_INLINE bool reduce_line(const u8* own, u64 bytes, bool own_aligned, u64 j, u32 t, bool active,
+                                       const u8* scratch, u64 slot_bytes, u64 at, u32 rank, u32 nranks, u64 flag,
+                                       u64 max_spin, u32* error_word, u64& r0, u64& r1) {
+  VecAccumulator<T, AccT, Op, u64> acc0, acc1;
+  bool ok = true;
+  for (u32 s = 0; s < nranks && ok; ++s) {
+    u64 a = 0, b = 0;
+    if (s == rank) {
+      if (active) {
+        a = LL128::load_word(own, bytes, own_aligned, j, t, 0);
+        b = LL128::has_second(t) ? LL128::load_word(own, bytes, own_aligned, j, t, 1) : 0;
+      }
+    } else {
+      ok = LL128::read(scratch + s * slot_bytes + at, t, active, flag, a, b, max_spin, error_word);
+    }
+    if (s == 0) {
+      acc0.init(a);
+      acc1.init(b);
+    } else {
+      acc0.add(a);
+      acc1.add(b);
+    }
+  }
+  r0 = acc0.finish(nranks);
+  r1 = acc1.finish(nranks);
+  return ok;
+}
+
 // Cooperative reduction of `n` elements by `stride` threads (this one is number `tid`): for each
 // element e,
 //   dsts.p[d][dst_off + e] = reduce over k in [0, nsrc) of srcs.p[k][src_off + e]   for d < ndst.

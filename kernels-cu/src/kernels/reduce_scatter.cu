@@ -63,7 +63,6 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
   const u32 npeers = nranks - 1;
   const LineLanes me;
   const u32 t = me.t;
-  const bool has_second = LL128::has_second(t);
 
   // Send: one flat loop over (peer index, line) so all warps stay busy whatever the sizes.
   for (u64 x = me.first + me.sub; x < npeers * nlines; x += me.stride) {
@@ -82,27 +81,11 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
   for (u64 base = me.first; ok && base < nlines; base += me.stride) {
     const u64 j = base + me.sub;
     const bool active = j < nlines;
-    VecAccumulator<CollT, CollAcc, kCollOp, u64> acc0, acc1;
-    for (u32 s = 0; s < nranks && ok; ++s) {
-      u64 a = 0, b = 0;
-      if (s == rank) {
-        if (active) {
-          a = LL128::load_word(mine, bytes, mine_aligned, j, t, 0);
-          b = has_second ? LL128::load_word(mine, bytes, mine_aligned, j, t, 1) : 0;
-        }
-      } else {
-        ok = LL128::read(scratch + s * slot_bytes + j * LL128::kLineBytes, t, active, flag, a, b, max_spin,
-                         error_word);
-      }
-      if (s == 0) {
-        acc0.init(a);
-        acc1.init(b);
-      } else {
-        acc0.add(a);
-        acc1.add(b);
-      }
-    }
-    if (ok && active) LL128::unpack(out, bytes, out_aligned, j, t, acc0.finish(nranks), acc1.finish(nranks));
+    u64 r0, r1;
+    ok = reduce_line<CollT, CollAcc, kCollOp>(mine, bytes, mine_aligned, j, t, active, scratch, slot_bytes,
+                                              j * LL128::kLineBytes, rank, nranks, flag, max_spin, error_word, r0,
+                                              r1);
+    if (ok && active) LL128::unpack(out, bytes, out_aligned, j, t, r0, r1);
   }
   finish_call(state, calls);
 }
