@@ -2,7 +2,7 @@
 //! every peer as LL128 lines and reduces what it receives (kernel `allreduce_allpair_ll128`, CUDA
 //! only). The all-pair schedule of `default_allreduce_allpair_packet` with 1.07x the message's
 //! bytes on the wire instead of 2x: slower where latency sets the time (its reads vote across a
-//! warp), faster once the bytes do (the selector's `allpair_ll128_band`).
+//! warp), faster once the bytes do (`algorithm_collection::allpair_ll128_from`).
 
 use super::{native_algorithm, packet};
 use crate::native::NativeKind;

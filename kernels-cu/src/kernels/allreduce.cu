@@ -97,7 +97,8 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 // ------------------------------------------------------------------------------------------------
 // All-pair all-reduce through LL128 lines: allreduce_allpair_packet's schedule with 1.07x its
 // bytes on the wire instead of 2x, which wins once the message's bytes, not the latency, set the
-// time (default_allreduce_allpair_ll128, selected from 32 KiB at 4 ranks).
+// time (default_allreduce_allpair_ll128: the selector takes it above 32 KiB at 3-4 ranks and above
+// 128 KiB at 2, see allpair_ll128_from).
 //   local_scratch  this rank's part of the LL128 scratch: 2 halves (call-count parity) x nranks
 //                  slots of slot_bytes (whole lines); rank s writes its input, line by line, into
 //                  slot s of the current half of each peer.
