@@ -62,7 +62,8 @@ step() {
 save_kernel_cache() {
   local list keep
   list=$(mktemp)
-  (cd "$MSCCLPP_CACHE_DIR" && ls -t) >"$list"
+  # Entries only: the `.lock` files beside them (one compile per machine) carry nothing.
+  (cd "$MSCCLPP_CACHE_DIR" && ls -t | grep '\.kbin$') >"$list"
   keep=$(wc -l <"$list")
   while :; do
     head -n "$keep" "$list" | tar czf "$steps_out/kcache.tgz" -C "$MSCCLPP_CACHE_DIR" -T -

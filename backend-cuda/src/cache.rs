@@ -13,14 +13,23 @@
 //! ```
 //! An entry whose magic, key, lengths or checksum do not match is never trusted: it is logged,
 //! recompiled and replaced. Writes go to a unique temp file in the same folder and are renamed into
-//! place, so ranks compiling the same kernel at once each publish a complete file and readers never
-//! see a partial one.
+//! place, so readers never see a partial file.
+//!
+//! # One compile per machine
+//! Ranks that start together (torchrun puts eight on a host) ask for the same kernels at once. A
+//! process about to compile an entry first takes an exclusive `flock` on `<entry>.lock` and looks
+//! for the entry again once it holds it: the others wait for the first compile and load its entry,
+//! instead of each spending the same CPU (a cold start of eight ranks compiled every unit eight
+//! times over). The kernel drops the lock of a process that dies; a lock that cannot be taken (a
+//! read-only folder, a file system without `flock`) or is held past [`COMPILE_WAIT`] (a stopped
+//! process) is passed by: the caller compiles itself, as without the lock.
 
 use crate::nvrtc::{CompileRequest, CompiledKernel, Nvrtc};
 use mscclpp_core::error::IoContext;
 use mscclpp_core::{Error, Result};
 use sha2::{Digest, Sha256};
 use std::io::Write;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -30,6 +39,9 @@ const MAGIC: &[u8; 8] = b"MSCLKRN1";
 const HEADER_LEN: usize = 8 + 32 + 8 + 8 + 32;
 /// Bumped when anything about how we compile changes in a way the key does not capture.
 const KEY_FORMAT: &str = "mscclpp-rs kernel cache v1";
+/// Longest wait for another process's compile of the same entry: the slowest unit (the plan
+/// interpreter) takes about a minute on a loaded host.
+const COMPILE_WAIT: Duration = Duration::from_secs(120);
 
 /// How a [`KernelCache::get_or_compile`] call got its image.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -148,46 +160,37 @@ impl KernelCache {
     }
 
     /// Returns the compiled image of `req`, from disk when a valid entry exists, else by compiling
-    /// and storing it. A failure to store is logged, not returned: the image is still good.
+    /// and storing it (after any other process compiling it: module docs). A failure to store is
+    /// logged, not returned: the image is still good.
     pub fn get_or_compile(&self, req: &CompileRequest) -> Result<CachedKernel> {
         let start = Instant::now();
         let key = self.key(req);
         let key_hex = hex::encode(key);
         let path = self.path_for(req, &key_hex);
-
-        let mut outcome = CacheOutcome::Compiled;
-        match std::fs::read(&path) {
-            Ok(bytes) => match decode_entry(&bytes, &key) {
-                Ok(kernel) => {
-                    let elapsed = start.elapsed();
-                    self.record(|s| {
-                        s.hits += 1;
-                        s.load_time += elapsed;
-                    });
-                    tracing::debug!("kernel {} loaded from cache in {elapsed:?}", req.name);
-                    return Ok(CachedKernel {
-                        kernel,
-                        outcome: CacheOutcome::Hit,
-                        elapsed,
-                        key: key_hex,
-                    });
-                }
-                Err(why) => {
-                    tracing::warn!(
-                        "kernel cache entry {} is unusable ({why}); recompiling {}",
-                        path.display(),
-                        req.name
-                    );
-                    outcome = CacheOutcome::Rebuilt;
-                }
-            },
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => {
-                tracing::warn!(
-                    "cannot read kernel cache entry {}: {e}; recompiling",
-                    path.display()
-                );
-                outcome = CacheOutcome::Rebuilt;
+        let hit = |kernel: CompiledKernel| {
+            let elapsed = start.elapsed();
+            self.record(|s| {
+                s.hits += 1;
+                s.load_time += elapsed;
+            });
+            tracing::debug!("kernel {} loaded from cache in {elapsed:?}", req.name);
+            CachedKernel {
+                kernel,
+                outcome: CacheOutcome::Hit,
+                elapsed,
+                key: key_hex.clone(),
+            }
+        };
+        let mut outcome = match load_entry(&path, &key, req.name) {
+            Ok(kernel) => return Ok(hit(kernel)),
+            Err(outcome) => outcome,
+        };
+        // Held until the entry is stored (the end of this call).
+        let lock = CompileLock::acquire(&path, COMPILE_WAIT);
+        if lock.is_some() {
+            match load_entry(&path, &key, req.name) {
+                Ok(kernel) => return Ok(hit(kernel)),
+                Err(again) => outcome = again,
             }
         }
 
@@ -220,6 +223,81 @@ impl KernelCache {
         match self.stats.lock() {
             Ok(mut s) => f(&mut s),
             Err(poisoned) => f(&mut poisoned.into_inner()),
+        }
+    }
+}
+
+/// The valid entry at `path`, or what compiling it will be: `Compiled` where there is none,
+/// `Rebuilt` where it is unreadable or corrupt (logged).
+fn load_entry(
+    path: &Path,
+    key: &[u8; 32],
+    name: &str,
+) -> std::result::Result<CompiledKernel, CacheOutcome> {
+    match std::fs::read(path) {
+        Ok(bytes) => decode_entry(&bytes, key).map_err(|why| {
+            tracing::warn!(
+                "kernel cache entry {} is unusable ({why}); recompiling {name}",
+                path.display()
+            );
+            CacheOutcome::Rebuilt
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(CacheOutcome::Compiled),
+        Err(e) => {
+            tracing::warn!(
+                "cannot read kernel cache entry {}: {e}; recompiling",
+                path.display()
+            );
+            Err(CacheOutcome::Rebuilt)
+        }
+    }
+}
+
+/// An exclusive `flock` on `<entry>.lock`, held while this process compiles the entry (module
+/// docs); released when dropped, or by the kernel when the process dies.
+struct CompileLock {
+    _file: std::fs::File,
+}
+
+impl CompileLock {
+    /// Waits up to `wait` for the lock of `entry`; `None` (logged) where the lock file cannot be
+    /// made or locked, or another process holds it longer.
+    fn acquire(entry: &Path, wait: Duration) -> Option<CompileLock> {
+        let path = entry.with_extension("lock");
+        let file = match std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+        {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::debug!("kernel cache: no lock {} ({e}); compiling", path.display());
+                return None;
+            }
+        };
+        let deadline = Instant::now() + wait;
+        loop {
+            // SAFETY: `file` owns the descriptor for the whole call.
+            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+                return Some(CompileLock { _file: file });
+            }
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::WouldBlock {
+                tracing::debug!(
+                    "kernel cache: cannot lock {} ({e}); compiling",
+                    path.display()
+                );
+                return None;
+            }
+            if Instant::now() >= deadline {
+                tracing::warn!(
+                    "kernel cache: {} still locked by another process after {wait:?}; compiling here too",
+                    path.display()
+                );
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
 }
@@ -346,6 +424,30 @@ mod tests {
         damage(&mut enc);
         let err = decode_entry(&enc, &key).unwrap_err();
         assert!(err.contains(why), "{err}");
+    }
+
+    #[test]
+    fn a_compile_lock_waits_for_its_holder_and_gives_up_at_the_deadline() {
+        let dir = std::env::temp_dir().join(format!("mscclpp-cache-lock-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let entry = dir.join("k-sm_90-00.kbin");
+        let held = CompileLock::acquire(&entry, Duration::ZERO).expect("a free lock");
+        // Another open file description conflicts, as another process would.
+        let t = Instant::now();
+        assert!(CompileLock::acquire(&entry, Duration::from_millis(50)).is_none());
+        assert!(t.elapsed() >= Duration::from_millis(50));
+        let waiter = std::thread::spawn(move || {
+            let t = Instant::now();
+            let got = CompileLock::acquire(&entry, Duration::from_secs(10));
+            (got.is_some(), t.elapsed())
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        drop(held);
+        let (got, waited) = waiter.join().unwrap();
+        assert!(got, "the lock was not passed on");
+        assert!(waited >= Duration::from_millis(150), "{waited:?}");
+        assert!(waited < Duration::from_secs(5), "{waited:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
