@@ -36,7 +36,8 @@
 //! Without the toolchain the tests print why they skip, unless `MSCCLPP_REQUIRE_HIP=1` (CI, set
 //! by scripts/hip-env.sh), which turns absence into a failure. Compiled units are remembered in
 //! `MSCCLPP_HIP_GATE_CACHE` (a directory; unset: no cache) by a hash of source, headers, entry
-//! points and compiler, so an unchanged unit is not compiled twice.
+//! points, compiler and whether only the front end ran, so an unchanged unit is not compiled
+//! twice.
 
 use mscclpp_collectives::port_allreduce;
 use mscclpp_core::{DataType, ReduceOp};
@@ -259,6 +260,8 @@ impl Cache {
             h.update(e.as_bytes());
             h.update([0]);
         }
+        // A front-end pass proves less than a build: never taken for one.
+        h.update([u8::from(unit.front_end_only)]);
         hex::encode(h.finalize())
     }
     fn hit(&self, key: &str) -> bool {
