@@ -196,6 +196,8 @@ fn corrupt_cache_entry_is_rebuilt(#[case] damage: fn(&mut Vec<u8>)) {
     assert_eq!(cache.stats().rebuilt, 1);
 }
 
+/// Three threads (each its own open file description of the lock, as separate processes would have)
+/// ask for one kernel at once: one compiles, the others wait for its entry and load it.
 #[test]
 fn concurrent_compiles_publish_one_valid_entry() {
     let Some(nvrtc) = nvrtc_or_skip("concurrent_compiles_publish_one_valid_entry") else {
@@ -216,6 +218,17 @@ fn concurrent_compiles_publish_one_valid_entry() {
         cache.get_or_compile(&req).expect("hit").outcome,
         CacheOutcome::Hit
     );
-    let files: Vec<_> = std::fs::read_dir(&dir.0).expect("ls").collect();
-    assert_eq!(files.len(), 1, "temp files left behind: {files:?}");
+    let stats = cache.stats();
+    assert_eq!((stats.compiles, stats.hits), (1, 3), "{stats:?}");
+    // The entry and its lock file, no temp files.
+    let mut files: Vec<String> = std::fs::read_dir(&dir.0)
+        .expect("ls")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    assert_eq!(files.len(), 2, "{files:?}");
+    assert!(
+        files[0].ends_with(".kbin") && files[1].ends_with(".lock"),
+        "{files:?}"
+    );
 }

@@ -62,9 +62,10 @@ fn every_collective_variant_passes_the_front_end() {
 }
 
 /// One variant of each (file, type, accumulator) compiled to a sm_90 CUBIN, as the runtime builds
-/// it (the byte-oriented units with the layout asserts), with every entry point in it: optimisation and ptxas see every type pair, and every op
-/// across the pairs ([`optimised_op`]). Optimising every op of every pair took 11 minutes of CI's
-/// two cores; the ops differ only in the template parameter the front end checks above.
+/// it (the byte-oriented units with the layout asserts), with every entry point in it: optimisation
+/// and ptxas see every type pair, and every op across the pairs ([`optimised_op`]). Optimising
+/// every op of every pair took 11 minutes of CI's two cores; the ops differ only in the template
+/// parameter the front end checks above.
 #[test]
 fn every_collective_type_pair_compiles_for_sm_90() {
     let Some(nvrtc) = nvrtc_or_skip("every_collective_type_pair_compiles_for_sm_90") else {
