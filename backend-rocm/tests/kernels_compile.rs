@@ -491,8 +491,8 @@ impl ClangGate {
         })
     }
 
-    /// Compiles `unit` to gfx942 assembly and checks its entry points; an every-op program goes
-    /// through the front end only.
+    /// Compiles `unit` to gfx942 assembly and checks its entry points; a front-end-only unit goes
+    /// through the front end alone.
     fn compile(&self, unit: &Unit) -> Result<(), String> {
         let src = self.dir.join(format!("{}.hip", unit.name));
         let asm = self.dir.join(format!("{}.s", unit.name));
