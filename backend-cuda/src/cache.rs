@@ -450,6 +450,95 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// Set in the child process of `a_compile_lock_outlives_no_killed_or_stopped_holder`: the
+    /// entry whose lock the child takes and holds.
+    const HOLDER_ENV: &str = "MSCCLPP_TEST_COMPILE_LOCK_HOLDER";
+
+    /// The child's part (does nothing without [`HOLDER_ENV`]): takes the lock, says so, and holds
+    /// it until it is killed.
+    #[test]
+    fn compile_lock_holder() {
+        let Some(entry) = std::env::var_os(HOLDER_ENV) else {
+            return;
+        };
+        let _held = CompileLock::acquire(Path::new(&entry), Duration::ZERO).expect("a free lock");
+        println!("lock held");
+        std::thread::sleep(Duration::from_secs(300));
+    }
+
+    /// A real process holding the lock of `entry` (this test binary again, running
+    /// `compile_lock_holder`); killed on drop.
+    struct Holder(std::process::Child);
+
+    impl Holder {
+        fn start(entry: &Path) -> Holder {
+            use std::io::BufRead;
+            let exe = std::env::current_exe().expect("the test binary");
+            let mut child = std::process::Command::new(exe)
+                .args([
+                    "cache::tests::compile_lock_holder",
+                    "--exact",
+                    "--nocapture",
+                ])
+                .env(HOLDER_ENV, entry)
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .expect("starting the holder");
+            let out = std::io::BufReader::new(child.stdout.take().expect("its stdout"));
+            let mut holder = Holder(child);
+            for line in out.lines() {
+                if line.expect("the holder's output") == "lock held" {
+                    return holder;
+                }
+            }
+            let status = holder.0.wait();
+            panic!("the holder ended without taking the lock: {status:?}");
+        }
+
+        fn signal(&self, sig: libc::c_int) {
+            // SAFETY: a signal to our own child, which has not been reaped (`Drop` reaps it).
+            assert_eq!(unsafe { libc::kill(self.0.id() as libc::pid_t, sig) }, 0);
+        }
+    }
+
+    impl Drop for Holder {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    /// What happens to a rank that compiles when another dies or stops mid-compile: a killed
+    /// holder's lock is free at once (the kernel drops it), a stopped holder's is passed by at the
+    /// deadline.
+    #[test]
+    fn a_compile_lock_outlives_no_killed_or_stopped_holder() {
+        let dir = std::env::temp_dir().join(format!("mscclpp-cache-holder-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let entry = dir.join("k-sm_90-00.kbin");
+
+        let mut holder = Holder::start(&entry);
+        assert!(CompileLock::acquire(&entry, Duration::from_millis(50)).is_none());
+        holder.0.kill().unwrap();
+        holder.0.wait().unwrap();
+        let t = Instant::now();
+        assert!(CompileLock::acquire(&entry, Duration::from_secs(10)).is_some());
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+
+        let holder = Holder::start(&entry);
+        holder.signal(libc::SIGSTOP);
+        let t = Instant::now();
+        assert!(CompileLock::acquire(&entry, Duration::from_millis(300)).is_none());
+        assert!(
+            t.elapsed() >= Duration::from_millis(300),
+            "{:?}",
+            t.elapsed()
+        );
+        drop(holder);
+        assert!(CompileLock::acquire(&entry, Duration::from_secs(10)).is_some());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn atomic_write_replaces_and_leaves_no_temp() {
         let dir = std::env::temp_dir().join(format!("mscclpp-cache-unit-{}", std::process::id()));
