@@ -451,6 +451,18 @@ fn block_threads(plan: &Plan) -> u32 {
     plan.num_threads_per_block.clamp(32, kx::MAX_BLOCK_THREADS) / 32 * 32
 }
 
+/// Threads per block for chunks of `chunk` bytes: [`block_threads`], or the fewest whole warps
+/// that give every unit of a chunk a thread where a chunk has fewer units (no op part has more
+/// units than a chunk, and no thread beyond an op's units does any of its work). Every thread of a
+/// block walks the interpreter's bookkeeping of every op and meets the others at every op's
+/// barrier: at 1 KiB a 2-rank all-reduce plan's chunks are 64-256 bytes, 8-32 units, which one
+/// warp moves while fifteen more only added their bookkeeping to each op's time.
+fn call_threads(plan: &Plan, chunk: usize) -> u32 {
+    let units = chunk.div_ceil(unit_bytes(plan.protocol) as usize).max(1);
+    let warps = units.div_ceil(32).min(kx::MAX_BLOCK_THREADS as usize / 32) as u32;
+    block_threads(plan).min(warps * 32)
+}
+
 /// Blocks per plan threadblock for chunks of `chunk` bytes, at most `fit` (and
 /// [`MAX_REPLICAS`]): one per `threads` units of a chunk (a unit per thread and pass), or per 8 x
 /// `threads` units where the replicas meet around signals and waits (a meeting costs about as
@@ -774,7 +786,7 @@ impl Algorithm for PlanAlgorithm {
             shared_mem_bytes: self.program_bytes,
             ..LaunchConfig::linear(
                 self.threadblocks.max(1) * a.replicas,
-                block_threads(&self.plan),
+                call_threads(&self.plan, chunk),
             )
         }
         .with_programmatic(fast)
@@ -834,6 +846,28 @@ mod tests {
         assert_eq!(replicas_for(Synced, 1024, 8, 256 << 10, 16), 4);
         assert_eq!(replicas_for(Synced, 1024, 8, 64 << 20, 16), 16);
         assert_eq!(replicas_for(Never, 1024, 8, 64 << 20, 16), 1);
+    }
+
+    #[test]
+    fn small_chunks_take_the_fewest_warps_that_give_each_unit_a_thread() {
+        let mut p = plan(2, Protocol::Simple);
+        p.num_threads_per_block = 1024;
+        assert_eq!(block_threads(&p), kx::MAX_BLOCK_THREADS);
+        // 8-byte units: one warp up to 256 bytes, then a warp per 256 bytes, up to the plan's.
+        assert_eq!(call_threads(&p, 1), 32);
+        assert_eq!(call_threads(&p, 64), 32);
+        assert_eq!(call_threads(&p, 256), 32);
+        assert_eq!(call_threads(&p, 257), 64);
+        assert_eq!(call_threads(&p, 4096), kx::MAX_BLOCK_THREADS);
+        assert_eq!(call_threads(&p, 1 << 30), kx::MAX_BLOCK_THREADS);
+        p.num_threads_per_block = 96;
+        assert_eq!(call_threads(&p, 1 << 20), 96);
+        assert_eq!(call_threads(&p, 300), 64);
+        // LL8: 4-byte units.
+        let mut ll8 = plan(2, Protocol::Ll);
+        ll8.protocol = Protocol::Ll8;
+        ll8.num_threads_per_block = 1024;
+        assert_eq!(call_threads(&ll8, 256), 64);
     }
 
     #[test]

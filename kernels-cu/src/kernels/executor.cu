@@ -6,7 +6,8 @@
 // mscclpp-executor (encode.rs) from the validated JSON; the struct layouts are mirrored by
 // kernels-cu/src/executor.rs and checked by the static_asserts it generates.
 //
-// Block size: the plan's num_threads_per_block, at most kMaxBlockThreads. Every thread walks the
+// Block size: the plan's num_threads_per_block, at most kMaxBlockThreads, and no more warps than a
+// chunk has units (mscclpp_executor's call_threads: small messages). Every thread walks the
 // interpreter's bookkeeping for every op, so fewer warps cost less per op; and the launch bounds
 // (512 threads, at least one block per SM) let a thread use 128 registers, where 1024 threads had
 // 64 and spilled the loop's state to local memory on every op (with the bound of 512 alone,
