@@ -13,7 +13,7 @@ export MSCCLPP_DISABLE_IB_TESTS="${MSCCLPP_DISABLE_IB_TESTS:-1}"
 cargo test --workspace --all-targets "$@"
 # The CUDA 12 NVRTC must compile the same kernels (users run CUDA 12 and CUDA 13): every unit of
 # mscclpp-kernels-cu for sm_90 (a CUBIN where the code differs by toolkit, the front end for the
-# rest: kernels_compile.rs's OPTIMISED_EVERYWHERE), and every collective variant through the front
+# rest: kernels_compile.rs's optimised_everywhere), and every collective variant through the front
 # end, where the two toolkits' headers and C++ differ (the other architectures and the optimised
 # collective units ran with CUDA 13 above). The layout asserts need __builtin_offsetof, which NVRTC only has from
 # 13.5, so they run in the pass above.

@@ -1,7 +1,7 @@
 //! Every kernel translation unit of `mscclpp-kernels-cu`, and the device headers checked against the
 //! Rust layout of `mscclpp_core::device`, compile through NVRTC for sm_80, sm_90 and sm_100 (every
 //! unit optimised for sm_90, the architecture-dependent ones for all three; the rest through the
-//! front end there: [`OPTIMISED_EVERYWHERE`]).
+//! front end there: [`optimised_everywhere`]).
 //!
 //! A broken kernel or an ABI drift between `core/src/device.rs` and the `.cuh` headers fails here,
 //! on machines without a GPU. Without NVRTC the tests print why they skip, unless
@@ -16,7 +16,7 @@ use mscclpp_cuda::compile_test::{for_each_on_all_cores, has_symbol, SYNTAX_ONLY}
 use mscclpp_cuda::{CompileRequest, CompiledKernel, Nvrtc};
 use mscclpp_kernels_cu::{
     allreduce_entry_point, AllreduceKernel, KernelSource, HEADERS, KERNELS, PRIMITIVE_KERNELS,
-    SWITCH_CHANNEL_KERNELS,
+    SWITCH_CHANNEL_KERNELS, TARGET_DEPENDENT_KERNELS,
 };
 use rstest::rstest;
 
@@ -64,25 +64,17 @@ fn expected_allreduce_entries(dtype: DataType) -> Vec<String> {
 /// The target every unit is optimised for: the runtime's GPUs (H100, H200) with CUDA 13's NVRTC.
 const PRIMARY_ARCH: &str = "sm_90";
 
-/// The units optimised on the other targets (sm_80 and sm_100 with CUDA 13, sm_90 with CUDA 12's
-/// NVRTC in scripts/test.sh), where every other unit goes through the front end only: the code
-/// that differs between architectures and toolkits. `primitives` and `switch_channel` hold the
-/// inline PTX of the channels and of multicast; f16 and bf16 take cuda_fp16.h's and
-/// cuda_bf16.h's per-architecture intrinsics; the OCP fp8 types convert with sm_89+'s cvt
-/// instructions (software below sm_89); f32 is the plain arithmetic. The other types (f64,
+/// Whether `unit` is optimised on the other targets (sm_80 and sm_100 with CUDA 13, sm_90 with
+/// CUDA 12's NVRTC in scripts/test.sh), where every other unit goes through the front end only:
+/// the code that differs between architectures and toolkits ([`TARGET_DEPENDENT_KERNELS`]), and
+/// OCP e5m2, whose sm_89+ conversion is an instruction of its own. The other types (f64,
 /// integers, the FNUZ and b15 fp8 formats in software) only instantiate the same templates with
 /// other arithmetic, which the front end checks and the primary target optimises; the fp8
 /// all-reduce units take 11-31 s each to optimise, and optimising every unit on all four targets
 /// was about 520 s of CI's CPU.
-const OPTIMISED_EVERYWHERE: [&str; 7] = [
-    "primitives",
-    "switch_channel",
-    "simple_allreduce_f32",
-    "simple_allreduce_f16",
-    "simple_allreduce_bf16",
-    "simple_allreduce_fp8_e4m3",
-    "simple_allreduce_fp8_e5m2",
-];
+fn optimised_everywhere(unit: &str) -> bool {
+    TARGET_DEPENDENT_KERNELS.contains(&unit) || unit == "simple_allreduce_fp8_e5m2"
+}
 
 /// Entry points the unit's CUBIN must define.
 fn expected_entries(unit: &str) -> Vec<String> {
@@ -103,7 +95,7 @@ fn expected_entries(unit: &str) -> Vec<String> {
 }
 
 /// Every unit for every architecture ([`ARCHS`], or only `MSCCLPP_GATE_ARCH`): a CUBIN with its
-/// entry points on the primary target and for [`OPTIMISED_EVERYWHERE`], the front end for the
+/// entry points on the primary target and for [`optimised_everywhere`], the front end for the
 /// rest; the (architecture, unit) pairs spread over every core.
 #[test]
 fn every_kernel_unit_compiles() {
@@ -126,8 +118,7 @@ fn every_kernel_unit_compiles() {
         .collect();
     let failures = std::sync::Mutex::new(Vec::new());
     for_each_on_all_cores(&jobs, |&(arch, unit)| {
-        let optimise =
-            (primary_toolkit && arch == PRIMARY_ARCH) || OPTIMISED_EVERYWHERE.contains(&unit.name);
+        let optimise = (primary_toolkit && arch == PRIMARY_ARCH) || optimised_everywhere(unit.name);
         let result = if optimise {
             compile(&nvrtc, unit.name, unit.source, arch, &[]).map(|k| {
                 expected_entries(unit.name)

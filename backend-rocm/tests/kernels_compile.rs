@@ -12,7 +12,7 @@
 //!   5.2's device libraries have no gfx942 build).
 //!
 //! Units: every unit of `mscclpp-kernels-cu` (primitives, switch channel, simple all-reduce per
-//! type; optimised where the code differs by target, [`KERNELS_OPTIMISED_ON_BOTH`], and through
+//! type; optimised where the code differs by target, [`optimised_on_both`], and through
 //! gfx942's front end for the other types), the native collectives, the PortChannel all-reduce
 //! and the plan interpreter. Each (type, accumulator) pair of the reducing collectives and of the
 //! PortChannel all-reduce is built for one op exactly as the runtime builds it (`-O3`), rotating through the ops from pair to pair
@@ -44,7 +44,7 @@ use mscclpp_collectives::port_allreduce;
 use mscclpp_core::{DataType, ReduceOp};
 use mscclpp_kernels_cu::collectives::{self as kc, CollectiveFile, ReduceSpec};
 use mscclpp_kernels_cu::executor;
-use mscclpp_kernels_cu::{KERNELS, PRIMITIVE_KERNELS};
+use mscclpp_kernels_cu::{KERNELS, PRIMITIVE_KERNELS, TARGET_DEPENDENT_KERNELS};
 use mscclpp_rocm::{CompileRequest, Hiprtc};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
@@ -58,7 +58,7 @@ struct Unit {
     entries: Vec<String>,
     /// Only through clang's front end, for gfx942: the [`every_op_source`] programs, the plan
     /// interpreter beyond [`INTERPRETER_PAIRS`] and the simple all-reduce beyond
-    /// [`KERNELS_OPTIMISED_ON_BOTH`] and [`KERNELS_OPTIMISED_ON_GFX942`] (module docs).
+    /// [`optimised_on_both`] and [`KERNELS_OPTIMISED_ON_GFX942`] (module docs).
     front_end_only: bool,
     /// Built for gfx90a through hiprtc too ([`on_gfx90a`]).
     gfx90a: bool,
@@ -88,21 +88,16 @@ const INTERPRETER_PAIRS: [(DataType, DataType); 5] = [
     (DataType::Fp8E4M3Fnuz, DataType::Fp8E4M3Fnuz),
 ];
 
-/// The units of `mscclpp-kernels-cu` (the channel primitives, and the simple all-reduce of the GPU
-/// suite, one unit per type) optimised for both targets: the primitives' inline device code, and
-/// the types whose conversions differ from target to target (16-bit floats, and fp8 through
-/// software on both). The simple all-reduce of the other types instantiates the same templates with
-/// other arithmetic: gfx942's front end checks it ([`KERNELS_OPTIMISED_ON_GFX942`] aside), and the
-/// collectives' units optimise that arithmetic for every pair. Optimising all fourteen types on
-/// both targets took about 270 s of CI's CPU (the fp8 ones 20-30 s each).
-const KERNELS_OPTIMISED_ON_BOTH: [&str; 6] = [
-    "primitives",
-    "switch_channel",
-    "simple_allreduce_f32",
-    "simple_allreduce_f16",
-    "simple_allreduce_bf16",
-    "simple_allreduce_fp8_e4m3",
-];
+/// Whether a unit of `mscclpp-kernels-cu` (the channel primitives, and the simple all-reduce of
+/// the GPU suite, one unit per type) is optimised for gfx90a and gfx942:
+/// [`TARGET_DEPENDENT_KERNELS`] (OCP e4m3 in software on both). The simple all-reduce of the
+/// other types instantiates the same templates with other arithmetic: gfx942's front end checks
+/// it ([`KERNELS_OPTIMISED_ON_GFX942`] aside), and the collectives' units optimise that arithmetic
+/// for every pair. Optimising all fourteen types on both targets took about 270 s of CI's CPU (the
+/// fp8 ones 20-30 s each).
+fn optimised_on_both(unit: &str) -> bool {
+    TARGET_DEPENDENT_KERNELS.contains(&unit)
+}
 
 /// Optimised for gfx942 only: FNUZ fp8, which gfx942 converts with its own instructions.
 const KERNELS_OPTIMISED_ON_GFX942: [&str; 1] = ["simple_allreduce_fp8_e4m3fnuz"];
@@ -203,7 +198,7 @@ fn every_unit() -> Vec<Unit> {
             "primitives" => PRIMITIVE_KERNELS.iter().map(|s| s.to_string()).collect(),
             _ => Vec::new(),
         };
-        let gfx90a = KERNELS_OPTIMISED_ON_BOTH.contains(&k.name);
+        let gfx90a = optimised_on_both(k.name);
         units.push(Unit {
             name: k.name.to_string(),
             source: k.source.to_string(),

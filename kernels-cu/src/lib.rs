@@ -93,6 +93,21 @@ pub const KERNELS: &[KernelSource] = &[
     allreduce_unit!("fp8_e4m3b15"),
 ];
 
+/// The units of [`KERNELS`] whose code differs from GPU target to GPU target on every vendor: the
+/// channel primitives' and multicast's inline device code, 16-bit float arithmetic (the vendors'
+/// per-architecture intrinsics), and fp8 (OCP e4m3: hardware conversions on sm_89+, software
+/// elsewhere). The compile gates optimise these for every target they check and put the other
+/// per-type units (the same templates with other arithmetic) through the front end where the
+/// target is not their primary one.
+pub const TARGET_DEPENDENT_KERNELS: [&str; 6] = [
+    "primitives",
+    "switch_channel",
+    "simple_allreduce_f32",
+    "simple_allreduce_f16",
+    "simple_allreduce_bf16",
+    "simple_allreduce_fp8_e4m3",
+];
+
 /// Kernel entry points of the `primitives` unit.
 pub const PRIMITIVE_KERNELS: &[&str] = &[
     "memory_channel_ping_pong",
