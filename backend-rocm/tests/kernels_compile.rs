@@ -21,9 +21,10 @@
 //! program ([`every_op_source`]) through clang's front end for gfx942 (`-fsyntax-only`: every
 //! template instantiated and type-checked; the ops differ only in a template parameter, and the
 //! targets' own code, such as gfx942's fp8 conversions, is op-independent and optimised in the
-//! pair's runtime unit). The plan interpreter is optimised for a spread of pairs
-//! ([`INTERPRETER_PAIRS`]), one op each, rotating, and goes through gfx942's front end for the
-//! others. Optimising every op was too slow for CI: optimising every op's software
+//! pair's runtime unit). Plan programs compiled into the interpreter's unit (the executor's
+//! specialised units) come from the builder's plans ([`specialised_plan_units`]). The plan
+//! interpreter is optimised for a spread of pairs ([`INTERPRETER_PAIRS`]), one op each, rotating,
+//! and goes through gfx942's front end for the others. Optimising every op was too slow for CI: optimising every op's software
 //! fp8 code took 66 to 129 s per fp8 pair of the all-reduce file alone on gfx90a (two busy shared
 //! cores), the 5 x 96 optimised units about 640 s of CPU on gfx942, and the every-op programs at
 //! `-O0` (instruction selection for every op, on both targets until 2026-11-28) 3-9 s each where
@@ -253,7 +254,60 @@ fn every_unit() -> Vec<Unit> {
             gfx90a: optimised,
         });
     }
+    units.extend(specialised_plan_units());
     units
+}
+
+/// Plan programs compiled into the interpreter's unit (`specialised_unit_source`, what the
+/// executor runs for programs of few data ops), from the builder's 2-rank plans: a pipeline over
+/// memory channels optimised for gfx942, LL packets optimised for both targets, and port
+/// channels (Simple and LL) through gfx942's front end.
+fn specialised_plan_units() -> Vec<Unit> {
+    use mscclpp_executor::{builder, encode::encode, Plan, PlanReduceOp, Protocol};
+    let plans = [
+        (
+            builder::pipelined_allreduce(2, PlanReduceOp::Sum, 4096),
+            false,
+            false,
+        ),
+        (
+            builder::allreduce(2, Protocol::Ll, PlanReduceOp::Sum),
+            false,
+            true,
+        ),
+        (
+            builder::port_allreduce(2, Protocol::Simple, PlanReduceOp::Sum),
+            true,
+            false,
+        ),
+        (
+            builder::port_allreduce(2, Protocol::Ll, PlanReduceOp::Sum),
+            true,
+            false,
+        ),
+    ];
+    plans
+        .into_iter()
+        .map(|(json, front_end_only, gfx90a)| {
+            let plan = Plan::from_json(json.to_string().as_bytes()).expect("a builder plan");
+            let enc = encode(&plan, 0, false).expect("encodes");
+            let (name, source) = executor::specialised_unit_source(
+                DataType::Bf16,
+                mscclpp_core::AccumType::Auto,
+                ReduceOp::Sum,
+                enc.features(),
+                &enc.static_program(),
+            )
+            .expect("a specialised unit");
+            Unit {
+                name,
+                source,
+                entries: vec![executor::ENTRY.to_string()],
+                front_end_only,
+                gfx90a,
+            }
+        })
+        .collect()
 }
 
 /// The on-disk cache of units already compiled by an identical compiler.

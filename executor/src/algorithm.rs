@@ -12,7 +12,10 @@
 //! its buffer table passed by value: no host sync, no per-call upload, legal under graph capture.
 //! The launch may overlap the stream's previous kernel (programmatic launch, as the natives'), and
 //! each plan threadblock runs as one or more blocks, more for larger chunks where the plan allows
-//! it ([`replicas_for`], executor.cu's "Replicas").
+//! it ([`replicas_for`], executor.cu's "Replicas"). A rank's program of at most
+//! `MAX_SPECIALISED_DATA_OPS` data ops is compiled into its unit instead of interpreted
+//! (executor.cu's "Specialised units"), with no more warps than a chunk has units
+//! (`call_threads`).
 //!
 //! Plans with port channels are staged: the host proxy copies between memories registered before
 //! it starts, while callers pass new buffers on every call. Each rank gets one block (scratch,
@@ -37,7 +40,7 @@ use mscclpp_core::port_channel::{shared_queue_hazard, PortChannelConfig, PortCha
 use mscclpp_core::transport::MemoryRegion;
 use mscclpp_core::{DataType, Error, ReduceOp, Result};
 use mscclpp_kernels_cu::executor::{
-    self as kx, PlanArgs, PlanFeatures, PlanRef, FIRST_REMOTE_SLOT,
+    self as kx, OpKind, PlanArgs, PlanFeatures, PlanRef, FIRST_REMOTE_SLOT,
 };
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -127,6 +130,9 @@ pub struct PlanAlgorithm {
     /// Dynamic shared memory of a block: the largest threadblock program, which every block
     /// copies there first (`encode` refuses programs that do not fit).
     program_bytes: u32,
+    /// This rank's program where its unit has it compiled in ([`specialises`]), read by no
+    /// interpreter then.
+    specialised: Option<EncodedPlan>,
     /// Most threadblocks this rank's grid may have: the interpreter's threadblocks wait for each
     /// other and for the peers', so all must be resident at once ([`Residency`]).
     max_threadblocks: u32,
@@ -224,6 +230,7 @@ impl PlanAlgorithm {
             replication: encoded.replication(),
             features: encoded.features(),
             program_bytes: encoded.largest_program_bytes() as u32,
+            specialised: specialises(&encoded).then(|| encoded.clone()),
             max_threadblocks,
             collective,
             reduce_op: core_op(reduce_op),
@@ -425,9 +432,22 @@ impl PlanAlgorithm {
         })
     }
 
+    /// The unit for the call's types: this rank's program compiled in, or the interpreter.
+    fn unit_source(&self, args: &ExecuteArgs) -> Result<(String, String)> {
+        match &self.specialised {
+            Some(enc) => kx::specialised_unit_source(
+                args.dtype,
+                args.accum,
+                self.reduce_op,
+                self.features,
+                &enc.static_program(),
+            ),
+            None => kx::unit_source(args.dtype, args.accum, self.reduce_op, self.features),
+        }
+    }
+
     fn function(&self, args: &ExecuteArgs) -> Result<Function> {
-        let (name, source) =
-            kx::unit_source(args.dtype, args.accum, self.reduce_op, self.features)?;
+        let (name, source) = self.unit_source(args)?;
         let acc = mscclpp_kernels_cu::collectives::resolve_accumulator(args.dtype, args.accum)?;
         let key = (args.dtype, acc, self.reduce_op);
         let mut functions = self
@@ -449,6 +469,23 @@ impl PlanAlgorithm {
 /// at most the interpreter's [`kx::MAX_BLOCK_THREADS`] (executor.cu, "Block size").
 fn block_threads(plan: &Plan) -> u32 {
     plan.num_threads_per_block.clamp(32, kx::MAX_BLOCK_THREADS) / 32 * 32
+}
+
+/// Data ops of a rank's program up to which its unit has the program compiled in
+/// (`kx::specialised_unit_source`): each costs its own optimised code, about 2 s of NVRTC's time
+/// per data op on one core (the 2-rank fixture plans: 1-22 s a unit, where the interpreter's
+/// unit takes ~3 s), once per machine (the kernel cache).
+const MAX_SPECIALISED_DATA_OPS: usize = 16;
+
+/// Whether this rank's program is compiled into its unit: it has at most
+/// [`MAX_SPECIALISED_DATA_OPS`] data ops.
+fn specialises(enc: &EncodedPlan) -> bool {
+    let data_ops = enc
+        .ops
+        .iter()
+        .filter(|op| op.kind == OpKind::Data as u8)
+        .count();
+    data_ops <= MAX_SPECIALISED_DATA_OPS
 }
 
 /// Threads per block for chunks of `chunk` bytes: [`block_threads`], or the fewest whole warps
@@ -695,7 +732,7 @@ impl Algorithm for PlanAlgorithm {
         }
         self.check_residency()?;
         self.chunk_bytes(args)?;
-        kx::unit_source(args.dtype, args.accum, self.reduce_op, self.features).map(|_| ())
+        self.unit_source(args).map(|_| ())
     }
 
     /// `check`, then the host work of `execute` that must not run while a peer's kernel in this
@@ -783,7 +820,11 @@ impl Algorithm for PlanAlgorithm {
         // (`Communicator::fast_launches`: not where ranks of this process share the device).
         let fast = self.comm.fast_launches();
         let cfg = LaunchConfig {
-            shared_mem_bytes: self.program_bytes,
+            shared_mem_bytes: if self.specialised.is_some() {
+                0
+            } else {
+                self.program_bytes
+            },
             ..LaunchConfig::linear(
                 self.threadblocks.max(1) * a.replicas,
                 call_threads(&self.plan, chunk),

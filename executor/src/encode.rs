@@ -19,9 +19,9 @@
 use crate::error::{PlanError, Result};
 use crate::plan::{BufferRef, BufferType, ChannelType, Op, OpCode, Plan, Protocol};
 use mscclpp_kernels_cu::executor::{
-    program_bytes, OpKind, PlanFeatures, PlanOp, PlanRef, FIRST_REMOTE_SLOT, FLAG_FLUSH_AFTER,
-    FLAG_PORT, FLAG_SIGNAL_AFTER, MAX_PLAN_BUFFERS, MAX_SHARED_PROGRAM_BYTES, SLOT_INPUT,
-    SLOT_OUTPUT, SLOT_SCRATCH,
+    program_bytes, OpKind, PlanFeatures, PlanOp, PlanRef, StaticProgram, FIRST_REMOTE_SLOT,
+    FLAG_FLUSH_AFTER, FLAG_PORT, FLAG_SIGNAL_AFTER, MAX_PLAN_BUFFERS, MAX_SHARED_PROGRAM_BYTES,
+    SLOT_INPUT, SLOT_OUTPUT, SLOT_SCRATCH,
 };
 
 /// One rank's plan as the interpreter reads it, plus what the host must set up for it.
@@ -90,6 +90,17 @@ impl EncodedPlan {
             .flat_map(|b| [self.tb_ops[b], self.tb_refs[b], self.tb_ids[b]])
             .collect();
         (ops, starts)
+    }
+
+    /// The program as a specialised unit compiles it in
+    /// ([`mscclpp_kernels_cu::executor::specialised_unit_source`]).
+    pub fn static_program(&self) -> StaticProgram<'_> {
+        StaticProgram {
+            ops: &self.ops,
+            tb_ops: &self.tb_ops,
+            refs: &self.refs,
+            ids: &self.ids,
+        }
     }
 
     /// Bytes of the largest threadblock program in the interpreter's shared memory.

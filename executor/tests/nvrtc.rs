@@ -2,12 +2,18 @@
 //! through the front end for every op, with the static_asserts of its structs against the Rust
 //! layout (skipped with a printed reason when NVRTC is absent, unless MSCCLPP_REQUIRE_NVRTC=1).
 
+mod common;
+
 use mscclpp_core::{AccumType, DataType, ReduceOp};
 use mscclpp_cuda::compile_test::{
     check_syntax, compile_cubin, for_each_on_all_cores, has_symbol, nvrtc_or_skip,
 };
+use mscclpp_executor::encode::encode;
+use mscclpp_executor::{builder, Plan, PlanReduceOp, Protocol};
 use mscclpp_kernels_cu::collectives::reduce_type_pairs;
-use mscclpp_kernels_cu::executor::{layout_asserts, unit_source, PlanFeatures, ENTRY};
+use mscclpp_kernels_cu::executor::{
+    layout_asserts, specialised_unit_source, unit_source, PlanFeatures, ENTRY,
+};
 
 fn accum_for(dtype: DataType, acc: DataType) -> AccumType {
     match acc {
@@ -108,4 +114,72 @@ fn interpreter_compiles_without_the_features_a_plan_lacks() {
         let image = compile_cubin(&nvrtc, &name, &src, "sm_90", mscclpp_kernels_cu::HEADERS);
         assert!(has_symbol(&image, ENTRY), "{name} lacks {ENTRY}");
     }
+}
+
+/// Every rank's program of every non-NVLS fixture plan and of the builder's plans (pipelines
+/// and port channels, which the fixtures lack), compiled into its unit
+/// (`specialised_unit_source`): through the front end for every rank, and optimised to a CUBIN
+/// with the entry point for rank 0 of one plan per kind of program (Simple with signals and
+/// waits, LL packets, a pipeline, port channels; 1-7 s each, where the fixtures' largest unit
+/// takes 22 s).
+#[test]
+fn every_plan_program_compiles_specialised() {
+    let Some(nvrtc) = nvrtc_or_skip("every_plan_program_compiles_specialised") else {
+        return;
+    };
+    const OPTIMISED: [&str; 4] = [
+        "reduce_2gpu.json",
+        "reduce_pack_2gpu.json",
+        "builder pipelined",
+        "builder port",
+    ];
+    let mut plans: Vec<(String, Plan)> = common::fixtures()
+        .into_iter()
+        .map(|(name, bytes)| {
+            let plan = Plan::from_json(&bytes).unwrap_or_else(|e| panic!("{name}: {e}"));
+            (name, plan)
+        })
+        .filter(|(_, plan)| !plan.needs_switch())
+        .collect();
+    for (name, json) in [
+        (
+            "builder pipelined",
+            builder::pipelined_allreduce(2, PlanReduceOp::Sum, 4096),
+        ),
+        (
+            "builder port",
+            builder::port_allreduce(2, Protocol::Simple, PlanReduceOp::Sum),
+        ),
+        (
+            "builder port LL",
+            builder::port_allreduce(2, Protocol::Ll, PlanReduceOp::Max),
+        ),
+    ] {
+        let plan = Plan::from_json(json.to_string().as_bytes()).expect("a builder plan");
+        plans.push((name.to_string(), plan));
+    }
+    let mut jobs = Vec::new();
+    for (name, plan) in &plans {
+        for rank in 0..plan.world_size() {
+            let enc = encode(plan, rank, false).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let (unit, src) = specialised_unit_source(
+                DataType::Bf16,
+                AccumType::Auto,
+                ReduceOp::Sum,
+                enc.features(),
+                &enc.static_program(),
+            )
+            .expect("source");
+            let optimise = rank == 0 && OPTIMISED.contains(&name.as_str());
+            jobs.push((format!("{name}, rank {rank}"), unit, src, optimise));
+        }
+    }
+    for_each_on_all_cores(&jobs, |(what, unit, src, optimise)| {
+        if *optimise {
+            let image = compile_cubin(&nvrtc, unit, src, "sm_90", mscclpp_kernels_cu::HEADERS);
+            assert!(has_symbol(&image, ENTRY), "{what}: {unit} lacks {ENTRY}");
+        } else {
+            check_syntax(&nvrtc, unit, src, "sm_90", mscclpp_kernels_cu::HEADERS);
+        }
+    });
 }
