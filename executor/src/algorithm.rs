@@ -446,10 +446,17 @@ impl PlanAlgorithm {
         }
     }
 
-    fn function(&self, args: &ExecuteArgs) -> Result<Function> {
-        let (name, source) = self.unit_source(args)?;
+    /// The call's (type, accumulator, op): its unit; an error names a pair no unit is offered for.
+    fn function_key(&self, args: &ExecuteArgs) -> Result<(DataType, DataType, ReduceOp)> {
         let acc = mscclpp_kernels_cu::collectives::resolve_accumulator(args.dtype, args.accum)?;
-        let key = (args.dtype, acc, self.reduce_op);
+        Ok((args.dtype, acc, self.reduce_op))
+    }
+
+    /// The call's kernel, its unit built (compiled or loaded from the kernel cache) on the first
+    /// call of its key: the source (the interpreter's text, a program's code) is written only then,
+    /// not on every call.
+    fn function(&self, args: &ExecuteArgs) -> Result<Function> {
+        let key = self.function_key(args)?;
         let mut functions = self
             .functions
             .lock()
@@ -457,6 +464,7 @@ impl PlanAlgorithm {
         if let Some(f) = functions.get(&key) {
             return Ok(*f);
         }
+        let (name, source) = self.unit_source(args)?;
         let gpu = self.comm.gpu();
         let module = gpu.build_module(&name, &source)?;
         let f = gpu.get_function(module, kx::ENTRY)?;
@@ -732,7 +740,7 @@ impl Algorithm for PlanAlgorithm {
         }
         self.check_residency()?;
         self.chunk_bytes(args)?;
-        self.unit_source(args).map(|_| ())
+        self.function_key(args).map(|_| ())
     }
 
     /// `check`, then the host work of `execute` that must not run while a peer's kernel in this
