@@ -480,20 +480,24 @@ fn block_threads(plan: &Plan) -> u32 {
 }
 
 /// Data ops of a rank's program up to which its unit has the program compiled in
-/// (`kx::specialised_unit_source`): each costs its own optimised code, about 2 s of NVRTC's time
-/// per data op on one core (the 2-rank fixture plans: 1-22 s a unit, where the interpreter's
-/// unit takes ~3 s), once per machine (the kernel cache).
-const MAX_SPECIALISED_DATA_OPS: usize = 16;
+/// (`kx::specialised_unit_source`): each costs its own optimised code, 1-2 s of NVRTC's time on
+/// one core (and each other op a fraction of that), once per machine (the kernel cache). The
+/// 2-rank fixture plans have at most 8 and compile in 1-22 s, where the interpreter's unit takes
+/// ~3 s; the builder's 8-rank Simple all-reduce (15 data ops) took 34 s on a busy core.
+const MAX_SPECIALISED_DATA_OPS: usize = 8;
 
 /// Whether this rank's program is compiled into its unit: it has at most
 /// [`MAX_SPECIALISED_DATA_OPS`] data ops.
 fn specialises(enc: &EncodedPlan) -> bool {
-    let data_ops = enc
-        .ops
+    data_ops(enc) <= MAX_SPECIALISED_DATA_OPS
+}
+
+/// Data ops of a rank's program, over all its threadblocks.
+fn data_ops(enc: &EncodedPlan) -> usize {
+    enc.ops
         .iter()
         .filter(|op| op.kind == OpKind::Data as u8)
-        .count();
-    data_ops <= MAX_SPECIALISED_DATA_OPS
+        .count()
 }
 
 /// Threads per block for chunks of `chunk` bytes: [`block_threads`], or the fewest whole warps
@@ -917,6 +921,17 @@ mod tests {
         ll8.protocol = Protocol::Ll8;
         ll8.num_threads_per_block = 1024;
         assert_eq!(call_threads(&ll8, 256), 64);
+    }
+
+    #[test]
+    fn programs_of_few_data_ops_are_specialised() {
+        let enc = |ranks, protocol| encode(&plan(ranks, protocol), 0, false).expect("encodes");
+        let small = enc(2, Protocol::Simple);
+        assert!(data_ops(&small) <= MAX_SPECIALISED_DATA_OPS);
+        assert!(specialises(&small));
+        let large = enc(8, Protocol::Ll);
+        assert!(data_ops(&large) > MAX_SPECIALISED_DATA_OPS);
+        assert!(!specialises(&large));
     }
 
     #[test]

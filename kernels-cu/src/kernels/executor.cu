@@ -11,7 +11,7 @@
 // each op gets straight-line code with its kinds, references and counts folded in, and nothing
 // is decoded at run time. Same-run timings of the 2-rank fixture plans (2 x H200, bf16, graph):
 // 4 KiB 3.3-10.7 us against 4.7-17.6 interpreted (reduce_2gpu 17.6 -> 10.7, allgather_packet
-// 4.7 -> 3.3), most rows faster up to 4 MiB; reduce_pack_2gpu 15-19 % slower at 512 KiB-1 MiB.
+// 4.7 -> 3.3), most rows faster up to 4 MiB; reduce_pack_2gpu 3-19 % slower at 512 KiB-1 MiB.
 //
 // Block size: the plan's num_threads_per_block, at most kMaxBlockThreads, and no more warps than a
 // chunk has units (mscclpp_executor's call_threads: small messages). Every thread walks the
