@@ -15,16 +15,18 @@
 //! type; optimised where the code differs by target, [`optimised_on_both`], and through
 //! gfx942's front end for the other types), the native collectives, the PortChannel all-reduce
 //! and the plan interpreter. Each (type, accumulator) pair of the reducing collectives and of the
-//! PortChannel all-reduce is built for one op exactly as the runtime builds it (`-O3`), rotating through the ops from pair to pair
-//! so each op is optimised for a fifth of the pairs: every pair for gfx942, every pair but eight
-//! of the twelve fp8 ones for gfx90a ([`GFX90A_FP8_PAIRS`]); the four other ops go in one
-//! program ([`every_op_source`]) through clang's front end for gfx942 (`-fsyntax-only`: every
-//! template instantiated and type-checked; the ops differ only in a template parameter, and the
-//! targets' own code, such as gfx942's fp8 conversions, is op-independent and optimised in the
-//! pair's runtime unit). Plan programs compiled into the interpreter's unit (the executor's
-//! specialised units) come from the builder's plans ([`specialised_plan_units`]). The plan
-//! interpreter is optimised for a spread of pairs ([`INTERPRETER_PAIRS`]), one op each, rotating,
-//! and goes through gfx942's front end for the others. Optimising every op was too slow for CI: optimising every op's software
+//! PortChannel all-reduce is built for one op exactly as the runtime builds it (`-O3`), rotating
+//! through the ops from pair to pair so each op is optimised for a fifth of the pairs: on each
+//! target every pair but eight of the twelve fp8 ones, a different four fp8 pairs per target
+//! ([`GFX90A_FP8_PAIRS`], [`GFX942_FP8_PAIRS`]; the others' runtime units go through gfx942's
+//! front end); the four other ops go in one program ([`every_op_source`]) through clang's front
+//! end for gfx942 (`-fsyntax-only`: every template instantiated and type-checked; the ops differ
+//! only in a template parameter, and the targets' own code, such as gfx942's fp8 conversions, is
+//! op-independent and optimised in the pair's runtime unit). Plan programs compiled into the
+//! interpreter's unit (the executor's specialised units) come from the builder's plans
+//! ([`specialised_plan_units`]). The plan interpreter is optimised for a spread of pairs
+//! ([`INTERPRETER_PAIRS`]), one op each, rotating, and goes through gfx942's front end for the
+//! others. Optimising every op was too slow for CI: optimising every op's software
 //! fp8 code took 66 to 129 s per fp8 pair of the all-reduce file alone on gfx90a (two busy shared
 //! cores), the 5 x 96 optimised units about 640 s of CPU on gfx942, and the every-op programs at
 //! `-O0` (instruction selection for every op, on both targets until 2026-11-28) 3-9 s each where
@@ -68,7 +70,7 @@ struct Unit {
 /// The fp8 (type, accumulator) pairs gfx90a builds: one per fp8 type, every kind of accumulator
 /// among them. gfx90a has no fp8 instructions: ROCm 5.2's hiprtc takes 30-40 s over each fp8
 /// all-reduce unit's software conversions (~6 s for bf16), and the twelve fp8 pairs of every
-/// reducing file were most of the gate's time; gfx942 builds every pair.
+/// reducing file were most of the gate's time; gfx942 optimises [`GFX942_FP8_PAIRS`].
 const GFX90A_FP8_PAIRS: [(DataType, DataType); 4] = [
     (DataType::Fp8E4M3, DataType::F32),
     (DataType::Fp8E4M3Fnuz, DataType::Fp8E4M3Fnuz),
@@ -103,10 +105,30 @@ fn optimised_on_both(unit: &str) -> bool {
 /// Optimised for gfx942 only: FNUZ fp8, which gfx942 converts with its own instructions.
 const KERNELS_OPTIMISED_ON_GFX942: [&str; 1] = ["simple_allreduce_fp8_e4m3fnuz"];
 
+/// The fp8 (type, accumulator) pairs gfx942 optimises: again one per fp8 type with every kind of
+/// accumulator among them, the pairs gfx90a does not build (so 8 of the 12 are optimised on one
+/// target or the other), FNUZ with a float accumulator among them (gfx942's own fp8 conversions).
+/// The other fp8 pairs' runtime units go through gfx942's front end, as their other ops do
+/// ([`every_op_source`]); every pair is optimised for sm_90 by the collectives' NVRTC test.
+/// Optimising all twelve took 12-26 s of CPU per pair and file (the all-reduce's the most), about
+/// 300 s of CI's CPU for the eight left out.
+const GFX942_FP8_PAIRS: [(DataType, DataType); 4] = [
+    (DataType::Fp8E4M3, DataType::F16),
+    (DataType::Fp8E4M3Fnuz, DataType::F32),
+    (DataType::Fp8E5M2, DataType::Fp8E5M2),
+    (DataType::Fp8E4M3B15, DataType::Fp8E4M3B15),
+];
+
 /// Whether gfx90a builds the runtime units of the (type, accumulator) pair: every pair of the
 /// other types, and [`GFX90A_FP8_PAIRS`].
 fn on_gfx90a(dtype: DataType, acc: DataType) -> bool {
     !dtype.is_fp8() || GFX90A_FP8_PAIRS.contains(&(dtype, acc))
+}
+
+/// Whether gfx942 optimises the runtime units of the pair (the front end checks the others):
+/// every pair of the other types, and [`GFX942_FP8_PAIRS`].
+fn optimised_on_gfx942(dtype: DataType, acc: DataType) -> bool {
+    !dtype.is_fp8() || GFX942_FP8_PAIRS.contains(&(dtype, acc))
 }
 
 fn required() -> bool {
@@ -168,7 +190,7 @@ fn reducing_units(
         name: name(spec),
         source: source(spec),
         entries: entries.iter().map(|e| e.to_string()).collect(),
-        front_end_only: false,
+        front_end_only: !optimised_on_gfx942(spec.dtype, spec.acc),
         gfx90a: on_gfx90a(spec.dtype, spec.acc),
     };
     let mut units = Vec::new();
@@ -647,6 +669,23 @@ fn every_kernel_unit_compiles_for_gfx942_through_clang() {
 }
 
 /// The gate has teeth: a unit that does not compile for HIP is reported with the compiler's log.
+/// The fp8 pair lists name pairs the collectives offer, one per fp8 type each, and no pair twice.
+#[test]
+fn the_fp8_pair_lists_name_offered_pairs() {
+    let offered = kc::reduce_type_pairs();
+    for list in [GFX90A_FP8_PAIRS, GFX942_FP8_PAIRS] {
+        for pair in list {
+            assert!(offered.contains(&pair), "{pair:?} is not an offered pair");
+        }
+        let mut types: Vec<DataType> = list.iter().map(|p| p.0).collect();
+        types.dedup();
+        assert_eq!(types.len(), 4, "one pair per fp8 type: {list:?}");
+    }
+    assert!(GFX90A_FP8_PAIRS
+        .iter()
+        .all(|p| !GFX942_FP8_PAIRS.contains(p)));
+}
+
 #[test]
 fn a_broken_unit_fails_the_hiprtc_gate() {
     let Ok(hiprtc) = Hiprtc::load() else {
