@@ -1,6 +1,7 @@
 //! The GPU interpreter's unit compiles through NVRTC for every (dtype, accumulator) pair and goes
 //! through the front end for every op, with the static_asserts of its structs against the Rust
-//! layout (skipped with a printed reason when NVRTC is absent, unless MSCCLPP_REQUIRE_NVRTC=1).
+//! layout (skipped with a printed reason when NVRTC is absent, unless MSCCLPP_REQUIRE_NVRTC=1);
+//! and every plan program compiled into its unit (the executor's specialised units) does too.
 
 mod common;
 
