@@ -51,9 +51,6 @@ use std::sync::{Arc, Mutex};
 /// sized for the smaller of the two.
 pub const MAX_PLAN_SCRATCH_BYTES: usize = 8 << 20;
 
-/// Most blocks a plan threadblock is spread over (`PlanArgs::replicas`).
-const MAX_REPLICAS: u32 = 16;
-
 /// The plan's collective in the core's terms.
 pub fn core_collective(c: PlanCollective) -> Result<Collective> {
     Ok(match c {
@@ -513,10 +510,11 @@ fn call_threads(plan: &Plan, chunk: usize) -> u32 {
 }
 
 /// Blocks per plan threadblock for chunks of `chunk` bytes, at most `fit` (and
-/// [`MAX_REPLICAS`]): one per `threads` units of a chunk (a unit per thread and pass), or per 8 x
-/// `threads` units where the replicas meet around signals and waits (a meeting costs about as
-/// much as moving that much). A local choice: peers may pick differently (executor.cu,
-/// "Replicas").
+/// [`kx::MAX_REPLICAS`]): one per `threads` units of a chunk (a unit per thread and pass), or
+/// per 8 x `threads` units where the replicas meet around signals and waits (a meeting costs
+/// about as much as moving that much). A local choice: peers may pick differently (executor.cu,
+/// "Replicas"). Up to 64 rather than 16: the one-phase LL fixture plans (two or three
+/// threadblocks) took 10-33 % less time at 512 KiB-1 MiB (2 x H200, 2026-11-28).
 fn replicas_for(
     replication: Replication,
     threads: u32,
@@ -531,7 +529,7 @@ fn replicas_for(
             Replication::Synced => 8,
         };
     let units = (chunk as u64).div_ceil(unit_bytes as u64);
-    let most = fit.clamp(1, MAX_REPLICAS) as u64;
+    let most = fit.clamp(1, kx::MAX_REPLICAS) as u64;
     (units / units_per_replica).clamp(1, most) as u32
 }
 
@@ -892,7 +890,7 @@ mod tests {
         assert_eq!(replicas_for(Free, 1024, 8, 512, 66), 1);
         assert_eq!(replicas_for(Free, 1024, 8, 16 << 10, 66), 2);
         assert_eq!(replicas_for(Free, 1024, 8, 64 << 10, 66), 8);
-        assert_eq!(replicas_for(Free, 1024, 8, 512 << 10, 66), MAX_REPLICAS);
+        assert_eq!(replicas_for(Free, 1024, 8, 512 << 10, 66), kx::MAX_REPLICAS);
         assert_eq!(replicas_for(Free, 1024, 8, 512 << 10, 5), 5);
         assert_eq!(replicas_for(Free, 1024, 8, 512 << 10, 0), 1);
         assert_eq!(replicas_for(Synced, 1024, 8, 64 << 10, 16), 1);

@@ -25,8 +25,11 @@ pub const SLOT_INPUT: u16 = 0;
 pub const SLOT_OUTPUT: u16 = 1;
 pub const SLOT_SCRATCH: u16 = 2;
 pub const FIRST_REMOTE_SLOT: u16 = 3;
-/// `u32` words of [`PlanArgs::flags`] per plan threadblock (`kTbWords`).
-pub const TB_WORDS: usize = 4;
+/// Most blocks a plan threadblock runs as ([`PlanArgs::replicas`], `kMaxReplicas`).
+pub const MAX_REPLICAS: u32 = 64;
+/// `u32` words of [`PlanArgs::flags`] per plan threadblock (`kTbWords`): a counter slot per
+/// replica, then the replicas' group barrier.
+pub const TB_WORDS: usize = MAX_REPLICAS as usize + 2;
 /// Most threads a block of the interpreter has (`kMaxBlockThreads`, its launch bound: each thread
 /// may use 128 registers, so a block of them takes a whole SM's registers).
 pub const MAX_BLOCK_THREADS: u32 = 512;
@@ -124,7 +127,8 @@ pub struct PlanArgs {
     /// `u64*`: arrivals by barrier id (only grow).
     pub barriers: u64,
     /// `u32*`: [`TB_WORDS`] words per threadblock: executions so far (the LL flag of the next one
-    /// is one more), then the replicas' finish count and group barrier (arrivals, generation).
+    /// is one more), one copy per replica slot, then the replicas' group barrier (arrivals,
+    /// generation).
     pub flags: u64,
     pub error_word: u64,
     /// Addresses by slot: input, output, scratch, then remote buffer k at 3 + k.
@@ -142,7 +146,7 @@ pub struct PlanArgs {
     pub unit_bytes: u32,
     /// Blocks per plan threadblock (at least 1), each doing its part of every op's units: the
     /// grid has `threadblocks * replicas` blocks. More than 1 only for plans whose
-    /// `mscclpp_executor::encode::Replication` allows it.
+    /// `mscclpp_executor::encode::Replication` allows it; at most [`MAX_REPLICAS`].
     pub replicas: u32,
 }
 
@@ -383,6 +387,7 @@ pub fn layout_asserts() -> String {
     out += &format!(
         "static_assert(mscclpp::plan::kMaxPlanBuffers == {MAX_PLAN_BUFFERS}, \"kMaxPlanBuffers\");\n\
          static_assert(mscclpp::plan::kFirstRemoteSlot == {FIRST_REMOTE_SLOT}, \"kFirstRemoteSlot\");\n\
+         static_assert(mscclpp::plan::kMaxReplicas == {MAX_REPLICAS}, \"kMaxReplicas\");\n\
          static_assert(mscclpp::plan::kTbWords == {TB_WORDS}, \"kTbWords\");\n\
          static_assert(mscclpp::plan::kMaxBlockThreads == {MAX_BLOCK_THREADS}, \"kMaxBlockThreads\");\n\
          static_assert(mscclpp::plan::kSignalAfter == {FLAG_SIGNAL_AFTER}, \"kSignalAfter\");\n\

@@ -52,9 +52,14 @@
 // write one packet.
 //
 // CUDA-graph safe: nothing is set by the host per call. The LL flag of an execution is the
-// per-threadblock execution counter (flags[kTbWords * b] + 1, stored back at the end by the last
-// replica to finish; every threadblock of every rank runs every execution, so the counters agree
-// across ranks), and LL scratch alternates two halves
+// threadblock's execution count + 1, which every threadblock of every rank agrees on (each runs
+// every execution). Each replica keeps its own copy of the count (counter slot k of the
+// threadblock, read by replica k alone), and at the end writes the new count into every slot
+// congruent to its own modulo this call's replicas (as the natives' finish_call): every slot is
+// written once per execution by a block that read nothing but its own, so the next call, with
+// any number of replicas, finds the count in each slot, with no atomic or fence on the way out
+// (counting the replicas out, with a device fence before the count, cost 0.3-0.7 us a call at
+// 16-256 KiB, 2 x H200: the fence waits for the block's NVLink stores). LL scratch alternates two halves
 // by the flag's parity, so a fast writer of execution k + 1 never overwrites packets of execution
 // k that a slow reader has not read. Channel semaphores, local semaphores and barriers are counters
 // that only grow (or come back to their initial value), so replays need no reset.
@@ -100,9 +105,13 @@ constexpr u8 kSemAcquire = 8;
 constexpr u8 kBarrier = 9;
 constexpr u8 kPipeline = 10;
 
-// u32 words of `flags` per plan threadblock: the execution counter, then the replicas that
-// finished this execution, and the group barrier's arrivals and generation.
-constexpr u32 kTbWords = 4;
+// Most blocks a plan threadblock runs as (PlanArgs::replicas; mscclpp_kernels_cu::executor::
+// MAX_REPLICAS).
+constexpr u32 kMaxReplicas = 64;
+
+// u32 words of `flags` per plan threadblock: kMaxReplicas counter slots (the execution count, one
+// copy per replica: "CUDA-graph safe" above), then the group barrier's arrivals and generation.
+constexpr u32 kTbWords = kMaxReplicas + 2;
 
 // Most threads a block of the interpreter has (its launch bound; see "Block size" above).
 constexpr u32 kMaxBlockThreads = 512;
@@ -712,13 +721,13 @@ MSCCLPP_DEVICE_INLINE bool run_sync(const PlanArgs& a, const Op& op) {
 }
 
 // The replicas of the threadblock whose words are `words` meet. The last to arrive resets the
-// arrivals (words[2]) and moves the generation (words[3]) on, which the others wait for: nothing
-// depends on how many replicas earlier calls had.
+// arrivals and moves the generation on, which the others wait for: nothing depends on how many
+// replicas earlier calls had.
 MSCCLPP_DEVICE_INLINE bool group_barrier(const PlanArgs& a, u32* words) {
   bool ok = true;
   if (threadIdx.x == 0) {
-    u32* arrivals = words + 2;
-    u32* generation = words + 3;
+    u32* arrivals = words + kMaxReplicas;
+    u32* generation = words + kMaxReplicas + 1;
     const u32 gen = *reinterpret_cast<volatile u32*>(generation);
     // System scope: replica 0 may signal a peer GPU after this meeting, and that signal must
     // publish every replica's writes to the peer's memory, not only replica 0's.
@@ -908,9 +917,10 @@ extern "C" __global__ void __launch_bounds__(mscclpp::plan::kMaxBlockThreads, 1)
   // before the check's barrier, so the two memory round trips overlap.
   wait_prior_grids();
   u32* words = a.flags + kTbWords * tb;
-  const u32 flag = words[0] + 1;
+  const u32 replica = blockIdx.x - tb * a.replicas;
+  const u32 flag = words[replica] + 1;
   if (mscclpp::block_aborted(a.error_word)) return;
-  Replicas r = {words, Replicas::kSinceNothing, 0, blockIdx.x - tb * a.replicas};
+  Replicas r = {words, Replicas::kSinceNothing, 0, replica};
 #if defined(MSCCLPP_PLAN_STATIC)
   if (!run_static_program(a, tb, flag, r)) return;
 #else
@@ -928,18 +938,10 @@ extern "C" __global__ void __launch_bounds__(mscclpp::plan::kMaxBlockThreads, 1)
     o = step.end;
   }
 #endif
-  // Every thread has read the counter before this; a plan with no op still needs that order. The
-  // last replica to finish stores it, after every replica has read it.
+  // Every thread has read this replica's slot before it is written; a plan with no op still needs
+  // that order. No other block reads the slots written here during this call.
   __syncthreads();
-  if (threadIdx.x == 0) {
-    if (a.replicas == 1) {
-      words[0] = flag;
-    } else {
-      __threadfence();
-      if (atomicAdd(words + 1, 1u) == a.replicas - 1) {
-        words[1] = 0;
-        words[0] = flag;
-      }
-    }
+  for (u32 k = replica + threadIdx.x * a.replicas; k < kMaxReplicas; k += blockDim.x * a.replicas) {
+    words[k] = flag;
   }
 }
