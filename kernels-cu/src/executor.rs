@@ -250,7 +250,8 @@ pub struct StaticProgram<'a> {
 }
 
 /// The unit of [`unit_source`] with `program` compiled into it (executor.cu's
-/// `MSCCLPP_PLAN_STATIC`): each op a call of the interpreter's `run_op` on constants, so the
+/// `MSCCLPP_PLAN_STATIC`): each op a call of the interpreter's `run_op` on constants (values
+/// that differ between threadblocks of one shape worked out from the threadblock), so the
 /// compiler gives every op code of its own, with nothing decoded at run time. Its name carries a
 /// hash of the program (logs; the kernel cache keys by the source itself).
 pub fn specialised_unit_source(

@@ -9,9 +9,11 @@
 // Specialised units (MSCCLPP_PLAN_STATIC, run_static_program below): where a rank's program has
 // few data ops, the host compiles it into the unit as code, every op a run_op on constants, so
 // each op gets straight-line code with its kinds, references and counts folded in, and nothing
-// is decoded at run time. Same-run timings of the 2-rank fixture plans (2 x H200, bf16, graph):
+// is decoded at run time (threadblocks of one shape share a case, their chunk indices and ids
+// worked out from tb). Same-run timings of the 2-rank fixture plans (2 x H200, bf16, graph):
 // 4 KiB 3.3-10.7 us against 4.7-17.6 interpreted (reduce_2gpu 17.6 -> 10.7, allgather_packet
-// 4.7 -> 3.3), most rows faster up to 4 MiB; reduce_pack_2gpu 3-19 % slower at 512 KiB-1 MiB.
+// 4.7 -> 3.3), and at or under the interpreter at every size up to 4 MiB since the replicas'
+// own counters (reduce_pack_2gpu 1 MiB 12.7 against 14.3-15.1).
 //
 // Block size: the plan's num_threads_per_block, at most kMaxBlockThreads, and no more warps than a
 // chunk has units (mscclpp_executor's call_threads: small messages). Every thread walks the
