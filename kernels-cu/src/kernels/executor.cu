@@ -61,10 +61,11 @@
 // written once per execution by a block that read nothing but its own, so the next call, with
 // any number of replicas, finds the count in each slot, with no atomic or fence on the way out
 // (counting the replicas out, with a device fence before the count, cost 0.3-0.7 us a call at
-// 16-256 KiB, 2 x H200: the fence waits for the block's NVLink stores). LL scratch alternates two halves
-// by the flag's parity, so a fast writer of execution k + 1 never overwrites packets of execution
-// k that a slow reader has not read. Channel semaphores, local semaphores and barriers are counters
-// that only grow (or come back to their initial value), so replays need no reset.
+// 16-256 KiB, 2 x H200: the fence waits for the block's NVLink stores). LL scratch alternates
+// two halves by the flag's parity, so a fast writer of execution k + 1 never overwrites packets
+// of execution k that a slow reader has not read. Channel semaphores, local semaphores and
+// barriers are counters that only grow (or come back to their initial value), so replays need
+// no reset.
 // Every wait is bounded by spin_until (error.cuh): on a timeout or an abort the block stops.
 //
 // Port-channel ops (kPort): thread 0 pushes the proxy's triggers (a put per chunk part, then the
