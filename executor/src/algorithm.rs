@@ -478,9 +478,10 @@ fn block_threads(plan: &Plan) -> u32 {
 
 /// Data ops of a rank's program up to which its unit has the program compiled in
 /// (`kx::specialised_unit_source`): each costs its own optimised code, 1-2 s of NVRTC's time on
-/// one core (and each other op a fraction of that), once per machine (the kernel cache). The
-/// 2-rank fixture plans have at most 8 and compile in 1-22 s, where the interpreter's unit takes
-/// ~3 s; the builder's 8-rank Simple all-reduce (15 data ops) took 34 s on a busy core.
+/// one core (and each other op a fraction of that; threadblocks of one shape share theirs), once
+/// per machine (the kernel cache). The 2-rank fixture plans have at most 8 and compile in 1-9 s,
+/// where the interpreter's unit takes ~3 s; the builder's 8-rank Simple all-reduce (15 data ops
+/// in one threadblock) took 34 s on a busy core.
 const MAX_SPECIALISED_DATA_OPS: usize = 8;
 
 /// Whether this rank's program is compiled into its unit: it has at most
