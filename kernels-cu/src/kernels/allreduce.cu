@@ -170,6 +170,9 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 // output chunk q is written only after peer q's result arrived, and that result needs my phase-1
 // lines of chunk q, which read my input first.
 // ------------------------------------------------------------------------------------------------
+// Below this input size the two-phase all-reduce spreads its warps over the SMs (LineLanes).
+constexpr u64 kSpreadLinesBelowBytes = 1 << 20;
+
 extern "C" __global__ void __launch_bounds__(1024, 1)
     allreduce_packet(const PacketArgs args) {
   wait_prior_grids();
@@ -197,7 +200,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
   const bool in_aligned = reinterpret_cast<u64>(in) % 8 == 0;
   const bool out_aligned = reinterpret_cast<u64>(out) % 8 == 0;
   const u32 npeers = nranks - 1;
-  const LineLanes me;
+  const LineLanes me(bytes < kSpreadLinesBelowBytes);
   const u32 t = me.t;
   const bool has_second = LL128::has_second(t);  // CUDA: lane 7's second word is the flag
   const u8* scratch = static_cast<const u8*>(local_scratch) + half;
