@@ -7,6 +7,9 @@ use std::mem::{offset_of, size_of};
 
 /// Most ops one `p2p_group` launch takes (`kP2pMaxOps`).
 pub const MAX_OPS: usize = 64;
+/// Copies of every engine counter, one per block index (`kP2pCounterSlots`, see p2p.cu's "Order"):
+/// the largest grid of a `p2p_group` launch.
+pub const COUNTER_SLOTS: usize = 128;
 /// Entries of each peer's post ring (`kP2pPosts`); more than twice [`MAX_OPS`] (see p2p.cu).
 pub const POSTS: usize = 256;
 const _: () = assert!(
@@ -36,17 +39,26 @@ pub struct P2pOpArgs {
     pub nblocks: u32,
     /// Earlier ops of this (peer, direction) in the group.
     pub msg_offset: u32,
-    pub pad: u32,
+    /// 1 where no later op of the group has this (peer, direction): the kernel advances the
+    /// channel's counters from this op's offsets.
+    pub last: u32,
 }
 
 /// `P2pState`: the engine's device-resident counters (zeroed at creation).
 #[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct P2pState {
-    pub arrivals: u64,
-    pub pad: u64,
-    /// Per peer rank: send messages, send chunks, receive messages, receive chunks.
-    pub counters: [[u64; 4]; MAX_RANKS],
+    /// Per peer rank: send messages, send chunks, receive messages, receive chunks, each in
+    /// [`COUNTER_SLOTS`] copies.
+    pub counters: [[[u64; COUNTER_SLOTS]; 4]; MAX_RANKS],
+}
+
+impl Default for P2pState {
+    fn default() -> Self {
+        P2pState {
+            counters: [[[0; COUNTER_SLOTS]; 4]; MAX_RANKS],
+        }
+    }
 }
 
 /// `P2pMismatch::theirs` of a receive that met a chunk of another message (`kP2pOtherSize`): the
@@ -99,8 +111,8 @@ pub fn layout_asserts() -> String {
             $(check(stringify!($ty), stringify!($f), offset_of!($ty, $f));)+
         };
     }
-    fields!(P2pOpArgs: ptr, src, bytes, chunk_offset, kind, peer, first_block, nblocks, msg_offset, pad);
-    fields!(P2pState: arrivals, pad, counters);
+    fields!(P2pOpArgs: ptr, src, bytes, chunk_offset, kind, peer, first_block, nblocks, msg_offset, last);
+    fields!(P2pState: counters);
     fields!(P2pMismatch: claimed, is_send, peer, mine, theirs);
     fields!(P2pArgs: regions, local, state, mismatch, error_word, max_spin, slot_bytes,
         headers_offset, acks_offset, posts_offset, slots, rank, nranks, nops, ops);
@@ -116,6 +128,7 @@ pub fn layout_asserts() -> String {
     }
     for (name, value) in [
         ("kP2pMaxOps", MAX_OPS as u32),
+        ("kP2pCounterSlots", COUNTER_SLOTS as u32),
         ("kP2pPosts", POSTS as u32),
         ("kP2pSend", KIND_SEND),
         ("kP2pRecv", KIND_RECV),
@@ -134,7 +147,7 @@ mod tests {
     #[test]
     fn layout_is_the_documented_one() {
         assert_eq!(size_of::<P2pOpArgs>(), 56);
-        assert_eq!(size_of::<P2pState>(), 16 + 8 * 32);
+        assert_eq!(size_of::<P2pState>(), 8 * 4 * COUNTER_SLOTS * MAX_RANKS);
         assert_eq!(size_of::<P2pMismatch>(), 32);
         assert_eq!(offset_of!(P2pArgs, ops), 152);
         assert_eq!(size_of::<P2pArgs>(), 152 + MAX_OPS * 56);

@@ -22,7 +22,9 @@ use mscclpp_core::communicator::Communicator;
 use mscclpp_core::gpu::{DevicePtr, Event, Function, HostMapped, LaunchConfig, Stream};
 use mscclpp_core::{Error, Result};
 use mscclpp_kernels_cu::collectives::{CollectiveFile, PeerPtrs, MAX_RANKS};
-use mscclpp_kernels_cu::p2p::{P2pArgs, P2pMismatch, P2pOpArgs, P2pState, MAX_OPS, OTHER_SIZE};
+use mscclpp_kernels_cu::p2p::{
+    P2pArgs, P2pMismatch, P2pOpArgs, P2pState, COUNTER_SLOTS, MAX_OPS, OTHER_SIZE,
+};
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
@@ -150,7 +152,10 @@ impl P2pEngine {
         state: DevicePtr,
     ) -> Result<Self> {
         let layout = plan::layout(comm.size());
-        let max_blocks = geometry::Residency::of(&comm)?.max_blocks(THREADS);
+        // Every counter has a copy per block index (p2p.cu, "Order"), so the grid stays within them.
+        let max_blocks = geometry::Residency::of(&comm)?
+            .max_blocks(THREADS)
+            .min(COUNTER_SLOTS as u32);
         let mismatch = comm
             .gpu()
             .alloc_host_mapped(std::mem::size_of::<P2pMismatch>())?;

@@ -176,6 +176,16 @@ pub fn plan(
         }
         out.push(args);
     }
+    // The kernel advances each channel's counters from its last op (p2p.cu, p2p_finish).
+    for i in 0..out.len() {
+        let (kind, peer) = (out[i].kind, out[i].peer);
+        out[i].last = u32::from(
+            kind != KIND_COPY
+                && !out[i + 1..]
+                    .iter()
+                    .any(|o| o.kind == kind && o.peer == peer),
+        );
+    }
     if out.len() > MAX_OPS {
         return Err(Error::Unsupported(format!(
             "rank {rank}: a group of {} sends and receives (after pairing those to itself); one \
@@ -283,6 +293,9 @@ mod tests {
                 (KIND_SEND, 2, 4),
             ]
         );
+        // The last op of each (peer, direction) carries the channel's totals to the counters.
+        let last: Vec<u32> = p.iter().map(|o| o.last).collect();
+        assert_eq!(last, vec![0, 0, 1, 0, 1, 1]);
         // Blocks: contiguous, in order, one per chunk up to half the slots.
         assert_eq!(p[0].nblocks, 3);
         assert_eq!(p[4].nblocks, 2);
@@ -313,7 +326,7 @@ mod tests {
         ];
         let p = plan(2, 3, &ops, &small(), 100).unwrap();
         assert_eq!(p.len(), 2);
-        assert_eq!(p[1].kind, KIND_COPY);
+        assert_eq!((p[1].kind, p[1].last), (KIND_COPY, 0));
         assert_eq!(p[1].src, 0x1002);
         let bad = [op(P2pKind::Send, 2, 100), op(P2pKind::Recv, 2, 99)];
         let err = plan(2, 3, &bad, &small(), 100).unwrap_err().to_string();

@@ -12,9 +12,14 @@
 //
 // Order. The k-th send from s to r matches r's k-th receive from s because both sides number the
 // channel's messages and chunks from device-resident counters (P2pState) that the kernel itself
-// advances at its end (the last block to finish adds the group's totals), so graph replays stay in
-// step with no host involvement. Within a group the host gives each op its offsets (msg_offset,
-// chunk_offset) after the earlier ops of the same (peer, direction).
+// advances at its end, so graph replays stay in step with no host involvement. Every counter has
+// kP2pCounterSlots copies, one per block index (as the collectives' call counts, finish_call): block
+// b reads copy b at its entry and, at its end, writes the advanced counters of the group's channels
+// into every copy k = b mod gridDim.x, so the next kernel, with any grid, finds the new counts in
+// every copy. No block waits for another at the end: the last-block count this replaced (a device
+// fence and an atomic after every block's work) cost about 1 µs a call at every size (2 x H200).
+// Within a group the host gives each op its offsets (msg_offset, chunk_offset) after the earlier
+// ops of the same (peer, direction).
 //
 // Size check on both sides. The receiver posts what it expects, (message seq, bytes), into the
 // sender's region at the start of each receive (`posts`, a ring of kP2pPosts entries per peer). The
@@ -57,6 +62,10 @@ constexpr u32 kP2pSend = 0;
 constexpr u32 kP2pRecv = 1;
 constexpr u32 kP2pCopy = 2;
 
+// Copies of every counter (see Order above): the largest grid of a p2p_group launch. Mirrored by
+// mscclpp_kernels_cu::p2p::COUNTER_SLOTS.
+constexpr u32 kP2pCounterSlots = 128;
+
 // One op of a group. Mirrored by mscclpp_kernels_cu::p2p::P2pOpArgs (56 bytes).
 struct P2pOpArgs {
   u64 ptr;           // send: source; recv and copy: destination
@@ -68,15 +77,14 @@ struct P2pOpArgs {
   u32 first_block;
   u32 nblocks;
   u32 msg_offset;    // earlier ops of this (peer, direction) in the group
-  u32 pad;
+  u32 last;          // 1: no later op of the group has this (peer, direction)
 };
 
-// Device-resident counters of one engine (private memory, zero at creation). Mirrored by
-// mscclpp_kernels_cu::p2p::P2pState.
+// Device-resident counters of one engine (private memory, zero at creation), per peer: send
+// messages, send chunks, receive messages, receive chunks, each in kP2pCounterSlots copies. Mirrored
+// by mscclpp_kernels_cu::p2p::P2pState.
 struct P2pState {
-  u64 arrivals;                  // blocks of the running kernel that finished
-  u64 pad;
-  u64 counters[kMaxRanks][4];    // per peer: send msgs, send chunks, recv msgs, recv chunks
+  u64 counters[kMaxRanks][4][kP2pCounterSlots];
 };
 
 // `theirs` of a receive that met a chunk of another message: the peer's message has another chunk
@@ -153,10 +161,41 @@ MSCCLPP_DEVICE_INLINE bool p2p_block_agrees(bool ok) {
   return r;
 }
 
-MSCCLPP_DEVICE_INLINE void p2p_send(const P2pArgs& a, const P2pOpArgs& op, u32 j, const u64* counters) {
+// A chunk in registers, kP2pWords 16-byte words a thread at most, between a load and a store that
+// a block decision separates: the sender reads its source before it waits for the slot's credit,
+// the receiver reads the slot while thread 0 checks the header's word, so each side's read
+// overlaps the round trip it waits for instead of following it. Chunks that do not fit (a tail of
+// odd bytes, a buffer not 16-byte aligned) go through copy() after the decision.
+constexpr u32 kP2pWords = 2;
+
+struct P2pWords {
+  uint4 w[kP2pWords];
+
+  MSCCLPP_DEVICE_INLINE static bool fit(const u8* dst, const u8* src, u64 n) {
+    return n % 16 == 0 && n <= 16ull * kP2pWords * blockDim.x &&
+           (reinterpret_cast<u64>(dst) | reinterpret_cast<u64>(src)) % 16 == 0;
+  }
+  MSCCLPP_DEVICE_INLINE void load(const u8* src, u64 n) {
+#pragma unroll
+    for (u32 k = 0; k < kP2pWords; ++k) {
+      const u64 i = threadIdx.x + static_cast<u64>(k) * blockDim.x;
+      if (16 * i < n) w[k] = reinterpret_cast<const uint4*>(src)[i];
+    }
+  }
+  MSCCLPP_DEVICE_INLINE void store(u8* dst, u64 n) const {
+#pragma unroll
+    for (u32 k = 0; k < kP2pWords; ++k) {
+      const u64 i = threadIdx.x + static_cast<u64>(k) * blockDim.x;
+      if (16 * i < n) reinterpret_cast<uint4*>(dst)[i] = w[k];
+    }
+  }
+};
+
+// `base`: the (peer, direction) channel's messages and chunks before this group.
+MSCCLPP_DEVICE_INLINE void p2p_send(const P2pArgs& a, const P2pOpArgs& op, u32 j, const u64* base) {
   const u32 peer = op.peer;
-  const u64 msg = counters[0] + op.msg_offset;
-  const u64 first = counters[1] + op.chunk_offset;
+  const u64 msg = base[0] + op.msg_offset;
+  const u64 first = base[1] + op.chunk_offset;
   const u64 nchunks = p2p_chunks(op.bytes, a.slot_bytes);
   const u32 me_there = p2p_peer_index(a.rank, peer), peer_here = p2p_peer_index(peer, a.rank);
   u8* remote = static_cast<u8*>(a.regions.p[peer]);
@@ -173,9 +212,16 @@ MSCCLPP_DEVICE_INLINE void p2p_send(const P2pArgs& a, const P2pOpArgs& op, u32 j
     atomic_store_relaxed_sys(&headers[slot].message, p2p_post(msg, op.bytes));
     atomic_store_release_sys(&headers[slot].ready, g + 1);
   };
+  const u8* src = reinterpret_cast<const u8*>(op.ptr);
   for (u64 c = j; c < nchunks; c += op.nblocks) {
     const u64 g = first + c;
     const u32 slot = static_cast<u32>(g % a.slots);
+    const u64 begin = c * a.slot_bytes;
+    const u64 n = min(a.slot_bytes, op.bytes - min(begin, op.bytes));
+    u8* dst = data + slot * a.slot_bytes;
+    const bool held = P2pWords::fit(dst, src + begin, n);
+    P2pWords words;
+    if (held) words.load(src + begin, n);
     bool ok = true;
     if (threadIdx.x == 0) {
       auto credit = [&] { return atomic_load_acquire_sys(&acks[slot]) + a.slots > g; };
@@ -189,9 +235,11 @@ MSCCLPP_DEVICE_INLINE void p2p_send(const P2pArgs& a, const P2pOpArgs& op, u32 j
       }
     }
     if (!p2p_block_agrees(ok)) return;
-    const u64 begin = c * a.slot_bytes;
-    const u64 n = min(a.slot_bytes, op.bytes - min(begin, op.bytes));
-    copy(data + slot * a.slot_bytes, reinterpret_cast<const u8*>(op.ptr) + begin, n, threadIdx.x, blockDim.x);
+    if (held) {
+      words.store(dst, n);
+    } else {
+      copy(dst, src + begin, n, threadIdx.x, blockDim.x);
+    }
     __syncthreads();
     if (threadIdx.x == 0) publish(slot, g);
   }
@@ -208,10 +256,10 @@ MSCCLPP_DEVICE_INLINE void p2p_send(const P2pArgs& a, const P2pOpArgs& op, u32 j
   }
 }
 
-MSCCLPP_DEVICE_INLINE void p2p_recv(const P2pArgs& a, const P2pOpArgs& op, u32 j, const u64* counters) {
+MSCCLPP_DEVICE_INLINE void p2p_recv(const P2pArgs& a, const P2pOpArgs& op, u32 j, const u64* base) {
   const u32 peer = op.peer;
-  const u64 msg = counters[2] + op.msg_offset;
-  const u64 first = counters[3] + op.chunk_offset;
+  const u64 msg = base[0] + op.msg_offset;
+  const u64 first = base[1] + op.chunk_offset;
   const u64 nchunks = p2p_chunks(op.bytes, a.slot_bytes);
   const u32 me_there = p2p_peer_index(a.rank, peer), peer_here = p2p_peer_index(peer, a.rank);
   u8* remote = static_cast<u8*>(a.regions.p[peer]);
@@ -229,22 +277,37 @@ MSCCLPP_DEVICE_INLINE void p2p_recv(const P2pArgs& a, const P2pOpArgs& op, u32 j
     if (threadIdx.x == 0) {
       ok = spin_until([&] { return atomic_load_acquire_sys(&headers[slot].ready) > g; }, a.max_spin, a.error_word,
                       kErrorSemaphoreWaitTimeout);
-      if (ok) {
-        const u64 word = atomic_load_relaxed_sys(&headers[slot].message);
-        if (word != p2p_post(msg, op.bytes)) {
-          p2p_mismatch(a, false, peer, op.bytes, p2p_post_is(word, msg) ? p2p_post_bytes(word) : kP2pOtherSize);
-          ok = false;
-        }
-      }
     }
-    // Thread 0 alone saw the header: no thread copies a byte of a chunk it refused.
     if (!p2p_block_agrees(ok)) return;
+    // The chunk is here (thread 0's acquire, then the barrier): every thread reads its share while
+    // thread 0 checks the header's word.
     const u64 begin = c * a.slot_bytes;
     const u64 n = min(a.slot_bytes, op.bytes - min(begin, op.bytes));
-    copy(reinterpret_cast<u8*>(op.ptr) + begin, data + slot * a.slot_bytes, n, threadIdx.x, blockDim.x);
-    // Every thread's reads of the slot are done before the credit goes back.
-    __syncthreads();
-    if (threadIdx.x == 0) atomic_store_release_sys(&acks[slot], g + 1);
+    const u8* src = data + slot * a.slot_bytes;
+    u8* dst = reinterpret_cast<u8*>(op.ptr) + begin;
+    const bool held = P2pWords::fit(dst, src, n);
+    P2pWords words;
+    if (held) words.load(src, n);
+    if (threadIdx.x == 0) {
+      const u64 word = atomic_load_relaxed_sys(&headers[slot].message);
+      if (word != p2p_post(msg, op.bytes)) {
+        p2p_mismatch(a, false, peer, op.bytes, p2p_post_is(word, msg) ? p2p_post_bytes(word) : kP2pOtherSize);
+        ok = false;
+      }
+    }
+    // Thread 0 alone saw the header: no thread writes a byte of a chunk it refused.
+    if (!p2p_block_agrees(ok)) return;
+    if (held) {
+      // Every thread read its share before the barriers above: the slot goes back to the sender
+      // while the output is written.
+      if (threadIdx.x == 0) atomic_store_release_sys(&acks[slot], g + 1);
+      words.store(dst, n);
+    } else {
+      copy(dst, src, n, threadIdx.x, blockDim.x);
+      // Every thread's reads of the slot are done before the credit goes back.
+      __syncthreads();
+      if (threadIdx.x == 0) atomic_store_release_sys(&acks[slot], g + 1);
+    }
   }
 }
 
@@ -256,43 +319,54 @@ MSCCLPP_DEVICE_INLINE void p2p_copy(const P2pOpArgs& op, u32 j) {
        blockDim.x);
 }
 
-// Called by every block last (also after a failure): the last block to arrive adds the group's
-// totals to the counters. Every block read its counters before arriving, so none reads a new value.
-MSCCLPP_DEVICE_INLINE void p2p_finish(const P2pArgs& a) {
-  __syncthreads();
-  if (threadIdx.x != 0) return;
-  __threadfence();
-  if (atomicAdd(reinterpret_cast<unsigned long long*>(&a.state->arrivals), 1ull) != gridDim.x - 1) return;
-  __threadfence();
+// Called by every block last (also after a failure), with the counters it read at its entry:
+// writes the advanced counters of every channel of the group (from the op that is the last of its
+// channel) into the copies this block owns, k = blockIdx.x mod gridDim.x, spread over its threads.
+// No barrier: the block read only its own copy, before its entry's barrier, and no other block of
+// this launch reads the copies it writes.
+MSCCLPP_DEVICE_INLINE void p2p_finish(const P2pArgs& a, const u64 (*base)[2]) {
   for (u32 i = 0; i < a.nops; ++i) {
     const P2pOpArgs& op = a.ops[i];
-    if (op.kind == kP2pCopy) continue;
-    u64* c = a.state->counters[op.peer] + (op.kind == kP2pSend ? 0 : 2);
-    c[0] += 1;
-    c[1] += p2p_chunks(op.bytes, a.slot_bytes);
+    if (op.kind == kP2pCopy || op.last == 0) continue;
+    const u64 msgs = base[i][0] + op.msg_offset + 1;
+    const u64 chunks = base[i][1] + op.chunk_offset + p2p_chunks(op.bytes, a.slot_bytes);
+    u64(*c)[kP2pCounterSlots] = a.state->counters[op.peer] + (op.kind == kP2pSend ? 0 : 2);
+    for (u32 k = blockIdx.x + threadIdx.x * gridDim.x; k < kP2pCounterSlots; k += blockDim.x * gridDim.x) {
+      c[0][k] = msgs;
+      c[1][k] = chunks;
+    }
   }
-  a.state->arrivals = 0;
-  __threadfence();
 }
 
 extern "C" __global__ void __launch_bounds__(1024, 1) p2p_group(P2pArgs args) {
   wait_prior_grids();
+  // The entry's reads go out together: thread i < nops reads op i's channel counters (this block's
+  // copy) while thread 0 also reads the error word; the block meets once. Every block reads every
+  // op's counters, as every block writes every channel's at its end (p2p_finish).
+  __shared__ u64 base[kP2pMaxOps][2];
+  bool failed = false;
+  if (threadIdx.x < args.nops) {
+    const P2pOpArgs& op = args.ops[threadIdx.x];
+    if (op.kind != kP2pCopy) {
+      const u64(*c)[kP2pCounterSlots] = args.state->counters[op.peer] + (op.kind == kP2pSend ? 0 : 2);
+      base[threadIdx.x][0] = c[0][blockIdx.x];
+      base[threadIdx.x][1] = c[1][blockIdx.x];
+    }
+  }
+  if (threadIdx.x == 0) failed = aborted_at_entry(args.error_word);
   // One read of the error word for the whole block (see Blocks above).
-  if (!block_aborted(args.error_word)) {
+  if (!__syncthreads_or(failed)) {
     u32 o = 0;
     while (o + 1 < args.nops && blockIdx.x >= args.ops[o + 1].first_block) ++o;
     const P2pOpArgs& op = args.ops[o];
     const u32 j = blockIdx.x - op.first_block;
-    __shared__ u64 counters[4];
-    if (threadIdx.x < 4 && op.kind != kP2pCopy) counters[threadIdx.x] = args.state->counters[op.peer][threadIdx.x];
-    __syncthreads();
     if (op.kind == kP2pSend) {
-      p2p_send(args, op, j, counters);
+      p2p_send(args, op, j, base[o]);
     } else if (op.kind == kP2pRecv) {
-      p2p_recv(args, op, j, counters);
+      p2p_recv(args, op, j, base[o]);
     } else {
       p2p_copy(op, j);
     }
   }
-  p2p_finish(args);
+  p2p_finish(args, base);
 }
