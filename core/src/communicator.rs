@@ -43,9 +43,10 @@ pub struct MemoryDescriptor {
     pub ptr: DevicePtr,
     pub size: usize,
     pub ipc: IpcMemHandle,
-    /// The owner's process and device: a peer in the same process on the same device (several
-    /// ranks driven by one process, as ncclCommInitAll does) uses the buffer at its own address,
-    /// because the driver refuses to open an IPC handle in the process that exported it.
+    /// The owner's process and device: a peer in the same process (several ranks driven by one
+    /// process, as ncclCommInitAll does) uses the buffer at its own address, with peer access
+    /// from its device where the devices differ, because the driver refuses to open an IPC
+    /// handle in the process that exported it.
     #[serde(default)]
     pub pid: u32,
     #[serde(default)]
@@ -656,7 +657,21 @@ impl Communicator {
                 desc.rank, desc.host_id
             )));
         }
-        if desc.pid == std::process::id() && desc.device == self.device {
+        if desc.pid == std::process::id() {
+            // The driver refuses to open an IPC handle in the process that exported it (ranks of
+            // one process, as ncclCommInitAll makes): the owner's address is valid here too
+            // (unified addressing), once this device may reach the owner's memory directly.
+            if desc.device != self.device {
+                self.gpu
+                    .enable_peer_access(desc.device)
+                    .map_err(|e| Error::Peer {
+                        rank: desc.rank,
+                        message: format!(
+                            "device {} cannot reach device {} of the same process directly: {e}",
+                            self.device, desc.device
+                        ),
+                    })?;
+            }
             return Ok(RegisteredMemory {
                 local_ptr: desc.ptr,
                 desc,
@@ -921,6 +936,44 @@ mod tests {
             let want = crate::env::Env::get().expect("env").device_wait_timeout;
             assert_eq!(budget, crate::device::wait_budget_ms(want));
         });
+    }
+
+    /// Ranks of one process on two devices (ncclCommInitAll) use each other's buffers at the
+    /// owner's address, after enabling peer access, and never open an IPC handle of their own
+    /// process (the driver refuses: CUDA_ERROR_INVALID_CONTEXT on 2 x H200).
+    #[test]
+    fn ranks_of_one_process_on_two_devices_share_addresses() {
+        let gpu = Arc::new(HostGpu::new());
+        let shared: Arc<dyn Gpu> = gpu.clone();
+        let seen = on_loopback_ranks(2, Duration::from_secs(5), move |rank, boot| {
+            let comm = Communicator::new(boot, shared.clone(), rank).expect("communicator");
+            let alloc = comm.gpu().alloc(4096, MemoryKind::Plain).expect("alloc");
+            let local = comm.register(&alloc, alloc.ptr, 4096).expect("register");
+            let all = comm.exchange(local).expect("exchange");
+            let peer = &all[1 - rank];
+            assert!(
+                peer.imported.is_none(),
+                "rank {rank} opened its own process's handle"
+            );
+            (alloc.ptr, peer.local_ptr)
+        });
+        assert_eq!(
+            seen[0].1, seen[1].0,
+            "rank 0 addresses rank 1's buffer at its own address"
+        );
+        assert_eq!(
+            seen[1].1, seen[0].0,
+            "rank 1 addresses rank 0's buffer at its own address"
+        );
+        // Once per import (the communicator's own set-up imports too); enabling is idempotent.
+        let mut peers = gpu.peer_access_enabled();
+        peers.sort_unstable();
+        peers.dedup();
+        assert_eq!(
+            peers,
+            vec![0, 1],
+            "each rank enables access to the other's device"
+        );
     }
 
     /// A registration on one rank while its peer is in a barrier (buffers registered in different

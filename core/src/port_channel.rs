@@ -570,6 +570,8 @@ pub(crate) mod test_gpu {
         no_stream_writes: bool,
         stream_writes: AtomicU64,
         hold_events: AtomicBool,
+        /// The `peer` argument of every enable_peer_access call, in order.
+        peer_access: Mutex<Vec<usize>>,
     }
 
     impl HostGpu {
@@ -612,6 +614,12 @@ pub(crate) mod test_gpu {
             // SAFETY: allocated above with this layout, freed once.
             unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
             Ok(())
+        }
+        pub(crate) fn peer_access_enabled(&self) -> Vec<usize> {
+            self.peer_access
+                .lock()
+                .map(|v| v.clone())
+                .unwrap_or_default()
         }
         pub(crate) fn live_allocations(&self) -> usize {
             self.allocations.lock().map(|m| m.len()).unwrap_or(0)
@@ -764,6 +772,13 @@ pub(crate) mod test_gpu {
             }
         }
         fn close_imported(&self, _: &ImportedMemory) -> Result<()> {
+            Ok(())
+        }
+        fn enable_peer_access(&self, peer: usize) -> Result<()> {
+            self.peer_access
+                .lock()
+                .map_err(|_| Error::Internal("poisoned".into()))?
+                .push(peer);
             Ok(())
         }
         fn load_module(&self, _: &[u8]) -> Result<Module> {
