@@ -28,9 +28,6 @@ use mscclpp_kernels_cu::p2p::{
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
-/// Threads of a `p2p_group` block.
-const THREADS: u32 = 512;
-
 /// The direction of a point-to-point op.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum P2pKind {
@@ -154,7 +151,7 @@ impl P2pEngine {
         let layout = plan::layout(comm.size());
         // Every counter has a copy per block index (p2p.cu, "Order"), so the grid stays within them.
         let max_blocks = geometry::Residency::of(&comm)?
-            .max_blocks(THREADS)
+            .max_blocks(plan::MAX_BLOCK_THREADS)
             .min(COUNTER_SLOTS as u32);
         let mismatch = comm
             .gpu()
@@ -263,8 +260,9 @@ impl P2pEngine {
         };
         kargs.ops[..planned.len()].copy_from_slice(&planned);
         let f = self.function()?;
+        let threads = plan::block_threads(&planned, &self.layout);
         let cfg =
-            LaunchConfig::linear(blocks, THREADS).with_programmatic(self.comm.fast_launches());
+            LaunchConfig::linear(blocks, threads).with_programmatic(self.comm.fast_launches());
         let mut params = [param_ptr(&mut kargs)];
         let gpu = self.comm.gpu();
         // SAFETY: `params` matches the kernel's one `P2pArgs` parameter (layout checked by the NVRTC

@@ -61,6 +61,39 @@ pub fn layout(nranks: usize) -> Layout {
     }
 }
 
+/// Most threads of a `p2p_group` block (the engine counts its grid's residency at this size).
+pub const MAX_BLOCK_THREADS: u32 = 512;
+/// Fewest: the kernel's entry reads every op's counters with one thread an op.
+pub const MIN_BLOCK_THREADS: u32 = MAX_OPS as u32;
+const _: () = assert!(MIN_BLOCK_THREADS % 32 == 0 && MIN_BLOCK_THREADS <= MAX_BLOCK_THREADS);
+/// Bytes of a chunk one thread holds (p2p.cu's `P2pWords`: two 16-byte words).
+const THREAD_BYTES: usize = 32;
+
+/// Threads of every block of a planned group: enough that a thread holds at most
+/// [`THREAD_BYTES`] of the largest piece one block moves at once (a chunk, or a copy's share), a
+/// power of two within [`MIN_BLOCK_THREADS`]..=[`MAX_BLOCK_THREADS`]. Small messages get small
+/// blocks, whose barriers cost less: a 1 KiB sendrecv took 6.26 µs with 64-thread blocks against
+/// 6.62-6.66 with 512 (2 x H200, docs/results-2026-11-28-e.md).
+pub fn block_threads(ops: &[P2pOpArgs], layout: &Layout) -> u32 {
+    let largest = ops
+        .iter()
+        .map(|o| {
+            let bytes = o.bytes as usize;
+            if o.kind == KIND_COPY {
+                bytes.div_ceil(o.nblocks.max(1) as usize)
+            } else {
+                bytes.min(layout.slot_bytes)
+            }
+        })
+        .max()
+        .unwrap_or(0);
+    let wanted = u32::try_from(largest.div_ceil(THREAD_BYTES)).unwrap_or(u32::MAX);
+    wanted
+        .checked_next_power_of_two()
+        .unwrap_or(MAX_BLOCK_THREADS)
+        .clamp(MIN_BLOCK_THREADS, MAX_BLOCK_THREADS)
+}
+
 /// Chunks of a message of `bytes`: at least one, so a zero-byte message still matches.
 pub fn chunks(bytes: usize, slot_bytes: usize) -> u64 {
     bytes.div_ceil(slot_bytes).max(1) as u64
@@ -256,6 +289,25 @@ mod tests {
         assert!(l.region_bytes <= 1 << 20, "{l:?}");
         assert!(l.headers_offset % 16 == 0 && l.acks_offset % 8 == 0 && l.posts_offset % 8 == 0);
         assert!(l.region_bytes > l.posts_offset);
+    }
+
+    #[test]
+    fn blocks_are_as_wide_as_the_largest_piece_needs() {
+        let l = layout(2);
+        let threads = |ops: &[P2pOp]| block_threads(&plan(0, 2, ops, &l, 128).unwrap(), &l);
+        let pair = |bytes| [op(P2pKind::Send, 1, bytes), op(P2pKind::Recv, 1, bytes)];
+        assert_eq!(threads(&pair(0)), MIN_BLOCK_THREADS);
+        assert_eq!(threads(&pair(1024)), 64);
+        assert_eq!(threads(&pair(4096)), 128);
+        assert_eq!(threads(&pair(4097)), 256);
+        assert_eq!(threads(&pair(16 << 10)), 512);
+        assert_eq!(threads(&pair(1 << 30)), MAX_BLOCK_THREADS);
+        // The largest op sets it for the whole group.
+        let mixed = [op(P2pKind::Send, 1, 100), op(P2pKind::Recv, 1, 8192)];
+        assert_eq!(threads(&mixed), 256);
+        // A copy moves its share of the bytes in each of its blocks.
+        let copy = [op(P2pKind::Send, 0, 1 << 20), op(P2pKind::Recv, 0, 1 << 20)];
+        assert_eq!(threads(&copy), MAX_BLOCK_THREADS);
     }
 
     #[test]
