@@ -163,8 +163,17 @@ MSCCLPP_DEVICE_INLINE bool block_enter(const u32* error_word, const CallState* s
   return false;
 }
 
+// Calls f(k) for every k < copies that this block owns (k = blockIdx.x mod gridDim.x), spread over
+// its threads: how a kernel whose blocks each read their own copy of a counter (copy blockIdx.x)
+// leaves the advanced count in every copy for the next kernel, whatever its grid, with no block
+// waiting for another (finish_call; the point-to-point engine's p2p_finish).
+template <typename F>
+MSCCLPP_DEVICE_INLINE void for_each_owned_copy(u32 copies, F f) {
+  for (u32 k = blockIdx.x + threadIdx.x * gridDim.x; k < copies; k += blockDim.x * gridDim.x) f(k);
+}
+
 // Every block calls this last, with the count load_call_count or block_enter gave: advances the
-// slots this block owns (k = blockIdx.x mod gridDim.x) by `steps`, spread over its threads. No
+// slots this block owns (for_each_owned_copy) by `steps`. No
 // barrier is needed: the block's own slot was read before the barrier of load_call_count (or
 // block_enter), and the other slots it writes are read by no block of this call. The packet
 // kernels advance by one (one flag per call); the scratch pipelines advance by their step count, so
@@ -172,9 +181,7 @@ MSCCLPP_DEVICE_INLINE bool block_enter(const u32* error_word, const CallState* s
 // too.
 MSCCLPP_DEVICE_INLINE void finish_call(CallState* state, u64 calls, u64 steps = 1) {
   const u64 next = calls + steps;
-  for (u32 k = blockIdx.x + threadIdx.x * gridDim.x; k < kMaxPacketBlocks; k += blockDim.x * gridDim.x) {
-    state->calls[k] = next;
-  }
+  for_each_owned_copy(kMaxPacketBlocks, [&](u32 k) { state->calls[k] = next; });
 }
 
 // Barrier of this block with the same-numbered block of every peer, through the block's own

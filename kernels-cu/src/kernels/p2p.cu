@@ -321,9 +321,9 @@ MSCCLPP_DEVICE_INLINE void p2p_copy(const P2pOpArgs& op, u32 j) {
 
 // Called by every block last (also after a failure), with the counters it read at its entry:
 // writes the advanced counters of every channel of the group (from the op that is the last of its
-// channel) into the copies this block owns, k = blockIdx.x mod gridDim.x, spread over its threads.
-// No barrier: the block read only its own copy, before its entry's barrier, and no other block of
-// this launch reads the copies it writes.
+// channel) into the copies this block owns (for_each_owned_copy). No barrier: the block read only
+// its own copy, before its entry's barrier, and no other block of this launch reads the copies it
+// writes.
 MSCCLPP_DEVICE_INLINE void p2p_finish(const P2pArgs& a, const u64 (*base)[2]) {
   for (u32 i = 0; i < a.nops; ++i) {
     const P2pOpArgs& op = a.ops[i];
@@ -331,10 +331,10 @@ MSCCLPP_DEVICE_INLINE void p2p_finish(const P2pArgs& a, const u64 (*base)[2]) {
     const u64 msgs = base[i][0] + op.msg_offset + 1;
     const u64 chunks = base[i][1] + op.chunk_offset + p2p_chunks(op.bytes, a.slot_bytes);
     u64(*c)[kP2pCounterSlots] = a.state->counters[op.peer] + (op.kind == kP2pSend ? 0 : 2);
-    for (u32 k = blockIdx.x + threadIdx.x * gridDim.x; k < kP2pCounterSlots; k += blockDim.x * gridDim.x) {
+    for_each_owned_copy(kP2pCounterSlots, [&](u32 k) {
       c[0][k] = msgs;
       c[1][k] = chunks;
-    }
+    });
   }
 }
 
