@@ -976,6 +976,34 @@ mod tests {
         );
     }
 
+    /// Two devices of one process that cannot reach each other (no peer access): creating the
+    /// communicator fails on both ranks, naming the devices and the peer, instead of handing
+    /// kernels an address they cannot use.
+    #[test]
+    fn ranks_of_one_process_on_unreachable_devices_fail_naming_them() {
+        let gpu: Arc<dyn Gpu> = Arc::new(HostGpu::new().with_peer_access(false));
+        let errors = on_loopback_ranks(2, Duration::from_secs(5), move |rank, boot| {
+            Communicator::new(boot, gpu.clone(), rank)
+                .err()
+                .map(|e| e.to_string())
+        });
+        for (rank, e) in errors.iter().enumerate() {
+            let e = e.as_deref().expect("creation must fail");
+            let want = format!(
+                "device {rank} cannot reach device {} of the same process directly",
+                1 - rank
+            );
+            assert!(
+                e.contains(&want) && e.contains(&format!("rank {}", 1 - rank)),
+                "{e}"
+            );
+            assert!(
+                e.contains("test device"),
+                "the driver's reason is kept: {e}"
+            );
+        }
+    }
+
     /// A registration on one rank while its peer is in a barrier (buffers registered in different
     /// patterns) is caught by the bootstrap, which names both collectives.
     #[test]

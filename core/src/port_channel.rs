@@ -572,6 +572,7 @@ pub(crate) mod test_gpu {
         hold_events: AtomicBool,
         /// The `peer` argument of every enable_peer_access call, in order.
         peer_access: Mutex<Vec<usize>>,
+        no_peer_access: bool,
     }
 
     impl HostGpu {
@@ -581,6 +582,11 @@ pub(crate) mod test_gpu {
         /// Whether `stream_write_u64` is available (else it answers Unsupported).
         pub(crate) fn with_stream_writes(mut self, on: bool) -> Self {
             self.no_stream_writes = !on;
+            self
+        }
+        /// Whether enable_peer_access succeeds (else the devices cannot reach each other).
+        pub(crate) fn with_peer_access(mut self, on: bool) -> Self {
+            self.no_peer_access = !on;
             self
         }
         pub(crate) fn stream_writes(&self) -> u64 {
@@ -775,6 +781,11 @@ pub(crate) mod test_gpu {
             Ok(())
         }
         fn enable_peer_access(&self, peer: usize) -> Result<()> {
+            if self.no_peer_access {
+                return Err(Error::Unsupported(format!(
+                    "test device {peer} is out of reach"
+                )));
+            }
             self.peer_access
                 .lock()
                 .map_err(|_| Error::Internal("poisoned".into()))?
