@@ -743,15 +743,26 @@ impl Communicator {
 
     /// Sends one registered memory to `peer` (point-to-point variant of `exchange`).
     pub fn send_memory(&self, peer: usize, mem: &RegisteredMemory) -> Result<()> {
-        let bytes = serde_json::to_vec(&mem.desc)
-            .map_err(|e| Error::Internal(format!("serialising a memory descriptor: {e}")))?;
-        self.bootstrap.send(peer, TAG_MEMORY, &bytes)
+        self.bootstrap
+            .send(peer, TAG_MEMORY, &Self::memory_message(mem)?)
     }
 
     /// Receives and maps one registered memory from `peer`.
     pub fn recv_memory(&self, peer: usize) -> Result<RegisteredMemory> {
         let bytes = self.bootstrap.recv(peer, TAG_MEMORY)?;
-        let desc: MemoryDescriptor = serde_json::from_slice(&bytes).map_err(|e| Error::Peer {
+        self.import_message(peer, &bytes)
+    }
+
+    /// `mem` as bytes a peer maps with [`import_message`](Self::import_message), for protocols
+    /// that carry memory in messages of their own.
+    pub fn memory_message(mem: &RegisteredMemory) -> Result<Vec<u8>> {
+        serde_json::to_vec(&mem.desc)
+            .map_err(|e| Error::Internal(format!("serialising a memory descriptor: {e}")))
+    }
+
+    /// Maps the memory `peer` described with [`memory_message`](Self::memory_message).
+    pub fn import_message(&self, peer: usize, bytes: &[u8]) -> Result<RegisteredMemory> {
+        let desc: MemoryDescriptor = serde_json::from_slice(bytes).map_err(|e| Error::Peer {
             rank: peer,
             message: format!("sent a malformed memory descriptor: {e}"),
         })?;

@@ -94,6 +94,35 @@ fn collectives_and_tags_over_threads(#[case] n: usize) {
     });
 }
 
+/// `try_recv` never waits: nothing before the peer sends, the message once it arrived (in order,
+/// per tag), nothing again after it; a sub-bootstrap's tags map like its `recv`'s.
+#[test]
+fn try_recv_polls_without_waiting() {
+    run_threads(2, config(30), |b| {
+        let (r, peer) = (b.rank(), 1 - b.rank());
+        let started = Instant::now();
+        assert_eq!(b.try_recv(peer, 5).unwrap(), None);
+        assert!(started.elapsed() < Duration::from_secs(1));
+        b.barrier().unwrap();
+        b.send(peer, 5, &[r as u8, 1]).unwrap();
+        b.send(peer, 5, &[r as u8, 2]).unwrap();
+        // The peer's sends came before its barrier: both are queued once the barrier returns.
+        b.barrier().unwrap();
+        assert_eq!(b.try_recv(peer, 5).unwrap(), Some(vec![peer as u8, 1]));
+        assert_eq!(b.try_recv(peer, 5).unwrap(), Some(vec![peer as u8, 2]));
+        assert_eq!(b.try_recv(peer, 5).unwrap(), None);
+        assert!(matches!(b.try_recv(7, 5), Err(Error::InvalidArgument(_))));
+        let b: Arc<dyn Bootstrap> = Arc::new(b);
+        let sub = mscclpp_core::bootstrap::SubBootstrap::split(b, &[0, 1]).unwrap();
+        sub.send(peer, 6, b"sub").unwrap();
+        sub.barrier().unwrap();
+        assert_eq!(sub.try_recv(peer, 6).unwrap(), Some(b"sub".to_vec()));
+        assert_eq!(sub.try_recv(peer, 6).unwrap(), None);
+        // A peer that shut down is an error once its queue is empty: stay until both polled.
+        sub.barrier().unwrap();
+    });
+}
+
 #[test]
 fn send_recv_from_several_threads_at_once() {
     const THREADS: u64 = 4;

@@ -99,37 +99,10 @@ impl Mailbox {
         timeout: Duration,
         what: impl Fn() -> String,
     ) -> Result<Vec<u8>> {
-        let peer = key.0;
         let mut st = self.lock();
         loop {
-            if let Some(q) = st.queues.get_mut(&key) {
-                if let Some(msg) = q.pop_front() {
-                    if q.is_empty() {
-                        // Collective tags are sequence numbers: drop empty queues so the map
-                        // does not grow with every call.
-                        st.queues.remove(&key);
-                    }
-                    return Ok(msg);
-                }
-            }
-            // Liveness answers are awaited after a failure too: they name who stalled.
-            if let (Some((rank, reason)), false) = (&st.aborted, key.1 == FrameKind::Pong) {
-                return Err(Error::Peer {
-                    rank: *rank,
-                    message: format!("job aborted: {reason}"),
-                });
-            }
-            if let Some(reason) = st.closed.get(&peer) {
-                return Err(Error::Peer {
-                    rank: peer,
-                    message: reason.clone(),
-                });
-            }
-            if st.shutdown {
-                return Err(Error::Bootstrap(format!(
-                    "bootstrap shut down while waiting for {}",
-                    what()
-                )));
+            if let Some(msg) = st.take(key, &what)? {
+                return Ok(msg);
             }
             let now = Instant::now();
             if now >= deadline {
@@ -144,6 +117,50 @@ impl Mailbox {
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
+    }
+
+    /// The next message under `key` if one is queued, without waiting; the errors of
+    /// [`wait`](Self::wait) (a closed peer, an aborted job) once the queue is empty.
+    pub fn try_take(&self, key: Key, what: impl Fn() -> String) -> Result<Option<Vec<u8>>> {
+        self.lock().take(key, &what)
+    }
+}
+
+impl State {
+    /// The next message under `key`; `None` while none is queued and waiting could still bring
+    /// one; the reason it never will otherwise.
+    fn take(&mut self, key: Key, what: &impl Fn() -> String) -> Result<Option<Vec<u8>>> {
+        let peer = key.0;
+        if let Some(q) = self.queues.get_mut(&key) {
+            if let Some(msg) = q.pop_front() {
+                if q.is_empty() {
+                    // Collective tags are sequence numbers: drop empty queues so the map
+                    // does not grow with every call.
+                    self.queues.remove(&key);
+                }
+                return Ok(Some(msg));
+            }
+        }
+        // Liveness answers are awaited after a failure too: they name who stalled.
+        if let (Some((rank, reason)), false) = (&self.aborted, key.1 == FrameKind::Pong) {
+            return Err(Error::Peer {
+                rank: *rank,
+                message: format!("job aborted: {reason}"),
+            });
+        }
+        if let Some(reason) = self.closed.get(&peer) {
+            return Err(Error::Peer {
+                rank: peer,
+                message: reason.clone(),
+            });
+        }
+        if self.shutdown {
+            return Err(Error::Bootstrap(format!(
+                "bootstrap shut down while waiting for {}",
+                what()
+            )));
+        }
+        Ok(None)
     }
 }
 
@@ -168,6 +185,20 @@ mod tests {
             Err(Error::Peer { rank: 1, message }) => assert_eq!(message, "connection closed"),
             other => panic!("unexpected {other:?}"),
         }
+    }
+
+    #[test]
+    fn try_take_does_not_wait_and_reports_close() {
+        let m = Mailbox::new();
+        let k = (1, FrameKind::User, 4);
+        assert_eq!(m.try_take(k, String::new).unwrap(), None);
+        m.push(k, vec![7]);
+        m.close_peer(1, "gone".into());
+        assert_eq!(m.try_take(k, String::new).unwrap(), Some(vec![7]));
+        assert!(matches!(
+            m.try_take(k, String::new),
+            Err(Error::Peer { rank: 1, .. })
+        ));
     }
 
     #[test]

@@ -47,6 +47,14 @@ pub trait Bootstrap: Send + Sync {
     fn send(&self, peer: usize, tag: u64, data: &[u8]) -> Result<()>;
     /// Receives the next message from `peer` under `tag`.
     fn recv(&self, peer: usize, tag: u64) -> Result<Vec<u8>>;
+    /// The next message from `peer` under `tag` if one has arrived, without waiting (a host
+    /// protocol that must not block, e.g. the point-to-point engine's buffer offers). The default:
+    /// a bootstrap that cannot tell whether a message has arrived reports none, so callers must
+    /// treat `None` as "not yet", never as "never".
+    fn try_recv(&self, peer: usize, tag: u64) -> Result<Option<Vec<u8>>> {
+        let _ = (peer, tag);
+        Ok(None)
+    }
     /// Every rank contributes `data` (sizes may differ); every rank gets all contributions, indexed
     /// by rank.
     fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>>;

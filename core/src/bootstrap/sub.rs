@@ -170,6 +170,16 @@ impl SubBootstrap {
     fn next_seq(&self) -> u64 {
         self.seq.fetch_add(1, Ordering::Relaxed)
     }
+
+    /// The parent's rank and tag of `peer`'s messages under `tag` in this group.
+    fn parent_address(&self, peer: usize, tag: u64) -> Result<(usize, u64)> {
+        if tag >= MAX_SUB_TAG {
+            return Err(Error::InvalidArgument(format!(
+                "tag {tag:#x} of a sub-bootstrap: tags must be below {MAX_SUB_TAG:#x}"
+            )));
+        }
+        Ok((self.link.parent_rank(peer)?, self.link.tag(tag)))
+    }
 }
 
 /// This rank's sub-rank in `members`, after checking the list: not empty, parent ranks only, no
@@ -202,22 +212,16 @@ impl Bootstrap for SubBootstrap {
         self.link.members.len()
     }
     fn send(&self, peer: usize, tag: u64, data: &[u8]) -> Result<()> {
-        if tag >= MAX_SUB_TAG {
-            return Err(Error::InvalidArgument(format!(
-                "tag {tag:#x} of a sub-bootstrap: tags must be below {MAX_SUB_TAG:#x}"
-            )));
-        }
-        let to = self.link.parent_rank(peer)?;
-        self.link.parent.send(to, self.link.tag(tag), data)
+        let (to, tag) = self.parent_address(peer, tag)?;
+        self.link.parent.send(to, tag, data)
     }
     fn recv(&self, peer: usize, tag: u64) -> Result<Vec<u8>> {
-        if tag >= MAX_SUB_TAG {
-            return Err(Error::InvalidArgument(format!(
-                "tag {tag:#x} of a sub-bootstrap: tags must be below {MAX_SUB_TAG:#x}"
-            )));
-        }
-        let from = self.link.parent_rank(peer)?;
-        self.link.parent.recv(from, self.link.tag(tag))
+        let (from, tag) = self.parent_address(peer, tag)?;
+        self.link.parent.recv(from, tag)
+    }
+    fn try_recv(&self, peer: usize, tag: u64) -> Result<Option<Vec<u8>>> {
+        let (from, tag) = self.parent_address(peer, tag)?;
+        self.link.parent.try_recv(from, tag)
     }
     fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
         collectives::all_gather(&self.link, self.next_seq(), data)

@@ -682,6 +682,16 @@ impl Inner {
         })
     }
 
+    fn check_peer(&self, peer: usize) -> Result<()> {
+        if peer >= self.size {
+            return Err(Error::InvalidArgument(format!(
+                "peer rank {peer} is not in this {}-rank job",
+                self.size
+            )));
+        }
+        Ok(())
+    }
+
     fn recv_frame(
         &self,
         peer: usize,
@@ -689,12 +699,7 @@ impl Inner {
         tag: u64,
         what: impl Fn() -> String,
     ) -> Result<Vec<u8>> {
-        if peer >= self.size {
-            return Err(Error::InvalidArgument(format!(
-                "peer rank {peer} is not in this {}-rank job",
-                self.size
-            )));
-        }
+        self.check_peer(peer)?;
         self.mailbox.wait(
             (peer, kind, tag),
             Instant::now() + self.timeout,
@@ -960,6 +965,15 @@ impl Bootstrap for TcpBootstrap {
         self.inner.recv_frame(peer, FrameKind::User, tag, || {
             format!("a message from rank {peer} with tag {tag} (rank {me} waiting)")
         })
+    }
+    fn try_recv(&self, peer: usize, tag: u64) -> Result<Option<Vec<u8>>> {
+        let me = self.inner.rank;
+        self.inner.check_peer(peer)?;
+        self.inner
+            .mailbox
+            .try_take((peer, FrameKind::User, tag), || {
+                format!("a message from rank {peer} with tag {tag} (rank {me} polling)")
+            })
     }
     fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
         self.collective(|x, seq| collectives::all_gather(x, seq, data))
