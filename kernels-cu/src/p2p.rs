@@ -17,6 +17,17 @@ const _: () = assert!(
     "the post ring must not lap (see p2p.cu)"
 );
 
+/// Entries of each peer's zero-copy table (`kP2pZcEntries`): the registrations one engine offers
+/// at most.
+pub const ZC_ENTRIES: usize = 32;
+
+/// The zero-copy word of a receive (`p2p_zc_key`, `p2p_zc_offset`): `key + 1` in the high 24
+/// bits, the receive's byte offset in the offered allocation in the low 40 (`None` if it does not
+/// fit).
+pub fn zc_word(key: usize, offset: u64) -> Option<u64> {
+    (key < ZC_ENTRIES && offset < 1 << 40).then(|| ((key as u64 + 1) << 40) | offset)
+}
+
 /// `P2pOpArgs::kind` values.
 pub const KIND_SEND: u32 = 0;
 pub const KIND_RECV: u32 = 1;
@@ -28,8 +39,9 @@ pub const KIND_COPY: u32 = 2;
 pub struct P2pOpArgs {
     /// Send: the source; receive and copy: the destination.
     pub ptr: u64,
-    /// Copy: the source; else 0.
-    pub src: u64,
+    /// Copy: the source; receive: its zero-copy word ([`zc_word`]) or 0; send: 1 where it may go
+    /// zero copy (the receiver's post decides), else 0.
+    pub aux: u64,
     pub bytes: u64,
     /// Chunks of the earlier ops of this (peer, direction) in the group.
     pub chunk_offset: u64,
@@ -44,19 +56,22 @@ pub struct P2pOpArgs {
     pub last: u32,
 }
 
-/// `P2pState`: the engine's device-resident counters (zeroed at creation).
+/// `P2pState`: the engine's device-resident counters and zero-copy table (zeroed at creation).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct P2pState {
     /// Per peer rank: send messages, send chunks, receive messages, receive chunks, each in
     /// [`COUNTER_SLOTS`] copies.
     pub counters: [[[u64; COUNTER_SLOTS]; 4]; MAX_RANKS],
+    /// Per peer rank and key: the peer's offered buffer as mapped here (0: not mapped).
+    pub zc_table: [[u64; ZC_ENTRIES]; MAX_RANKS],
 }
 
 impl Default for P2pState {
     fn default() -> Self {
         P2pState {
             counters: [[[0; COUNTER_SLOTS]; 4]; MAX_RANKS],
+            zc_table: [[0; ZC_ENTRIES]; MAX_RANKS],
         }
     }
 }
@@ -91,6 +106,8 @@ pub struct P2pArgs {
     pub headers_offset: u64,
     pub acks_offset: u64,
     pub posts_offset: u64,
+    /// Region offset of the `P2pZeroCopy` entries, one per peer index.
+    pub zc_offset: u64,
     pub slots: u32,
     pub rank: u32,
     pub nranks: u32,
@@ -111,11 +128,11 @@ pub fn layout_asserts() -> String {
             $(check(stringify!($ty), stringify!($f), offset_of!($ty, $f));)+
         };
     }
-    fields!(P2pOpArgs: ptr, src, bytes, chunk_offset, kind, peer, first_block, nblocks, msg_offset, last);
-    fields!(P2pState: counters);
+    fields!(P2pOpArgs: ptr, aux, bytes, chunk_offset, kind, peer, first_block, nblocks, msg_offset, last);
+    fields!(P2pState: counters, zc_table);
     fields!(P2pMismatch: claimed, is_send, peer, mine, theirs);
     fields!(P2pArgs: regions, local, state, mismatch, error_word, max_spin, slot_bytes,
-        headers_offset, acks_offset, posts_offset, slots, rank, nranks, nops, ops);
+        headers_offset, acks_offset, posts_offset, zc_offset, slots, rank, nranks, nops, ops);
     for (ty, size) in [
         ("P2pOpArgs", size_of::<P2pOpArgs>()),
         ("P2pState", size_of::<P2pState>()),
@@ -130,6 +147,7 @@ pub fn layout_asserts() -> String {
         ("kP2pMaxOps", MAX_OPS as u32),
         ("kP2pCounterSlots", COUNTER_SLOTS as u32),
         ("kP2pPosts", POSTS as u32),
+        ("kP2pZcEntries", ZC_ENTRIES as u32),
         ("kP2pSend", KIND_SEND),
         ("kP2pRecv", KIND_RECV),
         ("kP2pCopy", KIND_COPY),
@@ -147,14 +165,25 @@ mod tests {
     #[test]
     fn layout_is_the_documented_one() {
         assert_eq!(size_of::<P2pOpArgs>(), 56);
-        assert_eq!(size_of::<P2pState>(), 8 * 4 * COUNTER_SLOTS * MAX_RANKS);
+        assert_eq!(
+            size_of::<P2pState>(),
+            8 * (4 * COUNTER_SLOTS + ZC_ENTRIES) * MAX_RANKS
+        );
         assert_eq!(size_of::<P2pMismatch>(), 32);
-        assert_eq!(offset_of!(P2pArgs, ops), 152);
-        assert_eq!(size_of::<P2pArgs>(), 152 + MAX_OPS * 56);
+        assert_eq!(offset_of!(P2pArgs, ops), 160);
+        assert_eq!(size_of::<P2pArgs>(), 160 + MAX_OPS * 56);
         // Kernel parameters are limited to 4 KiB.
         assert!(size_of::<P2pArgs>() <= 4096);
         let asserts = layout_asserts();
-        assert!(asserts.contains("offsetof(P2pArgs, nops) == 148"));
+        assert!(asserts.contains("offsetof(P2pArgs, nops) == 156"));
         assert!(asserts.contains("static_assert(kP2pPosts == 256"));
+    }
+
+    #[test]
+    fn zero_copy_words_carry_key_and_offset() {
+        assert_eq!(zc_word(0, 0), Some(1 << 40));
+        assert_eq!(zc_word(5, 0x1234), Some((6 << 40) | 0x1234));
+        assert_eq!(zc_word(ZC_ENTRIES, 0), None);
+        assert_eq!(zc_word(0, 1 << 40), None);
     }
 }

@@ -23,7 +23,7 @@ use crate::{RankContext, GIB, MIB};
 use mscclpp::core::gpu::{Allocation, Gpu, MemoryKind, Stream};
 use mscclpp::core::{Error, Result};
 use mscclpp_collectives::p2p::plan::{chunks, layout};
-use mscclpp_collectives::p2p::{P2pEngine, P2pKind, P2pOp};
+use mscclpp_collectives::p2p::{P2pEngine, P2pKind, P2pOp, ZERO_COPY_MIN_BYTES};
 use std::sync::Arc;
 
 const POISON: u8 = 0x5A;
@@ -196,8 +196,20 @@ fn check_group(
     graph: bool,
     repeats: u64,
 ) -> Result<()> {
+    let g = Group::new(&ctx.gpu, ctx.rank(), msgs)?;
+    run_group(ctx, engine, &g, key, graph, repeats)
+}
+
+/// [`check_group`] on buffers the caller holds.
+fn run_group(
+    ctx: &RankContext,
+    engine: &P2pEngine,
+    g: &Group,
+    key: u64,
+    graph: bool,
+    repeats: u64,
+) -> Result<()> {
     let gpu = &ctx.gpu;
-    let g = Group::new(gpu, ctx.rank(), msgs)?;
     let ops = g.ops();
     let stream = gpu.create_stream()?;
     let result = (|| {
@@ -238,6 +250,36 @@ pub fn ring_once(ctx: &RankContext, engine: &P2pEngine, bytes: usize, key: u64) 
     check_group(ctx, engine, ring(rank, n, bytes), key, false, 1)?;
     engine.check()
 }
+
+/// Zero copy: a ring of `bytes` on the same buffers, eager until the receivers' allocations are
+/// mapped by their senders (the first calls go through the slots), then captured and replayed;
+/// every byte of every call checked, and this rank's receives must have gone zero copy.
+fn zero_copy(ctx: &RankContext, engine: &P2pEngine, bytes: usize, key: u64) -> Result<String> {
+    let (rank, n) = (ctx.rank(), ctx.size());
+    let g = Group::new(&ctx.gpu, rank, ring(rank, n, bytes))?;
+    let before = engine.zero_copy_receives();
+    run_group(ctx, engine, &g, key, false, ZERO_COPY_EAGER_CALLS)?;
+    let eager = engine.zero_copy_receives() - before;
+    run_group(ctx, engine, &g, key ^ 0x5a5a, true, 1)?;
+    let captured = engine.zero_copy_receives() - before - eager;
+    // The sender's side: what its last replay wrote straight into this rank's buffer.
+    let direct = engine.last_zero_copied_bytes((rank + n - 1) % n)?;
+    if eager == 0 || captured != 1 || direct != bytes as u64 {
+        return Err(Error::Internal(format!(
+            "rank {rank}: {eager} of {ZERO_COPY_EAGER_CALLS} eager receives of {bytes} bytes and \
+             {captured} of 1 captured were offered zero copy (at least one, and the captured \
+             one, expected), and the sender wrote {direct} bytes of the last replay straight \
+             into the buffer"
+        )));
+    }
+    Ok(format!(
+        "{bytes} B: {eager} of {ZERO_COPY_EAGER_CALLS} eager calls and the graph zero copy, every byte"
+    ))
+}
+
+/// Eager calls of [`zero_copy`]: the offer goes out on the first, the sender maps it at its next
+/// call and the receiver sees the confirmation at the one after.
+const ZERO_COPY_EAGER_CALLS: u64 = 5;
 
 /// Two ring groups (opposite directions) on two streams without a host sync between them: on two
 /// engines they run at once; on one engine the second waits for the first.
@@ -436,6 +478,16 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
         "p2p: two engines in flight on two streams".into(),
         r.map(|()| "both rings correct".into()),
     ));
+    for bytes in [ZERO_COPY_MIN_BYTES, ZERO_COPY_MIN_BYTES + 3, 64 * MIB + 16] {
+        if n < 2 {
+            break;
+        }
+        case += 1;
+        out.push((
+            "p2p: zero copy on buffers used again (eager, then a graph)".into(),
+            zero_copy(ctx, &engine, bytes, seed ^ case),
+        ));
+    }
     out.push((
         "p2p: one engine on two streams (ordered by the engine)".into(),
         two_streams(ctx, [&engine, &engine], seed ^ 0xBCDE).map(|()| "both rings correct".into()),

@@ -5,7 +5,9 @@
 //! them, so replays stay matched with the peers. The k-th send from a rank to a peer matches the
 //! peer's k-th receive from that rank, within a group and across groups, as in NCCL.
 //! - [`plan`]: the region layout, chunking and a group's plan (CPU-tested);
-//! - [`sendrecv`]: `default_sendrecv_p2p`, nccl-tests' shift exchange as an `Algorithm`.
+//! - [`sendrecv`]: `default_sendrecv_p2p`, nccl-tests' shift exchange as an `Algorithm`;
+//! - `zero_copy`: messages from [`ZERO_COPY_MIN_BYTES`] on straight into the receiver's buffer once
+//!   its allocation is mapped by the sender (offered and confirmed without waiting on either side).
 //!
 //! The counters are the engine's, so its groups must not overlap on the device: a group on another
 //! stream than the engine's previous one waits for it (an event recorded after every group and
@@ -15,6 +17,9 @@
 
 pub mod plan;
 pub mod sendrecv;
+mod zero_copy;
+
+pub use zero_copy::ZERO_COPY_MIN_BYTES;
 
 use crate::geometry;
 use crate::resources::{param_ptr, CollectionResources, KernelTable, SharedScratch};
@@ -75,6 +80,7 @@ pub struct P2pEngine {
     state: DevicePtr,
     layout: plan::Layout,
     mismatch: HostMapped,
+    zero_copy: zero_copy::ZeroCopy,
     /// The stream of the last group launched outside a capture, and an event recorded after it.
     order: Mutex<(Option<Stream>, Event)>,
     max_blocks: u32,
@@ -156,8 +162,11 @@ impl P2pEngine {
         let mismatch = comm
             .gpu()
             .alloc_host_mapped(std::mem::size_of::<P2pMismatch>())?;
-        let event = match comm.gpu().create_event() {
-            Ok(e) => e,
+        let table = state + std::mem::offset_of!(P2pState, zc_table) as u64;
+        let built = zero_copy::ZeroCopy::new(comm.gpu().clone(), table)
+            .and_then(|z| Ok((z, comm.gpu().create_event()?)));
+        let (zero_copy, event) = match built {
+            Ok(b) => b,
             Err(e) => {
                 let _ = comm.gpu().free_host_mapped(&mismatch);
                 return Err(e);
@@ -171,6 +180,7 @@ impl P2pEngine {
             state,
             layout,
             mismatch,
+            zero_copy,
             order: Mutex::new((None, event)),
             max_blocks,
             comm,
@@ -190,6 +200,30 @@ impl P2pEngine {
     /// collection's allocation, see [`Self::borrows`]).
     pub fn device_bytes(&self) -> usize {
         self.layout.region_bytes + std::mem::size_of::<P2pState>()
+    }
+
+    /// Receives launched with a zero-copy word so far (from [`ZERO_COPY_MIN_BYTES`], once the
+    /// sender mapped the buffer's allocation).
+    pub fn zero_copy_receives(&self) -> u64 {
+        self.zero_copy.receives()
+    }
+
+    /// Bytes that the sender wrote straight into this rank's buffer of the last receive from
+    /// `peer` launched with a zero-copy word (0 where that message took the slots). A synchronous
+    /// device read, for checks.
+    pub fn last_zero_copied_bytes(&self, peer: usize) -> Result<u64> {
+        let rank = self.comm.rank();
+        if peer == rank || peer >= self.comm.size() {
+            return Err(Error::InvalidArgument(format!(
+                "rank {rank}: no zero-copy channel from rank {peer}"
+            )));
+        }
+        let index = if peer < rank { peer } else { peer - 1 };
+        // P2pZeroCopy::done of the channel's entry (p2p.cu): the message's tag and its bytes.
+        let done = self.local + (self.layout.zc_offset + 16 * index + 8) as u64;
+        let mut word = [0u8; 8];
+        self.comm.gpu().copy_from_device(&mut word, done)?;
+        Ok(u64::from_le_bytes(word) & ((1 << 40) - 1))
     }
 
     /// The first send/receive size mismatch the device saw on this rank, naming both ranks.
@@ -236,7 +270,8 @@ impl P2pEngine {
             return Ok(());
         }
         let (rank, n) = (self.comm.rank(), self.comm.size());
-        let planned = plan::plan(rank, n, ops, &self.layout, self.max_blocks)?;
+        let mut planned = plan::plan(rank, n, ops, &self.layout, self.max_blocks)?;
+        self.zero_copy.mark(&self.comm, &mut planned, *stream)?;
         let Some(last) = planned.last() else {
             return Ok(());
         };
@@ -252,6 +287,7 @@ impl P2pEngine {
             headers_offset: self.layout.headers_offset as u64,
             acks_offset: self.layout.acks_offset as u64,
             posts_offset: self.layout.posts_offset as u64,
+            zc_offset: self.layout.zc_offset as u64,
             slots: self.layout.slots as u32,
             rank: rank as u32,
             nranks: n as u32,

@@ -3,7 +3,7 @@
 //! message, and a group's plan: validation, self send/recv pairing, per-(peer, direction) message
 //! and chunk offsets, and the split of the grid among the ops.
 
-use super::{P2pKind, P2pOp};
+use super::{P2pKind, P2pOp, ZERO_COPY_MIN_BYTES};
 use mscclpp_core::{Error, Result};
 use mscclpp_kernels_cu::p2p::{P2pOpArgs, KIND_COPY, KIND_RECV, KIND_SEND, MAX_OPS, POSTS};
 
@@ -24,6 +24,8 @@ pub const MAX_SLOTS: usize = 64;
 pub const MAX_MESSAGE_BYTES: usize = (1 << 40) - 1;
 /// Bytes of a slot header (`ready`, `bytes`).
 const HEADER_BYTES: usize = 16;
+/// Bytes of a channel's zero-copy words (`P2pZeroCopy`: the receiver's word, the sender's count).
+const ZERO_COPY_BYTES: usize = 16;
 
 /// Where things are in each rank's region (the same on every rank of a communicator).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,12 +36,15 @@ pub struct Layout {
     pub headers_offset: usize,
     pub acks_offset: usize,
     pub posts_offset: usize,
+    /// The zero-copy words, one pair per peer index (see kernels/p2p.cu, "Zero copy").
+    pub zc_offset: usize,
     /// Bytes of the region every peer maps.
     pub region_bytes: usize,
 }
 
 /// The region layout for `nranks` ranks: per peer index, `slots` data slots, then the slot
-/// headers, the acks (credits this rank's receivers return) and the posts (what they expect). The
+/// headers, the acks (credits this rank's receivers return), the posts (what they expect) and
+/// the zero-copy words. The
 /// budget per peer is cut into as many slots of at most `MAX_SLOT_BYTES` as fit (56 at 2 ranks, 8
 /// at 8), chunks shrinking only to keep `MIN_SLOTS`.
 pub fn layout(nranks: usize) -> Layout {
@@ -51,13 +56,15 @@ pub fn layout(nranks: usize) -> Layout {
     let headers_offset = npeers * slots * slot_bytes;
     let acks_offset = headers_offset + npeers * slots * HEADER_BYTES;
     let posts_offset = acks_offset + npeers * slots * 8;
+    let zc_offset = posts_offset + npeers * POSTS * 8;
     Layout {
         slots,
         slot_bytes,
         headers_offset,
         acks_offset,
         posts_offset,
-        region_bytes: posts_offset + npeers * POSTS * 8,
+        zc_offset,
+        region_bytes: zc_offset + npeers * ZERO_COPY_BYTES,
     }
 }
 
@@ -108,15 +115,28 @@ impl Layout {
     }
 }
 
+/// Most blocks of a send that may go zero copy, one per 128 KiB: it writes straight into the
+/// receiver's buffer, so its blocks share no slots, and NVLink takes more writers than the slots'
+/// blocks.
+pub const ZERO_COPY_SEND_BLOCKS: u32 = 64;
+
 /// Blocks an op would like: one per chunk up to [`Layout::blocks_per_op`] (a block moves one
-/// chunk at a time); a self copy, one per 256 KiB up to the same bound.
+/// chunk at a time); a self copy, one per 256 KiB up to the same bound; a send that may go zero
+/// copy, at least that and up to [`ZERO_COPY_SEND_BLOCKS`].
 fn wanted_blocks(op: &P2pOpArgs, layout: &Layout) -> u32 {
+    let bytes = op.bytes as usize;
     let units = if op.kind == KIND_COPY {
-        (op.bytes as usize).div_ceil(256 << 10).max(1) as u64
+        bytes.div_ceil(256 << 10).max(1) as u64
     } else {
-        chunks(op.bytes as usize, layout.slot_bytes)
+        chunks(bytes, layout.slot_bytes)
     };
-    units.min(u64::from(layout.blocks_per_op())) as u32
+    let slotted = units.min(u64::from(layout.blocks_per_op())) as u32;
+    if op.kind == KIND_SEND && bytes >= ZERO_COPY_MIN_BYTES {
+        let direct = u32::try_from(bytes.div_ceil(128 << 10)).unwrap_or(u32::MAX);
+        slotted.max(direct.min(ZERO_COPY_SEND_BLOCKS))
+    } else {
+        slotted
+    }
 }
 
 /// The kernel's ops for one group of `rank` of `nranks`, in the caller's order (self sends and
@@ -194,7 +214,7 @@ pub fn plan(
                 )));
             }
             args.kind = KIND_COPY;
-            args.src = send.ptr;
+            args.aux = send.ptr;
         } else {
             let dir = match op.kind {
                 P2pKind::Send => 0,
@@ -379,7 +399,7 @@ mod tests {
         let p = plan(2, 3, &ops, &small(), 100).unwrap();
         assert_eq!(p.len(), 2);
         assert_eq!((p[1].kind, p[1].last), (KIND_COPY, 0));
-        assert_eq!(p[1].src, 0x1002);
+        assert_eq!(p[1].aux, 0x1002);
         let bad = [op(P2pKind::Send, 2, 100), op(P2pKind::Recv, 2, 99)];
         let err = plan(2, 3, &bad, &small(), 100).unwrap_err().to_string();
         assert!(

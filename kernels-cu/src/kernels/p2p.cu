@@ -45,6 +45,32 @@
 // acts on is thread 0's, shared (p2p_block_agrees, block_aborted): a block whose warps read the error
 // word apart once split around two barriers, and the warps that missed the error copied their share
 // of a chunk whose mismatch thread 0 had seen.
+//
+// Zero copy (large messages). The slots bound a channel to its chunks in flight (a round trip each),
+// so a message of 1 MiB or more goes straight into the receiver's buffer once the sender has it
+// mapped. The receiver's host registers the buffer's allocation and offers it to the sender's host
+// (bootstrap; neither side ever waits for the other), which maps it, has its address copied into
+// the engine's table (P2pState::zc_table[peer][key], device memory: a kernel's read of host memory
+// cost ~35 µs on H200) on the stream of its next group, and confirms. From then on the receiver's
+// host gives its receives into that allocation a word of key and offset (`aux`) when the receive is
+// the only op of its channel in the group, and the sender's host marks its large sends to a peer of
+// which it mapped a buffer (`aux` = 1).
+//
+// Every receive stores its word (0: slots) into the channel's P2pZeroCopy entry in the sender's
+// region before it posts; one with a word first sets its own `done` to p2p_post(msg, 0). A marked
+// send waits for the receiver's post; if the word is set, its table entry is there and the sizes
+// agree, each of its blocks writes its share of the message into the mapped buffer, fences, and
+// adds its byte count to the receiver's `done`. Otherwise it takes the slots as any send: a send
+// launched before its table entry was copied finds it empty. The receiver's blocks wait until
+// `done` is p2p_post(msg, bytes) (the tag keeps an earlier message's count from passing) or until
+// the header of their first chunk arrives, and then take the slots too, so both sides always agree
+// (a sender of another size also publishes that header: both sides name the mismatch). After a
+// zero-copy message block 0 returns the credits of every slot its chunks map to: the message
+// consumes its chunk numbers as any other, so the counters never depend on the path taken, and
+// every earlier chunk of the channel was received, and credited, by an earlier kernel, since the
+// receive is its channel's only op in its group. For the same reason one word per channel is
+// enough: the receiver posts nothing more on the channel before the sender, which read the word
+// before it wrote anything, has delivered the message.
 
 using namespace mscclpp;
 using namespace mscclpp::coll;
@@ -58,6 +84,10 @@ constexpr u32 kP2pPosts = 256;
 // How long a send waits at its end for the receiver's post of the message (see p2p_send).
 constexpr u64 kP2pPostGraceNs = 1000000;
 
+// Entries of each peer's zero-copy table: registrations one engine offers at most. Mirrored by
+// mscclpp_kernels_cu::p2p::ZC_ENTRIES.
+constexpr u32 kP2pZcEntries = 32;
+
 constexpr u32 kP2pSend = 0;
 constexpr u32 kP2pRecv = 1;
 constexpr u32 kP2pCopy = 2;
@@ -69,7 +99,7 @@ constexpr u32 kP2pCounterSlots = 128;
 // One op of a group. Mirrored by mscclpp_kernels_cu::p2p::P2pOpArgs (56 bytes).
 struct P2pOpArgs {
   u64 ptr;           // send: source; recv and copy: destination
-  u64 src;           // copy: source; else 0
+  u64 aux;           // copy: source; recv: a zero-copy word or 0; send: 1 if it may go zero copy
   u64 bytes;
   u64 chunk_offset;  // chunks of the earlier ops of this (peer, direction) in the group
   u32 kind;          // kP2pSend, kP2pRecv, kP2pCopy
@@ -80,11 +110,13 @@ struct P2pOpArgs {
   u32 last;          // 1: no later op of the group has this (peer, direction)
 };
 
-// Device-resident counters of one engine (private memory, zero at creation), per peer: send
-// messages, send chunks, receive messages, receive chunks, each in kP2pCounterSlots copies. Mirrored
-// by mscclpp_kernels_cu::p2p::P2pState.
+// Device-resident state of one engine (private memory, zero at creation): per peer, the counters
+// of send messages, send chunks, receive messages, receive chunks, each in kP2pCounterSlots copies;
+// and the zero-copy table, per peer rank and key the peer's offered buffer as mapped here (0: not
+// mapped; written by the host only). Mirrored by mscclpp_kernels_cu::p2p::P2pState.
 struct P2pState {
   u64 counters[kMaxRanks][4][kP2pCounterSlots];
+  u64 zc_table[kMaxRanks][kP2pZcEntries];
 };
 
 // `theirs` of a receive that met a chunk of another message: the peer's message has another chunk
@@ -113,6 +145,7 @@ struct P2pArgs {
   u64 headers_offset;   // region offsets (bytes) of the slot headers, the acks and the posts
   u64 acks_offset;
   u64 posts_offset;
+  u64 zc_offset;        // region offset of the P2pZeroCopy entries, one per peer index
   u32 slots;
   u32 rank;
   u32 nranks;
@@ -125,6 +158,12 @@ struct P2pSlotHeader {
   u64 message;  // p2p_post(seq, bytes) of the message the chunk belongs to
 };
 
+// Zero-copy words of one channel in a rank's region, per peer index (see Zero copy above).
+struct P2pZeroCopy {
+  u64 word;  // written by that peer as receiver: its current post's zero-copy word (0: slots)
+  u64 done;  // added to by that peer as sender: p2p_post(msg, bytes written into this rank's buffer)
+};
+
 // Index of `rank` among the peers of `owner` (the region layout is per peer index).
 MSCCLPP_DEVICE_INLINE u32 p2p_peer_index(u32 rank, u32 owner) { return rank < owner ? rank : rank - 1; }
 
@@ -133,6 +172,11 @@ MSCCLPP_DEVICE_INLINE u32 p2p_peer_index(u32 rank, u32 owner) { return rank < ow
 MSCCLPP_DEVICE_INLINE u64 p2p_post(u64 msg, u64 bytes) { return ((msg % 0xFFFFFFull + 1) << 40) | bytes; }
 MSCCLPP_DEVICE_INLINE bool p2p_post_is(u64 post, u64 msg) { return (post >> 40) == msg % 0xFFFFFFull + 1; }
 MSCCLPP_DEVICE_INLINE u64 p2p_post_bytes(u64 post) { return post & ((1ull << 40) - 1); }
+
+// Zero-copy word of a receive: (key + 1) in the high 24 bits, its offset in the offered allocation
+// in the low 40. Built by the host (mscclpp_kernels_cu::p2p::zc_word).
+MSCCLPP_DEVICE_INLINE u32 p2p_zc_key(u64 zc) { return static_cast<u32>(zc >> 40) - 1; }
+MSCCLPP_DEVICE_INLINE u64 p2p_zc_offset(u64 zc) { return zc & ((1ull << 40) - 1); }
 
 MSCCLPP_DEVICE_INLINE u64 p2p_chunks(u64 bytes, u64 slot_bytes) {
   return bytes == 0 ? 1 : (bytes + slot_bytes - 1) / slot_bytes;
@@ -191,6 +235,41 @@ struct P2pWords {
   }
 };
 
+// A send that may go zero copy (see Zero copy above): waits for the receiver's post of message
+// `msg`; if it carries a zero-copy word for a message of this size, writes block j's share straight
+// into the mapped buffer and adds its bytes to the receiver's `done` word. False: the slots carry
+// the message (no word, another size, or a wait that gave up: the slot loop then names the
+// mismatch, or returns at once on the recorded error).
+MSCCLPP_DEVICE_INLINE bool p2p_send_zero_copy(const P2pArgs& a, const P2pOpArgs& op, u32 j, u64 msg, const u64* post,
+                                              const u64* word, u64* done) {
+  __shared__ u64 shared_dst;
+  if (threadIdx.x == 0) {
+    u64 dst = 0;
+    if (spin_until([&] { return p2p_post_is(atomic_load_acquire_sys(post), msg); }, a.max_spin, a.error_word,
+                   kErrorSemaphoreWaitTimeout) &&
+        p2p_post_bytes(atomic_load_acquire_sys(post)) == op.bytes) {
+      // The receiver stored the word before its release of the post.
+      const u64 zc = atomic_load_relaxed_sys(word);
+      if (zc != 0 && p2p_zc_key(zc) < kP2pZcEntries) {
+        const u64 base = atomic_load_relaxed_sys(&a.state->zc_table[op.peer][p2p_zc_key(zc)]);
+        if (base != 0) dst = base + p2p_zc_offset(zc);
+      }
+    }
+    shared_dst = dst;
+  }
+  __syncthreads();
+  u8* dst = reinterpret_cast<u8*>(shared_dst);
+  if (dst == nullptr) return false;
+  const u64 per = ((op.bytes + op.nblocks - 1) / op.nblocks + 15) / 16 * 16;
+  const u64 begin = min(static_cast<u64>(j) * per, op.bytes);
+  const u64 n = min(begin + per, op.bytes) - begin;
+  copy(dst + begin, reinterpret_cast<const u8*>(op.ptr) + begin, n, threadIdx.x, blockDim.x);
+  fence_acq_rel_sys();
+  __syncthreads();
+  if (threadIdx.x == 0 && n > 0) atomic_add_release_sys(done, n);
+  return true;
+}
+
 // `base`: the (peer, direction) channel's messages and chunks before this group.
 MSCCLPP_DEVICE_INLINE void p2p_send(const P2pArgs& a, const P2pOpArgs& op, u32 j, const u64* base) {
   const u32 peer = op.peer;
@@ -213,6 +292,11 @@ MSCCLPP_DEVICE_INLINE void p2p_send(const P2pArgs& a, const P2pOpArgs& op, u32 j
     atomic_store_release_sys(&headers[slot].ready, g + 1);
   };
   const u8* src = reinterpret_cast<const u8*>(op.ptr);
+  if (op.aux != 0) {
+    const P2pZeroCopy* here = reinterpret_cast<const P2pZeroCopy*>(a.local + a.zc_offset) + peer_here;
+    P2pZeroCopy* there = reinterpret_cast<P2pZeroCopy*>(remote + a.zc_offset) + me_there;
+    if (p2p_send_zero_copy(a, op, j, msg, post, &here->word, &there->done)) return;
+  }
   for (u64 c = j; c < nchunks; c += op.nblocks) {
     const u64 g = first + c;
     const u32 slot = static_cast<u32>(g % a.slots);
@@ -266,9 +350,40 @@ MSCCLPP_DEVICE_INLINE void p2p_recv(const P2pArgs& a, const P2pOpArgs& op, u32 j
   const u8* data = a.local + static_cast<u64>(peer_here) * a.slots * a.slot_bytes;
   const P2pSlotHeader* headers = reinterpret_cast<const P2pSlotHeader*>(a.local + a.headers_offset) + peer_here * a.slots;
   u64* acks = reinterpret_cast<u64*>(remote + a.acks_offset) + me_there * a.slots;
+  u64* done = &(reinterpret_cast<P2pZeroCopy*>(a.local + a.zc_offset) + peer_here)->done;
   if (j == 0 && threadIdx.x == 0) {
+    if (op.aux != 0) atomic_store_relaxed_sys(done, p2p_post(msg, 0));
+    atomic_store_relaxed_sys(&(reinterpret_cast<P2pZeroCopy*>(remote + a.zc_offset) + me_there)->word, op.aux);
     u64* post = reinterpret_cast<u64*>(remote + a.posts_offset) + me_there * kP2pPosts + msg % kP2pPosts;
     atomic_store_release_sys(post, p2p_post(msg, op.bytes));
+  }
+  if (op.aux != 0) {
+    // Zero copy offered (see Zero copy above): the sender either writes the message into the
+    // output and adds its bytes to `done`, or, when it took the slots after all (a sender of
+    // another size), publishes this block's first chunk, which the slot loop below then handles.
+    const u64 target = p2p_post(msg, op.bytes);
+    const u64 g = first + j;
+    const P2pSlotHeader& header = headers[g % a.slots];
+    bool zero_copied = false;
+    if (threadIdx.x == 0) {
+      spin_until(
+          [&] {
+            zero_copied = atomic_load_acquire_sys(done) == target;
+            return zero_copied || atomic_load_acquire_sys(&header.ready) > g;
+          },
+          a.max_spin, a.error_word, kErrorSemaphoreWaitTimeout);
+    }
+    if (p2p_block_agrees(zero_copied)) {
+      // Block 0 returns the credit of every slot the message's chunks map to, each slot's at its
+      // last chunk (the sender waits for `ack + slots > g` before it reuses a slot).
+      if (j == 0) {
+        for (u64 s = threadIdx.x; s < min(nchunks, static_cast<u64>(a.slots)); s += blockDim.x) {
+          const u64 last = first + s + (nchunks - 1 - s) / a.slots * a.slots;
+          atomic_store_release_sys(&acks[last % a.slots], last + 1);
+        }
+      }
+      return;
+    }
   }
   for (u64 c = j; c < nchunks; c += op.nblocks) {
     const u64 g = first + c;
@@ -315,7 +430,7 @@ MSCCLPP_DEVICE_INLINE void p2p_copy(const P2pOpArgs& op, u32 j) {
   const u64 per = ((op.bytes + op.nblocks - 1) / op.nblocks + 15) / 16 * 16;
   const u64 begin = min(static_cast<u64>(j) * per, op.bytes);
   const u64 end = min(begin + per, op.bytes);
-  copy(reinterpret_cast<u8*>(op.ptr) + begin, reinterpret_cast<const u8*>(op.src) + begin, end - begin, threadIdx.x,
+  copy(reinterpret_cast<u8*>(op.ptr) + begin, reinterpret_cast<const u8*>(op.aux) + begin, end - begin, threadIdx.x,
        blockDim.x);
 }
 
