@@ -108,6 +108,8 @@ pub struct P2pArgs {
     pub posts_offset: u64,
     /// Region offset of the `P2pZeroCopy` entries, one per peer index.
     pub zc_offset: u64,
+    /// Device address of the host-mapped table the host writes, `[MAX_RANKS][ZC_ENTRIES]`.
+    pub zc_staging: u64,
     pub slots: u32,
     pub rank: u32,
     pub nranks: u32,
@@ -132,7 +134,7 @@ pub fn layout_asserts() -> String {
     fields!(P2pState: counters, zc_table);
     fields!(P2pMismatch: claimed, is_send, peer, mine, theirs);
     fields!(P2pArgs: regions, local, state, mismatch, error_word, max_spin, slot_bytes,
-        headers_offset, acks_offset, posts_offset, zc_offset, slots, rank, nranks, nops, ops);
+        headers_offset, acks_offset, posts_offset, zc_offset, zc_staging, slots, rank, nranks, nops, ops);
     for (ty, size) in [
         ("P2pOpArgs", size_of::<P2pOpArgs>()),
         ("P2pState", size_of::<P2pState>()),
@@ -170,12 +172,12 @@ mod tests {
             8 * (4 * COUNTER_SLOTS + ZC_ENTRIES) * MAX_RANKS
         );
         assert_eq!(size_of::<P2pMismatch>(), 32);
-        assert_eq!(offset_of!(P2pArgs, ops), 160);
-        assert_eq!(size_of::<P2pArgs>(), 160 + MAX_OPS * 56);
+        assert_eq!(offset_of!(P2pArgs, ops), 168);
+        assert_eq!(size_of::<P2pArgs>(), 168 + MAX_OPS * 56);
         // Kernel parameters are limited to 4 KiB.
         assert!(size_of::<P2pArgs>() <= 4096);
         let asserts = layout_asserts();
-        assert!(asserts.contains("offsetof(P2pArgs, nops) == 156"));
+        assert!(asserts.contains("offsetof(P2pArgs, nops) == 164"));
         assert!(asserts.contains("static_assert(kP2pPosts == 256"));
     }
 

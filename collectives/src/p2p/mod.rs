@@ -288,6 +288,7 @@ impl P2pEngine {
             acks_offset: self.layout.acks_offset as u64,
             posts_offset: self.layout.posts_offset as u64,
             zc_offset: self.layout.zc_offset as u64,
+            zc_staging: self.zero_copy.staging(),
             slots: self.layout.slots as u32,
             rank: rank as u32,
             nranks: n as u32,

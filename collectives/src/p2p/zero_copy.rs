@@ -1,21 +1,26 @@
 //! The host half of the engine's zero-copy path for large messages (kernels/p2p.cu, "Zero copy").
 //!
 //! A receiver registers the allocation behind a large receive and offers it to the sender; the
-//! sender maps it, copies its address into its device table (`P2pState::zc_table`) on the stream of
-//! its next group (never while that stream is being captured: the offer waits for a later group)
-//! and confirms; receives into a confirmed allocation then carry its zero-copy word, and the sender's
-//! kernel writes them straight into the buffer. Neither side ever waits for the other: offers and
-//! confirmations travel on the bootstrap and are polled (`try_recv`) when a group has a large op
-//! towards that peer, so a buffer's first messages go through the slots and later ones, graph
-//! replays included, straight into it. Nothing is unmapped while the engine lives (a captured
-//! graph may still post a key): at most [`ZC_ENTRIES`] allocations are offered per engine, later
-//! ones keep to the slots.
+//! sender maps it, writes its address into its pinned host table (the first kernel that needs the
+//! entry copies it into the device table, `P2pState::zc_table`) and answers; receives into an
+//! allocation the sender mapped then carry its zero-copy word, and the sender's kernel writes them
+//! straight into the buffer. Offers and answers travel on the bootstrap and are polled
+//! (`try_recv`) when a group has a large op towards that peer. Eager groups never wait: a buffer's
+//! first messages go through the slots and later ones straight into it. A group being captured
+//! waits for its receives' answers, up to [`CAPTURE_HANDSHAKE`], taking its sends' peers' offers
+//! meanwhile and once more at its end (a graph keeps what its capture saw), so ranks that capture
+//! an exchange on new buffers (as a framework's graph pool gives them) answer each other where
+//! each sends to the peers it receives from (pairs, all-pairs). In a ring of more than two ranks a
+//! rank may leave before its send peer's offer comes (nothing it waits for follows that offer):
+//! the peer's captured receive then keeps to the slots after its wait. Nothing is unmapped while
+//! the engine lives (a captured graph may still post a key): at most [`ZC_ENTRIES`] allocations
+//! are offered per engine, later ones keep to the slots.
 //!
 //! A table entry is written once and never replaced (a send in flight may read it at any time),
-//! and a receive carries a key only once its sender confirmed it: confirmations name the offering
-//! engine's random id, so an engine built later on the same communicator never takes an earlier
-//! one's for its own, and an earlier engine's offer that took a key's entry first leaves that key
-//! unconfirmed (its messages keep to the slots).
+//! and a receive carries a key only once its sender mapped it: answers name the offering engine's
+//! random id, so an engine built later on the same communicator never takes an earlier one's for
+//! its own, and an offer whose entry an earlier engine's offer took is refused (its messages keep
+//! to the slots).
 
 use mscclpp_core::communicator::{Communicator, RegisteredMemory};
 use mscclpp_core::gpu::{DevicePtr, Gpu, HostMapped, Stream};
@@ -25,16 +30,25 @@ use mscclpp_kernels_cu::p2p::{zc_word, P2pOpArgs, KIND_COPY, KIND_RECV, KIND_SEN
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// Messages from this size on may go zero copy: above every layout's slots per peer (896 KiB at
 /// 2 ranks), where the slots' round trips bound a message, and where the send's wait for the
 /// receiver's post costs little against the bytes.
 pub const ZERO_COPY_MIN_BYTES: usize = 1 << 20;
 
-/// Bootstrap tags: a receiver's offer (engine id, key, memory), a sender's confirmation (the
-/// offering engine's id, key).
+/// How long the host of a group being captured waits for the answers to its new buffers' offers:
+/// a peer answers as soon as its host is in its own group, after mapping the buffer (~100 ms each
+/// for four ranks under MPS on one H200, a few ms without); past this a captured receive keeps to
+/// the slots.
+pub const CAPTURE_HANDSHAKE: Duration = Duration::from_secs(1);
+
+/// Bootstrap tags: a receiver's offer (engine id, key, memory), a sender's answer (the offering
+/// engine's id, key, [`MAPPED`] or [`REFUSED`]).
 const TAG_OFFER: u64 = 0x7032_7a00;
 const TAG_MAPPED: u64 = 0x7032_7a01;
+const MAPPED: u8 = 1;
+const REFUSED: u8 = 0;
 
 /// One allocation this engine offered (its key is its index).
 struct Export {
@@ -44,9 +58,10 @@ struct Export {
     id: u64,
     /// The registration (its exported handle lives as long as it does).
     mem: RegisteredMemory,
-    /// Ranks it was offered to, and ranks that mapped it.
+    /// Ranks it was offered to, ranks that mapped it, and ranks that answered they will not.
     offered: u64,
     mapped: u64,
+    refused: u64,
 }
 
 #[derive(Default)]
@@ -66,10 +81,8 @@ struct State {
 
 /// One engine's zero-copy state: its table, its offers and the peers' memory it mapped.
 pub(crate) struct ZeroCopy {
-    /// The device table (`P2pState::zc_table`): `[rank][key]` addresses of peers' offered
-    /// allocations as mapped here (0: not mapped).
-    table: DevicePtr,
-    /// Pinned host copy of the table, the source of the copies into it.
+    /// The host table (`P2pArgs::zc_staging`): `[rank][key]` addresses of peers' offered
+    /// allocations as mapped here (0: not mapped), pinned and mapped for kernels.
     staging: HostMapped,
     id: u64,
     state: Mutex<State>,
@@ -77,7 +90,7 @@ pub(crate) struct ZeroCopy {
 }
 
 // SAFETY: `staging` is pinned host memory owned until drop; the host writes its entries with
-// atomics under the state's lock, and only copies on the device read them.
+// atomics under the state's lock, kernels only read them.
 unsafe impl Send for ZeroCopy {}
 unsafe impl Sync for ZeroCopy {}
 
@@ -92,7 +105,6 @@ impl ZeroCopy {
         // SAFETY: `bytes` of pinned memory just allocated, read by nothing yet.
         unsafe { std::ptr::write_bytes(staging.host_ptr, 0, bytes) };
         Ok(ZeroCopy {
-            table,
             staging,
             id: rand::random(),
             state: Mutex::new(State::default()),
@@ -106,10 +118,16 @@ impl ZeroCopy {
         self.state.lock().map(|s| s.receives).unwrap_or(0)
     }
 
-    /// Marks the planned ops of one group: sends of [`ZERO_COPY_MIN_BYTES`] or more may go zero
-    /// copy; receives that large, each the only op of its channel in the group, into an allocation
-    /// their sender has mapped get its word. Polls the offers (unless `stream` is being captured)
-    /// and confirmations of those ops' peers, and offers new allocations; never waits for a peer.
+    /// The host table's device address (`P2pArgs::zc_staging`).
+    pub fn staging(&self) -> DevicePtr {
+        self.staging.device_ptr
+    }
+
+    /// Marks the planned ops of one group: sends of [`ZERO_COPY_MIN_BYTES`] or more to a peer of
+    /// which a buffer is mapped may go zero copy; receives that large, each the only op of its
+    /// channel in the group, into an allocation their sender has mapped get its word. Polls the
+    /// offers and confirmations of those ops' peers and offers new allocations; waits only while
+    /// `stream` is being captured (see the module docs).
     pub fn mark(&self, comm: &Communicator, ops: &mut [P2pOpArgs], stream: Stream) -> Result<()> {
         let large = |op: &P2pOpArgs| op.bytes as usize >= ZERO_COPY_MIN_BYTES;
         if !ops.iter().any(|op| large(op) && op.kind != KIND_COPY) {
@@ -118,40 +136,72 @@ impl ZeroCopy {
         let mut state = self.state.lock().map_err(|_| {
             Error::Internal("the p2p zero-copy state was poisoned by a panic".into())
         })?;
-        // A table copy would join the capture; the offers wait for a later group instead.
+        let send_peers = ops
+            .iter()
+            .filter(|op| large(op) && op.kind == KIND_SEND)
+            .fold(0u64, |m, op| m | 1 << op.peer);
+        let take_offers = |state: &mut State| {
+            (0..MAX_RANKS)
+                .filter(|p| send_peers & (1 << p) != 0)
+                .try_for_each(|p| self.take_offers(comm, state, p))
+        };
         let capturing = self.gpu.is_capturing(stream)?;
-        let (mut polled_offers, mut polled_confirmations) = (0u64, 0u64);
-        for op in ops.iter_mut().filter(|op| large(op)) {
-            let peer = op.peer as usize;
-            if op.kind == KIND_SEND {
-                if !capturing && polled_offers & (1 << peer) == 0 {
-                    polled_offers |= 1 << peer;
-                    self.take_offers(comm, &mut state, peer, stream)?;
+        let receives: Vec<usize> = (0..ops.len())
+            .filter(|&i| {
+                let op = &ops[i];
+                large(op) && op.kind == KIND_RECV && op.msg_offset == 0 && op.last == 1
+            })
+            .collect();
+        // Every offer goes out before any answer of ours: a peer that sees our answer then finds
+        // our offer too (one link, in order), however soon its own wait ends.
+        let mut words = Vec::with_capacity(receives.len());
+        let poll = |state: &mut State, words: &mut Vec<Option<u64>>| -> Result<()> {
+            let mut polled = 0u64;
+            words.clear();
+            for &i in &receives {
+                let (peer, ptr, bytes) = (ops[i].peer as usize, ops[i].ptr, ops[i].bytes as usize);
+                if polled & (1 << peer) == 0 {
+                    polled |= 1 << peer;
+                    self.take_confirmations(comm, state, peer)?;
                 }
-                // Without a mapped buffer of the peer's no receive can carry a word for us (only
-                // mapped ones are confirmed): the send keeps to the slots without waiting for the
-                // receiver's post.
-                op.aux = u64::from(state.installed.iter().any(|&(p, _)| p == peer));
-            } else if op.kind == KIND_RECV && op.msg_offset == 0 && op.last == 1 {
-                if polled_confirmations & (1 << peer) == 0 {
-                    polled_confirmations |= 1 << peer;
-                    self.take_confirmations(comm, &mut state, peer)?;
-                }
-                op.aux = self.word(comm, &mut state, peer, op.ptr, op.bytes as usize)?;
-                state.receives += u64::from(op.aux != 0);
+                words.push(self.word(comm, state, peer, ptr, bytes)?);
             }
+            Ok(())
+        };
+        poll(&mut state, &mut words)?;
+        take_offers(&mut state)?;
+        // One bound for the whole group: its receives' answers come in any order.
+        let deadline = Instant::now() + CAPTURE_HANDSHAKE;
+        while capturing && words.contains(&Some(0)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_micros(50));
+            take_offers(&mut state)?;
+            poll(&mut state, &mut words)?;
+        }
+        for (&i, word) in receives.iter().zip(&words) {
+            ops[i].aux = word.unwrap_or(0);
+            state.receives += u64::from(ops[i].aux != 0);
+        }
+        if capturing {
+            // A peer sends its offer before its answer to ours, on the same link: whatever it
+            // offered before the answer that ended our wait is served here, not left to a later
+            // group that a graph-only run never makes.
+            take_offers(&mut state)?;
+        }
+        for op in ops
+            .iter_mut()
+            .filter(|op| large(op) && op.kind == KIND_SEND)
+        {
+            // Without a mapped buffer of the peer's no receive can carry a word for us (only
+            // mapped ones are confirmed): the send keeps to the slots without waiting for the
+            // receiver's post.
+            let peer = op.peer as usize;
+            op.aux = u64::from(state.installed.iter().any(|&(p, _)| p == peer));
         }
         Ok(())
     }
 
-    /// Maps every offer `peer` sent so far, copies it into the table on `stream` and confirms it.
-    fn take_offers(
-        &self,
-        comm: &Communicator,
-        state: &mut State,
-        peer: usize,
-        stream: Stream,
-    ) -> Result<()> {
+    /// Maps every offer `peer` sent so far, writes it into the host table and confirms it.
+    fn take_offers(&self, comm: &Communicator, state: &mut State, peer: usize) -> Result<()> {
         while let Some(msg) = comm.bootstrap().try_recv(peer, TAG_OFFER)? {
             let malformed = || Error::Peer {
                 rank: peer,
@@ -161,34 +211,30 @@ impl ZeroCopy {
             if key >= ZC_ENTRIES {
                 return Err(malformed());
             }
+            // Refused, the peer keeps this allocation's messages in the slots (and a capture stops
+            // waiting for the answer).
+            let mut answer = message_header(engine, key);
             if state.installed.contains(&(peer, key)) {
-                // An offer of an earlier engine of the peer's took this entry: this one stays
-                // unconfirmed, its messages keep to the slots.
-                continue;
-            }
-            let mem = match comm.import_message(peer, &msg[16..]) {
-                Ok(mem) => mem,
-                Err(e) => {
-                    // Unconfirmed, the peer keeps this allocation's messages in the slots.
-                    tracing::warn!(target: "mscclpp::coll",
-                        "rank {}: mapping rank {peer}'s receive buffer for zero-copy sends failed \
-                         (its messages keep to the slots): {e}", comm.rank());
-                    continue;
+                // An offer of an earlier engine of the peer's took this entry.
+                answer.push(REFUSED);
+            } else {
+                match comm.import_message(peer, &msg[16..]) {
+                    Ok(mem) => {
+                        self.staged(peer * ZC_ENTRIES + key)
+                            .store(mem.ptr(), Ordering::Release);
+                        state.imports.push(mem);
+                        state.installed.insert((peer, key));
+                        answer.push(MAPPED);
+                    }
+                    Err(e) => {
+                        tracing::warn!(target: "mscclpp::coll",
+                            "rank {}: mapping rank {peer}'s receive buffer for zero-copy sends \
+                             failed (its messages keep to the slots): {e}", comm.rank());
+                        answer.push(REFUSED);
+                    }
                 }
-            };
-            let index = peer * ZC_ENTRIES + key;
-            let staged = self.staged(index);
-            staged.store(mem.ptr(), Ordering::Release);
-            self.gpu.memcpy_async(
-                self.table + 8 * index as u64,
-                staged.as_ptr() as DevicePtr,
-                8,
-                stream,
-            )?;
-            state.imports.push(mem);
-            state.installed.insert((peer, key));
-            comm.bootstrap()
-                .send(peer, TAG_MAPPED, &message_header(engine, key))?;
+            }
+            comm.bootstrap().send(peer, TAG_MAPPED, &answer)?;
         }
         Ok(())
     }
@@ -212,14 +258,18 @@ impl ZeroCopy {
                 continue;
             }
             if let Some(export) = state.exports.get_mut(key) {
-                export.mapped |= 1 << peer;
+                match msg.get(16) {
+                    Some(&MAPPED) => export.mapped |= 1 << peer,
+                    _ => export.refused |= 1 << peer,
+                }
             }
         }
         Ok(())
     }
 
     /// The zero-copy word of a receive of `bytes` at `ptr` from `peer` once `peer` mapped its
-    /// allocation, else 0, offering the allocation first where it was not yet.
+    /// allocation; `Some(0)` while it was offered (now, where it was not yet) but not confirmed;
+    /// `None` where it cannot be offered.
     fn word(
         &self,
         comm: &Communicator,
@@ -227,13 +277,16 @@ impl ZeroCopy {
         peer: usize,
         ptr: DevicePtr,
         bytes: usize,
-    ) -> Result<u64> {
+    ) -> Result<Option<u64>> {
         let Some(key) = self.export_of(comm, state, ptr, bytes) else {
-            return Ok(0);
+            return Ok(None);
         };
         let export = &mut state.exports[key];
         if export.mapped & (1 << peer) != 0 {
-            return Ok(zc_word(key, ptr - export.base).unwrap_or(0));
+            return Ok(zc_word(key, ptr - export.base));
+        }
+        if export.refused & (1 << peer) != 0 {
+            return Ok(None);
         }
         if export.offered & (1 << peer) == 0 {
             let mut msg = message_header(self.id, key);
@@ -241,7 +294,7 @@ impl ZeroCopy {
             comm.bootstrap().send(peer, TAG_OFFER, &msg)?;
             export.offered |= 1 << peer;
         }
-        Ok(0)
+        Ok(Some(0))
     }
 
     /// The key of the export holding `[ptr, ptr + bytes)`, registering its allocation if it is
@@ -285,6 +338,7 @@ impl ZeroCopy {
                     mem,
                     offered: 0,
                     mapped: 0,
+                    refused: 0,
                 });
                 Some(state.exports.len() - 1)
             }

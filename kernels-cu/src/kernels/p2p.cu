@@ -49,9 +49,12 @@
 // Zero copy (large messages). The slots bound a channel to its chunks in flight (a round trip each),
 // so a message of 1 MiB or more goes straight into the receiver's buffer once the sender has it
 // mapped. The receiver's host registers the buffer's allocation and offers it to the sender's host
-// (bootstrap; neither side ever waits for the other), which maps it, has its address copied into
-// the engine's table (P2pState::zc_table[peer][key], device memory: a kernel's read of host memory
-// cost ~35 µs on H200) on the stream of its next group, and confirms. From then on the receiver's
+// (bootstrap), which maps it, writes its address into the engine's pinned host table
+// (`zc_staging[peer][key]`) and confirms. The first send that needs the entry copies it into the
+// device table (P2pState::zc_table, zeroed with the engine), where later sends read it: a kernel's
+// read of host memory costs ~35 µs on H200, once per entry that way. No stream operation is
+// involved, so the handshake also completes while a graph is being captured (where the receiver's
+// host waits for the confirmation a bounded time). From then on the receiver's
 // host gives its receives into that allocation a word of key and offset (`aux`) when the receive is
 // the only op of its channel in the group, and the sender's host marks its large sends to a peer of
 // which it mapped a buffer (`aux` = 1).
@@ -60,8 +63,8 @@
 // region before it posts; one with a word first sets its own `done` to p2p_post(msg, 0). A marked
 // send waits for the receiver's post; if the word is set, its table entry is there and the sizes
 // agree, each of its blocks writes its share of the message into the mapped buffer, fences, and
-// adds its byte count to the receiver's `done`. Otherwise it takes the slots as any send: a send
-// launched before its table entry was copied finds it empty. The receiver's blocks wait until
+// adds its byte count to the receiver's `done`. Otherwise it takes the slots as any send. The
+// receiver's blocks wait until
 // `done` is p2p_post(msg, bytes) (the tag keeps an earlier message's count from passing) or until
 // the header of their first chunk arrives, and then take the slots too, so both sides always agree
 // (a sender of another size also publishes that header: both sides name the mismatch). After a
@@ -146,6 +149,7 @@ struct P2pArgs {
   u64 acks_offset;
   u64 posts_offset;
   u64 zc_offset;        // region offset of the P2pZeroCopy entries, one per peer index
+  const u64* zc_staging;  // host-mapped [kMaxRanks][kP2pZcEntries]: the host's table (see Zero copy)
   u32 slots;
   u32 rank;
   u32 nranks;
@@ -251,7 +255,13 @@ MSCCLPP_DEVICE_INLINE bool p2p_send_zero_copy(const P2pArgs& a, const P2pOpArgs&
       // The receiver stored the word before its release of the post.
       const u64 zc = atomic_load_relaxed_sys(word);
       if (zc != 0 && p2p_zc_key(zc) < kP2pZcEntries) {
-        const u64 base = atomic_load_relaxed_sys(&a.state->zc_table[op.peer][p2p_zc_key(zc)]);
+        u64* entry = &a.state->zc_table[op.peer][p2p_zc_key(zc)];
+        u64 base = atomic_load_relaxed_sys(entry);
+        if (base == 0) {
+          // First use of the entry: the host's copy, kept on the device for the next sends.
+          base = atomic_load_relaxed_sys(&a.zc_staging[op.peer * kP2pZcEntries + p2p_zc_key(zc)]);
+          if (base != 0) atomic_store_relaxed_sys(entry, base);
+        }
         if (base != 0) dst = base + p2p_zc_offset(zc);
       }
     }
