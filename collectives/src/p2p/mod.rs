@@ -7,7 +7,8 @@
 //! - [`plan`]: the region layout, chunking and a group's plan (CPU-tested);
 //! - [`sendrecv`]: `default_sendrecv_p2p`, nccl-tests' shift exchange as an `Algorithm`;
 //! - `zero_copy`: messages from [`ZERO_COPY_MIN_BYTES`] on straight into the receiver's buffer once
-//!   its allocation is mapped by the sender (offered and confirmed without waiting on either side).
+//!   its allocation is mapped by the sender (offered and answered on the bootstrap; only a group
+//!   being captured waits, a bounded time, for the answers).
 //!
 //! The counters are the engine's, so its groups must not overlap on the device: a group on another
 //! stream than the engine's previous one waits for it (an event recorded after every group and

@@ -68,7 +68,7 @@ struct Export {
 struct State {
     exports: Vec<Export>,
     /// Allocations that could not be registered (allocation base, buffer id): not tried again.
-    refused: HashSet<(DevicePtr, u64)>,
+    unregistrable: HashSet<(DevicePtr, u64)>,
     /// The table's entries, (peer, key): each written once, never replaced.
     installed: HashSet<(usize, usize)>,
     /// Peers' memory mapped here, kept until the engine goes.
@@ -126,7 +126,7 @@ impl ZeroCopy {
     /// Marks the planned ops of one group: sends of [`ZERO_COPY_MIN_BYTES`] or more to a peer of
     /// which a buffer is mapped may go zero copy; receives that large, each the only op of its
     /// channel in the group, into an allocation their sender has mapped get its word. Polls the
-    /// offers and confirmations of those ops' peers and offers new allocations; waits only while
+    /// offers and answers of those ops' peers and offers new allocations; waits only while
     /// `stream` is being captured (see the module docs).
     pub fn mark(&self, comm: &Communicator, ops: &mut [P2pOpArgs], stream: Stream) -> Result<()> {
         let large = |op: &P2pOpArgs| op.bytes as usize >= ZERO_COPY_MIN_BYTES;
@@ -162,7 +162,7 @@ impl ZeroCopy {
                 let (peer, ptr, bytes) = (ops[i].peer as usize, ops[i].ptr, ops[i].bytes as usize);
                 if polled & (1 << peer) == 0 {
                     polled |= 1 << peer;
-                    self.take_confirmations(comm, state, peer)?;
+                    self.take_answers(comm, state, peer)?;
                 }
                 words.push(self.word(comm, state, peer, ptr, bytes)?);
             }
@@ -192,7 +192,7 @@ impl ZeroCopy {
             .filter(|op| large(op) && op.kind == KIND_SEND)
         {
             // Without a mapped buffer of the peer's no receive can carry a word for us (only
-            // mapped ones are confirmed): the send keeps to the slots without waiting for the
+            // mapped ones are answered so): the send keeps to the slots without waiting for the
             // receiver's post.
             let peer = op.peer as usize;
             op.aux = u64::from(state.installed.iter().any(|&(p, _)| p == peer));
@@ -200,7 +200,7 @@ impl ZeroCopy {
         Ok(())
     }
 
-    /// Maps every offer `peer` sent so far, writes it into the host table and confirms it.
+    /// Maps every offer `peer` sent so far, writes it into the host table and answers it.
     fn take_offers(&self, comm: &Communicator, state: &mut State, peer: usize) -> Result<()> {
         while let Some(msg) = comm.bootstrap().try_recv(peer, TAG_OFFER)? {
             let malformed = || Error::Peer {
@@ -239,20 +239,12 @@ impl ZeroCopy {
         Ok(())
     }
 
-    /// Records every confirmation `peer` sent so far of this engine's offers.
-    fn take_confirmations(
-        &self,
-        comm: &Communicator,
-        state: &mut State,
-        peer: usize,
-    ) -> Result<()> {
+    /// Records every answer `peer` sent so far to this engine's offers.
+    fn take_answers(&self, comm: &Communicator, state: &mut State, peer: usize) -> Result<()> {
         while let Some(msg) = comm.bootstrap().try_recv(peer, TAG_MAPPED)? {
             let (engine, key) = header(&msg).ok_or_else(|| Error::Peer {
                 rank: peer,
-                message: format!(
-                    "sent a malformed zero-copy confirmation ({} bytes)",
-                    msg.len()
-                ),
+                message: format!("sent a malformed zero-copy answer ({} bytes)", msg.len()),
             })?;
             if engine != self.id {
                 continue;
@@ -268,7 +260,7 @@ impl ZeroCopy {
     }
 
     /// The zero-copy word of a receive of `bytes` at `ptr` from `peer` once `peer` mapped its
-    /// allocation; `Some(0)` while it was offered (now, where it was not yet) but not confirmed;
+    /// allocation; `Some(0)` while it was offered (now, where it was not yet) but not answered;
     /// `None` where it cannot be offered.
     fn word(
         &self,
@@ -326,7 +318,7 @@ impl ZeroCopy {
             return None;
         }
         let alloc = self.gpu.allocation_of(ptr).ok()?;
-        if state.refused.contains(&(alloc.ptr, id)) || !holds(alloc.ptr, alloc.size) {
+        if state.unregistrable.contains(&(alloc.ptr, id)) || !holds(alloc.ptr, alloc.size) {
             return None;
         }
         match comm.register(&alloc, alloc.ptr, alloc.size) {
@@ -346,21 +338,21 @@ impl ZeroCopy {
                 tracing::debug!(target: "mscclpp::coll",
                     "rank {}: receive buffer {ptr:#x} cannot be offered for zero copy (its \
                      messages keep to the slots): {e}", comm.rank());
-                state.refused.insert((alloc.ptr, id));
+                state.unregistrable.insert((alloc.ptr, id));
                 None
             }
         }
     }
 
     fn staged(&self, index: usize) -> &AtomicU64 {
-        assert!(index < MAX_RANKS * ZC_ENTRIES);
+        debug_assert!(index < MAX_RANKS * ZC_ENTRIES);
         // SAFETY: inside the staging table (checked), 8-byte aligned pinned memory that lives as
         // long as `self`.
         unsafe { &*(self.staging.host_ptr as *const AtomicU64).add(index) }
     }
 }
 
-/// The first 16 bytes of an offer or a confirmation: engine id, key.
+/// The first 16 bytes of an offer or an answer: engine id, key.
 fn message_header(engine: u64, key: usize) -> Vec<u8> {
     [engine, key as u64].map(u64::to_le_bytes).concat()
 }

@@ -50,30 +50,29 @@
 // so a message of 1 MiB or more goes straight into the receiver's buffer once the sender has it
 // mapped. The receiver's host registers the buffer's allocation and offers it to the sender's host
 // (bootstrap), which maps it, writes its address into the engine's pinned host table
-// (`zc_staging[peer][key]`) and confirms. The first send that needs the entry copies it into the
+// (`zc_staging[peer][key]`) and answers. The first send that needs the entry copies it into the
 // device table (P2pState::zc_table, zeroed with the engine), where later sends read it: a kernel's
 // read of host memory costs ~35 µs on H200, once per entry that way. No stream operation is
-// involved, so the handshake also completes while a graph is being captured (where the receiver's
-// host waits for the confirmation a bounded time). From then on the receiver's
-// host gives its receives into that allocation a word of key and offset (`aux`) when the receive is
-// the only op of its channel in the group, and the sender's host marks its large sends to a peer of
-// which it mapped a buffer (`aux` = 1).
+// involved, so the handshake also completes while a graph is being captured (the receiver's host
+// then waits for the answer a bounded time; collectives/src/p2p/zero_copy.rs). From then on the
+// receiver's host gives its receives into that allocation a word of key and offset (`aux`) when
+// the receive is the only op of its channel in the group, and the sender's host marks its large
+// sends to a peer of which it mapped a buffer (`aux` = 1).
 //
 // Every receive stores its word (0: slots) into the channel's P2pZeroCopy entry in the sender's
 // region before it posts; one with a word first sets its own `done` to p2p_post(msg, 0). A marked
 // send waits for the receiver's post; if the word is set, its table entry is there and the sizes
 // agree, each of its blocks writes its share of the message into the mapped buffer, fences, and
 // adds its byte count to the receiver's `done`. Otherwise it takes the slots as any send. The
-// receiver's blocks wait until
-// `done` is p2p_post(msg, bytes) (the tag keeps an earlier message's count from passing) or until
-// the header of their first chunk arrives, and then take the slots too, so both sides always agree
-// (a sender of another size also publishes that header: both sides name the mismatch). After a
-// zero-copy message block 0 returns the credits of every slot its chunks map to: the message
-// consumes its chunk numbers as any other, so the counters never depend on the path taken, and
-// every earlier chunk of the channel was received, and credited, by an earlier kernel, since the
-// receive is its channel's only op in its group. For the same reason one word per channel is
-// enough: the receiver posts nothing more on the channel before the sender, which read the word
-// before it wrote anything, has delivered the message.
+// receiver's blocks wait until `done` is p2p_post(msg, bytes) (the tag keeps an earlier message's
+// count from passing) or until the header of their first chunk arrives, and then take the slots
+// too, so both sides always agree (a sender of another size also publishes that header: both
+// sides name the mismatch). After a zero-copy message block 0 returns the credits of every slot
+// its chunks map to: the message consumes its chunk numbers as any other, so the counters never
+// depend on the path taken, and every earlier chunk of the channel was received, and credited, by
+// an earlier kernel, since the receive is its channel's only op in its group. For the same reason
+// one word per channel is enough: the receiver posts nothing more on the channel before the
+// sender, which read the word before it wrote anything, has delivered the message.
 
 using namespace mscclpp;
 using namespace mscclpp::coll;
