@@ -553,8 +553,8 @@ impl Drop for PortChannelService {
 
 /// A [`Gpu`] over host memory for CPU tests: "device" pointers are heap addresses, copies run
 /// at once, events complete at once (unless held), IPC export/import pass the address through.
-#[cfg(test)]
-pub(crate) mod test_gpu {
+#[cfg(any(test, feature = "testing"))]
+pub mod test_gpu {
     use crate::error::{Error, Result};
     use crate::gpu::*;
     use std::alloc::Layout;
@@ -564,8 +564,9 @@ pub(crate) mod test_gpu {
     use std::sync::Mutex;
 
     #[derive(Debug, Default)]
-    pub(crate) struct HostGpu {
-        allocations: Mutex<HashMap<u64, Layout>>,
+    pub struct HostGpu {
+        /// Live allocations by address: their layout and buffer id.
+        allocations: Mutex<HashMap<u64, (Layout, u64)>>,
         next_handle: AtomicU64,
         no_stream_writes: bool,
         stream_writes: AtomicU64,
@@ -573,27 +574,32 @@ pub(crate) mod test_gpu {
         /// The `peer` argument of every enable_peer_access call, in order.
         peer_access: Mutex<Vec<usize>>,
         no_peer_access: bool,
+        capturing: AtomicBool,
     }
 
     impl HostGpu {
-        pub(crate) fn new() -> Self {
+        pub fn new() -> Self {
             Self::default()
         }
         /// Whether `stream_write_u64` is available (else it answers Unsupported).
-        pub(crate) fn with_stream_writes(mut self, on: bool) -> Self {
+        pub fn with_stream_writes(mut self, on: bool) -> Self {
             self.no_stream_writes = !on;
             self
         }
         /// Whether enable_peer_access succeeds (else the devices cannot reach each other).
-        pub(crate) fn with_peer_access(mut self, on: bool) -> Self {
+        pub fn with_peer_access(mut self, on: bool) -> Self {
             self.no_peer_access = !on;
             self
         }
-        pub(crate) fn stream_writes(&self) -> u64 {
+        pub fn stream_writes(&self) -> u64 {
             self.stream_writes.load(Ordering::Relaxed)
         }
+        /// Whether every stream reports a capture in progress.
+        pub fn set_capturing(&self, on: bool) {
+            self.capturing.store(on, Ordering::Relaxed);
+        }
         /// While held, events never complete (a copy that hangs).
-        pub(crate) fn hold_events(&self, hold: bool) {
+        pub fn hold_events(&self, hold: bool) {
             self.hold_events.store(hold, Ordering::Relaxed);
         }
         fn raw_alloc(&self, size: usize) -> Result<u64> {
@@ -607,11 +613,11 @@ pub(crate) mod test_gpu {
             self.allocations
                 .lock()
                 .map_err(|_| Error::Internal("poisoned".into()))?
-                .insert(p as u64, layout);
+                .insert(p as u64, (layout, self.handle()));
             Ok(p as u64)
         }
         fn raw_free(&self, ptr: u64) -> Result<()> {
-            let layout = self
+            let (layout, _) = self
                 .allocations
                 .lock()
                 .map_err(|_| Error::Internal("poisoned".into()))?
@@ -621,14 +627,26 @@ pub(crate) mod test_gpu {
             unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
             Ok(())
         }
-        pub(crate) fn peer_access_enabled(&self) -> Vec<usize> {
+        pub fn peer_access_enabled(&self) -> Vec<usize> {
             self.peer_access
                 .lock()
                 .map(|v| v.clone())
                 .unwrap_or_default()
         }
-        pub(crate) fn live_allocations(&self) -> usize {
+        pub fn live_allocations(&self) -> usize {
             self.allocations.lock().map(|m| m.len()).unwrap_or(0)
+        }
+        /// The live allocation holding `ptr`: its address, layout and buffer id.
+        fn holding(&self, ptr: u64) -> Result<(u64, Layout, u64)> {
+            let allocations = self
+                .allocations
+                .lock()
+                .map_err(|_| Error::Internal("poisoned".into()))?;
+            allocations
+                .iter()
+                .find(|(&base, (layout, _))| ptr >= base && ptr < base + layout.size() as u64)
+                .map(|(&base, &(layout, id))| (base, layout, id))
+                .ok_or_else(|| Error::InvalidArgument(format!("{ptr:#x} is not allocated")))
         }
         fn handle(&self) -> u64 {
             self.next_handle.fetch_add(1, Ordering::Relaxed) + 1
@@ -779,6 +797,23 @@ pub(crate) mod test_gpu {
         }
         fn close_imported(&self, _: &ImportedMemory) -> Result<()> {
             Ok(())
+        }
+        fn allocation_of(&self, ptr: DevicePtr) -> Result<Allocation> {
+            let (base, layout, _) = self.holding(ptr)?;
+            Ok(Allocation {
+                ptr: base,
+                size: layout.size(),
+                reserved: layout.size(),
+                kind: MemoryKind::Plain,
+                device: 0,
+                handle: 0,
+            })
+        }
+        fn buffer_id(&self, ptr: DevicePtr) -> Result<u64> {
+            Ok(self.holding(ptr)?.2)
+        }
+        fn is_capturing(&self, _: Stream) -> Result<bool> {
+            Ok(self.capturing.load(Ordering::Relaxed))
         }
         fn enable_peer_access(&self, peer: usize) -> Result<()> {
             if self.no_peer_access {

@@ -373,6 +373,111 @@ impl Drop for ZeroCopy {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use mscclpp_core::bootstrap::on_loopback_ranks;
+    use mscclpp_core::gpu::MemoryKind;
+    use mscclpp_core::port_channel::test_gpu::HostGpu;
+
+    /// (kind, peer) of a rank's large ops.
+    type Pattern = fn(usize, usize) -> Vec<(u32, usize)>;
+
+    fn ring(rank: usize, n: usize) -> Vec<(u32, usize)> {
+        vec![(KIND_SEND, (rank + 1) % n), (KIND_RECV, (rank + n - 1) % n)]
+    }
+
+    fn all_pairs(rank: usize, n: usize) -> Vec<(u32, usize)> {
+        (1..n)
+            .flat_map(|d| [(KIND_SEND, (rank + d) % n), (KIND_RECV, (rank + n - d) % n)])
+            .collect()
+    }
+
+    /// `n` thread ranks (one process: peers' memory is used at its owner's address), each with
+    /// its own zero-copy state and new 1 MiB buffers, mark the group `pattern` gives them `marks`
+    /// times, meeting at a barrier after each, rank r starting r x `skew` late; every group is
+    /// marked as captured if `capturing`. Returns each rank's ops after the last mark.
+    fn mark_groups(
+        n: usize,
+        pattern: Pattern,
+        capturing: bool,
+        marks: usize,
+        skew: Duration,
+    ) -> Vec<Vec<P2pOpArgs>> {
+        on_loopback_ranks(n, Duration::from_secs(20), move |rank, boot| {
+            let gpu = Arc::new(HostGpu::new());
+            gpu.set_capturing(capturing);
+            let comm = Communicator::new(boot, gpu.clone(), 0).expect("communicator");
+            let table = gpu
+                .alloc(MAX_RANKS * ZC_ENTRIES * 8, MemoryKind::Plain)
+                .expect("table");
+            let zc = ZeroCopy::new(gpu.clone(), table.ptr).expect("zero-copy state");
+            let mut ops: Vec<P2pOpArgs> = pattern(rank, n)
+                .into_iter()
+                .map(|(kind, peer)| P2pOpArgs {
+                    ptr: gpu
+                        .alloc(ZERO_COPY_MIN_BYTES, MemoryKind::Plain)
+                        .expect("buffer")
+                        .ptr,
+                    bytes: ZERO_COPY_MIN_BYTES as u64,
+                    kind,
+                    peer: peer as u32,
+                    last: 1,
+                    ..P2pOpArgs::default()
+                })
+                .collect();
+            std::thread::sleep(skew * rank as u32);
+            for _ in 0..marks {
+                for op in &mut ops {
+                    op.aux = 0;
+                }
+                zc.mark(&comm, &mut ops, Stream::DEFAULT).expect("mark");
+                // A rank that left would fail its late peers' polls (its bootstrap closed).
+                comm.bootstrap().barrier().expect("barrier");
+            }
+            ops
+        })
+    }
+
+    fn assert_zero_copy(groups: &[Vec<P2pOpArgs>], what: &str) {
+        for (rank, ops) in groups.iter().enumerate() {
+            for op in ops {
+                let want = if op.kind == KIND_SEND {
+                    op.aux == 1
+                } else {
+                    op.aux != 0
+                };
+                assert!(want, "{what}: rank {rank}'s {op:?} is not marked zero copy");
+            }
+        }
+    }
+
+    /// A capture waits for its answers while answering its peers: pairs and all-pairs groups on
+    /// new buffers come out zero copy in one mark, even when ranks arrive far apart (a rank whose
+    /// answers went out before its offers let a peer leave without them: all-pairs at 4 ranks on
+    /// one H200 under MPS, session 27).
+    #[test]
+    fn captured_groups_on_new_buffers_answer_each_other() {
+        let quick = Duration::ZERO;
+        let late = Duration::from_millis(30);
+        assert_zero_copy(&mark_groups(2, ring, true, 1, late), "2-rank ring");
+        for skew in [quick, late] {
+            assert_zero_copy(
+                &mark_groups(4, all_pairs, true, 1, skew),
+                "4-rank all-pairs",
+            );
+        }
+    }
+
+    /// Eager groups never wait: a first mark only offers (its receives keep to the slots); the
+    /// offers and answers travel between later marks, which then carry the words.
+    #[test]
+    fn eager_groups_go_zero_copy_without_waiting() {
+        let first = mark_groups(4, all_pairs, false, 1, Duration::ZERO);
+        let receives = first.iter().flatten().filter(|op| op.kind == KIND_RECV);
+        assert!(receives.clone().all(|op| op.aux == 0), "{first:?}");
+        assert_zero_copy(
+            &mark_groups(4, all_pairs, false, 10, Duration::ZERO),
+            "the tenth eager mark",
+        );
+    }
 
     #[test]
     fn headers_round_trip_and_short_ones_are_refused() {

@@ -91,8 +91,8 @@ pub trait Bootstrap: Send + Sync {
 /// Test support: runs `body(rank, bootstrap)` on `n` ranks of one TCP bootstrap job over loopback
 /// whose steps time out after `timeout`, a thread each; their results in rank order (a rank that
 /// panics fails the test).
-#[cfg(test)]
-pub(crate) fn on_loopback_ranks<T: Send + 'static>(
+#[cfg(any(test, feature = "testing"))]
+pub fn on_loopback_ranks<T: Send + 'static>(
     n: usize,
     timeout: Duration,
     body: impl Fn(usize, std::sync::Arc<dyn Bootstrap>) -> T + Send + Sync + 'static,
