@@ -279,10 +279,8 @@ fn zero_copy(ctx: &RankContext, engine: &P2pEngine, bytes: usize, key: u64) -> R
 
 /// Zero copy on buffers a graph's capture sees first (as a framework's graph pool gives them): an
 /// all-pairs exchange (every rank sends to the peers it receives from, so the captures answer
-/// each other's offers; see p2p::zero_copy), every byte of both replays checked. At 2 ranks every
-/// receive must be offered zero copy in the capture and written straight into its buffer; beyond,
-/// where four ranks sharing one GPU under MPS left some captures waiting out the handshake's bound
-/// (session 27, before offers went out ahead of answers), the count is reported.
+/// each other's offers; see p2p::zero_copy), every byte of both replays checked: every receive
+/// must be offered zero copy in the capture and written straight into its buffer.
 fn zero_copy_captured_fresh(
     ctx: &RankContext,
     engine: &P2pEngine,
@@ -300,15 +298,7 @@ fn zero_copy_captured_fresh(
     for &p in &peers {
         direct.push(engine.last_zero_copied_bytes(p)?);
     }
-    let complete = captured == peers.len() as u64 && direct.iter().all(|&d| d == bytes as u64);
-    if !complete && n > 2 {
-        return Ok(format!(
-            "{bytes} B all-pairs: captured on new buffers, every byte; {captured} of {} receives \
-             offered zero copy within the handshake's bound, written straight in: {direct:?} bytes",
-            peers.len()
-        ));
-    }
-    if !complete {
+    if captured != peers.len() as u64 || direct.iter().any(|&d| d != bytes as u64) {
         return Err(Error::Internal(format!(
             "rank {rank}: an all-pairs group of {bytes} bytes captured on new buffers: {captured} \
              of {} receives offered zero copy, and the senders wrote {direct:?} bytes of the last \
