@@ -7,14 +7,16 @@
 //! straight into the buffer. Offers and answers travel on the bootstrap and are polled
 //! (`try_recv`) when a group has a large op towards that peer. Eager groups never wait: a buffer's
 //! first messages go through the slots and later ones straight into it. A group being captured
-//! waits for its receives' answers, up to [`CAPTURE_HANDSHAKE`], taking its sends' peers' offers
-//! meanwhile and once more at its end (a graph keeps what its capture saw), so ranks that capture
-//! an exchange on new buffers (as a framework's graph pool gives them) answer each other where
-//! each sends to the peers it receives from (pairs, all-pairs). In a ring of more than two ranks a
-//! rank may leave before its send peer's offer comes (nothing it waits for follows that offer):
-//! the peer's captured receive then keeps to the slots after its wait. Nothing is unmapped while
-//! the engine lives (a captured graph may still post a key): at most [`ZC_ENTRIES`] allocations
-//! are offered per engine, later ones keep to the slots.
+//! (a graph keeps what its capture saw) sends its offers, and to each peer it receives from
+//! without offering anything new a note saying so, before it answers anything; it then waits, up
+//! to [`CAPTURE_HANDSHAKE`], for its offers' answers and for the offer or note of each peer it
+//! sends to of which nothing is mapped here, answering its peers' offers meanwhile and once more
+//! at its end. So ranks that capture an exchange on new buffers (as a framework's graph pool gives
+//! them) in pairs, all-pairs, rings or chains all leave with their buffers mapped, however far
+//! apart they arrive within the bound: a rank leaves only once it has heard every peer it waits
+//! for, and hearing an offer is answering it. Nothing is unmapped while the engine lives (a
+//! captured graph may still post a key): at most [`ZC_ENTRIES`] allocations are offered per
+//! engine, later ones keep to the slots.
 //!
 //! A table entry is written once and never replaced (a send in flight may read it at any time),
 //! and a receive carries a key only once its sender mapped it: answers name the offering engine's
@@ -49,6 +51,8 @@ const TAG_OFFER: u64 = 0x7032_7a00;
 const TAG_MAPPED: u64 = 0x7032_7a01;
 const MAPPED: u8 = 1;
 const REFUSED: u8 = 0;
+/// The key of a note on the offer tag: a capture's receives from this peer offer nothing new.
+const NO_OFFER: usize = usize::MAX;
 
 /// One allocation this engine offered (its key is its index).
 struct Export {
@@ -77,6 +81,9 @@ struct State {
     full_logged: bool,
     /// Receives marked with a zero-copy word so far.
     receives: u64,
+    /// Within one mark: peers whose offer or note it took, peers it offered a buffer to.
+    heard: u64,
+    offered_now: u64,
 }
 
 /// One engine's zero-copy state: its table, its offers and the peers' memory it mapped.
@@ -136,6 +143,7 @@ impl ZeroCopy {
         let mut state = self.state.lock().map_err(|_| {
             Error::Internal("the p2p zero-copy state was poisoned by a panic".into())
         })?;
+        (state.heard, state.offered_now) = (0, 0);
         let send_peers = ops
             .iter()
             .filter(|op| large(op) && op.kind == KIND_SEND)
@@ -169,10 +177,26 @@ impl ZeroCopy {
             Ok(())
         };
         poll(&mut state, &mut words)?;
+        if capturing {
+            self.note_no_offers(comm, &state, ops, &receives, &words)?;
+        }
         take_offers(&mut state)?;
+        // A send peer of which nothing is mapped here receives into a buffer new to us: its offer
+        // (or its note that none comes) is on the way, and a chain or a ring has no answer of
+        // that peer's to wait for otherwise.
+        let unheard = |state: &State| {
+            (0..MAX_RANKS).any(|p| {
+                send_peers & (1 << p) != 0
+                    && state.heard & (1 << p) == 0
+                    && !state.installed.iter().any(|&(q, _)| q == p)
+            })
+        };
         // One bound for the whole group: its receives' answers come in any order.
         let deadline = Instant::now() + CAPTURE_HANDSHAKE;
-        while capturing && words.contains(&Some(0)) && Instant::now() < deadline {
+        while capturing
+            && (words.contains(&Some(0)) || unheard(&state))
+            && Instant::now() < deadline
+        {
             std::thread::sleep(Duration::from_micros(50));
             take_offers(&mut state)?;
             poll(&mut state, &mut words)?;
@@ -200,6 +224,35 @@ impl ZeroCopy {
         Ok(())
     }
 
+    /// While a group is captured: tells every peer it receives from whose buffer is neither new
+    /// (offered just now) nor mapped that no offer comes, so that a sender waiting for one (it has
+    /// nothing of ours mapped) stops at once.
+    fn note_no_offers(
+        &self,
+        comm: &Communicator,
+        state: &State,
+        ops: &[P2pOpArgs],
+        receives: &[usize],
+        words: &[Option<u64>],
+    ) -> Result<()> {
+        let mapped = receives
+            .iter()
+            .zip(words)
+            .filter(|(_, w)| matches!(w, Some(v) if *v != 0))
+            .fold(0u64, |m, (&i, _)| m | 1 << ops[i].peer);
+        let quiet = ops
+            .iter()
+            .filter(|op| op.bytes as usize >= ZERO_COPY_MIN_BYTES && op.kind == KIND_RECV)
+            .fold(0u64, |m, op| m | 1 << op.peer)
+            & !(mapped | state.offered_now);
+        (0..MAX_RANKS)
+            .filter(|p| quiet & (1 << p) != 0)
+            .try_for_each(|p| {
+                comm.bootstrap()
+                    .send(p, TAG_OFFER, &message_header(self.id, NO_OFFER))
+            })
+    }
+
     /// Maps every offer `peer` sent so far, writes it into the host table and answers it.
     fn take_offers(&self, comm: &Communicator, state: &mut State, peer: usize) -> Result<()> {
         while let Some(msg) = comm.bootstrap().try_recv(peer, TAG_OFFER)? {
@@ -208,6 +261,10 @@ impl ZeroCopy {
                 message: format!("sent a malformed zero-copy offer ({} bytes)", msg.len()),
             };
             let (engine, key) = header(&msg).ok_or_else(malformed)?;
+            state.heard |= 1 << peer;
+            if key == NO_OFFER {
+                continue;
+            }
             if key >= ZC_ENTRIES {
                 return Err(malformed());
             }
@@ -285,6 +342,7 @@ impl ZeroCopy {
             msg.extend(Communicator::memory_message(&export.mem)?);
             comm.bootstrap().send(peer, TAG_OFFER, &msg)?;
             export.offered |= 1 << peer;
+            state.offered_now |= 1 << peer;
         }
         Ok(Some(0))
     }
@@ -384,6 +442,17 @@ mod tests {
         vec![(KIND_SEND, (rank + 1) % n), (KIND_RECV, (rank + n - 1) % n)]
     }
 
+    /// Two messages each way between two ranks: receives that share a channel are not offered.
+    fn twice(rank: usize, _: usize) -> Vec<(u32, usize)> {
+        let peer = 1 - rank;
+        vec![
+            (KIND_SEND, peer),
+            (KIND_SEND, peer),
+            (KIND_RECV, peer),
+            (KIND_RECV, peer),
+        ]
+    }
+
     fn all_pairs(rank: usize, n: usize) -> Vec<(u32, usize)> {
         (1..n)
             .flat_map(|d| [(KIND_SEND, (rank + d) % n), (KIND_RECV, (rank + n - d) % n)])
@@ -409,9 +478,11 @@ mod tests {
                 .alloc(MAX_RANKS * ZC_ENTRIES * 8, MemoryKind::Plain)
                 .expect("table");
             let zc = ZeroCopy::new(gpu.clone(), table.ptr).expect("zero-copy state");
-            let mut ops: Vec<P2pOpArgs> = pattern(rank, n)
-                .into_iter()
-                .map(|(kind, peer)| P2pOpArgs {
+            let list = pattern(rank, n);
+            let mut ops: Vec<P2pOpArgs> = list
+                .iter()
+                .enumerate()
+                .map(|(i, &(kind, peer))| P2pOpArgs {
                     ptr: gpu
                         .alloc(ZERO_COPY_MIN_BYTES, MemoryKind::Plain)
                         .expect("buffer")
@@ -419,7 +490,9 @@ mod tests {
                     bytes: ZERO_COPY_MIN_BYTES as u64,
                     kind,
                     peer: peer as u32,
-                    last: 1,
+                    // As plan::plan numbers a channel's ops.
+                    msg_offset: list[..i].iter().filter(|&&o| o == (kind, peer)).count() as u32,
+                    last: u32::from(!list[i + 1..].contains(&(kind, peer))),
                     ..P2pOpArgs::default()
                 })
                 .collect();
@@ -463,7 +536,23 @@ mod tests {
                 &mark_groups(4, all_pairs, true, 1, skew),
                 "4-rank all-pairs",
             );
+            // The rank we send to is not one we wait for: its offer is waited for on its own.
+            assert_zero_copy(&mark_groups(4, ring, true, 1, skew), "4-rank ring");
         }
+    }
+
+    /// Receives that share their channel are not offered; their peers' notes end the senders'
+    /// waits at once instead of at the bound.
+    #[test]
+    fn captured_receives_without_offers_keep_no_sender_waiting() {
+        let started = std::time::Instant::now();
+        let groups = mark_groups(2, twice, true, 1, Duration::ZERO);
+        assert!(groups.iter().flatten().all(|op| op.aux == 0), "{groups:?}");
+        assert!(
+            started.elapsed() < CAPTURE_HANDSHAKE / 2,
+            "took {:?}",
+            started.elapsed()
+        );
     }
 
     /// Eager groups never wait: a first mark only offers (its receives keep to the slots); the
