@@ -9,9 +9,8 @@
 //! first messages go through the slots and later ones straight into it. A group being captured
 //! (a graph keeps what its capture saw) sends its offers, and to each peer it receives from
 //! without offering anything new a note saying so, before it answers anything; it then waits, up
-//! to [`CAPTURE_HANDSHAKE`], for its offers' answers and for the offer or note of each peer it
-//! sends to of which nothing is mapped here, answering its peers' offers meanwhile and once more
-//! at its end. So ranks that capture an exchange on new buffers (as a framework's graph pool gives
+//! to [`CAPTURE_HANDSHAKE`], for its offers' answers and for an offer or a note from each peer it
+//! sends to, answering its peers' offers meanwhile and once more at its end. So ranks that capture an exchange on new buffers (as a framework's graph pool gives
 //! them) in pairs, all-pairs, rings or chains all leave with their buffers mapped, however far
 //! apart they arrive within the bound: a rank leaves only once it has heard every peer it waits
 //! for, and hearing an offer is answering it. Nothing is unmapped while the engine lives (a
@@ -178,19 +177,12 @@ impl ZeroCopy {
         };
         poll(&mut state, &mut words)?;
         if capturing {
-            self.note_no_offers(comm, &state, ops, &receives, &words)?;
+            self.note_no_offers(comm, &state, ops)?;
         }
         take_offers(&mut state)?;
-        // A send peer of which nothing is mapped here receives into a buffer new to us: its offer
-        // (or its note that none comes) is on the way, and a chain or a ring has no answer of
-        // that peer's to wait for otherwise.
-        let unheard = |state: &State| {
-            (0..MAX_RANKS).any(|p| {
-                send_peers & (1 << p) != 0
-                    && state.heard & (1 << p) == 0
-                    && !state.installed.iter().any(|&(q, _)| q == p)
-            })
-        };
+        // Every send peer's offer or note is on the way, and in a chain or a ring it is the only
+        // thing of that peer's we would wait for.
+        let unheard = |state: &State| send_peers & !state.heard != 0;
         // One bound for the whole group: its receives' answers come in any order.
         let deadline = Instant::now() + CAPTURE_HANDSHAKE;
         while capturing
@@ -224,27 +216,15 @@ impl ZeroCopy {
         Ok(())
     }
 
-    /// While a group is captured: tells every peer it receives from whose buffer is neither new
-    /// (offered just now) nor mapped that no offer comes, so that a sender waiting for one (it has
-    /// nothing of ours mapped) stops at once.
-    fn note_no_offers(
-        &self,
-        comm: &Communicator,
-        state: &State,
-        ops: &[P2pOpArgs],
-        receives: &[usize],
-        words: &[Option<u64>],
-    ) -> Result<()> {
-        let mapped = receives
-            .iter()
-            .zip(words)
-            .filter(|(_, w)| matches!(w, Some(v) if *v != 0))
-            .fold(0u64, |m, (&i, _)| m | 1 << ops[i].peer);
+    /// While a group is captured: tells every peer it receives from and offered nothing just now
+    /// that no offer comes, so that its sender, which waits for an offer or this note, stops at
+    /// once.
+    fn note_no_offers(&self, comm: &Communicator, state: &State, ops: &[P2pOpArgs]) -> Result<()> {
         let quiet = ops
             .iter()
             .filter(|op| op.bytes as usize >= ZERO_COPY_MIN_BYTES && op.kind == KIND_RECV)
             .fold(0u64, |m, op| m | 1 << op.peer)
-            & !(mapped | state.offered_now);
+            & !state.offered_now;
         (0..MAX_RANKS)
             .filter(|p| quiet & (1 << p) != 0)
             .try_for_each(|p| {
@@ -462,7 +442,8 @@ mod tests {
     /// `n` thread ranks (one process: peers' memory is used at its owner's address), each with
     /// its own zero-copy state and new 1 MiB buffers, mark the group `pattern` gives them `marks`
     /// times, meeting at a barrier after each, rank r starting r x `skew` late; every group is
-    /// marked as captured if `capturing`. Returns each rank's ops after the last mark.
+    /// marked as captured if `capturing`, each on new buffers. Returns each rank's ops after the
+    /// last mark.
     fn mark_groups(
         n: usize,
         pattern: Pattern,
@@ -497,9 +478,16 @@ mod tests {
                 })
                 .collect();
             std::thread::sleep(skew * rank as u32);
-            for _ in 0..marks {
+            for m in 0..marks {
                 for op in &mut ops {
                     op.aux = 0;
+                    if capturing && m > 0 {
+                        // Each capture on new buffers, as a graph pool gives them.
+                        op.ptr = gpu
+                            .alloc(ZERO_COPY_MIN_BYTES, MemoryKind::Plain)
+                            .expect("buffer")
+                            .ptr;
+                    }
                 }
                 zc.mark(&comm, &mut ops, Stream::DEFAULT).expect("mark");
                 // A rank that left would fail its late peers' polls (its bootstrap closed).
@@ -536,8 +524,10 @@ mod tests {
                 &mark_groups(4, all_pairs, true, 1, skew),
                 "4-rank all-pairs",
             );
-            // The rank we send to is not one we wait for: its offer is waited for on its own.
+            // The rank we send to is not one we wait for: its offer is waited for on its own,
+            // also once buffers of that peer's are mapped here (a second capture).
             assert_zero_copy(&mark_groups(4, ring, true, 1, skew), "4-rank ring");
+            assert_zero_copy(&mark_groups(4, ring, true, 2, skew), "4-rank ring, again");
         }
     }
 
