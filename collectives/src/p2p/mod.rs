@@ -299,6 +299,15 @@ impl P2pEngine {
         kargs.ops[..planned.len()].copy_from_slice(&planned);
         let f = self.function()?;
         let threads = plan::block_threads(&planned, &self.layout);
+        if planned
+            .iter()
+            .any(|op| op.bytes as usize >= ZERO_COPY_MIN_BYTES)
+        {
+            tracing::debug!(target: "mscclpp::coll",
+                "rank {rank}: p2p group of {blocks} blocks of {threads} threads: {}",
+                planned.iter().map(|op| format!("(kind {} peer {} bytes {} blocks {} aux {:#x})",
+                    op.kind, op.peer, op.bytes, op.nblocks, op.aux)).collect::<Vec<_>>().join(" "));
+        }
         let cfg =
             LaunchConfig::linear(blocks, threads).with_programmatic(self.comm.fast_launches());
         let mut params = [param_ptr(&mut kargs)];

@@ -7,13 +7,16 @@
 //! straight into the buffer. Offers and answers travel on the bootstrap and are polled
 //! (`try_recv`) when a group has a large op towards that peer. Eager groups never wait: a buffer's
 //! first messages go through the slots and later ones straight into it. A group being captured
-//! (a graph keeps what its capture saw) sends its offers, and to each peer it receives from
-//! without offering anything new a note saying so, before it answers anything; it then waits, up
-//! to [`CAPTURE_HANDSHAKE`], for its offers' answers and for an offer or a note from each peer it
-//! sends to, answering its peers' offers meanwhile and once more at its end. So ranks that capture an exchange on new buffers (as a framework's graph pool gives
-//! them) in pairs, all-pairs, rings or chains all leave with their buffers mapped, however far
-//! apart they arrive within the bound: a rank leaves only once it has heard every peer it waits
-//! for, and hearing an offer is answering it. Nothing is unmapped while the engine lives (a
+//! (a graph keeps what its capture saw) sends its offers, then to each peer it receives from a
+//! numbered note saying that this capture's offers to it are all sent, before it answers
+//! anything; it then waits, up to [`CAPTURE_HANDSHAKE`], for its offers' answers and for the note
+//! of the same number from each peer it sends to, answering its peers' offers meanwhile and once
+//! more at its end. So ranks that capture exchanges on new buffers (as a framework's graph pool
+//! gives them) in pairs, all-pairs, rings or chains all leave with their buffers mapped, however
+//! far apart they arrive within the bound: a rank leaves only once it has heard every peer it
+//! waits for, and hearing a note is having answered the offers before it. The numbers keep a
+//! rank that runs ahead of a sender (a chain or a ring waits in one direction only) from ending
+//! the sender's wait for a later group with a note that belongs to an earlier one. Nothing is unmapped while the engine lives (a
 //! captured graph may still post a key): at most [`ZC_ENTRIES`] allocations are offered per
 //! engine, later ones keep to the slots.
 //!
@@ -50,8 +53,9 @@ const TAG_OFFER: u64 = 0x7032_7a00;
 const TAG_MAPPED: u64 = 0x7032_7a01;
 const MAPPED: u8 = 1;
 const REFUSED: u8 = 0;
-/// The key of a note on the offer tag: a capture's receives from this peer offer nothing new.
-const NO_OFFER: usize = usize::MAX;
+/// The key of a note on the offer tag (followed by its number): a capture's offers to the peer
+/// are all sent.
+const NOTE: usize = usize::MAX;
 
 /// One allocation this engine offered (its key is its index).
 struct Export {
@@ -80,9 +84,12 @@ struct State {
     full_logged: bool,
     /// Receives marked with a zero-copy word so far.
     receives: u64,
-    /// Within one mark: peers whose offer or note it took, peers it offered a buffer to.
-    heard: u64,
-    offered_now: u64,
+    /// Per peer: the number of the last note it sent us, of the last note we sent it (captures
+    /// with large receives from it), and captures with large sends to it (the note each waits
+    /// for has that number).
+    notes_heard: [u64; MAX_RANKS],
+    notes_sent: [u64; MAX_RANKS],
+    captured_sends: [u64; MAX_RANKS],
 }
 
 /// One engine's zero-copy state: its table, its offers and the peers' memory it mapped.
@@ -142,7 +149,6 @@ impl ZeroCopy {
         let mut state = self.state.lock().map_err(|_| {
             Error::Internal("the p2p zero-copy state was poisoned by a panic".into())
         })?;
-        (state.heard, state.offered_now) = (0, 0);
         let send_peers = ops
             .iter()
             .filter(|op| large(op) && op.kind == KIND_SEND)
@@ -177,14 +183,22 @@ impl ZeroCopy {
         };
         poll(&mut state, &mut words)?;
         if capturing {
-            self.note_no_offers(comm, &state, ops)?;
+            self.send_notes(comm, &mut state, ops)?;
+            for p in (0..MAX_RANKS).filter(|p| send_peers & (1 << p) != 0) {
+                state.captured_sends[p] += 1;
+            }
         }
         take_offers(&mut state)?;
-        // Every send peer's offer or note is on the way, and in a chain or a ring it is the only
-        // thing of that peer's we would wait for.
-        let unheard = |state: &State| send_peers & !state.heard != 0;
+        // Every send peer's note is on the way, and in a chain or a ring it is the only thing of
+        // that peer's we would wait for.
+        let unheard = |state: &State| {
+            (0..MAX_RANKS).any(|p| {
+                send_peers & (1 << p) != 0 && state.notes_heard[p] < state.captured_sends[p]
+            })
+        };
         // One bound for the whole group: its receives' answers come in any order.
-        let deadline = Instant::now() + CAPTURE_HANDSHAKE;
+        let started = Instant::now();
+        let deadline = started + CAPTURE_HANDSHAKE;
         while capturing
             && (words.contains(&Some(0)) || unheard(&state))
             && Instant::now() < deadline
@@ -192,6 +206,13 @@ impl ZeroCopy {
             std::thread::sleep(Duration::from_micros(50));
             take_offers(&mut state)?;
             poll(&mut state, &mut words)?;
+        }
+        if capturing {
+            tracing::debug!(target: "mscclpp::coll",
+                "rank {}: captured p2p group's handshake took {:?} ({} of {} large receives \
+                 unanswered, send peers' notes {})", comm.rank(), started.elapsed(),
+                words.iter().filter(|w| **w == Some(0)).count(), words.len(),
+                if unheard(&state) { "missing" } else { "all heard" });
         }
         for (&i, word) in receives.iter().zip(&words) {
             ops[i].aux = word.unwrap_or(0);
@@ -216,20 +237,20 @@ impl ZeroCopy {
         Ok(())
     }
 
-    /// While a group is captured: tells every peer it receives from and offered nothing just now
-    /// that no offer comes, so that its sender, which waits for an offer or this note, stops at
-    /// once.
-    fn note_no_offers(&self, comm: &Communicator, state: &State, ops: &[P2pOpArgs]) -> Result<()> {
-        let quiet = ops
+    /// While a group is captured, after its offers: tells every peer it has large receives from
+    /// that this capture's offers to it are all sent (its sender waits for this note).
+    fn send_notes(&self, comm: &Communicator, state: &mut State, ops: &[P2pOpArgs]) -> Result<()> {
+        let peers = ops
             .iter()
             .filter(|op| op.bytes as usize >= ZERO_COPY_MIN_BYTES && op.kind == KIND_RECV)
-            .fold(0u64, |m, op| m | 1 << op.peer)
-            & !state.offered_now;
+            .fold(0u64, |m, op| m | 1 << op.peer);
         (0..MAX_RANKS)
-            .filter(|p| quiet & (1 << p) != 0)
+            .filter(|p| peers & (1 << p) != 0)
             .try_for_each(|p| {
-                comm.bootstrap()
-                    .send(p, TAG_OFFER, &message_header(self.id, NO_OFFER))
+                state.notes_sent[p] += 1;
+                let mut note = message_header(self.id, NOTE);
+                note.extend(state.notes_sent[p].to_le_bytes());
+                comm.bootstrap().send(p, TAG_OFFER, &note)
             })
     }
 
@@ -241,8 +262,10 @@ impl ZeroCopy {
                 message: format!("sent a malformed zero-copy offer ({} bytes)", msg.len()),
             };
             let (engine, key) = header(&msg).ok_or_else(malformed)?;
-            state.heard |= 1 << peer;
-            if key == NO_OFFER {
+            if key == NOTE {
+                let number = msg.get(16..24).ok_or_else(malformed)?;
+                let number = u64::from_le_bytes(number.try_into().map_err(|_| malformed())?);
+                state.notes_heard[peer] = state.notes_heard[peer].max(number);
                 continue;
             }
             if key >= ZC_ENTRIES {
@@ -255,8 +278,12 @@ impl ZeroCopy {
                 // An offer of an earlier engine of the peer's took this entry.
                 answer.push(REFUSED);
             } else {
+                let started = Instant::now();
                 match comm.import_message(peer, &msg[16..]) {
                     Ok(mem) => {
+                        tracing::debug!(target: "mscclpp::coll",
+                            "rank {}: mapped rank {peer}'s receive allocation {key} for zero-copy \
+                             sends in {:?}", comm.rank(), started.elapsed());
                         self.staged(peer * ZC_ENTRIES + key)
                             .store(mem.ptr(), Ordering::Release);
                         state.imports.push(mem);
@@ -321,8 +348,10 @@ impl ZeroCopy {
             let mut msg = message_header(self.id, key);
             msg.extend(Communicator::memory_message(&export.mem)?);
             comm.bootstrap().send(peer, TAG_OFFER, &msg)?;
+            tracing::debug!(target: "mscclpp::coll",
+                "rank {}: offered receive allocation {key} ({} bytes) to rank {peer}",
+                comm.rank(), export.size);
             export.offered |= 1 << peer;
-            state.offered_now |= 1 << peer;
         }
         Ok(Some(0))
     }
@@ -439,16 +468,24 @@ mod tests {
             .collect()
     }
 
+    /// How the thread ranks of [`mark_groups`] go from one mark to the next.
+    #[derive(Clone, Copy)]
+    enum Between {
+        /// They meet at a barrier, and a captured group gets new buffers.
+        MeetOnNewBuffers,
+        /// Each goes on at once with the same buffers (a graph capturing many calls).
+        GoOn,
+    }
+
     /// `n` thread ranks (one process: peers' memory is used at its owner's address), each with
     /// its own zero-copy state and new 1 MiB buffers, mark the group `pattern` gives them `marks`
-    /// times, meeting at a barrier after each, rank r starting r x `skew` late; every group is
-    /// marked as captured if `capturing`, each on new buffers. Returns each rank's ops after the
-    /// last mark.
+    /// times (see [`Between`]), rank r starting r x `skew` late; every group is marked as
+    /// captured if `capturing`. Returns each rank's ops after the last mark.
     fn mark_groups(
         n: usize,
         pattern: Pattern,
         capturing: bool,
-        marks: usize,
+        (marks, between): (usize, Between),
         skew: Duration,
     ) -> Vec<Vec<P2pOpArgs>> {
         on_loopback_ranks(n, Duration::from_secs(20), move |rank, boot| {
@@ -481,7 +518,7 @@ mod tests {
             for m in 0..marks {
                 for op in &mut ops {
                     op.aux = 0;
-                    if capturing && m > 0 {
+                    if capturing && m > 0 && matches!(between, Between::MeetOnNewBuffers) {
                         // Each capture on new buffers, as a graph pool gives them.
                         op.ptr = gpu
                             .alloc(ZERO_COPY_MIN_BYTES, MemoryKind::Plain)
@@ -490,9 +527,12 @@ mod tests {
                     }
                 }
                 zc.mark(&comm, &mut ops, Stream::DEFAULT).expect("mark");
-                // A rank that left would fail its late peers' polls (its bootstrap closed).
-                comm.bootstrap().barrier().expect("barrier");
+                if matches!(between, Between::MeetOnNewBuffers) {
+                    comm.bootstrap().barrier().expect("barrier");
+                }
             }
+            // A rank that left would fail its late peers' polls (its bootstrap closed).
+            comm.bootstrap().barrier().expect("barrier");
             ops
         })
     }
@@ -518,16 +558,41 @@ mod tests {
     fn captured_groups_on_new_buffers_answer_each_other() {
         let quick = Duration::ZERO;
         let late = Duration::from_millis(30);
-        assert_zero_copy(&mark_groups(2, ring, true, 1, late), "2-rank ring");
+        assert_zero_copy(
+            &mark_groups(2, ring, true, (1, Between::MeetOnNewBuffers), late),
+            "2-rank ring",
+        );
         for skew in [quick, late] {
             assert_zero_copy(
-                &mark_groups(4, all_pairs, true, 1, skew),
+                &mark_groups(4, all_pairs, true, (1, Between::MeetOnNewBuffers), skew),
                 "4-rank all-pairs",
             );
             // The rank we send to is not one we wait for: its offer is waited for on its own,
             // also once buffers of that peer's are mapped here (a second capture).
-            assert_zero_copy(&mark_groups(4, ring, true, 1, skew), "4-rank ring");
-            assert_zero_copy(&mark_groups(4, ring, true, 2, skew), "4-rank ring, again");
+            assert_zero_copy(
+                &mark_groups(4, ring, true, (1, Between::MeetOnNewBuffers), skew),
+                "4-rank ring",
+            );
+            assert_zero_copy(
+                &mark_groups(4, ring, true, (2, Between::MeetOnNewBuffers), skew),
+                "4-rank ring, again",
+            );
+        }
+    }
+
+    /// A graph capturing many calls of a ring: ranks drift apart (each waits for the rank it
+    /// sends to only), so a rank takes its sender-side peer's notes of several later captures at
+    /// once; each capture still waits for the note of its own number, never out to the bound (a
+    /// wait ended by an earlier capture's note left a later one with none: 4 ranks on one H200,
+    /// the bench's sendrecv captured, session 28).
+    #[test]
+    fn captured_rings_of_many_calls_never_wait_out_the_bound() {
+        for skew in [Duration::ZERO, Duration::from_millis(30)] {
+            let started = std::time::Instant::now();
+            let groups = mark_groups(4, ring, true, (20, Between::GoOn), skew);
+            assert_zero_copy(&groups, "the ring's twentieth captured call");
+            let took = started.elapsed() - skew * 3;
+            assert!(took < CAPTURE_HANDSHAKE / 2, "took {took:?}");
         }
     }
 
@@ -536,7 +601,13 @@ mod tests {
     #[test]
     fn captured_receives_without_offers_keep_no_sender_waiting() {
         let started = std::time::Instant::now();
-        let groups = mark_groups(2, twice, true, 1, Duration::ZERO);
+        let groups = mark_groups(
+            2,
+            twice,
+            true,
+            (1, Between::MeetOnNewBuffers),
+            Duration::ZERO,
+        );
         assert!(groups.iter().flatten().all(|op| op.aux == 0), "{groups:?}");
         assert!(
             started.elapsed() < CAPTURE_HANDSHAKE / 2,
@@ -549,11 +620,23 @@ mod tests {
     /// offers and answers travel between later marks, which then carry the words.
     #[test]
     fn eager_groups_go_zero_copy_without_waiting() {
-        let first = mark_groups(4, all_pairs, false, 1, Duration::ZERO);
+        let first = mark_groups(
+            4,
+            all_pairs,
+            false,
+            (1, Between::MeetOnNewBuffers),
+            Duration::ZERO,
+        );
         let receives = first.iter().flatten().filter(|op| op.kind == KIND_RECV);
         assert!(receives.clone().all(|op| op.aux == 0), "{first:?}");
         assert_zero_copy(
-            &mark_groups(4, all_pairs, false, 10, Duration::ZERO),
+            &mark_groups(
+                4,
+                all_pairs,
+                false,
+                (10, Between::MeetOnNewBuffers),
+                Duration::ZERO,
+            ),
             "the tenth eager mark",
         );
     }
