@@ -29,6 +29,10 @@ Workloads (the bench's options; each run is a long loop the signal lands in):
           the host proxy threads carry every transfer)
   hosts   as port with the selector's choice: default_allreduce_hierarchical from 2 x 2 ranks on
           (reduce-scatter in each half, port_allreduce across, all-gather in each half)
+  sendrecv        point-to-point: each rank sends 8 MiB to the next (nccl-tests' sendrecv),
+                  eager; from its third call each message goes zero copy (the sender writes into
+                  the receiver's buffer, the receiver waits on its `done` word)
+  sendrecv-graph  as sendrecv, captured into a CUDA graph of 20 calls, replayed many times
 
 Configurations are every combination of --ranks, --signals, --workloads and --mps (or the --config
 list). Several worlds run at once on the GPU, each with its own bootstrap port, victim and logs, as
@@ -94,7 +98,7 @@ NVLS_OFF = {
     "NVSHMEM_DISABLE_NVLS": "1",
 }
 SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
-WORKLOADS = ("eager", "small", "graph", "port", "hosts")
+WORKLOADS = ("eager", "small", "graph", "port", "hosts", "sendrecv", "sendrecv-graph")
 # core/src/port_channel.rs's MPS_PORT_RANKS_PER_GPU.
 MPS_PORT_RANKS_PER_GPU = 2
 # Bootstrap roots listen on MASTER_PORT + 1; ports cycle below Linux's ephemeral range (32768 up),
@@ -145,6 +149,13 @@ def workload_args(name, size, short=False):
         # 2 x 2 ranks on (host sub-communicators plus a cross-host port_allreduce), the flat
         # port_allreduce at 2 ranks.
         return common + ["-b", "1M", "-e", "1M", "-n", "5" if short else "1000000"]
+    if name in ("sendrecv", "sendrecv-graph"):
+        # Above the engine's zero-copy threshold (1 MiB): the warm-up maps the receive buffers.
+        p2p = ["collective", "-c", "sendrecv", "-d", "bf16", "-w", "3", "-m", "1", "--outofplace-only",
+               "-b", "8M", "-e", "8M"]
+        if name == "sendrecv":
+            return p2p + ["-n", "5" if short else "1000000"]
+        return p2p + ["-n", "20", "-G", "2" if short else "1000000"]
     raise SystemExit(f"unknown workload {name!r} ({', '.join(WORKLOADS)})")
 
 
@@ -651,7 +662,7 @@ def run_phase(a, mps, configs, rows, ngpu, workdir, rundir, logs, ports, phase_d
         if not a.bench_args:
             # One short job per rank count and kernel family (graph replays launch the eager
             # kernels): the smallest worlds first, so they compile and the rest read the cache.
-            family = {"graph": "eager"}
+            family = {"graph": "eager", "sendrecv-graph": "sendrecv"}
             jobs = sorted({(n, family.get(w, w)) for n, _, w, _ in configs})
             smallest = {}
             for n, w in jobs:

@@ -13,9 +13,11 @@
 //! CUDA graph replayed twice on fresh data; a 1 GiB ring, eager; an all-pairs group of uneven sizes (each pair its own
 //! size from that list); three sends to the same peer in one group (order) interleaved with the
 //! receives; 20 repeated groups; two engines with groups in flight on two streams, and one engine
-//! used from two streams (which it orders); and two size mismatches (see [`MISMATCHES`]), each on a
-//! fresh communicator, which must end with an error naming rank and peer on both ranks, the
-//! receive buffer untouched, and no hang.
+//! used from two streams (which it orders); zero copy (messages of at least
+//! `ZERO_COPY_MIN_BYTES`) on buffers used again, and in graphs captured on new buffers (all-pairs,
+//! and rings beyond two ranks); and size mismatches (see [`MISMATCHES`], [`MAPPED_MISMATCHES`]),
+//! each on a fresh communicator, which must end with an error naming rank and peer on both ranks,
+//! the receive buffer untouched, and no hang.
 
 use crate::byte_pattern::{self, message_key};
 use crate::tally::{ran_to_end, Tally};
@@ -279,35 +281,42 @@ fn zero_copy(ctx: &RankContext, engine: &P2pEngine, bytes: usize, key: u64) -> R
 
 /// Zero copy on buffers a graph's capture sees first (as a framework's graph pool gives them): an
 /// all-pairs exchange (every rank sends to the peers it receives from, so the captures answer
-/// each other's offers; see p2p::zero_copy), every byte of both replays checked: every receive
-/// must be offered zero copy in the capture and written straight into its buffer.
+/// each other's offers) or a ring (at more than two ranks a rank's send peer is not its receive
+/// peer: each capture waits for its send peer's offer, see p2p::zero_copy), every byte of both
+/// replays checked: every receive must be offered zero copy in the capture and written straight
+/// into its buffer.
 fn zero_copy_captured_fresh(
     ctx: &RankContext,
     engine: &P2pEngine,
-    bytes: usize,
+    (shape, msgs): (&str, Vec<Msg>),
     key: u64,
 ) -> Result<String> {
-    let (rank, n) = (ctx.rank(), ctx.size());
-    let g = Group::new(&ctx.gpu, rank, all_pairs(rank, n, |_, _| bytes))?;
+    let rank = ctx.rank();
+    let peers: Vec<usize> = msgs
+        .iter()
+        .filter(|m| m.kind == P2pKind::Recv && m.peer != rank)
+        .map(|m| m.peer)
+        .collect();
+    let bytes = msgs.first().map_or(0, |m| m.bytes);
+    let g = Group::new(&ctx.gpu, rank, msgs)?;
     let before = engine.zero_copy_receives();
     let started = std::time::Instant::now();
     run_group(ctx, engine, &g, key, true, 1)?;
     let captured = engine.zero_copy_receives() - before;
-    let peers: Vec<usize> = (0..n).filter(|&p| p != rank).collect();
     let mut direct = Vec::new();
     for &p in &peers {
         direct.push(engine.last_zero_copied_bytes(p)?);
     }
     if captured != peers.len() as u64 || direct.iter().any(|&d| d != bytes as u64) {
         return Err(Error::Internal(format!(
-            "rank {rank}: an all-pairs group of {bytes} bytes captured on new buffers: {captured} \
+            "rank {rank}: a {shape} group of {bytes} bytes captured on new buffers: {captured} \
              of {} receives offered zero copy, and the senders wrote {direct:?} bytes of the last \
              replay straight into the buffers",
             peers.len()
         )));
     }
     Ok(format!(
-        "{bytes} B all-pairs: captured on new buffers, both replays zero copy, every byte ({:.0} \
+        "{bytes} B {shape}: captured on new buffers, both replays zero copy, every byte ({:.0} \
          ms with the handshake)",
         started.elapsed().as_secs_f64() * 1e3
     ))
@@ -368,10 +377,22 @@ fn two_streams(ctx: &RankContext, engines: [&P2pEngine; 2], key: u64) -> Result<
 /// must check before it copies (at 4 ranks a block once copied most of its chunk anyway).
 const MISMATCHES: [(usize, usize); 2] = [(MIB + 100, MIB), (MIB - 100, MIB - 200)];
 
+/// (sent, received) of the mismatch on a buffer its sender already mapped: both at least
+/// [`ZERO_COPY_MIN_BYTES`], one larger and one smaller than the receive.
+const MAPPED_MISMATCHES: [(usize, usize); 2] =
+    [(2 * MIB + 100, 2 * MIB), (2 * MIB - 4096, 2 * MIB)];
+
 /// Rank 0 sends `sent` bytes to rank 1, which receives `received`, on a fresh communicator (the
 /// error is sticky): both ranks must report an error naming both ranks, rank 1's buffer must stay
 /// poisoned, and nothing may hang. Other ranks only take part in building the communicator.
-fn size_mismatch(ctx: &RankContext, (sent, received): (usize, usize)) -> Result<String> {
+/// `mapped`: first `received` bytes go from rank 0 into the same buffer until its sender has
+/// mapped it and writes straight into it, so the mismatched send finds a table entry for it and
+/// must still take the slots (where the mismatch is seen) rather than write.
+fn size_mismatch(
+    ctx: &RankContext,
+    (sent, received): (usize, usize),
+    mapped: bool,
+) -> Result<String> {
     let (rank, size) = (ctx.rank(), ctx.size());
     let engine = P2pEngine::new(ctx.fresh_communicator()?)?;
     let slot = layout(size).slot_bytes;
@@ -381,6 +402,9 @@ fn size_mismatch(ctx: &RankContext, (sent, received): (usize, usize)) -> Result<
         _ => Vec::new(),
     };
     let g = Group::new(&ctx.gpu, rank, msgs)?;
+    if mapped {
+        zero_copy_before_mismatch(ctx, &engine, &g, received)?;
+    }
     g.fill(0xBAD)?;
     let stream = ctx.gpu.create_stream()?;
     // Launch together: the sender checks the receiver's post only within 1 ms of its last chunk.
@@ -426,6 +450,47 @@ fn size_mismatch(ctx: &RankContext, (sent, received): (usize, usize)) -> Result<
     drop(g);
     drop(engine);
     result
+}
+
+/// [`size_mismatch`]'s first exchanges: `received` bytes from rank 0 into rank 1's buffer of
+/// `g` until that receive went zero copy, every byte checked.
+fn zero_copy_before_mismatch(
+    ctx: &RankContext,
+    engine: &P2pEngine,
+    g: &Group,
+    received: usize,
+) -> Result<()> {
+    let rank = ctx.rank();
+    let sender;
+    let matching = match rank {
+        0 => {
+            sender = Group::new(&ctx.gpu, 0, tagged(vec![(P2pKind::Send, 1, received)]))?;
+            &sender
+        }
+        _ => g,
+    };
+    let stream = ctx.gpu.create_stream()?;
+    let exchanges = (0..ZERO_COPY_EAGER_CALLS).try_for_each(|call| {
+        let key = 0x600D ^ call;
+        matching.fill(key)?;
+        engine.run(&matching.ops(), &stream)?;
+        ctx.gpu.synchronize_stream(stream)?;
+        engine.check()?;
+        matching.verify(key)
+    });
+    let _ = ctx.gpu.destroy_stream(stream);
+    exchanges?;
+    if rank == 1 {
+        let direct = engine.last_zero_copied_bytes(0)?;
+        if direct != received as u64 {
+            return Err(Error::Internal(format!(
+                "rank 1: after {ZERO_COPY_EAGER_CALLS} exchanges of {received} bytes rank 0 \
+                 wrote {direct} bytes of the last one straight into the buffer ({received} \
+                 expected): the mismatch would not meet a mapped buffer"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Runs the point-to-point checks on this rank; returns (check name, outcome) in order. After a
@@ -525,8 +590,25 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
         ));
         out.push((
             "p2p: zero copy in a graph captured on new buffers".into(),
-            zero_copy_captured_fresh(ctx, &engine, bytes, seed ^ case ^ 0xF00D),
+            zero_copy_captured_fresh(
+                ctx,
+                &engine,
+                ("all-pairs", all_pairs(rank, n, |_, _| bytes)),
+                seed ^ case ^ 0xF00D,
+            ),
         ));
+        if n > 2 {
+            out.push((
+                "p2p: zero copy in a ring captured on new buffers (send peer != receive peer)"
+                    .into(),
+                zero_copy_captured_fresh(
+                    ctx,
+                    &engine,
+                    ("ring", ring(rank, n, bytes)),
+                    seed ^ case ^ 0xBEEF,
+                ),
+            ));
+        }
     }
     out.push((
         "p2p: one engine on two streams (ordered by the engine)".into(),
@@ -539,7 +621,17 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
                     "p2p: size mismatch ({} B sent, {} B received) -> error naming rank and peer",
                     sizes.0, sizes.1
                 ),
-                size_mismatch(ctx, sizes),
+                size_mismatch(ctx, sizes, false),
+            ));
+        }
+        for sizes in MAPPED_MISMATCHES {
+            out.push((
+                format!(
+                    "p2p: size mismatch on a mapped buffer ({} B sent, {} B received; zero copy \
+                     before) -> error naming rank and peer, nothing written",
+                    sizes.0, sizes.1
+                ),
+                size_mismatch(ctx, sizes, true),
             ));
         }
     }
