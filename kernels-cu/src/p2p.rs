@@ -17,15 +17,27 @@ const _: () = assert!(
     "the post ring must not lap (see p2p.cu)"
 );
 
-/// Entries of each peer's zero-copy table (`kP2pZcEntries`): the registrations one engine offers
-/// at most.
+/// Entries of each peer's zero-copy table (`kP2pZcEntries`): the registrations of one engine in
+/// use at once. Key `k` takes entry `k % ZC_ENTRIES`; a later key takes the entry of a freed
+/// allocation's.
 pub const ZC_ENTRIES: usize = 32;
+
+/// Keys an engine may give: below this every key of an entry has its own tag ([`zc_entry`]).
+pub const ZC_KEYS: usize = ZC_ENTRIES * ZC_TAGS as usize;
+const ZC_TAGS: u64 = 0xFFFF;
 
 /// The zero-copy word of a receive (`p2p_zc_key`, `p2p_zc_offset`): `key + 1` in the high 24
 /// bits, the receive's byte offset in the offered allocation in the low 40 (`None` if it does not
 /// fit).
 pub fn zc_word(key: usize, offset: u64) -> Option<u64> {
-    (key < ZC_ENTRIES && offset < 1 << 40).then(|| ((key as u64 + 1) << 40) | offset)
+    (key < ZC_KEYS && offset < 1 << 40).then(|| ((key as u64 + 1) << 40) | offset)
+}
+
+/// A zero-copy table entry (`p2p_zc_tag`): the key's tag in the high 16 bits (never 0, so an
+/// empty entry matches no key), the mapped allocation's address in the low 48 (`None` if it does
+/// not fit). A send uses an entry only when its tag is that of the receive's key.
+pub fn zc_entry(key: usize, base: u64) -> Option<u64> {
+    (key < ZC_KEYS && base < 1 << 48).then(|| ((key as u64 % ZC_TAGS + 1) << 48) | base)
 }
 
 /// `P2pOpArgs::kind` values.
@@ -63,7 +75,8 @@ pub struct P2pState {
     /// Per peer rank: send messages, send chunks, receive messages, receive chunks, each in
     /// [`COUNTER_SLOTS`] copies.
     pub counters: [[[u64; COUNTER_SLOTS]; 4]; MAX_RANKS],
-    /// Per peer rank and key: the peer's offered buffer as mapped here (0: not mapped).
+    /// Per peer rank and entry: the peer's offered allocation as mapped here ([`zc_entry`]; 0:
+    /// none).
     pub zc_table: [[u64; ZC_ENTRIES]; MAX_RANKS],
 }
 
@@ -108,7 +121,8 @@ pub struct P2pArgs {
     pub posts_offset: u64,
     /// Region offset of the `P2pZeroCopy` entries, one per peer index.
     pub zc_offset: u64,
-    /// Device address of the host-mapped table the host writes, `[MAX_RANKS][ZC_ENTRIES]`.
+    /// Device address of the host-mapped table the host writes, `[MAX_RANKS][ZC_ENTRIES]` of
+    /// [`zc_entry`].
     pub zc_staging: u64,
     pub slots: u32,
     pub rank: u32,
@@ -150,6 +164,7 @@ pub fn layout_asserts() -> String {
         ("kP2pCounterSlots", COUNTER_SLOTS as u32),
         ("kP2pPosts", POSTS as u32),
         ("kP2pZcEntries", ZC_ENTRIES as u32),
+        ("kP2pZcTags", ZC_TAGS as u32),
         ("kP2pSend", KIND_SEND),
         ("kP2pRecv", KIND_RECV),
         ("kP2pCopy", KIND_COPY),
@@ -185,7 +200,25 @@ mod tests {
     fn zero_copy_words_carry_key_and_offset() {
         assert_eq!(zc_word(0, 0), Some(1 << 40));
         assert_eq!(zc_word(5, 0x1234), Some((6 << 40) | 0x1234));
-        assert_eq!(zc_word(ZC_ENTRIES, 0), None);
+        assert_eq!(
+            zc_word(ZC_KEYS - 1, 0),
+            Some((ZC_KEYS as u64) << 40),
+            "the largest key fits its 24 bits"
+        );
+        assert_eq!(zc_word(ZC_KEYS, 0), None);
         assert_eq!(zc_word(0, 1 << 40), None);
+        assert_eq!(
+            zc_entry(0, 0x7f00_0000_0000),
+            Some((1 << 48) | 0x7f00_0000_0000)
+        );
+        assert_eq!(zc_entry(ZC_ENTRIES + 3, 0x1000), Some((36 << 48) | 0x1000));
+        // Keys of one entry have distinct tags.
+        let tags: std::collections::HashSet<u64> = (3..ZC_KEYS)
+            .step_by(ZC_ENTRIES)
+            .map(|k| zc_entry(k, 0).unwrap() >> 48)
+            .collect();
+        assert_eq!(tags.len(), ZC_KEYS / ZC_ENTRIES);
+        assert_eq!(zc_entry(ZC_KEYS, 0), None);
+        assert_eq!(zc_entry(0, 1 << 48), None);
     }
 }

@@ -16,22 +16,32 @@
 //! far apart they arrive within the bound: a rank leaves only once it has heard every peer it
 //! waits for, and hearing a note is having answered the offers before it. The numbers keep a
 //! rank that runs ahead of a sender (a chain or a ring waits in one direction only) from ending
-//! the sender's wait for a later group with a note that belongs to an earlier one. Nothing is unmapped while the engine lives (a
-//! captured graph may still post a key): at most [`ZC_ENTRIES`] allocations are offered per
-//! engine, later ones keep to the slots.
+//! the sender's wait for a later group with a note that belongs to an earlier one.
 //!
-//! A table entry is written once and never replaced (a send in flight may read it at any time),
+//! Keys and entries. An engine offers at most [`ZC_ENTRIES`] allocations in use at once: key `k`
+//! takes table entry `k % ZC_ENTRIES`, and once the receiver finds an offered allocation freed
+//! (its buffer id gone, as a framework's allocator frees and allocates again) a new allocation
+//! takes that entry with the next key of it (`k + ZC_ENTRIES`). The sender then maps the new one
+//! in the entry and unmaps the old: every receive into the old one completed before it was freed
+//! (freeing waits for the device), and so did the sender's writes into it, since a receive ends
+//! only once they all landed. A graph captured with the old key still posts it; its sends find
+//! the entry tagged with the new key and take the slots. Receives into allocations beyond the
+//! entries in use keep to the slots.
+//!
+//! An entry is one word, tag and address, so a send in flight reads the old one or the new one,
 //! and a receive carries a key only once its sender mapped it: answers name the offering engine's
 //! random id, so an engine built later on the same communicator never takes an earlier one's for
-//! its own, and an offer whose entry an earlier engine's offer took is refused (its messages keep
+//! its own, and an offer for an entry an earlier engine's offer holds is refused (its messages keep
 //! to the slots).
 
 use mscclpp_core::communicator::{Communicator, RegisteredMemory};
 use mscclpp_core::gpu::{DevicePtr, Gpu, HostMapped, Stream};
 use mscclpp_core::{Error, Result};
 use mscclpp_kernels_cu::collectives::MAX_RANKS;
-use mscclpp_kernels_cu::p2p::{zc_word, P2pOpArgs, KIND_COPY, KIND_RECV, KIND_SEND, ZC_ENTRIES};
-use std::collections::HashSet;
+use mscclpp_kernels_cu::p2p::{
+    zc_entry, zc_word, P2pOpArgs, KIND_COPY, KIND_RECV, KIND_SEND, ZC_ENTRIES, ZC_KEYS,
+};
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -57,8 +67,13 @@ const REFUSED: u8 = 0;
 /// are all sent.
 const NOTE: usize = usize::MAX;
 
-/// One allocation this engine offered (its key is its index).
+/// How often at most a receive into a new allocation looks for a freed one's entry while every
+/// entry is in use (a search asks the driver about each).
+const REUSE_SEARCH: Duration = Duration::from_millis(10);
+
+/// One allocation this engine offered (in entry `key % ZC_ENTRIES`).
 struct Export {
+    key: usize,
     base: DevicePtr,
     size: usize,
     /// The allocation's buffer id: a new allocation at the same address is another export.
@@ -71,16 +86,26 @@ struct Export {
     refused: u64,
 }
 
+/// A peer's allocation mapped here for zero-copy sends, in one entry of its row of the table.
+struct Import {
+    /// The offering engine's id and its key.
+    engine: u64,
+    key: usize,
+    /// The mapping, kept until a later key of the same engine's takes the entry.
+    _mem: RegisteredMemory,
+}
+
 #[derive(Default)]
 struct State {
+    /// This engine's offers, at most one per entry.
     exports: Vec<Export>,
     /// Allocations that could not be registered (allocation base, buffer id): not tried again.
     unregistrable: HashSet<(DevicePtr, u64)>,
-    /// The table's entries, (peer, key): each written once, never replaced.
-    installed: HashSet<(usize, usize)>,
-    /// Peers' memory mapped here, kept until the engine goes.
-    imports: Vec<RegisteredMemory>,
-    /// Whether running out of keys was logged.
+    /// The table's entries in use, by (peer, entry).
+    imports: HashMap<(usize, usize), Import>,
+    /// When a search for a freed allocation's entry last found none.
+    entries_full_since: Option<Instant>,
+    /// Whether every entry being in use was logged.
     full_logged: bool,
     /// Receives marked with a zero-copy word so far.
     receives: u64,
@@ -94,8 +119,9 @@ struct State {
 
 /// One engine's zero-copy state: its table, its offers and the peers' memory it mapped.
 pub(crate) struct ZeroCopy {
-    /// The host table (`P2pArgs::zc_staging`): `[rank][key]` addresses of peers' offered
-    /// allocations as mapped here (0: not mapped), pinned and mapped for kernels.
+    /// The host table (`P2pArgs::zc_staging`): `[rank][entry]` of `zc_entry` (the key's tag and
+    /// the address of the peer's offered allocation as mapped here; 0: none), pinned and mapped
+    /// for kernels.
     staging: HostMapped,
     id: u64,
     state: Mutex<State>,
@@ -232,7 +258,7 @@ impl ZeroCopy {
             // mapped ones are answered so): the send keeps to the slots without waiting for the
             // receiver's post.
             let peer = op.peer as usize;
-            op.aux = u64::from(state.installed.iter().any(|&(p, _)| p == peer));
+            op.aux = u64::from(state.imports.keys().any(|&(p, _)| p == peer));
         }
         Ok(())
     }
@@ -268,26 +294,44 @@ impl ZeroCopy {
                 state.notes_heard[peer] = state.notes_heard[peer].max(number);
                 continue;
             }
-            if key >= ZC_ENTRIES {
+            if key >= ZC_KEYS {
                 return Err(malformed());
             }
+            let entry = key % ZC_ENTRIES;
             // Refused, the peer keeps this allocation's messages in the slots (and a capture stops
             // waiting for the answer).
             let mut answer = message_header(engine, key);
-            if state.installed.contains(&(peer, key)) {
-                // An offer of an earlier engine of the peer's took this entry.
+            let held = state.imports.get(&(peer, entry));
+            if held.is_some_and(|i| i.engine != engine || i.key >= key) {
+                // An offer of an earlier engine of the peer's holds this entry.
                 answer.push(REFUSED);
             } else {
                 let started = Instant::now();
-                match comm.import_message(peer, &msg[16..]) {
-                    Ok(mem) => {
+                let mapped = comm.import_message(peer, &msg[16..]).and_then(|mem| {
+                    let word = zc_entry(key, mem.ptr()).ok_or_else(|| {
+                        Error::Unsupported(format!(
+                            "its mapping at {:#x} is beyond the table's 48-bit addresses",
+                            mem.ptr()
+                        ))
+                    })?;
+                    Ok((mem, word))
+                });
+                match mapped {
+                    Ok((mem, word)) => {
                         tracing::debug!(target: "mscclpp::coll",
                             "rank {}: mapped rank {peer}'s receive allocation {key} for zero-copy \
                              sends in {:?}", comm.rank(), started.elapsed());
-                        self.staged(peer * ZC_ENTRIES + key)
-                            .store(mem.ptr(), Ordering::Release);
-                        state.imports.push(mem);
-                        state.installed.insert((peer, key));
+                        self.staged(peer * ZC_ENTRIES + entry)
+                            .store(word, Ordering::Release);
+                        // The key this one follows, if any, is unmapped here (see the module docs).
+                        state.imports.insert(
+                            (peer, entry),
+                            Import {
+                                engine,
+                                key,
+                                _mem: mem,
+                            },
+                        );
                         answer.push(MAPPED);
                     }
                     Err(e) => {
@@ -313,7 +357,7 @@ impl ZeroCopy {
             if engine != self.id {
                 continue;
             }
-            if let Some(export) = state.exports.get_mut(key) {
+            if let Some(export) = state.exports.iter_mut().find(|e| e.key == key) {
                 match msg.get(16) {
                     Some(&MAPPED) => export.mapped |= 1 << peer,
                     _ => export.refused |= 1 << peer,
@@ -334,10 +378,11 @@ impl ZeroCopy {
         ptr: DevicePtr,
         bytes: usize,
     ) -> Result<Option<u64>> {
-        let Some(key) = self.export_of(comm, state, ptr, bytes) else {
+        let Some(index) = self.export_of(comm, state, ptr, bytes) else {
             return Ok(None);
         };
-        let export = &mut state.exports[key];
+        let export = &mut state.exports[index];
+        let key = export.key;
         if export.mapped & (1 << peer) != 0 {
             return Ok(zc_word(key, ptr - export.base));
         }
@@ -356,8 +401,9 @@ impl ZeroCopy {
         Ok(Some(0))
     }
 
-    /// The key of the export holding `[ptr, ptr + bytes)`, registering its allocation if it is
-    /// new; `None` where it cannot be registered or the keys ran out.
+    /// The index of the export holding `[ptr, ptr + bytes)`, registering its allocation if it is
+    /// new (in a new entry, or in a freed allocation's); `None` where it cannot be registered or
+    /// every entry is in use.
     fn export_of(
         &self,
         comm: &Communicator,
@@ -368,29 +414,27 @@ impl ZeroCopy {
         let id = self.gpu.buffer_id(ptr).ok()?;
         let holds =
             |base: DevicePtr, size: usize| ptr >= base && ptr - base + bytes as u64 <= size as u64;
-        if let Some(key) = state
+        if let Some(index) = state
             .exports
             .iter()
             .position(|e| e.id == id && holds(e.base, e.size))
         {
-            return Some(key);
-        }
-        if state.exports.len() >= ZC_ENTRIES {
-            if !state.full_logged {
-                state.full_logged = true;
-                tracing::info!(target: "mscclpp::coll",
-                    "rank {}: {ZC_ENTRIES} receive allocations already offered for zero copy; \
-                     receives into new ones keep to the slots", comm.rank());
-            }
-            return None;
+            return Some(index);
         }
         let alloc = self.gpu.allocation_of(ptr).ok()?;
         if state.unregistrable.contains(&(alloc.ptr, id)) || !holds(alloc.ptr, alloc.size) {
             return None;
         }
+        let (index, key) = if state.exports.len() < ZC_ENTRIES {
+            (state.exports.len(), state.exports.len())
+        } else {
+            let index = self.freed_entry(comm, state)?;
+            (index, state.exports[index].key + ZC_ENTRIES)
+        };
         match comm.register(&alloc, alloc.ptr, alloc.size) {
             Ok(mem) => {
-                state.exports.push(Export {
+                let export = Export {
+                    key,
                     base: alloc.ptr,
                     size: alloc.size,
                     id,
@@ -398,8 +442,13 @@ impl ZeroCopy {
                     offered: 0,
                     mapped: 0,
                     refused: 0,
-                });
-                Some(state.exports.len() - 1)
+                };
+                // A freed allocation's registration goes with its entry.
+                match state.exports.get_mut(index) {
+                    Some(freed) => *freed = export,
+                    None => state.exports.push(export),
+                }
+                Some(index)
             }
             Err(e) => {
                 tracing::debug!(target: "mscclpp::coll",
@@ -409,6 +458,30 @@ impl ZeroCopy {
                 None
             }
         }
+    }
+
+    /// With every entry in use: the index of an export whose allocation was freed (its address no
+    /// longer has its buffer id) and whose entry has keys left, searched at most once every
+    /// [`REUSE_SEARCH`] while none is found.
+    fn freed_entry(&self, comm: &Communicator, state: &mut State) -> Option<usize> {
+        let now = Instant::now();
+        if state
+            .entries_full_since
+            .is_some_and(|t| now.duration_since(t) < REUSE_SEARCH)
+        {
+            return None;
+        }
+        let freed = state.exports.iter().position(|e| {
+            e.key + ZC_ENTRIES < ZC_KEYS && self.gpu.buffer_id(e.base).map_or(true, |id| id != e.id)
+        });
+        state.entries_full_since = freed.is_none().then_some(now);
+        if freed.is_none() && !state.full_logged {
+            state.full_logged = true;
+            tracing::info!(target: "mscclpp::coll",
+                "rank {}: {ZC_ENTRIES} receive allocations offered for zero copy are all in use; \
+                 receives into others keep to the slots until one of them is freed", comm.rank());
+        }
+        freed
     }
 
     fn staged(&self, index: usize) -> &AtomicU64 {
@@ -473,6 +546,9 @@ mod tests {
     enum Between {
         /// They meet at a barrier, and a captured group gets new buffers.
         MeetOnNewBuffers,
+        /// They meet at a barrier, free their buffers and take new ones (an allocator that gives
+        /// memory back and asks again).
+        MeetOnReplacedBuffers,
         /// Each goes on at once with the same buffers (a graph capturing many calls).
         GoOn,
     }
@@ -518,7 +594,16 @@ mod tests {
             for m in 0..marks {
                 for op in &mut ops {
                     op.aux = 0;
-                    if capturing && m > 0 && matches!(between, Between::MeetOnNewBuffers) {
+                    if m == 0 {
+                        continue;
+                    }
+                    if matches!(between, Between::MeetOnReplacedBuffers) {
+                        let old = gpu.allocation_of(op.ptr).expect("allocation");
+                        gpu.free(&old).expect("free");
+                    }
+                    if capturing && matches!(between, Between::MeetOnNewBuffers)
+                        || matches!(between, Between::MeetOnReplacedBuffers)
+                    {
                         // Each capture on new buffers, as a graph pool gives them.
                         op.ptr = gpu
                             .alloc(ZERO_COPY_MIN_BYTES, MemoryKind::Plain)
@@ -527,7 +612,7 @@ mod tests {
                     }
                 }
                 zc.mark(&comm, &mut ops, Stream::DEFAULT).expect("mark");
-                if matches!(between, Between::MeetOnNewBuffers) {
+                if !matches!(between, Between::GoOn) {
                     comm.bootstrap().barrier().expect("barrier");
                 }
             }
@@ -594,6 +679,36 @@ mod tests {
             let took = started.elapsed() - skew * 3;
             assert!(took < CAPTURE_HANDSHAKE / 2, "took {took:?}");
         }
+    }
+
+    /// Allocations freed and allocated again, far more than the table's entries: each new one
+    /// takes a freed one's entry (and the sender maps it there), so captured groups keep going
+    /// zero copy; while every entry's allocation lives, a new one keeps to the slots.
+    #[test]
+    fn freed_allocations_give_their_entries_to_new_ones() {
+        let marks = 3 * ZC_ENTRIES + 5;
+        assert_zero_copy(
+            &mark_groups(
+                2,
+                ring,
+                true,
+                (marks, Between::MeetOnReplacedBuffers),
+                Duration::ZERO,
+            ),
+            "a capture on the 101st allocation (earlier ones freed)",
+        );
+        let groups = mark_groups(
+            2,
+            ring,
+            true,
+            (ZC_ENTRIES + 1, Between::MeetOnNewBuffers),
+            Duration::ZERO,
+        );
+        let receives = groups.iter().flatten().filter(|op| op.kind == KIND_RECV);
+        assert!(
+            receives.clone().all(|op| op.aux == 0),
+            "the 33rd allocation alive: {groups:?}"
+        );
     }
 
     /// Receives that share their channel are not offered; their peers' notes end the senders'

@@ -49,10 +49,12 @@
 // Zero copy (large messages). The slots bound a channel to its chunks in flight (a round trip each),
 // so a message of 1 MiB or more goes straight into the receiver's buffer once the sender has it
 // mapped. The receiver's host registers the buffer's allocation and offers it to the sender's host
-// (bootstrap), which maps it, writes its address into the engine's pinned host table
-// (`zc_staging[peer][key]`) and answers. The first send that needs the entry copies it into the
-// device table (P2pState::zc_table, zeroed with the engine), where later sends read it: a kernel's
-// read of host memory costs ~35 µs on H200, once per entry that way. No stream operation is
+// (bootstrap), which maps it, writes its address, tagged with the offer's key, into the engine's
+// pinned host table (`zc_staging[peer][key % kP2pZcEntries]`) and answers. The first send that
+// needs the key copies the entry into the device table (P2pState::zc_table, zeroed with the
+// engine), where later sends read it: a kernel's read of host memory costs ~35 µs on H200, once
+// per key that way. A key whose allocation was freed gives its entry to a later key: a send whose
+// word's key has another tag than both tables' entries takes the slots. No stream operation is
 // involved, so the handshake also completes while a graph is being captured (the receiver's host
 // then waits for the answer a bounded time; collectives/src/p2p/zero_copy.rs). From then on the
 // receiver's host gives its receives into that allocation a word of key and offset (`aux`) when
@@ -86,9 +88,11 @@ constexpr u32 kP2pPosts = 256;
 // How long a send waits at its end for the receiver's post of the message (see p2p_send).
 constexpr u64 kP2pPostGraceNs = 1000000;
 
-// Entries of each peer's zero-copy table: registrations one engine offers at most. Mirrored by
-// mscclpp_kernels_cu::p2p::ZC_ENTRIES.
+// Entries of each peer's zero-copy table: registrations of one engine in use at once (key k takes
+// entry k % kP2pZcEntries), and the tags that tell the keys of an entry apart. Mirrored by
+// mscclpp_kernels_cu::p2p::ZC_ENTRIES and ZC_TAGS.
 constexpr u32 kP2pZcEntries = 32;
+constexpr u32 kP2pZcTags = 0xFFFF;
 
 constexpr u32 kP2pSend = 0;
 constexpr u32 kP2pRecv = 1;
@@ -180,6 +184,10 @@ MSCCLPP_DEVICE_INLINE u64 p2p_post_bytes(u64 post) { return post & ((1ull << 40)
 // in the low 40. Built by the host (mscclpp_kernels_cu::p2p::zc_word).
 MSCCLPP_DEVICE_INLINE u32 p2p_zc_key(u64 zc) { return static_cast<u32>(zc >> 40) - 1; }
 MSCCLPP_DEVICE_INLINE u64 p2p_zc_offset(u64 zc) { return zc & ((1ull << 40) - 1); }
+// A table entry: the tag of its key in the high 16 bits (never 0), the mapped address in the low
+// 48. Built by the host (mscclpp_kernels_cu::p2p::zc_entry).
+constexpr u64 kP2pZcTagMask = 0xFFFFull << 48;
+MSCCLPP_DEVICE_INLINE u64 p2p_zc_tag(u32 key) { return static_cast<u64>(key % kP2pZcTags + 1) << 48; }
 
 MSCCLPP_DEVICE_INLINE u64 p2p_chunks(u64 bytes, u64 slot_bytes) {
   return bytes == 0 ? 1 : (bytes + slot_bytes - 1) / slot_bytes;
@@ -253,15 +261,21 @@ MSCCLPP_DEVICE_INLINE bool p2p_send_zero_copy(const P2pArgs& a, const P2pOpArgs&
         p2p_post_bytes(atomic_load_acquire_sys(post)) == op.bytes) {
       // The receiver stored the word before its release of the post.
       const u64 zc = atomic_load_relaxed_sys(word);
-      if (zc != 0 && p2p_zc_key(zc) < kP2pZcEntries) {
-        u64* entry = &a.state->zc_table[op.peer][p2p_zc_key(zc)];
-        u64 base = atomic_load_relaxed_sys(entry);
-        if (base == 0) {
-          // First use of the entry: the host's copy, kept on the device for the next sends.
-          base = atomic_load_relaxed_sys(&a.zc_staging[op.peer * kP2pZcEntries + p2p_zc_key(zc)]);
-          if (base != 0) atomic_store_relaxed_sys(entry, base);
+      if (zc != 0) {
+        const u32 key = p2p_zc_key(zc);
+        const u64 tag = p2p_zc_tag(key);
+        u64* entry = &a.state->zc_table[op.peer][key % kP2pZcEntries];
+        u64 e = atomic_load_relaxed_sys(entry);
+        if ((e & kP2pZcTagMask) != tag) {
+          // First use of the key: the host's copy, kept on the device for the next sends.
+          e = atomic_load_relaxed_sys(&a.zc_staging[op.peer * kP2pZcEntries + key % kP2pZcEntries]);
+          if ((e & kP2pZcTagMask) == tag) {
+            atomic_store_relaxed_sys(entry, e);
+          } else {
+            e = 0;
+          }
         }
-        if (base != 0) dst = base + p2p_zc_offset(zc);
+        if (e != 0) dst = (e & ~kP2pZcTagMask) + p2p_zc_offset(zc);
       }
     }
     shared_dst = dst;
