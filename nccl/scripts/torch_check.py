@@ -348,23 +348,31 @@ def torch_mode():
                 guarded(f"scatter root={root} {str(dtype)[6:]} n={count}",
                         lambda r=root, d=dtype, c=count: scatter(r, d, c))
 
-    def p2p(batched):
-        xs = inputs(torch.float32, 777)
+    def p2p(batched, count, calls):
+        # `calls` rings on new tensors (the caching allocator hands its segments out again), each
+        # with other data (scaled by a power of two: exact), so a message left from an earlier
+        # call shows. From 1 MiB on the engine writes straight into the receiving tensor once its
+        # sender has mapped the segment (after the first calls).
+        xs = inputs(torch.float32, count)
         nxt, prv = (rank + 1) % world, (rank - 1) % world
-        out = torch.zeros(777, device=dev)
-        if batched:
-            reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, xs[rank].to(dev), nxt),
-                                          dist.P2POp(dist.irecv, out, prv)])
-            for r in reqs:
-                r.wait()
-        elif rank % 2 == 0:
-            dist.send(xs[rank].to(dev), nxt)
-            dist.recv(out, prv)
-        else:
-            dist.recv(out, prv)
-            dist.send(xs[rank].to(dev), nxt)
-        torch.cuda.synchronize()
-        check(f"{'batch_isend_irecv' if batched else 'send/recv'} ring", out, xs[prv], torch.float32, world)
+        for call in range(calls):
+            scale = 2.0 ** call
+            out = torch.zeros(count, device=dev)
+            send = (xs[rank] * scale).to(dev)
+            if batched:
+                reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt),
+                                              dist.P2POp(dist.irecv, out, prv)])
+                for r in reqs:
+                    r.wait()
+            elif rank % 2 == 0:
+                dist.send(send, nxt)
+                dist.recv(out, prv)
+            else:
+                dist.recv(out, prv)
+                dist.send(send, nxt)
+            torch.cuda.synchronize()
+            name = f"{'batch_isend_irecv' if batched else 'send/recv'} ring n={count}"
+            check_exact(name + (f" call {call + 1}" if calls > 1 else ""), out, xs[prv] * scale)
     def p2p_all_pairs(dtype):
         # One batch: every rank sends to and receives from every other rank, each pair its own
         # size (1 element up to 64 Ki + 3), plus two more messages to the next rank whose order
@@ -397,8 +405,9 @@ def torch_mode():
                    f"{bad.numel()} wrong elements, first at {bad[0].item() if bad.numel() else '?'}")
 
     if world > 1:
-        guarded("send/recv", lambda: p2p(False))
-        guarded("batch_isend_irecv", lambda: p2p(True))
+        for count, calls in ((777, 1), ((1 << 20) + 3, 4)):
+            guarded("send/recv", lambda c=count, k=calls: p2p(False, c, k))
+            guarded("batch_isend_irecv", lambda c=count, k=calls: p2p(True, c, k))
         for dtype in (torch.float32, torch.bfloat16, torch.int8):
             guarded(f"batch_isend_irecv all pairs + order {dtype}",
                     lambda dtype=dtype: p2p_all_pairs(dtype))

@@ -20,6 +20,7 @@
 //! the receive buffer untouched, and no hang.
 
 use crate::byte_pattern::{self, message_key};
+use crate::host_cost::per_call_cost_settled;
 use crate::tally::{ran_to_end, Tally};
 use crate::{RankContext, GIB, MIB};
 use mscclpp::core::gpu::{Allocation, Gpu, MemoryKind, Stream};
@@ -322,6 +323,37 @@ fn zero_copy_captured_fresh(
     ))
 }
 
+/// What one eager ring group of `bytes` costs the calling thread (a measurement, not a check):
+/// thread CPU and wall µs per `P2pEngine::run`, batches of back-to-back calls on the same
+/// buffers, after calls enough for a large one to go zero copy; the kernels are waited for
+/// between batches. Tells the host path's part in an eager call's time (its planning, and for a
+/// large group the zero-copy polls) from the launch's.
+fn host_path(ctx: &RankContext, engine: &P2pEngine, bytes: usize) -> Result<String> {
+    let (rank, n) = (ctx.rank(), ctx.size());
+    let g = Group::new(&ctx.gpu, rank, ring(rank, n, bytes))?;
+    let ops = g.ops();
+    let stream = ctx.gpu.create_stream()?;
+    let zero_copy_before = engine.zero_copy_receives();
+    let measured = (|| {
+        for _ in 0..ZERO_COPY_EAGER_CALLS {
+            engine.run(&ops, &stream)?;
+            ctx.gpu.synchronize_stream(stream)?;
+        }
+        let settle = || {
+            ctx.gpu.synchronize_stream(stream)?;
+            engine.check()
+        };
+        per_call_cost_settled(50, || engine.run(&ops, &stream), settle)
+    })();
+    let _ = ctx.gpu.destroy_stream(stream);
+    let (wall, cpu) = measured?;
+    let zero_copy = engine.zero_copy_receives() > zero_copy_before;
+    Ok(format!(
+        "{bytes} B ring{}: {cpu:.2} µs of thread CPU time per group ({wall:.2} wall)",
+        if zero_copy { " (zero copy)" } else { "" }
+    ))
+}
+
 /// Eager calls of [`zero_copy`]: the offer goes out on the first, the sender maps it at its next
 /// call and the receiver sees the confirmation at the one after.
 const ZERO_COPY_EAGER_CALLS: u64 = 5;
@@ -614,6 +646,15 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
         "p2p: one engine on two streams (ordered by the engine)".into(),
         two_streams(ctx, [&engine, &engine], seed ^ 0xBCDE).map(|()| "both rings correct".into()),
     ));
+    for bytes in [64 << 10, ZERO_COPY_MIN_BYTES] {
+        if n < 2 {
+            break;
+        }
+        out.push((
+            "p2p: host path of one eager group (thread CPU time per call)".into(),
+            host_path(ctx, &engine, bytes),
+        ));
+    }
     if n >= 2 {
         for sizes in MISMATCHES {
             out.push((

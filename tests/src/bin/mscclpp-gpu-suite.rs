@@ -22,8 +22,9 @@ use mscclpp::core::communicator::RegisteredMemory;
 use mscclpp::core::device::{D2DSemaphoreHandle, DeviceRepr, MemoryChannelHandle};
 use mscclpp::core::gpu::{Function, LaunchConfig, MemoryKind, Module, Stream};
 use mscclpp::core::{DataType, Error, ReduceOp, Result};
+use mscclpp_tests::host_cost::per_call_cost;
 use mscclpp_tests::*;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 struct Suite {
     ctx: RankContext,
@@ -1600,36 +1601,4 @@ fn host_path_measure(
         cached_same,
         cached_changing,
     })
-}
-
-/// Per-call cost of `call` on this thread: (wall µs, thread CPU µs), each the median of 5 batches
-/// of 200 back-to-back calls.
-fn per_call_cost(mut call: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
-    const CALLS: u32 = 200;
-    let (mut wall, mut cpu) = (Vec::new(), Vec::new());
-    for _ in 0..5 {
-        let (t, c) = (Instant::now(), thread_cpu_time());
-        for _ in 0..CALLS {
-            call()?;
-        }
-        wall.push(t.elapsed().as_secs_f64() * 1e6 / f64::from(CALLS));
-        cpu.push((thread_cpu_time() - c).as_secs_f64() * 1e6 / f64::from(CALLS));
-    }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    Ok((median(&mut wall), median(&mut cpu)))
-}
-
-/// CPU time this thread has used (CLOCK_THREAD_CPUTIME_ID): what the host path costs the caller,
-/// without time the thread spent descheduled.
-fn thread_cpu_time() -> Duration {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: writes one timespec; the clock id is valid on Linux.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
