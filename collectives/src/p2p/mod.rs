@@ -308,8 +308,12 @@ impl P2pEngine {
                 planned.iter().map(|op| format!("(kind {} peer {} bytes {} blocks {} aux {:#x})",
                     op.kind, op.peer, op.bytes, op.nblocks, op.aux)).collect::<Vec<_>>().join(" "));
         }
-        let cfg =
-            LaunchConfig::linear(blocks, threads).with_programmatic(self.comm.fast_launches());
+        // As the natives' (NativeContext::launch): outside capture a cached one-kernel graph
+        // costs the calling thread less than a plain launch.
+        let fast = self.comm.fast_launches();
+        let cfg = LaunchConfig::linear(blocks, threads)
+            .with_programmatic(fast)
+            .with_cached_graph(fast);
         let mut params = [param_ptr(&mut kargs)];
         let gpu = self.comm.gpu();
         // SAFETY: `params` matches the kernel's one `P2pArgs` parameter (layout checked by the NVRTC
