@@ -23,8 +23,9 @@
 //! (its buffer id gone, as a framework's allocator frees and allocates again) a new allocation
 //! takes that entry with the next key of it (`k + ZC_ENTRIES`). The sender then maps the new one
 //! in the entry and unmaps the old: every receive into the old one completed before it was freed
-//! (freeing waits for the device), and so did the sender's writes into it, since a receive ends
-//! only once they all landed. A graph captured with the old key still posts it; its sends find
+//! (freeing memory a kernel still uses is the program's error, as for any buffer; cudaFree waits
+//! for the device), and so did the sender's writes into it, since a receive ends only once they
+//! all landed. A graph captured with the old key still posts it; its sends find
 //! the entry tagged with the new key and take the slots. Receives into allocations beyond the
 //! entries in use keep to the slots.
 //!
@@ -303,7 +304,8 @@ impl ZeroCopy {
             let mut answer = message_header(engine, key);
             let held = state.imports.get(&(peer, entry));
             if held.is_some_and(|i| i.engine != engine || i.key >= key) {
-                // An offer of an earlier engine of the peer's holds this entry.
+                // Another engine of the peer's holds this entry (or, never on one link, a later
+                // key of this one).
                 answer.push(REFUSED);
             } else {
                 let started = Instant::now();
