@@ -103,8 +103,12 @@ def reduce_ref(inputs, op, dtype):
         r = stack.max(0).values
     elif op == "min":
         r = stack.min(0).values
-    else:  # avg
-        r = stack.sum(0) / n if is_float(dtype) else torch.div(stack.sum(0), n, rounding_mode="trunc")
+    elif is_float(dtype):  # avg
+        r = stack.sum(0) / n
+    else:
+        # NCCL's integer average: the sum in the type itself (wrapping, as every rank's partial
+        # sums do), then divided by the ranks, truncating (8-bit sums wrap from 8 ranks on).
+        r = torch.div(stack.sum(0).to(dtype).to(wide), n, rounding_mode="trunc")
     return r
 
 
