@@ -39,7 +39,7 @@ pub fn per_call_cost_settled(
 
 /// CPU time this thread has used (CLOCK_THREAD_CPUTIME_ID): what the host path costs the caller,
 /// without time the thread spent descheduled.
-pub fn thread_cpu_time() -> Duration {
+fn thread_cpu_time() -> Duration {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,

@@ -299,9 +299,11 @@ impl P2pEngine {
         kargs.ops[..planned.len()].copy_from_slice(&planned);
         let f = self.function()?;
         let threads = plan::block_threads(&planned, &self.layout);
-        if planned
-            .iter()
-            .any(|op| op.bytes as usize >= ZERO_COPY_MIN_BYTES)
+        // Only when asked for: this is every eager call's path.
+        if tracing::enabled!(target: "mscclpp::coll", tracing::Level::DEBUG)
+            && planned
+                .iter()
+                .any(|op| op.bytes as usize >= ZERO_COPY_MIN_BYTES)
         {
             tracing::debug!(target: "mscclpp::coll",
                 "rank {rank}: p2p group of {blocks} blocks of {threads} threads: {}",

@@ -181,9 +181,7 @@ impl ZeroCopy {
             .filter(|op| large(op) && op.kind == KIND_SEND)
             .fold(0u64, |m, op| m | 1 << op.peer);
         let take_offers = |state: &mut State| {
-            (0..MAX_RANKS)
-                .filter(|p| send_peers & (1 << p) != 0)
-                .try_for_each(|p| self.take_offers(comm, state, p))
+            ranks_in(send_peers).try_for_each(|p| self.take_offers(comm, state, p))
         };
         let capturing = self.gpu.is_capturing(stream)?;
         let receives: Vec<usize> = (0..ops.len())
@@ -211,7 +209,7 @@ impl ZeroCopy {
         poll(&mut state, &mut words)?;
         if capturing {
             self.send_notes(comm, &mut state, ops)?;
-            for p in (0..MAX_RANKS).filter(|p| send_peers & (1 << p) != 0) {
+            for p in ranks_in(send_peers) {
                 state.captured_sends[p] += 1;
             }
         }
@@ -219,9 +217,7 @@ impl ZeroCopy {
         // Every send peer's note is on the way, and in a chain or a ring it is the only thing of
         // that peer's we would wait for.
         let unheard = |state: &State| {
-            (0..MAX_RANKS).any(|p| {
-                send_peers & (1 << p) != 0 && state.notes_heard[p] < state.captured_sends[p]
-            })
+            ranks_in(send_peers).any(|p| state.notes_heard[p] < state.captured_sends[p])
         };
         // One bound for the whole group: its receives' answers come in any order.
         let started = Instant::now();
@@ -271,14 +267,12 @@ impl ZeroCopy {
             .iter()
             .filter(|op| op.bytes as usize >= ZERO_COPY_MIN_BYTES && op.kind == KIND_RECV)
             .fold(0u64, |m, op| m | 1 << op.peer);
-        (0..MAX_RANKS)
-            .filter(|p| peers & (1 << p) != 0)
-            .try_for_each(|p| {
-                state.notes_sent[p] += 1;
-                let mut note = message_header(self.id, NOTE);
-                note.extend(state.notes_sent[p].to_le_bytes());
-                comm.bootstrap().send(p, TAG_OFFER, &note)
-            })
+        ranks_in(peers).try_for_each(|p| {
+            state.notes_sent[p] += 1;
+            let mut note = message_header(self.id, NOTE);
+            note.extend(state.notes_sent[p].to_le_bytes());
+            comm.bootstrap().send(p, TAG_OFFER, &note)
+        })
     }
 
     /// Maps every offer `peer` sent so far, writes it into the host table and answers it.
@@ -492,6 +486,11 @@ impl ZeroCopy {
         // long as `self`.
         unsafe { &*(self.staging.host_ptr as *const AtomicU64).add(index) }
     }
+}
+
+/// The ranks of a bit mask of ranks.
+fn ranks_in(mask: u64) -> impl Iterator<Item = usize> {
+    (0..MAX_RANKS).filter(move |p| mask & (1 << p) != 0)
 }
 
 /// The first 16 bytes of an offer or an answer: engine id, key.
