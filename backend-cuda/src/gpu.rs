@@ -612,6 +612,8 @@ impl Gpu for CudaGpu {
             pci_bus_id: text(&bus).to_ascii_lowercase(),
             supports_vmm: vmm,
             supports_multicast: attr(A::CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED)? != 0,
+            // A driver older than the attribute refuses it: no MPS it knows of.
+            mps_client: attr(A::CU_DEVICE_ATTRIBUTE_MPS_ENABLED).is_ok_and(|v| v != 0),
         })
     }
 

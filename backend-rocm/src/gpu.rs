@@ -244,6 +244,7 @@ impl Gpu for RocmGpu {
             pci_bus_id: fixed_str(&bus).to_ascii_lowercase(),
             supports_vmm: false,
             supports_multicast: false,
+            mps_client: false,
         })
     }
 

@@ -33,6 +33,8 @@ pub struct Residency {
     pub sm: u32,
     /// Whether other ranks of this process share the device (`!Communicator::owns_device`).
     pub shares_device: bool,
+    /// Whether other processes share the device through MPS (`DeviceProperties::mps_client`).
+    pub mps: bool,
 }
 
 impl Residency {
@@ -41,6 +43,7 @@ impl Residency {
         Ok(Residency {
             sm: comm.multiprocessors()?,
             shares_device: !comm.owns_device(),
+            mps: comm.gpu().properties(comm.device())?.mps_client,
         })
     }
 
@@ -52,6 +55,23 @@ impl Residency {
             sm
         } else {
             sm * (RESIDENT_THREADS_PER_SM / threads.max(1)).max(1)
+        }
+    }
+
+    /// Most blocks of `threads` threads of one grid of this rank that wait for each other, so
+    /// that every one of them must be resident at once (the execution-plan interpreter's replicas
+    /// meet at barriers). Under MPS the SM count a process reads is its limit, not a promise: on
+    /// one H200 shared by two ranks (66 SMs each), grids of up to 62 meeting blocks ran and grids
+    /// of 63 and 64 waited for their last blocks until the device timeout (2026-11-29). There
+    /// half of [`max_blocks`](Self::max_blocks) is kept to. The native kernels' blocks wait for
+    /// the peers' blocks, not for each other, and keep to `max_blocks`: grids of the whole share
+    /// passed there (the suites; `default_allreduce_rsag_zero_copy` with 66 blocks of 1024).
+    pub fn max_meeting_blocks(self, threads: u32) -> u32 {
+        let blocks = self.max_blocks(threads);
+        if self.mps {
+            (blocks / 2).max(1)
+        } else {
+            blocks
         }
     }
 }
@@ -319,8 +339,30 @@ mod tests {
         let r = Residency {
             sm,
             shares_device: false,
+            mps: false,
         };
         assert_eq!(r.max_blocks(threads), want);
+        assert_eq!(r.max_meeting_blocks(threads), want);
+    }
+
+    /// Under MPS, blocks that meet keep to half of what the process's SM limit would hold.
+    #[rstest]
+    #[case(66, 1024, 33)]
+    #[case(66, 512, 66)]
+    #[case(33, 1024, 16)]
+    #[case(1, 1024, 1)]
+    fn meeting_blocks_keep_room_under_mps(
+        #[case] sm: u32,
+        #[case] threads: u32,
+        #[case] want: u32,
+    ) {
+        let r = Residency {
+            sm,
+            shares_device: false,
+            mps: true,
+        };
+        assert_eq!(r.max_meeting_blocks(threads), want);
+        assert_eq!(r.max_blocks(threads), sm * (1024 / threads));
     }
 
     /// Ranks of one process sharing a 132-SM device (`ncclCommInitAll`): whatever the block size,
@@ -336,6 +378,7 @@ mod tests {
         let r = Residency {
             sm,
             shares_device: true,
+            mps: false,
         };
         for threads in [32, 256, 512, 1024] {
             assert_eq!(r.max_blocks(threads), sm, "{threads} threads");

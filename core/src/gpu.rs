@@ -97,6 +97,9 @@ pub struct DeviceProperties {
     /// The hardware and driver could do NVLink multicast. This does not mean it may be used: that is
     /// also gated by the environment (see `Env::nvls_allowed`).
     pub supports_multicast: bool,
+    /// Processes share the device through MPS (NVIDIA's multi-process service): then
+    /// `multiprocessors` is this process's limit, and other processes' grids run on the same SMs.
+    pub mps_client: bool,
 }
 
 /// Plain (cuMemAlloc/hipMalloc) allocations are rounded up to this many bytes. The drivers

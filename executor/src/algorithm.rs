@@ -130,9 +130,13 @@ pub struct PlanAlgorithm {
     /// This rank's program where its unit has it compiled in ([`specialises`]), read by no
     /// interpreter then.
     specialised: Option<EncodedPlan>,
-    /// Most threadblocks this rank's grid may have: the interpreter's threadblocks wait for each
-    /// other and for the peers', so all must be resident at once ([`Residency`]).
+    /// Most blocks this rank's grid may have where they wait for each other (a plan's
+    /// threadblocks, replicas that meet), so that all must be resident at once
+    /// ([`Residency::max_meeting_blocks`]).
     max_threadblocks: u32,
+    /// Most blocks where they never wait for each other, only for the peers' blocks of their own
+    /// index (replicas that never meet, [`Replication::Free`]).
+    max_free_blocks: u32,
     /// Bytes of one scratch copy (a half for LL plans).
     scratch_half_bytes: usize,
     comm: Arc<Communicator>,
@@ -213,7 +217,18 @@ impl PlanAlgorithm {
         let (layout, bytes) = state_bytes(&encoded, &channels, &ports);
         let state = DeviceBuffer::upload(comm.gpu(), &bytes)?;
         // A block of the interpreter may use a whole SM's registers (kx::MAX_BLOCK_THREADS).
-        let max_threadblocks = Residency::of(&comm)?.max_blocks(RESIDENT_THREADS_PER_SM);
+        let residency = Residency::of(&comm)?;
+        let max_threadblocks = residency.max_meeting_blocks(RESIDENT_THREADS_PER_SM);
+        let max_free_blocks = residency.max_blocks(RESIDENT_THREADS_PER_SM);
+        let replication = encoded.replication();
+        tracing::debug!(
+            target: "mscclpp::plan",
+            "plan {} on rank {}: {} threadblocks, replicas {replication:?}; grids of at most \
+             {max_threadblocks} blocks that meet ({residency:?})",
+            plan.name,
+            comm.rank(),
+            encoded.threadblocks()
+        );
         Ok(PlanAlgorithm {
             proxy,
             functions: Mutex::default(),
@@ -224,11 +239,12 @@ impl PlanAlgorithm {
             staging,
             layout,
             threadblocks: encoded.threadblocks() as u32,
-            replication: encoded.replication(),
+            replication,
             features: encoded.features(),
             program_bytes: encoded.largest_program_bytes() as u32,
             specialised: specialises(&encoded).then(|| encoded.clone()),
             max_threadblocks,
+            max_free_blocks,
             collective,
             reduce_op: core_op(reduce_op),
             scratch_half_bytes,
@@ -337,12 +353,16 @@ impl PlanAlgorithm {
     /// Blocks per plan threadblock for chunks of `chunk` bytes ([`replicas_for`]), within what
     /// stays resident beside the plan's other threadblocks.
     fn replicas(&self, chunk: usize) -> u32 {
+        let blocks = match self.replication {
+            Replication::Free => self.max_free_blocks,
+            Replication::Never | Replication::Synced => self.max_threadblocks,
+        };
         replicas_for(
             self.replication,
             block_threads(&self.plan),
             unit_bytes(self.plan.protocol),
             chunk,
-            self.max_threadblocks / self.threadblocks.max(1),
+            blocks / self.threadblocks.max(1),
         )
     }
 

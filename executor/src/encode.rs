@@ -59,11 +59,14 @@ pub enum Replication {
     /// port-channel op (one thread pushes every trigger of the op), a local barrier or semaphore
     /// (they count blocks).
     Never,
-    /// Data ops only: replicas never meet (the same units of a chunk always fall to the same
-    /// replica, so an op reads what the replica's earlier ops wrote).
+    /// Data ops (and nops) only, each threadblock's cut into parts one way: replicas never meet
+    /// (the same units of a chunk always fall to the same replica, so an op reads what the
+    /// replica's earlier ops wrote; a nop is the block's own barrier).
     Free,
-    /// Memory-channel signals, waits, flushes or nops too: one replica runs them and the
-    /// replicas meet at a barrier where the threadblock goes from data to them or back.
+    /// Memory-channel signals, waits or flushes too, or a threadblock whose data ops are cut
+    /// into parts in more than one way (threadblock groups): one replica runs the
+    /// synchronisation and the replicas meet at a barrier where the threadblock goes from data to
+    /// it or back, or from one cut to another. Replicas that meet must all be resident at once.
     Synced,
 }
 
@@ -131,26 +134,34 @@ impl EncodedPlan {
     }
 
     pub fn replication(&self) -> Replication {
-        let mut syncs = false;
-        for op in &self.ops {
-            if op.flags & FLAG_PORT != 0 {
-                return Replication::Never;
-            }
-            match op.kind {
-                k if k == OpKind::Data as u8 => syncs |= op.flags & FLAG_SIGNAL_AFTER != 0,
-                k if k == OpKind::Nop as u8
-                    || k == OpKind::Signal as u8
-                    || k == OpKind::RelaxedSignal as u8
-                    || k == OpKind::Wait as u8
-                    || k == OpKind::RelaxedWait as u8
-                    || k == OpKind::Flush as u8 =>
-                {
-                    syncs = true
+        let mut meets = false;
+        for b in 0..self.threadblocks() {
+            let mut cut = None;
+            for op in &self.ops[self.tb_ops[b] as usize..self.tb_ops[b + 1] as usize] {
+                if op.flags & FLAG_PORT != 0 {
+                    return Replication::Never;
                 }
-                _ => return Replication::Never,
+                match op.kind {
+                    k if k == OpKind::Data as u8 => {
+                        meets |= op.flags & FLAG_SIGNAL_AFTER != 0;
+                        let this = (op.tbg_part, op.tbg_parts);
+                        meets |= cut.is_some_and(|c| c != this);
+                        cut = Some(this);
+                    }
+                    k if k == OpKind::Nop as u8 => {}
+                    k if k == OpKind::Signal as u8
+                        || k == OpKind::RelaxedSignal as u8
+                        || k == OpKind::Wait as u8
+                        || k == OpKind::RelaxedWait as u8
+                        || k == OpKind::Flush as u8 =>
+                    {
+                        meets = true
+                    }
+                    _ => return Replication::Never,
+                }
             }
         }
-        if syncs {
+        if meets {
             Replication::Synced
         } else {
             Replication::Free
@@ -596,6 +607,50 @@ mod tests {
                 assert!(data.count() > 0);
             }
         }
+    }
+
+    /// Replicas meet only where the kernel's `Replicas` makes them: around signals, waits and
+    /// flushes, and between data cut two ways in one threadblock; nops are the block's own.
+    #[test]
+    fn replicas_meet_at_synchronisation_and_between_cuts_only() {
+        let op = |kind: OpKind, cut: (u16, u16)| PlanOp {
+            kind: kind as u8,
+            tbg_part: cut.0,
+            tbg_parts: cut.1,
+            ..PlanOp::default()
+        };
+        let replication = |tbs: &[&[PlanOp]]| {
+            let mut enc = EncodedPlan {
+                tb_ops: vec![0],
+                ..EncodedPlan::default()
+            };
+            for ops in tbs {
+                enc.ops.extend_from_slice(ops);
+                enc.tb_ops.push(enc.ops.len() as u32);
+            }
+            enc.replication()
+        };
+        let (data, nop) = (op(OpKind::Data, (0, 1)), op(OpKind::Nop, (0, 1)));
+        use Replication::*;
+        assert_eq!(replication(&[&[data, nop, data, nop]]), Free);
+        // Two threadblocks each cut one way (a group's members) never meet.
+        let (half0, half1) = (op(OpKind::Data, (0, 2)), op(OpKind::Data, (1, 2)));
+        assert_eq!(replication(&[&[half0, half0], &[half1]]), Free);
+        assert_eq!(replication(&[&[half0, nop, data]]), Synced);
+        for sync in [OpKind::Signal, OpKind::RelaxedWait, OpKind::Flush] {
+            assert_eq!(replication(&[&[data], &[op(sync, (0, 1))]]), Synced);
+        }
+        let signal_after = PlanOp {
+            flags: FLAG_SIGNAL_AFTER,
+            ..data
+        };
+        assert_eq!(replication(&[&[signal_after]]), Synced);
+        let port = PlanOp {
+            flags: FLAG_PORT,
+            ..data
+        };
+        assert_eq!(replication(&[&[data], &[port]]), Never);
+        assert_eq!(replication(&[&[op(OpKind::Barrier, (0, 1))]]), Never);
     }
 
     #[test]

@@ -67,6 +67,8 @@ fn fixtures_replicate_as_their_ops_allow() {
         ("allgather_packet_2gpu.json", Replication::Free),
         ("allreduce_packet_2gpu.json", Replication::Free),
         ("allreduce_2gpu.json", Replication::Synced),
+        ("reduce_2gpu.json", Replication::Synced),
+        ("reduce_pack_tbg_2gpu.json", Replication::Free),
     ];
     let fixtures = common::fixtures();
     for (file, replication) in want {

@@ -4,7 +4,8 @@
 //! plans over port channels, whose data the host proxy moves) at this world size, run through `PlanAlgorithm` on fresh random inputs.
 //!
 //! Sizes span each plan's message range: 1, 3 and 257 elements per chunk (odd sizes) and the
-//! largest chunk the plan takes (capped at [`MAX_CHECK_BYTES`] of input per rank). Each size runs
+//! largest chunk the plan takes (capped at [`MAX_CHECK_BYTES`] of input per rank); for the first
+//! type also up to [`LARGE_CHECK_BYTES`], where the interpreter runs the most replicas. Each size runs
 //! eagerly and as a captured CUDA graph replayed twice, with fresh inputs before every replay.
 //! Outputs are poisoned first; every element is checked: integers and moved (not reduced) values
 //! exactly, reduced floats against the float64 reduction within the CPU reference's tolerance
@@ -29,8 +30,15 @@ use std::sync::Arc;
 /// `--only` name of the section.
 pub const SECTION: &str = "plans";
 
-/// Largest input per rank a check uses (ranks may share one GPU).
+/// Largest input per rank a check of every type uses (ranks may share one GPU).
 pub const MAX_CHECK_BYTES: u64 = 2 << 20;
+
+/// Largest input per rank the check of a plan's first type uses: where the fixtures' threadblocks
+/// get the most replicas the GPU holds (replicas that meet take 32 KiB of a chunk each, up to 64
+/// of them: 2 MiB chunks for a plan of one threadblock, 512 KiB for one of eight). Only 2 MiB
+/// were checked until replicas that meet were found to outnumber what an MPS client's SMs held,
+/// at 4 MiB (2026-11-29).
+const LARGE_CHECK_BYTES: u64 = 16 << 20;
 
 /// Elements per chunk tried below the plan's largest (odd ones included).
 const CHUNK_ELEMS: [usize; 3] = [1, 3, 257];
@@ -214,6 +222,10 @@ fn check_plan(
             .filter(|&e| e < largest)
             .collect();
         sizes.push(largest);
+        let large = (max.min(LARGE_CHECK_BYTES) / unit) as usize;
+        if t == 0 && large > largest {
+            sizes.push(large);
+        }
         sizes.retain(|&e| e > 0 && e as u64 * unit >= min);
         for (s, &elems) in sizes.iter().enumerate() {
             for graph in [false, true] {
@@ -249,7 +261,7 @@ fn check_plan(
         "{runs} runs ({} threadblocks, {:?}, sizes up to {} bytes), every element checked",
         plan.gpus[ctx.rank()].threadblocks.len(),
         plan.protocol,
-        max.min(MAX_CHECK_BYTES)
+        max.min(LARGE_CHECK_BYTES)
     ))
 }
 

@@ -83,6 +83,7 @@ mod tests {
             pci_bus_id: "0000:19:00.0".into(),
             supports_vmm: true,
             supports_multicast: true,
+            mps_client: false,
         }
     }
 
