@@ -326,43 +326,31 @@ mod tests {
     use super::*;
     use rstest::rstest;
 
+    /// A process that owns its device packs each SM full; under MPS, blocks that meet keep to
+    /// half of what its SM limit would hold.
     #[rstest]
-    #[case(132, 512, 264)]
-    #[case(132, 1024, 132)]
-    #[case(132, 256, 528)]
-    #[case(0, 2048, 1)]
+    #[case(132, 512, false, 264, 264)]
+    #[case(132, 1024, false, 132, 132)]
+    #[case(132, 256, false, 528, 528)]
+    #[case(0, 2048, false, 1, 1)]
+    #[case(66, 1024, true, 66, 33)]
+    #[case(66, 512, true, 132, 66)]
+    #[case(33, 1024, true, 33, 16)]
+    #[case(1, 1024, true, 1, 1)]
     fn an_owned_device_packs_each_sm_full(
         #[case] sm: u32,
         #[case] threads: u32,
-        #[case] want: u32,
+        #[case] mps: bool,
+        #[case] blocks: u32,
+        #[case] meeting: u32,
     ) {
         let r = Residency {
             sm,
             shares_device: false,
-            mps: false,
+            mps,
         };
-        assert_eq!(r.max_blocks(threads), want);
-        assert_eq!(r.max_meeting_blocks(threads), want);
-    }
-
-    /// Under MPS, blocks that meet keep to half of what the process's SM limit would hold.
-    #[rstest]
-    #[case(66, 1024, 33)]
-    #[case(66, 512, 66)]
-    #[case(33, 1024, 16)]
-    #[case(1, 1024, 1)]
-    fn meeting_blocks_keep_room_under_mps(
-        #[case] sm: u32,
-        #[case] threads: u32,
-        #[case] want: u32,
-    ) {
-        let r = Residency {
-            sm,
-            shares_device: false,
-            mps: true,
-        };
-        assert_eq!(r.max_meeting_blocks(threads), want);
-        assert_eq!(r.max_blocks(threads), sm * (1024 / threads));
+        assert_eq!(r.max_blocks(threads), blocks);
+        assert_eq!(r.max_meeting_blocks(threads), meeting);
     }
 
     /// Ranks of one process sharing a 132-SM device (`ncclCommInitAll`): whatever the block size,

@@ -134,8 +134,8 @@ pub struct PlanAlgorithm {
     /// threadblocks, replicas that meet), so that all must be resident at once
     /// ([`Residency::max_meeting_blocks`]).
     max_threadblocks: u32,
-    /// Most blocks where they never wait for each other, only for the peers' blocks of their own
-    /// index (replicas that never meet, [`Replication::Free`]).
+    /// Most blocks where they never wait for each other, only for the peers' blocks (replicas
+    /// that never meet, [`Replication::Free`]).
     max_free_blocks: u32,
     /// Bytes of one scratch copy (a half for LL plans).
     scratch_half_bytes: usize,
