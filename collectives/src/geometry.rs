@@ -337,7 +337,7 @@ mod tests {
     #[case(66, 512, true, 132, 66)]
     #[case(33, 1024, true, 33, 16)]
     #[case(1, 1024, true, 1, 1)]
-    fn an_owned_device_packs_each_sm_full(
+    fn owned_devices_pack_each_sm_full_and_meet_within_half_under_mps(
         #[case] sm: u32,
         #[case] threads: u32,
         #[case] mps: bool,
