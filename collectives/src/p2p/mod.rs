@@ -301,9 +301,7 @@ impl P2pEngine {
         let threads = plan::block_threads(&planned, &self.layout);
         // Only when asked for: this is every eager call's path.
         if tracing::enabled!(target: "mscclpp::coll", tracing::Level::DEBUG)
-            && planned
-                .iter()
-                .any(|op| op.bytes as usize >= ZERO_COPY_MIN_BYTES)
+            && planned.iter().any(zero_copy::large)
         {
             tracing::debug!(target: "mscclpp::coll",
                 "rank {rank}: p2p group of {blocks} blocks of {threads} threads: {}",

@@ -169,17 +169,13 @@ impl ZeroCopy {
     /// offers and answers of those ops' peers and offers new allocations; waits only while
     /// `stream` is being captured (see the module docs).
     pub fn mark(&self, comm: &Communicator, ops: &mut [P2pOpArgs], stream: Stream) -> Result<()> {
-        let large = |op: &P2pOpArgs| op.bytes as usize >= ZERO_COPY_MIN_BYTES;
         if !ops.iter().any(|op| large(op) && op.kind != KIND_COPY) {
             return Ok(());
         }
         let mut state = self.state.lock().map_err(|_| {
             Error::Internal("the p2p zero-copy state was poisoned by a panic".into())
         })?;
-        let send_peers = ops
-            .iter()
-            .filter(|op| large(op) && op.kind == KIND_SEND)
-            .fold(0u64, |m, op| m | 1 << op.peer);
+        let send_peers = large_peers(ops, KIND_SEND);
         let take_offers = |state: &mut State| {
             ranks_in(send_peers).try_for_each(|p| self.take_offers(comm, state, p))
         };
@@ -263,11 +259,7 @@ impl ZeroCopy {
     /// While a group is captured, after its offers: tells every peer it has large receives from
     /// that this capture's offers to it are all sent (its sender waits for this note).
     fn send_notes(&self, comm: &Communicator, state: &mut State, ops: &[P2pOpArgs]) -> Result<()> {
-        let peers = ops
-            .iter()
-            .filter(|op| op.bytes as usize >= ZERO_COPY_MIN_BYTES && op.kind == KIND_RECV)
-            .fold(0u64, |m, op| m | 1 << op.peer);
-        ranks_in(peers).try_for_each(|p| {
+        ranks_in(large_peers(ops, KIND_RECV)).try_for_each(|p| {
             state.notes_sent[p] += 1;
             let mut note = message_header(self.id, NOTE);
             note.extend(state.notes_sent[p].to_le_bytes());
@@ -486,6 +478,18 @@ impl ZeroCopy {
         // long as `self`.
         unsafe { &*(self.staging.host_ptr as *const AtomicU64).add(index) }
     }
+}
+
+/// Whether `op` moves enough to go zero copy ([`ZERO_COPY_MIN_BYTES`] or more).
+pub(crate) fn large(op: &P2pOpArgs) -> bool {
+    op.bytes as usize >= ZERO_COPY_MIN_BYTES
+}
+
+/// The peers of the large ops of `kind` among `ops`, as a bit mask of ranks.
+fn large_peers(ops: &[P2pOpArgs], kind: u32) -> u64 {
+    ops.iter()
+        .filter(|op| large(op) && op.kind == kind)
+        .fold(0u64, |m, op| m | 1 << op.peer)
 }
 
 /// The ranks of a bit mask of ranks.
