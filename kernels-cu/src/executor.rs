@@ -28,8 +28,8 @@ pub const FIRST_REMOTE_SLOT: u16 = 3;
 /// Most blocks a plan threadblock runs as ([`PlanArgs::replicas`], `kMaxReplicas`).
 pub const MAX_REPLICAS: u32 = 64;
 /// `u32` words of [`PlanArgs::flags`] per plan threadblock (`kTbWords`): a counter slot per
-/// replica, then the replicas' group barrier.
-pub const TB_WORDS: usize = MAX_REPLICAS as usize + 2;
+/// replica, then a `u64` arrival stamp per replica (where the replicas meet).
+pub const TB_WORDS: usize = MAX_REPLICAS as usize * 3;
 /// Most threads a block of the interpreter has (`kMaxBlockThreads`, its launch bound: each thread
 /// may use 128 registers, so a block of them takes a whole SM's registers).
 pub const MAX_BLOCK_THREADS: u32 = 512;
@@ -127,8 +127,7 @@ pub struct PlanArgs {
     /// `u64*`: arrivals by barrier id (only grow).
     pub barriers: u64,
     /// `u32*`: [`TB_WORDS`] words per threadblock: executions so far (the LL flag of the next one
-    /// is one more), one copy per replica slot, then the replicas' group barrier (arrivals,
-    /// generation).
+    /// is one more), one copy per replica slot, then the replicas' arrival stamps.
     pub flags: u64,
     pub error_word: u64,
     /// Addresses by slot: input, output, scratch, then remote buffer k at 3 + k.

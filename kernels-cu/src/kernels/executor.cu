@@ -33,10 +33,10 @@
 // only). Replica k of a threadblock does part k of every op's part of every chunk (the op's
 // threadblock-group part cut again into `replicas` parts of whole units), so a unit of a chunk
 // always falls to the same replica and an op reads what the replica's earlier ops wrote. Replica 0
-// alone runs the synchronisation ops; the replicas meet (group_barrier) where the threadblock goes
-// from data to a wait, signal or flush (so replica 0 signals after every replica's writes), from
-// a wait back to data (so no replica moves on before the wait is over) and from data cut one way
-// to data cut another. A nop stays the block's own barrier: within a cut, each replica reads only
+// alone runs the synchronisation ops; the replicas meet (Replicas, on arrival stamps) where the
+// threadblock goes from data to a wait, signal or flush (replica 0 waits for every replica's
+// writes before it signals), from a wait back to data (no replica moves on before the wait is
+// over) and from data cut one way to data cut another. A nop stays the block's own barrier: within a cut, each replica reads only
 // what it wrote itself. (Without the meetings at nops the Simple reduce fixture plan took 14-25 %
 // less time at every size from 16 KiB to 4 MiB, 2 ranks on one H200 under MPS, 2026-11-29; also
 // at one replica, where a meeting costs nothing, for a reason not found: the barrier called
@@ -119,8 +119,8 @@ constexpr u8 kPipeline = 10;
 constexpr u32 kMaxReplicas = 64;
 
 // u32 words of `flags` per plan threadblock: kMaxReplicas counter slots (the execution count, one
-// copy per replica: "CUDA-graph safe" above), then the group barrier's arrivals and generation.
-constexpr u32 kTbWords = kMaxReplicas + 2;
+// copy per replica: "CUDA-graph safe" above), then kMaxReplicas u64 arrival stamps (Replicas).
+constexpr u32 kTbWords = kMaxReplicas * 3;
 
 // Most threads a block of the interpreter has (its launch bound; see "Block size" above).
 constexpr u32 kMaxBlockThreads = 512;
@@ -729,64 +729,95 @@ MSCCLPP_DEVICE_INLINE bool run_sync(const PlanArgs& a, const Op& op) {
   }
 }
 
-// The replicas of the threadblock whose words are `words` meet. The last to arrive resets the
-// arrivals and moves the generation on, which the others wait for: nothing depends on how many
-// replicas earlier calls had.
-MSCCLPP_DEVICE_INLINE bool group_barrier(const PlanArgs& a, u32* words) {
+// How the replicas of a threadblock meet: each replica has an arrival stamp (kTbWords), which
+// only its own thread 0 writes, with a release store after the block's writes, and which the
+// others poll (acquire loads), a thread per replica: a meeting costs the last to arrive one store
+// and the others one load that sees it, with no atomic and nothing to reset. A stamp is the
+// execution's flag in its high half and the meeting's place in the execution in its low half, the
+// same sequence in every replica (all run the same ops); `stamp` has come when the slot holds it
+// or a later meeting of the same execution (an earlier execution's stamp is below it, and the
+// next execution cannot start before this one ends).
+MSCCLPP_DEVICE_INLINE u64* arrival_slots(u32* words) {
+  return reinterpret_cast<u64*>(words + kMaxReplicas);
+}
+
+// Waits until every replica in [from, to) but `self` has stamped `stamp` or a later meeting (every
+// thread of the block calls it; thread k polls replica k). Out of line: a plan with one replica
+// never calls it, and its copies inlined at every meeting grew the unit's code by a sixth.
+__device__ __attribute__((noinline)) bool await_stamps(const u64* slots, u64 stamp, u32 from, u32 to, u32 self,
+                                          u64 max_spin, u32* error_word) {
   bool ok = true;
-  if (threadIdx.x == 0) {
-    u32* arrivals = words + kMaxReplicas;
-    u32* generation = words + kMaxReplicas + 1;
-    const u32 gen = *reinterpret_cast<volatile u32*>(generation);
-    // System scope: replica 0 may signal a peer GPU after this meeting, and that signal must
-    // publish every replica's writes to the peer's memory, not only replica 0's.
-    __threadfence_system();
-    if (atomicAdd(arrivals, 1u) == a.replicas - 1) {
-      atomicExch(arrivals, 0u);
-      __threadfence();
-      atomicAdd(generation, 1u);
-    } else {
-      ok = spin_until(
-          [generation, gen] { return *reinterpret_cast<volatile u32*>(generation) != gen; },
-          a.max_spin, a.error_word, kErrorSemaphoreWaitTimeout);
-    }
-    __threadfence();
+  for (u32 k = from + threadIdx.x; k < to; k += blockDim.x) {
+    if (k == self) continue;
+    const u64* slot = slots + k;
+    ok = ok && spin_until([slot, stamp] { return atomic_load_acquire_sys(slot) - stamp < (1ull << 32); },
+                          max_spin, error_word, kErrorSemaphoreWaitTimeout);
   }
   return !__syncthreads_or(!ok);
 }
 
 // A block's place among its threadblock's replicas, and what the replicas did since they last
-// met: nothing that needs a meeting (signals and flushes by replica 0 need none), data (cut into
-// parts by `key`: a data op cut otherwise reads units another replica wrote), or a wait by
-// replica 0. With one replica every step is free.
+// met. Replica 0 alone runs the synchronisation ops, so:
+// - data, then a signal or flush (or a wait): every other replica stamps its arrival and goes on;
+//   replica 0 waits for them all before it runs the op (its signal publishes every replica's
+//   writes, by cumulativity);
+// - a wait, then data: replica 0 stamps once the wait is over; the others wait for that stamp;
+// - data cut into parts by `key`, then data cut otherwise (it reads units another replica
+//   wrote): every replica waits for every other's arrival, at the stamp they gave on their way
+//   to a signal since, or at a new one.
+// With one replica every step is free.
 struct Replicas {
   static constexpr u32 kSinceNothing = 0;
   static constexpr u32 kSinceData = 1;
-  static constexpr u32 kSinceWait = 2;
+  static constexpr u32 kSinceArrival = 2;  // data, then ops every replica stamped its arrival for
+  static constexpr u32 kSinceWait = 3;
   u32* words;
+  u64 flag_high;  // this execution's flag << 32
   u32 since;
   u32 key;
-  u32 index;  // this block's place among the replicas (blockIdx.x % replicas, found once)
+  u32 meetings;   // meetings so far in this execution
+  u64 stamp;      // the last meeting's stamp
+  u32 index;      // this block's place among the replicas (blockIdx.x % replicas, found once)
 
   // Whether this block runs the synchronisation ops (replica 0; every block when alone).
   MSCCLPP_DEVICE_INLINE bool runs_sync() const { return index == 0; }
-  // Before a data op: meet after a wait, or after data cut into other parts.
+  // Waits for replicas [from, to) to have stamped `stamp`.
+  MSCCLPP_DEVICE_INLINE bool await(const PlanArgs& a, u32 from, u32 to) const {
+    return await_stamps(arrival_slots(words), stamp, from, to, index, a.max_spin, a.error_word);
+  }
+  // Moves on to the next meeting; thread 0 stamps this replica's arrival at it.
+  MSCCLPP_DEVICE_INLINE void arrive() {
+    stamp = flag_high | ++meetings;
+    if (threadIdx.x == 0) atomic_store_release_sys(arrival_slots(words) + index, stamp);
+  }
+  // Before a data op: after a wait, replica 0's stamp; after data cut into other parts, every
+  // replica's.
   MSCCLPP_DEVICE_INLINE bool before_data(const PlanArgs& a, const Op& op) {
     if (a.replicas == 1) return true;
     const u32 k = (static_cast<u32>(op.tbg_part) << 16) | op.tbg_parts;
-    const bool meet = since == kSinceWait || (since == kSinceData && key != k);
+    const u32 was = since;
+    const bool recut = key != k;
     since = kSinceData;
     key = k;
-    return !meet || group_barrier(a, words);
+    if (was == kSinceWait) return index == 0 || await(a, 0, 1);
+    if (!recut || was == kSinceNothing) return true;
+    if (was == kSinceData) arrive();
+    return await(a, 0, a.replicas);
   }
-  // Before a synchronisation op (or a data op's signal): meet after data.
+  // Before a synchronisation op (or a data op's signal): after data, every replica stamps its
+  // arrival and replica 0 waits for the others'.
   MSCCLPP_DEVICE_INLINE bool before_sync(const PlanArgs& a) {
     if (a.replicas == 1 || since != kSinceData) return true;
-    since = kSinceNothing;
-    return group_barrier(a, words);
+    since = kSinceArrival;
+    arrive();
+    return index != 0 || await(a, 1, a.replicas);
   }
-  MSCCLPP_DEVICE_INLINE void after_sync(const Op& op) {
-    if (op.kind == kWait || op.kind == kRelaxedWait) since = kSinceWait;
+  // After a synchronisation op: a wait over, replica 0 stamps it for the others.
+  MSCCLPP_DEVICE_INLINE void after_sync(const PlanArgs& a, const Op& op) {
+    if (a.replicas == 1 || (op.kind != kWait && op.kind != kRelaxedWait)) return;
+    since = kSinceWait;
+    stamp = flag_high | ++meetings;
+    if (index == 0 && threadIdx.x == 0) atomic_store_release_sys(arrival_slots(words), stamp);
   }
 };
 
@@ -818,7 +849,7 @@ MSCCLPP_DEVICE_INLINE bool run_op(const PlanArgs& a, const Op& op, u32 flag, Win
   }
   if (!r.before_sync(a)) return false;
   if (r.runs_sync() && threadIdx.x == 0) ok = run_sync(a, op);
-  r.after_sync(op);
+  if (ok) r.after_sync(a, op);
   return !__syncthreads_or(!ok);
 }
 
@@ -929,7 +960,7 @@ extern "C" __global__ void __launch_bounds__(mscclpp::plan::kMaxBlockThreads, 1)
   const u32 replica = blockIdx.x - tb * a.replicas;
   const u32 flag = words[replica] + 1;
   if (mscclpp::block_aborted(a.error_word)) return;
-  Replicas r = {words, Replicas::kSinceNothing, 0, replica};
+  Replicas r = {words, static_cast<u64>(flag) << 32, Replicas::kSinceNothing, 0, 0, 0, replica};
 #if defined(MSCCLPP_PLAN_STATIC)
   if (!run_static_program(a, tb, flag, r)) return;
 #else
