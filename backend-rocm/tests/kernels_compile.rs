@@ -282,13 +282,18 @@ fn every_unit() -> Vec<Unit> {
 
 /// Plan programs compiled into the interpreter's unit (`specialised_unit_source`, what the
 /// executor runs for programs of few data ops), from the builder's 2-rank plans: a pipeline over
-/// memory channels optimised for gfx942, LL packets optimised for both targets, and port
-/// channels (Simple and LL) through gfx942's front end.
+/// memory channels and Simple data ops run fused (`run_fused`) optimised for gfx942, LL packets
+/// optimised for both targets, and port channels (Simple and LL) through gfx942's front end.
 fn specialised_plan_units() -> Vec<Unit> {
     use mscclpp_executor::{builder, encode::encode, Plan, PlanReduceOp, Protocol};
     let plans = [
         (
             builder::pipelined_allreduce(2, PlanReduceOp::Sum, 4096),
+            false,
+            false,
+        ),
+        (
+            builder::allreduce(2, Protocol::Simple, PlanReduceOp::Sum),
             false,
             false,
         ),

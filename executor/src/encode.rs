@@ -48,6 +48,9 @@ pub struct EncodedPlan {
     pub barriers: u32,
     /// The remote buffer at slot `FIRST_REMOTE_SLOT + k`: (rank, buffer).
     pub remote_buffers: Vec<(usize, BufferType)>,
+    /// Which memory each remote buffer is (`StaticProgram::remote_memory`): a peer's scratch, or
+    /// its input and output (one buffer when it runs in place).
+    pub remote_memory: Vec<u32>,
 }
 
 /// Whether the interpreter may run each plan threadblock as several CUDA blocks ("replicas",
@@ -103,6 +106,7 @@ impl EncodedPlan {
             tb_ops: &self.tb_ops,
             refs: &self.refs,
             ids: &self.ids,
+            remote_memory: &self.remote_memory,
         }
     }
 
@@ -242,6 +246,11 @@ pub fn encode(plan: &Plan, rank: usize, nvls_allowed: bool) -> Result<EncodedPla
             .remote_buffers
             .iter()
             .map(|rb| (rb.rank as usize, rb.buffer_type))
+            .collect(),
+        remote_memory: gpu
+            .remote_buffers
+            .iter()
+            .map(|rb| 2 * rb.rank + u32::from(rb.buffer_type == BufferType::Scratch))
             .collect(),
         ..EncodedPlan::default()
     };

@@ -8,6 +8,7 @@
 //! front, as the reducing collective units are, so a plan compiles only the variant it runs.
 
 use crate::collectives::{cxx_type, resolve_accumulator};
+use crate::fused_ops::{self, FusedGroup, FUSED_MAX_SRCS};
 use mscclpp_core::{AccumType, DataType, ReduceOp, Result};
 use std::mem::{offset_of, size_of};
 
@@ -246,13 +247,18 @@ pub struct StaticProgram<'a> {
     pub tb_ops: &'a [u32],
     pub refs: &'a [PlanRef],
     pub ids: &'a [u32],
+    /// Which memory remote slot `FIRST_REMOTE_SLOT + k` is: slots of one value may be one buffer
+    /// (one peer's input and output, or a buffer the plan names twice); slots of two values never
+    /// are. The fusion of data ops (`fused_ops`) keeps ops apart where buffers may overlap.
+    pub remote_memory: &'a [u32],
 }
 
 /// The unit of [`unit_source`] with `program` compiled into it (executor.cu's
 /// `MSCCLPP_PLAN_STATIC`): each op a call of the interpreter's `run_op` on constants (values
 /// that differ between threadblocks of one shape worked out from the threadblock), so the
-/// compiler gives every op code of its own, with nothing decoded at run time. Its name carries a
-/// hash of the program (logs; the kernel cache keys by the source itself).
+/// compiler gives every op code of its own, with nothing decoded at run time; consecutive data
+/// ops that fuse ([`crate::fused_ops`]) one call of `run_fused`. Its name carries a hash of the
+/// program (logs; the kernel cache keys by the source itself).
 pub fn specialised_unit_source(
     dtype: DataType,
     accum: AccumType,
@@ -433,12 +439,65 @@ fn tb_code(p: &StaticProgram, b: usize) -> TbCode {
             }
             code.text += "      }\n    }\n";
             o = inner.end;
+        } else if let Some(group) = fused_group(p, b, o) {
+            fused_code(&mut code, p, &group);
+            o = group.end;
         } else {
             static_op_code(&mut code, p, head, "all", "    ");
             o += 1;
         }
     }
     code
+}
+
+/// The fused group (executor.cu's `run_fused`) that starts at op `o` of threadblock `b`.
+fn fused_group(p: &StaticProgram, b: usize, o: usize) -> Option<FusedGroup> {
+    let tb = &p.ops[..p.tb_ops[b + 1] as usize];
+    fused_ops::fused_group(tb, p.refs, p.remote_memory, o)
+}
+
+/// A fused group: each op's references as local constants, the ops, where their sources come
+/// from, then run_fused.
+fn fused_code(code: &mut TbCode, p: &StaticProgram, group: &FusedGroup) {
+    let mut out = String::from("    {\n");
+    let mut made = Vec::new();
+    for (j, &o) in group.ops.iter().enumerate() {
+        let op = &p.ops[o];
+        let nrefs = usize::from(op.nsrc) + usize::from(op.ndst);
+        let refs = &p.refs[op.first_ref as usize..op.first_ref as usize + nrefs];
+        out += &format!(
+            "      const PlanRef refs{j}[] = {{{}}};\n",
+            ref_list(code, refs)
+        );
+        made.push(format!(
+            "make_op({}, refs{j}, nullptr)",
+            plan_op_literal(code, op)
+        ));
+    }
+    // executor.cu's kFeed: 4 bits per (op, source), the feeding op's place plus one.
+    let feed = group.feed.iter().enumerate().fold(0u64, |bits, (j, from)| {
+        from.iter().enumerate().fold(bits, |bits, (s, k)| {
+            bits | k.map_or(0, |k| (k as u64 + 1) << (4 * (j * FUSED_MAX_SRCS + s)))
+        })
+    });
+    out += &format!(
+        "      const Op ops[] = {{{}}};\n      \
+         if (!run_fused<{feed:#x}ull>(a, ops, r)) return false;\n    }}\n",
+        made.join(", "),
+    );
+    code.text += &out;
+}
+
+/// References as a C++ PlanRef initialiser list, their chunk indices holes.
+fn ref_list(code: &mut TbCode, refs: &[PlanRef]) -> String {
+    let list: Vec<String> = refs
+        .iter()
+        .map(|r| {
+            let index = code.hole(r.index, false);
+            format!("{{{}, {}, {index}, {}u}}", r.slot, r.packets, r.size)
+        })
+        .collect();
+    list.join(", ")
 }
 
 /// One op of a [`StaticProgram`]: its references and ids as local constants, then run_op.
@@ -450,16 +509,9 @@ fn static_op_code(code: &mut TbCode, p: &StaticProgram, op: &PlanOp, window: &st
     let refs_name = if refs.is_empty() {
         "nullptr"
     } else {
-        let list: Vec<String> = refs
-            .iter()
-            .map(|r| {
-                let index = code.hole(r.index, false);
-                format!("{{{}, {}, {index}, {}u}}", r.slot, r.packets, r.size)
-            })
-            .collect();
         out += &format!(
             "{indent}  const PlanRef refs[] = {{{}}};\n",
-            list.join(", ")
+            ref_list(code, refs)
         );
         "refs"
     };
@@ -592,6 +644,7 @@ mod tests {
             tb_ops: &tb_ops,
             refs: &refs,
             ids: &ids,
+            remote_memory: &[0, 1],
         };
         let (name, src) = specialised_unit_source(
             DataType::Bf16,
@@ -762,6 +815,7 @@ mod tests {
                 tb_ops: &tb_ops,
                 refs: &refs,
                 ids,
+                remote_memory: &[0],
             })
         };
         // Channels 5, 9, 11 follow the threadblock (2 tb + 5): one case for the three.
@@ -789,5 +843,67 @@ mod tests {
             ],
         );
         assert!(!code.contains(", tb,"), "{code}");
+    }
+
+    #[test]
+    fn consecutive_data_ops_that_fuse_are_one_run_fused_with_their_feeds() {
+        let data = |nsrc, ndst, first_ref| PlanOp {
+            kind: OpKind::Data as u8,
+            nsrc,
+            ndst,
+            tbg_parts: 1,
+            first_ref,
+            ..PlanOp::default()
+        };
+        let nop = PlanOp {
+            kind: OpKind::Nop as u8,
+            tbg_parts: 1,
+            ..PlanOp::default()
+        };
+        let signal = PlanOp {
+            kind: OpKind::Signal as u8,
+            nids: 1,
+            ..PlanOp::default()
+        };
+        // get (the peer's scratch 1 into scratch 1), nop, res (input 1 + scratch 1 into input 1
+        // and the peer's input 1), signal.
+        let ops = vec![data(1, 1, 0), nop, data(2, 2, 2), signal];
+        let r = |slot, index| PlanRef {
+            slot,
+            packets: 0,
+            index,
+            size: 1,
+        };
+        let refs = vec![r(3, 1), r(2, 1), r(0, 1), r(2, 1), r(0, 1), r(4, 1)];
+        let code = static_program_code(&StaticProgram {
+            ops: &ops,
+            tb_ops: &[0, 4],
+            refs: &refs,
+            ids: &[0],
+            remote_memory: &[0, 1],
+        });
+        // res's second source (op 1, source 1: bits 20-23) is get's value (place 0, plus one).
+        assert_contains(
+            &code,
+            &[
+                "const PlanRef refs0[] = {{3, 0, 1u, 1u}, {2, 0, 1u, 1u}};",
+                "const PlanRef refs1[] = {{0, 0, 1u, 1u}, {2, 0, 1u, 1u}, {0, 0, 1u, 1u}, {4, 0, 1u, 1u}};",
+                "run_fused<0x100000ull>(a, ops, r)",
+            ],
+        );
+        assert_eq!(
+            code.matches("run_op(").count(),
+            1,
+            "the signal alone: {code}"
+        );
+        // The peer's scratch and input as one memory: res's write could land on get's read.
+        let code = static_program_code(&StaticProgram {
+            ops: &ops,
+            tb_ops: &[0, 4],
+            refs: &refs,
+            ids: &[0],
+            remote_memory: &[0, 0],
+        });
+        assert!(!code.contains("run_fused"), "{code}");
     }
 }

@@ -10,6 +10,7 @@
 pub mod alltoall;
 pub mod collectives;
 pub mod executor;
+pub mod fused_ops;
 pub mod nvls_units;
 pub mod p2p;
 

@@ -13,7 +13,10 @@
 // worked out from tb). Same-run timings of the 2-rank fixture plans (2 x H200, bf16, graph):
 // 4 KiB 3.3-10.7 us against 4.7-17.6 interpreted (reduce_2gpu 17.6 -> 10.7, allgather_packet
 // 4.7 -> 3.3), and at or under the interpreter at every size up to 4 MiB since the replicas'
-// own counters (reduce_pack_2gpu 1 MiB 12.7 against 14.3-15.1).
+// own counters (reduce_pack_2gpu 1 MiB 12.7 against 14.3-15.1). Consecutive plain data ops
+// that can run as one pass are one run_fused ("Fused data ops" below): the reduce fixture plan's
+// rres, get and res took 24-32 % less time at 16-64 KiB and 12 % less from 256 KiB (2 ranks on
+// one H200 under MPS, 2026-11-29).
 //
 // Block size: the plan's num_threads_per_block, at most kMaxBlockThreads, and no more warps than a
 // chunk has units (mscclpp_executor's call_threads: small messages). Every thread walks the
@@ -36,13 +39,15 @@
 // alone runs the synchronisation ops; the replicas meet (Replicas, on arrival stamps) where the
 // threadblock goes from data to a wait, signal or flush (replica 0 waits for every replica's
 // writes before it signals), from a wait back to data (no replica moves on before the wait is
-// over) and from data cut one way to data cut another. A nop stays the block's own barrier: within a cut, each replica reads only
-// what it wrote itself. (Without the meetings at nops the Simple reduce fixture plan took 14-25 %
-// less time at every size from 16 KiB to 4 MiB, 2 ranks on one H200 under MPS, 2026-11-29; also
-// at one replica, where a meeting costs nothing, for a reason not found: the barrier called
-// instead of inlined timed the same.) Replicas that meet must all be resident at once: the host
-// keeps their number to Residency::max_meeting_blocks. How many replicas a call gets is a local
-// choice: signals, packets and flags are the same for any number.
+// over) and from data cut one way to data cut another (on a generation and an arrivals counter,
+// with atomics, the reduce fixture plan took 11-13 % more time at 256 KiB-4 MiB, where it has 2
+// to 32 replicas; 2 ranks on one H200 under MPS, 2026-11-29). A nop stays the block's own barrier:
+// within a cut, each replica reads only what it wrote itself. (Without the meetings at nops the
+// same plan took 14-25 % less time at every size from 16 KiB to 4 MiB; also at one replica, where
+// a meeting costs nothing, for a reason not found: the barrier called instead of inlined timed
+// the same.) Replicas that meet must all be resident at once: the host keeps their number to
+// Residency::max_meeting_blocks. How many replicas a call gets is a local choice: signals,
+// packets, flags and stamps are the same for any number.
 //
 // Every data-moving op is one kind (kData) with the meaning the CPU reference interpreter gives
 // it: read every source, wait for LL packets where the source holds packets, reduce the sources
@@ -301,11 +306,10 @@ struct OpUnits {
 
 // The block's part of each chunk is part tbg_part * replicas + replica of tbg_parts * replicas:
 // the replicas' parts put together are the threadblock's part (floor(x * k / k) = floor(x)).
-MSCCLPP_DEVICE_INLINE OpUnits op_units(const PlanArgs& a, const Op& op, u32 replica) {
-  const PlanRef* refs = op.refs;
-  const u32 nrefs = static_cast<u32>(op.nsrc) + op.ndst;
-  u32 chunks = refs[0].size;
-  for (u32 i = 1; i < nrefs; ++i) chunks = refs[i].size < chunks ? refs[i].size : chunks;
+// `chunks`: the fewest any reference of the op names (op_units), or what a fused group's
+// references all name.
+MSCCLPP_DEVICE_INLINE OpUnits chunk_units(const PlanArgs& a, const Op& op, u32 chunks,
+                                          u32 replica) {
   const u64 part = static_cast<u64>(op.tbg_part) * a.replicas + replica;
   const u64 parts = static_cast<u64>(op.tbg_parts) * a.replicas;
   OpUnits n;
@@ -316,6 +320,14 @@ MSCCLPP_DEVICE_INLINE OpUnits op_units(const PlanArgs& a, const Op& op, u32 repl
   n.chunks = chunks;
   n.total = n.per_chunk * chunks;
   return n;
+}
+
+MSCCLPP_DEVICE_INLINE OpUnits op_units(const PlanArgs& a, const Op& op, u32 replica) {
+  const PlanRef* refs = op.refs;
+  const u32 nrefs = static_cast<u32>(op.nsrc) + op.ndst;
+  u32 chunks = refs[0].size;
+  for (u32 i = 1; i < nrefs; ++i) chunks = refs[i].size < chunks ? refs[i].size : chunks;
+  return chunk_units(a, op, chunks, replica);
 }
 
 // Units a thread has in flight in the per-unit path: a lone 8-byte access per thread leaves a
@@ -743,24 +755,27 @@ MSCCLPP_DEVICE_INLINE u64* arrival_slots(u32* words) {
 
 // Waits until every replica in [from, to) but `self` has stamped `stamp` or a later meeting (every
 // thread of the block calls it; thread k polls replica k). Out of line: a plan with one replica
-// never calls it, and its copies inlined at every meeting grew the unit's code by a sixth.
-__device__ __attribute__((noinline)) bool await_stamps(const u64* slots, u64 stamp, u32 from, u32 to, u32 self,
-                                          u64 max_spin, u32* error_word) {
+// never calls it, and inlined at every meeting it made the reduce fixture's unit 6 % larger and
+// that plan 0.4-0.8 us slower a call at one replica (2 ranks on one H200 under MPS).
+__device__ __attribute__((noinline)) bool await_stamps(const u64* slots, u64 stamp, u32 from,
+                                                       u32 to, u32 self, u64 max_spin,
+                                                       u32* error_word) {
   bool ok = true;
   for (u32 k = from + threadIdx.x; k < to; k += blockDim.x) {
     if (k == self) continue;
     const u64* slot = slots + k;
-    ok = ok && spin_until([slot, stamp] { return atomic_load_acquire_sys(slot) - stamp < (1ull << 32); },
-                          max_spin, error_word, kErrorSemaphoreWaitTimeout);
+    ok = ok && spin_until(
+                   [slot, stamp] { return atomic_load_acquire_sys(slot) - stamp < (1ull << 32); },
+                   max_spin, error_word, kErrorSemaphoreWaitTimeout);
   }
   return !__syncthreads_or(!ok);
 }
 
 // A block's place among its threadblock's replicas, and what the replicas did since they last
 // met. Replica 0 alone runs the synchronisation ops, so:
-// - data, then a signal or flush (or a wait): every other replica stamps its arrival and goes on;
-//   replica 0 waits for them all before it runs the op (its signal publishes every replica's
-//   writes, by cumulativity);
+// - data, then a signal, flush or wait: every replica stamps its arrival; replica 0 waits for the
+//   others' before it runs the op (its signal publishes every replica's writes, by cumulativity),
+//   the others go on;
 // - a wait, then data: replica 0 stamps once the wait is over; the others wait for that stamp;
 // - data cut into parts by `key`, then data cut otherwise (it reads units another replica
 //   wrote): every replica waits for every other's arrival, at the stamp they gave on their way
@@ -851,6 +866,127 @@ MSCCLPP_DEVICE_INLINE bool run_op(const PlanArgs& a, const Op& op, u32 flag, Win
   if (r.runs_sync() && threadIdx.x == 0) ok = run_sync(a, op);
   if (ok) r.after_sync(a, op);
   return !__syncthreads_or(!ok);
+}
+
+// Fused data ops (specialised units only; mscclpp_kernels_cu::fused_ops chooses them and mirrors
+// kFusedMaxSrcs and kFusedMaxDsts): consecutive plain data ops of one cut, with nops between them
+// at most, whose references are pairwise equal or disjoint, run as one pass. Each thread takes
+// one unit (or one 16-byte word) of every op in turn: it loads every source of every op first, so
+// their memory round trips overlap where the ops one by one pay one each, then reduces and stores
+// op by op. A source that is an earlier op's destination in the group takes the value that op
+// stored instead of reading it back: kFeed holds 4 bits per op j and source s (at bit
+// 4 * (j * kFusedMaxSrcs + s)), the feeding op's place in the group plus one, or 0 for memory; a
+// template constant, so every choice is made at compile time and the values stay in registers.
+// The same thread does a unit of every op, so the nops between them (the block's barriers) have
+// nothing left to order.
+constexpr u32 kFusedMaxSrcs = 4;
+constexpr u32 kFusedMaxDsts = 4;
+
+// Where source s of op j of a fused group comes from: an earlier op's place in the group, or -1.
+template <u64 kFeed>
+MSCCLPP_DEVICE_INLINE int fed_from(u32 j, u32 s) {
+  return static_cast<int>((kFeed >> (4 * (j * kFusedMaxSrcs + s))) & 15) - 1;
+}
+
+// One unit or word of every op of a fused group; load(ref) and store(ref, value) address it.
+template <u64 kFeed, typename W, u32 N, typename Load, typename Store>
+MSCCLPP_DEVICE_INLINE void fused_item(const Op (&ops)[N], Load load, Store store) {
+  W src[N][kFusedMaxSrcs];
+#pragma unroll
+  for (u32 j = 0; j < N; ++j) {
+#pragma unroll
+    for (u32 s = 0; s < kFusedMaxSrcs; ++s) {
+      if (s < ops[j].nsrc && fed_from<kFeed>(j, s) < 0) src[j][s] = load(ops[j].refs[s]);
+    }
+  }
+  W val[N];
+#pragma unroll
+  for (u32 j = 0; j < N; ++j) {
+    const auto source = [&](u32 s) {
+      const int from = fed_from<kFeed>(j, s);
+      return from < 0 ? src[j][s] : val[from];
+    };
+    if (ops[j].nsrc == 1) {
+      val[j] = source(0);
+    } else {
+      VecAccumulator<T, Acc, kOp, W> acc;
+      acc.init(source(0));
+#pragma unroll
+      for (u32 s = 1; s < kFusedMaxSrcs; ++s) {
+        if (s < ops[j].nsrc) acc.add(source(s));
+      }
+      val[j] = acc.finish(1);
+    }
+#pragma unroll
+    for (u32 d = 0; d < kFusedMaxDsts; ++d) {
+      if (d < ops[j].ndst) store(ops[j].refs[ops[j].nsrc + d], val[j]);
+    }
+  }
+}
+
+// Units [u, end) of chunk c of a fused group, unit by unit. (Out of line on HIP, as the data
+// path, for the reason given there.)
+template <u64 kFeed, u32 N>
+MSCCLPP_PLAN_DATA_PATH void fused_units(const PlanArgs& a, const Op (&ops)[N], u64 c, u64 u,
+                                       u64 end) {
+  for (u64 x = u + threadIdx.x; x < end; x += blockDim.x) {
+    const u32 len = unit_len(a, x);
+    const u64 from = x * a.unit_bytes;
+    fused_item<kFeed, u64>(
+        ops, [&](const PlanRef& r) { return load_bytes(plain_address(a, r, c, from), len); },
+        [&](const PlanRef& r, u64 v) { store_bytes(plain_address(a, r, c, from), len, v); });
+  }
+}
+
+// Units [u, end) of chunk c of a fused group as 16-byte words (every reference aligned at u);
+// returns the first unit after the last whole word.
+template <u64 kFeed, u32 N>
+MSCCLPP_PLAN_DATA_PATH u64 fused_words(const PlanArgs& a, const Op (&ops)[N], u64 c, u64 u,
+                                      u64 end) {
+  const u64 from = u * a.unit_bytes;
+  const u64 to = end * a.unit_bytes < a.chunk_bytes ? end * a.unit_bytes : a.chunk_bytes;
+  const u64 words = to > from ? (to - from) / sizeof(uint4) : 0;
+  for (u64 i = threadIdx.x; i < words; i += blockDim.x) {
+    fused_item<kFeed, uint4>(
+        ops,
+        [&](const PlanRef& r) {
+          return reinterpret_cast<const uint4*>(plain_address(a, r, c, from))[i];
+        },
+        [&](const PlanRef& r, uint4 v) {
+          reinterpret_cast<uint4*>(plain_address(a, r, c, from))[i] = v;
+        });
+  }
+  return u + bytes_to_units(a, words * sizeof(uint4));
+}
+
+// A fused group (see above): every chunk's part from the first reference's next 16-byte word as
+// words where every reference is aligned there, the rest unit by unit.
+template <u64 kFeed, u32 N>
+MSCCLPP_DEVICE_INLINE bool run_fused(const PlanArgs& a, const Op (&ops)[N], Replicas& r) {
+  if (!r.before_data(a, ops[0])) return false;
+  const OpUnits n = chunk_units(a, ops[0], ops[0].refs[0].size, r.index);
+  for (u64 c = 0; n.per_chunk > 0 && c < n.chunks; ++c) {
+    const u64 u = n.u0;
+    const u64 end = n.u0 + n.per_chunk;
+    u64 stop = u + units_to_word(a, ops[0].refs[0], c, u);
+    stop = stop < end ? stop : end;
+    u64 misaligned = 0;
+#pragma unroll
+    for (u32 j = 0; j < N; ++j) {
+#pragma unroll
+      for (u32 k = 0; k < kFusedMaxSrcs + kFusedMaxDsts; ++k) {
+        if (k < static_cast<u32>(ops[j].nsrc) + ops[j].ndst) {
+          misaligned |=
+              reinterpret_cast<u64>(plain_address(a, ops[j].refs[k], c, stop * a.unit_bytes));
+        }
+      }
+    }
+    if (misaligned % sizeof(uint4) != 0) stop = end;
+    fused_units<kFeed>(a, ops, c, u, stop);
+    if (stop < end) fused_units<kFeed>(a, ops, c, fused_words<kFeed>(a, ops, c, stop, end), end);
+  }
+  __syncthreads();
+  return true;
 }
 
 // What a threadblock runs from ops[o] on: the ops [begin, end), `iters` times, iteration `it` over
