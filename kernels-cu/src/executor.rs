@@ -847,19 +847,7 @@ mod tests {
 
     #[test]
     fn consecutive_data_ops_that_fuse_are_one_run_fused_with_their_feeds() {
-        let data = |nsrc, ndst, first_ref| PlanOp {
-            kind: OpKind::Data as u8,
-            nsrc,
-            ndst,
-            tbg_parts: 1,
-            first_ref,
-            ..PlanOp::default()
-        };
-        let nop = PlanOp {
-            kind: OpKind::Nop as u8,
-            tbg_parts: 1,
-            ..PlanOp::default()
-        };
+        use crate::fused_ops::tests::{data, nop, r};
         let signal = PlanOp {
             kind: OpKind::Signal as u8,
             nids: 1,
@@ -867,21 +855,18 @@ mod tests {
         };
         // get (the peer's scratch 1 into scratch 1), nop, res (input 1 + scratch 1 into input 1
         // and the peer's input 1), signal.
-        let ops = vec![data(1, 1, 0), nop, data(2, 2, 2), signal];
-        let r = |slot, index| PlanRef {
-            slot,
-            packets: 0,
-            index,
-            size: 1,
-        };
+        let ops = vec![data(1, 1, 0), nop(), data(2, 2, 2), signal];
         let refs = vec![r(3, 1), r(2, 1), r(0, 1), r(2, 1), r(0, 1), r(4, 1)];
-        let code = static_program_code(&StaticProgram {
-            ops: &ops,
-            tb_ops: &[0, 4],
-            refs: &refs,
-            ids: &[0],
-            remote_memory: &[0, 1],
-        });
+        let code_with = |remote_memory: &[u32]| {
+            static_program_code(&StaticProgram {
+                ops: &ops,
+                tb_ops: &[0, 4],
+                refs: &refs,
+                ids: &[0],
+                remote_memory,
+            })
+        };
+        let code = code_with(&[0, 1]);
         // res's second source (op 1, source 1: bits 20-23) is get's value (place 0, plus one).
         assert_contains(
             &code,
@@ -897,13 +882,7 @@ mod tests {
             "the signal alone: {code}"
         );
         // The peer's scratch and input as one memory: res's write could land on get's read.
-        let code = static_program_code(&StaticProgram {
-            ops: &ops,
-            tb_ops: &[0, 4],
-            refs: &refs,
-            ids: &[0],
-            remote_memory: &[0, 0],
-        });
+        let code = code_with(&[0, 0]);
         assert!(!code.contains("run_fused"), "{code}");
     }
 }

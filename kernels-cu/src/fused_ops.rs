@@ -6,12 +6,13 @@
 
 use crate::executor::{OpKind, PlanOp, PlanRef, FIRST_REMOTE_SLOT, SLOT_OUTPUT, SLOT_SCRATCH};
 
-/// Most sources and destinations of an op in a group (executor.cu's `kFusedMaxSrcs` and the
-/// bound of `fused_item`'s store loop), and most ops in a group (the registers that hold one
-/// unit of every source).
+/// Most sources and destinations of an op in a group (executor.cu's `kFusedMaxSrcs` and
+/// `kFusedMaxDsts`), and most ops in a group (the registers that hold one unit of every source).
 pub const FUSED_MAX_SRCS: usize = 4;
 pub const FUSED_MAX_DSTS: usize = 4;
 pub const FUSED_MAX_OPS: usize = 4;
+// run_fused's kFeed: 4 bits per (op, source) in a u64, each an op's place plus one.
+const _: () = assert!(FUSED_MAX_OPS * FUSED_MAX_SRCS <= 16 && FUSED_MAX_OPS < 16);
 
 /// A fused group of a threadblock's ops: `ops` (indices into the program's ops, in order; the
 /// nops between them are left out) and, per op, where each source comes from (`Some(k)`: the
@@ -146,13 +147,14 @@ fn feed_of(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// Slot 3 the peer's scratch, slot 4 its input.
     const REMOTE: [u32; 2] = [0, 1];
 
-    fn data(nsrc: u8, ndst: u8, first_ref: u32) -> PlanOp {
+    /// A plain data op of `nsrc` sources and `ndst` destinations from reference `first_ref`.
+    pub(crate) fn data(nsrc: u8, ndst: u8, first_ref: u32) -> PlanOp {
         PlanOp {
             kind: OpKind::Data as u8,
             nsrc,
@@ -163,7 +165,7 @@ mod tests {
         }
     }
 
-    fn nop() -> PlanOp {
+    pub(crate) fn nop() -> PlanOp {
         PlanOp {
             kind: OpKind::Nop as u8,
             tbg_parts: 1,
@@ -171,7 +173,8 @@ mod tests {
         }
     }
 
-    fn r(slot: u16, index: u32) -> PlanRef {
+    /// One plain chunk of buffer `slot`.
+    pub(crate) fn r(slot: u16, index: u32) -> PlanRef {
         PlanRef {
             slot,
             packets: 0,
