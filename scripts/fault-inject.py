@@ -33,6 +33,9 @@ Workloads (the bench's options; each run is a long loop the signal lands in):
                   eager; from its third call each message goes zero copy (the sender writes into
                   the receiver's buffer, the receiver waits on its `done` word)
   sendrecv-graph  as sendrecv, captured into a CUDA graph of 20 calls, replayed many times
+  plan    an execution plan through the GPU interpreter: the builder's Simple all-reduce for the
+          world's rank count (.gpu/builder-plans), 4 MiB, eager: its threadblock runs as many
+          replicas that meet on arrival stamps, and its data ops run fused
 
 Configurations are every combination of --ranks, --signals, --workloads and --mps (or the --config
 list). Several worlds run at once on the GPU, each with its own bootstrap port, victim and logs, as
@@ -98,7 +101,7 @@ NVLS_OFF = {
     "NVSHMEM_DISABLE_NVLS": "1",
 }
 SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
-WORKLOADS = ("eager", "small", "graph", "port", "hosts", "sendrecv", "sendrecv-graph")
+WORKLOADS = ("eager", "small", "graph", "port", "hosts", "sendrecv", "sendrecv-graph", "plan")
 # core/src/port_channel.rs's MPS_PORT_RANKS_PER_GPU.
 MPS_PORT_RANKS_PER_GPU = 2
 # Bootstrap roots listen on MASTER_PORT + 1; ports cycle below Linux's ephemeral range (32768 up),
@@ -132,7 +135,7 @@ CONTEXT_FAULT = re.compile(r"CUDA_ERROR_(?:ILLEGAL_ADDRESS|LAUNCH_FAILED|HARDWAR
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?)Z")
 
 
-def workload_args(name, size, short=False):
+def workload_args(name, size, nranks, short=False):
     """The bench's arguments; `short` makes a run of a few calls (to fill the kernel cache)."""
     common = ["collective", "-c", "allreduce", "-d", "bf16", "-w", "1", "-m", "1", "--inplace-only"]
     if name == "eager":
@@ -156,6 +159,10 @@ def workload_args(name, size, short=False):
         if name == "sendrecv":
             return p2p + ["-n", "5" if short else "1000000"]
         return p2p + ["-n", "20", "-G", "2" if short else "1000000"]
+    if name == "plan":
+        return common + ["-b", "4M", "-e", "4M", "--plan",
+                         f".gpu/builder-plans/builder_allreduce_simple_{nranks}gpu.json",
+                         "--algo", f"allreduce_simple_{nranks}rank", "-n", "5" if short else "1000000"]
     raise SystemExit(f"unknown workload {name!r} ({', '.join(WORKLOADS)})")
 
 
@@ -318,7 +325,7 @@ class World:
         if a.bench_args:
             args = [a.bench] + a.bench_args.split()
         else:
-            args = [a.bench] + workload_args(workload, a.size, short=warm_up is not None)
+            args = [a.bench] + workload_args(workload, a.size, nranks, short=warm_up is not None)
         self.procs = []
         self.paths = [os.path.join(rundir, f"{tag}.rank{r}.log") for r in range(nranks)]
         self.started = time.monotonic()

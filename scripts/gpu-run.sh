@@ -48,17 +48,19 @@ if [ -n "${HOSTS:-}" ]; then wrap=(.gpu/simulate-hosts.sh); echo "simulating $HO
 launch() { torchrun --no-python --nproc_per_node="$nranks" --master_port="${PORT:-29511}" "${wrap[@]}" "$@"; }
 # The fault-injection check (#15, docs/fail-fast.md): one run of every configuration of
 # fault-inject.py at this world size (at least 2 ranks): a rank SIGKILLed, then one SIGSTOPped,
-# during eager calls, graph replays, PortChannel traffic and zero-copy point-to-point sends;
-# every survivor must fail naming it in time. Under MPS=1 the script starts the MPS server of its
+# during eager calls, graph replays, PortChannel traffic, zero-copy point-to-point sends and (at
+# 2, 4 and 8 ranks, where gpu-stage.sh writes the builder's plans) an execution plan; every
+# survivor must fail naming it in time. Under MPS=1 the script starts the MPS server of its
 # own phase, so ours stops first.
 # One world at a time: without MPS, worlds beside each other on the same GPUs take turns on them
 # (time slices), and a warm-up call outlasted the 2 s wait (4 x H200, 2026-11-27: 3 of 6
 # configurations failed before their signal with 4 worlds of 4 ranks at once).
 fault_check() {
   if [ "${MPS:-0}" = 1 ]; then stop_mps; fi
-  local world=$((nranks < 2 ? 2 : nranks))
+  local world=$((nranks < 2 ? 2 : nranks)) workloads=eager,graph,port,sendrecv
+  if [ -f ".gpu/builder-plans/builder_allreduce_simple_${world}gpu.json" ]; then workloads+=,plan; fi
   python3 "$(dirname "$0")/fault-inject.py" --ranks "$world" --parallel-ranks "$world" --signals KILL,STOP \
-    --workloads eager,graph,port,sendrecv --mps "${MPS:-0}" --runs 1 --timeout 2 --settle 3 --out "$out" 2>&1 |
+    --workloads "$workloads" --mps "${MPS:-0}" --runs 1 --timeout 2 --settle 3 --out "$out" 2>&1 |
     tee "$out/fault.log"
   return "${PIPESTATUS[0]}"
 }
