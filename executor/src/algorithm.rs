@@ -976,7 +976,7 @@ mod tests {
         assert!(parts.windows(2).all(|w| w[0] <= w[1]));
         assert_eq!(
             layout.tb_starts - layout.ops,
-            (enc.ops.len() * 20).next_multiple_of(8)
+            (enc.ops.len() * size_of::<kx::PlanOp>()).next_multiple_of(8)
         );
         assert_eq!(bytes.len(), layout.end);
         // TB_WORDS u32 words per threadblock, then the 8 bytes of slack after the last part.

@@ -287,7 +287,91 @@ pub fn encode(plan: &Plan, rank: usize, nvls_allowed: bool) -> Result<EncodedPla
             ));
         }
     }
+    count_waits(&mut enc);
     Ok(enc)
+}
+
+/// Marks the memory-channel waits the kernel counts (`PlanOp::waits_per_execution`, executor.cu's
+/// `wait_counted`): those whose channels are waited on by one threadblock alone, never inside a
+/// pipeline (which runs its ops a number of times that depends on the message), each channel
+/// once, at one place among each channel's waits of an execution. Their inbound counts are then
+/// known from the execution count, and every replica waits for itself; a channel that several
+/// threadblocks wait on keeps the shared `expected` counter, which one replica advances with an
+/// atomic. A channel is counted in all its waits or in none: the two ways cannot share a counter.
+fn count_waits(enc: &mut EncodedPlan) {
+    let mut tb_of = vec![0; enc.ops.len()];
+    let mut in_pipeline = vec![false; enc.ops.len()];
+    for b in 0..enc.threadblocks() {
+        let mut pipelined = 0;
+        for o in enc.tb_ops[b] as usize..enc.tb_ops[b + 1] as usize {
+            tb_of[o] = b;
+            if pipelined > 0 {
+                in_pipeline[o] = true;
+                pipelined -= 1;
+            } else if enc.ops[o].kind == OpKind::Pipeline as u8 {
+                pipelined = enc.ops[o].nids;
+            }
+        }
+    }
+    let ids = |op: &PlanOp| &enc.ids[op.first_id as usize..][..usize::from(op.nids)];
+    let waits: Vec<usize> = (0..enc.ops.len())
+        .filter(|&o| {
+            let op = &enc.ops[o];
+            (op.kind == OpKind::Wait as u8 || op.kind == OpKind::RelaxedWait as u8)
+                && op.flags & FLAG_PORT == 0
+        })
+        .collect();
+    // Each channel's waits of an execution, in order (ops are in program order).
+    let mut by_channel = vec![Vec::new(); enc.channel_peers.len()];
+    for &o in &waits {
+        for &c in ids(&enc.ops[o]) {
+            by_channel[c as usize].push(o);
+        }
+    }
+    let mut counted: Vec<bool> = by_channel
+        .iter()
+        .map(|w| {
+            !w.is_empty()
+                && w.len() <= usize::from(u16::MAX)
+                && w.iter()
+                    .all(|&o| tb_of[o] == tb_of[w[0]] && !in_pipeline[o])
+        })
+        .collect();
+    // (wait_index, waits_per_execution) of a wait whose channels are all counted and agree.
+    let place = |o: usize, counted: &[bool]| -> Option<(u16, u16)> {
+        let mut at = None;
+        for &c in ids(&enc.ops[o]) {
+            let w = &by_channel[c as usize];
+            let index = w.iter().position(|&x| x == o)?;
+            let once = w.iter().filter(|&&x| x == o).count() == 1;
+            let this = (index as u16, w.len() as u16);
+            if !counted[c as usize] || !once || at.is_some_and(|a| a != this) {
+                return None;
+            }
+            at = Some(this);
+        }
+        at
+    };
+    // A wait left uncounted takes its channels with it, which may leave others uncounted.
+    let mut changed = true;
+    while changed {
+        changed = false;
+        for &o in &waits {
+            if place(o, &counted).is_none() {
+                for &c in ids(&enc.ops[o]) {
+                    changed |= std::mem::replace(&mut counted[c as usize], false);
+                }
+            }
+        }
+    }
+    let places: Vec<(usize, (u16, u16))> = waits
+        .iter()
+        .filter_map(|&o| place(o, &counted).map(|p| (o, p)))
+        .collect();
+    for (o, (index, per_execution)) in places {
+        enc.ops[o].wait_index = index;
+        enc.ops[o].waits_per_execution = per_execution;
+    }
 }
 
 struct Encoder<'a> {
@@ -660,6 +744,58 @@ mod tests {
         };
         assert_eq!(replication(&[&[data], &[port]]), Never);
         assert_eq!(replication(&[&[op(OpKind::Barrier, (0, 1))]]), Never);
+    }
+
+    /// A wait is counted where its channels are waited on by its threadblock alone, outside
+    /// pipelines, each channel once, at one place in every channel's waits; otherwise it and every
+    /// channel it names keep the `expected` counter.
+    #[test]
+    fn waits_are_counted_where_their_channels_are_one_threadblocks_alone() {
+        let mut enc = EncodedPlan {
+            tb_ops: vec![0],
+            channel_peers: vec![1; 8],
+            ..EncodedPlan::default()
+        };
+        let mut tb = |ops: &[(OpKind, u8, &[u32])]| {
+            for &(kind, flags, ids) in ops {
+                enc.ops.push(PlanOp {
+                    kind: kind as u8,
+                    flags,
+                    nids: ids.len() as u16,
+                    first_id: enc.ids.len() as u32,
+                    tbg_parts: 1,
+                    ..PlanOp::default()
+                });
+                enc.ids.extend_from_slice(ids);
+            }
+            enc.tb_ops.push(enc.ops.len() as u32);
+        };
+        use OpKind::*;
+        // 0..3: channel 0 twice; channel 1 shared with threadblock 1; channels 2 and 3 at
+        // different places (3 is waited on twice); 6 relaxed.
+        tb(&[
+            (Wait, 0, &[0]),
+            (Data, 0, &[]),
+            (Wait, 0, &[0]),
+            (Wait, 0, &[1]),
+        ]);
+        tb(&[
+            (Wait, 0, &[1]),
+            (Wait, 0, &[2, 3]),
+            (Wait, 0, &[3]),
+            (RelaxedWait, 0, &[6]),
+        ]);
+        // A wait in a pipeline (its head's nids: the one op after it); a port channel's wait; a
+        // channel named twice in one wait.
+        tb(&[(Pipeline, 0, &[0]), (Wait, 0, &[4])]);
+        tb(&[(Wait, FLAG_PORT, &[0]), (Wait, 0, &[5, 5])]);
+        count_waits(&mut enc);
+        // (op, wait_index, waits_per_execution) of the counted waits.
+        let counted: Vec<(usize, u16, u16)> = (0..enc.ops.len())
+            .filter(|&o| enc.ops[o].waits_per_execution != 0)
+            .map(|o| (o, enc.ops[o].wait_index, enc.ops[o].waits_per_execution))
+            .collect();
+        assert_eq!(counted, [(0, 0, 2), (2, 1, 2), (7, 0, 1)]);
     }
 
     #[test]

@@ -81,6 +81,13 @@ pub struct PlanOp {
     pub tbg_parts: u16,
     /// `barrier`: how many threadblocks meet.
     pub barrier_tbs: u16,
+    /// A counted wait (`waits_per_execution > 0`): its place among the waits on its channels in
+    /// an execution...
+    pub wait_index: u16,
+    /// ... and how many there are; the kernel waits for inbound count `(executions so far) *
+    /// waits_per_execution + wait_index + 1` in every replica (executor.cu's `wait_counted`).
+    /// 0: the wait advances the channel's `expected` counter, in replica 0 only.
+    pub waits_per_execution: u16,
     pub first_ref: u32,
     pub first_id: u32,
 }
@@ -534,8 +541,16 @@ fn static_op_code(code: &mut TbCode, p: &StaticProgram, op: &PlanOp, window: &st
 fn plan_op_literal(code: &mut TbCode, op: &PlanOp) -> String {
     let part = code.hole(u32::from(op.tbg_part), true);
     format!(
-        "PlanOp{{{}, {}, {}, {}, {}, {part}, {}, {}, 0u, 0u}}",
-        op.kind, op.flags, op.nsrc, op.ndst, op.nids, op.tbg_parts, op.barrier_tbs
+        "PlanOp{{{}, {}, {}, {}, {}, {part}, {}, {}, {}, {}, 0u, 0u}}",
+        op.kind,
+        op.flags,
+        op.nsrc,
+        op.ndst,
+        op.nids,
+        op.tbg_parts,
+        op.barrier_tbs,
+        op.wait_index,
+        op.waits_per_execution
     )
 }
 
@@ -553,7 +568,8 @@ pub fn layout_asserts() -> String {
             $(check(stringify!($ty), stringify!($f), offset_of!($ty, $f));)+
         };
     }
-    fields!(PlanOp: kind, flags, nsrc, ndst, nids, tbg_part, tbg_parts, barrier_tbs, first_ref, first_id);
+    fields!(PlanOp: kind, flags, nsrc, ndst, nids, tbg_part, tbg_parts, barrier_tbs, wait_index,
+        waits_per_execution, first_ref, first_id);
     fields!(PlanRef: slot, packets, index, size);
     fields!(PlanArgs: ops, tb_starts, refs, ids, channels, port_channels, semaphores, barriers, flags,
         error_word, buffers, block_offsets, chunk_bytes, scratch_half_bytes, max_spin, packet_bytes, unit_bytes, replicas);
@@ -667,13 +683,13 @@ mod tests {
             &[
                 "case 0:\n  {",
                 "const PlanRef refs[] = {{0, 0, 0u, 1u}, {3, 0, 1u, 1u}};",
-                "make_op(PlanOp{1, 0, 1, 1, 0, 0, 1, 0, 0u, 0u}, refs, nullptr), flag, all, r)",
+                "make_op(PlanOp{1, 0, 1, 1, 0, 0, 1, 0, 0, 0, 0u, 0u}, refs, nullptr), flag, all, r)",
                 "const u32 ids[] = {5u, 6u};",
-                "make_op(PlanOp{2, 0, 0, 0, 2, 0, 1, 0, 0u, 0u}, nullptr, ids), flag, all, r)",
+                "make_op(PlanOp{2, 0, 0, 0, 2, 0, 1, 0, 0, 0, 0u, 0u}, nullptr, ids), flag, all, r)",
                 "case 1:\n  {",
                 "const u32 pipeline_ids[] = {4096u, 0u, 2u};",
                 "const PlanRef refs[] = {{0, 0, 1u, 1u}, {4, 0, 0u, 1u}, {1, 0, 1u, 1u}};",
-                "make_op(PlanOp{1, 0, 2, 1, 0, 0, 1, 0, 0u, 0u}, refs, nullptr), flag, w, r)",
+                "make_op(PlanOp{1, 0, 2, 1, 0, 0, 1, 0, 0, 0, 0u, 0u}, refs, nullptr), flag, w, r)",
             ],
         );
         assert_eq!(code.matches("run_op(").count(), 3, "{code}");
@@ -695,12 +711,12 @@ mod tests {
 
     #[test]
     fn layouts_are_the_documented_ones() {
-        assert_eq!(size_of::<PlanOp>(), 20);
+        assert_eq!(size_of::<PlanOp>(), 24);
         assert_eq!(size_of::<PlanRef>(), 12);
         assert_eq!(offset_of!(PlanArgs, buffers), 80);
         assert_eq!(size_of::<PlanArgs>(), 80 + 2 * 8 * MAX_PLAN_BUFFERS + 40);
         let asserts = layout_asserts();
-        assert!(asserts.contains("offsetof(mscclpp::plan::PlanOp, first_id) == 16"));
+        assert!(asserts.contains("offsetof(mscclpp::plan::PlanOp, first_id) == 20"));
         assert!(asserts.contains("mscclpp::plan::kBarrier == 9"));
     }
 
