@@ -489,8 +489,9 @@ fn fused_code(code: &mut TbCode, p: &StaticProgram, group: &FusedGroup) {
     });
     out += &format!(
         "      const Op ops[] = {{{}}};\n      \
-         if (!run_fused<{feed:#x}ull>(a, ops, r)) return false;\n    }}\n",
+         if (!run_fused<{feed:#x}ull, {}>(a, ops, r)) return false;\n    }}\n",
         made.join(", "),
+        group.unroll(p.ops),
     );
     code.text += &out;
 }
@@ -889,7 +890,7 @@ mod tests {
             &[
                 "const PlanRef refs0[] = {{3, 0, 1u, 1u}, {2, 0, 1u, 1u}};",
                 "const PlanRef refs1[] = {{0, 0, 1u, 1u}, {2, 0, 1u, 1u}, {0, 0, 1u, 1u}, {4, 0, 1u, 1u}};",
-                "run_fused<0x100000ull>(a, ops, r)",
+                "run_fused<0x100000ull, 4>(a, ops, r)",
             ],
         );
         assert_eq!(

@@ -13,6 +13,11 @@ pub const FUSED_MAX_DSTS: usize = 4;
 pub const FUSED_MAX_OPS: usize = 4;
 // run_fused's kFeed: 4 bits per (op, source) in a u64, each an op's place plus one.
 const _: () = assert!(FUSED_MAX_OPS * FUSED_MAX_SRCS <= 16 && FUSED_MAX_OPS < 16);
+/// Most 16-byte words a thread of a fused group loads before it reduces any (64 of its 128
+/// registers), and most words of each source among them (run_fused's kUnroll: the non-fused path
+/// unrolls its reductions 4 words deep too).
+pub const FUSED_WORDS_IN_FLIGHT: usize = 16;
+pub const FUSED_MAX_UNROLL: usize = 4;
 
 /// A fused group of a threadblock's ops: `ops` (indices into the program's ops, in order; the
 /// nops between them are left out) and, per op, where each source comes from (`Some(k)`: the
@@ -23,6 +28,21 @@ pub struct FusedGroup {
     pub ops: Vec<usize>,
     pub feed: Vec<[Option<usize>; FUSED_MAX_SRCS]>,
     pub end: usize,
+}
+
+impl FusedGroup {
+    /// Words of every source a thread loads at once (run_fused's kUnroll), where `ops` are the
+    /// program's ops: as many as [`FUSED_WORDS_IN_FLIGHT`] allows for the sources the group
+    /// reads from memory (a fed source is in a register already).
+    pub fn unroll(&self, ops: &[PlanOp]) -> usize {
+        let loads: usize = self
+            .ops
+            .iter()
+            .zip(&self.feed)
+            .map(|(&o, feed)| usize::from(ops[o].nsrc) - feed.iter().flatten().count())
+            .sum();
+        (FUSED_WORDS_IN_FLIGHT / loads.max(1)).clamp(1, FUSED_MAX_UNROLL)
+    }
 }
 
 /// How two references relate: disjoint memory, the same chunks of the same buffer, or anything
@@ -226,6 +246,13 @@ pub(crate) mod tests {
         assert_eq!(group.feed[0], [None; FUSED_MAX_SRCS]);
         assert_eq!(group.feed[1], [None; FUSED_MAX_SRCS]);
         assert_eq!(group.feed[2], [None, Some(1), None, None]);
+        // Four sources from memory (res's scratch source is fed): four words of each in flight.
+        assert_eq!(group.unroll(&ops), 4);
+        let wide = FusedGroup {
+            feed: vec![[None; FUSED_MAX_SRCS]; 3],
+            ..group.clone()
+        };
+        assert_eq!(wide.unroll(&ops), 3, "five sources from memory");
         assert_eq!(
             fused_group(&ops, &refs, &REMOTE, 3),
             None,

@@ -923,38 +923,47 @@ MSCCLPP_DEVICE_INLINE int fed_from(u32 j, u32 s) {
   return static_cast<int>((kFeed >> (4 * (j * kFusedMaxSrcs + s))) & 15) - 1;
 }
 
-// One unit or word of every op of a fused group; load(ref) and store(ref, value) address it.
-template <u64 kFeed, typename W, u32 N, typename Load, typename Store>
-MSCCLPP_DEVICE_INLINE void fused_item(const Op (&ops)[N], Load load, Store store) {
-  W src[N][kFusedMaxSrcs];
+// K units or words of every op of a fused group; load(ref, k) and store(ref, k, value) address
+// item k. Every source of every item is loaded before the first is reduced, so a thread has all
+// of them in flight at once (items are different units, so no store of one meets a load of
+// another: a group's references are equal or disjoint).
+template <u64 kFeed, typename W, u32 K, u32 N, typename Load, typename Store>
+MSCCLPP_DEVICE_INLINE void fused_items(const Op (&ops)[N], Load load, Store store) {
+  W src[K][N][kFusedMaxSrcs];
 #pragma unroll
-  for (u32 j = 0; j < N; ++j) {
+  for (u32 k = 0; k < K; ++k) {
 #pragma unroll
-    for (u32 s = 0; s < kFusedMaxSrcs; ++s) {
-      if (s < ops[j].nsrc && fed_from<kFeed>(j, s) < 0) src[j][s] = load(ops[j].refs[s]);
+    for (u32 j = 0; j < N; ++j) {
+#pragma unroll
+      for (u32 s = 0; s < kFusedMaxSrcs; ++s) {
+        if (s < ops[j].nsrc && fed_from<kFeed>(j, s) < 0) src[k][j][s] = load(ops[j].refs[s], k);
+      }
     }
   }
-  W val[N];
 #pragma unroll
-  for (u32 j = 0; j < N; ++j) {
-    const auto source = [&](u32 s) {
-      const int from = fed_from<kFeed>(j, s);
-      return from < 0 ? src[j][s] : val[from];
-    };
-    if (ops[j].nsrc == 1) {
-      val[j] = source(0);
-    } else {
-      VecAccumulator<T, Acc, kOp, W> acc;
-      acc.init(source(0));
+  for (u32 k = 0; k < K; ++k) {
+    W val[N];
 #pragma unroll
-      for (u32 s = 1; s < kFusedMaxSrcs; ++s) {
-        if (s < ops[j].nsrc) acc.add(source(s));
+    for (u32 j = 0; j < N; ++j) {
+      const auto source = [&](u32 s) {
+        const int from = fed_from<kFeed>(j, s);
+        return from < 0 ? src[k][j][s] : val[from];
+      };
+      if (ops[j].nsrc == 1) {
+        val[j] = source(0);
+      } else {
+        VecAccumulator<T, Acc, kOp, W> acc;
+        acc.init(source(0));
+#pragma unroll
+        for (u32 s = 1; s < kFusedMaxSrcs; ++s) {
+          if (s < ops[j].nsrc) acc.add(source(s));
+        }
+        val[j] = acc.finish(1);
       }
-      val[j] = acc.finish(1);
-    }
 #pragma unroll
-    for (u32 d = 0; d < kFusedMaxDsts; ++d) {
-      if (d < ops[j].ndst) store(ops[j].refs[ops[j].nsrc + d], val[j]);
+      for (u32 d = 0; d < kFusedMaxDsts; ++d) {
+        if (d < ops[j].ndst) store(ops[j].refs[ops[j].nsrc + d], k, val[j]);
+      }
     }
   }
 }
@@ -967,36 +976,47 @@ MSCCLPP_PLAN_DATA_PATH void fused_units(const PlanArgs& a, const Op (&ops)[N], u
   for (u64 x = u + threadIdx.x; x < end; x += blockDim.x) {
     const u32 len = unit_len(a, x);
     const u64 from = x * a.unit_bytes;
-    fused_item<kFeed, u64>(
-        ops, [&](const PlanRef& r) { return load_bytes(plain_address(a, r, c, from), len); },
-        [&](const PlanRef& r, u64 v) { store_bytes(plain_address(a, r, c, from), len, v); });
+    fused_items<kFeed, u64, 1>(
+        ops, [&](const PlanRef& r, u32) { return load_bytes(plain_address(a, r, c, from), len); },
+        [&](const PlanRef& r, u32, u64 v) { store_bytes(plain_address(a, r, c, from), len, v); });
   }
 }
 
-// Units [u, end) of chunk c of a fused group as 16-byte words (every reference aligned at u);
-// returns the first unit after the last whole word.
-template <u64 kFeed, u32 N>
+// Words i + k * blockDim.x (k < K) of chunk c of a fused group, from byte `from` of every
+// reference.
+template <u64 kFeed, u32 K, u32 N>
+MSCCLPP_DEVICE_INLINE void fused_word_items(const PlanArgs& a, const Op (&ops)[N], u64 c, u64 from,
+                                            u64 i) {
+  const auto word = [&](const PlanRef& r, u32 k) {
+    return reinterpret_cast<uint4*>(plain_address(a, r, c, from)) + i + k * blockDim.x;
+  };
+  fused_items<kFeed, uint4, K>(
+      ops, [&](const PlanRef& r, u32 k) { return *word(r, k); },
+      [&](const PlanRef& r, u32 k, uint4 v) { *word(r, k) = v; });
+}
+
+// Units [u, end) of chunk c of a fused group as 16-byte words (every reference aligned at u),
+// kUnroll words per thread at a time; returns the first unit after the last whole word.
+template <u64 kFeed, u32 kUnroll, u32 N>
 MSCCLPP_PLAN_DATA_PATH u64 fused_words(const PlanArgs& a, const Op (&ops)[N], u64 c, u64 u,
                                       u64 end) {
   const u64 from = u * a.unit_bytes;
   const u64 to = end * a.unit_bytes < a.chunk_bytes ? end * a.unit_bytes : a.chunk_bytes;
   const u64 words = to > from ? (to - from) / sizeof(uint4) : 0;
-  for (u64 i = threadIdx.x; i < words; i += blockDim.x) {
-    fused_item<kFeed, uint4>(
-        ops,
-        [&](const PlanRef& r) {
-          return reinterpret_cast<const uint4*>(plain_address(a, r, c, from))[i];
-        },
-        [&](const PlanRef& r, uint4 v) {
-          reinterpret_cast<uint4*>(plain_address(a, r, c, from))[i] = v;
-        });
+  const u64 stride = blockDim.x;
+  u64 i = threadIdx.x;
+  for (; i + (kUnroll - 1) * stride < words; i += kUnroll * stride) {
+    fused_word_items<kFeed, kUnroll>(a, ops, c, from, i);
   }
+  for (; i < words; i += stride) fused_word_items<kFeed, 1>(a, ops, c, from, i);
   return u + bytes_to_units(a, words * sizeof(uint4));
 }
 
 // A fused group (see above): every chunk's part from the first reference's next 16-byte word as
-// words where every reference is aligned there, the rest unit by unit.
-template <u64 kFeed, u32 N>
+// words where every reference is aligned there (kUnroll words per thread at a time: the
+// generator keeps kUnroll times the words a unit loads within a thread's registers), the rest unit
+// by unit.
+template <u64 kFeed, u32 kUnroll, u32 N>
 MSCCLPP_DEVICE_INLINE bool run_fused(const PlanArgs& a, const Op (&ops)[N], Replicas& r) {
   if (!r.before_data(a, ops[0])) return false;
   const OpUnits n = chunk_units(a, ops[0], ops[0].refs[0].size, r.index);
@@ -1018,7 +1038,9 @@ MSCCLPP_DEVICE_INLINE bool run_fused(const PlanArgs& a, const Op (&ops)[N], Repl
     }
     if (misaligned % sizeof(uint4) != 0) stop = end;
     fused_units<kFeed>(a, ops, c, u, stop);
-    if (stop < end) fused_units<kFeed>(a, ops, c, fused_words<kFeed>(a, ops, c, stop, end), end);
+    if (stop < end) {
+      fused_units<kFeed>(a, ops, c, fused_words<kFeed, kUnroll>(a, ops, c, stop, end), end);
+    }
   }
   __syncthreads();
   return true;
