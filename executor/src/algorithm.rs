@@ -531,11 +531,15 @@ fn call_threads(plan: &Plan, chunk: usize) -> u32 {
 }
 
 /// Blocks per plan threadblock for chunks of `chunk` bytes, at most `fit` (and
-/// [`kx::MAX_REPLICAS`]): one per `threads` units of a chunk (a unit per thread and pass), or
-/// per 8 x `threads` units where the replicas meet around signals and waits (a meeting costs
-/// about as much as moving that much). A local choice: peers may pick differently (executor.cu,
-/// "Replicas"). Up to 64 rather than 16: the one-phase LL fixture plans (two or three
-/// threadblocks) took 10-33 % less time at 512 KiB-1 MiB (2 x H200, 2026-11-28).
+/// [`kx::MAX_REPLICAS`]). Without meetings, one per `threads` units of a chunk (a unit per
+/// thread and pass). Up to 64 rather than 16: the one-phase LL fixture plans (two or three
+/// threadblocks) took 10-33 % less time at 512 KiB-1 MiB (2 x H200, 2026-11-28). Where the
+/// replicas meet around signals (and between cuts), none below 16 x `threads` units, then one
+/// per 2 x `threads` units, a power of two. Against one per 8 x `threads` units from 8 x
+/// `threads` (2 ranks on one H200 under MPS, 2026-11-29): the reduce fixture plans 13-24 % faster
+/// at 256 KiB-1 MiB; the builder's Simple plan was 16 % slower at 64 KiB with replicas from 8 x
+/// `threads` units, and 33 replicas (not a power of two) made both reduce fixtures 20 % slower
+/// than 32 at 4 MiB. A local choice: peers may pick differently (executor.cu, "Replicas").
 fn replicas_for(
     replication: Replication,
     threads: u32,
@@ -543,15 +547,18 @@ fn replicas_for(
     chunk: usize,
     fit: u32,
 ) -> u32 {
-    let units_per_replica = threads as u64
-        * match replication {
-            Replication::Never => return 1,
-            Replication::Free => 1,
-            Replication::Synced => 8,
-        };
-    let units = (chunk as u64).div_ceil(unit_bytes as u64);
-    let most = fit.clamp(1, kx::MAX_REPLICAS) as u64;
-    (units / units_per_replica).clamp(1, most) as u32
+    let threads = u64::from(threads);
+    let units = (chunk as u64).div_ceil(u64::from(unit_bytes));
+    let most = fit.clamp(1, kx::MAX_REPLICAS);
+    match replication {
+        Replication::Never => 1,
+        Replication::Free => (units / threads).clamp(1, u64::from(most)) as u32,
+        Replication::Synced if units < 16 * threads => 1,
+        Replication::Synced => {
+            let n = (units / (2 * threads)).clamp(1, u64::from(most)) as u32;
+            1 << n.ilog2()
+        }
+    }
 }
 
 fn mode(in_place: bool) -> &'static str {
@@ -907,7 +914,8 @@ mod tests {
     #[test]
     fn replicas_grow_with_the_chunk_up_to_what_fits() {
         use Replication::*;
-        // 1024 threads, 8-byte units: a replica per 8 KiB of chunk, or per 64 KiB with meetings.
+        // 1024 threads, 8-byte units: a replica per 8 KiB of chunk; with meetings none below 128
+        // KiB, then one per 16 KiB, a power of two.
         assert_eq!(replicas_for(Free, 1024, 8, 512, 66), 1);
         assert_eq!(replicas_for(Free, 1024, 8, 16 << 10, 66), 2);
         assert_eq!(replicas_for(Free, 1024, 8, 64 << 10, 66), 8);
@@ -915,7 +923,10 @@ mod tests {
         assert_eq!(replicas_for(Free, 1024, 8, 512 << 10, 5), 5);
         assert_eq!(replicas_for(Free, 1024, 8, 512 << 10, 0), 1);
         assert_eq!(replicas_for(Synced, 1024, 8, 64 << 10, 16), 1);
-        assert_eq!(replicas_for(Synced, 1024, 8, 256 << 10, 16), 4);
+        assert_eq!(replicas_for(Synced, 1024, 8, (128 << 10) - 8, 16), 1);
+        assert_eq!(replicas_for(Synced, 1024, 8, 128 << 10, 16), 8);
+        assert_eq!(replicas_for(Synced, 1024, 8, 256 << 10, 16), 16);
+        assert_eq!(replicas_for(Synced, 1024, 8, 64 << 20, 33), 32);
         assert_eq!(replicas_for(Synced, 1024, 8, 64 << 20, 16), 16);
         assert_eq!(replicas_for(Never, 1024, 8, 64 << 20, 16), 1);
     }
