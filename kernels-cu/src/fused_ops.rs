@@ -14,9 +14,10 @@ pub const FUSED_MAX_OPS: usize = 4;
 // run_fused's kFeed: 4 bits per (op, source) in a u64, each an op's place plus one.
 const _: () = assert!(FUSED_MAX_OPS * FUSED_MAX_SRCS <= 16 && FUSED_MAX_OPS < 16);
 /// Most 16-byte words a thread of a fused group loads before it reduces any (64 of its 128
-/// registers), and most words of each source among them (run_fused's kUnroll: the non-fused path
-/// unrolls its reductions 4 words deep too).
+/// registers)...
 pub const FUSED_WORDS_IN_FLIGHT: usize = 16;
+/// ... and most words of each source among them (run_fused's kUnroll; the one-op path unrolls its
+/// reductions 4 words deep too).
 pub const FUSED_MAX_UNROLL: usize = 4;
 
 /// A fused group of a threadblock's ops: `ops` (indices into the program's ops, in order; the
