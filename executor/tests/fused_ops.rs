@@ -1,7 +1,8 @@
 //! The fusion of data ops (`mscclpp_kernels_cu::fused_ops`, run by executor.cu's `run_fused`)
 //! leaves every buffer as the ops one after another would, on every group it finds in the fixture
 //! plans and the builder's plans for 2, 4 and 8 ranks: a model of both on the CPU, with the input
-//! and output as one buffer (in place) and as two, the group's units taken in either order.
+//! and output as one buffer (in place) and as two, the group's units taken in either order and
+//! in batches whose loads all come before their stores (run_fused's kUnroll words a thread).
 
 mod common;
 
@@ -73,13 +74,15 @@ fn one_by_one(enc: &EncodedPlan, in_place: bool, group: &FusedGroup, mut m: Memo
     m
 }
 
-/// The group as run_fused runs it: unit by unit (in `order`), every source that no earlier op
-/// of the group feeds loaded first, then op by op its value stored.
+/// The group as run_fused runs it: units in batches of `batch` (in reverse order if `reverse`),
+/// every source of every unit of a batch that no earlier op of the group feeds loaded first, then
+/// unit by unit, op by op, its value stored.
 fn fused(
     enc: &EncodedPlan,
     in_place: bool,
     group: &FusedGroup,
     reverse: bool,
+    batch: usize,
     mut m: Memory,
 ) -> Memory {
     let chunks = op_refs(enc, &enc.ops[group.ops[0]]).0[0].size;
@@ -89,27 +92,31 @@ fn fused(
     if reverse {
         items.reverse();
     }
-    for (c, u) in items {
-        let loaded: Vec<Vec<u64>> = group
-            .ops
+    for units in items.chunks(batch) {
+        let loaded: Vec<Vec<Vec<u64>>> = units
             .iter()
-            .map(|&o| {
-                let (src, _) = op_refs(enc, &enc.ops[o]);
-                src.iter()
-                    .map(|r| m.get(place(enc, in_place, r, c, u)))
-                    .collect()
+            .map(|&(c, u)| {
+                let of_op = |&o: &usize| {
+                    let (src, _) = op_refs(enc, &enc.ops[o]);
+                    src.iter()
+                        .map(|r| m.get(place(enc, in_place, r, c, u)))
+                        .collect()
+                };
+                group.ops.iter().map(of_op).collect()
             })
             .collect();
-        let mut values = Vec::new();
-        for (j, &o) in group.ops.iter().enumerate() {
-            let (_, dst) = op_refs(enc, &enc.ops[o]);
-            let sources: Vec<u64> = (0..loaded[j].len())
-                .map(|s| group.feed[j][s].map_or(loaded[j][s], |k| values[k]))
-                .collect();
-            let v = combine(&sources);
-            values.push(v);
-            for r in dst {
-                m.0.insert(place(enc, in_place, r, c, u), v);
+        for (&(c, u), loaded) in units.iter().zip(loaded) {
+            let mut values = Vec::new();
+            for (j, &o) in group.ops.iter().enumerate() {
+                let (_, dst) = op_refs(enc, &enc.ops[o]);
+                let sources: Vec<u64> = (0..loaded[j].len())
+                    .map(|s| group.feed[j][s].map_or(loaded[j][s], |k| values[k]))
+                    .collect();
+                let v = combine(&sources);
+                values.push(v);
+                for r in dst {
+                    m.0.insert(place(enc, in_place, r, c, u), v);
+                }
             }
         }
     }
@@ -163,11 +170,15 @@ fn fused_groups_leave_every_buffer_as_their_ops_one_after_another() {
                 for in_place in [true, false] {
                     let start = Memory::default();
                     let want = one_by_one(&enc, in_place, &group, start.clone());
-                    for reverse in [false, true] {
-                        let got = fused(&enc, in_place, &group, reverse, start.clone());
+                    // One unit at a time, kUnroll, every unit at once.
+                    for (reverse, batch) in [false, true]
+                        .into_iter()
+                        .flat_map(|r| [1, group.unroll(&enc.ops), usize::MAX].map(|b| (r, b)))
+                    {
+                        let got = fused(&enc, in_place, &group, reverse, batch, start.clone());
                         assert_eq!(
                             got, want,
-                            "{name}, rank {rank}, {group:?}, in place {in_place}"
+                            "{name}, rank {rank}, {group:?}, in place {in_place}, batch {batch}"
                         );
                     }
                 }
