@@ -539,7 +539,8 @@ fn call_threads(plan: &Plan, chunk: usize) -> u32 {
 /// `threads` (2 ranks on one H200 under MPS, 2026-11-29): the reduce fixture plans 12-25 % faster
 /// at 256 KiB-1 MiB; the builder's Simple plan was 16 % slower at 64 KiB with replicas from 8 x
 /// `threads` units, and 33 replicas (not a power of two) made both reduce fixtures 20 % slower
-/// than 32 at 4 MiB. A local choice: peers may pick differently (executor.cu, "Replicas").
+/// than 32 at 4 MiB. At most [`MAX_MEETING_REPLICAS`]. A local choice: peers may pick differently
+/// (executor.cu, "Replicas").
 fn replicas_for(
     replication: Replication,
     threads: u32,
@@ -555,11 +556,18 @@ fn replicas_for(
         Replication::Free => (units / threads).clamp(1, u64::from(most)) as u32,
         Replication::Synced if units < 16 * threads => 1,
         Replication::Synced => {
+            let most = most.min(MAX_MEETING_REPLICAS);
             let n = (units / (2 * threads)).clamp(1, u64::from(most)) as u32;
             1 << n.ilog2()
         }
     }
 }
+
+/// Most replicas of a threadblock that meet: as many as have met on a GPU (2 to 8 ranks sharing
+/// one H200 under MPS, where the residency cap keeps them to 32). 64 would run the reduce
+/// fixtures at 4 MiB on GPUs the ranks own; not before a run there has checked and timed them
+/// (docs/pending-gpu-checks.md).
+const MAX_MEETING_REPLICAS: u32 = 32;
 
 fn mode(in_place: bool) -> &'static str {
     if in_place {
@@ -927,6 +935,10 @@ mod tests {
         assert_eq!(replicas_for(Synced, 1024, 8, 128 << 10, 16), 8);
         assert_eq!(replicas_for(Synced, 1024, 8, 256 << 10, 16), 16);
         assert_eq!(replicas_for(Synced, 1024, 8, 64 << 20, 33), 32);
+        assert_eq!(
+            replicas_for(Synced, 1024, 8, 64 << 20, 132),
+            MAX_MEETING_REPLICAS
+        );
         assert_eq!(replicas_for(Synced, 1024, 8, 64 << 20, 16), 16);
         assert_eq!(replicas_for(Never, 1024, 8, 64 << 20, 16), 1);
     }
