@@ -563,9 +563,9 @@ fn replicas_for(
     }
 }
 
-/// Most replicas of a threadblock that meet: as many as have met on a GPU (2 to 8 ranks sharing
-/// one H200 under MPS, where the residency cap keeps them to 32). 64 would run the reduce
-/// fixtures at 4 MiB on GPUs the ranks own; not before a run there has checked and timed them
+/// Most replicas of a threadblock that meet: the most that have met on a GPU, as a power of two
+/// (ranks sharing one H200 under MPS, whose residency cap is 33 there). 64 would run the reduce
+/// fixtures from 4 MiB on GPUs the ranks own; not before a run there has checked and timed them
 /// (docs/pending-gpu-checks.md).
 const MAX_MEETING_REPLICAS: u32 = 32;
 
