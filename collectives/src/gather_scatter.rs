@@ -128,16 +128,7 @@ impl Algorithm for GatherScatter {
         if self.chunk(args)? == 0 {
             return Ok(());
         }
-        let input = Buffer {
-            ptr: args.input,
-            bytes: args.input_bytes,
-        };
-        let output = Buffer {
-            ptr: args.output,
-            bytes: args.output_bytes,
-        };
-        self.engine
-            .prepare_rooted(self.op, input, output, args.root)
+        self.engine.prepare_rooted(self.op, args.root)
     }
 
     fn execute(&self, args: &ExecuteArgs) -> Result<()> {

@@ -35,6 +35,7 @@ pub mod resources;
 pub mod single_rank;
 pub mod testing;
 pub mod tune;
+pub mod user_buffers;
 pub mod via_allreduce;
 
 pub use native::{check_shape, max_input_bytes, max_input_bytes_on, NativeBase, NativeKind};

@@ -6,9 +6,9 @@
 
 use crate::geometry::{self, Residency};
 use crate::resources::{
-    launch_with_args, CollectionResources, KernelTable, RegistrationCache, ScratchPart,
-    ScratchRegion,
+    launch_with_args, CollectionResources, KernelTable, ScratchPart, ScratchRegion,
 };
+use crate::user_buffers::{Agreed, UserBuffer, UserBufferTable};
 use mscclpp_core::algorithm::{Collective, ExecuteArgs};
 use mscclpp_core::algorithm_collection::native_names as names;
 use mscclpp_core::communicator::Communicator;
@@ -309,14 +309,14 @@ fn output_needed(kind: NativeKind, rank: usize, root: usize) -> bool {
     kind.collective() != Collective::Reduce || rank == root
 }
 
-/// What every native algorithm holds: its kind, its compiled kernels, the cache of registered user
-/// buffers, and the collection's resources it borrows. Each algorithm (`crate::algorithms`) is a
+/// What every native algorithm holds: its kind, its compiled kernels, the table of user buffers its
+/// calls agree on, and the collection's resources it borrows. Each algorithm (`crate::algorithms`) is a
 /// small type around one of these.
 pub struct NativeBase {
     kind: NativeKind,
     // Field order is drop order: device resources go before the communicator they came from.
     kernels: KernelTable,
-    registrations: RegistrationCache,
+    user_buffers: UserBufferTable,
     /// The collection's scratch, call counter and semaphores, lent to every algorithm.
     resources: Arc<CollectionResources>,
     residency: Residency,
@@ -367,7 +367,7 @@ impl NativeBase {
         Ok(NativeBase {
             kind,
             kernels: KernelTable::default(),
-            registrations: RegistrationCache::default(),
+            user_buffers: UserBufferTable::new(format!("{:?}", kind.collective())),
             resources,
             residency,
             vendor,
@@ -487,9 +487,11 @@ impl NativeBase {
         }
     }
 
-    /// Every rank's address of the user buffer `ptr` (`bytes` long), registered once and cached.
-    pub fn rank_ptrs(&self, ptr: DevicePtr, bytes: usize) -> Result<Vec<DevicePtr>> {
-        self.registrations.rank_ptrs(&self.comm, ptr, bytes)
+    /// Collective: every rank's address of each of `buffers`, agreed for this call
+    /// ([`crate::user_buffers`]). Every rank passes the same number of buffers, whatever its own
+    /// call looks like (in place or not): an unused one is passed all the same.
+    pub fn agree(&self, buffers: &[UserBuffer]) -> Result<Arc<Agreed>> {
+        self.user_buffers.agree(&self.comm, buffers)
     }
 
     /// Launches `f` with its argument struct on the caller's stream.

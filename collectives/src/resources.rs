@@ -1,5 +1,5 @@
 //! Device-side resources of a native algorithm: owned device memory, scratch shared with peers,
-//! per-block semaphores, the cache of registered user buffers, and the compiled kernels.
+//! per-block semaphores and the compiled kernels.
 
 use mscclpp_core::communicator::{Communicator, RegisteredMemory};
 use mscclpp_core::device::{D2DSemaphoreHandle, DeviceRepr};
@@ -449,108 +449,6 @@ impl BlockSemaphores {
     pub fn max_blocks(&self) -> u32 {
         self.max_blocks
     }
-}
-
-/// What a cached registration is found by.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-enum RegistrationKey {
-    /// This rank's buffer (address, size): every rank calls in the same pattern (below).
-    Local(DevicePtr, usize),
-    /// Every rank's buffer (address, size, buffer id), by rank, for ranks sharing a process.
-    Everyone(Vec<(DevicePtr, usize, u64)>),
-}
-
-/// One registration: this rank's buffer (address, buffer id) and every rank's registered memory.
-struct Registration {
-    ptr: DevicePtr,
-    id: u64,
-    mems: Arc<Vec<RegisteredMemory>>,
-}
-
-/// User buffers registered with every peer.
-///
-/// Registration is collective, so the cache assumes what MSCCL++ assumes: every rank calls with
-/// buffers in the same pattern (a buffer new on one rank is new on all, and a buffer seen before
-/// comes with the peers' buffers seen with it), which holds for SPMD programs of one rank per
-/// process such as training loops. Such ranks look up their own (address, size) alone, with no
-/// communication. Ranks sharing a process (`Communicator::shares_process`) allocate from one
-/// allocator, so one rank's buffer may be old while a peer's is new, or come back beside other
-/// peer buffers than when it was registered: there every call first gathers every rank's buffer
-/// (one bootstrap all-gather) and the registration is found by all of them, the same answer on
-/// every rank. Registration is host-only, so it is legal during capture.
-///
-/// Addresses are recycled by allocators: an entry is only reused while the allocation at its
-/// address is the one it was made for (same buffer id). Before registering anything new, entries
-/// whose allocation is gone are dropped, which closes this rank's mappings of the peers' old
-/// buffers; every rank does the same, so no stale mapping blocks the new ones.
-#[derive(Default)]
-pub struct RegistrationCache {
-    entries: Mutex<HashMap<RegistrationKey, Registration>>,
-}
-
-impl RegistrationCache {
-    /// Every rank's address of its buffer (the one registered with `ptr`, `size` here), by rank.
-    pub fn rank_ptrs(
-        &self,
-        comm: &Communicator,
-        ptr: DevicePtr,
-        size: usize,
-    ) -> Result<Vec<DevicePtr>> {
-        let gpu = comm.gpu();
-        let id = gpu.buffer_id(ptr)?;
-        let key = if comm.shares_process() {
-            RegistrationKey::Everyone(every_rank_buffer(comm, ptr, size, id)?)
-        } else {
-            RegistrationKey::Local(ptr, size)
-        };
-        let mut entries = lock(&self.entries)?;
-        if let Some(found) = entries.get(&key).filter(|r| r.id == id) {
-            return Ok(found.mems.iter().map(RegisteredMemory::ptr).collect());
-        }
-        entries.retain(|_, r| gpu.buffer_id(r.ptr).ok() == Some(r.id));
-        let local = comm.register_user_buffer(ptr, size).map_err(|e| {
-            Error::InvalidArgument(format!(
-                "registering user buffer {ptr:#x} ({size} bytes) for a zero-copy collective: {e}"
-            ))
-        })?;
-        let mems = Arc::new(comm.exchange(local)?);
-        let ptrs = mems.iter().map(RegisteredMemory::ptr).collect();
-        entries.insert(key, Registration { ptr, id, mems });
-        Ok(ptrs)
-    }
-}
-
-/// Collective: every rank's (address, size, buffer id) of the buffer it registers now, by rank.
-fn every_rank_buffer(
-    comm: &Communicator,
-    ptr: DevicePtr,
-    size: usize,
-    id: u64,
-) -> Result<Vec<(DevicePtr, usize, u64)>> {
-    let mine = [ptr, size as u64, id].map(u64::to_le_bytes).concat();
-    comm.bootstrap()
-        .all_gather(&mine)?
-        .iter()
-        .enumerate()
-        .map(|(rank, bytes)| {
-            let word = |i: usize| {
-                bytes
-                    .get(8 * i..8 * i + 8)
-                    .and_then(|b| b.try_into().ok())
-                    .map(u64::from_le_bytes)
-            };
-            match (word(0), word(1), word(2), bytes.len()) {
-                (Some(p), Some(s), Some(i), 24) => Ok((p, s as usize, i)),
-                _ => Err(Error::Peer {
-                    rank,
-                    message: format!(
-                        "sent a malformed buffer description ({} bytes) for a registration",
-                        bytes.len()
-                    ),
-                }),
-            }
-        })
-        .collect()
 }
 
 /// Compiled kernels by (unit, entry point); each unit is compiled once per process (and cached on

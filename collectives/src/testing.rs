@@ -15,7 +15,7 @@
 
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::communicator::Communicator;
-use mscclpp_core::gpu::MemoryKind;
+use mscclpp_core::gpu::{DevicePtr, Graph, MemoryKind, Stream};
 use mscclpp_core::{AccumType, DataType, ReduceOp, Result};
 use std::num::NonZeroUsize;
 use std::{panic, thread};
@@ -394,100 +394,54 @@ pub fn run_collective_check(
 ) -> Result<CheckReport> {
     let gpu = comm.gpu();
     let (rank, n) = (comm.rank(), comm.size());
-    let collective = algo.collective();
-    let root = root.unwrap_or((seed % n as u64) as usize);
+    let shape = Shape::of(algo.collective(), dtype, op, count, n, root, seed);
     let es = dtype.size();
-    let (in_count, out_count) = match collective {
-        Collective::AllGather => (count, count * n),
-        Collective::ReduceScatter => (count * n, count),
-        _ => (count, count),
-    };
     // One allocation holds the larger buffer; in place, the other is a slice of it.
-    let big = in_count.max(out_count) * es;
+    let big = shape.in_count.max(shape.out_count) * es;
     let first = gpu.alloc(big.max(16), MemoryKind::Plain)?;
     let second = if in_place {
         None
     } else {
-        Some(gpu.alloc((out_count * es).max(16), MemoryKind::Plain)?)
+        Some(gpu.alloc((shape.out_count * es).max(16), MemoryKind::Plain)?)
     };
-    let slice = (rank * count * es) as u64;
-    let (in_ptr, out_ptr) = match (&second, collective) {
-        (Some(out), _) => (first.ptr, out.ptr),
-        (None, Collective::AllGather) => (first.ptr + slice, first.ptr),
-        (None, Collective::ReduceScatter) => (first.ptr, first.ptr + slice),
-        (None, _) => (first.ptr, first.ptr),
+    let (input, output) = match &second {
+        Some(out) => (first.ptr, out.ptr),
+        None => shape.in_place_buffers(first.ptr, rank),
+    };
+    let mut poison = vec![(first.ptr, big.max(16))];
+    if let Some(out) = &second {
+        poison.push((out.ptr, (shape.out_count * es).max(16)));
+    }
+    let buffers = CallBuffers {
+        input,
+        output,
+        poison,
     };
     let stream = gpu.create_stream()?;
     let mut captured = None;
-    let mut run_once = |seed: u64| -> Result<CheckReport> {
-        let inputs = Inputs::new(seed, n, dtype, op);
-        gpu.memset_async(first.ptr, 0xA5, big.max(16), stream)?; // poison
-        if let Some(out) = &second {
-            gpu.memset_async(out.ptr, 0xA5, (out_count * es).max(16), stream)?;
-        }
-        gpu.synchronize_stream(stream)?;
-        gpu.copy_to_device(
-            in_ptr,
-            &encode_all(in_count, dtype, |i| inputs.value(rank, i)),
-        )?;
-        let args = ExecuteArgs {
-            input: in_ptr,
-            output: out_ptr,
-            input_bytes: in_count * es,
-            output_bytes: out_count * es,
-            dtype,
-            op,
-            accum: AccumType::Auto,
-            root,
-            stream,
-            nblocks: None,
-            nthreads: None,
-        };
-        if graph {
-            if captured.is_none() {
-                gpu.begin_capture(stream)?;
-                let executed = algo.execute(&args);
-                let ended = gpu.end_capture(stream);
-                executed?;
-                captured = Some(ended?);
-            }
-            if let Some(g) = captured {
-                gpu.launch_graph(g, stream)?;
-            }
-        } else {
-            algo.execute(&args)?;
-        }
-        gpu.synchronize_stream(stream)?;
-        comm.check_device_errors()?;
-        let mut got = vec![0u8; out_count * es];
-        gpu.copy_from_device(&mut got, out_ptr)?;
-        let (wrong, first_wrong) = if collective == Collective::Reduce && rank != root {
-            untouched(&got, in_place.then_some(&inputs), rank, dtype)
-        } else {
-            check_output(&got, &inputs, collective, rank, count, root)
-        };
-        let tol = rtol(dtype, n);
-        Ok(CheckReport {
-            algorithm: algo.name().to_string(),
-            dtype,
-            op,
-            count,
-            in_place,
-            wrong,
-            first_wrong,
-            tolerance: if dtype.is_float() {
-                format!("1e-3 + {tol:e} * (sum/avg: sum|x|, else |want|)")
-            } else {
-                "exact".into()
-            },
-        })
-    };
-    let mut result = run_once(seed);
+    let mut result = check_once(
+        comm,
+        algo,
+        &shape,
+        &buffers,
+        seed,
+        stream,
+        graph.then_some(&mut captured),
+    );
     if graph {
         // A second replay on new data: flags and counters advanced by the first must still work.
         if let Ok(first_report) = &result {
             if first_report.wrong == 0 {
-                result = run_once(seed.wrapping_add(0x5eed));
+                let again = seed.wrapping_add(0x5eed);
+                result = check_once(
+                    comm,
+                    algo,
+                    &shape,
+                    &buffers,
+                    again,
+                    stream,
+                    Some(&mut captured),
+                );
             }
         }
     }
@@ -500,6 +454,174 @@ pub fn run_collective_check(
     }
     let _ = gpu.free(&first);
     result
+}
+
+/// As [`run_collective_check`], eager, on buffers the caller placed: `input` and `output` (equal,
+/// or the slices NCCL defines, in place), which must hold the collective's counts. Every rank may
+/// place its buffers differently (the point: a caching allocator's addresses differ per rank).
+/// Only the input and the output are poisoned. Collective.
+#[allow(clippy::too_many_arguments)]
+pub fn check_collective_at(
+    comm: &Communicator,
+    algo: &dyn Algorithm,
+    dtype: DataType,
+    op: ReduceOp,
+    count: usize,
+    seed: u64,
+    root: Option<usize>,
+    (input, output): (DevicePtr, DevicePtr),
+    stream: Stream,
+) -> Result<CheckReport> {
+    let shape = Shape::of(algo.collective(), dtype, op, count, comm.size(), root, seed);
+    let es = dtype.size();
+    let buffers = CallBuffers {
+        input,
+        output,
+        poison: vec![(input, shape.in_count * es), (output, shape.out_count * es)],
+    };
+    check_once(comm, algo, &shape, &buffers, seed, stream, None)
+}
+
+/// What one check moves: the collective and its element counts per rank.
+struct Shape {
+    collective: Collective,
+    dtype: DataType,
+    op: ReduceOp,
+    count: usize,
+    in_count: usize,
+    out_count: usize,
+    root: usize,
+}
+
+impl Shape {
+    fn of(
+        collective: Collective,
+        dtype: DataType,
+        op: ReduceOp,
+        count: usize,
+        n: usize,
+        root: Option<usize>,
+        seed: u64,
+    ) -> Shape {
+        let (in_count, out_count) = match collective {
+            Collective::AllGather => (count, count * n),
+            Collective::ReduceScatter => (count * n, count),
+            _ => (count, count),
+        };
+        Shape {
+            collective,
+            dtype,
+            op,
+            count,
+            in_count,
+            out_count,
+            root: root.unwrap_or((seed % n as u64) as usize),
+        }
+    }
+
+    /// In place, the (input, output) of `rank` in the one buffer at `base`, as NCCL defines them.
+    fn in_place_buffers(&self, base: DevicePtr, rank: usize) -> (DevicePtr, DevicePtr) {
+        let slice = (rank * self.count * self.dtype.size()) as u64;
+        match self.collective {
+            Collective::AllGather => (base + slice, base),
+            Collective::ReduceScatter => (base, base + slice),
+            _ => (base, base),
+        }
+    }
+}
+
+/// Where one check's call reads and writes, and what to poison before it.
+struct CallBuffers {
+    input: DevicePtr,
+    output: DevicePtr,
+    poison: Vec<(DevicePtr, usize)>,
+}
+
+/// One call of `algo` (captured into `captured` on its first use and replayed, where given) on
+/// fresh data of `seed`, then every output element checked.
+fn check_once(
+    comm: &Communicator,
+    algo: &dyn Algorithm,
+    shape: &Shape,
+    buffers: &CallBuffers,
+    seed: u64,
+    stream: Stream,
+    captured: Option<&mut Option<Graph>>,
+) -> Result<CheckReport> {
+    let gpu = comm.gpu();
+    let (rank, n) = (comm.rank(), comm.size());
+    let (dtype, op, es) = (shape.dtype, shape.op, shape.dtype.size());
+    let in_place = buffers.input == buffers.output
+        || buffers.input + (shape.in_count * es) as u64 > buffers.output
+            && buffers.output + (shape.out_count * es) as u64 > buffers.input;
+    let inputs = Inputs::new(seed, n, dtype, op);
+    for &(ptr, bytes) in &buffers.poison {
+        gpu.memset_async(ptr, 0xA5, bytes, stream)?;
+    }
+    gpu.synchronize_stream(stream)?;
+    gpu.copy_to_device(
+        buffers.input,
+        &encode_all(shape.in_count, dtype, |i| inputs.value(rank, i)),
+    )?;
+    let args = ExecuteArgs {
+        input: buffers.input,
+        output: buffers.output,
+        input_bytes: shape.in_count * es,
+        output_bytes: shape.out_count * es,
+        dtype,
+        op,
+        accum: AccumType::Auto,
+        root: shape.root,
+        stream,
+        nblocks: None,
+        nthreads: None,
+    };
+    match captured {
+        Some(captured) => {
+            if captured.is_none() {
+                gpu.begin_capture(stream)?;
+                let executed = algo.execute(&args);
+                let ended = gpu.end_capture(stream);
+                executed?;
+                *captured = Some(ended?);
+            }
+            if let Some(g) = *captured {
+                gpu.launch_graph(g, stream)?;
+            }
+        }
+        None => algo.execute(&args)?,
+    }
+    gpu.synchronize_stream(stream)?;
+    comm.check_device_errors()?;
+    let mut got = vec![0u8; shape.out_count * es];
+    gpu.copy_from_device(&mut got, buffers.output)?;
+    let (wrong, first_wrong) = if shape.collective == Collective::Reduce && rank != shape.root {
+        untouched(&got, in_place.then_some(&inputs), rank, dtype)
+    } else {
+        check_output(
+            &got,
+            &inputs,
+            shape.collective,
+            rank,
+            shape.count,
+            shape.root,
+        )
+    };
+    let tol = rtol(dtype, n);
+    Ok(CheckReport {
+        algorithm: algo.name().to_string(),
+        dtype,
+        op,
+        count: shape.count,
+        in_place,
+        wrong,
+        first_wrong,
+        tolerance: if dtype.is_float() {
+            format!("1e-3 + {tol:e} * (sum/avg: sum|x|, else |want|)")
+        } else {
+            "exact".into()
+        },
+    })
 }
 
 /// The mismatches of an output the call must not have written: the poison byte everywhere, or

@@ -25,8 +25,9 @@ pub struct SelectionContext {
     pub world_size: usize,
     /// Ranks sharing this host (and its NVLink domain).
     pub local_world_size: usize,
-    /// The buffers are already registered with the communicator (symmetric memory), so zero-copy
-    /// algorithms cost no registration.
+    /// The caller promises symmetric memory: every rank calls with buffers in the same pattern
+    /// (VMM allocations bindable to a multicast object for the NVLS zero-copy all-reduce, which
+    /// needs the promise).
     pub symmetric_memory: bool,
     /// The stream is being captured into a CUDA graph (`Gpu::is_capturing`).
     pub capturing: bool,
@@ -583,10 +584,11 @@ fn native_choice(limits: &NativeLimits, ctx: &SelectionContext) -> Option<&'stat
             {
                 Some(ALLREDUCE_COPY_ENGINE)
             } else {
-                // Registration of unregistered buffers is host-only and cached per buffer, so the
-                // zero-copy kernel also serves non-symmetric memory (the first call pays for it).
-                // In place, the copy-engine all-reduce stages in the scratch ring, in pieces too
-                // small to beat it (2 x H200: 3282 against 3128 µs at 1 GiB).
+                // Every call agrees on the ranks' buffers on the host (`user_buffers` in
+                // mscclpp-collectives), so the zero-copy kernel serves any memory. In place, the
+                // copy-engine all-reduce would stage in the scratch ring, in pieces too small to
+                // beat this kernel; a call in place on some ranks only reaches both algorithms,
+                // and the copy-engine one then runs this kernel too.
                 Some(ALLREDUCE_RSAG_ZERO_COPY)
             }
         }

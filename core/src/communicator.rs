@@ -20,7 +20,7 @@ use crate::topology::{
     sm_share, usable_sms, Placement, Topology,
 };
 use serde::{Deserialize, Serialize};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -279,6 +279,8 @@ pub struct Communicator {
     slab: SyncSlab,
     /// Next free semaphore slot per peer (same on every rank because setup is collective).
     next_slot: Mutex<Vec<usize>>,
+    /// Calls that agreed on user buffers so far ([`next_agreement`](Self::next_agreement)).
+    agreements: AtomicU64,
 }
 
 impl Communicator {
@@ -398,6 +400,7 @@ impl Communicator {
                 peers: Vec::new(),
             },
             next_slot: Mutex::new(vec![0; size]),
+            agreements: AtomicU64::new(0),
         };
         let slab_alloc = comm.slab.alloc.clone();
         let local = comm.register(&slab_alloc, slab_alloc.ptr, slab_bytes)?;
@@ -612,6 +615,13 @@ impl Communicator {
         self.check("device work")
     }
 
+    /// The number of this communicator's next call that agrees on its user buffers with every
+    /// peer (1 for the first): every rank makes the same calls in the same order, so each
+    /// agreement carries it and a peer with another number called collectives in another order.
+    pub fn next_agreement(&self) -> u64 {
+        self.agreements.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
     /// Describes `[ptr, ptr+size)` of `alloc` (owned by this process) for peers.
     pub fn register(
         &self,
@@ -716,29 +726,33 @@ impl Communicator {
                 );
                 continue;
             }
-            let desc: MemoryDescriptor =
-                serde_json::from_slice(bytes).map_err(|e| Error::Peer {
-                    rank,
-                    message: format!("sent a malformed memory descriptor: {e}"),
-                })?;
-            if desc.host_id != self.host_id {
-                // Not mappable here; network transports address it in its owner's process.
-                out.push(RegisteredMemory {
-                    local_ptr: desc.ptr,
-                    desc,
-                    imported: None,
-                    other_host: true,
-                    gpu: self.gpu.clone(),
-                    health: Arc::downgrade(&self.health),
-                });
-                continue;
-            }
-            out.push(self.import(desc)?);
+            out.push(self.map_message(rank, bytes)?);
         }
         // Owners keep their exported handles alive; the barrier makes sure no owner moves on (and,
         // e.g., frees) before every importer has mapped.
         self.bootstrap.barrier()?;
         Ok(out)
+    }
+
+    /// `peer`'s memory from its [`memory_message`](Self::memory_message): mapped into this
+    /// process when the peer is on this host, described only (for network transports, which
+    /// address it in its owner's process) when it is on another.
+    pub fn map_message(&self, peer: usize, bytes: &[u8]) -> Result<RegisteredMemory> {
+        let desc: MemoryDescriptor = serde_json::from_slice(bytes).map_err(|e| Error::Peer {
+            rank: peer,
+            message: format!("sent a malformed memory descriptor: {e}"),
+        })?;
+        if desc.host_id != self.host_id {
+            return Ok(RegisteredMemory {
+                local_ptr: desc.ptr,
+                desc,
+                imported: None,
+                other_host: true,
+                gpu: self.gpu.clone(),
+                health: Arc::downgrade(&self.health),
+            });
+        }
+        self.import(desc)
     }
 
     /// Sends one registered memory to `peer` (point-to-point variant of `exchange`).

@@ -7,9 +7,9 @@
 //! one allocation; one D2D semaphore pair per memory channel of the plan, paired with the peer's
 //! channel of the same ordinal (as the CPU reference pairs them); a scratch every peer maps, sized
 //! for the plan's largest message up to [`MAX_PLAN_SCRATCH_BYTES`] per rank.
-//! On first use of a pair of user buffers they are registered with every peer (collective, host
-//! only, through the zero-copy algorithms' `RegistrationCache`), so an execute is one launch with
-//! its buffer table passed by value: no host sync, no per-call upload, legal under graph capture.
+//! Every execute agrees on every rank's user buffers with its peers (one bootstrap all-gather,
+//! host only, `mscclpp_collectives::user_buffers`), so an execute is one launch with its buffer
+//! table passed by value: no host sync, no per-call upload, legal under graph capture.
 //! The launch may overlap the stream's previous kernel (programmatic launch, as the natives'), and
 //! each plan threadblock runs as one or more blocks, more for larger chunks where the plan allows
 //! it ([`replicas_for`], executor.cu's "Replicas"). A rank's program of at most
@@ -30,7 +30,8 @@ use crate::plan::{BufferType, ChannelType, Collective as PlanCollective, Plan, P
 use crate::reference::plan_reduce_op;
 use mscclpp_collectives::geometry::{Residency, RESIDENT_THREADS_PER_SM};
 use mscclpp_collectives::port_allreduce::proxy_connections;
-use mscclpp_collectives::resources::{DeviceBuffer, RegistrationCache, SharedScratch};
+use mscclpp_collectives::resources::{DeviceBuffer, SharedScratch};
+use mscclpp_collectives::user_buffers::{UserBuffer, UserBufferTable};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::algorithm_collection::SelectionContext;
 use mscclpp_core::communicator::Communicator;
@@ -108,7 +109,7 @@ pub struct PlanAlgorithm {
     // device resources go before the communicator. In a mutex: the service is `Send`, not `Sync`.
     proxy: Option<Mutex<PortChannelService>>,
     functions: Mutex<HashMap<(DataType, DataType, ReduceOp), Function>>,
-    registrations: RegistrationCache,
+    user_buffers: UserBufferTable,
     state: DeviceBuffer,
     /// Owned for its lifetime only: the kernel reaches it through `block_ptrs`.
     _block: Option<SharedScratch>,
@@ -232,7 +233,7 @@ impl PlanAlgorithm {
         Ok(PlanAlgorithm {
             proxy,
             functions: Mutex::default(),
-            registrations: RegistrationCache::default(),
+            user_buffers: UserBufferTable::new(format!("plan {}", plan.name)),
             state,
             _block: block,
             block_ptrs,
@@ -367,12 +368,12 @@ impl PlanAlgorithm {
     }
 
     /// Every rank's input and output for chunks of `chunk` bytes: the staging areas of a staged
-    /// plan, or the caller's buffers, registered on first use (collective).
+    /// plan, or the caller's buffers, agreed for this call (collective, `user_buffers`).
     fn rank_buffers(&self, args: &ExecuteArgs, chunk: usize) -> Result<[Vec<DevicePtr>; 2]> {
         let n = self.comm.size();
         let gpu = &self.plan.gpus[self.comm.rank()];
         let out_bytes = gpu.output_chunks as usize * chunk;
-        let reg = |ptr, bytes| self.registrations.rank_ptrs(&self.comm, ptr, bytes);
+        let agree = |buffers: &[UserBuffer]| self.user_buffers.agree(&self.comm, buffers);
         let (inputs, outputs) = match self.staging {
             Some(s) => {
                 let at = |off: usize| -> Vec<DevicePtr> {
@@ -380,16 +381,20 @@ impl PlanAlgorithm {
                 };
                 (at(s.input), at(s.output))
             }
-            None if !self.plan.inplace => (
-                reg(args.input, args.input_bytes)?,
-                reg(args.output, out_bytes)?,
-            ),
+            None if !self.plan.inplace => {
+                let agreed = agree(&[
+                    UserBuffer::new(args.input, args.input_bytes),
+                    UserBuffer::new(args.output, out_bytes),
+                ])?;
+                (agreed.ptrs(0), agreed.ptrs(1))
+            }
             None => {
-                let base = match self.collective {
-                    Collective::AllGather => reg(args.output, out_bytes)?,
-                    Collective::ReduceScatter => reg(args.input, args.input_bytes)?,
-                    _ => reg(args.input, args.input_bytes.max(out_bytes))?,
+                let one = match self.collective {
+                    Collective::AllGather => UserBuffer::new(args.output, out_bytes),
+                    Collective::ReduceScatter => UserBuffer::new(args.input, args.input_bytes),
+                    _ => UserBuffer::new(args.input, args.input_bytes.max(out_bytes)),
                 };
+                let base = agree(&[one])?.ptrs(0);
                 (base.clone(), base)
             }
         };

@@ -1,9 +1,9 @@
 //! Memory: ncclMemAlloc/Free (VMM allocations, which every algorithm can share with peers,
 //! zero-copy ones included), buffer and window registration, and PreMulSum operators.
 //!
-//! Registration is bookkeeping here: the native zero-copy algorithms register a buffer with the
-//! peers on its first use and cache it, so a handle only records what was registered, and
-//! deregistering an unknown handle is an error naming it.
+//! Registration is bookkeeping here: every zero-copy call agrees on every rank's buffers with its
+//! peers (`mscclpp_collectives::user_buffers`), so a handle only records what was registered,
+//! and deregistering an unknown handle is an error naming it.
 
 use crate::abi::*;
 use crate::comm::{gpu, Fallback};

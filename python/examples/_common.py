@@ -19,9 +19,7 @@ def check(name, got, want, dtype, inputs=None):
     """Every element: integers exact; floats against the float64 reference `want` within one
     rounding per added term plus the final one, relative to the largest sum of magnitudes
     (`inputs`: the ranks' tensors that were summed; None when nothing was added)."""
-    # To the host first: a conversion on the GPU would allocate there on the ranks that check
-    # (the root of a gather or reduce) and not on the others, and zero-copy algorithms register
-    # buffers assuming every rank allocates in the same pattern (collectives' RegistrationCache).
+    # To the host first: the check needs float64 on the host anyway.
     got, want = got.cpu().double(), want.cpu().double()
     if dtype.is_floating_point:
         eps = torch.finfo(dtype).eps

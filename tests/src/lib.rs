@@ -3,6 +3,7 @@
 
 pub mod alltoall_checks;
 pub mod byte_pattern;
+pub mod divergent_buffers;
 pub mod host_cost;
 pub mod p2p_checks;
 pub mod plan_checks;

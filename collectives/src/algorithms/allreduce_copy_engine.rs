@@ -1,14 +1,18 @@
 //! `default_allreduce_copy_engine`: large all-reduces whose data the copy engines move while the
 //! SMs reduce (`crate::copy_engine` has the schedule; kernels `allreduce_ce_reduce` and
-//! `allreduce_ce_sync`). The peers' pieces land in the output where the call allows it, else in a
-//! ring in the collection's scratch (`copy_engine::Staging`).
+//! `allreduce_ce_sync`). The peers' pieces land in the output where every rank's call allows it,
+//! else in a ring in the collection's scratch (`copy_engine::Staging`); a call in place on some
+//! ranks only runs the zero-copy kernel, as those ranks do (`CallPath`).
 
+use super::zero_copy;
 use crate::copy_engine::{CallPlan, CopyEngine, Staging};
 use crate::geometry;
 use crate::native::{NativeBase, NativeKind, DEFAULT_THREADS};
 use crate::resources::CollectionResources;
+use crate::user_buffers::{Agreed, UserBuffer};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::communicator::Communicator;
+use mscclpp_core::device::ZeroCopyArgs;
 use mscclpp_core::Result;
 use std::sync::Arc;
 
@@ -17,6 +21,41 @@ pub struct AllreduceCopyEngine {
     // Before `base`: the copy stream drains before anything else goes.
     engine: CopyEngine,
     base: NativeBase,
+    /// The zero-copy all-reduce, for calls some ranks make in place and others not (see
+    /// [`CallPath`]).
+    zero_copy: NativeBase,
+}
+
+/// How a call runs, decided from what every rank passed (so the same on every rank). The selector
+/// sends an in-place call to the zero-copy all-reduce and an out-of-place one here; a call that is
+/// in place on some ranks only therefore reaches both, and both run the zero-copy kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CallPath {
+    Staged(Staging),
+    ZeroCopy,
+}
+
+impl CallPath {
+    fn of(agreed: &Agreed, count: usize, elem_bytes: usize) -> CallPath {
+        let n = agreed.ranks();
+        let in_place = |r: usize| agreed.passed(r, 0).ptr == agreed.passed(r, 1).ptr;
+        let disjoint = |r: usize| {
+            let (i, o) = (agreed.passed(r, 0), agreed.passed(r, 1));
+            i.ptr + i.bytes as u64 <= o.ptr || o.ptr + o.bytes as u64 <= i.ptr
+        };
+        match (0..n).filter(|&r| in_place(r)).count() {
+            // In place everywhere: only an explicit choice of this algorithm gets here.
+            k if k == n => CallPath::Staged(Staging::ScratchRing),
+            0 => CallPath::Staged(Staging::for_call(
+                false,
+                (0..n).all(disjoint),
+                count,
+                elem_bytes,
+                n,
+            )),
+            _ => CallPath::ZeroCopy,
+        }
+    }
 }
 
 impl AllreduceCopyEngine {
@@ -24,25 +63,38 @@ impl AllreduceCopyEngine {
     pub fn new(comm: Arc<Communicator>, resources: Arc<CollectionResources>) -> Result<Self> {
         Ok(AllreduceCopyEngine {
             engine: CopyEngine::new(&comm, resources.clone())?,
-            base: NativeBase::new(NativeKind::AllreduceCopyEngine, comm, resources)?,
+            base: NativeBase::new(
+                NativeKind::AllreduceCopyEngine,
+                comm.clone(),
+                resources.clone(),
+            )?,
+            zero_copy: NativeBase::new(NativeKind::AllreduceRsagZeroCopy, comm, resources)?,
         })
     }
 
     fn run(&self, args: &ExecuteArgs, count: usize) -> Result<()> {
         let base = &self.base;
+        let agreed = base.agree(&[
+            UserBuffer::new(args.input, args.input_bytes),
+            UserBuffer::new(args.output, args.input_bytes),
+        ])?;
+        let staging = match CallPath::of(&agreed, count, args.dtype.size()) {
+            CallPath::Staged(staging) => staging,
+            CallPath::ZeroCopy => {
+                let kernel_args = ZeroCopyArgs {
+                    inputs: agreed.peers(0)?,
+                    outputs: agreed.peers(1)?,
+                    count: count as u64,
+                    ..ZeroCopyArgs::default()
+                };
+                return zero_copy::launch(&self.zero_copy, args, kernel_args);
+            }
+        };
         let reduce = base.function(args)?;
         let sync = base.entry_point(args, "allreduce_ce_sync")?;
-        let inputs = base.rank_ptrs(args.input, args.input_bytes)?;
-        let outputs = if args.in_place() {
-            inputs.clone()
-        } else {
-            base.rank_ptrs(args.output, args.input_bytes)?
-        };
+        let (inputs, outputs) = (agreed.ptrs(0), agreed.ptrs(1));
         let comm = base.comm();
         let (n, rank) = (comm.size(), comm.rank());
-        let (input, output, bytes) = (args.input, args.output, args.input_bytes as u64);
-        let disjoint = input + bytes <= output || output + bytes <= input;
-        let staging = Staging::for_call(args.in_place(), disjoint, count, args.dtype.size(), n);
         // The reduction's grid is sized for the largest scratch piece (a whole slot), whatever this
         // call's: larger pieces only loop more.
         let slot_vectors = self.engine.slot_bytes() / geometry::VECTOR_BYTES;
@@ -82,6 +134,11 @@ impl Algorithm for AllreduceCopyEngine {
 
     fn check(&self, args: &ExecuteArgs) -> Result<()> {
         self.base.check(args)
+    }
+
+    fn prepare(&self, args: &ExecuteArgs) -> Result<()> {
+        self.base.prepare(args)?;
+        self.zero_copy.prepare(args)
     }
 
     fn execute(&self, args: &ExecuteArgs) -> Result<()> {

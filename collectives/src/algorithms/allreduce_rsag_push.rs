@@ -8,7 +8,7 @@
 //! time: the steps through the scratch barrier too often), so the default selector does not take
 //! it: `--algo`, the tuner and the GPU suite reach it by name.
 //!
-//! Registration: only the output is registered with the peers (cached per buffer, as the
+//! User buffers: only the outputs are agreed with the peers (`crate::user_buffers`, as the
 //! zero-copy kernels do); the input is read locally and staged through the collection's scratch,
 //! so a call holds no device memory of its own.
 

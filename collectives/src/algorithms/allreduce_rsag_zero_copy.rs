@@ -4,6 +4,7 @@
 
 use super::{native_algorithm, zero_copy};
 use crate::native::NativeKind;
+use crate::user_buffers::UserBuffer;
 use mscclpp_core::algorithm::ExecuteArgs;
 use mscclpp_core::device::ZeroCopyArgs;
 use mscclpp_core::Result;
@@ -16,15 +17,14 @@ native_algorithm!(
 
 impl AllreduceRsagZeroCopy {
     fn run(&self, args: &ExecuteArgs, count: usize) -> Result<()> {
-        let inputs = zero_copy::peers(&self.base, args.input, args.input_bytes)?;
-        let outputs = if args.in_place() {
-            inputs
-        } else {
-            zero_copy::peers(&self.base, args.output, args.input_bytes)?
-        };
+        // Both buffers on every rank, in place or not: a peer's call may differ.
+        let agreed = self.base.agree(&[
+            UserBuffer::new(args.input, args.input_bytes),
+            UserBuffer::new(args.output, args.input_bytes),
+        ])?;
         let kernel_args = ZeroCopyArgs {
-            inputs,
-            outputs,
+            inputs: agreed.peers(0)?,
+            outputs: agreed.peers(1)?,
             count: count as u64,
             ..ZeroCopyArgs::default()
         };

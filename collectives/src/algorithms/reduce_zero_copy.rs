@@ -1,7 +1,7 @@
 //! `default_reduce_zero_copy`: reduce to one root on registered inputs; the root reads every
 //! rank's input over NVLink and reduces it into its output, the others wait in the closing
 //! barrier until it is done (kernel `reduce_zero_copy`). Ours: MSCCL++ has no native reduce.
-//! Every rank's input is registered with every peer on first use (collective, cached), as the
+//! Every rank's input is agreed with every peer on every call (`crate::user_buffers`), as the
 //! other zero-copy algorithms do; nothing else is allocated, and the barriers use the
 //! collection's semaphores.
 

@@ -1,17 +1,19 @@
-//! The zero-copy kernel family (`coll::ZeroCopyArgs`): kernels on the user's buffers, registered
-//! with every peer on first use (and cached), with block barriers through the collection's
-//! semaphores.
+//! The zero-copy kernel family (`coll::ZeroCopyArgs`): kernels on the user's buffers, whose
+//! addresses every call agrees on with every peer (`crate::user_buffers`), with block barriers
+//! through the collection's semaphores.
 
 use crate::geometry;
 use crate::native::{NativeBase, DEFAULT_THREADS};
+use crate::user_buffers::UserBuffer;
 use mscclpp_core::algorithm::ExecuteArgs;
 use mscclpp_core::device::{PeerPtrs, ZeroCopyArgs};
 use mscclpp_core::gpu::DevicePtr;
 use mscclpp_core::Result;
 
-/// Every rank's address of the user buffer `ptr` (`bytes` long), as a kernel argument.
+/// Collective: every rank's address of its user buffer `ptr` (`bytes` long) for this call, as a
+/// kernel argument (for kinds that touch one buffer of their peers').
 pub fn peers(base: &NativeBase, ptr: DevicePtr, bytes: usize) -> Result<PeerPtrs> {
-    PeerPtrs::from_slice(&base.rank_ptrs(ptr, bytes)?)
+    base.agree(&[UserBuffer::new(ptr, bytes)])?.peers(0)
 }
 
 /// Launches the kind's kernel for a checked call, with the collective-specific fields of

@@ -10,12 +10,11 @@
 //! ([`AlltoallZeroCopy::with_host_check`]) refuses the call before any launch.
 //!
 //! Each call is one kernel on the caller's stream with no host synchronisation, so it is legal
-//! during CUDA-graph capture; the registered side is registered through the [`RegistrationCache`]
-//! (host only) on first use, which is collective: every rank calls with its buffers in the same
-//! pattern (a buffer new on one rank is new on every rank). So that this holds whatever the other
-//! ranks pass, the registered side is one every rank has: all-to-all(-v) and scatter push into the
-//! receivers' outputs (every rank receives), gather pulls from the senders' inputs (every rank
-//! sends; the non-roots' outputs are never touched, and may be null).
+//! during CUDA-graph capture; the registered side's addresses are agreed by every rank on every
+//! call (`crate::user_buffers`, host only). So that every rank has a buffer to agree on whatever
+//! the other ranks pass, the registered side is one every rank has: all-to-all(-v) and scatter
+//! push into the receivers' outputs (every rank receives), gather pulls from the senders' inputs
+//! (every rank sends; the non-roots' outputs are never touched, and may be null).
 //!
 //! Resources are the collection's ([`CollectionResources`]): the first blocks of its semaphore
 //! table, its `AlltoallState` and the start of its staging part for the tables (see there why
@@ -24,7 +23,8 @@
 
 use super::split::{check_local, check_matrix, mismatch_message, uniform_chunk, Split};
 use crate::geometry::{self, Residency};
-use crate::resources::{param_ptr, CollectionResources, KernelTable, RegistrationCache};
+use crate::resources::{param_ptr, CollectionResources, KernelTable};
+use crate::user_buffers::{UserBuffer, UserBufferTable};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::communicator::Communicator;
 use mscclpp_core::gpu::{DevicePtr, LaunchConfig, Stream};
@@ -98,7 +98,7 @@ impl Direction {
 pub struct AlltoallZeroCopy {
     // Field order is drop order: device resources go before the communicator.
     kernels: KernelTable,
-    registrations: RegistrationCache,
+    user_buffers: UserBufferTable,
     resources: Arc<CollectionResources>,
     /// Every rank's table space (in `resources`' staging part).
     tables: PeerPtrs,
@@ -133,7 +133,7 @@ impl AlltoallZeroCopy {
         let tables = resources.alltoall_tables()?.peers;
         Ok(AlltoallZeroCopy {
             kernels: KernelTable::default(),
-            registrations: RegistrationCache::default(),
+            user_buffers: UserBufferTable::new("all-to-all exchange"),
             resources,
             tables,
             max_blocks,
@@ -333,19 +333,12 @@ impl AlltoallZeroCopy {
         )
     }
 
-    /// [`rooted`](Self::rooted)'s host work before launching (see `prepare_exchange`): a gather
-    /// registers `input` (the root pulls), a scatter `output` (the root pushes).
-    pub fn prepare_rooted(
-        &self,
-        op: Rooted,
-        input: Buffer,
-        output: Buffer,
-        root: usize,
-    ) -> Result<()> {
+    /// [`rooted`](Self::rooted)'s host work before launching (see `prepare_exchange`).
+    pub fn prepare_rooted(&self, op: Rooted, root: usize) -> Result<()> {
         self.check_root(op.name(), root)?;
         match op {
-            Rooted::Gather => self.prepare_exchange(Direction::Pull, input),
-            Rooted::Scatter => self.prepare_exchange(Direction::Push, output),
+            Rooted::Gather => self.prepare_exchange(Direction::Pull),
+            Rooted::Scatter => self.prepare_exchange(Direction::Push),
         }
     }
 
@@ -485,13 +478,10 @@ impl AlltoallZeroCopy {
         unsafe { self.launch("alltoallv_device_counts", &mut args, stream, cfg) }
     }
 
-    /// Every rank's `buffer` (the registered side of this call), registered (collective; see the
-    /// module docs for why every rank has one).
     /// The host work of an exchange in `direction` that must come before any rank of this
-    /// process launches (`Algorithm::prepare`): registering `registered` with the peers (the
-    /// output pushed to, or the input pulled from) and loading the kernel.
-    fn prepare_exchange(&self, direction: Direction, registered: Buffer) -> Result<()> {
-        self.registered(registered)?;
+    /// process launches (`Algorithm::prepare`): loading the kernel. The buffers are agreed in the
+    /// call itself, once per call on every rank.
+    fn prepare_exchange(&self, direction: Direction) -> Result<()> {
         self.kernels
             .function(
                 self.comm.gpu().as_ref(),
@@ -502,18 +492,20 @@ impl AlltoallZeroCopy {
             .map(|_| ())
     }
 
+    /// Collective: every rank's `buffer` (the registered side of this call; see the module docs
+    /// for why every rank has one), agreed for this call. A rank that passed none fails every
+    /// rank, naming it.
     fn registered(&self, buffer: Buffer) -> Result<PeerPtrs> {
-        if buffer.ptr == 0 {
+        let agreed = self
+            .user_buffers
+            .agree(&self.comm, &[UserBuffer::new(buffer.ptr, buffer.bytes)])?;
+        if let Some(rank) = (0..agreed.ranks()).find(|&r| agreed.passed(r, 0).ptr == 0) {
             return Err(Error::InvalidArgument(format!(
-                "rank {}: {ALLTOALL_ZERO_COPY}: a null buffer where every rank registers one \
-                 (pass a buffer even of 0 bytes: registration is collective)",
-                self.comm.rank()
+                "rank {rank}: {ALLTOALL_ZERO_COPY}: a null buffer where every rank passes one \
+                 (pass a buffer even of 0 bytes)"
             )));
         }
-        let ptrs = self
-            .registrations
-            .rank_ptrs(&self.comm, buffer.ptr, buffer.bytes)?;
-        PeerPtrs::from_slice(&ptrs)
+        agreed.peers(0)
     }
 
     /// Launches `entry` of the all-to-all unit with its one argument struct `args` on the grid
@@ -585,11 +577,7 @@ impl Algorithm for AlltoallZeroCopy {
         if chunk == 0 {
             return Ok(());
         }
-        let output = Buffer {
-            ptr: args.output,
-            bytes: args.output_bytes,
-        };
-        self.prepare_exchange(Direction::Push, output)
+        self.prepare_exchange(Direction::Push)
     }
 
     fn execute(&self, args: &ExecuteArgs) -> Result<()> {

@@ -11,7 +11,9 @@
 //! `p2p` (the point-to-point engine), `alltoall` (the whole all-to-all family, gather and scatter
 //! included), `reduce` (`default_reduce_zero_copy` at every root), `plans` (execution plans: the
 //! fixtures at this world size and the builder's), `resources`: device memory per rank, which fails
-//! above 32 MiB, and set-up times), `multi_host` (ranks on several hosts: the matrix of every
+//! above 32 MiB, and set-up times), `divergent_buffers` (the zero-copy algorithms on buffers every
+//! rank places and frees differently, `mscclpp_tests::divergent_buffers`), `multi_host` (ranks on
+//! several hosts: the matrix of every
 //! algorithm of the multi-host collection, `default_allreduce_hierarchical`, the flat
 //! `port_allreduce`, `default_allgather_via_allreduce`, `default_broadcast_via_allreduce`,
 //! `default_reducescatter_via_allreduce`; the algorithm names select one),
@@ -240,6 +242,9 @@ fn run() -> Result<i32> {
         if ok && wants(REDUCE) {
             let r = reduce_at_every_root(&mut suite);
             suite.record("reduce at every root (default_reduce_zero_copy)", r);
+        }
+        if ok && wants(mscclpp_tests::divergent_buffers::SECTION) {
+            divergent_buffers(&mut suite);
         }
         if ok && wants(RESOURCES) {
             let r = resources(&mut suite);
@@ -1158,6 +1163,22 @@ fn collectives_matrix(s: &mut Suite, only: Option<&[String]>) {
     }
     let r = two_communicators(s, &coll);
     s.record("two communicators in one process", r);
+}
+
+/// The user-buffer rule's check (`divergent_buffers`), on a default collection of its own.
+fn divergent_buffers(s: &mut Suite) {
+    let comm = s.ctx.comm.clone();
+    match mscclpp_collectives::default_algorithm_collection(
+        &comm,
+        mscclpp_collectives::DEFAULT_SCRATCH_BYTES,
+    ) {
+        Ok(coll) => {
+            for (name, result) in mscclpp_tests::divergent_buffers::run(&s.ctx, &coll) {
+                s.record(&name, result);
+            }
+        }
+        Err(e) => s.record("build the native algorithms", Err(e)),
+    }
 }
 
 /// One algorithm's matrix: every data type x op (for reductions) x size x placement, eager, and
