@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU suite and the benchmark on the device machine (from the repository root there).
 # Usage: [NGPU=k] [NRANKS=n] [MPS=1] [HOSTS=h] bash .gpu/gpu-run.sh [suite|bench|all|fault] [extra args for the binary]
-#        [NRANKS=n] [MPS=1] [SHIM_CHECK_QUICK=1] bash .gpu/gpu-run.sh nccl [torch|initall|kill|abort|fallback|bench|hostcost]
+#        [NRANKS=n] [MPS=1] [SHIM_CHECK_QUICK=1] bash .gpu/gpu-run.sh nccl [torch|initall|kill|abort|watchdog|fallback|bench|hostcost]
 #        [TORCH_BENCH_TIMEOUT=s] bash .gpu/gpu-run.sh nccl bench [torch_bench.py run options]
 # Writes logs into $OUT (or ./gpu-out when $OUT is unset).
 set -uo pipefail
@@ -102,7 +102,7 @@ if [ "${what_after:-}" = fault ]; then
 fi
 if [ "$what" = nccl ]; then
   # The NCCL shim: PyTorch's backend="nccl" with the shim preloaded (torch), one process driving
-  # NRANKS ranks (initall), faults (kill, abort: 2 ranks), and the fallback at world size 1 with
+  # NRANKS ranks (initall), faults (kill, abort, watchdog: 2 ranks), and the fallback at world size 1 with
   # every operation sent to PyTorch's NCCL (fallback). The real library is used from a copy, so
   # the shim's dlopen loads it afresh (RTLD_DEEPBIND) instead of finding PyTorch's already loaded.
   shim="$PWD/.gpu/lib/libmscclpp_nccl.so"
@@ -116,6 +116,11 @@ if [ "$what" = nccl ]; then
   case "$mode" in
     initall) NRANKS="$nranks" python3 "$script" initall ;;
     kill|abort) env -u MSCCLPP_NCCL_LIB_PATH torchrun --nproc_per_node=2 --master_port="${PORT:-29511}" "$script" "$mode" ;;
+    # PyTorch's watchdog aborting the shim's communicator while rank 0 is inside a call; the
+    # script starts both ranks itself (with the shim preloaded) to see rank 0's own exit status,
+    # which must be an exception's code, never a signal (torch_check.py, watchdog).
+    # WATCHDOG_CASES narrows it (e.g. 2:sleep); MPS=1 puts both ranks on one GPU under MPS.
+    watchdog) timeout -k 10 "${SHIM_CHECK_TIMEOUT:-540}" env -u MSCCLPP_NCCL_LIB_PATH python3 "$script" watchdog ;;
     fallback) LD_PRELOAD="$shim" MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION=all \
                 torchrun --nproc_per_node=1 --master_port="${PORT:-29511}" "$script" torch ;;
     # PyTorch's collectives timed with PyTorch's NCCL, then with the shim preloaded, then compared

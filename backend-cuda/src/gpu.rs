@@ -70,6 +70,9 @@ pub struct CudaGpu {
     /// environment allows it and the driver has the entry points), decided on first use.
     eager_graph_launch: OnceLock<bool>,
     graph_launches: GraphLaunches,
+    /// Host-mapped allocations made of pages this backend mapped itself and registered with the
+    /// driver (host address -> mapped length): see `alloc_host_mapped`.
+    registered_host: Mutex<HashMap<usize, usize>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -130,6 +133,7 @@ impl CudaGpu {
             programmatic_launch: (0..count).map(|_| OnceLock::new()).collect(),
             eager_graph_launch: OnceLock::new(),
             graph_launches: GraphLaunches::new(count),
+            registered_host: Mutex::new(HashMap::new()),
         })
     }
 
@@ -162,6 +166,17 @@ impl CudaGpu {
 
     /// Makes the thread's device context current if it is not; returns the device ordinal.
     fn bind(&self) -> Result<usize> {
+        // Once the process is exiting the driver is about to tear its contexts down, and a call
+        // racing that teardown can crash the calling thread (`mscclpp_core::process`): every call
+        // that binds is refused, so what is left is left to the process's end.
+        if mscclpp_core::process::exiting() {
+            return Err(Error::Driver {
+                call: "cuCtxSetCurrent",
+                code: sys::cudaError_enum::CUDA_ERROR_DEINITIALIZED as i64,
+                message: "not called: the process is exiting and the CUDA driver is shutting down"
+                    .into(),
+            });
+        }
         let ordinal = CURRENT_DEVICE.get();
         let want = self.context(ordinal)?;
         let mut cur: sys::CUcontext = std::ptr::null_mut();
@@ -172,6 +187,58 @@ impl CudaGpu {
             unsafe { cu!(cuCtxSetCurrent(want)) }?;
         }
         Ok(ordinal)
+    }
+
+    /// `size` bytes (rounded up to pages) of zeroed anonymous memory mapped here and registered
+    /// with the driver as device-mapped, portable pinned memory (see `alloc_host_mapped`); `None`
+    /// (after undoing its steps) where mapping or registering fails, for `cuMemHostAlloc` then.
+    fn alloc_registered(&self, size: usize) -> Option<HostMapped> {
+        // SAFETY: sysconf has no preconditions.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+            .ok()
+            .filter(|&p| p > 0)
+            .unwrap_or(4096);
+        let len = size.checked_next_multiple_of(page)?;
+        // SAFETY: a fresh private anonymous mapping (zero-filled by the kernel).
+        let host = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if host == libc::MAP_FAILED {
+            return None;
+        }
+        let flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE;
+        // SAFETY: `host` is a live mapping of `len` bytes.
+        let registered = unsafe { cu!(cuMemHostRegister_v2(host, len, flags)) };
+        let was_registered = registered.is_ok();
+        let mut dptr: sys::CUdeviceptr = 0;
+        let mapped = registered.and_then(|()| {
+            // SAFETY: registered with DEVICEMAP.
+            unsafe { cu!(cuMemHostGetDevicePointer_v2(&mut dptr, host, 0)) }
+        });
+        if let Err(e) = mapped {
+            tracing::debug!("registering host pages failed ({e}); using cuMemHostAlloc");
+            // SAFETY: undoes the steps above that succeeded.
+            unsafe {
+                if was_registered {
+                    let _ = sys::cuMemHostUnregister(host);
+                }
+                libc::munmap(host, len);
+            }
+            return None;
+        }
+        lock(&self.registered_host).insert(host as usize, len);
+        Some(HostMapped {
+            host_ptr: host.cast(),
+            device_ptr: dptr,
+            size,
+        })
     }
 
     /// Whether launches that allow it overlap the previous kernel on device `ordinal` (see
@@ -695,6 +762,14 @@ impl Gpu for CudaGpu {
             ));
         }
         self.bind()?;
+        // Pages mapped here and registered with the driver, rather than `cuMemHostAlloc`'s: host
+        // threads read and write this memory (error words polled by `ncclCommGetAsyncError`,
+        // FIFO rings polled by the proxy, words a bootstrap reader sets when a peer dies), also
+        // while the process exits, when the driver's teardown frees what it allocated; pages it
+        // only registered stay mapped, so those accesses stay valid to the process's end.
+        if let Some(mem) = self.alloc_registered(size) {
+            return Ok(mem);
+        }
         let mut host: *mut c_void = std::ptr::null_mut();
         let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
         // SAFETY: writes one pointer.
@@ -717,8 +792,21 @@ impl Gpu for CudaGpu {
 
     fn free_host_mapped(&self, mem: &HostMapped) -> Result<()> {
         self.bind()?;
-        // SAFETY: the caller passes memory from `alloc_host_mapped` and frees it once.
-        unsafe { cu!(cuMemFreeHost(mem.host_ptr.cast())) }
+        let registered = lock(&self.registered_host).remove(&(mem.host_ptr as usize));
+        let Some(len) = registered else {
+            // SAFETY: the caller passes memory from `alloc_host_mapped` and frees it once.
+            return unsafe { cu!(cuMemFreeHost(mem.host_ptr.cast())) };
+        };
+        // SAFETY: registered by `alloc_registered`; unregistered once.
+        unsafe { cu!(cuMemHostUnregister(mem.host_ptr.cast())) }?;
+        // SAFETY: our own mapping of `len` bytes, no longer registered and freed once.
+        if unsafe { libc::munmap(mem.host_ptr.cast(), len) } != 0 {
+            return Err(Error::io(
+                "unmapping host-mapped memory",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(())
     }
 
     fn memcpy_async(
@@ -1625,6 +1713,7 @@ mod nvls_tests {
             programmatic_launch: Vec::new(),
             eager_graph_launch: OnceLock::new(),
             graph_launches: GraphLaunches::new(0),
+            registered_host: Mutex::new(HashMap::new()),
         }
     }
 

@@ -117,11 +117,26 @@ impl SharedScratch {
 
 impl Drop for SharedScratch {
     fn drop(&mut self) {
-        // Peers must unmap our scratch before we free it; the bootstrap barrier is bounded, so a
-        // dead peer delays teardown but cannot hang it.
+        // After a failure our own kernels may still run on this scratch (and on the peers' we
+        // mapped): drain them first; if that cannot be known, leak it (a leak lasts until the
+        // process ends, freeing it under a running kernel faults the context).
+        let idle = self.comm.drain_after_failure("the shared scratch");
+        if !idle {
+            // Leaked on purpose, mappings of the peers' scratch included (see above).
+            tracing::warn!(target: "mscclpp::coll", "leaving the shared scratch allocated and mapped until the process ends");
+            std::mem::forget(std::mem::take(&mut self.peers));
+            std::mem::forget(self.local.take());
+            return;
+        }
         self.peers.clear();
-        if let Err(e) = self.comm.bootstrap().barrier() {
-            tracing::warn!(target: "mscclpp::coll", "scratch teardown barrier failed: {e}");
+        // Peers must unmap our scratch before we free it; the bootstrap barrier is bounded, so a
+        // dead peer delays teardown but cannot hang it. A failed communicator skips it, as the
+        // communicator's own teardown does: the peer may be stopped or blocked in another call,
+        // and the barrier would hold this rank for the whole bootstrap timeout.
+        if self.comm.async_error().is_none() {
+            if let Err(e) = self.comm.bootstrap().barrier() {
+                tracing::warn!(target: "mscclpp::coll", "scratch teardown barrier failed: {e}");
+            }
         }
         self.local.take();
     }

@@ -20,7 +20,7 @@ use crate::topology::{
     sm_share, usable_sms, Placement, Topology,
 };
 use serde::{Deserialize, Serialize};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -104,7 +104,10 @@ impl Drop for RegisteredMemory {
                 let start = std::time::Instant::now();
                 match self.gpu.synchronize_device() {
                     Err(e) => {
-                        tracing::warn!(target: "mscclpp::conn", "draining kernels before unmapping rank {}'s memory: {e}", self.desc.rank)
+                        // Not known idle: a kernel of ours may still touch the mapping. Leaving it
+                        // mapped (to the process's end) is a leak; unmapping it could fault.
+                        tracing::warn!(target: "mscclpp::conn", "draining kernels before unmapping rank {}'s memory: {e}; leaving it mapped", self.desc.rank);
+                        return;
                     }
                     // Said when it is long: what a queue of launches behind a failure costs.
                     Ok(()) if start.elapsed() > DRAIN_WORTH_LOGGING => {
@@ -148,6 +151,9 @@ struct Health {
     /// Why the communicator failed, once known (the first reason wins): the abort's reason, or
     /// which peers did not answer after a device wait timed out.
     reason: Mutex<Option<String>>,
+    /// Set by a teardown that could not drain this communicator's kernels after a failure: they
+    /// may still read the word, so it is not freed (see the communicator's drop).
+    keep_word: AtomicBool,
 }
 
 impl Health {
@@ -221,6 +227,9 @@ impl FailureListener for Health {
 
 impl Drop for Health {
     fn drop(&mut self) {
+        if self.keep_word.load(Ordering::Acquire) {
+            return;
+        }
         if let Err(e) = self.gpu.free_host_mapped(&self.word) {
             tracing::warn!(target: "mscclpp::conn", "freeing the error word failed: {e}");
         }
@@ -281,6 +290,9 @@ pub struct Communicator {
     next_slot: Mutex<Vec<usize>>,
     /// Calls that agreed on user buffers so far ([`next_agreement`](Self::next_agreement)).
     agreements: AtomicU64,
+    /// Taken by the drop: the process's exit waits for the teardown (`process`). Last, so it is
+    /// released after every other field is dropped.
+    exit_section: Mutex<Option<crate::process::Section<'static>>>,
 }
 
 impl Communicator {
@@ -319,6 +331,8 @@ impl Communicator {
         parent_health: Option<Arc<Health>>,
     ) -> Result<Self> {
         gpu.set_device(device)?;
+        // From now on this process has threads of ours that must stop at its exit.
+        crate::process::watch_exit();
         let size = bootstrap.size();
         // Who shares a host decides what can be mapped (MSCCLPP_HOSTID can split one machine).
         // Where each rank runs: who shares a host, and who shares this process's device.
@@ -364,6 +378,7 @@ impl Communicator {
                     gpu: gpu.clone(),
                     word,
                     reason: Mutex::new(None),
+                    keep_word: AtomicBool::new(false),
                 })
             }
         };
@@ -401,6 +416,7 @@ impl Communicator {
             },
             next_slot: Mutex::new(vec![0; size]),
             agreements: AtomicU64::new(0),
+            exit_section: Mutex::new(None),
         };
         let slab_alloc = comm.slab.alloc.clone();
         let local = comm.register(&slab_alloc, slab_alloc.ptr, slab_bytes)?;
@@ -523,6 +539,49 @@ impl Communicator {
     /// The bootstrap calls it when a peer's process dies. Sticky: nothing clears it.
     pub fn abort(&self, reason: &str) {
         self.health.abort(reason);
+    }
+
+    /// [`abort`](Self::abort), and gives up on this rank's bootstrap
+    /// ([`Bootstrap::interrupt`]): a thread blocked in one of the communicator's host waits (a
+    /// buffer registration's all-gather, a teardown barrier) returns at once with
+    /// `Error::Aborted(reason)`, and so does every later host step. For a communicator that is
+    /// being thrown away (`ncclCommAbort`): its bootstrap is out of step with the peers' from
+    /// then on. The peers are not told; they see this rank's bootstrap close when it is dropped.
+    /// Callable from any thread, also while another thread is blocked in a call; never blocks.
+    pub fn interrupt(&self, reason: &str) {
+        self.health.abort(reason);
+        self.bootstrap.interrupt(reason);
+    }
+
+    /// For teardown after a failure: waits until this process's kernels are done
+    /// (`synchronize_device`), so memory they may touch can be unmapped or freed. True when that
+    /// is known (a healthy communicator: its owner synchronised its work, as for any CUDA
+    /// memory), false when the drain failed: the caller then leaks what a kernel of ours may still
+    /// touch, since freeing or unmapping it under a running kernel faults the context (and under
+    /// MPS every client of the GPU), while a leak lasts only until the process ends. Every
+    /// queued kernel of a failed communicator returns at entry and every device wait gives up
+    /// within its budget, so the drain is bounded.
+    pub fn drain_after_failure(&self, what: &str) -> bool {
+        !self.health.failed() || self.drain(what)
+    }
+
+    /// [`drain_after_failure`](Self::drain_after_failure)'s drain, whatever the health: for an
+    /// owner that cannot know its work is done (the NCCL shim's destroy, which NCCL defines to
+    /// finish the communicator's operations first). Whether this process's kernels are done.
+    pub fn drain(&self, what: &str) -> bool {
+        let start = Instant::now();
+        match self.gpu.synchronize_device() {
+            Ok(()) => {
+                if start.elapsed() > DRAIN_WORTH_LOGGING {
+                    tracing::warn!(target: "mscclpp::conn", "rank {}: waited {:.2} s for this process's queued kernels before freeing {what}", self.rank(), start.elapsed().as_secs_f64());
+                }
+                true
+            }
+            Err(e) => {
+                tracing::warn!(target: "mscclpp::conn", "rank {}: draining this process's kernels before freeing {what} failed: {e}", self.rank());
+                false
+            }
+        }
     }
 
     /// The communicator's health, without synchronising anything (one host load): `None` while no
@@ -856,8 +915,21 @@ impl Communicator {
 impl Drop for Communicator {
     fn drop(&mut self) {
         let start = Instant::now();
-        // After a failure, unmapping the peers' slabs first waits for our kernels still in
-        // flight (RegisteredMemory's drop).
+        // The process's exit waits for this teardown (bounded), and once it is exiting the backend
+        // refuses our driver calls, so nothing here races the driver's own teardown (`process`).
+        // Held until every field is dropped (the bootstrap and its threads, the health word).
+        *self
+            .exit_section
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner()) = crate::process::enter();
+        // After a failure our kernels may still run (each returns at entry, or within its wait
+        // budget): nothing they touch is unmapped or freed before they are done, and if that
+        // cannot be known it is leaked. The peers' slabs (RegisteredMemory's drop drains too)
+        // and our own slab and error word.
+        let idle = self.drain_after_failure("the semaphore slab");
+        if !idle {
+            self.health.keep_word.store(true, Ordering::Release);
+        }
         // Peers' mappings of our slab must be gone before it is freed; best effort, since a dead
         // peer must not make teardown hang forever (the bootstrap barrier has a timeout).
         self.slab.peers.clear();
@@ -868,7 +940,10 @@ impl Drop for Communicator {
                 tracing::warn!(target: "mscclpp::conn", "teardown barrier failed: {e}");
             }
         }
-        if let Err(e) = self.gpu.free(&self.slab.alloc) {
+        if !idle {
+            // Leaked on purpose: see drain_after_failure.
+            tracing::warn!(target: "mscclpp::conn", "rank {}: leaving the semaphore slab and error word allocated until the process ends", self.rank());
+        } else if let Err(e) = self.gpu.free(&self.slab.alloc) {
             tracing::warn!(target: "mscclpp::conn", "freeing the semaphore slab failed: {e}");
         }
         // Said when it is long, as the drain is (DRAIN_WORTH_LOGGING): where a slow exit after a
@@ -1169,6 +1244,56 @@ mod tests {
                 "{error:?}"
             );
         });
+    }
+
+    /// `interrupt` from another thread releases a thread blocked in a host wait of the
+    /// communicator (a buffer registration's exchange the peer never joins) at once, with the
+    /// reason, and fails the communicator; both ranks' teardowns then end promptly (the failed
+    /// one skips its barrier, the peer's meets a bootstrap that went away), far within the
+    /// 20 s bootstrap timeout.
+    #[test]
+    fn interrupt_from_another_thread_releases_a_host_wait() {
+        let took = with_comms(2, Duration::from_secs(20), |rank, comm| {
+            let comm = Arc::new(comm);
+            if rank == 1 {
+                std::thread::sleep(Duration::from_millis(600));
+                let t0 = Instant::now();
+                drop(comm);
+                return (None, t0.elapsed());
+            }
+            let blocked = {
+                let comm = comm.clone();
+                std::thread::spawn(move || {
+                    let alloc = comm.gpu().alloc(4096, MemoryKind::Plain).expect("alloc");
+                    let local = comm.register(&alloc, alloc.ptr, 4096).expect("register");
+                    let t0 = Instant::now();
+                    let r = comm.exchange(local).map(|_| ());
+                    (r, t0.elapsed())
+                })
+            };
+            std::thread::sleep(Duration::from_millis(200));
+            comm.interrupt("ncclCommAbort");
+            let (r, took) = blocked.join().expect("blocked thread");
+            assert!(
+                matches!(&r, Err(Error::Aborted(m)) if m == "ncclCommAbort"),
+                "{r:?}"
+            );
+            assert!(matches!(comm.async_error(), Some(Error::Aborted(_))));
+            let t0 = Instant::now();
+            drop(comm);
+            (Some(took), t0.elapsed())
+        });
+        let released = took[0].0.expect("rank 0");
+        assert!(
+            released < Duration::from_secs(5),
+            "released after {released:?}"
+        );
+        for (rank, (_, teardown)) in took.iter().enumerate() {
+            assert!(
+                *teardown < Duration::from_secs(5),
+                "rank {rank}'s teardown took {teardown:?}"
+            );
+        }
     }
 
     /// A failure anywhere in the job (here: a rank's bootstrap collective times out because its

@@ -15,6 +15,7 @@ pub mod fifo;
 pub mod gpu;
 pub mod host_semaphore;
 pub mod port_channel;
+pub mod process;
 pub mod proxy;
 pub mod switch_channel;
 pub mod topology;

@@ -124,12 +124,22 @@ impl Proxy {
             std::thread::Builder::new()
                 .name("mscclpp-proxy".into())
                 .spawn(move || {
-                    if let Some(cpus) = cpus {
-                        if let Err(e) = crate::affinity::bind_current_thread(&cpus) {
-                            tracing::warn!(target: "mscclpp::proxy", "proxy thread runs unbound: {e}");
+                    // A panic outside the handler (which `run` guards itself) is recorded as the
+                    // proxy's error, and `stop` still hears that the thread ended.
+                    let run_shared = Arc::clone(&shared);
+                    let body = std::panic::catch_unwind(AssertUnwindSafe(move || {
+                        if let Some(cpus) = cpus {
+                            if let Err(e) = crate::affinity::bind_current_thread(&cpus) {
+                                tracing::warn!(target: "mscclpp::proxy", "proxy thread runs unbound: {e}");
+                            }
                         }
+                        run(fifo, handler, &run_shared);
+                    }));
+                    if body.is_err() {
+                        shared.record(Error::Internal(
+                            "the proxy thread panicked outside its handler".into(),
+                        ));
                     }
-                    run(fifo, handler, &shared);
                     // The receiver may be gone (stop timed out earlier); nothing to do then.
                     let _ = tx.send(());
                 })
@@ -208,6 +218,11 @@ const IDLE_SPINS_BEFORE_YIELD: u32 = 1 << 14;
 fn run(mut fifo: Fifo, mut handler: impl ProxyHandler, shared: &ProxyShared) {
     let mut idle = 0u32;
     loop {
+        // The process is exiting: the driver is about to tear down what the handler would use
+        // (`process`'s module docs). Kernels that still wait on this FIFO give up on their budget.
+        if crate::process::exiting() {
+            return;
+        }
         if let Some(trigger) = fifo.poll() {
             idle = 0;
             // A panicking handler must not take the thread down: kernels would wait forever.

@@ -224,6 +224,81 @@ fn closed_peer_wakes_blocked_receiver() {
     assert!(matches!(e, Error::Peer { rank: 0, .. }), "{e}");
 }
 
+/// `interrupt` from another thread releases a rank blocked in an all-gather its peer never joins
+/// at once (not after the 20 s timeout), with the reason, and fails its later calls the same way;
+/// it is local: the peer's bootstrap is not aborted, it learns only when rank 0's goes away
+/// (a goodbye: a clean close, not a death), and no listener of either rank is told.
+#[test]
+fn an_interrupt_releases_a_blocked_collective_and_stays_local() {
+    struct Count(Mutex<usize>);
+    impl FailureListener for Count {
+        fn job_failed(&self, _rank: usize, _reason: &str) {
+            *self.0.lock().unwrap() += 1;
+        }
+    }
+    let out = run_threads(2, config(20), |b| {
+        let heard = Arc::new(Count(Mutex::new(0)));
+        let listener: Weak<dyn FailureListener> = Arc::downgrade(&heard) as _;
+        b.watch_failures(listener);
+        b.barrier().unwrap();
+        if b.rank() == 0 {
+            let b = Arc::new(b);
+            let blocked = {
+                let b = Arc::clone(&b);
+                std::thread::spawn(move || {
+                    let t0 = Instant::now();
+                    (b.all_gather(b"never met"), t0.elapsed())
+                })
+            };
+            std::thread::sleep(Duration::from_millis(300));
+            let t0 = Instant::now();
+            b.interrupt("ncclCommAbort");
+            let interrupt_took = t0.elapsed();
+            let (r, took) = blocked.join().unwrap();
+            let later = b.barrier();
+            let sent = b.send(1, 7, b"x");
+            // Rank 1 waits for this before it looks at its own bootstrap.
+            std::thread::sleep(Duration::from_millis(300));
+            let heard = *heard.0.lock().unwrap();
+            drop(b);
+            Ok((r.map(|_| ()), took, interrupt_took, later, sent, heard))
+        } else {
+            // Never joins rank 0's all-gather; meanwhile its bootstrap must stay healthy.
+            std::thread::sleep(Duration::from_millis(500));
+            let t0 = Instant::now();
+            let closed = b.recv(0, 9).unwrap_err();
+            let heard = *heard.0.lock().unwrap();
+            Err((closed, t0.elapsed(), heard))
+        }
+    });
+    let mut out = out.into_iter();
+    let (r, took, interrupt_took, later, sent, heard0) = out.next().unwrap().unwrap();
+    assert!(
+        matches!(&r, Err(Error::Aborted(why)) if why == "ncclCommAbort"),
+        "{r:?}"
+    );
+    assert!(
+        took < Duration::from_secs(5),
+        "the blocked all-gather waited {took:?}"
+    );
+    assert!(
+        interrupt_took < Duration::from_millis(100),
+        "{interrupt_took:?}"
+    );
+    assert!(matches!(later, Err(Error::Aborted(_))), "{later:?}");
+    assert!(matches!(sent, Err(Error::Aborted(_))), "{sent:?}");
+    assert_eq!(heard0, 0, "an interrupt is not a job failure");
+    let Err((closed, waited, heard1)) = out.next().unwrap() else {
+        panic!("rank 1's result")
+    };
+    assert!(
+        matches!(&closed, Error::Peer { rank: 0, message } if message.contains("shut down")),
+        "{closed}"
+    );
+    assert!(waited < Duration::from_secs(5), "{waited:?}");
+    assert_eq!(heard1, 0, "rank 0's interrupt is not rank 1's failure");
+}
+
 /// Ranks that call different collectives at the same point (rank 0 a barrier or a broadcast, the
 /// others an all_gather) all fail within a fraction of the 30 s timeout, naming both collectives.
 /// A broadcast's root only sends, so its own call succeeds: it learns at its next call, from the

@@ -16,7 +16,21 @@ Modes (run through `.gpu/gpu-run.sh nccl MODE`, which preloads the shim and sets
   kill      under torchrun, 2 ranks: rank 1 exits without teardown while rank 0 is in an
             all-reduce; rank 0 must see ncclCommGetAsyncError report an error, not hang;
   abort     under torchrun, 2 ranks: rank 0 is blocked in an all-reduce rank 1 never joins, and
-            another thread calls ncclCommAbort; it must return within 1 s and the stream drain.
+            another thread calls ncclCommAbort; it must return within 1 s and the stream drain;
+  watchdog  PyTorch's own watchdog aborting the shim's communicator (the shim preloaded, 2 ranks
+            started here with torchrun's environment, so each rank's own exit status is seen):
+            after a warm-up all_reduce rank 1 stops taking part (sleeps, or SIGSTOPs itself)
+            while rank 0 calls all_reduce again (its kernel waits for rank 1 until
+            MSCCLPP_DEVICE_WAIT_TIMEOUT, 5 s here) and then all_reduce on a new 64 MiB tensor
+            (whose registration waits for rank 1 on the host), with init_process_group's timeout
+            10 s and TORCH_NCCL_ASYNC_ERROR_HANDLING set; PyTorch's watchdog then calls
+            ncclCommGetAsyncError and ncclCommAbort from its own thread while rank 0's main thread
+            may still be inside the shim. Rank 0 must end with a Python exception (an exit code
+            1-127), never by a signal: SIGSEGV is the failure this mode looks for. With
+            TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (TearDown) PyTorch itself ends the process with
+            std::abort once it aborted the communicators, so SIGABRT is accepted there and only
+            there. WATCHDOG_CASES picks the runs (handling:peer, comma separated; default
+            2:sleep,2:stop,1:sleep; peer sleep or stop);
 SHIM_CHECK_QUICK=1 makes the all_reduce matrix's largest size 65541 elements instead of 1 Mi + 5
 and the other operations' 65537 instead of 1 Mi (the CPU references dominate the run time when
 ranks share a GPU): with it, 4 ranks sharing one GPU (NRANKS=4 MPS=1) finish in a few minutes.
@@ -662,9 +676,152 @@ def fault_mode(kind):
     os._exit(0 if ok else 1)
 
 
+# ---------------------------------------------------------------- watchdog mode
+
+WATCHDOG_BIG = 64 << 20  # bytes of the new tensor rank 0 all-reduces last
+
+
+def watchdog_rank():
+    """One rank of a watchdog run (started by `watchdog_mode` with the shim preloaded)."""
+    import datetime
+    import signal
+    import torch.distributed as dist
+    rank = int(os.environ["RANK"])
+    peer = os.environ.get("WATCHDOG_PEER", "sleep")
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    timeout = float(os.environ.get("WATCHDOG_TORCH_TIMEOUT", "10"))
+    dist.init_process_group("nccl", device_id=dev, timeout=datetime.timedelta(seconds=timeout))
+    small = torch.ones(1 << 10, device=dev)
+    dist.all_reduce(small)  # warm-up on both ranks: kernels loaded, `small` known to both
+    torch.cuda.synchronize()
+    print(f"[rank {rank}] warm-up all_reduce done ({small[0].item():.0f})", flush=True)
+    if rank == 1:
+        if peer == "stop":
+            # Stops every thread of this process (the shim's heartbeat too): rank 0's bootstrap
+            # blames it after MSCCLPP_LIVENESS_TIMEOUT (by default the device wait timeout).
+            threading.Thread(target=lambda: (time.sleep(0.2), os.kill(os.getpid(), signal.SIGSTOP)),
+                             daemon=True).start()
+        time.sleep(3600)  # never takes part again; the driver ends it
+        os._exit(0)
+    time.sleep(1)  # rank 1 is past its warm-up and quiet
+    t0 = time.time()
+    try:
+        dist.all_reduce(small)  # launched; its kernel waits for rank 1 until the device wait budget
+        print("[rank 0] all_reduce launched; rank 1 will not join", flush=True)
+        big = torch.ones(WATCHDOG_BIG // 4, device=dev)
+        # A new buffer: the first call on it exchanges its registration with rank 1 over the
+        # bootstrap (a host wait inside the shim), where the algorithm registers user buffers.
+        dist.all_reduce(big)
+        print(f"[rank 0] all_reduce of {WATCHDOG_BIG >> 20} MiB returned after {time.time() - t0:.1f} s",
+              flush=True)
+        limit = float(os.environ.get("MSCCLPP_DEVICE_WAIT_TIMEOUT", "5")) + timeout + 30
+        while time.time() - t0 < limit:
+            dist.all_reduce(small)
+            torch.cuda.synchronize()
+            time.sleep(0.1)
+    except Exception as e:
+        lines = [l for l in str(e).splitlines() if l.strip()]
+        print(f"[rank 0] python exception after {time.time() - t0:.1f} s: {type(e).__name__}: "
+              f"{(lines[0] if lines else '')[:300]}", flush=True)
+        raise  # the interpreter's own exit with the exception: code 1
+    print(f"[rank 0] no error within {time.time() - t0:.0f} s", flush=True)
+    sys.exit(0)
+
+
+def watchdog_verdict(rc, handling):
+    """(status, detail) for rank 0's return code (Popen's: negative for a signal, None: hung)."""
+    import signal
+    if rc is None:
+        return "FAIL", "rank 0 hung (killed by the driver)"
+    if rc == 0:
+        return "FAIL", "rank 0 exited 0: the stalled peer went unnoticed"
+    if rc > 0:
+        return "PASS", f"rank 0 exited with code {rc} (a Python exception), not by a signal"
+    try:
+        name = signal.Signals(-rc).name
+    except ValueError:
+        name = f"signal {-rc}"
+
+    if -rc == signal.SIGABRT and handling == "1":
+        return "PASS", ("rank 0 ended by SIGABRT: TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (TearDown) "
+                        "calls std::abort after aborting the communicators (PyTorch's choice, not a crash)")
+    return "FAIL", f"rank 0 was killed by {name}"
+
+
+def watchdog_mode():
+    """Runs `watchdog_rank` on 2 ranks per case and judges rank 0's exit (see the module docs)."""
+    import signal
+    import socket
+    import subprocess
+    shim_lib = os.environ.get("NCCL_SHIM_LIB", ".gpu/lib/libmscclpp_nccl.so")
+    cases = [c.split(":") for c in os.environ.get("WATCHDOG_CASES", "2:sleep,2:stop,1:sleep").split(",") if c]
+    device_timeout = os.environ.get("WATCHDOG_DEVICE_TIMEOUT", "5")
+    for handling, peer in cases:
+        name = f"watchdog TORCH_NCCL_ASYNC_ERROR_HANDLING={handling} peer={peer}"
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = dict(os.environ, LD_PRELOAD=os.path.abspath(shim_lib), WORLD_SIZE="2",
+                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   TORCH_NCCL_ASYNC_ERROR_HANDLING=handling, WATCHDOG_PEER=peer,
+                   MSCCLPP_DEVICE_WAIT_TIMEOUT=device_timeout, PYTHONUNBUFFERED="1",
+                   # A fatal signal then prints every Python thread's stack before the process
+                   # dies by it (the status still says which signal).
+                   PYTHONFAULTHANDLER="1")
+        env.pop("MSCCLPP_NCCL_LIB_PATH", None)  # the shim's own path only, no fallback NCCL
+        procs, readers = [], []
+        for r in range(2):
+            p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "watchdog-rank"],
+                                 env=dict(env, RANK=str(r), LOCAL_RANK=str(r), GROUP_RANK="0"),
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 errors="replace")
+            out = []
+
+            def pump(p=p, out=out, r=r):
+                for line in p.stdout:
+                    out.append(line)
+                    print(f"  [{name}] rank {r}| {line}", end="", flush=True)
+            t = threading.Thread(target=pump, daemon=True)
+            t.start()
+            procs.append(p)
+            readers.append((t, out))
+        limit = float(device_timeout) + float(os.environ.get("WATCHDOG_TORCH_TIMEOUT", "10")) + 90
+        start = time.time()
+        try:
+            rc = procs[0].wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            procs[0].kill()
+            procs[0].wait()
+            rc = None
+        took = time.time() - start
+        # Rank 1 sleeps or is stopped, with no kernel of its own running: continue and end it.
+        p1 = procs[1]
+        for sig in (signal.SIGCONT, signal.SIGTERM):
+            try:
+                p1.send_signal(sig)
+            except ProcessLookupError:
+                pass
+        try:
+            p1.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p1.kill()
+            p1.wait()
+        for t, _ in readers:
+            t.join(timeout=5)
+        status, detail = watchdog_verdict(rc, handling)
+        text = "".join(readers[0][1])
+        if status == "PASS" and rc is not None and rc > 0 and "Traceback" not in text:
+            detail += " (no Python traceback in its output)"
+        if "Segmentation fault" in text or "Bus error" in text:
+            status, detail = "FAIL", detail + "; its output mentions a segmentation fault"
+        report(status, name, f"({detail}; {took:.1f} s)")
+
+
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "torch"
     {"torch": torch_mode, "initall": initall_mode, "kill": lambda: fault_mode("kill"),
-     "abort": lambda: fault_mode("abort")}[mode]()
+     "abort": lambda: fault_mode("abort"), "watchdog": watchdog_mode,
+     "watchdog-rank": watchdog_rank}[mode]()
     print(f"[rank {os.environ.get('RANK', '0')}] SUMMARY {RESULTS}", flush=True)
     sys.exit(1 if RESULTS["FAIL"] else 0)

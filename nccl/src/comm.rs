@@ -8,11 +8,12 @@ use mscclpp::core::algorithm_collection::{AlgorithmCollection, SelectionContext}
 use mscclpp::core::bootstrap::{Bootstrap, BootstrapConfig, TcpBootstrap, UniqueId};
 use mscclpp::core::communicator::Communicator;
 use mscclpp::core::gpu::Stream;
+use mscclpp::core::process::Section;
 use mscclpp::core::{AccumType, Algorithm, Collective, ExecuteArgs};
 use mscclpp::{Env, Gpu, GpuBackend};
 use mscclpp_collectives::p2p::{P2pEngine, P2pOp};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// The process's GPU backend, opened on first use.
 pub fn gpu() -> CallResult<Arc<dyn Gpu>> {
@@ -69,8 +70,12 @@ pub struct Comm {
     /// What fp8 reductions accumulate in (`MSCCLPP_NCCL_ACCUM_DTYPE`).
     pub accum: AccumType,
     arch: String,
-    /// Set once the real communicator was aborted (which frees it): drop must not destroy it.
-    real_released: AtomicBool,
+    /// Set by [`abort`](Comm::abort): the teardown aborts the real NCCL's communicator instead
+    /// of destroying it.
+    aborted: AtomicBool,
+    /// Taken by the drop: the process's exit waits for the teardown (`mscclpp::core::process`).
+    /// Last, so it is released after every other field is dropped.
+    exit_section: Mutex<Option<Section<'static>>>,
 }
 
 /// Checks NCCL's (nranks, rank) pair.
@@ -109,26 +114,75 @@ impl Comm {
     /// Collective: joins job `id` as `rank` of `nranks` on `device`. The bootstrap comes first,
     /// so a rank that never joins is named by the timeout even on a machine without a GPU.
     pub fn connect(nranks: usize, rank: usize, id: &UniqueId, device: usize) -> CallResult<Comm> {
+        Self::connect_with(nranks, rank, id, device, gpu)
+    }
+
+    /// [`connect`](Self::connect) on the GPU `gpu` gives (once the bootstrap is up): the
+    /// process's backend, or a test's host GPU.
+    pub fn connect_with(
+        nranks: usize,
+        rank: usize,
+        id: &UniqueId,
+        device: usize,
+        gpu: impl FnOnce() -> CallResult<Arc<dyn Gpu>>,
+    ) -> CallResult<Comm> {
+        Self::build(nranks, rank, id, device, gpu, true)
+    }
+
+    /// [`connect_with`](Self::connect_with) without algorithms or point-to-point engine (they
+    /// load kernels): the lifecycle on the host test GPU.
+    #[cfg(test)]
+    pub fn connect_bare(
+        nranks: usize,
+        rank: usize,
+        id: &UniqueId,
+        device: usize,
+        gpu: Arc<dyn Gpu>,
+    ) -> CallResult<Comm> {
+        Self::build(nranks, rank, id, device, move || Ok(gpu), false)
+    }
+
+    fn build(
+        nranks: usize,
+        rank: usize,
+        id: &UniqueId,
+        device: usize,
+        gpu: impl FnOnce() -> CallResult<Arc<dyn Gpu>>,
+        with_algorithms: bool,
+    ) -> CallResult<Comm> {
         let env = env()?;
         let config = BootstrapConfig::from_env(env);
         let bootstrap: Arc<dyn Bootstrap> = Arc::new(TcpBootstrap::new(rank, nranks, id, &config)?);
         let gpu = gpu()?;
         gpu.set_device(device)?;
         let communicator = Arc::new(Communicator::new(bootstrap.clone(), gpu.clone(), device)?);
-        let (builder, resources) = mscclpp_collectives::build_default_algorithms_with_resources(
-            &communicator,
-            mscclpp_collectives::DEFAULT_SCRATCH_BYTES,
-            AlgorithmCollection::builder(),
-        )?;
-        let algorithms = builder.build();
-        // ncclSend/ncclRecv borrow the collection's point-to-point region: no allocation of their
-        // own, so the communicator stays within its 32 MiB per rank (issue #24).
-        let p2p = match resources {
-            Some(r) => P2pEngine::with_resources(communicator.clone(), r),
-            None => P2pEngine::new(communicator.clone()),
-        }
-        .map_err(|e| e.to_string());
-        let arch = gpu.properties(device)?.arch;
+        let (algorithms, p2p) = if with_algorithms {
+            let (builder, resources) =
+                mscclpp_collectives::build_default_algorithms_with_resources(
+                    &communicator,
+                    mscclpp_collectives::DEFAULT_SCRATCH_BYTES,
+                    AlgorithmCollection::builder(),
+                )?;
+            // ncclSend/ncclRecv borrow the collection's point-to-point region: no allocation of
+            // their own, so the communicator stays within its 32 MiB per rank (issue #24).
+            let p2p = match resources {
+                Some(r) => P2pEngine::with_resources(communicator.clone(), r),
+                None => P2pEngine::new(communicator.clone()),
+            }
+            .map_err(|e| e.to_string());
+            (builder.build(), p2p)
+        } else {
+            (
+                AlgorithmCollection::builder().build(),
+                Err("a communicator without algorithms (tests)".to_string()),
+            )
+        };
+        let arch = match gpu.properties(device) {
+            Ok(p) => p.arch,
+            // The host test GPU has no properties.
+            Err(_) if !with_algorithms => String::from("test"),
+            Err(e) => return Err(e.into()),
+        };
         let fallback = connect_fallback(env, bootstrap.as_ref());
         if let Fallback::Missing(why) = &fallback {
             tracing::info!(target: "mscclpp::nccl", "rank {rank}: no NCCL fallback ({why})");
@@ -151,13 +205,24 @@ impl Comm {
             forced: env.force_nccl_fallback_operation.clone(),
             accum: env.nccl_accum_dtype,
             arch,
-            real_released: AtomicBool::new(false),
+            aborted: AtomicBool::new(false),
+            exit_section: Mutex::new(None),
         })
     }
 
-    /// After the real NCCL's abort freed the fallback communicator.
-    pub fn forget_fallback(&self) {
-        self.real_released.store(true, Ordering::Release);
+    /// ncclCommAbort's part while calls may still run on this communicator (another thread's):
+    /// marks it aborted (its kernels return at entry, device waits give up within about a
+    /// millisecond) and interrupts its host waits (`Communicator::interrupt`), so a thread
+    /// blocked in one returns at once. Frees nothing and never blocks: the teardown runs when
+    /// the last reference is dropped, and then aborts the real NCCL's communicator instead of
+    /// destroying it (which also releases its kernels still waiting on the device). Not
+    /// earlier: the real abort frees that communicator, and a fallback call still running, or a
+    /// group's fallback calls waiting for ncclGroupEnd (the group holds this communicator for
+    /// them), would then use freed memory inside the real NCCL. A fallback call blocked on the
+    /// host inside the real NCCL returns on the real NCCL's terms.
+    pub fn abort(&self, reason: &str) {
+        self.aborted.store(true, Ordering::Release);
+        self.communicator.interrupt(reason);
     }
 
     /// The real communicator's asynchronous error (success without a fallback).
@@ -295,16 +360,31 @@ fn connect_fallback(env: &Env, bootstrap: &dyn Bootstrap) -> Fallback {
 
 impl Drop for Comm {
     fn drop(&mut self) {
-        if self.real_released.load(Ordering::Acquire) {
-            return;
-        }
+        // The process's exit waits for this (bounded), and once it is exiting the backend refuses
+        // our driver calls (`mscclpp::core::process`); held until every field is dropped.
+        *self
+            .exit_section
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner()) = mscclpp::core::process::enter();
         if let Fallback::Ready { real, comm } = &self.fallback {
-            // SAFETY: the real communicator is ours and used by nobody else now.
-            let code = unsafe { (real.comm_destroy)(*comm) };
-            if let Err(f) = real.check("ncclCommDestroy", code, *comm) {
+            // SAFETY: the real communicator is ours, and no call holds it any more (this is the
+            // last reference). Aborting also releases its kernels still waiting on the device.
+            let (call, code) = if self.aborted.load(Ordering::Acquire) {
+                ("ncclCommAbort", unsafe { (real.comm_abort)(*comm) })
+            } else {
+                ("ncclCommDestroy", unsafe { (real.comm_destroy)(*comm) })
+            };
+            if let Err(f) = real.check(call, code, *comm) {
                 tracing::warn!(target: "mscclpp::nccl", "{}", f.message);
             }
         }
+        // This process's kernels may still run: a destroy right after a call (NCCL's destroy
+        // finishes the communicator's operations first, so callers need not synchronise), or
+        // after a failure (abort, a device wait that timed out: each returns at entry or gives up
+        // within its budget). They are drained once before any of the fields below frees or
+        // unmaps what they touch (after a failure each shared buffer checks again, and leaks
+        // itself if the drain fails).
+        self.communicator.drain("the communicator's buffers");
     }
 }
 

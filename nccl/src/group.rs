@@ -90,32 +90,55 @@ struct Group {
     ops: Vec<(Arc<Comm>, Op)>,
     p2p: Vec<(Arc<Comm>, Stream, Vec<P2pOp>)>,
     real: Option<Arc<RealNccl>>,
+    /// Communicators with calls in the real NCCL's group: held until its ncclGroupEnd, so a
+    /// destroy or abort from another thread cannot free their real communicators under it.
+    held: Vec<Arc<Comm>>,
+}
+
+/// This thread's group. A thread that ends with a group open (no ncclGroupEnd) leaks what the
+/// group collected instead of dropping it in its thread-local destructor: the last reference to
+/// a communicator would tear it down there (driver calls, a barrier with the peers), while other
+/// thread-locals are already gone, maybe at the process's exit.
+struct ThreadGroup(RefCell<Group>);
+
+impl Drop for ThreadGroup {
+    fn drop(&mut self) {
+        let group = std::mem::take(self.0.get_mut());
+        if group.depth > 0
+            || !group.ops.is_empty()
+            || !group.p2p.is_empty()
+            || !group.inits.is_empty()
+            || !group.held.is_empty()
+        {
+            std::mem::forget(group);
+        }
+    }
 }
 
 thread_local! {
-    static GROUP: RefCell<Group> = RefCell::new(Group::default());
+    static GROUP: ThreadGroup = ThreadGroup(RefCell::new(Group::default()));
 }
 
 pub fn active() -> bool {
-    GROUP.with(|g| g.borrow().depth > 0)
+    GROUP.with(|g| g.0.borrow().depth > 0)
 }
 
 pub fn start() {
-    GROUP.with(|g| g.borrow_mut().depth += 1);
+    GROUP.with(|g| g.0.borrow_mut().depth += 1);
 }
 
 pub fn defer_init(job: Job) {
-    GROUP.with(|g| g.borrow_mut().inits.push(job));
+    GROUP.with(|g| g.0.borrow_mut().inits.push(job));
 }
 
 pub fn defer_op(comm: Arc<Comm>, op: Op) {
-    GROUP.with(|g| g.borrow_mut().ops.push((comm, op)));
+    GROUP.with(|g| g.0.borrow_mut().ops.push((comm, op)));
 }
 
 /// Adds a send or receive to the group of (`comm`, `stream`), in call order.
 pub fn defer_p2p(comm: Arc<Comm>, stream: Stream, op: P2pOp) {
     GROUP.with(|g| {
-        let mut g = g.borrow_mut();
+        let mut g = g.0.borrow_mut();
         match g
             .p2p
             .iter_mut()
@@ -127,22 +150,29 @@ pub fn defer_p2p(comm: Arc<Comm>, stream: Stream, op: P2pOp) {
     });
 }
 
-/// Opens the real NCCL's group for this group's fallback calls, once.
-pub fn join_real(real: &Arc<RealNccl>) -> CallResult<()> {
-    if GROUP.with(|g| g.borrow().real.is_some()) {
+/// Opens the real NCCL's group for this group's fallback calls, once, and holds `comm` (whose
+/// real communicator a call is about to use) until the group ends.
+pub fn join_real(real: &Arc<RealNccl>, comm: &Arc<Comm>) -> CallResult<()> {
+    GROUP.with(|g| {
+        let mut g = g.0.borrow_mut();
+        if !g.held.iter().any(|c| Arc::ptr_eq(c, comm)) {
+            g.held.push(comm.clone());
+        }
+    });
+    if GROUP.with(|g| g.0.borrow().real.is_some()) {
         return Ok(());
     }
     // SAFETY: no arguments.
     let code = unsafe { (real.group_start)() };
     real.check("ncclGroupStart", code, std::ptr::null_mut())?;
-    GROUP.with(|g| g.borrow_mut().real = Some(real.clone()));
+    GROUP.with(|g| g.0.borrow_mut().real = Some(real.clone()));
     Ok(())
 }
 
 /// Closes one level; at the outermost, hands back what the group collected.
 fn close(call: &str) -> CallResult<Option<Group>> {
     GROUP.with(|g| {
-        let mut g = g.borrow_mut();
+        let mut g = g.0.borrow_mut();
         if g.depth == 0 {
             return Err(Failure::invalid_usage(format!(
                 "{call} without a matching ncclGroupStart"
@@ -338,6 +368,8 @@ pub fn end() -> CallResult {
         ),
         None => Ok(SUCCESS),
     };
+    // Only now may their teardown run (on this thread, if a destroy came meanwhile).
+    drop(group.held);
     inits?;
     native?;
     real
@@ -363,6 +395,7 @@ pub fn simulate_end() -> CallResult<NcclResult> {
         let code = unsafe { (real.group_simulate_end)(&mut info) };
         real.check("ncclGroupSimulateEnd", code, std::ptr::null_mut())?;
     }
+    drop(group.held);
     Ok(SUCCESS)
 }
 

@@ -75,10 +75,14 @@ pub fn record(call: &str, failure: &Failure) {
 pub fn last_error_ptr() -> *const c_char {
     let text = LAST_ERROR.lock().map(|s| s.clone()).unwrap_or_default();
     let c = CString::new(text.replace('\0', " ")).unwrap_or_default();
-    RETURNED.with(|r| {
-        *r.borrow_mut() = c;
-        r.borrow().as_ptr()
-    })
+    // `try_with`: a thread whose thread-locals are being destroyed (a C++ destructor calling us)
+    // gets an empty text rather than a panic there.
+    RETURNED
+        .try_with(|r| {
+            *r.borrow_mut() = c;
+            r.borrow().as_ptr()
+        })
+        .unwrap_or(c"".as_ptr())
 }
 
 /// Runs one export: its result code, or the failure's code after recording it; a panic becomes

@@ -1,10 +1,20 @@
 //! Communicator handles: what `ncclComm_t` points at. Handles are keys into a process-wide table,
-//! never dereferenced, so a destroyed, aborted or made-up handle is an error naming it instead of
-//! undefined behaviour, and a handle may be destroyed while another thread still uses its comm.
+//! never dereferenced, so a made-up handle is an error naming it instead of undefined behaviour.
+//!
+//! A handle keeps its entry after `ncclCommDestroy` or `ncclCommAbort` (a few bytes: the
+//! communicator itself is gone), so calls racing a teardown from another thread are answered
+//! instead of failing: PyTorch's watchdog calls ncclCommGetAsyncError, ncclCommAbort and
+//! ncclCommDestroy from its own thread while the main thread may still be inside a call on the
+//! same communicator. A second destroy or abort is a no-op, ncclCommGetAsyncError says how the
+//! communicator ended, and operations fail naming it as destroyed or aborted.
+//!
+//! A call holds the communicator (`Arc<Comm>`) for as long as it runs, so a destroy or abort from
+//! another thread only drops the table's reference: the teardown runs when the last call on it
+//! returns, on that call's thread, never under a call in flight.
 
-use crate::abi::{NcclResult, IN_PROGRESS};
+use crate::abi::{NcclResult, IN_PROGRESS, SUCCESS};
 use crate::comm::Comm;
-use crate::guard::{CallResult, Failure};
+use crate::guard::{code_of, CallResult, Failure};
 use mscclpp::core::bootstrap::UniqueId;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -13,12 +23,35 @@ use std::sync::{Arc, Mutex, MutexGuard};
 /// `ncclComm_t` as Rust sees it.
 pub type Handle = *mut std::ffi::c_void;
 
+/// How a communicator's handle was closed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    Destroy,
+    Abort,
+}
+
+impl Ending {
+    fn past(self) -> &'static str {
+        match self {
+            Ending::Destroy => "destroyed",
+            Ending::Abort => "aborted",
+        }
+    }
+}
+
 /// Where a communicator is in its life.
+#[derive(Clone)]
 pub enum State {
     /// Nonblocking or grouped init under way (`ncclCommGetAsyncError` says `ncclInProgress`).
     Initializing,
     Ready(Arc<Comm>),
     Failed(Failure),
+    /// Destroyed or aborted; `code` is what ncclCommGetAsyncError says from then on: the
+    /// communicator's error when it ended (`ncclSuccess` for a healthy one destroyed).
+    Closed {
+        ending: Ending,
+        code: NcclResult,
+    },
 }
 
 pub struct Entry {
@@ -40,9 +73,23 @@ impl Entry {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Ends an init: ready, or failed with the failure recorded for `ncclGetLastError`.
+    /// Ends an init: ready, or failed with the failure recorded for `ncclGetLastError`. A handle
+    /// destroyed or aborted while its init ran stays closed: the new communicator is aborted and
+    /// torn down (here: no call can hold it yet).
     pub fn finish(&self, call: &str, result: CallResult<Comm>) {
-        *self.state() = match result {
+        let mut state = self.state();
+        if let State::Closed { ending, .. } = *state {
+            drop(state);
+            if let Ok(comm) = result {
+                comm.abort(&format!(
+                    "the handle was {} while its init ran",
+                    ending.past()
+                ));
+                retire(Arc::new(comm));
+            }
+            return;
+        }
+        *state = match result {
             Ok(comm) => State::Ready(Arc::new(comm)),
             Err(f) => {
                 crate::guard::record(call, &f);
@@ -55,8 +102,12 @@ impl Entry {
     pub fn init_result(&self) -> CallResult<NcclResult> {
         match &*self.state() {
             State::Initializing => Ok(IN_PROGRESS),
-            State::Ready(_) => Ok(crate::abi::SUCCESS),
+            State::Ready(_) => Ok(SUCCESS),
             State::Failed(f) => Err(f.clone()),
+            State::Closed { ending, .. } => Err(Failure::invalid_argument(format!(
+                "the communicator was {} during its init",
+                ending.past()
+            ))),
         }
     }
 }
@@ -90,14 +141,46 @@ fn unknown(handle: Handle) -> Failure {
     ))
 }
 
+/// The entry behind `handle`, closed ones included.
 pub fn lookup(handle: Handle) -> CallResult<Arc<Entry>> {
     let k = key(handle)?;
     table().get(&k).cloned().ok_or_else(|| unknown(handle))
 }
 
+/// Forgets `handle` entirely (a blocking init that failed: the handle was never handed out).
 pub fn remove(handle: Handle) -> CallResult<Arc<Entry>> {
     let k = key(handle)?;
     table().remove(&k).ok_or_else(|| unknown(handle))
+}
+
+/// Closes `handle` (destroy or abort): the table's reference to its communicator, if it has one
+/// and this is the first close; `None` when it was closed already (a no-op), failed its init, or
+/// is still initialising (the init's end sees the handle closed). An abort flags the
+/// communicator first (kernels and host waits give up within about a millisecond: `Comm::abort`),
+/// under the entry's lock, so no call can pick it up healthy after this returns.
+pub fn close(handle: Handle, ending: Ending) -> CallResult<Option<Arc<Comm>>> {
+    let entry = lookup(handle)?;
+    let mut state = entry.state();
+    let (comm, code) = match &*state {
+        State::Closed { .. } => return Ok(None),
+        State::Initializing => (
+            None,
+            match ending {
+                Ending::Abort => crate::abi::SYSTEM_ERROR,
+                Ending::Destroy => SUCCESS,
+            },
+        ),
+        State::Failed(f) => (None, f.code),
+        State::Ready(c) => {
+            if ending == Ending::Abort {
+                c.abort("ncclCommAbort");
+            }
+            let code = c.async_error().map_or(SUCCESS, |e| code_of(&e));
+            (Some(c.clone()), code)
+        }
+    };
+    *state = State::Closed { ending, code };
+    Ok(comm)
 }
 
 /// The initialised communicator behind `handle`, whatever its health (queries, split, shrink).
@@ -112,6 +195,10 @@ pub fn live(handle: Handle) -> CallResult<Arc<Comm>> {
             f.code,
             format!("the communicator's init failed: {}", f.message),
         )),
+        State::Closed { ending, .. } => Err(Failure::invalid_argument(format!(
+            "comm {handle:p} is not a live communicator: it was {}",
+            ending.past()
+        ))),
     }
 }
 
@@ -125,10 +212,17 @@ pub fn ready(handle: Handle) -> CallResult<Arc<Comm>> {
     Ok(comm)
 }
 
-/// Frees a destroyed communicator. Its teardown meets the job's other ranks (a bootstrap
-/// barrier), so while ranks of the same job still live in this process (one thread driving
-/// several ranks) it waits in `RETIRED`, and the last rank's destroy tears them all down together.
+/// Drops the table's reference to a destroyed or aborted communicator; the teardown runs when
+/// the last reference goes (here, or when a call in flight on another thread returns). A healthy
+/// communicator's teardown meets the job's other ranks (a bootstrap barrier), so while ranks of
+/// the same job still live in this process (one thread driving several ranks) it waits in
+/// `RETIRED`, and the last rank's destroy tears them all down together. A failed one meets
+/// nobody (its teardown skips the barriers), so it goes at once.
 pub fn retire(comm: Arc<Comm>) {
+    if comm.communicator.async_error().is_some() {
+        drop(comm);
+        return;
+    }
     let job = comm.job.clone();
     let mut retired = RETIRED.lock().unwrap_or_else(|e| e.into_inner());
     retired.push(comm);
@@ -147,6 +241,29 @@ pub fn retire(comm: Arc<Comm>) {
             s.spawn(move || drop(c));
         }
     });
+}
+
+/// What ncclCommGetAsyncError reports for `handle`: still initialising, the init's failure, the
+/// communicator's asynchronous error (ours, then the real NCCL's), or how it ended. Answered from
+/// the entry looked up once, so a destroy or abort racing it from another thread changes the
+/// answer, never turns it into an error.
+pub fn async_error_code(handle: Handle) -> CallResult<NcclResult> {
+    let entry = lookup(handle)?;
+    // The state is copied out: the lock is not held while the real NCCL is asked.
+    let state = entry.state().clone();
+    Ok(match state {
+        State::Initializing => IN_PROGRESS,
+        State::Failed(f) => f.code,
+        State::Closed { code, .. } => code,
+        State::Ready(c) => match c.async_error() {
+            Some(e) => {
+                let f = Failure::from(e);
+                crate::guard::record("ncclCommGetAsyncError", &f);
+                f.code
+            }
+            None => c.real_async_error(),
+        },
+    })
 }
 
 #[cfg(test)]
@@ -168,5 +285,33 @@ mod tests {
         assert_eq!(e.code, crate::abi::INVALID_ARGUMENT);
         let e = lookup(0x1234 as Handle).err().expect("made up");
         assert!(e.message.contains("0x1234"), "{e:?}");
+    }
+
+    /// A handle closed while its init runs stays closed: a second close is a no-op, the async
+    /// error says it was aborted, and the init's end does not revive it.
+    #[test]
+    fn a_closed_handle_stays_closed_and_answers() {
+        let job = UniqueId::from_parts("127.0.0.1:1".parse().unwrap(), [2; SECRET_LEN]);
+        let entry = Entry::initializing(job);
+        let h = register(entry.clone());
+        assert!(close(h, Ending::Abort).expect("first close").is_none());
+        assert!(close(h, Ending::Destroy).expect("second close").is_none());
+        assert!(close(h, Ending::Abort).expect("third close").is_none());
+        assert_eq!(async_error_code(h), Ok(crate::abi::SYSTEM_ERROR));
+        entry.finish("test", Err(Failure::invalid_usage("late")));
+        assert!(matches!(
+            *entry.state(),
+            State::Closed {
+                ending: Ending::Abort,
+                ..
+            }
+        ));
+        let e = live(h).err().expect("closed");
+        assert!(e.message.contains("it was aborted"), "{e:?}");
+        assert!(init_result_is_err(&entry));
+    }
+
+    fn init_result_is_err(entry: &Entry) -> bool {
+        entry.init_result().is_err()
     }
 }

@@ -36,3 +36,6 @@ pub mod handles;
 pub mod lifecycle;
 pub mod memory;
 pub mod ops;
+
+#[cfg(test)]
+mod concurrency_tests;

@@ -3,11 +3,11 @@
 //! queries.
 
 use crate::abi::*;
-use crate::comm::{self, check_ranks, new_job_id, parse_id, Comm};
+use crate::comm::{check_ranks, new_job_id, parse_id, Comm};
 use crate::device::caller_device;
 use crate::group;
 use crate::guard::{self, ffi, write_out, CallResult, Failure};
-use crate::handles::{self, Entry, Handle, State};
+use crate::handles::{self, Ending, Entry, Handle, State};
 use mscclpp::core::bootstrap::UniqueId as JobId;
 use std::ffi::{c_char, c_int};
 use std::sync::Arc;
@@ -84,7 +84,18 @@ fn start_init(
     // SAFETY: checked non-null above.
     unsafe { out.write(handle) };
     let job = move || {
-        entry.finish(call, Comm::connect(nranks, rank, &id, device));
+        // On whatever thread runs it (ours for a nonblocking init): a panic must not leave the
+        // handle initialising forever.
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            Comm::connect(nranks, rank, &id, device)
+        }))
+        .unwrap_or_else(|_| {
+            Err(Failure::new(
+                INTERNAL_ERROR,
+                "the init panicked (a bug in mscclpp-rs)",
+            ))
+        });
+        entry.finish(call, result);
         entry.init_result().map(|_| ())
     };
     if group::active() {
@@ -206,7 +217,9 @@ fn derive(parent: &Comm, members: &[usize], out: *mut Handle) -> CallResult {
         let bytes = bootstrap.recv(members[0], TAG_DERIVED_ID)?;
         JobId::from_bytes(&bytes)?
     };
-    let comm = Comm::connect(members.len(), position, &id, parent.device)?;
+    // On the parent's GPU backend (the process's, or a test's).
+    let gpu = parent.gpu.clone();
+    let comm = Comm::connect_with(members.len(), position, &id, parent.device, move || Ok(gpu))?;
     let entry = Entry::initializing(id);
     *entry.state() = State::Ready(Arc::new(comm));
     unsafe { write_out(out, "newcomm", handles::register(entry)) }?;
@@ -276,17 +289,24 @@ nccl_export! {
 
 nccl_export! {
     /// Operations are enqueued on the caller's streams; there is nothing of ours left to flush.
+    /// A communicator destroyed or aborted meanwhile (another thread) has nothing left either.
     fn ncclCommFinalize / pncclCommFinalize(comm: Handle) -> NcclResult {
-        ffi("ncclCommFinalize", || handles::live(comm).map(|_| SUCCESS))
+        ffi("ncclCommFinalize", || {
+            if let State::Closed { .. } = &*handles::lookup(comm)?.state() {
+                return Ok(SUCCESS);
+            }
+            handles::live(comm).map(|_| SUCCESS)
+        })
     }
 }
 
 nccl_export! {
+    /// Drops the handle's reference: the teardown runs now, or when the last call still running
+    /// on the communicator (another thread's) returns. A second destroy, or one after an abort,
+    /// does nothing.
     fn ncclCommDestroy / pncclCommDestroy(comm: Handle) -> NcclResult {
         ffi("ncclCommDestroy", || {
-            let entry = handles::remove(comm)?;
-            let state = std::mem::replace(&mut *entry.state(), State::Initializing);
-            if let State::Ready(c) = state {
+            if let Some(c) = handles::close(comm, Ending::Destroy)? {
                 handles::retire(c);
             }
             Ok(SUCCESS)
@@ -295,24 +315,19 @@ nccl_export! {
 }
 
 nccl_export! {
-    /// Marks the communicator aborted (device waits watch that word and give up), aborts the real
-    /// NCCL's communicator, and returns at once; teardown finishes on a thread.
+    /// Callable from any thread, also while another thread is inside a call on the communicator
+    /// (PyTorch's watchdog does this): marks it aborted, so its kernels and device waits give up
+    /// within about a millisecond and a thread blocked in one of its host waits (a buffer
+    /// registration's exchange with the peers) returns at once with the error; then drops the
+    /// handle's reference. The teardown (the real NCCL's communicator aborted, this process's
+    /// kernels drained, buffers freed) runs now if no call holds the communicator, else when
+    /// the last such call returns, on its thread: nothing is freed under a call in flight, and
+    /// no thread of ours is left tearing down while the process exits. A second abort, or one
+    /// after a destroy, does nothing.
     fn ncclCommAbort / pncclCommAbort(comm: Handle) -> NcclResult {
         ffi("ncclCommAbort", || {
-            let entry = handles::remove(comm)?;
-            let state = std::mem::replace(&mut *entry.state(), State::Initializing);
-            if let State::Ready(c) = state {
-                c.communicator.abort("ncclCommAbort");
-                // The real NCCL's abort joins its own threads: off the caller's thread too.
-                std::thread::spawn(move || {
-                    if let comm::Fallback::Ready { real, comm: raw } = &c.fallback {
-                        // SAFETY: documented prototype; aborting is allowed from any thread.
-                        unsafe { (real.comm_abort)(*raw) };
-                        // The real communicator is gone: drop must not destroy it again.
-                        c.forget_fallback();
-                    }
-                    handles::retire(c);
-                });
+            if let Some(c) = handles::close(comm, Ending::Abort)? {
+                handles::retire(c);
             }
             Ok(SUCCESS)
         })
@@ -334,24 +349,11 @@ nccl_export! {
 }
 
 nccl_export! {
+    /// After a destroy or abort (another thread's, racing this one), the error the communicator
+    /// ended with, so a watchdog polling it never gets a failure for the call itself.
     fn ncclCommGetAsyncError / pncclCommGetAsyncError(comm: Handle, async_error: *mut NcclResult) -> NcclResult {
         ffi("ncclCommGetAsyncError", || {
-            let entry = handles::lookup(comm)?;
-            let code = match entry.init_result() {
-                Ok(IN_PROGRESS) => IN_PROGRESS,
-                Err(f) => f.code,
-                Ok(_) => {
-                    let c = handles::live(comm)?;
-                    match c.async_error() {
-                        Some(e) => {
-                            let f = Failure::from(e);
-                            guard::record("ncclCommGetAsyncError", &f);
-                            f.code
-                        }
-                        None => c.real_async_error(),
-                    }
-                }
-            };
+            let code = handles::async_error_code(comm)?;
             unsafe { write_out(async_error, "asyncError", code) }?;
             Ok(SUCCESS)
         })

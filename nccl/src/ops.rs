@@ -113,7 +113,7 @@ fn submit(
     match &comm.fallback {
         Fallback::Ready { real, comm: raw } => {
             if group::active() {
-                group::join_real(real)?;
+                group::join_real(real, comm)?;
             }
             let code = fallback(real, *raw);
             real.check(operation, code, *raw)

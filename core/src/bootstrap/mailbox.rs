@@ -24,6 +24,9 @@ struct State {
     /// Set once a collective failed anywhere: (rank blamed, reason). Poisons every later wait
     /// that finds its queue empty, since the job cannot make progress any more.
     aborted: Option<(usize, String)>,
+    /// Set when this rank gave up on the bootstrap itself (`Bootstrap::interrupt`): every wait
+    /// that finds its queue empty fails at once with the reason. Local: nothing is sent.
+    interrupted: Option<String>,
     /// The owning bootstrap is being dropped.
     shutdown: bool,
 }
@@ -85,6 +88,19 @@ impl Mailbox {
         self.lock().aborted.clone()
     }
 
+    /// Fails every wait in progress and every later one whose queue is empty with
+    /// `Error::Aborted(reason)` (the first reason wins). Sticky.
+    pub fn interrupt(&self, reason: &str) {
+        self.lock()
+            .interrupted
+            .get_or_insert_with(|| reason.to_string());
+        self.cv.notify_all();
+    }
+
+    pub fn interrupted(&self) -> Option<String> {
+        self.lock().interrupted.clone()
+    }
+
     pub fn shutdown(&self) {
         self.lock().shutdown = true;
         self.cv.notify_all();
@@ -140,6 +156,9 @@ impl State {
                 }
                 return Ok(Some(msg));
             }
+        }
+        if let Some(reason) = &self.interrupted {
+            return Err(Error::Aborted(reason.clone()));
         }
         // Liveness answers are awaited after a failure too: they name who stalled.
         if let (Some((rank, reason)), false) = (&self.aborted, key.1 == FrameKind::Pong) {
@@ -199,6 +218,42 @@ mod tests {
             m.try_take(k, String::new),
             Err(Error::Peer { rank: 1, .. })
         ));
+    }
+
+    /// An interrupt releases a waiter blocked with a long deadline at once, and every later wait on
+    /// an empty queue fails the same way; messages already queued are still delivered.
+    #[test]
+    fn an_interrupt_releases_a_blocked_waiter_at_once() {
+        let m = Arc::new(Mailbox::new());
+        let k = (1, FrameKind::Collective, 3);
+        let waiter = {
+            let m = m.clone();
+            std::thread::spawn(move || {
+                let start = Instant::now();
+                let r = m.wait(k, Instant::now() + Duration::from_secs(60), T, String::new);
+                (r, start.elapsed())
+            })
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        m.interrupt("ncclCommAbort");
+        m.interrupt("second");
+        let (r, took) = waiter.join().unwrap();
+        assert!(
+            matches!(&r, Err(Error::Aborted(why)) if why == "ncclCommAbort"),
+            "{r:?}"
+        );
+        assert!(took < Duration::from_secs(5), "{took:?}");
+        m.push(k, vec![1]);
+        assert_eq!(
+            m.wait(k, Instant::now() + T, T, String::new).unwrap(),
+            vec![1]
+        );
+        assert!(matches!(m.try_take(k, String::new), Err(Error::Aborted(_))));
+        assert_eq!(m.interrupted().as_deref(), Some("ncclCommAbort"));
+        assert!(
+            m.aborted().is_none(),
+            "an interrupt is local, not a job abort"
+        );
     }
 
     #[test]

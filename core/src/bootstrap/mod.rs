@@ -80,6 +80,16 @@ pub trait Bootstrap: Send + Sync {
         Vec::new()
     }
 
+    /// Gives up on this bootstrap on this rank: every wait in progress (a collective, a receive)
+    /// and every later call fails at once with `Error::Aborted(reason)`. Local: the peers are not
+    /// told and the job is not aborted (the peers learn when this rank's bootstrap goes away), so
+    /// it is what an `ncclCommAbort` of this rank's communicator does to a thread blocked in one
+    /// of its host waits. Callable from any thread; never blocks. Sticky. The default does
+    /// nothing (a bootstrap whose waits cannot be interrupted).
+    fn interrupt(&self, reason: &str) {
+        let _ = reason;
+    }
+
     /// `rank`'s rank in the whole job, which errors name: a sub-bootstrap's ranks are its group's
     /// (`SubBootstrap`), so "rank 1" of a cross-host group would be a different process than the
     /// job's rank 1. The default: the same rank (a bootstrap of the whole job).

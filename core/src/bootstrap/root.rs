@@ -46,13 +46,21 @@ impl RootServer {
             let stop = Arc::clone(&stop);
             std::thread::Builder::new()
                 .name("mscclpp-bootstrap-root-accept".into())
-                .spawn(move || accept_loop(listener, &stop, tx, secret, deadline, timeout))?
+                .spawn(move || {
+                    crate::process::run_guarded("mscclpp-bootstrap-root-accept", || {
+                        accept_loop(listener, &stop, tx, secret, deadline, timeout)
+                    })
+                })?
         };
         let coordinator = {
             let stop = Arc::clone(&stop);
             std::thread::Builder::new()
                 .name("mscclpp-bootstrap-root".into())
-                .spawn(move || coordinate(addr, size, rx, &stop, deadline, timeout))?
+                .spawn(move || {
+                    crate::process::run_guarded("mscclpp-bootstrap-root", || {
+                        coordinate(addr, size, rx, &stop, deadline, timeout)
+                    })
+                })?
         };
         Ok(RootServer {
             stop,
@@ -92,10 +100,12 @@ fn accept_loop(
                 let spawned = std::thread::Builder::new()
                     .name("mscclpp-bootstrap-root-hello".into())
                     .spawn(move || {
-                        if let Some(j) = handshake(stream, from, &secret, deadline, timeout) {
-                            // The coordinator may be gone already (job started or failed).
-                            let _ = tx.send(j);
-                        }
+                        crate::process::run_guarded("mscclpp-bootstrap-root-hello", || {
+                            if let Some(j) = handshake(stream, from, &secret, deadline, timeout) {
+                                // The coordinator may be gone already (job started or failed).
+                                let _ = tx.send(j);
+                            }
+                        })
                     });
                 if let Err(e) = spawned {
                     tracing::warn!(

@@ -248,7 +248,11 @@ impl TcpBootstrap {
             let inner = Arc::clone(&inner);
             std::thread::Builder::new()
                 .name(format!("mscclpp-bootstrap-accept-{rank}"))
-                .spawn(move || accept_loop(&inner, listener))
+                .spawn(move || {
+                    crate::process::run_guarded("mscclpp-bootstrap-accept", || {
+                        accept_loop(&inner, listener)
+                    })
+                })
                 .map_err(|e| Error::io("spawning the bootstrap accept thread", e))?
         };
         tracing::debug!(
@@ -319,6 +323,9 @@ impl TcpBootstrap {
     }
 
     fn collective<T>(&self, f: impl FnOnce(&Arc<Inner>, u64) -> Result<T>) -> Result<T> {
+        if let Some(reason) = self.inner.mailbox.interrupted() {
+            return Err(Error::Aborted(reason));
+        }
         if let Some((rank, reason)) = self.inner.mailbox.aborted() {
             return Err(Error::Peer {
                 rank,
@@ -429,7 +436,11 @@ fn accept_loop(inner: &Arc<Inner>, listener: TcpListener) {
                 let reader_inner = Arc::clone(inner);
                 let spawned = std::thread::Builder::new()
                     .name(format!("mscclpp-bootstrap-read-{}", inner.rank))
-                    .spawn(move || serve_connection(&reader_inner, stream, from));
+                    .spawn(move || {
+                        crate::process::run_guarded("mscclpp-bootstrap-read", || {
+                            serve_connection(&reader_inner, stream, from)
+                        })
+                    });
                 match spawned {
                     Ok(h) => inc.readers.push(h),
                     Err(e) => tracing::warn!(
@@ -653,6 +664,13 @@ impl Inner {
             self.mailbox.push((peer, kind, tag), data.to_vec());
             return Ok(());
         }
+        // An interrupted rank sends nothing more of its own (opening a link to a stopped peer
+        // could block for the bootstrap timeout); answers to pings still go, it is alive.
+        if kind != FrameKind::Pong {
+            if let Some(reason) = self.mailbox.interrupted() {
+                return Err(Error::Aborted(reason));
+            }
+        }
         let mut slot = lock(&self.out[peer]);
         if slot.is_none() {
             *slot = Some(self.connect_peer(peer, connect_timeout)?);
@@ -715,6 +733,11 @@ impl Inner {
         if !self.mailbox.abort(blamed, reason.clone()) || self.stop.load(Ordering::Acquire) {
             return;
         }
+        // This process is exiting (its peers' connections close as theirs do): waits fail, but
+        // nothing is told or logged, and no thread started, while the driver tears down.
+        if crate::process::exiting() {
+            return;
+        }
         tracing::error!("bootstrap rank {}: aborting the job: {reason}", self.rank);
         let listeners = std::mem::take(&mut *lock(&self.listeners));
         for l in listeners.iter().filter_map(Weak::upgrade) {
@@ -724,19 +747,21 @@ impl Inner {
         let spawned = std::thread::Builder::new()
             .name(format!("mscclpp-bootstrap-abort-{}", self.rank))
             .spawn(move || {
-                let payload = encode_abort(blamed, &reason);
-                for (peer, slot) in inner.out.iter().enumerate() {
-                    // Only links that exist: opening new ones to a failing job could block.
-                    let mut slot = lock(slot);
-                    if let Some(s) = slot.as_mut() {
-                        if write_frame(s, FrameKind::Abort, 0, &payload).is_err() {
-                            let _ = s.shutdown(Shutdown::Both);
-                            *slot = None;
+                crate::process::run_guarded("mscclpp-bootstrap-abort", || {
+                    let payload = encode_abort(blamed, &reason);
+                    for (peer, slot) in inner.out.iter().enumerate() {
+                        // Only links that exist: opening new ones to a failing job could block.
+                        let mut slot = lock(slot);
+                        if let Some(s) = slot.as_mut() {
+                            if write_frame(s, FrameKind::Abort, 0, &payload).is_err() {
+                                let _ = s.shutdown(Shutdown::Both);
+                                *slot = None;
+                            }
                         }
+                        drop(slot);
+                        tracing::trace!("bootstrap rank {}: abort sent to rank {peer}", inner.rank);
                     }
-                    drop(slot);
-                    tracing::trace!("bootstrap rank {}: abort sent to rank {peer}", inner.rank);
-                }
+                })
             });
         if let Err(e) = spawned {
             tracing::warn!(
@@ -845,9 +870,11 @@ impl Inner {
         let spawned = std::thread::Builder::new()
             .name(format!("mscclpp-bootstrap-pong-{}", self.rank))
             .spawn(move || {
-                if let Err(e) = inner.send_frame(peer, FrameKind::Pong, nonce, &[]) {
-                    tracing::debug!("bootstrap rank {}: pong to rank {peer}: {e}", inner.rank);
-                }
+                crate::process::run_guarded("mscclpp-bootstrap-pong", || {
+                    if let Err(e) = inner.send_frame(peer, FrameKind::Pong, nonce, &[]) {
+                        tracing::debug!("bootstrap rank {}: pong to rank {peer}: {e}", inner.rank);
+                    }
+                })
             });
         if let Err(e) = spawned {
             tracing::warn!(
@@ -869,9 +896,11 @@ impl Inner {
             let _ = std::thread::Builder::new()
                 .name(format!("mscclpp-bootstrap-ping-{}", inner.rank))
                 .spawn(move || {
-                    // A stopped peer's kernel accepts the connection but nobody answers the
-                    // handshake: give up with the ping rather than hold the link's lock.
-                    let _ = inner.send_frame_within(peer, FrameKind::Ping, nonce, &[], within);
+                    crate::process::run_guarded("mscclpp-bootstrap-ping", || {
+                        // A stopped peer's kernel accepts the connection but nobody answers the
+                        // handshake: give up with the ping rather than hold the link's lock.
+                        let _ = inner.send_frame_within(peer, FrameKind::Ping, nonce, &[], within);
+                    })
                 });
         }
         let deadline = Instant::now() + within;
@@ -910,6 +939,11 @@ impl Exchange for Arc<Inner> {
     /// timeout blames the peer waited for only when no other peer is silent: with a stopped
     /// rank, the peer waited for may itself be waiting for it.
     fn fail(&self, peer: usize, seq: u64, op: Op, e: Error) -> Error {
+        // This rank gave up on the bootstrap itself (`interrupt`): nothing to blame on a peer, and
+        // nothing to flood (the interrupt is local by design).
+        if matches!(e, Error::Aborted(_)) {
+            return e;
+        }
         // A link that fails after the job was aborted fails because of it (a send to a peer that
         // already left, say): the abort's reason is the one the caller needs.
         if let (Error::Peer { message, .. }, Some((rank, reason))) = (&e, self.mailbox.aborted()) {
@@ -1019,7 +1053,11 @@ impl Bootstrap for TcpBootstrap {
                 let beating = Arc::clone(inner);
                 let spawned = std::thread::Builder::new()
                     .name(format!("mscclpp-bootstrap-heartbeat-{}", inner.rank))
-                    .spawn(move || beating.heartbeat_loop());
+                    .spawn(move || {
+                        crate::process::run_guarded("mscclpp-bootstrap-heartbeat", || {
+                            beating.heartbeat_loop()
+                        })
+                    });
                 match spawned {
                     Ok(h) => *heartbeat = Some(h),
                     Err(e) => tracing::warn!(
@@ -1032,6 +1070,9 @@ impl Bootstrap for TcpBootstrap {
     }
     fn unresponsive_peers(&self, within: Duration) -> Vec<usize> {
         self.inner.unresponsive_peers(within)
+    }
+    fn interrupt(&self, reason: &str) {
+        self.inner.mailbox.interrupt(reason);
     }
 }
 

@@ -455,20 +455,28 @@ impl EthernetTransport {
             std::thread::Builder::new()
                 .name(format!("mscclpp-eth-rx-{}", config.remote_job_rank))
                 .spawn(move || {
-                    let mut rx = Receiver {
-                        stream: inc,
-                        config,
-                        resolver,
-                        shared: Arc::clone(&shared),
-                        pending_error: None,
-                    };
-                    if let Err(msg) = rx.run() {
-                        tracing::error!(
-                            "Ethernet receiver for rank {}: {msg}",
-                            rx.config.remote_job_rank
-                        );
-                        if let Ok(mut f) = shared.failure.lock() {
-                            f.get_or_insert(msg);
+                    let failed = Arc::clone(&shared);
+                    let ended = crate::process::guarded("mscclpp-eth-rx", move || {
+                        let mut rx = Receiver {
+                            stream: inc,
+                            config,
+                            resolver,
+                            shared: Arc::clone(&shared),
+                            pending_error: None,
+                        };
+                        if let Err(msg) = rx.run() {
+                            tracing::error!(
+                                "Ethernet receiver for rank {}: {msg}",
+                                rx.config.remote_job_rank
+                            );
+                            if let Ok(mut f) = shared.failure.lock() {
+                                f.get_or_insert(msg);
+                            }
+                        }
+                    });
+                    if ended.is_none() {
+                        if let Ok(mut f) = failed.failure.lock() {
+                            f.get_or_insert("the Ethernet receiver thread panicked (a bug)".into());
                         }
                     }
                 })
