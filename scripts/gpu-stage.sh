@@ -12,7 +12,7 @@ done
 # The NCCL shim, its checks (`bash .gpu/gpu-run.sh nccl [torch|initall|kill|abort|watchdog|fallback]`) and
 # its timings against PyTorch's NCCL (`bash .gpu/gpu-run.sh nccl bench`).
 cp target/release/libmscclpp_nccl.so .gpu/lib/
-cp nccl/scripts/torch_check.py nccl/scripts/torch_bench.py nccl/scripts/host_cost.py .gpu/
+cp nccl/scripts/torch_check.py nccl/scripts/torch_bench.py nccl/scripts/host_cost.py nccl/scripts/torch_divergent.py .gpu/
 # The device tool carries at most 64 MiB; debug info is most of each binary (symbols stay, so
 # backtraces still name functions).
 if command -v strip >/dev/null; then strip --strip-debug .gpu/bin/* .gpu/lib/*; fi
