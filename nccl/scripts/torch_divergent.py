@@ -253,15 +253,17 @@ class Planner:
     OPS = {"all_reduce": 26, "all_gather_into_tensor": 12, "all_gather": 6, "reduce_scatter_tensor": 10,
            "broadcast": 10, "reduce": 8, "all_to_all_single": 10, "ring": 8}
 
-    def __init__(self, seed, world, max_bytes, quick):
+    def __init__(self, seed, world, max_bytes, quick, ops=None, sync_only=False, one_group=False):
         self.rng = random.Random(f"schedule/{seed}")
+        self.sync_only, self.one_group = sync_only, one_group
         self.world = world
         self.max_bytes = max_bytes
         sizes = QUICK_SIZES if quick else SIZES
         self.sizes = [(b, w) for b, w in sizes if b <= max_bytes] or [(0, 1.0)]
         self.variants = VARIANTS[:4] if quick else VARIANTS
         self.next_index = 0
-        self.ops = {op: w for op, w in self.OPS.items() if op != "ring" or world > 1}
+        self.ops = {op: w for op, w in self.OPS.items()
+                    if (op != "ring" or world > 1) and (not ops or op in ops)}
 
     def _choice(self, weighted):
         keys = list(weighted)
@@ -304,7 +306,7 @@ class Planner:
         op = self._choice(self.ops)
         dtype = self.dtype()
         kw = dict(op=op, dtype=dtype, redop="sum", root=0, inplace=False, splits=(), count2=0,
-                  group="second" if r.random() < 0.3 else "world")
+                  group="second" if r.random() < 0.3 and not self.one_group else "world")
         if op in ("all_reduce", "reduce"):
             kw["count"], kw["size"] = self.size(dtype)
             kw["redop"] = self.redop(dtype)
@@ -337,7 +339,8 @@ class Planner:
             kw["count"], kw["size"] = self.size(dtype)
             kw["count2"], label2 = self.size(dtype)
             kw["size"] += f" / {label2}"
-        kw["async_op"] = op == "ring" or r.random() < 0.5  # batch_isend_irecv is always async
+        # batch_isend_irecv is always async
+        kw["async_op"] = op == "ring" or (r.random() < 0.5 and not self.sync_only)
         kw["wait"] = not kw["async_op"] or r.random() < 0.4
         return Step(index=self.index(), **kw)
 
@@ -359,7 +362,9 @@ class Planner:
 
 def build_schedule(args, world):
     """Every phase's steps, drawn up front (so every rank can check it holds the same schedule)."""
-    p = Planner(args.seed, world, args.max_bytes, args.quick)
+    p = Planner(args.seed, world, args.max_bytes, args.quick,
+                ops=args.ops.split(",") if args.ops else None, sync_only=args.sync_only,
+                one_group=args.one_group)
     sched = {"eager": [p.step() for _ in range(args.iters)], "graphs": []}
     for gi in range(2):
         ops = p.graph(second_group=gi == 1)
@@ -841,6 +846,9 @@ def parse_args(argv=None):
     p.add_argument("--graph-replays", type=int, default=5, help="replays of each CUDA graph")
     p.add_argument("--quick", action="store_true", help="fewer sizes (up to 8 MiB)")
     p.add_argument("--verbose", action="store_true", help="print every passing check too")
+    p.add_argument("--ops", default="", help="comma list: only these operations (of Planner.OPS)")
+    p.add_argument("--sync-only", action="store_true", help="no async_op=True calls (but the ring)")
+    p.add_argument("--one-group", action="store_true", help="every call on the default group")
     p.add_argument("--stall-timeout", type=float, default=300.0,
                    help="seconds without progress after which a rank prints its stacks and exits 1")
     p.add_argument("--cpu", action="store_true",

@@ -73,9 +73,19 @@ pub struct Comm {
     /// Set by [`abort`](Comm::abort): the teardown aborts the real NCCL's communicator instead
     /// of destroying it.
     aborted: AtomicBool,
+    /// The stream of this communicator's last operation, and the event that orders the next one
+    /// after it when it comes on another stream ([`follow_previous`](Comm::follow_previous)).
+    stream_order: Mutex<StreamOrder>,
     /// Taken by the drop: the process's exit waits for the teardown (`mscclpp::core::process`).
     /// Last, so it is released after every other field is dropped.
     exit_section: Mutex<Option<Section<'static>>>,
+}
+
+/// See [`Comm::follow_previous`].
+#[derive(Default)]
+struct StreamOrder {
+    last: Option<Stream>,
+    event: Option<mscclpp::core::gpu::Event>,
 }
 
 /// Checks NCCL's (nranks, rank) pair.
@@ -206,6 +216,7 @@ impl Comm {
             accum: env.nccl_accum_dtype,
             arch,
             aborted: AtomicBool::new(false),
+            stream_order: Mutex::new(StreamOrder::default()),
             exit_section: Mutex::new(None),
         })
     }
@@ -251,11 +262,48 @@ impl Comm {
         self.p2p.as_ref().err().map(String::as_str)
     }
 
+    /// Orders an operation about to be enqueued on `stream` after this communicator's previous
+    /// one, as NCCL does whatever streams they come on: PyTorch issues a synchronous collective on
+    /// the caller's current stream and an asynchronous one on a stream of its own, with nothing
+    /// between the two, while the collection's algorithms share one scratch, call counter and
+    /// semaphores (`CollectionResources`: its calls must be ordered on the device). When the
+    /// stream changes, the new one waits for what the previous one holds so far (an event
+    /// recorded there). Nothing is added while the stream stays the same, nor during CUDA-graph
+    /// capture (the capture orders its streams itself; an event from outside it may not be
+    /// waited on there).
+    pub fn follow_previous(&self, stream: Stream) -> mscclpp::Result<()> {
+        let mut order = self
+            .stream_order
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(previous) = order.last.filter(|&p| p != stream) {
+            self.gpu.set_device(self.device)?;
+            if !self.gpu.is_capturing(previous)? && !self.gpu.is_capturing(stream)? {
+                let event = match order.event {
+                    Some(e) => e,
+                    None => *order.event.insert(self.gpu.create_event()?),
+                };
+                self.gpu.record_event(event, previous)?;
+                self.gpu.stream_wait_event(stream, event)?;
+            }
+        }
+        order.last = Some(stream);
+        Ok(())
+    }
+
+    /// Runs `algorithm` on `args`, after this communicator's previous operation
+    /// ([`follow_previous`](Self::follow_previous)).
+    pub fn execute(&self, algorithm: &dyn Algorithm, args: &ExecuteArgs) -> mscclpp::Result<()> {
+        self.follow_previous(args.stream)?;
+        algorithm.execute(args)
+    }
+
     /// Runs one group of sends and receives of this communicator on `stream` natively.
     pub fn run_p2p(&self, ops: &[P2pOp], stream: Stream) -> mscclpp::Result<()> {
         match &self.p2p {
             Ok(engine) => {
                 self.gpu.set_device(self.device)?;
+                self.follow_previous(stream)?;
                 engine.run(ops, &stream)
             }
             Err(why) => Err(mscclpp::Error::Unsupported(why.clone())),
@@ -385,6 +433,15 @@ impl Drop for Comm {
         // unmaps what they touch (after a failure each shared buffer checks again, and leaks
         // itself if the drain fails).
         self.communicator.drain("the communicator's buffers");
+        let event = self
+            .stream_order
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .event
+            .take();
+        if let Some(event) = event {
+            let _ = self.gpu.destroy_event(event);
+        }
     }
 }
 

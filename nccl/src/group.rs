@@ -77,7 +77,7 @@ impl Op {
 
     fn launch(self, comm: &Comm) -> mscclpp::Result<()> {
         match self {
-            Op::Collective(algorithm, args) => algorithm.execute(&args),
+            Op::Collective(algorithm, args) => comm.execute(algorithm.as_ref(), &args),
             Op::PointToPoint(list, stream) => comm.run_p2p(&list, stream),
         }
     }

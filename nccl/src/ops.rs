@@ -101,7 +101,7 @@ fn submit(
                     if group::active() {
                         group::defer_op(comm.clone(), group::Op::Collective(algorithm, args));
                     } else {
-                        algorithm.execute(&args)?;
+                        comm.execute(algorithm.as_ref(), &args)?;
                     }
                     return Ok(SUCCESS);
                 }
