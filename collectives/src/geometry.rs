@@ -77,7 +77,8 @@ impl Residency {
 }
 
 /// The launch geometry of one call: the caller's request where given (checked), else the defaults;
-/// blocks are capped at `max_blocks` (co-residency and semaphores reserved).
+/// blocks are capped at `max_blocks` (co-residency and semaphores reserved). A request outside
+/// them is [`Error::LaunchShape`]: the call may run with another shape.
 pub fn launch_config(
     requested_blocks: Option<u32>,
     requested_threads: Option<u32>,
@@ -87,13 +88,13 @@ pub fn launch_config(
 ) -> Result<LaunchConfig> {
     let threads = requested_threads.unwrap_or(default_threads);
     if !(32..=1024).contains(&threads) || threads % 32 != 0 {
-        return Err(Error::InvalidArgument(format!(
+        return Err(Error::LaunchShape(format!(
             "nthreads {threads}: must be a multiple of 32 in 32..=1024"
         )));
     }
     let blocks = match requested_blocks {
         Some(b) if b == 0 || b > max_blocks => {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::LaunchShape(format!(
                 "nblocks {b}: must be in 1..={max_blocks} (blocks of every rank must be resident \
                  at once and each needs its own semaphores)"
             )))
@@ -385,12 +386,18 @@ mod tests {
         assert_eq!((c.grid.0, c.block.0), (264, 512));
         let c = launch_config(Some(3), Some(64), 500, 512, 264).expect("request");
         assert_eq!((c.grid.0, c.block.0), (3, 64));
-        let e = launch_config(Some(265), None, 1, 512, 264).unwrap_err();
-        assert!(e.to_string().contains("nblocks 265"), "{e}");
-        assert!(launch_config(Some(0), None, 1, 512, 264).is_err());
-        let e = launch_config(None, Some(100), 1, 512, 264).unwrap_err();
-        assert!(e.to_string().contains("nthreads 100"), "{e}");
-        assert!(launch_config(None, Some(2048), 1, 512, 264).is_err());
+        // Every refusal is a launch shape (another may run), naming the value.
+        for (blocks, threads, named) in [
+            (Some(265), None, "nblocks 265"),
+            (Some(0), None, "nblocks 0"),
+            (None, Some(100), "nthreads 100"),
+            (None, Some(2048), "nthreads 2048"),
+            (Some(3), Some(16), "nthreads 16"),
+        ] {
+            let e = launch_config(blocks, threads, 1, 512, 264).unwrap_err();
+            assert!(matches!(e, Error::LaunchShape(_)), "{e:?}");
+            assert!(e.to_string().contains(named), "{e}");
+        }
     }
 
     #[test]

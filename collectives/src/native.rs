@@ -15,7 +15,9 @@ use mscclpp_core::communicator::Communicator;
 use mscclpp_core::device::DeviceRepr;
 use mscclpp_core::gpu::{DevicePtr, Function, GpuVendor, LaunchConfig};
 use mscclpp_core::{Error, Result};
-use mscclpp_kernels_cu::collectives::{resolve_accumulator, CollectiveFile, ReduceSpec, MAX_RANKS};
+use mscclpp_kernels_cu::collectives::{
+    resolve_accumulator, CollectiveFile, ReduceSpec, MAX_PACKET_BLOCKS, MAX_RANKS,
+};
 use std::sync::Arc;
 
 /// The native algorithms.
@@ -227,6 +229,25 @@ impl NativeKind {
             _ => sm.min(128),
         }
     }
+
+    /// Most blocks of `threads` threads a grid of the kind may have on a rank of `residency`
+    /// (its kernel family's cap): co-resident with every peer's grid, for the packet kinds at
+    /// most one block per SM and the packet call counter's slots, for the scratch pipelines
+    /// those slots and the semaphores, for the zero-copy kinds the semaphores (the copy-engine
+    /// all-reduce's reduction barriers once, from one block).
+    pub fn max_blocks(self, residency: Residency, threads: u32) -> u32 {
+        let resident = residency.max_blocks(threads);
+        let sems = self.semaphore_blocks(residency.sm);
+        if self.uses_packets() {
+            resident.min(residency.sm).min(MAX_PACKET_BLOCKS as u32)
+        } else if self.uses_scratch_pipeline() {
+            sems.min(resident).min(MAX_PACKET_BLOCKS as u32)
+        } else if self == NativeKind::AllreduceCopyEngine {
+            resident
+        } else {
+            sems.min(resident)
+        }
+    }
 }
 
 /// Default threads per block of the native kernels.
@@ -403,6 +424,30 @@ impl NativeBase {
         self.residency
     }
 
+    /// Most blocks of `threads` threads this algorithm's grids may have
+    /// ([`NativeKind::max_blocks`]).
+    pub fn max_blocks(&self, threads: u32) -> u32 {
+        self.kind.max_blocks(self.residency, threads)
+    }
+
+    /// The requested launch shape of `args` checked against this algorithm's limits
+    /// ([`Error::LaunchShape`] naming the kind), as its launch checks it.
+    pub fn check_launch_shape(&self, args: &ExecuteArgs) -> Result<()> {
+        let threads = args.nthreads.unwrap_or(DEFAULT_THREADS);
+        geometry::launch_config(
+            args.nblocks,
+            args.nthreads,
+            1,
+            DEFAULT_THREADS,
+            self.max_blocks(threads),
+        )
+        .map(|_| ())
+        .map_err(|e| match e {
+            Error::LaunchShape(m) => Error::LaunchShape(format!("{}: {m}", self.kind.name())),
+            e => e,
+        })
+    }
+
     /// Largest message (input bytes per rank) this algorithm takes; `usize::MAX` for zero-copy.
     pub fn max_bytes(&self) -> usize {
         max_input_bytes_on(
@@ -428,10 +473,13 @@ impl NativeBase {
             .ok_or_else(|| Error::Internal(format!("{} uses no scratch", self.kind.name())))
     }
 
-    /// `Algorithm::check`: the shape and the scratch capacity.
+    /// `Algorithm::check`: the shape, the scratch capacity and the launch shape (so `prepare`
+    /// refuses a launch shape too, and an algorithm made of others' calls can refuse it before
+    /// enqueuing any of them).
     pub fn check(&self, args: &ExecuteArgs) -> Result<()> {
         check_shape(self.kind, args, self.comm.rank(), self.comm.size())?;
-        check_capacity(self.kind, args.input_bytes, self.max_bytes())
+        check_capacity(self.kind, args.input_bytes, self.max_bytes())?;
+        self.check_launch_shape(args)
     }
 
     /// Checks the communicator's health (one host load: after a failure, nothing more is queued
@@ -770,6 +818,35 @@ mod tests {
                 msg.contains(kind.name()) && msg.contains(&want.to_string()),
                 "{msg}"
             );
+        }
+    }
+
+    /// Each kind's block cap, which `NativeBase::check` (so `prepare`) and its launch share: the
+    /// packet kinds one block per SM, the scratch pipelines and zero-copy kinds their semaphores,
+    /// the copy engine's reduction the residency alone; one block more is a launch shape.
+    #[rstest]
+    #[case(NativeKind::AllreducePacket, 512, 132)]
+    #[case(NativeKind::AllgatherPacket, 1024, 132)]
+    #[case(NativeKind::AllreduceRsagZeroCopy, 512, 256)]
+    #[case(NativeKind::AllreduceRsagZeroCopy, 1024, 132)]
+    #[case(NativeKind::BroadcastZeroCopy, 512, 128)]
+    #[case(NativeKind::AllreduceFullmesh, 256, 128)]
+    #[case(NativeKind::AllreduceCopyEngine, 256, 528)]
+    fn every_kind_caps_its_blocks(
+        #[case] kind: NativeKind,
+        #[case] threads: u32,
+        #[case] cap: u32,
+    ) {
+        let r = Residency {
+            sm: 132,
+            shares_device: false,
+            mps: false,
+        };
+        assert_eq!(kind.max_blocks(r, threads), cap, "{kind:?}");
+        let over = geometry::launch_config(Some(cap + 1), Some(threads), 1, 512, cap).unwrap_err();
+        assert!(matches!(over, Error::LaunchShape(_)), "{over:?}");
+        for k in NativeKind::ALL {
+            assert!(k.max_blocks(r, threads) >= 1, "{k:?}");
         }
     }
 

@@ -599,7 +599,8 @@ impl Algorithm for NvlsAlgorithm {
                 let units = cfg.grid.0 * units_per_block;
                 let unit_bytes = pipeline_unit_bytes(self.scratch_bytes, units);
                 if unit_bytes == 0 || units > sems.max_blocks() {
-                    return Err(Error::InvalidArgument(format!(
+                    // Units follow the grid and, for the warp pipeline, the threads of a block.
+                    return Err(Error::LaunchShape(format!(
                         "{}: {units} pipeline units do not fit its {} semaphores or {} bytes of \
                          scratch",
                         self.kind.name(),

@@ -451,6 +451,24 @@ impl PortAllreduce {
             .map_err(|e| Error::Internal(format!("{NAME}: the PortChannel proxy reported: {e}")))
     }
 
+    /// The grid of the call's reduction: the requested launch shape where given, checked
+    /// ([`Error::LaunchShape`]), else sized by the message.
+    fn reduce_config(&self, args: &ExecuteArgs) -> Result<LaunchConfig> {
+        let threads = args.nthreads.unwrap_or(DEFAULT_THREADS);
+        let max_blocks = self.residency.max_blocks(threads);
+        geometry::launch_config(
+            args.nblocks,
+            args.nthreads,
+            geometry::bandwidth_blocks(args.input_bytes, max_blocks),
+            DEFAULT_THREADS,
+            max_blocks,
+        )
+        .map_err(|e| match e {
+            Error::LaunchShape(m) => Error::LaunchShape(format!("{NAME}: {m}")),
+            e => e,
+        })
+    }
+
     /// Triggers the proxy has handled so far.
     pub fn proxy_stats(&self) -> Result<ProxyStats> {
         Ok(self.service()?.stats())
@@ -502,7 +520,8 @@ impl Algorithm for PortAllreduce {
     }
 
     fn check(&self, args: &ExecuteArgs) -> Result<()> {
-        check_args(args).map(|_| ())
+        check_args(args)?;
+        self.reduce_config(args).map(|_| ())
     }
 
     /// Loads the call's two kernels (one unit) without enqueuing anything: an algorithm that
@@ -512,6 +531,7 @@ impl Algorithm for PortAllreduce {
     fn prepare(&self, args: &ExecuteArgs) -> Result<()> {
         self.comm.check(NAME)?;
         if check_args(args)? > 0 {
+            self.reduce_config(args)?;
             self.kernels(self.spec(args)?)?;
         }
         Ok(())
@@ -527,15 +547,7 @@ impl Algorithm for PortAllreduce {
             return Ok(());
         }
         let kernels = self.kernels(self.spec(args)?)?;
-        let threads = args.nthreads.unwrap_or(DEFAULT_THREADS);
-        let max_blocks = self.residency.max_blocks(threads);
-        let reduce_cfg = geometry::launch_config(
-            args.nblocks,
-            args.nthreads,
-            geometry::bandwidth_blocks(args.input_bytes, max_blocks),
-            DEFAULT_THREADS,
-            max_blocks,
-        )?;
+        let reduce_cfg = self.reduce_config(args)?;
         let es = args.dtype.size();
         let segment = segment_bytes(self.layout.max_bytes, es);
         if segment == 0 {

@@ -7,8 +7,8 @@
 //! contributes a status (a byte: done, declined, failed), a value (its f64 time) and a reason
 //! through a bootstrap `all_gather`, and everyone acts on the gathered vector:
 //! - any rank failed (a driver error, a timeout): every rank stops with an error naming that rank;
-//! - any rank declined (`Unsupported`, `InvalidArgument`, `Compile`: the candidate cannot run):
-//!   every rank skips the candidate;
+//! - any rank declined (`Unsupported`, `InvalidArgument`, `LaunchShape`, `Compile`: the candidate
+//!   cannot run): every rank skips the candidate;
 //! - otherwise the candidate's time is the mean of the gathered times.
 //!
 //! The issue asks for the per-rank times to be averaged by an allreduce. A bootstrap all_gather
@@ -194,7 +194,10 @@ const FAILED: u8 = 2;
 fn declines(e: &Error) -> bool {
     matches!(
         e,
-        Error::Unsupported(_) | Error::InvalidArgument(_) | Error::Compile { .. }
+        Error::Unsupported(_)
+            | Error::InvalidArgument(_)
+            | Error::LaunchShape(_)
+            | Error::Compile { .. }
     )
 }
 
@@ -783,7 +786,7 @@ mod tests {
         }
         fn capture(&mut self, c: &Candidate) -> Result<()> {
             if self.capture_declines.contains(&index(c)) {
-                return Err(Error::InvalidArgument("nblocks too large".into()));
+                return Err(Error::LaunchShape("nblocks too large".into()));
             }
             self.captured += 1;
             self.current = Some(index(c));

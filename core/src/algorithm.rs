@@ -11,6 +11,9 @@
 //!   and it stays correct when the same buffers are used by repeated calls or graph replays.
 //! - An unsupported (dtype, op, size) combination is reported by `check` and by `execute` as
 //!   [`Error::Unsupported`] naming the combination, never computed wrongly.
+//! - A requested launch shape (`nblocks`, `nthreads`) the algorithm cannot run with is reported
+//!   by `execute` as [`Error::LaunchShape`], before anything is enqueued or any state advances, so
+//!   the caller may try another shape (MSCCL++'s Python API returns it as a [`CommResult`] code).
 //!
 //! # Thread safety
 //! `Send + Sync`; concurrent `execute` calls on one algorithm object need distinct streams and
@@ -68,6 +71,39 @@ impl Collective {
 impl fmt::Display for Collective {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
+    }
+}
+
+/// MSCCL++'s `CommResult` (`mscclpp/algorithm.hpp`): the code its `Algorithm::execute` returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(i32)]
+pub enum CommResult {
+    Success = 0,
+    UnhandledCudaError = 1,
+    SystemError = 2,
+    InternalError = 3,
+    InvalidArgument = 4,
+    InvalidUsage = 5,
+    RemoteError = 6,
+    InProgress = 7,
+    NumResults = 8,
+}
+
+impl CommResult {
+    /// The code MSCCL++'s `execute` returns for the outcome of an `execute`, where a code stands
+    /// for it: [`Success`](Self::Success), or [`InvalidArgument`](Self::InvalidArgument) for a
+    /// launch shape the algorithm cannot run ([`Error::LaunchShape`]; MSCCL++'s algorithms return
+    /// that code for a block count beyond their maximum). Every other error stays an error.
+    pub fn of_execute(outcome: Result<()>) -> Result<CommResult> {
+        match outcome {
+            Ok(()) => Ok(CommResult::Success),
+            Err(Error::LaunchShape(_)) => Ok(CommResult::InvalidArgument),
+            Err(e) => Err(e),
+        }
+    }
+
+    pub const fn code(self) -> i32 {
+        self as i32
     }
 }
 
@@ -130,5 +166,63 @@ pub trait Algorithm: Send + Sync {
     /// communicators) prepares every rank's calls before launching any. Default: `check`.
     fn prepare(&self, args: &ExecuteArgs) -> Result<()> {
         self.check(args)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn comm_result_codes_are_mscclpps() {
+        let codes = [
+            CommResult::Success,
+            CommResult::UnhandledCudaError,
+            CommResult::SystemError,
+            CommResult::InternalError,
+            CommResult::InvalidArgument,
+            CommResult::InvalidUsage,
+            CommResult::RemoteError,
+            CommResult::InProgress,
+            CommResult::NumResults,
+        ];
+        for (i, c) in codes.into_iter().enumerate() {
+            assert_eq!(c.code(), i as i32, "{c:?}");
+        }
+    }
+
+    /// Only success and a launch shape become codes; every other error, an invalid argument
+    /// included, stays the error it was.
+    #[test]
+    fn only_a_launch_shape_becomes_a_code() {
+        assert_eq!(
+            CommResult::of_execute(Ok(())).ok(),
+            Some(CommResult::Success)
+        );
+        let shape = Error::LaunchShape("nblocks 128: must be in 1..=66".into());
+        assert_eq!(
+            CommResult::of_execute(Err(shape)).ok(),
+            Some(CommResult::InvalidArgument)
+        );
+        let errors = [
+            Error::InvalidArgument("input size 3 bytes".into()),
+            Error::Unsupported("f64 min".into()),
+            Error::DeviceTimeout("allreduce".into()),
+            Error::Timeout {
+                what: "rank 1".into(),
+                timeout: Duration::from_secs(1),
+            },
+            Error::Peer {
+                rank: 1,
+                message: "gone".into(),
+            },
+            Error::Aborted("by rank 0".into()),
+        ];
+        for e in errors {
+            let text = e.to_string();
+            let back = CommResult::of_execute(Err(e)).expect_err("stays an error");
+            assert_eq!(back.to_string(), text);
+        }
     }
 }

@@ -29,6 +29,13 @@ pub enum Error {
     #[error("unsupported: {0}")]
     Unsupported(String),
 
+    /// A launch shape (`nblocks`, `nthreads`) an algorithm cannot run with on this device, e.g.
+    /// more blocks than can be resident at once: the call is well formed and another shape may
+    /// run. Kept apart from [`Error::InvalidArgument`] so a tuner can skip the shape, and
+    /// MSCCL++'s Python API returns it as a [`CommResult`](crate::algorithm::CommResult) code.
+    #[error("unsupported launch shape: {0}")]
+    LaunchShape(String),
+
     /// A backend was asked for but cannot be used: not compiled in, or its driver library is missing.
     #[error("GPU backend {backend} is unavailable: {reason}")]
     BackendUnavailable { backend: String, reason: String },

@@ -22,7 +22,7 @@ pub mod topology;
 pub mod transport;
 pub mod tuner;
 
-pub use algorithm::{Algorithm, Collective, ExecuteArgs};
+pub use algorithm::{Algorithm, Collective, CommResult, ExecuteArgs};
 pub use dtype::{AccumType, DataType, ReduceOp};
 pub use error::{Error, Result};
 pub use gpu::{DeviceProperties, Gpu, GpuVendor};

@@ -33,7 +33,7 @@ impl Failure {
 /// The NCCL code for each of our errors.
 pub fn code_of(e: &Error) -> NcclResult {
     match e {
-        Error::InvalidArgument(_) | Error::Plan(_) => INVALID_ARGUMENT,
+        Error::InvalidArgument(_) | Error::LaunchShape(_) | Error::Plan(_) => INVALID_ARGUMENT,
         Error::Unsupported(_) | Error::Env { .. } => INVALID_USAGE,
         Error::BackendUnavailable { .. } | Error::Driver { .. } | Error::Compile { .. } => {
             UNHANDLED_CUDA_ERROR

@@ -60,8 +60,12 @@ class TunedComm:
             for algo in self.candidates:
                 for nb in NBLOCKS:
                     for nt in NTHREADS:
-                        try:  # a launch an algorithm declines is skipped on every rank alike
-                            self._run(algo, work, size, nb, nt, stream)
+                        # A launch an algorithm declines is skipped on every rank alike: a launch
+                        # shape it cannot run by its CommResult code (the guide's test), a size
+                        # beyond a packet algorithm's scratch by its exception.
+                        try:
+                            if self._run(algo, work, size, nb, nt, stream) != 0:
+                                continue
                         except (mscclpp.MscclppError, ValueError):
                             continue
                         stream.synchronize()

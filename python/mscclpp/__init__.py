@@ -17,7 +17,7 @@ from ._mscclpp import (
     env,
     is_nvls_supported,
 )
-from ._types import DataType, PacketType, ReduceOp
+from ._types import CommResult, DataType, PacketType, ReduceOp
 from .algorithm import (
     Algorithm,
     AlgorithmCollection,
@@ -35,6 +35,7 @@ __all__ = [
     "AlgorithmCollectionBuilder",
     "CollectiveRequest",
     "CommGroup",
+    "CommResult",
     "Communicator",
     "CustomAlgorithm",
     "MemoryChannels",

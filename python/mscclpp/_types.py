@@ -1,6 +1,8 @@
-"""Element types and reduction operations, spelled as MSCCL++'s Python API spells them.
+"""Element types, reduction operations and result codes, spelled as MSCCL++'s Python API spells
+them.
 
-Each member's value is the runtime's own name for it, which is what crosses into the native layer.
+Each DataType, ReduceOp and PacketType member's value is the runtime's own name for it, which is
+what crosses into the native layer; CommResult's are MSCCL++'s integer codes.
 """
 
 import enum
@@ -46,3 +48,18 @@ class PacketType(enum.Enum):
 
     LL8 = "LL8"
     LL16 = "LL16"
+
+
+class CommResult(enum.IntEnum):
+    """MSCCL++'s `CommResult`: what `Algorithm.execute` returns (0 is success; see
+    `mscclpp.algorithm` for which outcome is a code and which raises)."""
+
+    COMM_SUCCESS = 0
+    COMM_UNHANDLED_CUDA_ERROR = 1
+    COMM_SYSTEM_ERROR = 2
+    COMM_INTERNAL_ERROR = 3
+    COMM_INVALID_ARGUMENT = 4
+    COMM_INVALID_USAGE = 5
+    COMM_REMOTE_ERROR = 6
+    COMM_IN_PROGRESS = 7
+    COMM_NUM_RESULTS = 8

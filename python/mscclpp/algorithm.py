@@ -11,13 +11,24 @@ An execution plan becomes an algorithm as in MSCCL++: `Algorithm(execution_plan=
 algorithm", run by an `Executor`). Added to a builder (`add_algorithm_builder`), it joins the
 collection, whose default selector prefers it for the calls it covers (collective, world size,
 message size) and whose own executor runs it when `execute` is given none.
+
+`Algorithm.execute` returns MSCCL++'s `CommResult` code, as MSCCL++'s does: `COMM_SUCCESS` (0)
+once the collective is enqueued, and `COMM_INVALID_ARGUMENT` (4) when the algorithm cannot run with
+the `nblocks`/`nthreads_per_block` asked for on this device (e.g. more blocks than can be resident
+at once, or threads not a multiple of 32 up to 1024): nothing is enqueued and another shape may
+run, so a tuning loop can `continue` past it (the limits follow the device and the rank's share
+of it, so ranks on alike shares decide alike). Every other failure raises: bad buffers, sizes or
+arguments (`ValueError`), a type or op the algorithm does not support, an aborted communicator or
+a failed peer (`MscclppError`), a device-side timeout (`TimeoutError`). Execution plans run
+with their own launch shape and ignore `nblocks`/`nthreads_per_block`, so for them any shape
+returns 0.
 """
 
 from collections import namedtuple
 
 from . import _mscclpp
 from ._teardown import track
-from ._types import DataType, ReduceOp
+from ._types import CommResult, DataType, ReduceOp
 
 CollectiveRequest = namedtuple(
     "CollectiveRequest",
@@ -113,7 +124,9 @@ class Algorithm:
         communicator); native algorithms take none. A plan applies its own reduction (`op` NOP)
         and thread-block geometry (`nblocks`/`nthreads_per_block` ignored). `extras` is for
         algorithms that take extra pointers, which the default ones do not. `symmetric_memory`
-        is a hint for selectors. Returns 0 (MSCCL++'s success code); every failure raises instead.
+        is a hint for selectors. Returns a `CommResult`: `COMM_SUCCESS` (0), or
+        `COMM_INVALID_ARGUMENT` for an `nblocks`/`nthreads_per_block` this algorithm cannot run
+        with here (nothing enqueued); every other failure raises (see the module docs).
         """
         if executor is not None and self.execution_plan is None:
             raise TypeError(f"{self.name} is a native algorithm: it takes no executor")
@@ -146,20 +159,20 @@ class Algorithm:
             _runtime_dtype(dtype), self.execution_plan, stream, "LL16",
             None if op == ReduceOp.NOP else op.value,
         )
-        return 0
+        return CommResult.COMM_SUCCESS
 
     def _launch(self, native, input_buffer, output_buffer, input_size, output_size, dtype, op,
                 stream, nblocks, nthreads_per_block, accum_dtype, extras):
         if extras:
             raise ValueError(f"{self.name} takes no extras (got {sorted(extras)})")
         algo = self._collection._native(native, self, stream)
-        return algo.execute(
+        return CommResult(algo.execute(
             native, input_buffer, output_buffer, input_size, output_size,
             _runtime_dtype(dtype),
             "sum" if op == ReduceOp.NOP else op.value,  # ignored by collectives that do not reduce
             stream, nblocks, nthreads_per_block,
             None if accum_dtype is None else _runtime_dtype(accum_dtype),
-        )
+        ))
 
     def reset(self):
         """MSCCL++ frees an algorithm's per-buffer contexts here. The runtime keeps them with the
@@ -173,7 +186,9 @@ class CustomAlgorithm(Algorithm):
 
     `launch(comm, input_buffer, output_buffer, input_size, output_size, dtype, op, stream,
     nblocks, nthreads_per_block, extras)` enqueues the work (comm is the native Communicator);
-    `execute` checks its arguments as for every algorithm and calls it.
+    `execute` checks its arguments as for every algorithm, calls it and returns what it returns
+    (a `CommResult` code, e.g. `COMM_INVALID_ARGUMENT` for a launch shape it cannot run), or
+    `COMM_SUCCESS` where it returns None.
     """
 
     def __init__(self, name, collective, launch):
@@ -184,9 +199,9 @@ class CustomAlgorithm(Algorithm):
                 stream, nblocks, nthreads_per_block, accum_dtype, extras):
         if accum_dtype is not None:
             raise ValueError(f"{self.name} takes no accum_dtype")
-        self._user_launch(native, input_buffer, output_buffer, input_size, output_size, dtype, op,
-                          stream, nblocks, nthreads_per_block, extras)
-        return 0
+        rc = self._user_launch(native, input_buffer, output_buffer, input_size, output_size,
+                               dtype, op, stream, nblocks, nthreads_per_block, extras)
+        return CommResult.COMM_SUCCESS if rc is None else rc
 
 
 class AlgorithmCollection:

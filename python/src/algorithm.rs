@@ -9,7 +9,9 @@ use crate::{to_py, MscclppError};
 use mscclpp::core::algorithm_collection::{AlgorithmCollection, SelectionContext};
 use mscclpp::core::gpu::Stream;
 use mscclpp::core::tuner::TuningTable;
-use mscclpp::core::{AccumType, Algorithm, Collective, DataType, ExecuteArgs, ReduceOp};
+use mscclpp::core::{
+    AccumType, Algorithm, Collective, CommResult, DataType, Error, ExecuteArgs, ReduceOp,
+};
 use mscclpp_collectives::tune::CandidateGrid;
 use mscclpp_executor::load::register_plans;
 use pyo3::exceptions::PyValueError;
@@ -85,8 +87,11 @@ impl PyAlgorithm {
 
     /// Enqueues the collective on `stream` (a raw stream handle, 0 for the default stream) over
     /// device addresses `input`/`output` of `input_size`/`output_size` bytes. Never waits for
-    /// the device, so it may run while the stream is being captured into a CUDA graph. Raises
-    /// when the communicator was aborted or the device reported an error.
+    /// the device, so it may run while the stream is being captured into a CUDA graph. Returns
+    /// MSCCL++'s CommResult code: 0 when enqueued, 4 (invalid argument) for an `nblocks` /
+    /// `nthreads_per_block` this algorithm cannot run with here (nothing enqueued; another shape
+    /// may run). Raises for every other failure: bad buffers or sizes, an unsupported type or
+    /// op, an aborted communicator, an error the device reported.
     #[pyo3(signature = (comm, input, output, input_size, output_size, dtype, op, stream,
                         nblocks, nthreads_per_block, accum_dtype = None, root = 0))]
     #[allow(clippy::too_many_arguments)]
@@ -121,14 +126,16 @@ impl PyAlgorithm {
         };
         let comm = comm.inner.clone();
         let algo = self.inner.clone();
-        py.detach(|| {
+        let outcome = py.detach(|| {
             if let Some(e) = comm.async_error() {
                 return Err(e);
             }
             algo.execute(&args)
-        })
-        .map_err(to_py)?;
-        Ok(0)
+        });
+        if let Err(e @ Error::LaunchShape(_)) = &outcome {
+            tracing::warn!(target: "mscclpp::algo", "{}: {e}", algo.name());
+        }
+        Ok(CommResult::of_execute(outcome).map_err(to_py)?.code())
     }
 }
 

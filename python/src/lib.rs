@@ -33,7 +33,7 @@ pyo3::create_exception!(
 pub(crate) fn to_py(e: Error) -> PyErr {
     let msg = e.to_string();
     match e {
-        Error::InvalidArgument(_) | Error::Env { .. } => {
+        Error::InvalidArgument(_) | Error::LaunchShape(_) | Error::Env { .. } => {
             pyo3::exceptions::PyValueError::new_err(msg)
         }
         Error::Timeout { .. } | Error::DeviceTimeout(_) => {

@@ -1,6 +1,8 @@
 """GPU check of the package under torchrun (ranks may share one GPU): every default algorithm
 through `execute` with torch tensors of every dtype, out of place and in place, eager and under
-torch.cuda.graph; the RawGpuBuffer/DLPack round trip; an all-reduce without torch (raw pointers).
+torch.cuda.graph; the RawGpuBuffer/DLPack round trip; an all-reduce without torch (raw pointers);
+the Torch integration guide's tuning loop over launch shapes (a shape an algorithm cannot run
+returns a non-zero CommResult and enqueues nothing, a valid one returns 0 and the right sum).
 Outputs are poisoned first and every element is checked: integers exact, floats against the
 float64 reference within one rounding per summed term relative to the largest sum of magnitudes.
 A call an algorithm declines (an unsupported type, a message beyond its scratch, a count that does
@@ -88,9 +90,10 @@ def run_case(group, algo, dtype, count, in_place, graph, seed):
     op = mscclpp.ReduceOp.SUM if algo.collective in reducing else mscclpp.ReduceOp.NOP
 
     def launch():
-        algo.execute(group.communicator, inp.data_ptr(), out.data_ptr(), inp.nbytes, out.nbytes,
-                     mscclpp_utils.torch_dtype_to_mscclpp_dtype(dtype), op=op,
-                     stream=stream.cuda_stream)
+        rc = algo.execute(group.communicator, inp.data_ptr(), out.data_ptr(), inp.nbytes,
+                          out.nbytes, mscclpp_utils.torch_dtype_to_mscclpp_dtype(dtype), op=op,
+                          stream=stream.cuda_stream)
+        assert rc == mscclpp.CommResult.COMM_SUCCESS, f"{algo.name}: execute returned {rc!r}"
 
     g = None
     if graph:
@@ -145,6 +148,46 @@ def raw_pointer_allreduce(group, collection):
     group.barrier()
 
 
+def launch_shape_loop(group, collection):
+    """The guide's loop: `if execute(..., nblocks=, nthreads_per_block=) != 0: continue`. A shape
+    the algorithm cannot run returns COMM_INVALID_ARGUMENT without raising and without enqueuing
+    anything (the output keeps its poison); the valid shape after it returns 0 and the right sum.
+    Every rank asks for the same shapes, so every rank skips the same ones."""
+    name = "default_allreduce_packet"
+    algo = collection.by_collective()["allreduce"][name]
+    n, rank, count = group.nranks, group.my_rank, 1000
+    stream = torch.cuda.Stream()
+    inp = torch.full((count,), float(rank + 1), dtype=torch.float32, device="cuda")
+    out = torch.empty_like(inp)
+    want = torch.full((count,), float(n * (n + 1) // 2), dtype=torch.float32)
+    ran, skipped = [], []
+    # 1 << 16 blocks are beyond any grid; 100 threads are not a multiple of 32.
+    for nblocks in (1 << 16, 4):
+        for nthreads in (100, 512):
+            out.fill_(7)
+            torch.cuda.synchronize()
+            group.barrier()
+            rc = algo.execute(group.communicator, inp.data_ptr(), out.data_ptr(), inp.nbytes,
+                              out.nbytes, mscclpp.DataType.float32, op=mscclpp.ReduceOp.SUM,
+                              stream=stream.cuda_stream, nblocks=nblocks,
+                              nthreads_per_block=nthreads)
+            stream.synchronize()
+            assert isinstance(rc, int), f"{name} returned {rc!r}, not an int"
+            if rc != 0:  # skip unsupported configs, as the guide does
+                assert rc == mscclpp.CommResult.COMM_INVALID_ARGUMENT, (nblocks, nthreads, rc)
+                assert (out == 7).all().item(), f"{name} ({nblocks}, {nthreads}) wrote its output"
+                skipped.append((nblocks, nthreads))
+                continue
+            ran.append((nblocks, nthreads))
+            check(f"{name} nblocks {nblocks} nthreads {nthreads}", out, want.double(),
+                  torch.float32, None)
+    assert ran == [(4, 512)] and len(skipped) == 3, f"ran {ran}, skipped {skipped}"
+    group.barrier()
+    if rank == 0:
+        print(f"launch shapes: {name} skipped {skipped} (non-zero CommResult), ran {ran}",
+              flush=True)
+
+
 def user_selector(group):
     """A selector set on the builder answers first; its None falls back to the default one."""
     builder = mscclpp.AlgorithmCollectionBuilder()
@@ -164,6 +207,7 @@ def main():
     dlpack_round_trip(group)
     collection = mscclpp.AlgorithmCollectionBuilder().build_default_algorithms(rank=rank)
     raw_pointer_allreduce(group, collection)
+    launch_shape_loop(group, collection)
     user_selector(group)
     passed, refused, failed = 0, [], []
     seed = 1

@@ -347,3 +347,102 @@ def test_a_registered_plan_is_selected_and_runs_on_the_collections_executor(monk
         alone.execute(comm, 1, 1, 4096, 4096, mscclpp.DataType.float32)
     mine.execute(0, 1, 1, 8, 8, mscclpp.DataType.float32, plan, packet_type=mscclpp.PacketType.LL8)
     assert mine._native.runs[-1] == (0, "allreduce_pkt", "f32", "LL8", None)
+
+
+def test_comm_result_codes_are_mscclpps():
+    assert [(c.name, int(c)) for c in mscclpp.CommResult] == [
+        ("COMM_SUCCESS", 0),
+        ("COMM_UNHANDLED_CUDA_ERROR", 1),
+        ("COMM_SYSTEM_ERROR", 2),
+        ("COMM_INTERNAL_ERROR", 3),
+        ("COMM_INVALID_ARGUMENT", 4),
+        ("COMM_INVALID_USAGE", 5),
+        ("COMM_REMOTE_ERROR", 6),
+        ("COMM_IN_PROGRESS", 7),
+        ("COMM_NUM_RESULTS", 8),
+    ]
+    assert mscclpp.CommResult.COMM_SUCCESS == 0 and not mscclpp.CommResult.COMM_SUCCESS
+
+
+class _ShapedNativeAlgorithm(_FakeNativeAlgorithm):
+    """Stands in for a runtime algorithm: returns the runtime's codes (4 for a launch shape beyond
+    66 blocks or threads not a multiple of 32, 0 once enqueued) and raises for a bad size."""
+
+    def __init__(self, name, collective):
+        super().__init__(name, collective)
+        self.launched = []
+
+    def execute(self, comm, inp, out, in_size, out_size, dtype, op, stream, nblocks, nthreads,
+                accum):
+        if in_size % 4:
+            raise ValueError(f"input size {in_size} bytes is not a multiple of 4")
+        if nblocks > 66 or nthreads % 32:
+            return 4
+        self.launched.append((nblocks, nthreads))
+        return 0
+
+
+class _ShapedCollection(_FakeCollection):
+    @staticmethod
+    def build_default(comm, scratch_bytes, stream, plans, executor, defaults):
+        c = _ShapedCollection()
+        c.plans, c.executor, c.defaults = plans, executor, defaults
+        c.native = _ShapedNativeAlgorithm("default_allreduce_packet", "allreduce")
+        return c
+
+    def algorithms(self):
+        return [self.native]
+
+
+def test_the_guides_tuning_loop_skips_launch_shapes_by_their_code(monkeypatch):
+    from mscclpp import _mscclpp
+
+    monkeypatch.setattr(_mscclpp, "Communicator", _FakeComm)
+    monkeypatch.setattr(_mscclpp, "NativeExecutor", _FakeExecutor)
+    monkeypatch.setattr(_mscclpp, "NativeAlgorithmCollection", _ShapedCollection)
+    algos = mscclpp.AlgorithmCollectionBuilder().build_default_algorithms(rank=0)
+    algo = algos.by_collective()["allreduce"]["default_allreduce_packet"]
+    comm, f32, ran = _FakeComm(), mscclpp.DataType.float32, []
+    for nblocks in (128, 8):
+        for nthreads in (100, 512):
+            rc = algo.execute(comm, 1, 2, 4096, 4096, f32, op=mscclpp.ReduceOp.SUM,
+                              nblocks=nblocks, nthreads_per_block=nthreads)
+            assert isinstance(rc, int) and isinstance(rc, mscclpp.CommResult)
+            if rc != 0:  # skip unsupported configs
+                assert rc is mscclpp.CommResult.COMM_INVALID_ARGUMENT
+                continue
+            assert rc is mscclpp.CommResult.COMM_SUCCESS
+            ran.append((nblocks, nthreads))
+    assert ran == [(8, 512)] == algos.native_collection(comm).native.launched
+    # Anything but a launch shape still raises.
+    with pytest.raises(ValueError, match="not a multiple"):
+        algo.execute(comm, 1, 2, 4097, 4097, f32, op=mscclpp.ReduceOp.SUM, nblocks=128)
+    with pytest.raises(ValueError, match="op must not be ReduceOp.NOP"):
+        algo.execute(comm, 1, 2, 4096, 4096, f32, nblocks=128)
+
+
+def test_a_custom_algorithm_returns_its_launchs_code(monkeypatch):
+    from mscclpp import _mscclpp
+
+    monkeypatch.setattr(_mscclpp, "Communicator", _FakeComm)
+    codes = iter([None, mscclpp.CommResult.COMM_INVALID_ARGUMENT])
+    algo = mscclpp.CustomAlgorithm("mine", "allgather", lambda *args: next(codes))
+    call = (_FakeComm(), 1, 2, 4, 8, mscclpp.DataType.float32)
+    assert algo.execute(*call) is mscclpp.CommResult.COMM_SUCCESS
+    assert algo.execute(*call, nblocks=1 << 16) == 4
+
+
+@needs_fixtures
+def test_a_plan_takes_any_launch_shape(monkeypatch):
+    from mscclpp import _mscclpp
+
+    monkeypatch.setattr(_mscclpp, "Communicator", _FakeComm)
+    monkeypatch.setattr(_mscclpp, "NativeExecutor", _FakeExecutor)
+    plan = mscclpp.ExecutionPlan(os.path.join(_FIXTURES, "allreduce_packet_2gpu.json"))
+    comm = _FakeComm()
+    mine = mscclpp.Executor(comm)
+    rc = mscclpp.Algorithm(execution_plan=plan).execute(
+        comm, 1, 1, 4096, 4096, mscclpp.DataType.float32, executor=mine, nblocks=1 << 16,
+        nthreads_per_block=100,
+    )
+    assert rc is mscclpp.CommResult.COMM_SUCCESS and len(mine._native.runs) == 1

@@ -628,7 +628,7 @@ fn bad_geometry(ctx: &RankContext, engines: &Engines) -> Result<String> {
         let (send, recv) = &all[rank];
         let b = Buffers::for_splits(&ctx.gpu, rank, send, recv)?;
         match enqueue(engines, op, &b, send, recv, Stream::DEFAULT) {
-            Err(Error::InvalidArgument(m))
+            Err(Error::LaunchShape(m))
                 if m.contains(named) && m.contains(&format!("rank {rank}")) => {}
             other => {
                 return Err(Error::Internal(format!(

@@ -84,7 +84,10 @@ enum Agreed<T> {
 fn deterministic(e: &Error) -> bool {
     matches!(
         e,
-        Error::Unsupported(_) | Error::Compile { .. } | Error::InvalidArgument(_)
+        Error::Unsupported(_)
+            | Error::Compile { .. }
+            | Error::InvalidArgument(_)
+            | Error::LaunchShape(_)
     )
 }
 

@@ -104,7 +104,7 @@ impl AllreduceCopyEngine {
             args.nthreads,
             (slot_vectors as u32).div_ceil(threads).min(base.sm()),
             DEFAULT_THREADS,
-            base.residency().max_blocks(threads),
+            base.max_blocks(threads),
         )?;
         let plan = CallPlan {
             reduce,

@@ -7,7 +7,6 @@ use crate::native::{NativeBase, NativeKind, DEFAULT_THREADS};
 use mscclpp_core::algorithm::ExecuteArgs;
 use mscclpp_core::device::PacketArgs;
 use mscclpp_core::Result;
-use mscclpp_kernels_cu::collectives::MAX_PACKET_BLOCKS;
 
 /// Bytes of one rank's slot in a half of a scratch part of `part_bytes`, by `kind`'s layout.
 pub fn slot_bytes(kind: NativeKind, part_bytes: usize, nranks: usize) -> usize {
@@ -63,11 +62,7 @@ pub fn launch(base: &NativeBase, args: &ExecuteArgs, count: u64) -> Result<()> {
     // At most one block per SM (the packet kernels poll; latency matters more than bandwidth),
     // within the residency cap, and the per-block call counter has MAX_PACKET_BLOCKS slots
     // (collective_common.cuh).
-    let max_blocks = base
-        .residency()
-        .max_blocks(threads)
-        .min(base.sm())
-        .min(MAX_PACKET_BLOCKS as u32);
+    let max_blocks = base.max_blocks(threads);
     let cfg = geometry::launch_config(
         args.nblocks,
         args.nthreads,

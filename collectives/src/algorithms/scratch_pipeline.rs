@@ -7,7 +7,6 @@ use crate::native::{NativeBase, DEFAULT_THREADS};
 use mscclpp_core::algorithm::ExecuteArgs;
 use mscclpp_core::device::{PeerPtrs, PipelineArgs};
 use mscclpp_core::{Error, Result};
-use mscclpp_kernels_cu::collectives::MAX_PACKET_BLOCKS;
 
 /// Launches the kind's pipeline kernel for a checked call of `units` (elements; bytes for the
 /// all-gather) cut by `geometry`. Every geometry lies in one half of the staging part of the
@@ -23,12 +22,10 @@ pub fn launch(
 ) -> Result<()> {
     let g = geometry.map_err(|e| Error::InvalidArgument(format!("{}: {e}", base.kind().name())))?;
     let f = base.function(args)?;
-    let (sems, sem_blocks) = base.semaphores()?;
+    let (sems, _) = base.semaphores()?;
     let threads = args.nthreads.unwrap_or(DEFAULT_THREADS);
     // The step counter has MAX_PACKET_BLOCKS slots, and blocks wait for the peers' blocks.
-    let max_blocks = sem_blocks
-        .min(base.residency().max_blocks(threads))
-        .min(MAX_PACKET_BLOCKS as u32);
+    let max_blocks = base.max_blocks(threads);
     let cfg = geometry::launch_config(
         args.nblocks,
         args.nthreads,

@@ -20,9 +20,9 @@ pub fn peers(base: &NativeBase, ptr: DevicePtr, bytes: usize) -> Result<PeerPtrs
 /// `kernel_args` (buffers, count, root) filled by the caller and the rest here.
 pub fn launch(base: &NativeBase, args: &ExecuteArgs, kernel_args: ZeroCopyArgs) -> Result<()> {
     let f = base.function(args)?;
-    let (sems, sem_blocks) = base.semaphores()?;
+    let (sems, _) = base.semaphores()?;
     let threads = args.nthreads.unwrap_or(DEFAULT_THREADS);
-    let max_blocks = sem_blocks.min(base.residency().max_blocks(threads));
+    let max_blocks = base.max_blocks(threads);
     let cfg = geometry::launch_config(
         args.nblocks,
         args.nthreads,

@@ -552,7 +552,7 @@ fn exchange_geometry(
     max_blocks: u32,
 ) -> Result<LaunchConfig> {
     geometry::launch_config(blocks, threads, 1, DEFAULT_THREADS, max_blocks).map_err(|e| match e {
-        Error::InvalidArgument(m) => Error::InvalidArgument(format!("rank {rank}: {what}: {m}")),
+        Error::LaunchShape(m) => Error::LaunchShape(format!("rank {rank}: {what}: {m}")),
         e => e,
     })
 }
@@ -639,7 +639,7 @@ mod tests {
         ] {
             let e = exchange_geometry("scatter", 3, blocks, threads, 64).unwrap_err();
             let m = e.to_string();
-            assert!(matches!(e, Error::InvalidArgument(_)), "{m}");
+            assert!(matches!(e, Error::LaunchShape(_)), "{m}");
             assert!(m.contains("rank 3: scatter: ") && m.contains(bad), "{m}");
         }
     }
