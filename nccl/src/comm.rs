@@ -88,6 +88,14 @@ struct StreamOrder {
     event: Option<mscclpp::core::gpu::Event>,
 }
 
+impl StreamOrder {
+    /// An operation comes on `stream`: the stream it must wait for, the previous operation's,
+    /// where that is another.
+    fn switch_to(&mut self, stream: Stream) -> Option<Stream> {
+        self.last.replace(stream).filter(|&p| p != stream)
+    }
+}
+
 /// Checks NCCL's (nranks, rank) pair.
 pub fn check_ranks(nranks: i32, rank: i32) -> CallResult<(usize, usize)> {
     if nranks < 1 {
@@ -272,11 +280,8 @@ impl Comm {
     /// capture (the capture orders its streams itself; an event from outside it may not be
     /// waited on there).
     pub fn follow_previous(&self, stream: Stream) -> mscclpp::Result<()> {
-        let mut order = self
-            .stream_order
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if let Some(previous) = order.last.filter(|&p| p != stream) {
+        let mut order = self.stream_order.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(previous) = order.switch_to(stream) {
             self.gpu.set_device(self.device)?;
             if !self.gpu.is_capturing(previous)? && !self.gpu.is_capturing(stream)? {
                 let event = match order.event {
@@ -287,7 +292,6 @@ impl Comm {
                 self.gpu.stream_wait_event(stream, event)?;
             }
         }
-        order.last = Some(stream);
         Ok(())
     }
 
@@ -448,3 +452,23 @@ impl Drop for Comm {
 // SAFETY: the raw real-NCCL communicator is an opaque handle NCCL lets any thread use.
 unsafe impl Send for Fallback {}
 unsafe impl Sync for Fallback {}
+
+#[cfg(test)]
+mod stream_order_tests {
+    use super::*;
+
+    #[test]
+    fn an_operation_on_another_stream_waits_for_the_previous_one() {
+        let (a, b) = (Stream(0xa), Stream(0xb));
+        let mut order = StreamOrder::default();
+        assert_eq!(
+            order.switch_to(a),
+            None,
+            "the first operation waits for nothing"
+        );
+        assert_eq!(order.switch_to(a), None, "the same stream keeps its order");
+        assert_eq!(order.switch_to(b), Some(a));
+        assert_eq!(order.switch_to(b), None);
+        assert_eq!(order.switch_to(a), Some(b));
+    }
+}
