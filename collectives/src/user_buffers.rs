@@ -99,6 +99,23 @@ impl Agreed {
     pub fn ranks(&self) -> usize {
         self.entries.len() / self.buffers.max(1)
     }
+
+    /// An agreement on what each rank passed (`passed[rank][buffer]`), every buffer addressed
+    /// here where its rank passed it: for tests of decisions made from an agreement.
+    #[cfg(test)]
+    pub(crate) fn of_passed(passed: &[Vec<UserBuffer>]) -> Agreed {
+        Agreed {
+            buffers: passed.first().map_or(0, Vec::len),
+            entries: passed
+                .iter()
+                .flatten()
+                .map(|&b| Entry {
+                    here: b.ptr,
+                    theirs: b,
+                })
+                .collect(),
+        }
+    }
 }
 
 /// One of this rank's allocations, exported for the peers.

@@ -148,3 +148,44 @@ impl Algorithm for AllreduceCopyEngine {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every rank's (input, output) of `bytes` each.
+    fn agreed(buffers: &[(u64, u64)], bytes: usize) -> Agreed {
+        let passed: Vec<Vec<UserBuffer>> = buffers
+            .iter()
+            .map(|&(i, o)| vec![UserBuffer::new(i, bytes), UserBuffer::new(o, bytes)])
+            .collect();
+        Agreed::of_passed(&passed)
+    }
+
+    #[test]
+    fn every_rank_decides_the_same_path_from_everyone_s_buffers() {
+        let (mib, count, es) = (1u64 << 20, 1 << 18, 4);
+        let bytes = count * es;
+        // Out of place and disjoint everywhere: staged in the outputs.
+        let apart = agreed(&[(0, 8 * mib), (16 * mib, 32 * mib)], bytes);
+        assert_eq!(
+            CallPath::of(&apart, count, es),
+            CallPath::Staged(Staging::Output)
+        );
+        // One rank's buffers overlap: the scratch ring on every rank.
+        let overlap = agreed(&[(0, 8 * mib), (16 * mib, 16 * mib + 64)], bytes);
+        assert_eq!(
+            CallPath::of(&overlap, count, es),
+            CallPath::Staged(Staging::ScratchRing)
+        );
+        // In place on one rank only: the zero-copy kernel, as that rank's algorithm runs it.
+        let mixed = agreed(&[(0, 0), (16 * mib, 32 * mib)], bytes);
+        assert_eq!(CallPath::of(&mixed, count, es), CallPath::ZeroCopy);
+        // In place everywhere (this algorithm chosen by name): the scratch ring.
+        let in_place = agreed(&[(0, 0), (16 * mib, 16 * mib)], bytes);
+        assert_eq!(
+            CallPath::of(&in_place, count, es),
+            CallPath::Staged(Staging::ScratchRing)
+        );
+    }
+}
