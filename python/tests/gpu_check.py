@@ -2,7 +2,9 @@
 through `execute` with torch tensors of every dtype, out of place and in place, eager and under
 torch.cuda.graph; the RawGpuBuffer/DLPack round trip; an all-reduce without torch (raw pointers);
 the Torch integration guide's tuning loop over launch shapes (a shape an algorithm cannot run
-returns a non-zero CommResult and enqueues nothing, a valid one returns 0 and the right sum).
+returns a non-zero CommResult and enqueues nothing, a valid one returns 0 and the right sum); the
+zero-copy algorithms on tensors every rank allocates and places in its own pattern
+(GPU_CHECK_DIVERGENT_CALLS, default 400).
 Outputs are poisoned first and every element is checked: integers exact, floats against the
 float64 reference within one rounding per summed term relative to the largest sum of magnitudes.
 A call an algorithm declines (an unsupported type, a message beyond its scratch, a count that does
@@ -201,6 +203,61 @@ def user_selector(group):
     assert collection.select(group, "allreduce", 1 << 20, f32).collective == "allreduce"
 
 
+# The zero-copy algorithms, which read or write the peers' buffers: checked on buffers every rank
+# places differently (see `divergent_allocations`).
+ZERO_COPY = ("default_allreduce_rsag_zero_copy", "default_allgather_fullmesh2",
+             "default_reducescatter_zero_copy", "default_alltoall_zero_copy")
+
+
+def divergent_allocations(group, collection, calls):
+    """The user-buffer rule through the package: `calls` zero-copy calls whose tensors every rank
+    allocates in its own pattern, as PyTorch's caching allocator gives them (rank-dependent padding
+    allocations kept or dropped, views at odd element offsets into larger tensors, empty_cache() on
+    odd ranks now and then). The schedule (algorithm, dtype, size) is shared; each rank's placement
+    is its own. Every element is checked. Returns the number of calls checked."""
+    import random as rnd
+    rank, n = group.my_rank, group.nranks
+    algos = [a for a in collection if a.name in ZERO_COPY]
+    shared, mine = rnd.Random(20261202), rnd.Random(1000 + 7 * rank)
+    kept = []
+    for call in range(calls):
+        algo = algos[shared.randrange(len(algos))]
+        dtype = shared.choice([torch.float32, torch.bfloat16, torch.int32])
+        # Elements of the collective's unit per rank (`shapes`): the larger buffer stays the size drawn.
+        per = 1 if algo.collective == "allreduce" else n
+        count = max(1, shared.choice([4096, 65537, 1 << 18, 1 << 20]) // per)
+        for _ in range(mine.randrange(4)):
+            pad = torch.empty(mine.randrange(1, 1 << 20), dtype=torch.uint8, device="cuda")
+            if mine.random() < 0.5:
+                kept.append(pad)
+        if len(kept) > 16 or mine.random() < 0.1:
+            kept = kept[mine.randrange(len(kept) + 1):]
+        if rank % 2 and mine.random() < 0.05:
+            torch.cuda.empty_cache()
+        in_count, out_count = shapes(algo.collective, count, n)
+        inputs = [random(dtype, in_count, 31 * call + r) for r in range(n)]
+        want = expected(algo.collective, inputs, rank)
+
+        def view(length):
+            off = mine.randrange(0, 64) * 2 + 1
+            return torch.empty(length + off + 64, dtype=dtype, device="cuda")[off:off + length]
+        inp, out = view(in_count), view(out_count)
+        out.fill_(7)
+        inp.copy_(inputs[rank].cuda())
+        torch.cuda.synchronize()
+        reduces = algo.collective in ("allreduce", "reducescatter")
+        op = mscclpp.ReduceOp.SUM if reduces else mscclpp.ReduceOp.NOP
+        rc = algo.execute(group.communicator, inp.data_ptr(), out.data_ptr(), inp.nbytes, out.nbytes,
+                          mscclpp_utils.torch_dtype_to_mscclpp_dtype(dtype), op=op,
+                          stream=torch.cuda.current_stream().cuda_stream)
+        assert rc == mscclpp.CommResult.COMM_SUCCESS, f"{algo.name}: execute returned {rc!r}"
+        torch.cuda.synchronize()
+        summed = inputs if reduces else None
+        check(f"divergent call {call}: {algo.name} {dtype} count {count}", out, want, dtype, summed)
+        del inp, out
+    return calls
+
+
 def main():
     group = init_comm_group()
     rank = group.my_rank
@@ -209,6 +266,9 @@ def main():
     raw_pointer_allreduce(group, collection)
     launch_shape_loop(group, collection)
     user_selector(group)
+    calls = divergent_allocations(group, collection, int(os.environ.get("GPU_CHECK_DIVERGENT_CALLS", "400")))
+    print(f"rank {rank}: {calls} zero-copy calls on buffers placed differently per rank, all right",
+          flush=True)
     passed, refused, failed = 0, [], []
     seed = 1
     for algo in collection:
