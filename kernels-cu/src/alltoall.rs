@@ -13,13 +13,16 @@ pub const MAX_ALLTOALL_BLOCKS: usize = 128;
 /// `ExchangeTable`: what one rank publishes to every peer for one exchange (one copy per block
 /// slot): the bytes it sends to and expects from every rank, and the displacement of the side its
 /// peers address (its receive displacements where peers push, its send displacements where they
-/// pull). Every rank reads every table, so every rank sees every disagreement.
+/// pull). Every rank reads every table, so every rank sees every disagreement. `slice`: where this
+/// rank runs in place in rounds (push), the bytes per peer and round it stages (0: none); every
+/// rank then moves every pair's bytes in rounds of the smallest slice published.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ExchangeTable {
     pub send: [u64; MAX_RANKS],
     pub recv: [u64; MAX_RANKS],
     pub displs: [u64; MAX_RANKS],
+    pub slice: u64,
 }
 
 /// Bytes of one rank's table space (one [`ExchangeTable`] per block slot), which every peer maps.
@@ -103,6 +106,11 @@ pub struct AlltoallArgs {
     pub max_spin: u64,
     pub rank: u32,
     pub nranks: u32,
+    /// Push, in place in rounds: this rank's staging (`u8*`, at least `nranks * slice` bytes);
+    /// else 0.
+    pub stage: u64,
+    /// Bytes per peer and round this rank can stage at `stage` (0: not in rounds).
+    pub slice: u64,
 }
 
 /// `AlltoallDeviceArgs`: the one argument of `alltoallv_device_counts` (send counts in device
@@ -165,11 +173,11 @@ pub fn layout_asserts() -> String {
             $(check(stringify!($ty), stringify!($f), offset_of!($ty, $f));)+
         };
     }
-    fields!(ExchangeTable: send, recv, displs);
+    fields!(ExchangeTable: send, recv, displs, slice);
     fields!(CountMismatch: sender, receiver, sent, expected);
     fields!(AlltoallState: finished, found, mismatch);
     fields!(AlltoallArgs: local, remote, tables, send_counts, send_displs, recv_counts,
-        recv_displs, sems, state, error_word, max_spin, rank, nranks);
+        recv_displs, sems, state, error_word, max_spin, rank, nranks, stage, slice);
     fields!(AlltoallDeviceArgs: input, input_bytes, outputs, tables, send_counts, recv_counts,
         unit_bytes, output_bytes, sems, state, error_word, max_spin, rank, nranks);
     fields!(AlltoallPacketArgs: input, output, bytes, peer_scratch, local_scratch, slot_bytes,
@@ -198,13 +206,14 @@ mod tests {
 
     #[test]
     fn args_layout_is_the_documented_one() {
-        assert_eq!(size_of::<ExchangeTable>(), 192);
-        assert_eq!(TABLE_SCRATCH_BYTES, 24 << 10);
+        assert_eq!(size_of::<ExchangeTable>(), 200);
+        assert_eq!(TABLE_SCRATCH_BYTES, 25 << 10);
         assert_eq!(size_of::<AlltoallState>(), 32);
-        assert_eq!(size_of::<AlltoallArgs>(), 432);
+        assert_eq!(size_of::<AlltoallArgs>(), 448);
         assert_eq!(offset_of!(AlltoallArgs, sems), 392);
         let asserts = layout_asserts();
         assert!(asserts.contains("offsetof(AlltoallArgs, nranks) == 428"));
+        assert!(asserts.contains("offsetof(AlltoallArgs, slice) == 440"));
         assert_eq!(size_of::<AlltoallPacketArgs>(), 144);
         assert_eq!(size_of::<AlltoallDeviceArgs>(), 216);
         assert!(asserts.contains("offsetof(AlltoallDeviceArgs, nranks) == 212"));

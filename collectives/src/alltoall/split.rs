@@ -283,8 +283,9 @@ pub fn splits_of_matrix(
 }
 
 /// Bytes of each rank's chunk of a uniform all-to-all (`ExecuteArgs`: the whole send buffer, one
-/// equal chunk per rank in whole elements; out of place); errors name the algorithm, the rank and
-/// the sizes.
+/// equal chunk per rank in whole elements; out of place, or in place: one buffer, as NCCL's
+/// `ncclAlltoAll` with `sendbuff == recvbuff`); errors name the algorithm, the rank and the sizes
+/// (buffers that overlap other than in place are refused).
 pub fn uniform_chunk(name: &str, args: &ExecuteArgs, rank: usize, nranks: usize) -> Result<usize> {
     let count = args.input_count()?;
     if count % nranks.max(1) != 0 {
@@ -300,12 +301,26 @@ pub fn uniform_chunk(name: &str, args: &ExecuteArgs, rank: usize, nranks: usize)
             args.output_bytes, args.input_bytes
         )));
     }
-    if args.in_place() && args.input_bytes > 0 {
+    let overlap = args.input < args.output.saturating_add(args.output_bytes as u64)
+        && args.output < args.input.saturating_add(args.input_bytes as u64);
+    if overlap && !args.in_place() && args.input_bytes > 0 {
         return Err(Error::Unsupported(format!(
-            "rank {rank}: {name} in place (peers would overwrite chunks not yet sent)"
+            "rank {rank}: {name} with overlapping send and receive buffers other than in place \
+             (send {:#x}, receive {:#x})",
+            args.input, args.output
         )));
     }
     Ok(args.input_bytes / nranks.max(1))
+}
+
+/// Whether `send` and `recv` describe the same regions: every peer's bytes to it are sent from the
+/// region its bytes land in (zero-length peers' displacements do not matter). An in-place exchange
+/// of such splits can run in rounds (`zero_copy::InPlace::Rounds`).
+pub fn same_regions(send: &Split, recv: &Split) -> bool {
+    send.counts == recv.counts
+        && send.counts.len() == send.displs.len()
+        && recv.counts.len() == recv.displs.len()
+        && (0..send.counts.len()).all(|p| send.counts[p] == 0 || send.displs[p] == recv.displs[p])
 }
 
 #[cfg(test)]
@@ -495,11 +510,30 @@ mod tests {
         );
         let e = uniform_chunk("a2a", &args(16, 8, DataType::U8), 1, 2).unwrap_err();
         assert!(e.to_string().contains("output holds 8 bytes"), "{e}");
+        // In place is taken (the algorithms serve it); other overlaps are refused.
         let mut a = args(16, 16, DataType::U8);
         a.output = a.input;
+        assert_eq!(uniform_chunk("a2a", &a, 0, 2).unwrap(), 8);
+        a.output = a.input + 8;
         assert!(matches!(
             uniform_chunk("a2a", &a, 0, 2),
             Err(Error::Unsupported(_))
         ));
+        a.output = a.input + 16;
+        assert_eq!(uniform_chunk("a2a", &a, 0, 2).unwrap(), 8, "adjacent");
+    }
+
+    #[test]
+    fn same_regions_ignores_empty_peers_only() {
+        let u = Split::uniform(3, 4);
+        assert!(same_regions(&u, &u.clone()));
+        let mut r = u.clone();
+        r.counts[1] = 0;
+        assert!(!same_regions(&u, &r), "counts differ");
+        let mut s = r.clone();
+        s.displs[1] = 99;
+        assert!(same_regions(&s, &r), "an empty peer's displacement is free");
+        s.displs[2] = 0;
+        assert!(!same_regions(&s, &r), "a region moved");
     }
 }

@@ -17,6 +17,10 @@
 //   4. Per peer (self first, then rank + 1, ...) the block copies its share of the chunk: push
 //      stores into the peer's output at the peer's receive displacement; pull loads from the
 //      peer's input at the peer's send displacement.
+//      In rounds (push only): where some rank's table carries a slice (it is in place and its
+//      input does not fit its staging whole, see below), every rank moves every pair's bytes in
+//      rounds of the smallest slice published, each round behind a block barrier; the number of
+//      rounds follows the largest count of the matrix, so every rank passes the same barriers.
 //   5. End barrier (publishing), always, also after a mismatch: every rank's output is complete and
 //      every pull is done before any kernel ends, and no rank overwrites its table (next call)
 //      before every peer's same-numbered block read it. A failed call records its error only
@@ -25,6 +29,20 @@
 // Block b only ever reads slot b of a peer's table, and the end barrier of block b orders those reads
 // before the peer's next write of slot b, so the tables need no per-call flag.
 // Every rank must launch the same grid (blocks pair up with the peers' same-numbered blocks).
+//
+// In place (push; the host side is mscclpp_collectives::alltoall::zero_copy::InPlace): a peer's
+// store into this rank's output at slot [peer] would overwrite this rank's outgoing bytes for that
+// peer before they were sent. Either the host copies the whole input into this rank's staging first
+// (stream order puts the copy before this kernel, and peers store only after the start barrier)
+// and passes the copy as `local`: nothing here changes, for this rank or its peers. Or, where the
+// input does not fit, this rank's send and receive splits are the same (each region it sends to a
+// peer is the one that peer's bytes land in) and it passes `stage` and `slice`: then every rank
+// runs the rounds of step 4, and in round k this rank first copies its bytes of round k for every
+// other peer into `stage` (slot [peer], `slice` bytes apart), then passes the round's barrier, then
+// sends from there. A peer stores round k's bytes only after that barrier, and they are exactly the
+// bytes this rank copied in round k: block b of both sides splits the same count (the matrix
+// check) over the same grid, and the barrier pairs block b with the peers' block b. Its own chunk
+// is already in place and is not copied.
 
 using namespace mscclpp;
 using namespace mscclpp::coll;
@@ -35,6 +53,7 @@ struct ExchangeTable {
   u64 send[kMaxRanks];    // bytes this rank sends to each rank
   u64 recv[kMaxRanks];    // bytes this rank expects from each rank
   u64 displs[kMaxRanks];  // where in its registered side: receive (push) or send (pull) displacements
+  u64 slice;              // push, in place in rounds: bytes per peer and round it stages (0: none)
 };
 
 // The first disagreement a call found. kAnyRank stands for every rank of that side together.
@@ -55,7 +74,7 @@ struct AlltoallState {
   CountMismatch mismatch;
 };
 
-// The one kernel argument. Mirrored by mscclpp_kernels_cu::alltoall::AlltoallArgs (432 bytes; the
+// The one kernel argument. Mirrored by mscclpp_kernels_cu::alltoall::AlltoallArgs (448 bytes; the
 // static_asserts the NVRTC test generates from the Rust layout check every offset).
 struct AlltoallArgs {
   u8* local;        // this rank's input (push) or output (pull)
@@ -71,11 +90,19 @@ struct AlltoallArgs {
   u64 max_spin;  // reserved for waits of future protocols; the semaphores carry their own bound
   u32 rank;
   u32 nranks;
+  u8* stage;   // push, in place in rounds: this rank's staging, at least nranks * slice bytes (else null)
+  u64 slice;   // bytes per peer and round it can stage there (0: not in rounds)
 };
 
 // Largest grid of the exchange kernels (slots per rank in the table space). Mirrored by
 // mscclpp_kernels_cu::alltoall::MAX_ALLTOALL_BLOCKS.
 constexpr u32 kMaxAlltoallBlocks = 128;
+
+// No rank moves its bytes in rounds (ExchangeTable::slice of every rank is 0).
+constexpr u64 kNoSlice = ~0ull;
+
+// Bytes of a `count`-byte region in the round that starts at `at` and moves `step` bytes.
+MSCCLPP_DEVICE_INLINE u64 round_bytes(u64 count, u64 at, u64 step) { return count > at ? min(count - at, step) : 0; }
 
 // This block's slot of rank r's table.
 MSCCLPP_DEVICE_INLINE ExchangeTable* table_of(const PeerPtrs& tables, u32 r) {
@@ -111,13 +138,25 @@ MSCCLPP_DEVICE_INLINE void exchange(const AlltoallArgs& args) {
     mine->recv[r] = args.recv_counts[r];
     mine->displs[r] = kPull ? args.send_displs[r] : args.recv_displs[r];
   }
+  if (threadIdx.x == 0) mine->slice = kPull ? 0 : args.slice;
   if (!block_barrier(args.sems, npeers, true)) return;
-  // The whole matrix, so that every rank reaches the same verdict (step 3).
+  // The whole matrix, so that every rank reaches the same verdict (step 3), and the same rounds.
   __shared__ u32 first;
-  if (threadIdx.x == 0) first = kAnyRank;
+  __shared__ u64 slice, longest;
+  if (threadIdx.x == 0) {
+    first = kAnyRank;
+    slice = kNoSlice;
+    longest = 0;
+  }
   __syncthreads();
   for (u32 x = threadIdx.x; x < n * n; x += blockDim.x) {
-    if (table_of(args.tables, x / n)->send[x % n] != table_of(args.tables, x % n)->recv[x / n]) atomicMin(&first, x);
+    const u64 sent = table_of(args.tables, x / n)->send[x % n];
+    if (sent != table_of(args.tables, x % n)->recv[x / n]) atomicMin(&first, x);
+    atomicMax(&longest, sent);
+  }
+  for (u32 r = threadIdx.x; r < n; r += blockDim.x) {
+    const u64 s = table_of(args.tables, r)->slice;
+    if (s != 0) atomicMin(&slice, s);
   }
   __syncthreads();
   const bool mismatch = first != kAnyRank;
@@ -127,16 +166,39 @@ MSCCLPP_DEVICE_INLINE void exchange(const AlltoallArgs& args) {
       report_mismatch(args.state, s, d, table_of(args.tables, s)->send[d], table_of(args.tables, d)->recv[s]);
     }
   } else {
-    for (u32 i = 0; i < n; ++i) {
-      const u32 peer = (rank + i) % n;
-      const u64 theirs = table_of(args.tables, peer)->displs[rank];
-      const u64 bytes = kPull ? args.recv_counts[peer] : args.send_counts[peer];
-      u64 begin, end;
-      block_range(bytes, 16, begin, end);
-      u8* remote = static_cast<u8*>(args.remote.p[peer]) + theirs;
-      u8* dst = kPull ? args.local + args.recv_displs[peer] : remote;
-      const u8* src = kPull ? remote : args.local + args.send_displs[peer];
-      copy(dst + begin, src + begin, end - begin, threadIdx.x, blockDim.x);
+    // One round of everything, or rounds of `slice` bytes per pair (step 4): the same on every rank.
+    const bool rounds = slice != kNoSlice;
+    const u64 step = rounds ? slice : longest;
+    const u64 nrounds = rounds ? (longest + slice - 1) / slice : 1;
+    const bool staging = rounds && args.slice != 0;
+    for (u64 k = 0; k < nrounds; ++k) {
+      const u64 at = k * step;
+      if (rounds) {
+        if (staging) {
+          __syncthreads();  // this block's sends of the previous round read the stage
+          for (u32 i = 1; i < n; ++i) {
+            const u32 peer = (rank + i) % n;
+            u64 begin, end;
+            block_range(round_bytes(args.send_counts[peer], at, step), 16, begin, end);
+            copy(args.stage + peer * step + begin, args.local + args.send_displs[peer] + at + begin, end - begin,
+                 threadIdx.x, blockDim.x);
+          }
+        }
+        if (!block_barrier(args.sems, npeers, true)) return;
+      }
+      for (u32 i = staging ? 1 : 0; i < n; ++i) {
+        const u32 peer = (rank + i) % n;
+        const u64 theirs = table_of(args.tables, peer)->displs[rank] + at;
+        const u64 bytes = round_bytes(kPull ? args.recv_counts[peer] : args.send_counts[peer], at, step);
+        u64 begin, end;
+        block_range(bytes, 16, begin, end);
+        u8* remote = static_cast<u8*>(args.remote.p[peer]) + theirs;
+        u8* dst = kPull ? args.local + args.recv_displs[peer] + at : remote;
+        const u8* src = kPull      ? remote
+                        : staging ? args.stage + peer * step
+                                  : args.local + args.send_displs[peer] + at;
+        copy(dst + begin, src + begin, end - begin, threadIdx.x, blockDim.x);
+      }
     }
   }
   block_barrier(args.sems, npeers, true);
@@ -255,7 +317,10 @@ extern "C" __global__ void __launch_bounds__(1024, 1) alltoallv_device_counts(Al
 // barriers: the lines' flags are the only synchronisation, and the halves alternate by the parity of
 // the collection's shared call counter, which keeps one call's lines from overwriting those a peer
 // still reads, for the reason given at mscclpp_collectives::resources::CollectionResources.
-// Own chunk: copied directly. In place is not supported (the host refuses it).
+// Own chunk: copied directly. In place works as it is: a lane's stores into the output (line j of
+// chunk s) are the words it loaded from the input for line j of chunk s in the send loop before
+// (the same lanes take the same (peer, line) in both loops, and the same alignment), no peer
+// writes this rank's output, and the own chunk copies onto itself.
 // ------------------------------------------------------------------------------------------------
 
 // The one argument of alltoall_packet. Mirrored by mscclpp_kernels_cu::alltoall::AlltoallPacketArgs.
