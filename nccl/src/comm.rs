@@ -283,13 +283,30 @@ impl Comm {
         let mut order = self.stream_order.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(previous) = order.switch_to(stream) {
             self.gpu.set_device(self.device)?;
-            if !self.gpu.is_capturing(previous)? && !self.gpu.is_capturing(stream)? {
+            if !self.gpu.is_capturing(stream)? {
                 let event = match order.event {
                     Some(e) => e,
                     None => *order.event.insert(self.gpu.create_event()?),
                 };
-                self.gpu.record_event(event, previous)?;
-                self.gpu.stream_wait_event(stream, event)?;
+                // A stream the caller destroyed since takes no record (its work runs to its end
+                // unordered, as the driver's stream destruction lets it), and one being captured
+                // orders itself.
+                let recorded = self.gpu.is_capturing(previous).and_then(|capturing| {
+                    (!capturing)
+                        .then(|| self.gpu.record_event(event, previous))
+                        .transpose()
+                });
+                match recorded {
+                    Ok(Some(())) => self.gpu.stream_wait_event(stream, event)?,
+                    Ok(None) => {}
+                    Err(e) => tracing::debug!(
+                        target: "mscclpp::nccl",
+                        "rank {}: the previous operation's stream {:#x} takes no event ({e}); \
+                         not ordered after it",
+                        self.rank,
+                        previous.0
+                    ),
+                }
             }
         }
         Ok(())
