@@ -186,11 +186,24 @@ impl UserBufferTable {
     /// buffers): every rank's address of each of `buffers`, agreed as the module docs say.
     pub fn agree(&self, comm: &Communicator, buffers: &[UserBuffer]) -> Result<Arc<Agreed>> {
         let mut state = lock(&self.state)?;
-        let mut mine = Vec::with_capacity(buffers.len());
-        for b in buffers {
-            let (base, id) = state.export(comm, *b)?;
-            mine.push((*b, base, id));
-        }
+        let mine: Result<Vec<_>> = buffers
+            .iter()
+            .map(|&b| state.export(comm, b).map(|(base, id)| (b, base, id)))
+            .collect();
+        let mine = match mine {
+            Ok(mine) => mine,
+            Err(e) => {
+                // The peers are in the all-gather already: they learn why at once, and fail
+                // naming this rank, instead of waiting for the bootstrap timeout.
+                let call = Call {
+                    tag: self.tag,
+                    number: comm.next_agreement(),
+                    buffers: buffers.len(),
+                };
+                let _ = comm.bootstrap().all_gather(&describe_failure(call, &e));
+                return Err(e);
+            }
+        };
         let promised = Env::get()?.nccl_symmetric_memory;
         let key: Vec<(UserBuffer, u64)> = mine.iter().map(|&(b, _, id)| (b, id)).collect();
         if promised {
@@ -360,6 +373,21 @@ impl State {
     }
 }
 
+/// What a rank that cannot describe its buffers sends instead (`FAILED` buffers), with why.
+fn describe_failure(call: Call, e: &Error) -> Vec<u8> {
+    let why = e.to_string();
+    let mut out = Vec::with_capacity(24 + why.len());
+    out.extend_from_slice(&call.tag.to_le_bytes());
+    out.extend_from_slice(&call.number.to_le_bytes());
+    out.extend_from_slice(&FAILED.to_le_bytes());
+    out.extend_from_slice(&0u32.to_le_bytes());
+    out.extend_from_slice(why.as_bytes());
+    out
+}
+
+/// The buffer count of a rank that could not describe its buffers.
+const FAILED: u32 = u32::MAX;
+
 fn not_device_memory(b: UserBuffer, e: Error) -> Error {
     Error::InvalidArgument(format!(
         "buffer {:#x} ({} bytes) is not device memory this GPU can share: {e}",
@@ -401,6 +429,13 @@ impl<'a> Description<'a> {
         let (tag, number) = (u64_at(take(8)?), u64_at(take(8)?));
         let count = u32_at(take(4)?);
         let retired = u32_at(take(4)?);
+        if count == FAILED as usize {
+            let why = String::from_utf8_lossy(bytes.get(at..).unwrap_or_default());
+            return Err(Error::Peer {
+                rank,
+                message: format!("could not take part in call {number} of {name}: {why}"),
+            });
+        }
         if (tag, number, count) != (call.tag, call.number, call.buffers) {
             let what = if tag == call.tag {
                 format!("its call {number} of {name} ({count} buffers)")
@@ -513,6 +548,19 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(e.contains("another collective"), "{e}");
+    }
+
+    #[test]
+    fn a_peer_that_could_not_describe_its_buffers_is_named_with_its_reason() {
+        let why = Error::InvalidArgument("buffer 0x10 is not device memory".into());
+        let bytes = describe_failure(CALL, &why);
+        let e = Description::parse(5, &bytes, "AllReduce", CALL)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("rank 5"), "{e}");
+        assert!(e.contains("call 5 of AllReduce"), "{e}");
+        assert!(e.contains("not device memory"), "{e}");
     }
 
     #[test]
