@@ -296,10 +296,7 @@ impl State {
     /// which are then told.
     fn describe(&mut self, call: Call, mine: &[(UserBuffer, DevicePtr, u64)]) -> Vec<u8> {
         let mut out = Vec::with_capacity(24 + mine.len() * (BUFFER_HEADER + 512));
-        out.extend_from_slice(&call.tag.to_le_bytes());
-        out.extend_from_slice(&call.number.to_le_bytes());
-        out.extend_from_slice(&(mine.len() as u32).to_le_bytes());
-        out.extend_from_slice(&(self.retired.len() as u32).to_le_bytes());
+        header(&mut out, call, mine.len() as u32, self.retired.len());
         for &(b, base, id) in mine {
             let message = self.exports.get(&base).map_or(&[][..], |e| &e.message[..]);
             for word in [b.ptr, b.bytes as u64, base, id] {
@@ -377,12 +374,18 @@ impl State {
 fn describe_failure(call: Call, e: &Error) -> Vec<u8> {
     let why = e.to_string();
     let mut out = Vec::with_capacity(24 + why.len());
-    out.extend_from_slice(&call.tag.to_le_bytes());
-    out.extend_from_slice(&call.number.to_le_bytes());
-    out.extend_from_slice(&FAILED.to_le_bytes());
-    out.extend_from_slice(&0u32.to_le_bytes());
+    header(&mut out, call, FAILED, 0);
     out.extend_from_slice(why.as_bytes());
     out
+}
+
+/// The head of every description: the call (tag, number), the buffer count (or [`FAILED`]) and
+/// how many retired ids follow the buffers.
+fn header(out: &mut Vec<u8>, call: Call, buffers: u32, retired: usize) {
+    out.extend_from_slice(&call.tag.to_le_bytes());
+    out.extend_from_slice(&call.number.to_le_bytes());
+    out.extend_from_slice(&buffers.to_le_bytes());
+    out.extend_from_slice(&(retired as u32).to_le_bytes());
 }
 
 /// The buffer count of a rank that could not describe its buffers.
@@ -493,10 +496,7 @@ mod tests {
 
     fn description(buffers: &[(u64, u64, u64, u64, &[u8])], retired: &[u64]) -> Vec<u8> {
         let mut out = Vec::new();
-        out.extend_from_slice(&CALL.tag.to_le_bytes());
-        out.extend_from_slice(&CALL.number.to_le_bytes());
-        out.extend_from_slice(&(buffers.len() as u32).to_le_bytes());
-        out.extend_from_slice(&(retired.len() as u32).to_le_bytes());
+        header(&mut out, CALL, buffers.len() as u32, retired.len());
         for &(ptr, bytes, base, id, export) in buffers {
             for w in [ptr, bytes, base, id] {
                 out.extend_from_slice(&w.to_le_bytes());
@@ -508,6 +508,14 @@ mod tests {
             out.extend_from_slice(&id.to_le_bytes());
         }
         out
+    }
+
+    /// The error `parse` gives, as text.
+    fn refusal(rank: usize, bytes: &[u8], name: &str, call: Call) -> String {
+        match Description::parse(rank, bytes, name, call) {
+            Ok(_) => panic!("rank {rank}'s description was taken"),
+            Err(e) => e.to_string(),
+        }
     }
 
     #[test]
@@ -529,24 +537,15 @@ mod tests {
     fn a_different_call_on_a_peer_is_named() {
         let two = [(0x1010, 64, 0x1000, 7, &b"x"[..]), (0, 0, 0, 0, &b""[..])];
         let bytes = description(&two[..1], &[]);
-        let e = Description::parse(3, &bytes, "algo", CALL)
-            .err()
-            .unwrap()
-            .to_string();
+        let e = refusal(3, &bytes, "algo", CALL);
         assert!(e.contains("rank 3"), "{e}");
         assert!(e.contains("its call 5 of algo (1 buffers)"), "{e}");
         let bytes = description(&two, &[]);
         let later = Call { number: 6, ..CALL };
-        let e = Description::parse(2, &bytes, "algo", later)
-            .err()
-            .unwrap()
-            .to_string();
+        let e = refusal(2, &bytes, "algo", later);
         assert!(e.contains("different orders"), "{e}");
         let other = Call { tag: 78, ..CALL };
-        let e = Description::parse(2, &bytes, "algo", other)
-            .err()
-            .unwrap()
-            .to_string();
+        let e = refusal(2, &bytes, "algo", other);
         assert!(e.contains("another collective"), "{e}");
     }
 
@@ -554,10 +553,7 @@ mod tests {
     fn a_peer_that_could_not_describe_its_buffers_is_named_with_its_reason() {
         let why = Error::InvalidArgument("buffer 0x10 is not device memory".into());
         let bytes = describe_failure(CALL, &why);
-        let e = Description::parse(5, &bytes, "AllReduce", CALL)
-            .err()
-            .unwrap()
-            .to_string();
+        let e = refusal(5, &bytes, "AllReduce", CALL);
         assert!(e.contains("rank 5"), "{e}");
         assert!(e.contains("call 5 of AllReduce"), "{e}");
         assert!(e.contains("not device memory"), "{e}");

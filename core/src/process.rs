@@ -151,15 +151,20 @@ pub fn guarded<T>(name: &str, body: impl FnOnce() -> T) -> Option<T> {
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(t) => Some(t),
         Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a panic without a message".into());
+            let what = panic_message(panic.as_ref());
             tracing::error!("thread {name} of mscclpp-rs panicked (a bug): {what}");
             None
         }
     }
+}
+
+/// The message a panic carried (`panic!`'s text), for an error or a log line.
+pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
 }
 
 #[cfg(test)]

@@ -95,11 +95,7 @@ pub fn ffi(call: &str, body: impl FnOnce() -> CallResult) -> NcclResult {
             failure.code
         }
         Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".into());
+            let what = mscclpp::core::process::panic_message(panic.as_ref());
             let failure = Failure::new(
                 INTERNAL_ERROR,
                 format!("internal error (a bug in mscclpp-rs): {what}"),
