@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU suite and the benchmark on the device machine (from the repository root there).
 # Usage: [NGPU=k] [NRANKS=n] [MPS=1] [HOSTS=h] bash .gpu/gpu-run.sh [suite|bench|all|fault] [extra args for the binary]
-#        [NRANKS=n] [MPS=1] [SHIM_CHECK_QUICK=1] bash .gpu/gpu-run.sh nccl [torch|initall|kill|abort|watchdog|fallback|bench|hostcost]
+#        [NRANKS=n] [MPS=1] [SHIM_CHECK_QUICK=1] bash .gpu/gpu-run.sh nccl [torch|initall|inplace|kill|abort|watchdog|fallback|bench|hostcost]
 #        [TORCH_BENCH_TIMEOUT=s] bash .gpu/gpu-run.sh nccl bench [torch_bench.py run options]
 # Writes logs into $OUT (or ./gpu-out when $OUT is unset).
 set -uo pipefail
@@ -115,6 +115,10 @@ if [ "$what" = nccl ]; then
   script=.gpu/torch_check.py
   case "$mode" in
     initall) NRANKS="$nranks" python3 "$script" initall ;;
+    # nccl-tests' in-place calls, one process a rank, through the C interface (bounded: a call
+    # that never finishes is the failure it looks for).
+    inplace) env -u MSCCLPP_NCCL_LIB_PATH timeout -k 10 "${SHIM_CHECK_TIMEOUT:-540}" \
+               torchrun --nproc_per_node="$nranks" --master_port="${PORT:-29511}" "$script" inplace ;;
     kill|abort) env -u MSCCLPP_NCCL_LIB_PATH torchrun --nproc_per_node=2 --master_port="${PORT:-29511}" "$script" "$mode" ;;
     # PyTorch's watchdog aborting the shim's communicator while rank 0 is inside a call; the
     # script starts both ranks itself (with the shim preloaded) to see rank 0's own exit status,

@@ -9,7 +9,7 @@ rm -rf .gpu && mkdir -p .gpu/bin .gpu/lib
 for b in mscclpp-bench mscclpp-gpu-suite; do
   if [ -x "target/release/$b" ]; then cp "target/release/$b" .gpu/bin/; fi
 done
-# The NCCL shim, its checks (`bash .gpu/gpu-run.sh nccl [torch|initall|kill|abort|watchdog|fallback]`) and
+# The NCCL shim, its checks (`bash .gpu/gpu-run.sh nccl [torch|initall|inplace|kill|abort|watchdog|fallback]`) and
 # its timings against PyTorch's NCCL (`bash .gpu/gpu-run.sh nccl bench`).
 cp target/release/libmscclpp_nccl.so .gpu/lib/
 cp nccl/scripts/torch_check.py nccl/scripts/torch_bench.py nccl/scripts/host_cost.py nccl/scripts/torch_divergent.py .gpu/

@@ -10,6 +10,14 @@
 //! scatter's input off the root) are never touched, so they may be null. `ExecuteArgs::nblocks` and
 //! `nthreads` reach the engine's kernel as every algorithm takes them (`None`: the engine's choice,
 //! by the bytes the root moves); a request out of range is an error naming the rank and the call.
+//!
+//! In place as NCCL defines it: gather's input is the root's own slot of its output
+//! (`sendbuff == recvbuff + root * chunk`), scatter's output the root's own slot of its input
+//! (`recvbuff == sendbuff + root * chunk`; nccl-tests passes the same offsets on every rank, where
+//! only the root's matter). Only the root's own chunk meets itself, so nothing more is needed.
+//! Up to the engine's stage ([`crate::alltoall::zero_copy::rooted_via_stage`]) a call maps no
+//! user buffer at all: every sender copies its side into its stage and the receivers pull it from
+//! there, which spares small calls the per-call buffer agreement.
 
 use crate::alltoall::{AlltoallZeroCopy, Buffer, Rooted};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
@@ -125,10 +133,11 @@ impl Algorithm for GatherScatter {
     }
 
     fn prepare(&self, args: &ExecuteArgs) -> Result<()> {
-        if self.chunk(args)? == 0 {
+        let chunk = self.chunk(args)?;
+        if chunk == 0 {
             return Ok(());
         }
-        self.engine.prepare_rooted(self.op, args.root)
+        self.engine.prepare_rooted(self.op, chunk, args.root)
     }
 
     fn execute(&self, args: &ExecuteArgs) -> Result<()> {
@@ -224,5 +233,23 @@ mod tests {
         let mut same = args(32, 8, 1);
         same.output = same.input + 8;
         assert_eq!(chunk_bytes(s, &same, 1, 4).unwrap(), 8);
+        // nccl-tests passes the in-place offsets on every rank: off the root they are taken too
+        // (only the root's matter, and its own chunk is the one that meets itself).
+        for rank in [0, 2, 3] {
+            let mut scatter = args(32, 8, 1);
+            scatter.output = scatter.input + 8 * rank as u64;
+            assert_eq!(
+                chunk_bytes(s, &scatter, rank, 4).unwrap(),
+                8,
+                "scatter rank {rank}"
+            );
+            let mut gather = args(8, 32, 1);
+            gather.input = gather.output + 8 * rank as u64;
+            assert_eq!(
+                chunk_bytes(g, &gather, rank, 4).unwrap(),
+                8,
+                "gather rank {rank}"
+            );
+        }
     }
 }

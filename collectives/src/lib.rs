@@ -52,7 +52,8 @@ use std::sync::Arc;
 
 /// The builder's default `scratch_bytes` s. The collection makes one allocation of 30 MiB from it
 /// and lends it to every algorithm, the all-to-all family included (its exchange tables take the
-/// first 24 KiB of the staging part, its packets up to 2 MiB of the LL128 part), at 2, 4 and 8
+/// first 25 KiB of the staging part, its in-place copies the rest of it, its packets up to 2 MiB
+/// of the LL128 part), at 2, 4 and 8
 /// ranks alike (`resources::CollectionResources`, `resources::scratch_bounds`):
 /// s/2 = 4 MiB of LL16 packets, 9s/4 = 18 MiB of LL128 lines, s = 8 MiB (less the call counter,
 /// semaphores and the point-to-point engine's region, up to 0.97 MiB at 8 ranks: 7 MiB at 3 to 8

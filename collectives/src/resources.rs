@@ -198,7 +198,8 @@ impl ScratchRegion {
 /// a table and after its last), so no call before it still writes there when it writes its table,
 /// and no call after it writes there before every peer read it. Stale table bytes are harmless to
 /// the staging part's other users, which read only what a peer pushed in the same step, after a
-/// barrier (no flags there, unlike the packet parts).
+/// barrier (no flags there, unlike the packet parts). The rest of the staging part is also the
+/// all-to-all family's copy space ([`Self::alltoall_stage`]), in the same window.
 ///
 /// Rule for callers: the calls of one collection must be ordered on the device (one stream, or
 /// streams ordered by events), as NCCL requires of one communicator's collectives; calls on
@@ -390,6 +391,20 @@ impl CollectionResources {
             )));
         }
         Ok(self.region_between(begin, begin + TABLE_SCRATCH_BYTES))
+    }
+
+    /// The rest of the staging part after the all-to-all tables (see the type's docs; `bytes` 0
+    /// where the tables take it all): where the all-to-all exchange copies a rank's input before
+    /// an in-place call and a gather's or scatter's senders copy what they send (their peers read
+    /// it there instead of a registered buffer). A copy there is written after this rank's previous
+    /// call ended and before its exchange kernel's start barrier, and read before its end barrier,
+    /// the same window as the tables': every part of the staging part a peer stores into is read
+    /// by this rank within the call that stored it, so none is still in flight when this rank's
+    /// next call starts, and no peer stores into it again before that exchange's end barrier.
+    pub fn alltoall_stage(&self) -> ScratchRegion {
+        let (begin, end) = self.range(ScratchPart::Staging);
+        let begin = (begin + TABLE_SCRATCH_BYTES).min(end);
+        self.region_between(begin, end)
     }
 }
 

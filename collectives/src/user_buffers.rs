@@ -2,7 +2,7 @@
 //!
 //! The rule. A kernel that reads or writes a peer's user buffer (a framework tensor, anything the
 //! caller passed) uses the address that peer passed to the same call, never one remembered from an
-//! earlier call. Every call therefore starts with one bootstrap all-gather in which each rank
+//! earlier call. Every call therefore starts with one all-gather in which each rank
 //! describes the buffers it passed ([`UserBufferTable::agree`]): its address and size, the
 //! allocation holding it (base and buffer id) and that allocation's export handle. Each rank then
 //! maps whichever peer allocations it has not mapped yet and computes every peer's address from
@@ -192,17 +192,7 @@ impl UserBufferTable {
             .collect();
         let mine = match mine {
             Ok(mine) => mine,
-            Err(e) => {
-                // The peers are in the all-gather already: they learn why at once, and fail
-                // naming this rank, instead of waiting for the bootstrap timeout.
-                let call = Call {
-                    tag: self.tag,
-                    number: comm.next_agreement(),
-                    buffers: buffers.len(),
-                };
-                let _ = comm.bootstrap().all_gather(&describe_failure(call, &e));
-                return Err(e);
-            }
+            Err(e) => return Err(self.refuse(comm, buffers.len(), e)),
         };
         let promised = Env::get()?.nccl_symmetric_memory;
         let key: Vec<(UserBuffer, u64)> = mine.iter().map(|&(b, _, id)| (b, id)).collect();
@@ -223,6 +213,21 @@ impl UserBufferTable {
             state.promised.insert(key, agreed.clone());
         }
         Ok(agreed)
+    }
+}
+
+impl UserBufferTable {
+    /// Collective, in place of [`Self::agree`] with `buffers` buffers, for a rank that cannot take
+    /// part in this call (`why`): the peers are in the all-gather already, so they learn why at
+    /// once and fail naming this rank, instead of waiting for the bootstrap timeout. Returns `why`.
+    pub fn refuse(&self, comm: &Communicator, buffers: usize, why: Error) -> Error {
+        let call = Call {
+            tag: self.tag,
+            number: comm.next_agreement(),
+            buffers,
+        };
+        let _ = comm.bootstrap().all_gather(&describe_failure(call, &why));
+        why
     }
 }
 

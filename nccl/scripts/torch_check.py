@@ -7,12 +7,18 @@ Modes (run through `.gpu/gpu-run.sh nccl MODE`, which preloads the shim and sets
             (integers exact, floats against float64 with a per-type tolerance);
   initall   one process, NRANKS ranks through ncclCommInitAll (ranks may share one GPU):
             all-reduce and all-gather in one group, then ncclReduce, ncclGather, ncclScatter at
-            every root and ncclAlltoAll, each a group over every communicator; each rank on one of
+            every root and ncclAlltoAll (gather, scatter and all-to-all also in place), each a
+            group over every communicator; each rank on one of
             PyTorch's streams, or with INITALL_STREAMS=raw on one created through the driver;
             INITALL_COUNT sets the first group's element count (100003); INITALL_FIRST picks
             what that group holds: both (all-reduce then all-gather, the default), allreduce,
             allgather (of the unreduced inputs), or apart (the two in separate groups, synced
             between), to tell one kernel's fault from the two's interplay;
+  inplace   under torchrun, NRANKS processes (ranks may share a GPU under MPS): nccl-tests'
+            in-place calls through the C interface (ncclScatter, ncclGather, ncclAlltoAll, also
+            with rank 0 alone in place, ncclAllGather, ncclReduceScatter), each after the same call
+            out of place in the same buffers, 128 B to 64 MiB (INPLACE_MAX_BYTES; gather and
+            scatter to 4 MiB, INPLACE_ROOTED_MAX_BYTES);
   kill      under torchrun, 2 ranks: rank 1 exits without teardown while rank 0 is in an
             all-reduce; rank 0 must see ncclCommGetAsyncError report an error, not hang;
   abort     under torchrun, 2 ranks: rank 0 is blocked in an all-reduce rank 1 never joins, and
@@ -437,6 +443,7 @@ def torch_mode():
 # ---------------------------------------------------------------- ctypes modes
 
 NCCL_INT32, NCCL_FLOAT, NCCL_SUM, NCCL_MAX = 2, 7, 0, 2
+NCCL_INVALID_USAGE = 5
 
 
 def async_errors(lib, comms, name):
@@ -507,7 +514,24 @@ def rooted_and_exchanges(lib, comms, devs, streams):
                 ptr(ins[r]), ptr(outs[r]), size_t(count), NCCL_INT32, root, comm[r], stream[r])):
             for r in range(n):
                 check_exact(f"{name} rank {r}", outs[r], big[r * count:(r + 1) * count])
-    for chunk in (1, 3, 70001):
+        # In place at NCCL's offsets on every rank: scatter recvbuff = sendbuff + r * count, gather
+        # sendbuff = recvbuff + r * count.
+        bufs = [big.to(on[r]) if r == root else torch.zeros_like(big, device=on[r]) for r in range(n)]
+        name = f"initall ncclScatter in place root={root}"
+        if grouped(lib, name, comms, streams, lambda r: lib.ncclScatter(
+                ptr(bufs[r]), ptr(bufs[r][r * count:]), size_t(count), NCCL_INT32, root, comm[r], stream[r])):
+            for r in range(n):
+                want = torch.zeros_like(big)
+                want[r * count:(r + 1) * count] = big[r * count:(r + 1) * count]
+                check_exact(f"{name} rank {r}", bufs[r], big if r == root else want)
+        bufs = [torch.zeros(count * n, device=on[r]) for r in range(n)]
+        for r in range(n):
+            bufs[r][r * count:(r + 1) * count].copy_(xs[r])
+        name = f"initall ncclGather in place root={root}"
+        if grouped(lib, name, comms, streams, lambda r: lib.ncclGather(
+                ptr(bufs[r][r * count:]), ptr(bufs[r]), size_t(count), NCCL_FLOAT, root, comm[r], stream[r])):
+            check_exact(name, bufs[root], torch.cat(xs))
+    for chunk in (1, 3, 70001, 1 << 20):
         xs = [make_input(torch.float32, chunk * n, r, 19) for r in range(n)]
         ins = [xs[r].to(on[r]) for r in range(n)]
         outs = [torch.zeros(chunk * n, device=on[r]) for r in range(n)]
@@ -517,6 +541,17 @@ def rooted_and_exchanges(lib, comms, devs, streams):
             for r in range(n):
                 want = torch.cat([xs[s][r * chunk:(r + 1) * chunk] for s in range(n)])
                 check_exact(f"{name} rank {r}", outs[r], want)
+        # In place: served while the whole buffer fits the engine's stage (about 7 MiB), so
+        # the first chunk * n floats of each rank's input, at most 6 MiB.
+        chunk = min(chunk, (6 << 20) // (4 * n))
+        xs = [x[:chunk * n] for x in xs]
+        bufs = [xs[r].to(on[r]) for r in range(n)]
+        name = f"initall ncclAlltoAll in place chunk={chunk}"
+        if grouped(lib, name, comms, streams, lambda r: lib.ncclAlltoAll(
+                ptr(bufs[r]), ptr(bufs[r]), size_t(chunk), NCCL_FLOAT, comm[r], stream[r])):
+            for r in range(n):
+                want = torch.cat([xs[s][r * chunk:(r + 1) * chunk] for s in range(n)])
+                check_exact(f"{name} rank {r}", bufs[r], want)
 
 
 def rank_stream(device):
@@ -609,11 +644,11 @@ def initall_mode():
     report("PASS", "ncclCommDestroy of every rank")
 
 
-def comm_pair(lib):
-    """Two ranks under torchrun: the id goes through torchrun's store."""
+def comm_pair(lib, n=2):
+    """n ranks (two by default) under torchrun: the id goes through torchrun's store."""
     import torch.distributed as dist
     rank = int(os.environ["RANK"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 2, False)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), n, False)
     uid = ctypes.create_string_buffer(128)
     if rank == 0:
         assert lib.ncclGetUniqueId(uid) == 0, last_error(lib)
@@ -625,7 +660,7 @@ def comm_pair(lib):
     class Id(ctypes.Structure):
         _fields_ = [("internal", ctypes.c_ubyte * 128)]
     comm = ctypes.c_void_p()
-    rc = lib.ncclCommInitRank(ctypes.byref(comm), 2, Id.from_buffer_copy(uid.raw), rank)
+    rc = lib.ncclCommInitRank(ctypes.byref(comm), n, Id.from_buffer_copy(uid.raw), rank)
     if rc:
         raise RuntimeError(f"init: {last_error(lib)}")
     return rank, comm, store
@@ -818,10 +853,119 @@ def watchdog_mode():
         report(status, name, f"({detail}; {took:.1f} s)")
 
 
+def inplace_mode():
+    """nccl-tests' in-place calls, one process a rank (WORLD_SIZE of them, under torchrun; ranks
+    may share a GPU under MPS), called through the C interface as nccl-tests calls them: per size,
+    a send buffer S and a receive buffer R allocated once, the call out of place, then in place in
+    R at NCCL's offsets on every rank (scatter recvbuff = R + rank * count, gather sendbuff = R +
+    rank * count, all-to-all R both, all-gather sendbuff = R + rank * count, reduce-scatter
+    recvbuff = R + rank * count), root 0; plus an all-to-all with rank 0 in place and the others out
+    of place. Each call is synchronised and checked (moved data bit-exact, the sum against float64);
+    a call that does not finish is what SHIM_CHECK_TIMEOUT bounds. Sizes are nccl-tests' totals
+    from 128 B: up to INPLACE_ROOTED_MAX_BYTES (4 MiB) for gather and scatter, whose in-place form
+    hung at 128 B when each rank kept its own cache of registered buffers, and up to
+    INPLACE_MAX_BYTES (64 MiB) for the rest. In-place all-to-all is served up to the engine's stage
+    (about 7 MiB a rank); beyond it each rank must get ncclInvalidUsage naming the stage."""
+    lib = shim()
+    n = int(os.environ["WORLD_SIZE"])
+    rank, comm, _store = comm_pair(lib, n)
+    stream = torch.cuda.Stream()
+    sptr = ctypes.c_void_p(stream.cuda_stream)
+    size_t = ctypes.c_size_t
+    ptr = lambda t: ctypes.c_void_p(t.data_ptr())
+    rooted_max = int(os.environ.get("INPLACE_ROOTED_MAX_BYTES", str(4 << 20)))
+    most = int(os.environ.get("INPLACE_MAX_BYTES", str(64 << 20)))
+    sizes = [128 << (2 * i) for i in range(12) if 128 << (2 * i) <= most]
+    root = 0
+
+    def run(name, call):
+        """One call on the stream, synchronised; whether it succeeded, with the error reported."""
+        torch.cuda.synchronize()
+        rc = call()
+        if rc != 0:
+            report("FAIL", f"{name}: rc {rc}", last_error(lib))
+            return False
+        stream.synchronize()
+        state = ctypes.c_int(-1)
+        lib.ncclCommGetAsyncError(comm, ctypes.byref(state))
+        if state.value != 0:
+            report("FAIL", f"{name}: async error {state.value}", last_error(lib))
+            return False
+        return True
+
+    for total in sizes:
+        count = total // (4 * n)
+        if count == 0:
+            continue
+        every = [make_input(torch.int32, count * n, r, 23 + total % 97) for r in range(n)]
+        mine = every[rank].cuda()
+        S = mine.clone()
+        R = torch.full((count * n,), -3, dtype=torch.int32, device="cuda")
+        chunk = lambda t, r: t[r * count:(r + 1) * count]
+        if total <= rooted_max:
+            # Scatter: the root's S (then R) holds every rank's chunk.
+            name = f"inplace ncclScatter {total} B out of place rank {rank}"
+            if run(name, lambda: lib.ncclScatter(ptr(S), ptr(R), size_t(count), NCCL_INT32, root, comm, sptr)):
+                check_exact(name, R[:count], chunk(every[root], rank))
+            R.copy_(mine)
+            name = f"inplace ncclScatter {total} B in place rank {rank}"
+            if run(name, lambda: lib.ncclScatter(ptr(R), ptr(chunk(R, rank)), size_t(count), NCCL_INT32,
+                                                 root, comm, sptr)):
+                check_exact(name, chunk(R, rank), chunk(every[root], rank))
+            # Gather: every rank's first chunk, into the root's R.
+            R.fill_(-3)
+            name = f"inplace ncclGather {total} B out of place rank {rank}"
+            want = torch.cat([chunk(every[r], 0) for r in range(n)])
+            if run(name, lambda: lib.ncclGather(ptr(S), ptr(R), size_t(count), NCCL_INT32, root, comm, sptr)) \
+                    and rank == root:
+                check_exact(name, R, want)
+            R.fill_(-3)
+            chunk(R, rank).copy_(chunk(mine, 0))
+            name = f"inplace ncclGather {total} B in place rank {rank}"
+            if run(name, lambda: lib.ncclGather(ptr(chunk(R, rank)), ptr(R), size_t(count), NCCL_INT32,
+                                                root, comm, sptr)) and rank == root:
+                check_exact(name, R, want)
+        want = torch.cat([chunk(every[s], rank) for s in range(n)])
+        for placement in ("out of place", "in place", "in place on rank 0 only"):
+            if total > (7 << 20) and placement != "out of place":
+                if placement == "in place":
+                    # Beyond the stage every rank refuses at once, before anything collective.
+                    torch.cuda.synchronize()
+                    rc = lib.ncclAlltoAll(ptr(R), ptr(R), size_t(count), NCCL_INT32, comm, sptr)
+                    why = last_error(lib)
+                    report("PASS" if rc == NCCL_INVALID_USAGE and "stage" in why else "FAIL",
+                           f"inplace ncclAlltoAll {total} B in place rank {rank} refused",
+                           f"(rc {rc}: {why})")
+                continue
+            R.fill_(-3)
+            here = placement == "in place" or (placement != "out of place" and rank == 0)
+            if here:
+                R.copy_(mine)
+            src = R if here else S
+            name = f"inplace ncclAlltoAll {total} B {placement} rank {rank}"
+            if run(name, lambda: lib.ncclAlltoAll(ptr(src), ptr(R), size_t(count), NCCL_INT32, comm, sptr)):
+                check_exact(name, R, want)
+        # All-gather and reduce-scatter at NCCL's in-place offsets.
+        R.fill_(-3)
+        chunk(R, rank).copy_(chunk(mine, 0))
+        name = f"inplace ncclAllGather {total} B in place rank {rank}"
+        if run(name, lambda: lib.ncclAllGather(ptr(chunk(R, rank)), ptr(R), size_t(count), NCCL_INT32,
+                                               comm, sptr)):
+            check_exact(name, R, torch.cat([chunk(every[r], 0) for r in range(n)]))
+        F = every[rank].float().cuda()
+        name = f"inplace ncclReduceScatter {total} B in place rank {rank}"
+        if run(name, lambda: lib.ncclReduceScatter(ptr(F), ptr(chunk(F, rank)), size_t(count), NCCL_FLOAT,
+                                                   NCCL_SUM, comm, sptr)):
+            ref = reduce_ref([chunk(x, rank).float() for x in every], "sum", torch.float32)
+            check(name, chunk(F, rank), ref, torch.float32, n)
+    lib.ncclCommDestroy(comm)
+    report("PASS", f"inplace: ncclCommDestroy rank {rank}")
+
+
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "torch"
-    {"torch": torch_mode, "initall": initall_mode, "kill": lambda: fault_mode("kill"),
-     "abort": lambda: fault_mode("abort"), "watchdog": watchdog_mode,
-     "watchdog-rank": watchdog_rank}[mode]()
+    {"torch": torch_mode, "initall": initall_mode, "inplace": inplace_mode,
+     "kill": lambda: fault_mode("kill"), "abort": lambda: fault_mode("abort"),
+     "watchdog": watchdog_mode, "watchdog-rank": watchdog_rank}[mode]()
     print(f"[rank {os.environ.get('RANK', '0')}] SUMMARY {RESULTS}", flush=True)
     sys.exit(1 if RESULTS["FAIL"] else 0)

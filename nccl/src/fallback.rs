@@ -18,11 +18,18 @@ pub type RawStream = *mut c_void;
 type Buf = *const c_void;
 type BufMut = *mut c_void;
 
+/// `ncclAlltoAll`'s prototype (NCCL 2.28 on).
+pub type AlltoallFn =
+    unsafe extern "C" fn(Buf, BufMut, usize, c_int, RawComm, RawStream) -> NcclResult;
+
 macro_rules! real_functions {
     ($( $field:ident : $name:literal => fn($($arg:ty),*) -> $ret:ty ; )*) => {
         /// The functions of the real library the shim calls.
         pub struct RealNccl {
             $( pub $field: unsafe extern "C" fn($($arg),*) -> $ret, )*
+            /// `ncclAlltoAll` where the library has it (2.28 on): the fallback of an in-place
+            /// all-to-all, which a group of sends and receives on one buffer cannot serve.
+            pub alltoall: Option<AlltoallFn>,
             pub version: c_int,
             pub location: String,
             _lib: Library,
@@ -36,7 +43,9 @@ macro_rules! real_functions {
                         .map_err(|e| format!("{location} has no {}: {e}",
                             String::from_utf8_lossy(&$name[..$name.len() - 1])))?;
                 )*
-                Ok(RealNccl { $($field,)* version: 0, location, _lib: lib })
+                // SAFETY: the documented prototype of ncclAlltoAll (NCCL 2.28).
+                let alltoall = unsafe { lib.get::<AlltoallFn>(b"ncclAlltoAll\0") }.ok().map(|f| *f);
+                Ok(RealNccl { $($field,)* alltoall, version: 0, location, _lib: lib })
             }
         }
     };

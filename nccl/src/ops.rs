@@ -336,8 +336,24 @@ nccl_export! {
             if count == 0 { return Ok(SUCCESS); }
             let pairs: Vec<(c_int, usize)> = (0..c.nranks).map(|p| (p as c_int, p * chunk)).collect();
             let native = Native::Run(Collective::AllToAll, args(&c, (sendbuff, recvbuff), (total, total), t, ReduceOp::Sum, 0, stream));
+            let in_place = sendbuff == recvbuff.cast_const();
+            if let Fallback::Ready { real, .. } = &c.fallback {
+                if in_place && real.alltoall.is_none() && c.forced("alltoall") {
+                    return Err(Failure::invalid_usage(format!(
+                        "alltoall on rank {}: MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION sends it to the real NCCL, whose library ({}) has no ncclAlltoAll to run it in place (a group of sends and receives on one buffer cannot)",
+                        c.rank, real.location)));
+                }
+            }
             submit(&c, "alltoall", native,
-                Box::new(move |r, rc| exchange(r, rc, &Exchange { sendbuff, recvbuff, count, datatype, stream }, &pairs, &pairs)))
+                Box::new(move |r, rc| match (in_place, r.alltoall) {
+                    // A group of sends and receives on one buffer would let a peer's chunk land
+                    // before this rank's chunk for it was sent: the real ncclAlltoAll, or nothing.
+                    // SAFETY: the documented prototype; the caller's buffers and stream.
+                    (true, Some(alltoall)) => unsafe { alltoall(sendbuff, recvbuff, count, datatype, rc, stream_of(stream)) },
+                    // Only where no native algorithm took it either (beyond the all-to-all stage).
+                    (true, None) => INVALID_USAGE,
+                    (false, _) => exchange(r, rc, &Exchange { sendbuff, recvbuff, count, datatype, stream }, &pairs, &pairs),
+                }))
         })
     }
 }

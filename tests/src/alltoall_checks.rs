@@ -25,6 +25,17 @@
 //! two ranks, nothing hangs; the job's communicator stays healthy for later sections), and device
 //! counts that overflow a receiver's output (likewise, on another communicator of its own).
 //!
+//! In place (one buffer per rank at NCCL's offsets: all-to-all(-v) `sendbuff == recvbuff`, gather
+//! `sendbuff = recvbuff + rank * chunk`, scatter `recvbuff = sendbuff + rank * chunk`, on every
+//! rank as nccl-tests passes them): zero-copy and packet all-to-all over the same sizes, also with
+//! rank 0 alone in place (a mix NCCL allows), all-to-all-v with symmetric skewed splits (same send
+//! and receive regions) and with skewed splits received in reverse rank order, so that regions
+//! differ, the all-to-alls only up to the engine's stage (in place is copied whole into it first,
+//! and refused beyond it), gather and scatter over
+//! their matrix sizes; the whole buffer is checked: the received regions, and every other byte as
+//! it was uploaded. Then nccl-tests' own sequence: out of place, then in place in the same two
+//! buffers (the in-place scatter that hung on a registration only rank 0 had cached).
+//!
 //! After every check the ranks agree (bootstrap all-gather) on whether it completed; after a
 //! failure the remaining checks are skipped on every rank instead of each timing out.
 
@@ -42,6 +53,7 @@ use mscclpp_collectives::alltoall::{
     Split, ALLTOALL_ZERO_COPY,
 };
 use mscclpp_collectives::gather_scatter::GatherScatter;
+use std::cell::RefCell;
 use std::sync::Arc;
 
 const POISON: u8 = 0xA5;
@@ -60,7 +72,7 @@ pub const ALLTOALLV_SIZES: [usize; 7] = [0, 1, 3, 4096 + 8, MIB - 1, 64 * MIB, G
 /// on `n` ranks: the same on every rank.
 fn bytes_per_rank(op: Op, bytes: usize, n: usize) -> usize {
     match op {
-        Op::SendRecv | Op::Alltoallv => bytes,
+        Op::SendRecv | Op::Alltoallv | Op::AlltoallvSymmetric | Op::AlltoallvReversed => bytes,
         Op::Alltoall | Op::AlltoallPacket | Op::Gather(..) | Op::Scatter(..) => bytes * n,
     }
 }
@@ -83,6 +95,12 @@ enum Op {
     /// `default_sendrecv_zero_copy` with shift 1 (the ring).
     SendRecv,
     Alltoallv,
+    /// All-to-all-v of a symmetric skewed matrix: every rank's send and receive regions are the
+    /// same.
+    AlltoallvSymmetric,
+    /// All-to-all-v of the skewed matrix with the receive regions packed in reverse rank order:
+    /// every rank's send and receive regions differ (in place, copied whole into the stage).
+    AlltoallvReversed,
     /// Through `default_gather_zero_copy` / `default_scatter_zero_copy`'s `execute` at a root,
     /// with the caller's (nblocks, nthreads) where given.
     Gather(usize, Option<Geometry>),
@@ -92,6 +110,44 @@ enum Op {
 /// A caller's launch geometry: (nblocks, nthreads).
 type Geometry = (u32, u32);
 
+/// Where a check's buffers lie.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Placement {
+    /// An input and an output.
+    Apart,
+    /// One buffer per rank, at NCCL's in-place offsets ([`Buffers::place`]).
+    InPlace,
+    /// In place on rank 0 only, apart elsewhere.
+    InPlaceOnRank0,
+}
+
+impl Placement {
+    fn in_place(self, rank: usize) -> bool {
+        match self {
+            Placement::Apart => false,
+            Placement::InPlace => true,
+            Placement::InPlaceOnRank0 => rank == 0,
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Placement::Apart => "",
+            Placement::InPlace => " in place",
+            Placement::InPlaceOnRank0 => " in place on rank 0",
+        }
+    }
+}
+
+/// `m` made symmetric (the upper triangle mirrored), so that packed splits of it give every rank
+/// the same send and receive regions.
+fn symmetric(m: Vec<Vec<usize>>) -> Vec<Vec<usize>> {
+    let n = m.len();
+    (0..n)
+        .map(|s| (0..n).map(|d| m[s.min(d)][s.max(d)]).collect())
+        .collect()
+}
+
 /// Every rank's (send, receive) split for `op` with `bytes` (per peer, or per rank for v).
 fn splits(op: Op, n: usize, bytes: usize, skew: f64) -> Result<Vec<(Split, Split)>> {
     Ok(match op {
@@ -99,11 +155,24 @@ fn splits(op: Op, n: usize, bytes: usize, skew: f64) -> Result<Vec<(Split, Split
             .map(|_| (Split::uniform(n, bytes), Split::uniform(n, bytes)))
             .collect(),
         Op::SendRecv => (0..n).map(|r| shift_splits(r, n, 1, bytes)).collect(),
-        Op::Alltoallv => {
-            let m = skewed_matrix(n, bytes, skew);
-            (0..n)
+        Op::Alltoallv | Op::AlltoallvSymmetric | Op::AlltoallvReversed => {
+            let mut m = skewed_matrix(n, bytes, skew);
+            if matches!(op, Op::AlltoallvSymmetric) {
+                m = symmetric(m);
+            }
+            let mut all: Vec<(Split, Split)> = (0..n)
                 .map(|r| splits_of_matrix(&m, r, 1))
-                .collect::<Result<_>>()?
+                .collect::<Result<_>>()?;
+            if matches!(op, Op::AlltoallvReversed) {
+                for (_, recv) in &mut all {
+                    let mut at = 0;
+                    for p in (0..n).rev() {
+                        recv.displs[p] = at;
+                        at += recv.counts[p];
+                    }
+                }
+            }
+            all
         }
         Op::Gather(root, _) => (0..n)
             .map(|r| {
@@ -128,22 +197,34 @@ fn splits(op: Op, n: usize, bytes: usize, skew: f64) -> Result<Vec<(Split, Split
     })
 }
 
-/// Device buffers of one rank for one exchange, filled and poisoned.
+/// Device buffers of one rank for one exchange, filled and poisoned: an input and an output, or
+/// (in place) both in one buffer.
 struct Buffers {
-    input: mscclpp::core::gpu::Allocation,
-    output: mscclpp::core::gpu::Allocation,
-    in_bytes: usize,
-    out_bytes: usize,
+    /// What this value frees (none for a view of another's allocation).
+    allocs: Vec<mscclpp::core::gpu::Allocation>,
+    input: Buffer,
+    output: Buffer,
+    /// In place: the one buffer, and the bytes last uploaded into it (what must still be there
+    /// outside the received regions).
+    shared: Option<(Buffer, RefCell<Vec<u8>>)>,
     gpu: Arc<dyn Gpu>,
 }
 
 impl Buffers {
     fn new(gpu: &Arc<dyn Gpu>, in_bytes: usize, out_bytes: usize) -> Result<Buffers> {
+        let input = gpu.alloc(in_bytes.max(16), MemoryKind::Plain)?;
+        let output = gpu.alloc(out_bytes.max(16), MemoryKind::Plain)?;
         Ok(Buffers {
-            input: gpu.alloc(in_bytes.max(16), MemoryKind::Plain)?,
-            output: gpu.alloc(out_bytes.max(16), MemoryKind::Plain)?,
-            in_bytes,
-            out_bytes,
+            input: Buffer {
+                ptr: input.ptr,
+                bytes: in_bytes,
+            },
+            output: Buffer {
+                ptr: output.ptr,
+                bytes: out_bytes,
+            },
+            allocs: vec![input, output],
+            shared: None,
             gpu: gpu.clone(),
         })
     }
@@ -157,65 +238,164 @@ impl Buffers {
         )
     }
 
-    /// Uploads this rank's send data for `key` and poisons the output.
+    /// Buffers for `op` on this rank, in place or apart.
+    fn place(
+        gpu: &Arc<dyn Gpu>,
+        op: Op,
+        (rank, n): (usize, usize),
+        (send, recv): (&Split, &Split),
+        in_place: bool,
+    ) -> Result<Buffers> {
+        if !in_place {
+            return Buffers::for_splits(gpu, rank, send, recv);
+        }
+        let (whole, _, _) = in_place_layout(op, (rank, n), (send, recv))?;
+        let alloc = gpu.alloc(whole.max(16), MemoryKind::Plain)?;
+        let mut b = Buffers::in_place_in(gpu, alloc.ptr, op, (rank, n), (send, recv))?;
+        b.allocs.push(alloc);
+        Ok(b)
+    }
+
+    /// A view of `op` in place in the buffer at `base` (owned elsewhere, at least as large as
+    /// [`in_place_layout`] says).
+    fn in_place_in(
+        gpu: &Arc<dyn Gpu>,
+        base: u64,
+        op: Op,
+        (rank, n): (usize, usize),
+        (send, recv): (&Split, &Split),
+    ) -> Result<Buffers> {
+        let (whole, input, output) = in_place_layout(op, (rank, n), (send, recv))?;
+        let at = |(offset, bytes): (usize, usize)| Buffer {
+            ptr: base + offset as u64,
+            bytes,
+        };
+        Ok(Buffers {
+            allocs: Vec::new(),
+            input: at(input),
+            output: at(output),
+            shared: Some((
+                Buffer {
+                    ptr: base,
+                    bytes: whole,
+                },
+                RefCell::new(Vec::new()),
+            )),
+            gpu: gpu.clone(),
+        })
+    }
+
+    /// Uploads this rank's send data for `key` and poisons the output (in place: poisons the
+    /// buffer, then writes the send data at the input's place).
     fn fill(&self, key: u64, rank: usize, send: &Split) -> Result<()> {
-        let mut data = vec![POISON; self.in_bytes];
+        let mut data = vec![POISON; self.input.bytes];
         for (dst, (&c, &d)) in send.counts.iter().zip(&send.displs).enumerate() {
             byte_pattern::fill(&mut data[d..d + c], message_key(key, rank, dst, 0));
+        }
+        if let Some((whole, image)) = &self.shared {
+            let mut all = vec![POISON; whole.bytes];
+            let at = (self.input.ptr - whole.ptr) as usize;
+            all[at..at + data.len()].copy_from_slice(&data);
+            self.gpu.copy_to_device(whole.ptr, &all)?;
+            *image.borrow_mut() = all;
+            return Ok(());
         }
         self.gpu.copy_to_device(self.input.ptr, &data)?;
         self.gpu.memset_async(
             self.output.ptr,
             POISON,
-            self.out_bytes.max(16),
+            self.output.bytes.max(16),
             Stream::DEFAULT,
         )?;
         self.gpu.synchronize_stream(Stream::DEFAULT)
     }
 
-    /// Checks the whole output; the first wrong byte is described.
+    /// Checks the whole output (in place: the whole buffer, every byte outside the received
+    /// regions as uploaded); the first wrong byte is described.
     fn verify(&self, key: u64, rank: usize, recv: &Split) -> Result<()> {
-        let mut got = vec![0u8; self.out_bytes];
-        self.gpu.copy_from_device(&mut got, self.output.ptr)?;
-        let mut want = vec![POISON; self.out_bytes];
+        let (base, at, mut want) = match &self.shared {
+            Some((whole, image)) => (
+                *whole,
+                (self.output.ptr - whole.ptr) as usize,
+                image.borrow().clone(),
+            ),
+            None => (self.output, 0, vec![POISON; self.output.bytes]),
+        };
+        let mut got = vec![0u8; base.bytes];
+        self.gpu.copy_from_device(&mut got, base.ptr)?;
         for (src, (&c, &d)) in recv.counts.iter().zip(&recv.displs).enumerate() {
-            byte_pattern::fill(&mut want[d..d + c], message_key(key, src, rank, 0));
+            byte_pattern::fill(
+                &mut want[at + d..at + d + c],
+                message_key(key, src, rank, 0),
+            );
         }
-        if let Some((at, wrong)) = byte_pattern::differences(&got, &want) {
+        if let Some((wrong_at, wrong)) = byte_pattern::differences(&got, &want) {
             let region = (0..recv.counts.len())
                 .find(|&s| {
                     recv.counts[s] > 0
-                        && (recv.displs[s]..recv.displs[s] + recv.counts[s]).contains(&at)
+                        && (at + recv.displs[s]..at + recv.displs[s] + recv.counts[s])
+                            .contains(&wrong_at)
                 })
                 .map_or("outside every region".to_string(), |s| {
                     format!("from rank {s}")
                 });
+            let place = if self.shared.is_some() {
+                format!(" of the in-place buffer, whose output starts at {at}")
+            } else {
+                String::new()
+            };
             return Err(Error::Internal(format!(
-                "rank {rank}: {wrong} wrong bytes, first at {at} ({region}): got {:#04x}, want {:#04x}",
-                got[at], want[at]
+                "rank {rank}: {wrong} wrong bytes, first at {wrong_at}{place} ({region}): got \
+                 {:#04x}, want {:#04x}",
+                got[wrong_at], want[wrong_at]
             )));
         }
         Ok(())
     }
 
     fn input(&self) -> Buffer {
-        Buffer {
-            ptr: self.input.ptr,
-            bytes: self.in_bytes,
-        }
+        self.input
     }
     fn output(&self) -> Buffer {
-        Buffer {
-            ptr: self.output.ptr,
-            bytes: self.out_bytes,
-        }
+        self.output
     }
+}
+
+/// (offset, bytes) of a buffer within the one buffer of an in-place check.
+type Span = (usize, usize);
+
+/// Where `op` lies in place on `rank` of `n` with its `send` and `recv` splits, as NCCL (and
+/// nccl-tests, on every rank) places it: (bytes of the buffer, (offset, bytes) of the input,
+/// (offset, bytes) of the output). Gather: the input at the rank's slot of the output; scatter: the
+/// output at the rank's slot of the input; the all-to-alls: both at the start.
+fn in_place_layout(
+    op: Op,
+    (rank, n): (usize, usize),
+    (send, recv): (&Split, &Split),
+) -> Result<(usize, Span, Span)> {
+    Ok(match op {
+        Op::Gather(root, _) => {
+            let c = send.counts[root];
+            (n * c, (rank * c, c), (0, n * c))
+        }
+        Op::Scatter(root, _) => {
+            let c = recv.counts[root];
+            (n * c, (0, n * c), (rank * c, c))
+        }
+        _ => {
+            let whole = send
+                .extent(rank, Side::Send)?
+                .max(recv.extent(rank, Side::Recv)?);
+            (whole, (0, whole), (0, whole))
+        }
+    })
 }
 
 impl Drop for Buffers {
     fn drop(&mut self) {
-        let _ = self.gpu.free(&self.input);
-        let _ = self.gpu.free(&self.output);
+        for a in &self.allocs {
+            let _ = self.gpu.free(a);
+        }
     }
 }
 
@@ -245,8 +425,8 @@ fn execute(
     algo.execute(&ExecuteArgs {
         input: b.input.ptr,
         output: b.output.ptr,
-        input_bytes: b.in_bytes,
-        output_bytes: b.out_bytes,
+        input_bytes: b.input.bytes,
+        output_bytes: b.output.bytes,
         dtype: DataType::U8,
         op: ReduceOp::Sum,
         accum: AccumType::Auto,
@@ -271,7 +451,9 @@ fn enqueue(
         Op::Alltoall => execute_uniform(engine.as_ref(), b, stream),
         Op::AlltoallPacket => execute_uniform(&engines.packet, b, stream),
         Op::SendRecv => execute_uniform(&engines.shift, b, stream),
-        Op::Alltoallv => engine.alltoallv(b.input(), b.output(), send, recv, stream, None, None),
+        Op::Alltoallv | Op::AlltoallvSymmetric | Op::AlltoallvReversed => {
+            engine.alltoallv(b.input(), b.output(), send, recv, stream, None, None)
+        }
         Op::Gather(root, geometry) => execute(&engines.gather, b, root, geometry, stream),
         Op::Scatter(root, geometry) => execute(&engines.scatter, b, root, geometry, stream),
     }
@@ -303,6 +485,7 @@ pub fn check_uniform(
 }
 
 /// One checked exchange, eager or captured once and replayed twice on fresh data.
+#[allow(clippy::too_many_arguments)]
 fn check_one(
     ctx: &RankContext,
     engines: &Engines,
@@ -311,11 +494,18 @@ fn check_one(
     skew: f64,
     key: u64,
     graph: bool,
+    placement: Placement,
 ) -> Result<()> {
     let (rank, n) = (ctx.rank(), ctx.size());
     let all = splits(op, n, bytes, skew)?;
     let (send, recv) = &all[rank];
-    let b = Buffers::for_splits(&ctx.gpu, rank, send, recv)?;
+    let b = Buffers::place(
+        &ctx.gpu,
+        op,
+        (rank, n),
+        (send, recv),
+        placement.in_place(rank),
+    )?;
     let gpu = &ctx.gpu;
     let stream = gpu.create_stream()?;
     let result = (|| {
@@ -610,6 +800,68 @@ fn device_counts_overflow(ctx: &RankContext, comm: Arc<Communicator>) -> Result<
     Ok("every rank failed naming rank 0's output, nothing written, no hang".into())
 }
 
+/// What nccl-tests 2.19 does for scatter, gather and all-to-all at root 0: per size, a send buffer
+/// S and a receive buffer R of `nranks` chunks each, the call out of place (S to R), then in place
+/// in R at NCCL's offsets (scatter: `recvbuff = R + rank * chunk`, gather: `sendbuff = R + rank *
+/// chunk`, all-to-all: R both), each checked. The in-place scatter hands rank 0 back the output it
+/// had out of place while every other rank's output is new, which hung when a gather or scatter
+/// registered its buffers through a per-rank cache (rank 0 in the kernel, the others in the
+/// registration's exchange). Chunks of 64 B, 4 KiB + 8 and 1 MiB - 8, those whose `nranks` chunks
+/// fit the engine's stage (within it gathers and scatters map no user buffer, and the all-to-all
+/// is served in place).
+fn nccl_tests_sequence(ctx: &RankContext, engines: &Engines, key: u64) -> Result<String> {
+    let (rank, n) = (ctx.rank(), ctx.size());
+    let mut done = 0;
+    for (o, op) in [Op::Scatter(0, None), Op::Gather(0, None), Op::Alltoall]
+        .into_iter()
+        .enumerate()
+    {
+        for (i, bytes) in [64, 4096 + 8, MIB - 8].into_iter().enumerate() {
+            if bytes * n > engines.zero_copy.stage_bytes() {
+                continue;
+            }
+            let all = splits(op, n, bytes, 0.0)?;
+            let (send, recv) = &all[rank];
+            let whole = n * bytes;
+            let mut apart = Buffers::new(&ctx.gpu, whole, whole)?;
+            (apart.input.bytes, apart.output.bytes) = match op {
+                Op::Gather(..) => (bytes, whole),
+                Op::Scatter(..) => (whole, bytes),
+                _ => (whole, whole),
+            };
+            let r = apart.output.ptr;
+            let key = key ^ ((o * 8 + i) as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            for (placement, b) in [
+                ("out of place", &apart),
+                (
+                    "in place",
+                    &Buffers::in_place_in(&ctx.gpu, r, op, (rank, n), (send, recv))?,
+                ),
+            ] {
+                b.fill(key, rank, send)?;
+                enqueue(engines, op, b, send, recv, Stream::DEFAULT)?;
+                ctx.gpu.synchronize_stream(Stream::DEFAULT)?;
+                ctx.comm.check_device_errors()?;
+                b.verify(key, rank, recv).map_err(|e| {
+                    Error::Internal(format!("{} {bytes} B {placement}: {e}", op_name(op)))
+                })?;
+                done += 1;
+            }
+        }
+    }
+    Ok(format!(
+        "{done} calls correct (scatter, gather, all-to-all at root 0)"
+    ))
+}
+
+fn op_name(op: Op) -> &'static str {
+    match op {
+        Op::Gather(..) => "gather",
+        Op::Scatter(..) => "scatter",
+        _ => "all-to-all",
+    }
+}
+
 /// Gather and scatter with an out-of-range nblocks or nthreads: refused on every rank with an error
 /// naming the rank and the value, before anything collective (so no rank is left waiting).
 fn bad_geometry(ctx: &RankContext, engines: &Engines) -> Result<String> {
@@ -639,6 +891,9 @@ fn bad_geometry(ctx: &RankContext, engines: &Engines) -> Result<String> {
     }
     Ok("nblocks 0, nblocks beyond the grid and nthreads 100 each refused by name".into())
 }
+
+/// One row of the matrix: its name, the exchange, its sizes, skews and placement.
+type Row = (String, Op, Vec<usize>, &'static [f64], Placement);
 
 /// Runs the all-to-all family checks on this rank; returns (check name, outcome) in order.
 pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
@@ -671,48 +926,56 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
     let root = n / 2;
     // The caller's geometry reaches the gather and scatter kernels: a small grid of narrow blocks.
     let asked = (3, 128);
-    let rows: [(String, Op, Vec<usize>, &[f64]); 8] = [
+    let apart = Placement::Apart;
+    let mut rows: Vec<Row> = vec![
         (
             format!("{SENDRECV_ZERO_COPY} (ring)"),
             Op::SendRecv,
             chunk_sizes(1),
             &[0.0],
+            apart,
         ),
         (
             ALLTOALL_ZERO_COPY.to_string(),
             Op::Alltoall,
             chunk_sizes(n),
             &[0.0],
+            apart,
         ),
         (
             ALLTOALL_PACKET.to_string(),
             Op::AlltoallPacket,
             vec![0, 1, 3, 4096 + 8, 64 << 10, packet_max],
             &[0.0],
+            apart,
         ),
         (
             "alltoallv (skewed)".into(),
             Op::Alltoallv,
             ALLTOALLV_SIZES.to_vec(),
             &SKEWS,
+            apart,
         ),
         (
             format!("gather (root {root})"),
             Op::Gather(root, None),
             chunk_sizes(n),
             &[0.0],
+            apart,
         ),
         (
             format!("scatter (root {root})"),
             Op::Scatter(root, None),
             chunk_sizes(n),
             &[0.0],
+            apart,
         ),
         (
             format!("gather (root 0, nblocks {} nthreads {})", asked.0, asked.1),
             Op::Gather(0, Some(asked)),
             vec![4096 + 8, MIB - 1],
             &[0.0],
+            apart,
         ),
         (
             format!(
@@ -724,12 +987,92 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
             Op::Scatter(n - 1, Some(asked)),
             vec![4096 + 8, MIB - 1],
             &[0.0],
+            apart,
         ),
     ];
+    // In place: every row above that NCCL runs in place, at NCCL's offsets (`Buffers::place`).
+    let packet_sizes = vec![0, 1, 3, 4096 + 8, 64 << 10, packet_max];
+    // In place is served up to the engine's stage (the input is copied there first).
+    let stage = engine.stage_bytes();
+    let fits = |op: Op, sizes: Vec<usize>| -> Vec<usize> {
+        sizes
+            .into_iter()
+            .filter(|&b| bytes_per_rank(op, b, n) <= stage)
+            .collect()
+    };
+    let in_place = Placement::InPlace;
+    let mixed = Placement::InPlaceOnRank0;
+    rows.extend([
+        (
+            ALLTOALL_ZERO_COPY.to_string(),
+            Op::Alltoall,
+            fits(Op::Alltoall, chunk_sizes(n)),
+            &[0.0][..],
+            in_place,
+        ),
+        (
+            ALLTOALL_ZERO_COPY.to_string(),
+            Op::Alltoall,
+            fits(Op::Alltoall, chunk_sizes(n)),
+            &[0.0],
+            mixed,
+        ),
+        (
+            ALLTOALL_PACKET.to_string(),
+            Op::AlltoallPacket,
+            packet_sizes.clone(),
+            &[0.0],
+            in_place,
+        ),
+        (
+            ALLTOALL_PACKET.to_string(),
+            Op::AlltoallPacket,
+            packet_sizes,
+            &[0.0],
+            mixed,
+        ),
+        (
+            "alltoallv (skewed, symmetric)".into(),
+            Op::AlltoallvSymmetric,
+            fits(Op::AlltoallvSymmetric, ALLTOALLV_SIZES.to_vec()),
+            &SKEWS,
+            in_place,
+        ),
+        (
+            "alltoallv (skewed, symmetric)".into(),
+            Op::AlltoallvSymmetric,
+            vec![4096 + 8, MIB - 1],
+            &[1.5],
+            mixed,
+        ),
+        // Regions that differ.
+        (
+            "alltoallv (skewed, received in reverse rank order)".into(),
+            Op::AlltoallvReversed,
+            vec![1, 3, 4096 + 8, MIB - 1],
+            &SKEWS,
+            in_place,
+        ),
+        (
+            format!("gather (root {root})"),
+            Op::Gather(root, None),
+            chunk_sizes(n),
+            &[0.0],
+            in_place,
+        ),
+        (
+            format!("scatter (root {root})"),
+            Op::Scatter(root, None),
+            chunk_sizes(n),
+            &[0.0],
+            in_place,
+        ),
+    ]);
     let mut out = Vec::new();
     let mut aborted: Option<String> = None;
     let mut case = 0u64;
-    for (name, op, sizes, skews) in rows {
+    for (name, op, sizes, skews, placement) in rows {
+        let name = format!("{name}{}", placement.label());
         if let Some(why) = &aborted {
             out.push((name, Err(Error::Internal(format!("not run: {why}")))));
             continue;
@@ -749,7 +1092,7 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
                         "{name} {bytes} B skew {skew} {}",
                         if graph { "graph" } else { "eager" }
                     );
-                    let r = check_one(ctx, &engines, op, bytes, skew, key, graph);
+                    let r = check_one(ctx, &engines, op, bytes, skew, key, graph, placement);
                     let completed = ran_to_end(&r);
                     if let Err(why) = tally.record(ctx, &what, r, completed) {
                         aborted = Some(why);
@@ -776,6 +1119,10 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
         out.push((
             "gather/scatter: bad nblocks or nthreads refused".into(),
             bad_geometry(ctx, &engines),
+        ));
+        out.push((
+            "nccl-tests' sequence: out of place, then in place in the same buffers".into(),
+            nccl_tests_sequence(ctx, &engines, run_seed ^ 0x1A5E),
         ));
         out.push((
             "alltoallv: device counts (MoE routing)".into(),
@@ -811,6 +1158,8 @@ mod tests {
                 Op::AlltoallPacket,
                 Op::SendRecv,
                 Op::Alltoallv,
+                Op::AlltoallvSymmetric,
+                Op::AlltoallvReversed,
                 Op::Gather(n / 2, None),
                 Op::Scatter(n - 1, Some((3, 128))),
             ];
@@ -824,5 +1173,45 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The in-place all-to-all-v rows: the whole in-place buffer holds both sides, and the engine
+    /// copies it whole within the stage and refuses it beyond.
+    #[test]
+    fn in_place_rows_have_the_regions_the_engine_needs() {
+        use mscclpp_collectives::alltoall::zero_copy::{in_place_plan, InPlace};
+        for n in [2, 3, 8] {
+            for &bytes in &ALLTOALLV_SIZES {
+                for skew in SKEWS {
+                    for (rank, (send, recv)) in splits(Op::AlltoallvSymmetric, n, bytes, skew)
+                        .unwrap()
+                        .iter()
+                        .enumerate()
+                    {
+                        let (whole, input, output) =
+                            in_place_layout(Op::AlltoallvSymmetric, (rank, n), (send, recv))
+                                .unwrap();
+                        assert_eq!((input, output), ((0, whole), (0, whole)));
+                        // Copied whole within a 7 MiB stage, refused beyond it.
+                        let one = Buffer {
+                            ptr: 1 << 40,
+                            bytes: whole,
+                        };
+                        match in_place_plan("t", rank, (one, send), (one, recv), 7 * MIB) {
+                            Ok(InPlace::No) => assert!(bytes == 0 || send.total() == 0),
+                            Ok(InPlace::Copy { bytes: b }) => assert!(b <= 7 * MIB),
+                            Err(e) => assert!(whole > 7 * MIB, "{e}"),
+                        }
+                    }
+                }
+            }
+        }
+        // Gather and scatter at NCCL's offsets: the input at the rank's slot, or the output.
+        let g = splits(Op::Gather(1, None), 4, 8, 0.0).unwrap();
+        let layout = in_place_layout(Op::Gather(1, None), (2, 4), (&g[2].0, &g[2].1)).unwrap();
+        assert_eq!(layout, (32, (16, 8), (0, 32)));
+        let sc = splits(Op::Scatter(1, None), 4, 8, 0.0).unwrap();
+        let layout = in_place_layout(Op::Scatter(1, None), (3, 4), (&sc[3].0, &sc[3].1)).unwrap();
+        assert_eq!(layout, (32, (0, 32), (24, 8)));
     }
 }

@@ -1,6 +1,8 @@
 //! `default_alltoall_packet`: small all-to-alls through LL128 lines in the peers' scratch
-//! (`alltoall_packet` in kernels/alltoall.cu). No barriers and no registration: any buffers, one
-//! kernel on the caller's stream, and a device call counter that keeps graph replays in step.
+//! (`alltoall_packet` in kernels/alltoall.cu). No barriers and no registration: any buffers (in
+//! place too: no peer writes this rank's output, and each lane stores only what it loaded first,
+//! see the kernel), one kernel on the caller's stream, and a device call counter that keeps graph
+//! replays in step.
 //!
 //! Resources are the collection's ([`CollectionResources`]): up to [`PACKET_SCRATCH_BYTES`] of its
 //! LL128 part (`nranks` slots in each half, the halves alternating by its shared call counter) and

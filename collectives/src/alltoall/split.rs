@@ -283,8 +283,9 @@ pub fn splits_of_matrix(
 }
 
 /// Bytes of each rank's chunk of a uniform all-to-all (`ExecuteArgs`: the whole send buffer, one
-/// equal chunk per rank in whole elements; out of place); errors name the algorithm, the rank and
-/// the sizes.
+/// equal chunk per rank in whole elements; out of place, or in place: one buffer, as NCCL's
+/// `ncclAlltoAll` with `sendbuff == recvbuff`); errors name the algorithm, the rank and the sizes
+/// (buffers that overlap other than in place are refused).
 pub fn uniform_chunk(name: &str, args: &ExecuteArgs, rank: usize, nranks: usize) -> Result<usize> {
     let count = args.input_count()?;
     if count % nranks.max(1) != 0 {
@@ -300,9 +301,13 @@ pub fn uniform_chunk(name: &str, args: &ExecuteArgs, rank: usize, nranks: usize)
             args.output_bytes, args.input_bytes
         )));
     }
-    if args.in_place() && args.input_bytes > 0 {
+    let overlap = args.input < args.output.saturating_add(args.output_bytes as u64)
+        && args.output < args.input.saturating_add(args.input_bytes as u64);
+    if overlap && !args.in_place() && args.input_bytes > 0 {
         return Err(Error::Unsupported(format!(
-            "rank {rank}: {name} in place (peers would overwrite chunks not yet sent)"
+            "rank {rank}: {name} with overlapping send and receive buffers other than in place \
+             (send {:#x}, receive {:#x})",
+            args.input, args.output
         )));
     }
     Ok(args.input_bytes / nranks.max(1))
@@ -495,11 +500,16 @@ mod tests {
         );
         let e = uniform_chunk("a2a", &args(16, 8, DataType::U8), 1, 2).unwrap_err();
         assert!(e.to_string().contains("output holds 8 bytes"), "{e}");
+        // In place is taken (the algorithms serve it); other overlaps are refused.
         let mut a = args(16, 16, DataType::U8);
         a.output = a.input;
+        assert_eq!(uniform_chunk("a2a", &a, 0, 2).unwrap(), 8);
+        a.output = a.input + 8;
         assert!(matches!(
             uniform_chunk("a2a", &a, 0, 2),
             Err(Error::Unsupported(_))
         ));
+        a.output = a.input + 16;
+        assert_eq!(uniform_chunk("a2a", &a, 0, 2).unwrap(), 8, "adjacent");
     }
 }

@@ -17,13 +17,28 @@
 //! (every rank sends; the non-roots' outputs are never touched, and may be null).
 //!
 //! Resources are the collection's ([`CollectionResources`]): the first blocks of its semaphore
-//! table, its `AlltoallState` and the start of its staging part for the tables (see there why
-//! sharing them is safe). [`AlltoallZeroCopy::new`] builds a small collection of its own
-//! (one 2 MiB allocation) for an engine used apart from the default collection.
+//! table, its `AlltoallState` and its staging part, the start for the tables, the rest
+//! ([`CollectionResources::alltoall_stage`]) for copies (see there why sharing them is safe).
+//! [`AlltoallZeroCopy::new`] builds a small collection of its own (one 2 MiB allocation) for an
+//! engine used apart from the default collection.
+//!
+//! In place (all-to-all and all-to-all-v with one buffer for both sides, as NCCL's `ncclAlltoAll`
+//! allows): a peer's bytes land where this rank's bytes for that peer wait to be sent. What this
+//! rank does is its own decision ([`InPlace`], from its own arguments), and it never changes what a
+//! peer runs on the host, so a rank in place and a peer out of place may meet in one call: the
+//! input is copied whole into the stage first and sent from there (the kernel and the peers see an
+//! out-of-place call). An in-place call whose send extent does not fit the stage is refused by
+//! name, before anything collective: moving it in rounds through the stage needs every rank to
+//! pass the same barriers, which a rank in place beside peers out of place cannot promise alone.
+//!
+//! Small gathers and scatters ([`rooted_via_stage`], decided from the chunk size and world size,
+//! the same on every rank) register nothing: every sender copies what it sends into its stage and
+//! the receivers pull it from there, so such calls need no buffer agreement (one bootstrap
+//! all-gather fewer per call).
 
-use super::split::{check_local, check_matrix, mismatch_message, uniform_chunk, Split};
+use super::split::{check_local, check_matrix, mismatch_message, uniform_chunk, Side, Split};
 use crate::geometry::{self, Residency};
-use crate::resources::{param_ptr, CollectionResources, KernelTable};
+use crate::resources::{param_ptr, CollectionResources, KernelTable, ScratchRegion};
 use crate::user_buffers::{UserBuffer, UserBufferTable};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::communicator::Communicator;
@@ -47,6 +62,74 @@ const EXCHANGE_BLOCKS: u32 = 32;
 /// `scratch_bytes` of the collection a stand-alone engine builds ([`AlltoallZeroCopy::new`]): the
 /// smallest whose staging part holds the tables at 8 ranks (one 2 MiB allocation in all).
 pub(crate) const STANDALONE_SCRATCH_BYTES: usize = 128 << 10;
+
+/// How this rank runs its side of an all-to-all(-v) whose input and output may be one buffer
+/// ([`in_place_plan`]). Its peers run the same whatever this rank chooses (module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InPlace {
+    /// Distinct buffers (or nothing sent or nothing received): as it is.
+    No,
+    /// One buffer: its first `bytes` (the whole send extent) are copied into the stage first, and
+    /// the exchange sends from the copy.
+    Copy { bytes: usize },
+}
+
+/// [`InPlace`] for `rank` of `nranks` sending `send` from `input` and receiving `recv` into
+/// `output`, with a stage of `stage_bytes`; the error (naming the rank, the call `what` and the
+/// sizes) where the buffers overlap other than exactly, or an in-place send extent does not fit
+/// the stage. No device access (tested on the CPU).
+pub fn in_place_plan(
+    what: &str,
+    rank: usize,
+    (input, send): (Buffer, &Split),
+    (output, recv): (Buffer, &Split),
+    stage_bytes: usize,
+) -> Result<InPlace> {
+    if send.total() == 0 || recv.total() == 0 || input.ptr == 0 || output.ptr == 0 {
+        return Ok(InPlace::No);
+    }
+    let overlap = input.ptr < output.ptr.saturating_add(output.bytes as u64)
+        && output.ptr < input.ptr.saturating_add(input.bytes as u64);
+    if !overlap {
+        return Ok(InPlace::No);
+    }
+    if input.ptr != output.ptr {
+        return Err(Error::Unsupported(format!(
+            "rank {rank}: {what} with overlapping send and receive buffers other than in place \
+             (send {:#x}, receive {:#x})",
+            input.ptr, output.ptr
+        )));
+    }
+    let extent = send.extent(rank, Side::Send)?;
+    if extent <= stage_bytes {
+        return Ok(InPlace::Copy { bytes: extent });
+    }
+    Err(Error::Unsupported(format!(
+        "rank {rank}: {what} in place of {extent} bytes: in place is served up to the \
+         collection's all-to-all stage ({stage_bytes} bytes), whose copy of the input the \
+         exchange sends from; pass distinct send and receive buffers"
+    )))
+}
+
+/// Whether a gather or scatter of `bytes` per rank on `nranks` ranks goes through the senders'
+/// stages (`stage_bytes` each) instead of registered buffers: when the root's whole side fits.
+/// Every rank decides alike (the chunk and the world size are the call's, and every rank's
+/// collection is built with the same scratch size, as the selector's packet limits also assume).
+pub fn rooted_via_stage(bytes: usize, nranks: usize, stage_bytes: usize) -> bool {
+    bytes
+        .checked_mul(nranks)
+        .is_some_and(|total| total <= stage_bytes)
+}
+
+/// How an exchange reaches the device beside its buffers ([`AlltoallZeroCopy::exchange`]).
+#[derive(Debug, Clone, Copy, Default)]
+struct Staging {
+    /// Bytes of the input copied into this rank's stage just before the launch (0: none); the
+    /// kernel's side of the input is the copy (push: it sends from it; pull: the peers read it).
+    copy_input: usize,
+    /// Pull: the peers read every rank's stage, not registered inputs (nothing is registered).
+    peers_read_stage: bool,
+}
 
 /// One buffer of one rank's side of an exchange.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,6 +185,8 @@ pub struct AlltoallZeroCopy {
     resources: Arc<CollectionResources>,
     /// Every rank's table space (in `resources`' staging part).
     tables: PeerPtrs,
+    /// Every rank's copy space, the rest of the staging part.
+    stage: ScratchRegion,
     max_blocks: u32,
     host_check: bool,
     comm: Arc<Communicator>,
@@ -131,11 +216,13 @@ impl AlltoallZeroCopy {
             )));
         }
         let tables = resources.alltoall_tables()?.peers;
+        let stage = resources.alltoall_stage();
         Ok(AlltoallZeroCopy {
             kernels: KernelTable::default(),
             user_buffers: UserBufferTable::new("all-to-all exchange"),
             resources,
             tables,
+            stage,
             max_blocks,
             host_check: false,
             comm,
@@ -256,7 +343,8 @@ impl AlltoallZeroCopy {
     /// for this rank. Every rank must call (collective), each with the same `blocks` (`None`: the
     /// fixed default) and `threads`. Every rank passes an output buffer (non-null, even of 0
     /// bytes where it receives nothing): the outputs are what is registered (module docs).
-    /// Not in place (peers would overwrite input not yet sent).
+    /// In place (`input` and `output` one buffer) as [`InPlace`] says: any splits whose send
+    /// extent fits [`Self::stage_bytes`], larger ones where `send` and `recv` give the same regions.
     #[allow(clippy::too_many_arguments)]
     pub fn alltoallv(
         &self,
@@ -268,29 +356,74 @@ impl AlltoallZeroCopy {
         blocks: Option<u32>,
         threads: Option<u32>,
     ) -> Result<()> {
-        if send.total() > 0 && recv.total() > 0 && input.ptr == output.ptr {
-            return Err(Error::Unsupported(format!(
-                "rank {}: all-to-all in place (peers would overwrite regions not yet sent)",
-                self.comm.rank()
-            )));
-        }
-        self.exchange(
+        self.push(
             "alltoallv",
-            Direction::Push,
-            input,
-            output,
-            send,
-            recv,
+            (input, send),
+            (output, recv),
             stream,
             blocks.or(Some(EXCHANGE_BLOCKS.min(self.max_blocks))),
             threads,
         )
     }
 
+    /// Bytes of this rank's stage (the collection's staging part after the tables): the largest
+    /// in-place send extent copied whole, and the root's side of the largest gather or scatter that
+    /// registers nothing ([`rooted_via_stage`]).
+    pub fn stage_bytes(&self) -> usize {
+        self.stage.bytes
+    }
+
+    /// This rank's [`InPlace`] for a push exchange of `input`/`send` into `output`/`recv`.
+    pub fn in_place(
+        &self,
+        what: &str,
+        input: (Buffer, &Split),
+        output: (Buffer, &Split),
+    ) -> Result<InPlace> {
+        in_place_plan(what, self.comm.rank(), input, output, self.stage.bytes)
+    }
+
+    /// A push exchange (all-to-all, all-to-all-v), in place as [`Self::in_place`] says.
+    fn push(
+        &self,
+        what: &str,
+        (input, send): (Buffer, &Split),
+        (output, recv): (Buffer, &Split),
+        stream: Stream,
+        blocks: Option<u32>,
+        threads: Option<u32>,
+    ) -> Result<()> {
+        // A refusal still joins the call's buffer agreement, where peers out of place wait.
+        let plan = self.in_place(what, (input, send), (output, recv));
+        let plan = plan.map_err(|e| self.user_buffers.refuse(&self.comm, 1, e))?;
+        let staging = match plan {
+            InPlace::No => Staging::default(),
+            InPlace::Copy { bytes } => Staging {
+                copy_input: bytes,
+                ..Staging::default()
+            },
+        };
+        self.exchange(
+            what,
+            Direction::Push,
+            input,
+            output,
+            send,
+            recv,
+            stream,
+            blocks,
+            threads,
+            staging,
+        )
+    }
+
     /// Gather or scatter (`op`) of `bytes` per rank with `root`: see [`Rooted`] for which buffer
-    /// each reads and which side is registered. A buffer a rank off the root does not use (gather's
-    /// output, scatter's input) is never read, so it may be empty or null. Every rank passes the
-    /// same `blocks` and `threads` (`None`: the engine's choice, [`gather_blocks`]).
+    /// each reads and which side is registered; up to [`rooted_via_stage`] nothing is registered:
+    /// every sender copies its side into its stage and the receivers pull it from there. A buffer a
+    /// rank off the root does not use (gather's output, scatter's input) is never read, so it may
+    /// be empty or null. In place as NCCL defines it (the root's own chunk at its own slot of its
+    /// larger buffer) needs nothing more: only the root's own chunk meets itself. Every rank passes
+    /// the same `blocks` and `threads` (`None`: the engine's choice, [`gather_blocks`]).
     #[allow(clippy::too_many_arguments)]
     pub fn rooted(
         &self,
@@ -316,9 +449,22 @@ impl AlltoallZeroCopy {
         } else {
             Split::only(n, root, 0)
         };
-        let (direction, send, recv) = match op {
-            Rooted::Gather => (Direction::Pull, one, all),
-            Rooted::Scatter => (Direction::Push, all, one),
+        let (send, recv) = match op {
+            Rooted::Gather => (one, all),
+            Rooted::Scatter => (all, one),
+        };
+        let (direction, staging) = if rooted_via_stage(bytes, n, self.stage.bytes) {
+            let staging = Staging {
+                copy_input: send.extent(rank, Side::Send)?,
+                peers_read_stage: true,
+            };
+            (Direction::Pull, staging)
+        } else {
+            let direction = match op {
+                Rooted::Gather => Direction::Pull,
+                Rooted::Scatter => Direction::Push,
+            };
+            (direction, Staging::default())
         };
         self.exchange(
             op.name(),
@@ -330,12 +476,18 @@ impl AlltoallZeroCopy {
             stream,
             blocks.or(Some(gather_blocks(bytes, n, self.max_blocks))),
             threads,
+            staging,
         )
     }
 
-    /// [`rooted`](Self::rooted)'s host work before launching (see `prepare_exchange`).
-    pub fn prepare_rooted(&self, op: Rooted, root: usize) -> Result<()> {
+    /// [`rooted`](Self::rooted)'s host work before launching (see `prepare_exchange`) for `bytes`
+    /// per rank: loading the kernel of the way the call goes (through the stages up to
+    /// [`rooted_via_stage`], else the root pulls for a gather and pushes for a scatter).
+    pub fn prepare_rooted(&self, op: Rooted, bytes: usize, root: usize) -> Result<()> {
         self.check_root(op.name(), root)?;
+        if rooted_via_stage(bytes, self.comm.size(), self.stage.bytes) {
+            return self.prepare_exchange(Direction::Pull);
+        }
         match op {
             Rooted::Gather => self.prepare_exchange(Direction::Pull),
             Rooted::Scatter => self.prepare_exchange(Direction::Push),
@@ -353,7 +505,9 @@ impl AlltoallZeroCopy {
         Ok(())
     }
 
-    /// One exchange; `what` names the call in errors.
+    /// One exchange; `what` names the call in errors. `staging` says what goes through the
+    /// stages (a copy made here, after every check and just before the launch, so that a refused
+    /// call leaves nothing in the stage's window behind).
     #[allow(clippy::too_many_arguments)]
     fn exchange(
         &self,
@@ -366,6 +520,7 @@ impl AlltoallZeroCopy {
         stream: Stream,
         blocks: Option<u32>,
         threads: Option<u32>,
+        staging: Staging,
     ) -> Result<()> {
         let (rank, n) = (self.comm.rank(), self.comm.size());
         // The geometry is checked with the splits, before anything collective, so that a bad
@@ -388,14 +543,28 @@ impl AlltoallZeroCopy {
         if recv.total() > 0 && output.ptr == 0 {
             return Err(null("output"));
         }
-        let (local, registered) = match direction {
+        if staging.copy_input > self.stage.bytes {
+            return Err(Error::Internal(format!(
+                "rank {rank}: {what}: {staging:?} exceeds the stage's {} bytes",
+                self.stage.bytes
+            )));
+        }
+        let (mut local, registered) = match direction {
             Direction::Push => (input.ptr, output),
             Direction::Pull => (output.ptr, input),
         };
+        if staging.copy_input > 0 && direction == Direction::Push {
+            local = self.stage.local;
+        }
         let entry = direction.entry();
+        let remote = if staging.peers_read_stage {
+            self.stage.peers
+        } else {
+            self.registered(registered)?
+        };
         let mut args = AlltoallArgs {
             local,
-            remote: self.registered(registered)?,
+            remote,
             tables: self.tables,
             sems: self.resources.semaphores_ptr(),
             state: self.resources.alltoall_state_ptr(),
@@ -411,6 +580,16 @@ impl AlltoallZeroCopy {
             args.recv_counts[p] = recv.counts[p] as u64;
             args.recv_displs[p] = recv.displs[p] as u64;
         }
+        if staging.copy_input > 0 {
+            // Stream order puts the copy before the kernel, whose start barrier comes before any
+            // peer's store into this rank's output or read of its stage.
+            self.comm.gpu().memcpy_async(
+                self.stage.local,
+                input.ptr,
+                staging.copy_input,
+                stream,
+            )?;
+        }
         // SAFETY: `AlltoallArgs` is the kernel's one parameter (layout checked by the NVRTC test's
         // static_asserts); its addresses are the caller's checked buffers, the peers' registered
         // buffers and the collection's live semaphores, tables and state.
@@ -424,7 +603,8 @@ impl AlltoallZeroCopy {
     /// to `recv_counts` (`nranks` u64). Counts that overflow a buffer anywhere are a device error
     /// on every rank (`DEVICE_ERROR_COUNT_MISMATCH`, described by [`Self::check_device_errors`])
     /// and move nothing at all. Collective; every rank passes the same `blocks` (`None`: the fixed
-    /// default) and an output buffer (non-null: the outputs are what is registered).
+    /// default) and an output buffer (non-null: the outputs are what is registered). Not in place
+    /// (refused before anything collective).
     #[allow(clippy::too_many_arguments)]
     pub fn alltoallv_device_counts(
         &self,
@@ -445,6 +625,15 @@ impl AlltoallZeroCopy {
             None,
             self.max_blocks,
         )?;
+        let overlap = input.ptr != 0
+            && input.ptr < output.ptr.saturating_add(output.bytes as u64)
+            && output.ptr < input.ptr.saturating_add(input.bytes as u64);
+        if overlap {
+            return Err(Error::Unsupported(format!(
+                "rank {rank}: alltoallv with device counts in place (no rank knows on the host \
+                 what its peers store where; pass distinct buffers)"
+            )));
+        }
         if unit_bytes == 0 || send_counts == 0 || recv_counts == 0 {
             return Err(Error::InvalidArgument(format!(
                 "rank {rank}: alltoallv with device counts needs a unit size (got {unit_bytes}) \
@@ -567,9 +756,15 @@ impl Algorithm for AlltoallZeroCopy {
     }
 
     /// `input_bytes` is this rank's whole send buffer, cut into one equal chunk per rank (in
-    /// whole elements); the output receives one chunk from each rank, in rank order.
+    /// whole elements); the output receives one chunk from each rank, in rank order. In place
+    /// (one buffer) as [`InPlace`] says: copied whole into the stage, refused beyond it.
     fn check(&self, args: &ExecuteArgs) -> Result<()> {
-        uniform_chunk(ALLTOALL_ZERO_COPY, args, self.comm.rank(), self.comm.size()).map(|_| ())
+        let n = self.comm.size();
+        let chunk = uniform_chunk(ALLTOALL_ZERO_COPY, args, self.comm.rank(), n)?;
+        let split = Split::uniform(n, chunk);
+        let (input, output) = uniform_buffers(args);
+        self.in_place(ALLTOALL_ZERO_COPY, (input, &split), (output, &split))
+            .map(|_| ())
     }
 
     fn prepare(&self, args: &ExecuteArgs) -> Result<()> {
@@ -591,25 +786,30 @@ impl Algorithm for AlltoallZeroCopy {
             args.input_bytes,
             self.max_blocks,
         )));
-        // In place is refused by `uniform_chunk`.
-        self.exchange(
+        let (input, output) = uniform_buffers(args);
+        self.push(
             ALLTOALL_ZERO_COPY,
-            Direction::Push,
-            Buffer {
-                ptr: args.input,
-                bytes: args.input_bytes,
-            },
-            Buffer {
-                ptr: args.output,
-                bytes: args.output_bytes,
-            },
-            &split,
-            &split,
+            (input, &split),
+            (output, &split),
             args.stream,
             blocks,
             args.nthreads,
         )
     }
+}
+
+/// The (input, output) buffers of a uniform all-to-all's `args`.
+fn uniform_buffers(args: &ExecuteArgs) -> (Buffer, Buffer) {
+    (
+        Buffer {
+            ptr: args.input,
+            bytes: args.input_bytes,
+        },
+        Buffer {
+            ptr: args.output,
+            bytes: args.output_bytes,
+        },
+    )
 }
 
 #[cfg(test)]
@@ -623,6 +823,85 @@ mod tests {
         assert_eq!(gather_blocks(1 << 20, 8, 256), 128);
         assert_eq!(gather_blocks(1 << 20, 8, 64), 64);
         assert_eq!(gather_blocks(usize::MAX, 8, 64), 64);
+    }
+
+    fn one(bytes: usize) -> Buffer {
+        Buffer {
+            ptr: 0x10_0000,
+            bytes,
+        }
+    }
+
+    #[test]
+    fn in_place_plans_copy_what_fits_the_stage_and_refuse_the_rest() {
+        let n = 4;
+        let stage = 1 << 20;
+        let u = |c: usize| Split::uniform(n, c);
+        let plan = |input: Buffer, output: Buffer, send: &Split, recv: &Split| {
+            in_place_plan("alltoall", 2, (input, send), (output, recv), stage)
+        };
+        // Apart, adjacent, or with nothing sent or received: as it is.
+        let other = Buffer {
+            ptr: 0x20_0000,
+            bytes: 64,
+        };
+        assert_eq!(plan(one(64), other, &u(16), &u(16)).unwrap(), InPlace::No);
+        let next = Buffer {
+            ptr: 0x10_0000 + 64,
+            bytes: 64,
+        };
+        assert_eq!(plan(one(64), next, &u(16), &u(16)).unwrap(), InPlace::No);
+        assert_eq!(plan(one(64), one(64), &u(0), &u(0)).unwrap(), InPlace::No);
+        // One buffer: copied whole while the send extent fits the stage (any splits)...
+        assert_eq!(
+            plan(one(64), one(64), &u(16), &u(16)).unwrap(),
+            InPlace::Copy { bytes: 64 }
+        );
+        assert_eq!(
+            plan(one(stage), one(stage), &u(stage / n), &u(stage / n)).unwrap(),
+            InPlace::Copy { bytes: stage }
+        );
+        let skewed_recv = Split::packed(vec![8, 24, 16, 16], 2, Side::Recv).unwrap();
+        assert_eq!(
+            plan(one(64), one(64), &u(16), &skewed_recv).unwrap(),
+            InPlace::Copy { bytes: 64 }
+        );
+        // ... and refused by name beyond it, whatever the splits.
+        let big = stage + 16 * n;
+        for (send, recv) in [
+            (u(big / n), u(big / n)),
+            (
+                Split::packed(vec![big / 2, big / 2, 0, 0], 2, Side::Send).unwrap(),
+                Split::packed(vec![big / 4; 4], 2, Side::Recv).unwrap(),
+            ),
+        ] {
+            let e = plan(one(big), one(big), &send, &recv).unwrap_err();
+            assert!(matches!(e, Error::Unsupported(_)), "{e}");
+            let m = e.to_string();
+            assert!(
+                m.contains("rank 2") && m.contains(&format!("{big} bytes")),
+                "{m}"
+            );
+            assert!(m.contains(&format!("({stage} bytes)")), "{m}");
+        }
+        // Overlap other than in place.
+        let shifted = Buffer {
+            ptr: 0x10_0000 + 16,
+            bytes: 64,
+        };
+        let e = plan(one(64), shifted, &u(16), &u(16)).unwrap_err();
+        assert!(matches!(e, Error::Unsupported(_)), "{e}");
+    }
+
+    #[test]
+    fn rooted_calls_go_through_the_stage_while_the_roots_side_fits() {
+        let stage = 7 << 20;
+        // nccl-tests' 128-byte scatter at 2 ranks (64 bytes a rank), up to the stage's size.
+        assert!(rooted_via_stage(64, 2, stage));
+        assert!(rooted_via_stage(stage / 8, 8, stage));
+        assert!(!rooted_via_stage(stage / 8 + 1, 8, stage));
+        assert!(!rooted_via_stage(usize::MAX / 2, 4, stage));
+        assert!(!rooted_via_stage(1, 2, 0));
     }
 
     #[test]

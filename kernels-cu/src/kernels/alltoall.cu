@@ -255,7 +255,10 @@ extern "C" __global__ void __launch_bounds__(1024, 1) alltoallv_device_counts(Al
 // barriers: the lines' flags are the only synchronisation, and the halves alternate by the parity of
 // the collection's shared call counter, which keeps one call's lines from overwriting those a peer
 // still reads, for the reason given at mscclpp_collectives::resources::CollectionResources.
-// Own chunk: copied directly. In place is not supported (the host refuses it).
+// Own chunk: copied directly. In place works as it is: a lane's stores into the output (line j of
+// chunk s) are the words it loaded from the input for line j of chunk s in the send loop before
+// (the same lanes take the same (peer, line) in both loops, and the same alignment), no peer
+// writes this rank's output, and the own chunk copies onto itself.
 // ------------------------------------------------------------------------------------------------
 
 // The one argument of alltoall_packet. Mirrored by mscclpp_kernels_cu::alltoall::AlltoallPacketArgs.
