@@ -20,7 +20,9 @@
 //! never joined.
 //!
 //! Costs. A hit costs one driver query per buffer (its buffer id) and the all-gather, a few
-//! hundred bytes per rank, host only: nothing is added on the device, and a call captured in a
+//! hundred bytes per rank, host only (`Communicator::agreement_all_gather`: through a shared page
+//! when every rank is on one host, a few microseconds once all have arrived, else the bootstrap):
+//! nothing is added on the device, and a call captured in a
 //! CUDA graph pays it once, at capture. Mapping is per allocation, not per tensor, so the tensors
 //! of one framework segment share one mapping. The promise `MSCCLPP_NCCL_SYMMETRIC_MEMORY=1` (the
 //! user guarantees that every rank calls with buffers in the same pattern: a buffer new on one
@@ -207,7 +209,7 @@ impl UserBufferTable {
             buffers: buffers.len(),
         };
         let message = state.describe(call, &mine);
-        let all = comm.bootstrap().all_gather(&message)?;
+        let all = comm.agreement_all_gather(&message)?;
         let agreed = Arc::new(state.map_all(comm, &self.name, call, &all)?);
         if promised {
             state.promised.insert(key, agreed.clone());
@@ -226,7 +228,7 @@ impl UserBufferTable {
             number: comm.next_agreement(),
             buffers,
         };
-        let _ = comm.bootstrap().all_gather(&describe_failure(call, &why));
+        let _ = comm.agreement_all_gather(&describe_failure(call, &why));
         why
     }
 }

@@ -15,6 +15,7 @@ use crate::error::{Error, Result};
 use crate::gpu::{
     Allocation, DevicePtr, Event, Gpu, HostMapped, ImportedMemory, IpcMemHandle, Stream,
 };
+use crate::host_gather::{HostGather, OwnPage};
 use crate::topology::{
     gpu_identity, host_identity, most_mps_clients_on_a_gpu, ranks_in_process, ranks_sharing_device,
     sm_share, usable_sms, Placement, Topology,
@@ -263,6 +264,14 @@ impl std::fmt::Debug for FailureFlag {
     }
 }
 
+/// Where [`Communicator::agreement_all_gather`] goes.
+enum HostExchange {
+    /// Not set up yet (the first call does it).
+    Unset,
+    Shared(HostGather),
+    Bootstrap,
+}
+
 /// One rank's communicator. See the module docs.
 pub struct Communicator {
     bootstrap: Arc<dyn Bootstrap>,
@@ -290,6 +299,9 @@ pub struct Communicator {
     next_slot: Mutex<Vec<usize>>,
     /// Calls that agreed on user buffers so far ([`next_agreement`](Self::next_agreement)).
     agreements: AtomicU64,
+    /// How [`agreement_all_gather`](Self::agreement_all_gather) reaches the peers, set up at its
+    /// first call.
+    host_exchange: Mutex<HostExchange>,
     /// Taken by the drop: the process's exit waits for the teardown (`process`). Last, so it is
     /// released after every other field is dropped.
     exit_section: Mutex<Option<crate::process::Section<'static>>>,
@@ -416,6 +428,7 @@ impl Communicator {
             },
             next_slot: Mutex::new(vec![0; size]),
             agreements: AtomicU64::new(0),
+            host_exchange: Mutex::new(HostExchange::Unset),
             exit_section: Mutex::new(None),
         };
         let slab_alloc = comm.slab.alloc.clone();
@@ -679,6 +692,52 @@ impl Communicator {
     /// agreement carries it and a peer with another number called collectives in another order.
     pub fn next_agreement(&self) -> u64 {
         self.agreements.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// The all-gather of the host exchanges that every call makes (the user-buffer agreement of a
+    /// zero-copy call): through shared memory where every rank is on this host
+    /// ([`crate::host_gather`]: a few cache lines once every rank has arrived), else, and for a
+    /// message too large for its page, the bootstrap's. Collective, in the same order on every rank
+    /// as any all-gather; fails at once when the communicator fails while waiting.
+    pub fn agreement_all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let mut exchange = self.host_exchange.lock().unwrap_or_else(|e| e.into_inner());
+        if matches!(*exchange, HostExchange::Unset) {
+            *exchange = self.set_up_host_exchange()?;
+        }
+        if let HostExchange::Shared(gather) = &mut *exchange {
+            let timeout = Env::get()?.bootstrap_timeout;
+            if let Some(all) = gather.all_gather(data, timeout, &|| self.health.error())? {
+                return Ok(all);
+            }
+        }
+        drop(exchange);
+        self.bootstrap.all_gather(data)
+    }
+
+    /// Collective: shared pages when every rank is on this host and every rank could map every
+    /// page, else the bootstrap (every rank takes the same).
+    fn set_up_host_exchange(&self) -> Result<HostExchange> {
+        if !self.topology.is_single_host() || self.size() < 2 {
+            return Ok(HostExchange::Bootstrap);
+        }
+        let own = OwnPage::create(self.rank());
+        let path = own.as_ref().map_or("", |o| o.path()).to_string();
+        let paths: Vec<String> = self
+            .bootstrap
+            .all_gather(path.as_bytes())?
+            .iter()
+            .map(|b| String::from_utf8_lossy(b).into_owned())
+            .collect();
+        let joined = own.and_then(|o| HostGather::join(o, self.rank(), &paths));
+        // Also the point after which every rank has mapped every page, so the files can go.
+        let everyone = self.bootstrap.all_gather(&[u8::from(joined.is_some())])?;
+        if !path.is_empty() {
+            crate::host_gather::unlink(&path);
+        }
+        Ok(match joined {
+            Some(gather) if everyone.iter().all(|b| b[..] == [1]) => HostExchange::Shared(gather),
+            _ => HostExchange::Bootstrap,
+        })
     }
 
     /// Describes `[ptr, ptr+size)` of `alloc` (owned by this process) for peers.

@@ -13,6 +13,7 @@ pub mod dtype;
 pub mod error;
 pub mod fifo;
 pub mod gpu;
+pub mod host_gather;
 pub mod host_semaphore;
 pub mod port_channel;
 pub mod process;
