@@ -141,7 +141,7 @@ pub fn slot_bytes(scratch_bytes: usize, nranks: usize) -> usize {
     (per_peer / PIECE_ALIGN * PIECE_ALIGN).min(MAX_PIECE_BYTES)
 }
 
-/// Bytes of one piece for a share of `share_bytes` with slots of `slot_bytes`: [`MIN_PIECES`]
+/// Bytes of one piece for a share of `share_bytes` with slots of `slot_bytes`: `MIN_PIECES`
 /// pieces or more, each as large as the slot allows.
 pub fn piece_bytes(share_bytes: usize, slot_bytes: usize) -> usize {
     let want = share_bytes
@@ -151,7 +151,7 @@ pub fn piece_bytes(share_bytes: usize, slot_bytes: usize) -> usize {
 }
 
 /// Bytes of one piece for a share of `share_bytes` staged in the output: [`OUTPUT_PIECES`] pieces,
-/// whole multiples of [`PIECE_ALIGN`] (the last one shorter).
+/// whole multiples of `PIECE_ALIGN` (the last one shorter).
 pub fn output_piece_bytes(share_bytes: usize) -> usize {
     share_bytes
         .div_ceil(OUTPUT_PIECES)

@@ -12,7 +12,7 @@
 //! table passed by value: no host sync, no per-call upload, legal under graph capture.
 //! The launch may overlap the stream's previous kernel (programmatic launch, as the natives'), and
 //! each plan threadblock runs as one or more blocks, more for larger chunks where the plan allows
-//! it ([`replicas_for`], executor.cu's "Replicas"). A rank's program of at most
+//! it (`replicas_for`, executor.cu's "Replicas"). A rank's program of at most
 //! `MAX_SPECIALISED_DATA_OPS` data ops is compiled into its unit instead of interpreted
 //! (executor.cu's "Specialised units"), with no more warps than a chunk has units
 //! (`call_threads`).
