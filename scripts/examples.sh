@@ -5,13 +5,16 @@
 # the reason. CI runs it after scripts/python-test.sh, with that script's venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The test run's environment (CUDA_HOME feeds dependencies' build scripts), so nothing rebuilds.
+# The build of scripts/test.sh (its environment: CUDA_HOME feeds dependencies' build scripts; the
+# same packages, so the same features), which holds the examples and the shim: after a test run
+# nothing rebuilds.
 # shellcheck source=scripts/nvrtc-env.sh
 source scripts/nvrtc-env.sh >/dev/null
+cargo test -q --workspace --all-targets --no-run
+shim="$PWD/target/debug/deps/libmscclpp_nccl.so"
+[ -f "$shim" ] || { echo "examples: $shim was not built" >&2; exit 1; }
 
 echo "-- Rust API (examples/rust/allreduce.rs) and an execution plan (examples/rust/execution_plan.rs)"
-cargo build -q -p mscclpp-examples --examples
-cargo build -q -p mscclpp-nccl --lib
 target/debug/examples/allreduce
 target/debug/examples/execution_plan
 
@@ -25,8 +28,8 @@ cuda="$(dirname "$(find "$venv" -path '*/include/crt/host_defines.h' | head -n 1
 cudart="$(find "$cuda/lib" -name 'libcudart.so.*' | head -n 1)"
 out=target/examples-c
 mkdir -p "$out/lib"
-ln -sf "$PWD/target/debug/libmscclpp_nccl.so" "$out/lib/libnccl.so"
-ln -sf "$PWD/target/debug/libmscclpp_nccl.so" "$out/lib/libnccl.so.2"
+ln -sf "$shim" "$out/lib/libnccl.so"
+ln -sf "$shim" "$out/lib/libnccl.so.2"
 "${CC:-cc}" -std=c11 -Wall -Wextra -Werror examples/c/allreduce.c -I nccl/include -I "$cuda/include" \
   -L "$out/lib" -lnccl -L "$(dirname "$cudart")" -l:"$(basename "$cudart")" \
   -Wl,-rpath,"$PWD/$out/lib" -Wl,-rpath,"$(cd "$(dirname "$cudart")" && pwd)" -o "$out/allreduce"
