@@ -10,11 +10,14 @@ RUN apt-get update && apt-get install -y --no-install-recommends \
         curl ca-certificates build-essential pkg-config python3 python3-venv git \
         libibverbs-dev rdma-core \
     && rm -rf /var/lib/apt/lists/*
-RUN curl -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal --component clippy,rustfmt
+RUN curl -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal --default-toolchain none
 ENV PATH=/root/.cargo/bin:$PATH \
     CUDA_HOME=/usr/local/cuda \
     MSCCLPP_CACHE_DIR=/var/cache/mscclpp
 WORKDIR /opt/mscclpp-rs
+# The toolchain rust-toolchain.toml pins (with clippy and rustfmt), in its own layer.
+COPY rust-toolchain.toml .
+RUN rustup toolchain install
 COPY . .
 RUN cargo build --release --workspace --features ib
 # The Python package, with the README's command, into a venv first on PATH (the NCCL shim,

@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -p mscclpp-bench -p mscclpp-tests --bins
 cargo build --release -p mscclpp-nccl
+cargo build --release -p mscclpp-examples --examples
 rm -rf .gpu && mkdir -p .gpu/bin .gpu/lib
 for b in mscclpp-bench mscclpp-gpu-suite; do
   if [ -x "target/release/$b" ]; then cp "target/release/$b" .gpu/bin/; fi
@@ -16,6 +17,12 @@ cp nccl/scripts/torch_check.py nccl/scripts/torch_bench.py nccl/scripts/host_cos
 # The device tool carries at most 64 MiB; debug info is most of each binary (symbols stay, so
 # backtraces still name functions).
 if command -v strip >/dev/null; then strip --strip-debug .gpu/bin/* .gpu/lib/*; fi
+# examples/ (examples/README.md): the Rust programs built above, the C, Python and plan sources.
+mkdir -p .gpu/examples
+cp target/release/examples/allreduce target/release/examples/execution_plan .gpu/examples/
+cp -r examples/c examples/python examples/plans .gpu/examples/
+cp nccl/include/nccl.h .gpu/examples/c/
+if command -v strip >/dev/null; then strip .gpu/examples/allreduce .gpu/examples/execution_plan; fi
 # The execution-plan fixtures, for the suite's `plans` section (it finds them beside bin/), and
 # the builder's all-reduce plans for 2, 4 and 8 ranks (the fixtures have plans for 2 and 4 only)
 # in .gpu/builder-plans, both for the Python DSL example.

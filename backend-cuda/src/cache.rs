@@ -21,7 +21,7 @@
 //! for the entry again once it holds it: the others wait for the first compile and load its entry,
 //! instead of each spending the same CPU (a cold start of eight ranks compiled every unit eight
 //! times over). The kernel drops the lock of a process that dies; a lock that cannot be taken (a
-//! read-only folder, a file system without `flock`) or is held past [`COMPILE_WAIT`] (a stopped
+//! read-only folder, a file system without `flock`) or is held past `COMPILE_WAIT` (a stopped
 //! process) is passed by: the caller compiles itself, as without the lock.
 
 use crate::nvrtc::{CompileRequest, CompiledKernel, Nvrtc};

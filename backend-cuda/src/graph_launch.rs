@@ -1,8 +1,8 @@
 //! Eager kernel launches through cached one-kernel graphs ([`LaunchConfig::cached_graph`]).
 //!
-//! Why: an eager collective is one kernel launch, and on the machines we measured (driver 580,
-//! H200 virtual machines) the calling thread pays 3.6-4.0 µs for cuLaunchKernel, 2.8-3.2 µs for
-//! cuLaunchKernelEx, but 1.3-1.8 µs for cuGraphLaunch of an instantiated one-kernel graph. So each
+//! Why: an eager collective is one kernel launch, and on the machines we measured the calling
+//! thread pays less for cuGraphLaunch of an instantiated one-kernel graph than for cuLaunchKernel
+//! or cuLaunchKernelEx (docs/performance.md). So each
 //! (function, geometry, stream) gets one executable graph holding a single kernel node; a launch
 //! rewrites the node's parameters in place (cuGraphExecKernelNodeSetParams) only when they differ
 //! from the last launch's, then replays the graph.

@@ -5,7 +5,7 @@
 //! (and then only that file: the user chose it), else `libibverbs.so.1`, then `libibverbs.so`.
 //!
 //! Three verbs are not exported: `ibv_poll_cq`, `ibv_post_send` and `ibv_post_recv` are inline
-//! functions in verbs.h that call through the context's ops table; [`Verbs::poll_cq`] and friends do
+//! functions in verbs.h that call through the context's ops table; `Verbs::poll_cq` and friends do
 //! the same through the `#[repr(C)]` mirrors in [`crate::ffi`]. `ibv_query_port` is a macro in
 //! current headers; its exported symbol takes the older, shorter port-attribute layout, which
 //! [`crate::ffi::IbvPortAttr`] covers.

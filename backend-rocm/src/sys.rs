@@ -75,7 +75,7 @@ pub struct HipDeviceProp {
     /// pageableMemoryAccessUsesHostPageTables .. accessPolicyMaxWindowSize.
     pub _ints_d: [c_int; 4],
     pub reserved_shared_mem_per_block: usize,
-    /// hostRegisterSupported .. unifiedFunctionPointers (6 + 3 + 4), reserved[63], hipReserved[32].
+    /// hostRegisterSupported .. unifiedFunctionPointers (6 + 3 + 4), `reserved[63]`, `hipReserved[32]`.
     pub _ints_e: [c_int; 13 + 63 + 32],
     pub gcn_arch_name: [c_char; 256],
     pub max_shared_memory_per_multiprocessor: usize,

@@ -1,17 +1,13 @@
 //! `default_allreduce_copy_engine`: an all-reduce for large messages whose data the copy engines
 //! move, not the SMs. New in mscclpp-rs (MSCCL++ has no copy-engine all-reduce).
 //!
-//! Why: on NVLink the copy engines write a peer at about 396 GB/s one way (391 GB/s each way when
-//! both directions run at once), where SM loads from a peer top out near 342 GB/s in the zero-copy
-//! kernel. Reductions stay on the SMs, overlapped with the copies, and only touch local memory.
-//! Each copy costs several microseconds beyond its bytes, so pieces must be large: where the
-//! peers' pieces land decides how large they can be ([`Staging`]). Timed with CUDA events between
-//! the copies of one eager call (2026-11-27, bf16, 64 MiB, output staging): on 4 x H100 each 8 MiB
-//! copy took 27-32 µs (about 290 GB/s, ~7 µs more than 8 MiB at 391 GB/s) even back to back on
-//! the copy stream, and on 2 x H200 a 16 MiB copy 49 µs (~6 µs more); the rest of the call's
-//! ~120 µs beyond its bytes at 4 ranks is the first barrier (~12 µs), the hand-off to the
-//! all-gather after the last piece's barrier (~25 µs) and the join with the end barrier (~30 µs,
-//! eager).
+//! Why: on NVLink the copy engines write a peer faster than SM loads from a peer reach in the
+//! zero-copy kernel. Reductions stay on the SMs, overlapped with the copies, and only touch local
+//! memory. Each copy costs several microseconds beyond its bytes, even back to back on the copy
+//! stream, so pieces must be large: where the peers' pieces land decides how large they can be
+//! ([`Staging`]). Beyond the copies, a call pays for its first barrier, the hand-off to the
+//! all-gather after the last piece's barrier and the join with the end barrier
+//! (docs/performance.md has the timings).
 //!
 //! Every rank owns the share `[rank * per, (rank + 1) * per)` of the message (clamped to it), cut
 //! into pieces. One call, on the caller's stream S and this algorithm's copy stream C, every
@@ -71,19 +67,16 @@ pub enum Staging {
     /// later): no extra memory, so pieces can be as large as the schedule wants
     /// ([`OUTPUT_PIECES`]).
     /// Needs an out-of-place call with disjoint buffers and equal shares (every share lands in a
-    /// place of its own size). Graph mode, 2026-11-27: 1 GiB f32 in 4238 µs on 4 x H200 (380 GB/s
-    /// busbw, NCCL 4546 µs), bf16 in 2801 µs on 2 x H200 (383 GB/s, NCCL 3241 µs); a call costs
-    /// ~120 µs beyond its bytes at 4 ranks (~50 at 2), which loses to the zero-copy kernel below
-    /// 128 MiB (`copy_engine_threshold` in the selector). Filling that time with the zero-copy
-    /// kernel on 15-45 % of the message beside the copies (its own stream, 16-64 blocks) gained
-    /// at most 5 % at 64-128 MiB (15 %: 357 against 375 µs at 64 MiB, still behind the zero-copy
-    /// kernel's 314) and lost from 256 MiB on 4 x H200: the copies already keep the links busy.
+    /// place of its own size). A call's fixed cost beyond its bytes loses to the zero-copy kernel
+    /// for smaller messages (`copy_engine_threshold` in the selector). Filling that time with the
+    /// zero-copy kernel on part of the message beside the copies (its own stream) gained little
+    /// where the selector would take this algorithm, still behind the zero-copy kernel alone, and
+    /// lost for the largest messages: the copies already keep the links busy.
     Output,
     /// In a ring of [`SLOTS`] slots cut from the collection's scratch, each with room for one piece
     /// from every peer: any call, but pieces of at most a slot (~2.9 MiB at 4 ranks, as the
-    /// communicator keeps to 32 MiB), so more copy starts: on 2 x H200 the zero-copy kernel beat
-    /// it at every size from 32 MiB (3128 against 3282 µs at 1 GiB, 2026-11-27), where 32 MiB
-    /// pieces had taken 2879 µs.
+    /// communicator keeps to 32 MiB), so more copy starts: the zero-copy kernel beats it at the
+    /// sizes the selector would give it, where output-sized pieces did not.
     ScratchRing,
 }
 
@@ -107,16 +100,14 @@ impl Staging {
 }
 
 /// Pieces a share is cut into when staged in the output. Two suffice: the reduction of a piece
-/// (~34 µs for 8 MiB at 4 ranks, beside the copies) hides behind the next piece's copies (~87 µs),
-/// and fewer pieces mean fewer copies and barriers. 4 x H200, bf16, graph
-/// mode, 2026-11-27 (µs, 1, 2 and 4 pieces): 64 MiB 349 / 377 / 424, 256 MiB 1186 / 1157 / 1201,
-/// 512 MiB 2293 / 2182 / 2258 (one piece leaves the last reduction exposed, four add copies and
-/// barriers); on 2 x H200 one and two pieces timed the same from 32 MiB to 1 GiB.
+/// (beside the copies) hides behind the next piece's copies, and fewer pieces mean fewer copies
+/// and barriers. One piece leaves the last reduction exposed; four add copies and barriers and
+/// timed slower than two.
 pub const OUTPUT_PIECES: usize = 2;
 
-/// Largest piece from one peer in the scratch ring. Halving the pieces cost about 2 µs a copy on
-/// 2xH200 (1 GiB all-reduce: 2912 µs with 16 MiB pieces, 2879 µs with 32 MiB), less than a copy's
-/// whole cost beyond its bytes (module docs): in the ring the copies partly overlap its waits.
+/// Largest piece from one peer in the scratch ring. Halving the pieces costs less per copy than a
+/// copy's whole cost beyond its bytes (module docs): in the ring the copies partly overlap its
+/// waits.
 const MAX_PIECE_BYTES: usize = 32 << 20;
 
 /// Pieces a share is cut into at least in the scratch ring (while they stay above
@@ -141,7 +132,7 @@ pub fn slot_bytes(scratch_bytes: usize, nranks: usize) -> usize {
     (per_peer / PIECE_ALIGN * PIECE_ALIGN).min(MAX_PIECE_BYTES)
 }
 
-/// Bytes of one piece for a share of `share_bytes` with slots of `slot_bytes`: [`MIN_PIECES`]
+/// Bytes of one piece for a share of `share_bytes` with slots of `slot_bytes`: `MIN_PIECES`
 /// pieces or more, each as large as the slot allows.
 pub fn piece_bytes(share_bytes: usize, slot_bytes: usize) -> usize {
     let want = share_bytes
@@ -151,7 +142,7 @@ pub fn piece_bytes(share_bytes: usize, slot_bytes: usize) -> usize {
 }
 
 /// Bytes of one piece for a share of `share_bytes` staged in the output: [`OUTPUT_PIECES`] pieces,
-/// whole multiples of [`PIECE_ALIGN`] (the last one shorter).
+/// whole multiples of `PIECE_ALIGN` (the last one shorter).
 pub fn output_piece_bytes(share_bytes: usize) -> usize {
     share_bytes
         .div_ceil(OUTPUT_PIECES)
@@ -179,9 +170,8 @@ pub fn share_elements(count: usize, elem_bytes: usize, nranks: usize) -> usize {
 }
 
 /// The copy stream and the events that order it against the caller's stream. One copy stream
-/// measured best: on 2 x H200 two streams taking turns were 0.3-4.5% slower from 64 MiB to 1 GiB,
-/// and on 4 x H200 one stream per peer (the copies to the three peers at once) took 1.6x the time
-/// of one stream from 16 MiB to 1 GiB (7223 against 4238 µs at 1 GiB, 2026-11-27).
+/// measured best: two streams taking turns were slower, and one stream per peer (the copies to
+/// every peer at once) much slower.
 struct Pipeline {
     copy_stream: Stream,
     fork: Event,

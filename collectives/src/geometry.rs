@@ -209,7 +209,7 @@ fn vec_elems(elem_bytes: usize) -> Result<u64> {
     Ok((VECTOR_BYTES / elem_bytes) as u64)
 }
 
-/// Scratch regions of an rsag layout: [RS][AG], doubled when pipelined.
+/// Scratch regions of an rsag layout: `[RS][AG]`, doubled when pipelined.
 pub const fn rsag_regions(pipelined: bool) -> usize {
     if pipelined {
         4

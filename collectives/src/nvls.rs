@@ -25,19 +25,18 @@
 //!   allocations can be bound: others are refused, naming the buffer.
 
 use crate::geometry::{self, Residency};
-use crate::resources::{param_ptr, BlockSemaphores, DeviceBuffer};
+use crate::resources::{launch_with_args, BlockSemaphores, DeviceBuffer};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::algorithm_collection::{native_names as names, NVLS_PACKET_THRESHOLD};
 use mscclpp_core::communicator::Communicator;
 use mscclpp_core::device::SwitchChannelHandle;
 use mscclpp_core::env::Env;
-use mscclpp_core::gpu::{Allocation, DevicePtr, Function, Gpu, LaunchConfig, MemoryKind, Stream};
+use mscclpp_core::gpu::{Allocation, DevicePtr, Function, Gpu, MemoryKind, Stream};
 use mscclpp_core::switch_channel::{nvls_gate, SwitchChannel};
 use mscclpp_core::{DataType, Error, ReduceOp, Result};
 use mscclpp_kernels_cu::collectives::{CallState, MAX_PACKET_BLOCKS, MAX_RANKS};
-use mscclpp_kernels_cu::nvls_units::{nvls_unit_name, nvls_unit_source, NvlsKernel};
+use mscclpp_kernels_cu::nvls_units::{nvls_unit_name, nvls_unit_source, NvlsArgs, NvlsKernel};
 use std::collections::{HashMap, HashSet};
-use std::ffi::c_void;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// The NVLS all-reduces.
@@ -429,19 +428,6 @@ impl NvlsAlgorithm {
         handle.size = bytes as u64;
         Ok(handle)
     }
-
-    fn launch(
-        &self,
-        f: Function,
-        cfg: LaunchConfig,
-        stream: Stream,
-        params: &mut [*mut c_void],
-    ) -> Result<()> {
-        // SAFETY: every launch site builds `params` to match its kernel's signature in
-        // allreduce_nvls.cu, pointing at locals that outlive this call; the device addresses are
-        // the caller's buffers (checked non-null) and this algorithm's live resources.
-        unsafe { self.comm.gpu().launch(f, cfg, stream, params) }
-    }
 }
 
 impl Drop for NvlsAlgorithm {
@@ -503,15 +489,20 @@ impl Algorithm for NvlsAlgorithm {
             return Ok(());
         }
         let f = self.function(args.dtype)?;
-        let mut rank = self.comm.rank() as u32;
-        let mut nranks = self.comm.size() as u32;
         let threads = args.nthreads.unwrap_or(self.kind.default_threads());
         let resident = self.residency.max_blocks(threads);
         let sm = self.residency.sm;
-        let mut input = args.input;
-        let mut output = args.output;
-        let mut bytes = args.input_bytes as u64;
-        match self.kind {
+        // Each kind fills the fields its kernel reads (NvlsArgs); the device addresses are the
+        // caller's buffers (checked non-null) and this algorithm's live resources.
+        let common = NvlsArgs {
+            input: args.input,
+            output: args.output,
+            bytes: args.input_bytes as u64,
+            rank: self.comm.rank() as u32,
+            nranks: self.comm.size() as u32,
+            ..NvlsArgs::default()
+        };
+        let (cfg, kargs) = match self.kind {
             NvlsKind::Packet => {
                 let scratch = self
                     .scratch
@@ -528,23 +519,15 @@ impl Algorithm for NvlsAlgorithm {
                     self.kind.default_threads(),
                     sm.min(resident).min(MAX_PACKET_BLOCKS as u32),
                 )?;
-                let mut count = count as u64;
-                let mut chan = scratch.handle()?;
-                let mut state_ptr = state.ptr();
-                let mut error_word = self.comm.error_word_device_ptr();
-                let mut max_spin: u64 = 0;
-                let mut params = [
-                    param_ptr(&mut input),
-                    param_ptr(&mut output),
-                    param_ptr(&mut count),
-                    param_ptr(&mut chan),
-                    param_ptr(&mut rank),
-                    param_ptr(&mut nranks),
-                    param_ptr(&mut state_ptr),
-                    param_ptr(&mut error_word),
-                    param_ptr(&mut max_spin),
-                ];
-                self.launch(f, cfg, args.stream, &mut params)
+                let kargs = NvlsArgs {
+                    count: count as u64,
+                    scratch: scratch.handle()?,
+                    state: state.ptr(),
+                    error_word: self.comm.error_word_device_ptr(),
+                    max_spin: 0,
+                    ..common
+                };
+                (cfg, kargs)
             }
             NvlsKind::ZeroCopy => {
                 let sems = self
@@ -558,22 +541,19 @@ impl Algorithm for NvlsAlgorithm {
                     self.kind.default_threads(),
                     sems.max_blocks().min(resident),
                 )?;
-                let mut in_chan = self.user_channel(args.input, args.input_bytes)?;
-                let mut out_chan = if args.in_place() {
-                    in_chan
+                let input_channel = self.user_channel(args.input, args.input_bytes)?;
+                let output_channel = if args.in_place() {
+                    input_channel
                 } else {
                     self.user_channel(args.output, args.input_bytes)?
                 };
-                let mut sem_ptr = sems.ptr();
-                let mut params = [
-                    param_ptr(&mut in_chan),
-                    param_ptr(&mut out_chan),
-                    param_ptr(&mut bytes),
-                    param_ptr(&mut rank),
-                    param_ptr(&mut nranks),
-                    param_ptr(&mut sem_ptr),
-                ];
-                self.launch(f, cfg, args.stream, &mut params)
+                let kargs = NvlsArgs {
+                    input_channel,
+                    output_channel,
+                    sems: sems.ptr(),
+                    ..common
+                };
+                (cfg, kargs)
             }
             NvlsKind::WarpPipeline | NvlsKind::BlockPipeline => {
                 let scratch = self
@@ -608,22 +588,16 @@ impl Algorithm for NvlsAlgorithm {
                         self.scratch_bytes
                     )));
                 }
-                let mut chan = scratch.handle()?;
-                let mut unit_bytes = unit_bytes as u64;
-                let mut sem_ptr = sems.ptr();
-                let mut params = [
-                    param_ptr(&mut input),
-                    param_ptr(&mut output),
-                    param_ptr(&mut bytes),
-                    param_ptr(&mut chan),
-                    param_ptr(&mut unit_bytes),
-                    param_ptr(&mut rank),
-                    param_ptr(&mut nranks),
-                    param_ptr(&mut sem_ptr),
-                ];
-                self.launch(f, cfg, args.stream, &mut params)
+                let kargs = NvlsArgs {
+                    scratch: scratch.handle()?,
+                    unit_bytes: unit_bytes as u64,
+                    sems: sems.ptr(),
+                    ..common
+                };
+                (cfg, kargs)
             }
-        }
+        };
+        launch_with_args(self.comm.gpu().as_ref(), f, cfg, args.stream, kargs)
     }
 }
 
@@ -653,9 +627,10 @@ pub fn add_nvls_algorithms(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use mscclpp_core::gpu::{DeviceProperties, Event, Module};
+    use mscclpp_core::gpu::{DeviceProperties, Event, LaunchConfig, Module};
     use mscclpp_core::AccumType;
     use rstest::rstest;
+    use std::ffi::c_void;
 
     /// A Gpu that records every call and fails every driver operation: proof that the gate is
     /// decided before the driver is asked anything.
@@ -939,7 +914,7 @@ mod tests {
     }
 
     /// Every NVLS unit compiles through NVRTC for sm_90 and sm_100 (multimem) and sm_80 (the trap
-    /// path). Needs NVRTC and the CUDA headers (`source scripts/nvrtc-env.sh`); skipped with a
+    /// path), with the static_asserts of `NvlsArgs` against its Rust layout. Needs NVRTC and the CUDA headers (`source scripts/nvrtc-env.sh`); skipped with a
     /// printed reason otherwise, unless MSCCLPP_REQUIRE_NVRTC=1. Compiling launches nothing.
     #[test]
     fn nvls_units_compile_for_sm_80_90_100() {
@@ -949,7 +924,8 @@ mod tests {
         };
         for dtype in mscclpp_kernels_cu::nvls_units::NVLS_DTYPES {
             let name = nvls_unit_name(dtype).expect("name");
-            let source = nvls_unit_source(dtype).expect("source");
+            let source = nvls_unit_source(dtype).expect("source")
+                + &mscclpp_kernels_cu::nvls_units::layout_asserts();
             for arch in ["sm_80", "sm_90", "sm_100"] {
                 compile_cubin(&nvrtc, &name, &source, arch, mscclpp_kernels_cu::HEADERS);
             }

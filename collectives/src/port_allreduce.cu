@@ -28,6 +28,7 @@ typedef MSCCLPP_COLL_T PortT;
 typedef MSCCLPP_COLL_ACC PortAcc;
 constexpr int kPortOp = MSCCLPP_COLL_OP;
 
+// Both kernels take the one PortAllreduceArgs (collective_common.cuh) of the segment.
 // chans[i]: the channel towards peer index i (peer_rank(i, rank)), dst = that peer's scratch,
 // src = this rank's staging buffer. Launched with one block of 32 threads; npeers <= 31.
 // Every lane runs its put, flush and wait even after a failure during this call (recorded in the
@@ -39,8 +40,14 @@ constexpr int kPortOp = MSCCLPP_COLL_OP;
 // collections): the hierarchical all-reduce runs this block beside its host group's grid, which
 // leaves it room only if the block needs no more of an SM than 32 threads of that grid do
 // (hierarchical.rs, "Residency").
-extern "C" __global__ void __launch_bounds__(1024, 1) port_allreduce_exchange(const PortChannelHandle* chans, u32 npeers, u64 bytes,
-                                                   u64 slot_stride, u32 rank, u32 nranks, u64* calls) {
+extern "C" __global__ void __launch_bounds__(1024, 1) port_allreduce_exchange(const PortAllreduceArgs args) {
+  const PortChannelHandle* chans = args.chans;
+  const u32 npeers = args.npeers;
+  const u64 bytes = args.bytes;
+  const u64 slot_stride = args.slot_stride;
+  const u32 rank = args.rank;
+  const u32 nranks = args.nranks;
+  u64* calls = args.calls;
   if (block_aborted(chans[0].fifo.error_word)) return;
   const u64 call = *calls;
   const u32 lane = threadIdx.x;
@@ -59,9 +66,15 @@ extern "C" __global__ void __launch_bounds__(1024, 1) port_allreduce_exchange(co
 // output[e] = reduce over ranks s (in rank order) of (s == rank ? input : scratch slot s)[e], for
 // e < count. Any grid; in place (input == output) is safe because each element is read and written
 // by the same thread. `calls` was advanced by this call's exchange kernel.
-extern "C" __global__ void __launch_bounds__(1024, 1)
-    port_allreduce_reduce(const void* input, void* output, u64 count, void* scratch, u64 slot_stride,
-                          u32 rank, u32 nranks, const u64* calls) {
+extern "C" __global__ void __launch_bounds__(1024, 1) port_allreduce_reduce(const PortAllreduceArgs args) {
+  const void* input = args.input;
+  void* output = args.output;
+  const u64 count = args.count;
+  void* scratch = args.scratch;
+  const u64 slot_stride = args.slot_stride;
+  const u32 rank = args.rank;
+  const u32 nranks = args.nranks;
+  const u64* calls = args.calls;
   const u64 half = ((*calls - 1) & 1) * nranks * slot_stride;
   PeerPtrs srcs;
   PeerPtrs dsts;

@@ -50,10 +50,10 @@
 //! and the wait would need the other rank's kernels, not enqueued yet).
 
 use crate::geometry::{self, Residency};
-use crate::resources::{param_ptr, DeviceBuffer, SharedScratch};
+use crate::resources::{launch_with_args, DeviceBuffer, SharedScratch};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::communicator::Communicator;
-use mscclpp_core::device::PortChannelHandle;
+use mscclpp_core::device::{PortAllreduceArgs, PortChannelHandle};
 use mscclpp_core::env::Env;
 use mscclpp_core::gpu::{DevicePtr, Event, Function, Gpu, LaunchConfig, Stream};
 use mscclpp_core::port_channel::{shared_queue_hazard, PortChannelConfig, PortChannelService};
@@ -594,53 +594,33 @@ impl PortAllreduce {
         let gpu = self.comm.gpu();
         gpu.memcpy_async(self.staging.ptr(), args.input + offset, len, args.stream)?;
 
-        let mut rank = self.comm.rank() as u32;
-        let mut nranks = self.comm.size() as u32;
-        let mut slot_stride = self.layout.slot_stride as u64;
-        let mut calls: DevicePtr = self.calls.ptr();
-        let mut bytes = len as u64;
-        let mut chans: DevicePtr = self.channels.ptr();
-        let mut npeers = nranks - 1;
-        let mut params = [
-            param_ptr(&mut chans),
-            param_ptr(&mut npeers),
-            param_ptr(&mut bytes),
-            param_ptr(&mut slot_stride),
-            param_ptr(&mut rank),
-            param_ptr(&mut nranks),
-            param_ptr(&mut calls),
-        ];
-        // SAFETY: matches port_allreduce_exchange(const PortChannelHandle*, u32, u64, u64, u32,
-        // u32, u64*); the parameters are locals that outlive the call, and the device addresses
-        // are this object's live buffers (channels, counter) and the proxy's FIFO, which live
-        // until the object is dropped.
-        unsafe {
-            gpu.launch(
-                kernels.exchange,
-                LaunchConfig::linear(1, EXCHANGE_THREADS),
-                args.stream,
-                &mut params,
-            )
-        }?;
-
-        let mut input = args.input + offset;
-        let mut output = args.output + offset;
-        let mut count = (len / args.dtype.size()) as u64;
-        let mut scratch: DevicePtr = self.scratch.local_ptr();
-        let mut params = [
-            param_ptr(&mut input),
-            param_ptr(&mut output),
-            param_ptr(&mut count),
-            param_ptr(&mut scratch),
-            param_ptr(&mut slot_stride),
-            param_ptr(&mut rank),
-            param_ptr(&mut nranks),
-            param_ptr(&mut calls),
-        ];
-        // SAFETY: matches port_allreduce_reduce(const void*, void*, u64, void*, u64, u32, u32,
-        // const u64*); input and output are the caller's buffers (checked non-null, holding at
-        // least input_bytes), scratch and counter are this object's.
-        unsafe { gpu.launch(kernels.reduce, reduce_cfg, args.stream, &mut params) }
+        let nranks = self.comm.size() as u32;
+        // One argument struct for both kernels: the exchange's device addresses are this
+        // object's live buffers (channels, counter) and, through the channels, the proxy's FIFO,
+        // which live until the object is dropped; the reduce's input and output are the
+        // caller's buffers (checked non-null, holding at least input_bytes).
+        let kargs = PortAllreduceArgs {
+            chans: self.channels.ptr(),
+            input: args.input + offset,
+            output: args.output + offset,
+            scratch: self.scratch.local_ptr(),
+            calls: self.calls.ptr(),
+            bytes: len as u64,
+            count: (len / args.dtype.size()) as u64,
+            slot_stride: self.layout.slot_stride as u64,
+            npeers: nranks - 1,
+            rank: self.comm.rank() as u32,
+            nranks,
+            pad: 0,
+        };
+        launch_with_args(
+            gpu.as_ref(),
+            kernels.exchange,
+            LaunchConfig::linear(1, EXCHANGE_THREADS),
+            args.stream,
+            kargs,
+        )?;
+        launch_with_args(gpu.as_ref(), kernels.reduce, reduce_cfg, args.stream, kargs)
     }
 }
 
@@ -868,9 +848,10 @@ mod tests {
         specs
     }
 
-    /// The kernel unit compiles through NVRTC for sm_90 (H100/H200). Needs NVRTC and the CUDA
-    /// headers (`source scripts/nvrtc-env.sh`); skipped with a printed reason otherwise, unless
-    /// MSCCLPP_REQUIRE_NVRTC=1.
+    /// The kernel unit compiles through NVRTC for sm_90 (H100/H200), with the static_asserts of
+    /// the argument structs against their Rust layout (`PortAllreduceArgs` among them). Needs
+    /// NVRTC and the CUDA headers (`source scripts/nvrtc-env.sh`); skipped with a printed reason
+    /// otherwise, unless MSCCLPP_REQUIRE_NVRTC=1.
     #[test]
     fn kernel_units_compile_for_sm_90() {
         use mscclpp_cuda::compile_test::{compile_cubin, nvrtc_or_skip};
@@ -878,7 +859,8 @@ mod tests {
             return;
         };
         for spec in compile_specs() {
-            let (name, source) = (unit_name(spec), unit_source(spec));
+            let name = unit_name(spec);
+            let source = unit_source(spec) + &mscclpp_kernels_cu::collectives::layout_asserts();
             compile_cubin(&nvrtc, &name, &source, "sm_90", mscclpp_kernels_cu::HEADERS);
         }
     }

@@ -348,13 +348,11 @@ pub const NVLS_PACKET_THRESHOLD: usize = 256 << 10;
 
 /// Chunk (bytes per peer) up to which the default selector takes `default_alltoall_packet`, by
 /// world size (also bounded by its scratch: `NativeLimits::alltoall_packet_max_chunk`, 960 KiB at
-/// 2 ranks, 240 KiB at 8). The zero-copy exchange costs about 12-15 µs whatever the size (its
-/// count exchange and barriers): on 2 x H100 (2026-11-27, bf16, graph mode) the packet kernel took
-/// 3.69 µs at 128 KiB chunks and 4.12 µs at 256 KiB (0.45x and 0.43x NCCL), the zero-copy one 15.16
-/// and 15.26 µs (1.82x and 1.58x NCCL); on 2 x H200 (session 16) the packet kernel 4.02 µs at
-/// 256 KiB chunks (0.42x), the zero-copy one 12.76 µs at 512 KiB (1.01x). So 2 ranks take the
-/// packet kernel up to 512 KiB chunks (a 1 MiB all-to-all); more ranks keep 256 KiB (at 8 ranks
-/// the scratch holds 240 KiB) until their packet rows are measured against the zero-copy ones
+/// 2 ranks, 240 KiB at 8). The zero-copy exchange has a fixed cost whatever the size (its count
+/// exchange and barriers), which the packet kernel does not pay; at 2 ranks the packet kernel
+/// measured faster at every chunk it takes (docs/performance.md). So 2 ranks take the packet
+/// kernel up to 512 KiB chunks (a 1 MiB all-to-all); more ranks keep 256 KiB (at 8 ranks the
+/// scratch holds 240 KiB) until their packet rows are measured against the zero-copy ones
 /// (docs/pending-gpu-checks.md).
 pub fn alltoall_packet_max_chunk(world_size: usize) -> usize {
     match world_size {
@@ -394,9 +392,8 @@ pub struct NativeLimits {
 /// Message size (bytes) up to which the all-pair packet all-reduce is preferred, by world size.
 /// All-pair sends the whole message to every peer in 16-byte packets carrying 8 bytes, so its
 /// traffic grows with the world size; above it the two-phase packet all-reduce (LL128 lines,
-/// 1.07x its bytes per phase) takes over. 2xH200: all-pair 4.03 against 4.71 µs at 256 KiB,
-/// 5.92 against 5.51 µs at 512 KiB. 4xH200 (2026-11-26, bf16, graph mode): all-pair 5.83 µs at
-/// 128 KiB and 9.49 at 256 KiB (0.84x NCCL), the two-phase one 6.86 at 512 KiB.
+/// 1.07x its bytes per phase) takes over. The thresholds are where the two crossed when measured
+/// at 2 and 4 ranks (docs/performance.md).
 pub fn allpair_threshold(world_size: usize) -> usize {
     match world_size {
         0..=2 => 256 << 10,
@@ -408,10 +405,9 @@ pub fn allpair_threshold(world_size: usize) -> usize {
 /// Message size (bytes) above which the all-pair schedule sends LL128 lines instead of LL16
 /// packets, up to [`allpair_threshold`], by world size (`None`: LL16 packets throughout). LL128
 /// lines put 1.07x the message on the wire where LL16 packets put 2x, but their reads vote across
-/// a warp, which costs ~0.5 µs at small sizes. bf16, graph mode, the same call (2026-11-27,
-/// LL128 against LL16, µs): 4 x H200 32 KiB 3.89 / 3.69, 64 KiB 4.16 / 4.31, 128 KiB 4.71 / 5.49
-/// (f32: 4.16 / 5.02 at 64 KiB, 4.80 / 6.26 at 128 KiB); 2 x H200 64 KiB 3.26 / 2.96, 256 KiB
-/// 3.80 / 4.00. 3 ranks follow 4, as in [`allpair_threshold`]; 8 ranks are not measured yet.
+/// a warp, which costs a fraction of a microsecond at small sizes: the thresholds are where LL128
+/// lines measured faster at 2 and 4 ranks. 3 ranks follow 4, as in [`allpair_threshold`]; 8 ranks
+/// are not measured yet.
 pub fn allpair_ll128_from(world_size: usize) -> Option<usize> {
     match world_size {
         2 => Some(128 << 10),
@@ -421,9 +417,9 @@ pub fn allpair_ll128_from(world_size: usize) -> Option<usize> {
 }
 
 /// Message size (bytes) up to which the two-phase packet all-reduce (LL128 lines) beats the
-/// zero-copy kernel, whose two barrier rounds cost a few microseconds, by world size. 2xH200, bf16:
-/// 10.86 against 13.61 µs at 2 MiB, 18.26 against 20.19 µs at 4 MiB. Other world sizes keep the
-/// 1 MiB measured with LL16 packets until measured; retune with `mscclpp-bench`.
+/// zero-copy kernel, whose two barrier rounds cost a few microseconds, by world size: at 2 ranks
+/// the packet kernel measured faster up to 4 MiB. Other world sizes keep the 1 MiB measured with
+/// LL16 packets until measured; retune with `mscclpp-bench`.
 pub fn packet_threshold(world_size: usize) -> usize {
     match world_size {
         2 => 4 << 20,
@@ -434,15 +430,13 @@ pub fn packet_threshold(world_size: usize) -> usize {
 /// Message size (bytes per rank) from which `default_allreduce_copy_engine` is preferred to the
 /// zero-copy kernel, by world size and whether the call is captured (`None`: never), for calls it
 /// can stage in their output (out of place, every rank's share a whole number of 16-byte vectors;
-/// see `mscclpp_collectives::copy_engine::Staging`). The copy engines push ~390 GB/s to a peer
-/// where the SMs reach ~370, but a call costs ~50 µs (2 ranks) to ~120 µs (4 ranks) beyond its
-/// bytes in copy starts and barriers. 4 x H200, bf16, graph (2026-11-27): 635.7 against 641.5 µs
-/// (zero-copy) at 128 MiB, 1153 against 1284 at 256 MiB, 4238 against 5057 at 1 GiB (f32; NCCL
-/// 4546); 377.9 against 313.1 at 64 MiB. 2 x H200: 398.4 against 402.8 µs at 128 MiB, 2800 against
-/// 3128 at 1 GiB (NCCL 3266). Eager calls enqueue the same two dozen operations from the host each
-/// time, so they start later: 2 x H200 eager, 758.2 against 794.1 µs at 256 MiB (4 ranks not
-/// measured eager). 3 ranks sit between the measured 2 and 4; 5-8 ranks (more copies
-/// per call) are not measured.
+/// see `mscclpp_collectives::copy_engine::Staging`). The copy engines push a peer faster than the
+/// SMs do, but a call costs tens of microseconds beyond its bytes in copy starts and barriers
+/// (more at 4 ranks than at 2), so it wins from the size where it measured faster than the
+/// zero-copy kernel at 2 and 4 ranks (docs/performance.md). Eager calls enqueue the same two
+/// dozen operations from the host each time, so they start later and win only from a larger size
+/// (4 ranks not measured eager). 3 ranks sit between the measured 2 and 4; 5-8 ranks (more
+/// copies per call) are not measured.
 pub fn copy_engine_threshold(world_size: usize, capturing: bool) -> Option<usize> {
     match (world_size, capturing) {
         (2..=4, true) => Some(128 << 20),
@@ -468,10 +462,9 @@ fn copy_engine_stages_in_output(ctx: &SelectionContext) -> bool {
 /// Total bytes (the all-gather's output, the reduce-scatter's input) up to which the packet
 /// all-gather and reduce-scatter are preferred to the zero-copy ones, by world size (the packet
 /// kinds' scratch capacity bounds it too). The zero-copy kernels pay two barrier rounds; the
-/// packet kernels, on LL128 lines, move 1.07x the bytes and poll. 2xH200: packets win at every size
-/// they take (2 MiB all-gather 6.39 against 9.75 µs, reduce-scatter 6.81 against 8.91 µs). More
-/// peers mean more concurrent line streams to poll per rank, so 5-8 ranks start lower until
-/// measured; retune with `mscclpp-bench`.
+/// packet kernels, on LL128 lines, move 1.07x the bytes and poll. At 2 ranks packets measured
+/// faster at every size they take. More peers mean more concurrent line streams to poll per rank,
+/// so 5-8 ranks start lower until measured; retune with `mscclpp-bench`.
 pub fn packet_gather_scatter_threshold(world_size: usize) -> usize {
     match world_size {
         0..=4 => 2 << 20,

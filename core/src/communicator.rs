@@ -614,7 +614,7 @@ impl Communicator {
     /// The check made before every operation on the communicator (one host load while healthy):
     /// the communicator's error, prefixed with `op`. The first time it finds a device wait timed
     /// out for no known reason, it asks the peers over the bootstrap who is alive (up to
-    /// [`LIVENESS_PING_TIMEOUT`]) and names the ranks that do not answer: a stopped or hung peer.
+    /// `LIVENESS_PING_TIMEOUT`) and names the ranks that do not answer: a stopped or hung peer.
     pub fn check(&self, op: &str) -> Result<()> {
         let Some(mut error) = self.health.error() else {
             return Ok(());

@@ -261,6 +261,7 @@ unsafe impl DeviceRepr for PacketArgs {}
 unsafe impl DeviceRepr for PipelineArgs {}
 unsafe impl DeviceRepr for ZeroCopyArgs {}
 unsafe impl DeviceRepr for CopyEngineArgs {}
+unsafe impl DeviceRepr for PortAllreduceArgs {}
 
 // ---------------------------------------------------------------------------------------------
 // Native collective kernel arguments (`mscclpp::coll`, kernels-cu/src/kernels/collective_common.cuh)
@@ -376,6 +377,31 @@ pub struct CopyEngineArgs {
     pub nranks: u32,
     pub npeers: u32,
     pub mode: u32,
+}
+
+/// `coll::PortAllreduceArgs`: the only parameter of the PortChannel all-reduce's kernels
+/// (collectives/src/port_allreduce.cu). `port_allreduce_exchange` reads `chans`, `calls`, `bytes`,
+/// `slot_stride`, `npeers`, `rank` and `nranks`; `port_allreduce_reduce` `input`, `output`,
+/// `scratch`, `calls`, `count`, `slot_stride`, `rank` and `nranks`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PortAllreduceArgs {
+    /// `const PortChannelHandle*`, one channel per peer index.
+    pub chans: DevicePtr,
+    pub input: DevicePtr,
+    pub output: DevicePtr,
+    /// This rank's scratch: two parity halves of `nranks` slots of `slot_stride` bytes.
+    pub scratch: DevicePtr,
+    /// The device call counter (`u64*`), advanced by the exchange kernel.
+    pub calls: DevicePtr,
+    /// Bytes of this segment (the puts), and the same in elements (the reduction).
+    pub bytes: u64,
+    pub count: u64,
+    pub slot_stride: u64,
+    pub npeers: u32,
+    pub rank: u32,
+    pub nranks: u32,
+    pub pad: u32,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -667,6 +693,23 @@ pub fn layouts() -> Vec<StructLayout> {
         ),
         struct_layout!(
             "coll::",
+            PortAllreduceArgs {
+                chans,
+                input,
+                output,
+                scratch,
+                calls,
+                bytes,
+                count,
+                slot_stride,
+                npeers,
+                rank,
+                nranks,
+                pad
+            }
+        ),
+        struct_layout!(
+            "coll::",
             CopyEngineArgs {
                 srcs,
                 output,
@@ -747,6 +790,7 @@ mod tests {
     #[case("coll::PipelineArgs", 224, 8)]
     #[case("coll::ZeroCopyArgs", 192, 8)]
     #[case("coll::CopyEngineArgs", 120, 8)]
+    #[case("coll::PortAllreduceArgs", 80, 8)]
     fn sizes_match_the_abi_document(#[case] name: &str, #[case] size: usize, #[case] align: usize) {
         let l = layouts()
             .into_iter()

@@ -11,8 +11,8 @@
 //! with the usual stream-ordering semantics; the caller orders conflicting operations.
 //!
 //! # Errors
-//! Driver failures are [`Error::Driver`](crate::Error::Driver) naming the call. Anything a backend
-//! cannot do (e.g. VMM on an old driver) is [`Error::Unsupported`](crate::Error::Unsupported); the
+//! Driver failures are [`Error::Driver`] naming the call. Anything a backend
+//! cannot do (e.g. VMM on an old driver) is [`Error::Unsupported`]; the
 //! default method bodies return that, so a backend that lacks a capability says so instead of lying.
 
 use crate::error::{Error, Result};

@@ -275,7 +275,7 @@ impl TuningTable {
             .map_err(|e| Error::Internal(format!("serialising a tuning table as YAML: {e}")))
     }
 
-    /// Parses YAML text; `source` names it in errors (a path, or "<string>").
+    /// Parses YAML text; `source` names it in errors (a path, or `"<string>"`).
     pub fn from_yaml(text: &str, source: &str) -> Result<Self> {
         let bad = |m: String| Error::InvalidArgument(format!("tuning table {source}: {m}"));
         let file: TableFile = serde_norway::from_str(text).map_err(|e| bad(e.to_string()))?;

@@ -12,7 +12,7 @@
 //! table passed by value: no host sync, no per-call upload, legal under graph capture.
 //! The launch may overlap the stream's previous kernel (programmatic launch, as the natives'), and
 //! each plan threadblock runs as one or more blocks, more for larger chunks where the plan allows
-//! it ([`replicas_for`], executor.cu's "Replicas"). A rank's program of at most
+//! it (`replicas_for`, executor.cu's "Replicas"). A rank's program of at most
 //! `MAX_SPECIALISED_DATA_OPS` data ops is compiled into its unit instead of interpreted
 //! (executor.cu's "Specialised units"), with no more warps than a chunk has units
 //! (`call_threads`).
@@ -537,14 +537,12 @@ fn call_threads(plan: &Plan, chunk: usize) -> u32 {
 
 /// Blocks per plan threadblock for chunks of `chunk` bytes, at most `fit` (and
 /// [`kx::MAX_REPLICAS`]). Without meetings, one per `threads` units of a chunk (a unit per
-/// thread and pass). Up to 64 rather than 16: the one-phase LL fixture plans (two or three
-/// threadblocks) took 10-33 % less time at 512 KiB-1 MiB (2 x H200, 2026-11-28). Where the
-/// replicas meet around signals (and between cuts), none below 16 x `threads` units, then one
-/// per 2 x `threads` units, a power of two. Against one per 8 x `threads` units from 8 x
-/// `threads` (2 ranks on one H200 under MPS, 2026-11-29): the reduce fixture plans 12-25 % faster
-/// at 256 KiB-1 MiB; the builder's Simple plan was 16 % slower at 64 KiB with replicas from 8 x
-/// `threads` units, and 33 replicas (not a power of two) made both reduce fixtures 20 % slower
-/// than 32 at 4 MiB. At most [`MAX_MEETING_REPLICAS`]. A local choice: peers may pick differently
+/// thread and pass). Up to 64 rather than 16: plans of few threadblocks (the one-phase LL
+/// fixtures) took less time with more. Where the replicas meet around signals (and between cuts),
+/// none below 16 x `threads` units, then one per 2 x `threads` units, a power of two: that
+/// measured faster than one per 8 x `threads` units from 8 x `threads` (replicas that start
+/// earlier slowed small Simple plans), and a number of replicas that is not a power of two made
+/// the reduce fixtures slower. At most [`MAX_MEETING_REPLICAS`]. A local choice: peers may pick differently
 /// (executor.cu, "Replicas").
 fn replicas_for(
     replication: Replication,

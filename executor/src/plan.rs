@@ -134,7 +134,7 @@ pub enum OpCode {
     Signal,
     Wait,
     Flush,
-    /// Read-reduce: dst = src[0] (op) every further src.
+    /// Read-reduce: dst = `src[0]` (op) every further src.
     Re,
     /// Reduce packets into plain data.
     Repkt,

@@ -25,7 +25,8 @@ pub const BROADCAST: &str = include_str!("kernels/broadcast.cu");
 pub const REDUCE: &str = include_str!("kernels/reduce.cu");
 
 pub use mscclpp_core::device::{
-    CopyEngineArgs, PacketArgs, PeerPtrs, PipelineArgs, ZeroCopyArgs, COLL_MAX_RANKS as MAX_RANKS,
+    CopyEngineArgs, PacketArgs, PeerPtrs, PipelineArgs, PortAllreduceArgs, ZeroCopyArgs,
+    COLL_MAX_RANKS as MAX_RANKS,
 };
 /// All-to-all family kernels (byte-oriented; see `crate::alltoall`).
 pub const ALLTOALL: &str = include_str!("kernels/alltoall.cu");

@@ -186,8 +186,7 @@ impl Default for PlanArgs {
 /// (`MSCCLPP_PLAN_FEATURES` in executor.cu): the unit of a plan leaves out the interpreter code of
 /// the features it lacks. That code never runs for such a plan, but compiled in it cost every op
 /// (it raised the spills of the 1024-thread kernel from 128 to 216 bytes a thread): without it
-/// every 2-GPU fixture plan ran faster at every size from 1 KiB to 1 MiB, 10-42 % (H100, same run;
-/// reduce_2gpu.json at 1 KiB 66.9 -> 39.0 us).
+/// every 2-GPU fixture plan ran faster at every size measured.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct PlanFeatures {
     /// LL packets in some buffer an op reads or writes (LL and LL8 plans).

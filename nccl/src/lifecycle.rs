@@ -157,7 +157,7 @@ nccl_export! {
 }
 
 nccl_export! {
-    /// One process, `ndev` ranks: devlist[i] (or device i) for rank i. A device may repeat:
+    /// One process, `ndev` ranks: `devlist[i]` (or device i) for rank i. A device may repeat:
     /// several ranks may share one GPU here, which NCCL refuses.
     fn ncclCommInitAll / pncclCommInitAll(comms: *mut Handle, ndev: c_int, devlist: *const c_int) -> NcclResult {
         ffi("ncclCommInitAll", || {

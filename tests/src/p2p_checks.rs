@@ -15,7 +15,7 @@
 //! receives; 20 repeated groups; two engines with groups in flight on two streams, and one engine
 //! used from two streams (which it orders); zero copy (messages of at least
 //! `ZERO_COPY_MIN_BYTES`) on buffers used again, and in graphs captured on new buffers (all-pairs,
-//! and rings beyond two ranks); and size mismatches (see [`MISMATCHES`], [`MAPPED_MISMATCHES`]),
+//! and rings beyond two ranks); and size mismatches (see `MISMATCHES`, `MAPPED_MISMATCHES`),
 //! each on a fresh communicator, which must end with an error naming rank and peer on both ranks,
 //! the receive buffer untouched, and no hang.
 

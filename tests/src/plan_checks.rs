@@ -5,7 +5,7 @@
 //!
 //! Sizes span each plan's message range: 1, 3 and 257 elements per chunk (odd sizes) and the
 //! largest chunk the plan takes (capped at [`MAX_CHECK_BYTES`] of input per rank); for the first
-//! type also up to [`LARGE_CHECK_BYTES`], where the interpreter runs the most replicas. Each size
+//! type also up to `LARGE_CHECK_BYTES`, where the interpreter runs the most replicas. Each size
 //! runs eagerly and as a captured CUDA graph replayed twice, with fresh inputs before every replay.
 //! Outputs are poisoned first; every element is checked: integers and moved (not reduced) values
 //! exactly, reduced floats against the float64 reduction within the CPU reference's tolerance

@@ -2,11 +2,10 @@
 //! (kernel `allreduce_rsag_push`, the pipelined rsag body of allreduce.cu). Per step, each rank
 //! pushes chunk p of its input into rank p's scratch, then reduces its own chunk from its scratch
 //! and pushes the result into every rank's registered output, one block barrier per step. Why:
-//! `default_allreduce_rsag_zero_copy` reads three peers at 4 ranks and stays at 315-322 GB/s busbw
-//! on 4xH200 (NCCL 354); posted writes need no round trip per load. Measured there (graph mode,
-//! bf16, 2026-11-27) it reached only 213-285 GB/s busbw from 16 MiB to 1 GiB (1.14-1.25x NCCL's
-//! time: the steps through the scratch barrier too often), so the default selector does not take
-//! it: `--algo`, the tuner and the GPU suite reach it by name.
+//! `default_allreduce_rsag_zero_copy` reads three peers at 4 ranks and stays below NCCL's
+//! bandwidth there; posted writes need no round trip per load. Measured, it was slower than both
+//! (the steps through the scratch barrier too often), so the default selector does not take it:
+//! `--algo`, the tuner and the GPU suite reach it by name.
 //!
 //! User buffers: only the outputs are agreed with the peers (`crate::user_buffers`, as the
 //! zero-copy kernels do); the input is read locally and staged through the collection's scratch,

@@ -10,9 +10,8 @@ use mscclpp_kernels_cu::p2p::{P2pOpArgs, KIND_COPY, KIND_RECV, KIND_SEND, MAX_OP
 /// Data bytes of one rank's region over all its incoming channels: 896 KiB keeps the engine under
 /// 1 MiB per rank at 8 ranks (7 channels x 8 slots x 16 KiB plus headers, acks and posts).
 pub const DATA_BUDGET: usize = 896 << 10;
-/// Chunk (slot) size bounds. One block moves one chunk at a time, at about 11 GB/s over NVLink
-/// (H100, 512 threads; 8 blocks of 64 KiB chunks moved 51 GB/s at 2 ranks), so bandwidth comes from
-/// many blocks, and so from many slots within the budget: 16 KiB chunks still cost little in flags
+/// Chunk (slot) size bounds. One block moves one chunk at a time, a small part of a link's
+/// bandwidth, so bandwidth comes from many blocks, and so from many slots within the budget: 16 KiB chunks still cost little in flags
 /// (a header store and a credit per chunk), and below 4 KiB they would cost more than they move.
 pub const MIN_SLOT_BYTES: usize = 4 << 10;
 pub const MAX_SLOT_BYTES: usize = 16 << 10;
@@ -77,10 +76,10 @@ const _: () = assert!(MIN_BLOCK_THREADS % 32 == 0 && MIN_BLOCK_THREADS <= MAX_BL
 const THREAD_BYTES: usize = 32;
 
 /// Threads of every block of a planned group: enough that a thread holds at most
-/// [`THREAD_BYTES`] of the largest piece one block moves at once (a chunk, or a copy's share), a
+/// `THREAD_BYTES` of the largest piece one block moves at once (a chunk, or a copy's share), a
 /// power of two within [`MIN_BLOCK_THREADS`]..=[`MAX_BLOCK_THREADS`]. Small messages get small
-/// blocks, whose barriers cost less: a 1 KiB sendrecv took 6.26 µs with 64-thread blocks against
-/// 6.62-6.66 with 512 (2 x H200, docs/results-2026-11-28-e.md).
+/// blocks, whose barriers cost less (a small sendrecv measured faster with 64-thread blocks than
+/// with 512).
 pub fn block_threads(ops: &[P2pOpArgs], layout: &Layout) -> u32 {
     let largest = ops
         .iter()

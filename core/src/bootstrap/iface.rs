@@ -136,7 +136,7 @@ fn to_socket_addr(a: &InterfaceAddr, port: u16) -> SocketAddr {
 
 /// Picks this host's bootstrap address (port 0) from the interfaces in `all`.
 ///
-/// With `ifname` the first up interface matching it (see [`name_matches`]) and `family` wins; an
+/// With `ifname` the first up interface matching it (see `name_matches`) and `family` wins; an
 /// unknown name is an error listing what exists. Without it: the first up non-loopback,
 /// non-virtual-bridge interface, IPv4 preferred when no family is set, loopback as last resort
 /// (a single host job still works without any network).

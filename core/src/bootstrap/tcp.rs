@@ -1,7 +1,7 @@
 //! `TcpBootstrap`: the [`Bootstrap`] over TCP sockets.
 //!
 //! # Protocol
-//! 1. Rank 0 runs the root ([`RootServer`]) at the UniqueId's address.
+//! 1. Rank 0 runs the root (`RootServer`) at the UniqueId's address.
 //! 2. Every rank (rank 0 included) connects to the root; the local address of that connection is
 //!    the address this host reaches the root by, so the rank binds its own listener on that IP
 //!    (or on `MSCCLPP_SOCKET_IFNAME`'s address) with an ephemeral port and sends it to the root
@@ -11,7 +11,7 @@
 //!    peer, so no two ranks ever race to open the same link. Each connection starts with a
 //!    two-way handshake carrying the secret; connections without it are refused with a warning.
 //! 4. A reader thread per incoming connection drains frames into per-(peer, kind, tag) queues
-//!    ([`Mailbox`]). Sockets are therefore always read, and a receiver learns at once when its
+//!    (`Mailbox`). Sockets are therefore always read, and a receiver learns at once when its
 //!    peer's connection closes.
 //!
 //! Collectives (Bruck all_gather, dissemination barrier, binomial broadcast) run on the same
@@ -34,7 +34,7 @@
 //! the ring, one local TCP hop per rank.
 //!
 //! A stopped or hung process keeps its sockets open, so the same call also starts a heartbeat
-//! thread: every [`heartbeat_period`] it sends a `Heartbeat` frame to the ring successor and
+//! thread: every `heartbeat_period` it sends a `Heartbeat` frame to the ring successor and
 //! checks when the last frame (of any kind) came from the ring predecessor. A predecessor silent
 //! for `BootstrapConfig::liveness_timeout` is stalled: the job is aborted blaming it ("rank P
 //! stalled: no heartbeat for 3.0 s"), which floods on round the ring. The thread is the only one
@@ -42,7 +42,7 @@
 //! a blocked launch, the Python interpreter) is not blamed; a SIGSTOPped process stops all its
 //! threads, the heartbeat included, and is. A rank that was itself stopped (or starved of CPU)
 //! sees every peer silent when it resumes: its thread notices its own gap and gives its
-//! predecessor a fresh timeout instead of blaming it. [`unresponsive_peers`]
+//! predecessor a fresh timeout instead of blaming it. `unresponsive_peers`
 //! (Bootstrap::unresponsive_peers) (pings answered by reader threads) names the stopped rank when a
 //! device wait timed out first.
 

@@ -31,10 +31,10 @@ constexpr u32 kErrorCountMismatch = 7;
 // through (u64 at 8; null for a page that lives in host memory itself, as some tests' do). Layout
 // mirrored in core/src/device.rs.
 //
-// Why two words: a GPU read of host memory is a PCIe round trip, and on a virtualised 4 x H200
-// machine many of them behaved as if serialised across the whole GPU (about 1-4 us each, inferred
-// from timings, not profiled): reading the host word at every kernel's entry and every 256 polls
-// of every wait made a 64 KiB all-reduce 75x and a 16 MiB one 12x slower there. So kernels read
+// Why two words: a GPU read of host memory is a PCIe round trip, and on virtualised machines many
+// of them behave as if serialised across the whole GPU (inferred from timings, not profiled):
+// reading the host word at every kernel's entry and every 256 polls of every wait made
+// all-reduces many times slower there. So kernels read
 // the page (device memory) at entry and while they wait, and a wait reads the host word only
 // after it has waited kHostLookIntervalNs, copying an abort it finds into the page for every
 // later kernel.

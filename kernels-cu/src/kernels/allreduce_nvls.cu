@@ -39,6 +39,25 @@ static_assert(sizeof(NvlsV) == 16, "multimem vectors are 16 bytes");
 
 constexpr u64 kVecBytes = 16;
 
+// The one parameter of every kernel below; each reads the fields its protocol needs. Mirrored by
+// mscclpp_kernels_cu::nvls_units::NvlsArgs (152 bytes).
+struct NvlsArgs {
+  SwitchChannelHandle scratch;         // multicast-bound scratch (packet, pipelines)
+  SwitchChannelHandle input_channel;   // the user's buffers bound to multicast objects (zero copy)
+  SwitchChannelHandle output_channel;
+  const void* input;
+  void* output;
+  u64 count;       // elements (packet)
+  u64 bytes;       // zero copy, pipelines
+  u64 unit_bytes;  // scratch bytes of one pipeline unit
+  CallState* state;
+  u32* error_word;
+  const D2DSemaphoreHandle* sems;
+  u64 max_spin;
+  u32 rank;
+  u32 nranks;
+};
+
 MSCCLPP_DEVICE_INLINE void alias_fence() {
 #if MSCCLPP_HAS_MULTIMEM
   asm volatile("fence.proxy.alias;" ::: "memory");
@@ -140,10 +159,14 @@ MSCCLPP_DEVICE_INLINE void pipeline(const void* input, void* output, u64 bytes, 
 
 // input/output: SwitchChannels whose device_ptr/mc_ptr address the user's buffers (the same
 // channel twice in place). bytes: a multiple of 16 (the host refuses others).
-extern "C" __global__ void __launch_bounds__(1024, 1)
-    allreduce_nvls_zero_copy(SwitchChannelHandle input, SwitchChannelHandle output, u64 bytes, u32 rank,
-                             u32 nranks, const D2DSemaphoreHandle* sems) {
+extern "C" __global__ void __launch_bounds__(1024, 1) allreduce_nvls_zero_copy(const NvlsArgs args) {
   wait_prior_grids();
+  const SwitchChannelHandle input = args.input_channel;
+  const SwitchChannelHandle output = args.output_channel;
+  const u64 bytes = args.bytes;
+  const u32 rank = args.rank;
+  const u32 nranks = args.nranks;
+  const D2DSemaphoreHandle* sems = args.sems;
   const u32 npeers = nranks - 1;
   // A peer block past this barrier means the peer's kernel started, so everything its stream wrote
   // to its input before is complete.
@@ -157,19 +180,17 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 }
 
 // scratch: multicast-bound, unit_bytes per block. sems: gridDim.x blocks x npeers.
-extern "C" __global__ void __launch_bounds__(1024, 1)
-    allreduce_nvls_block_pipeline(const void* input, void* output, u64 bytes, SwitchChannelHandle scratch,
-                                  u64 unit_bytes, u32 rank, u32 nranks, const D2DSemaphoreHandle* sems) {
+extern "C" __global__ void __launch_bounds__(1024, 1) allreduce_nvls_block_pipeline(const NvlsArgs args) {
   wait_prior_grids();
-  pipeline<BlockUnit>(input, output, bytes, scratch, unit_bytes, rank, nranks, sems);
+  pipeline<BlockUnit>(args.input, args.output, args.bytes, args.scratch, args.unit_bytes, args.rank, args.nranks,
+                  args.sems);
 }
 
 // scratch: multicast-bound, unit_bytes per warp. sems: (gridDim.x * blockDim.x / 32) warps x npeers.
-extern "C" __global__ void __launch_bounds__(1024, 1)
-    allreduce_nvls_warp_pipeline(const void* input, void* output, u64 bytes, SwitchChannelHandle scratch,
-                                 u64 unit_bytes, u32 rank, u32 nranks, const D2DSemaphoreHandle* sems) {
+extern "C" __global__ void __launch_bounds__(1024, 1) allreduce_nvls_warp_pipeline(const NvlsArgs args) {
   wait_prior_grids();
-  pipeline<WarpUnit>(input, output, bytes, scratch, unit_bytes, rank, nranks, sems);
+  pipeline<WarpUnit>(args.input, args.output, args.bytes, args.scratch, args.unit_bytes, args.rank, args.nranks,
+                  args.sems);
 }
 
 // count elements. scratch: multicast-bound, 2 parity halves x nranks slots of ceil(bytes / 8) LL16
@@ -179,10 +200,17 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
 // after its call-N kernel (stream order) has finished reading that half.
 // Each packet index is read from the input and written to the output by the same thread, so the
 // kernel is correct in place. Sums run in rank order: every rank gets bit-identical results.
-extern "C" __global__ void __launch_bounds__(1024, 1)
-    allreduce_nvls_packet(const void* input, void* output, u64 count, SwitchChannelHandle scratch, u32 rank,
-                          u32 nranks, CallState* state, u32* error_word, u64 max_spin) {
+extern "C" __global__ void __launch_bounds__(1024, 1) allreduce_nvls_packet(const NvlsArgs args) {
   wait_prior_grids();
+  const void* input = args.input;
+  void* output = args.output;
+  const u64 count = args.count;
+  const SwitchChannelHandle scratch = args.scratch;
+  const u32 rank = args.rank;
+  const u32 nranks = args.nranks;
+  CallState* state = args.state;
+  u32* error_word = args.error_word;
+  const u64 max_spin = args.max_spin;
   const u64 calls = load_call_count(state);
   const u32 flag = call_flag(calls);
   const u64 bytes = count * sizeof(NvlsT);

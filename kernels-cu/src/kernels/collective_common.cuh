@@ -26,6 +26,9 @@
 #include "mscclpp/semaphore.cuh"
 
 namespace mscclpp {
+// Complete in port_channel.cuh, which the units of port_allreduce include.
+struct PortChannelHandle;
+
 namespace coll {
 
 // Largest world size the native collectives support (one NVLink domain of one host). Mirrored by
@@ -130,6 +133,24 @@ struct CopyEngineArgs {
   u32 nranks;
   u32 npeers;
   u32 mode;
+};
+
+// The PortChannel all-reduce (collectives/src/port_allreduce.cu): port_allreduce_exchange reads
+// chans, calls, bytes, slot_stride, npeers, rank and nranks; port_allreduce_reduce input,
+// output, scratch, calls, count, slot_stride, rank and nranks.
+struct PortAllreduceArgs {
+  const PortChannelHandle* chans;
+  const void* input;
+  void* output;
+  void* scratch;
+  u64* calls;
+  u64 bytes;
+  u64 count;
+  u64 slot_stride;
+  u32 npeers;
+  u32 rank;
+  u32 nranks;
+  u32 pad;
 };
 
 MSCCLPP_DEVICE_INLINE u32 peer_rank(u32 index, u32 rank) { return index < rank ? index : index + 1; }

@@ -10,27 +10,20 @@
 // few data ops, the host compiles it into the unit as code, every op a run_op on constants, so
 // each op gets straight-line code with its kinds, references and counts folded in, and nothing
 // is decoded at run time (threadblocks of one shape share a case, their chunk indices and ids
-// worked out from tb). Same-run timings of the 2-rank fixture plans (2 x H200, bf16, graph):
-// 4 KiB 3.3-10.7 us against 4.7-17.6 interpreted (reduce_2gpu 17.6 -> 10.7, allgather_packet
-// 4.7 -> 3.3), and at or under the interpreter at every size up to 4 MiB since the replicas'
-// own counters (reduce_pack_2gpu 1 MiB 12.7 against 14.3-15.1). Consecutive plain data ops
-// that can run as one pass are one run_fused ("Fused data ops" below): the reduce fixture plan's
-// rres, get and res took 24-32 % less time at 16-64 KiB and 12 % less from 256 KiB (2 ranks on
-// one H200 under MPS, 2026-11-29).
+// worked out from tb). The 2-rank fixture plans timed faster specialised than interpreted at
+// small sizes and no slower at any size measured. Consecutive plain data ops that can run as one
+// pass are one run_fused ("Fused data ops" below), which took less time than the ops one by one.
 //
 // Block size: the plan's num_threads_per_block, at most kMaxBlockThreads, and no more warps than a
 // chunk has units (mscclpp_executor's call_threads: small messages). Every thread walks the
 // interpreter's bookkeeping for every op, so fewer warps cost less per op; and the launch bounds
 // (512 threads, at least one block per SM) let a thread use 128 registers, where 1024 threads had
 // 64 and spilled the loop's state to local memory on every op (with the bound of 512 alone,
-// ptxas still chose 64 registers and spills for some units). Same-run timings of the 2-rank
-// fixture plans on H100 against 1024 threads: 17-35 % faster at 1 KiB, 107 of 109 (plan, size)
-// rows faster up to 4 MiB (two 8-12 % slower), the Simple all-reduce plan 1-10 % faster from
-// 16 MiB. Such a block takes a whole SM's registers, so the host counts one block per SM towards
-// co-residency.
+// ptxas still chose 64 registers and spills for some units). Against 1024 threads the 2-rank
+// fixture plans timed faster at almost every size measured. Such a block takes a whole SM's
+// registers, so the host counts one block per SM towards co-residency.
 //
-// Replicas: one block of a threadblock moves a few tens of GB/s (LL packets about 25),
-// so a plan of few threadblocks (MSCCL++'s 2-rank plans have 1 to 8) cannot use the GPU. The host
+// Replicas: one block of a threadblock moves a small part of a link's bandwidth, so a plan of few threadblocks (MSCCL++'s 2-rank plans have 1 to 8) cannot use the GPU. The host
 // gives each plan threadblock `replicas` blocks where the chunk is large enough and the plan allows
 // it (mscclpp_executor::encode::Replication: memory-channel data, signal, wait, flush and nop ops
 // only). Replica k of a threadblock does part k of every op's part of every chunk (the op's
@@ -40,13 +33,11 @@
 // wait_counted); the replicas meet (Replicas, on arrival stamps) where the
 // threadblock goes from data to a wait, signal or flush (replica 0 waits for every replica's
 // writes before it signals), from a wait back to data (no replica moves on before the wait is
-// over) and from data cut one way to data cut another (on a generation and an arrivals counter,
-// with atomics, the reduce fixture plan took 11-13 % more time at 256 KiB-4 MiB, where it has 2
-// to 32 replicas; 2 ranks on one H200 under MPS, 2026-11-29). A nop stays the block's own barrier:
-// within a cut, each replica reads only what it wrote itself. (Without the meetings at nops the
-// same plan took 14-25 % less time at every size from 16 KiB to 4 MiB; also at one replica, where
-// a meeting costs nothing, for a reason not found: the barrier called instead of inlined timed
-// the same.) Replicas that meet must all be resident at once: the host keeps their number to
+// over) and from data cut one way to data cut another (on a generation and an arrivals counter;
+// with atomics instead, plans with many replicas took longer). A nop stays the block's own
+// barrier: within a cut, each replica reads only what it wrote itself. (Meetings at nops made
+// plans slower at every size, even at one replica, where a meeting costs nothing, for a reason
+// not found.) Replicas that meet must all be resident at once: the host keeps their number to
 // Residency::max_meeting_blocks. How many replicas a call gets is a local choice: signals,
 // packets, flags and stamps are the same for any number.
 //
@@ -56,7 +47,7 @@
 // as packets where the destination holds packets. A single source is copied bit for bit.
 // A block moves an op's chunk with every thread and several loads in flight per thread: a block's
 // bandwidth is its bytes in flight over the memory (or NVLink) latency, and one 8-byte access per
-// thread at a time caps 1024 threads near 8 KiB / 0.7 us, about 11 GB/s. Plain-only chunks whose
+// thread at a time caps 1024 threads at 8 KiB per latency. Plain-only chunks whose
 // references are all 16-byte aligned go as 16-byte words (copy.cuh's unrolled copy, or
 // kReduceUnroll words per thread and source); packets, odd alignments and a chunk's tail go unit
 // by unit, kUnitBatch units per thread with every load issued before any packet is waited for.
@@ -72,8 +63,8 @@
 // congruent to its own modulo this call's replicas (as the natives' finish_call): every slot is
 // written once per execution by a block that read nothing but its own, so the next call, with
 // any number of replicas, finds the count in each slot, with no atomic or fence on the way out
-// (counting the replicas out, with a device fence before the count, cost 0.3-0.7 us a call at
-// 16-256 KiB, 2 x H200: the fence waits for the block's NVLink stores). LL scratch alternates
+// (counting the replicas out, with a device fence before the count, cost time on every call: the
+// fence waits for the block's NVLink stores). LL scratch alternates
 // two halves by the flag's parity, so a fast writer of execution k + 1 never overwrites packets
 // of execution k that a slow reader has not read. Channel semaphores, local semaphores and
 // barriers are counters that only grow (or come back to their initial value), so replays need
@@ -589,8 +580,7 @@ MSCCLPP_DEVICE_INLINE bool wait_channel(const PlanArgs& a, const D2DSemaphoreHan
 // inbound counts are known from the execution's flag: `waits_per_execution` signals came in each
 // earlier execution, and `wait_index` so far in this one. Every replica waits for itself (thread
 // 0), with no atomic on `expected` (which these channels never use) and no stamp from replica 0
-// after it: the reduce fixture plans took 2-15 % less time at 16 KiB-4 MiB, allreduce_2gpu.json
-// up to 23 % (2 ranks on one H200 under MPS), the most where they have many replicas.
+// after it: the fixture plans took less time that way, the most where they have many replicas.
 MSCCLPP_DEVICE_INLINE bool wait_counted(const PlanArgs& a, const Op& op, u32 flag) {
   const u64 target =
       static_cast<u64>(flag - 1) * op.waits_per_execution + op.wait_index + 1ull;
@@ -782,8 +772,8 @@ MSCCLPP_DEVICE_INLINE u64* arrival_slots(u32* words) {
 
 // Waits until every replica in [from, to) but `self` has stamped `stamp` or a later meeting (every
 // thread of the block calls it; thread k polls replica k). Out of line: a plan with one replica
-// never calls it, and inlined at every meeting it made the reduce fixture's unit 6 % larger and
-// that plan up to 1 us slower a call at one replica (2 ranks on one H200 under MPS).
+// never calls it, and inlined at every meeting it made the units larger and one-replica plans
+// slower.
 __device__ __attribute__((noinline)) bool await_stamps(const u64* slots, u64 stamp, u32 from,
                                                        u32 to, u32 self, u64 max_spin,
                                                        u32* error_word) {
@@ -1074,7 +1064,7 @@ MSCCLPP_DEVICE_INLINE Step step_at(const PlanArgs& a, const Op& op, u32 o) {
 // refuses plans whose programs do not fit), so each op costs shared-memory reads instead of a
 // chain of dependent global ones (the op, then its references or ids) on its critical path; and
 // the compiler knows where the tables are (a pointer that could be either global or shared memory
-// made every read a generic load, which slowed the LL fixture plans 10-40 % at 512 KiB-2 MiB).
+// made every read a generic load, which slowed the LL fixture plans).
 // MSCCL++ copies its ops into shared memory for the same reason.
 struct Program {
   const PlanOp* ops;
@@ -1130,7 +1120,7 @@ MSCCLPP_DEVICE_INLINE bool run_static_program(const PlanArgs& a, u32 tb, u32 fla
 }  // namespace mscclpp
 
 // __grid_constant__: the functions above take the argument by reference, which must not make a
-// local copy of it (~7 us a call when the data path was out of line, session 19).
+// local copy of it (a copy costs microseconds a call when the data path is out of line).
 #if defined(MSCCLPP_HIP)
 #define MSCCLPP_PLAN_ARGS const mscclpp::plan::PlanArgs
 #else

@@ -17,7 +17,7 @@
 // b reads copy b at its entry and, at its end, writes the advanced counters of the group's channels
 // into every copy k = b mod gridDim.x, so the next kernel, with any grid, finds the new counts in
 // every copy. No block waits for another at the end: the last-block count this replaced (a device
-// fence and an atomic after every block's work) cost about 1 µs a call at every size (2 x H200).
+// fence and an atomic after every block's work) cost time on every call at every size.
 // Within a group the host gives each op its offsets (msg_offset, chunk_offset) after the earlier
 // ops of the same (peer, direction).
 //
@@ -52,8 +52,8 @@
 // (bootstrap), which maps it, writes its address, tagged with the offer's key, into the engine's
 // pinned host table (`zc_staging[peer][key % kP2pZcEntries]`) and answers. The first send that
 // needs the key copies the entry into the device table (P2pState::zc_table, zeroed with the
-// engine), where later sends read it: a kernel's read of host memory costs ~35 µs on H200, once
-// per key that way. A key whose allocation was freed gives its entry to a later key: a send whose
+// engine), where later sends read it: a kernel's read of host memory is a slow PCIe round trip,
+// paid once per key that way. A key whose allocation was freed gives its entry to a later key: a send whose
 // word's key has another tag than both tables' entries takes the slots. No stream operation is
 // involved, so the handshake also completes while a graph is being captured (the receiver's host
 // then waits for the answer a bounded time; collectives/src/p2p/zero_copy.rs). From then on the
