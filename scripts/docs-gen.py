@@ -226,6 +226,10 @@ def render_performance(records):
         "is out of date. Earlier measurements are in git history. How to run the benchmark on a",
         "GPU machine: [CONTRIBUTING.md](../CONTRIBUTING.md).",
         "",
+        "Machines of one GPU (ranks sharing it under MPS) check correctness, not speed: NCCL",
+        "refuses shared GPUs, so they have no rows here. Execution plans against the native",
+        "algorithms: [execution-plans.md](execution-plans.md#performance).",
+        "",
     ]
     by_machine = {}
     for name, record in records:
