@@ -215,7 +215,8 @@ def render_performance(records):
         "The numbers that hold today, one table per machine kind and collective. Every row was",
         "checked element by element (0 wrong) and timed against NCCL in the same run where an",
         "NCCL column is shown (NCCL 2.28.9, NVLink multicast off for both). Times are µs per call",
-        "(median batch, mean over ranks); ratio is ours over NCCL's time, below 1 is faster.",
+        "(median batch, mean over ranks); ratio is ours over NCCL's time (a plan's over the native",
+        "algorithm's for plan-bench rows), below 1 is faster.",
         "A row names the run that measured it; the runs, with the command that reproduces them",
         "and the commit they ran on, are listed under each machine.",
         "",
@@ -272,14 +273,17 @@ def render_performance(records):
                 title += f" ({tool})"
             rows = sorted(tables[key], key=lambda t: t[0]["size_bytes"])
             vs = any(m.get("nccl_time_us") is not None for _, m, _ in rows)
+            # plan-bench records compare a plan with the native algorithm of its collective.
+            base_key, base_name = ("nccl_time_us", "NCCL µs") if vs else ("native_time_us", "native µs")
+            vs = vs or any(m.get("native_time_us") is not None for _, m, _ in rows)
             bw = any(m.get("busbw_gbs") is not None for _, m, _ in rows)
-            head = ["size", "µs"] + (["NCCL µs", "ratio"] if vs else []) + (["busbw GB/s"] if bw else [])
+            head = ["size", "µs"] + ([base_name, "ratio"] if vs else []) + (["busbw GB/s"] if bw else [])
             head += ["algorithm", "run"]
             out += [title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
             for row, m, run in rows:
                 cells = [size_text(row["size_bytes"]), num(m["time_us"])]
                 if vs:
-                    t = m.get("nccl_time_us")
+                    t = m.get(base_key)
                     cells += [num(t), f"{m['time_us'] / t:.2f}" if t else ""]
                 if bw:
                     cells.append(num(m.get("busbw_gbs")))
