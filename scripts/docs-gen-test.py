@@ -7,7 +7,8 @@ of the files it reads,
 - `--check` fails on a stale page, on a superseded row left in a record, on a record with wrong
   elements, and on a variable core/src/env.rs reads but does not document;
 - the environment table keeps the text outside its markers and the variables of a row written
-  with shared prefixes (`OMPI_COMM_WORLD_RANK _SIZE`) count as documented."""
+  with shared prefixes (`OMPI_COMM_WORLD_RANK _SIZE`) count as documented;
+- a relative link to a missing page or heading fails the check (links in HTML comments do not)."""
 import contextlib
 import importlib.util
 import io
@@ -92,6 +93,11 @@ def main():
             f.write(ENV_RS)
         with open(os.path.join(tmp, "docs", "environment.md"), "w") as f:
             f.write(f"# Env\n\nbefore\n\n{dg.BEGIN}\nold\n{dg.END}\n\nafter\n")
+        # The pages the generated performance page links to.
+        with open(os.path.join(tmp, "CONTRIBUTING.md"), "w") as f:
+            f.write("# Contributing\n")
+        with open(os.path.join(tmp, "docs", "execution-plans.md"), "w") as f:
+            f.write("# Plans\n\n## Performance\n")
         dg.ROOT = tmp
         dg.RECORDS = os.path.join(tmp, "bench", "results")
         dg.PERFORMANCE = os.path.join(tmp, "docs", "performance.md")
@@ -149,6 +155,18 @@ def main():
             json.dump(report([4096], 1.0, wrong=3), f)
         code, err = run(dg, "add", bad, "--machine", "2 x Test", "--commit", "ddddddd", "--command", "x")
         check("a report with wrong elements is refused", code == 1 and "wrong elements" in err)
+
+        guide = os.path.join(tmp, "docs", "guide.md")
+        with open(guide, "w") as f:
+            f.write("# Guide\n\n## The `Env` type\n\n[ok](environment.md) [ok](#the-env-type) "
+                    "[ok](https://example.invalid/x.md)\n<!-- [later](later.md) -->\n"
+                    "[bad](missing.md) [bad](execution-plans.md#nowhere)\n")
+        code, err = run(dg, "--check")
+        check("--check names broken links and only those",
+              code == 1 and "missing.md (no such file)" in err
+              and "execution-plans.md#nowhere (no such heading)" in err
+              and "later.md" not in err and "#the-env-type" not in err)
+        os.remove(guide)
 
         with open(dg.ENV_RS, "a") as f:
             f.write('pub const OTHER: &[&str] = &[];\n')

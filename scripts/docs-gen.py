@@ -18,6 +18,10 @@ machine kind and collective.
 The environment table is the one in core/src/env.rs's module documentation (the single place the
 variables are documented); every name in its `VARIABLES` list must appear in that table.
 
+Relative links in the top-level and docs/ pages must name files that exist, and headings that
+exist in them (links inside HTML comments are not checked: that is where pages not yet written
+are listed).
+
 Python 3.8+, standard library only: CI runs `--check` in seconds.
 """
 
@@ -366,6 +370,51 @@ def render_env_doc(current):
 
 
 # ---------------------------------------------------------------------------------------------
+# Links between the docs
+
+
+def doc_files():
+    """The Markdown pages whose relative links are checked: the top level's and docs/'s."""
+    files = [os.path.join(ROOT, f) for f in sorted(os.listdir(ROOT)) if f.endswith(".md")]
+    docs = os.path.join(ROOT, "docs")
+    files += [os.path.join(docs, f) for f in sorted(os.listdir(docs)) if f.endswith(".md")]
+    return files
+
+
+def slug(heading):
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+    return text.replace(" ", "-")
+
+
+def anchors(path):
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    return {slug(m.group(1)) for m in re.finditer(r"^#+ (.+)$", text, re.M)}
+
+
+def broken_links(files):
+    """`file: target (why)` for every relative link whose file or heading does not exist."""
+    broken = []
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            text = re.sub(r"```.*?```", "", f.read(), flags=re.S)
+        text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            file_part, _, anchor = target.partition("#")
+            dest = os.path.normpath(os.path.join(os.path.dirname(path), file_part)) if file_part else path
+            where = f"{os.path.relpath(path, ROOT)}: {target}"
+            if not os.path.exists(dest):
+                broken.append(f"{where} (no such file)")
+            elif anchor and dest.endswith(".md") and anchor not in anchors(dest):
+                broken.append(f"{where} (no such heading)")
+    return broken
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def outputs():
@@ -459,6 +508,10 @@ def main():
                 f"out of date: {', '.join(stale)}; run `python3 scripts/docs-gen.py` and commit",
                 file=sys.stderr,
             )
+            return 1
+        broken = broken_links(doc_files())
+        if broken:
+            print("broken links:\n  " + "\n  ".join(broken), file=sys.stderr)
             return 1
     except (RecordError, OSError) as e:
         print(f"docs-gen: {e}", file=sys.stderr)

@@ -80,7 +80,7 @@ const THREAD_BYTES: usize = 32;
 /// [`THREAD_BYTES`] of the largest piece one block moves at once (a chunk, or a copy's share), a
 /// power of two within [`MIN_BLOCK_THREADS`]..=[`MAX_BLOCK_THREADS`]. Small messages get small
 /// blocks, whose barriers cost less: a 1 KiB sendrecv took 6.26 µs with 64-thread blocks against
-/// 6.62-6.66 with 512 (2 x H200, docs/results-2026-11-28-e.md).
+/// 6.62-6.66 with 512 (2 x H200, 2026-11-28).
 pub fn block_threads(ops: &[P2pOpArgs], layout: &Layout) -> u32 {
     let largest = ops
         .iter()

@@ -313,7 +313,7 @@ static_assert(LL128::kWordsPerLine * 8 == LL128::kPayloadBytes, "LL128 payload w
 // grid is sized for its whole message, and a phase with fewer lines (the two-phase all-reduce's
 // reduction, a small all-gather) would otherwise fall on the first few blocks only, whose NVLink
 // stores and polls then queue behind each other while the other SMs idle. Spread, at 4 ranks on
-// 4 x H200 (2026-11-28, docs/results-2026-11-28-d.md): reduce-scatter 2-8 % and all-gather 7-15 %
+// 4 x H200 (2026-11-28): reduce-scatter 2-8 % and all-gather 7-15 %
 // less time at 16-64 KiB, the two-phase all-reduce up to 5 % less at 256 KiB. Block order (warp
 // b * warps_per_block + w, each block on one run of adjacent lines) measured 2-3 % faster for that
 // all-reduce from 1 MiB, which asks for it there. Either order gives each thread the same lines in
