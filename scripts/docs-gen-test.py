@@ -126,12 +126,14 @@ def main():
 
         second = os.path.join(tmp, "r2.json")
         with open(second, "w") as f:
-            json.dump(report([1024], 2.5), f)
+            r2 = report([1024, 8192], 2.5)
+            r2["rows"][1]["out_of_place"] = {"skipped": "the algorithm does not take 8 KiB"}
+            json.dump(r2, f)
         code, _ = run(dg, "add", second, "--machine", "2 x Test", "--commit", "bbbbbbb", "--command", "bench B",
                       "--date", "2026-11-02")
         records = [json.load(open(os.path.join(dg.RECORDS, n))) for n in sorted(os.listdir(dg.RECORDS))]
         sizes = sorted((r["commit"], [row["size_bytes"] for row in r["report"]["rows"]]) for r in records)
-        check("a newer record supersedes the older one's row of the same size",
+        check("a newer record supersedes the older one's row of the same size; skipped rows are left out",
               code == 0 and sizes == [("aaaaaaa", [2048]), ("bbbbbbb", [1024])])
         third = os.path.join(tmp, "r3.json")
         with open(third, "w") as f:

@@ -442,6 +442,12 @@ def add(args):
         report = json.load(f)
     if report.get("total_wrong", 0):
         raise RecordError(f"{args.report}: {report['total_wrong']} wrong elements: not a result")
+    # Rows the bench skipped in both placements (a size the algorithm does not take) measured
+    # nothing: they are not results, and the bench's own output says why.
+    def measured(row):
+        return any(isinstance(row.get(p), dict) and "measured" in row[p] for p in PLACEMENTS)
+
+    report = dict(report, rows=[row for row in report.get("rows", []) if measured(row)])
     record = {
         "schema": SCHEMA,
         "machine": args.machine,
