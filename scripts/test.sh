@@ -27,3 +27,8 @@ python3 scripts/fault-inject-test.py
 # The timing tools of the same-run comparisons (torch_bench.py compare, gpu-run.sh nccl bench,
 # plan-bench.py) against fakes (~3 s, no torch, no GPU).
 python3 scripts/bench-tools-test.py
+# docs/performance.md and the environment table of docs/environment.md are generated (from
+# bench/results/*.json and core/src/env.rs): fail when either is stale or a relative link between
+# the pages is broken, and test the generator (<1 s).
+python3 scripts/docs-gen.py --check
+python3 scripts/docs-gen-test.py

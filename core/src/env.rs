@@ -22,6 +22,7 @@
 //! | `MSCCLPP_LOG_SUBSYS`, else `MSCCLPP_DEBUG_SUBSYS` | `debug_subsys` | comma list of `ENV GPU NET CONN EXEC NCCL ALGO ALL`; a leading `^` means "all but" | all |
 //! | `MSCCLPP_LOG_FILE`, else `MSCCLPP_DEBUG_FILE` | `log_file` | path; `%h` host name, `%p` pid, `%%` a percent sign | stderr |
 //! | `MSCCLPP_CACHE_DIR` | `cache_dir` | path | `$HOME/.cache/mscclpp` (`$TMPDIR/mscclpp-cache` without `HOME`) |
+//! | `MSCCLPP_NVRTC_LIB` | - (read by `mscclpp-cuda`'s NVRTC loader) | path of `libnvrtc.so*`, or a folder holding one; when set, the only place tried | `$CUDA_HOME/lib64`, `$CUDA_PATH/lib64`, `/usr/local/cuda/lib64`, the loader's path, then PyPI's nvidia wheels |
 //! | `MSCCLPP_SOCKET_IFNAME` | `socket_ifname` | interface name or prefix | any |
 //! | `MSCCLPP_SOCKET_FAMILY` | `socket_family` | `AF_INET IPv4 inet`, `AF_INET6 IPv6 inet6` | any |
 //! | `MSCCLPP_HOSTID` | `host_id` | string naming this rank's host: ranks with equal ids map each other's memory (CudaIpc), others talk through a network transport; a different id per rank lets one machine pose as several hosts ([`crate::topology`]) | host name and boot id |
@@ -84,6 +85,7 @@ pub const VARIABLES: &[&str] = &[
     "MSCCLPP_LOG_FILE",
     "MSCCLPP_DEBUG_FILE",
     "MSCCLPP_CACHE_DIR",
+    "MSCCLPP_NVRTC_LIB",
     "MSCCLPP_SOCKET_IFNAME",
     "MSCCLPP_SOCKET_FAMILY",
     "MSCCLPP_HOSTID",
