@@ -696,6 +696,81 @@ static int graph_all_reduce(Link* l, size_t count, cudaStream_t stream) {
   return bad;
 }
 
+/* Runs `name` in place (execution plans are written in place) or out of place through
+ * mscclppAlgorithmExecute with the given geometry and checks every element; 0 when right, 2 when
+ * the algorithm refused the geometry (with its reason), 1 when wrong. */
+static int execute_named(Link* l, mscclppComm_t comm, const char* name, size_t count, int in_place, int nblocks,
+                         int nthreads, cudaStream_t stream) {
+  size_t bytes = count * sizeof(float);
+  float *host = malloc(bytes), *dsend = NULL, *drecv = NULL;
+  for (size_t i = 0; i < count; i++) host[i] = value(l->rank, i);
+  cudaMalloc((void**)&dsend, bytes);
+  cudaMalloc((void**)&drecv, bytes);
+  cudaMemcpy(dsend, host, bytes, cudaMemcpyHostToDevice);
+  cudaMemset(drecv, 0xff, bytes);
+  float* out = in_place ? dsend : drecv;
+  mscclppResult_t rc = mscclppAlgorithmExecute(comm, mscclppCollAllReduce, name, dsend, out, bytes, bytes,
+                                               ncclFloat32, ncclSum, 0, stream, nblocks, nthreads);
+  int bad = 0;
+  if (rc == mscclppInvalidArgument && (nblocks || nthreads)) {
+    printf("rank %d: %s refuses %d blocks x %d threads: %s\n", l->rank, name, nblocks, nthreads,
+           mscclppGetLastError());
+    bad = 2;
+  } else if (rc != mscclppSuccess || cudaStreamSynchronize(stream) != cudaSuccess) {
+    fprintf(stderr, "rank %d: %s (%zu floats): %d: %s\n", l->rank, name, count, rc, mscclppGetLastError());
+    bad = 1;
+  } else {
+    cudaMemcpy(host, out, bytes, cudaMemcpyDeviceToHost);
+    for (size_t i = 0; i < count; i++) {
+      float want = 0;
+      for (int r = 0; r < l->nranks; r++) want += value(r, i);
+      if (host[i] != want) {
+        fprintf(stderr, "rank %d: %s: element %zu is %g, want %g\n", l->rank, name, i, host[i], want);
+        bad = 1;
+        break;
+      }
+    }
+  }
+  cudaFree(dsend);
+  cudaFree(drecv);
+  free(host);
+  return bad;
+}
+
+/* The C API's own path: the algorithm the selector picks, run by name with and without a
+ * geometry of our choosing, and an execution plan loaded from STACK_PLAN_DIR. */
+static int c_api_checks(Link* l, mscclppComm_t comm, cudaStream_t stream) {
+  int bad = 0;
+  size_t count = 1 << 14;
+  char name[MSCCLPP_MAX_NAME_BYTES];
+  float* probe = NULL;
+  cudaMalloc((void**)&probe, count * sizeof(float));
+  if (mscclppAlgorithmSelect(comm, mscclppCollAllReduce, probe, probe, count * 4, count * 4, ncclFloat32, stream,
+                             name, sizeof name) != mscclppSuccess) {
+    fprintf(stderr, "rank %d: select: %s\n", l->rank, mscclppGetLastError());
+    return 1;
+  }
+  cudaFree(probe);
+  if (l->rank == 0) printf("rank 0: the selector picks %s for %zu floats\n", name, count);
+  bad += execute_named(l, comm, name, count, 0, 0, 0, stream) != 0;
+  /* The same by name with 2 blocks of 512 threads: right, or refused with its reason. */
+  bad += execute_named(l, comm, name, count, 0, 2, 512, stream) == 1;
+  const char* dir = getenv("STACK_PLAN_DIR");
+  if (dir == NULL) {
+    if (l->rank == 0) printf("rank 0: STACK_PLAN_DIR unset: no execution plan checked\n");
+    return bad;
+  }
+  char path[4096];
+  snprintf(path, sizeof path, "%s/builder_allreduce_simple_%dgpu.json", dir, l->nranks);
+  if (mscclppExecutionPlanLoad(comm, path, name, sizeof name) != mscclppSuccess) {
+    fprintf(stderr, "rank %d: loading %s: %s\n", l->rank, path, mscclppGetLastError());
+    return bad + 1;
+  }
+  if (l->rank == 0) printf("rank 0: loaded plan %s from %s\n", name, path);
+  bad += execute_named(l, comm, name, (size_t)1 << 20, 1, 0, 0, stream) != 0;
+  return bad;
+}
+
 static int rank_gpu(Link* l, void* arg) {
   (void)arg;
   StackComm s = {0};
@@ -712,6 +787,7 @@ static int rank_gpu(Link* l, void* arg) {
   /* Repeated calls on fresh buffers (the user-buffer exchange each time). */
   for (int i = 0; i < 20; i++) bad += one_all_reduce(l, 8192 + (size_t)i, 0, stream) != 0;
   bad += graph_all_reduce(l, 65536, stream) != 0;
+  bad += c_api_checks(l, s.ours, stream);
   /* What the collection offers, and a named algorithm with its geometry. */
   int n = 0;
   char name[MSCCLPP_MAX_NAME_BYTES];
