@@ -105,11 +105,11 @@ fn handshake(bootstrap: &HostBootstrap) -> CallResult<JobId> {
         let (rank, size) = (word(part, 8) as usize, word(part, 12) as usize);
         if (rank, size) != (r, bootstrap.size()) {
             return Err(Failure::invalid_argument(format!(
-                "rank {}: slot {r} of the host's allGather comes from a rank that says it is \
-                 rank {rank} of {size}, this one is of {}: the ranks' mscclppBootstrap \
-                 descriptions disagree",
-                bootstrap.rank(),
-                bootstrap.size()
+                "rank {me} of {n}: slot {r} of the host's allGather comes from a rank that \
+                 says it is rank {rank} of {size}: the ranks' mscclppBootstrap descriptions \
+                 disagree",
+                me = bootstrap.rank(),
+                n = bootstrap.size()
             )));
         }
     }
