@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -p mscclpp-bench -p mscclpp-tests --bins
-cargo build --release -p mscclpp-nccl
+cargo build --release -p mscclpp-nccl -p mscclpp-embed
 cargo build --release -p mscclpp-examples --examples
 rm -rf .gpu && mkdir -p .gpu/bin .gpu/lib
 for b in mscclpp-bench mscclpp-gpu-suite; do
@@ -14,6 +14,14 @@ done
 # its timings against PyTorch's NCCL (`bash .gpu/gpu-run.sh nccl bench`).
 cp target/release/libmscclpp_nccl.so .gpu/lib/
 cp nccl/scripts/torch_check.py nccl/scripts/torch_bench.py nccl/scripts/host_cost.py nccl/scripts/torch_divergent.py .gpu/
+# The embedded library (libmscclpp_embed.a without debug info, its headers) and the C host stack
+# that links it (`bash .gpu/embed/gpu-run.sh`, built there with gcc). The archive travels
+# gzipped (20 MiB, 4.4 MiB gzipped) and the shared library stays here (the stack links the
+# static one): the device tool carries 64 MiB.
+bash embed/package.sh target/release/libmscclpp_embed.a .gpu/embed
+rm .gpu/embed/lib/libmscclpp_embed.so
+gzip -f .gpu/embed/lib/libmscclpp_embed.a
+cp embed/tests/c/stack.c embed/tests/c/gpu-run.sh .gpu/embed/
 # The device tool carries at most 64 MiB; debug info is most of each binary (symbols stay, so
 # backtraces still name functions).
 if command -v strip >/dev/null; then strip --strip-debug .gpu/bin/* .gpu/lib/*; fi

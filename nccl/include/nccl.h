@@ -171,8 +171,12 @@ const char* ncclGetErrorString(ncclResult_t result);
 const char* ncclGetLastError(ncclComm_t comm);
 void ncclResetDebugInit(void);
 
-/* mscclpp-rs extension: this library's own version, MAJOR*10000 + MINOR*100 + PATCH. */
+/* mscclpp-rs extension: this library's own version, MAJOR*10000 + MINOR*100 + PATCH. mscclpp.h
+ * declares it too (returning its mscclppResult_t); whichever header comes first declares it. */
+#ifndef MSCCLPP_GET_VERSION_DECLARED
+#define MSCCLPP_GET_VERSION_DECLARED
 ncclResult_t mscclppGetVersion(int* version);
+#endif
 
 /* Memory usable by every algorithm, zero-copy ones included (VMM allocations). */
 ncclResult_t ncclMemAlloc(void** ptr, size_t size);

@@ -61,6 +61,9 @@ pub struct Comm {
     pub job: UniqueId,
     pub gpu: Arc<dyn Gpu>,
     pub algorithms: AlgorithmCollection,
+    /// Algorithms loaded after init (the C API's execution plans), found by name beside the
+    /// collection's; dropped before the communicator they hold.
+    loaded: Mutex<Vec<Arc<dyn Algorithm>>>,
     /// ncclSend/ncclRecv natively, or why not (then they go to the fallback).
     p2p: Result<P2pEngine, String>,
     pub communicator: Arc<Communicator>,
@@ -168,9 +171,31 @@ impl Comm {
         gpu: impl FnOnce() -> CallResult<Arc<dyn Gpu>>,
         with_algorithms: bool,
     ) -> CallResult<Comm> {
-        let env = env()?;
-        let config = BootstrapConfig::from_env(env);
+        let config = BootstrapConfig::from_env(env()?);
         let bootstrap: Arc<dyn Bootstrap> = Arc::new(TcpBootstrap::new(rank, nranks, id, &config)?);
+        Self::build_over(bootstrap, id, device, gpu, with_algorithms)
+    }
+
+    /// Collective: a communicator over a bootstrap the caller made (a host stack's, through the
+    /// C API's callbacks), for job `job`: the identity that ranks of one job living in one
+    /// process share (their teardown meets, `handles::retire`).
+    pub fn connect_over(
+        bootstrap: Arc<dyn Bootstrap>,
+        job: &UniqueId,
+        device: usize,
+    ) -> CallResult<Comm> {
+        Self::build_over(bootstrap, job, device, gpu, true)
+    }
+
+    fn build_over(
+        bootstrap: Arc<dyn Bootstrap>,
+        id: &UniqueId,
+        device: usize,
+        gpu: impl FnOnce() -> CallResult<Arc<dyn Gpu>>,
+        with_algorithms: bool,
+    ) -> CallResult<Comm> {
+        let env = env()?;
+        let (rank, nranks) = (bootstrap.rank(), bootstrap.size());
         let gpu = gpu()?;
         gpu.set_device(device)?;
         let communicator = Arc::new(Communicator::new(bootstrap.clone(), gpu.clone(), device)?);
@@ -217,6 +242,7 @@ impl Comm {
             job: id.clone(),
             gpu,
             algorithms,
+            loaded: Mutex::new(Vec::new()),
             p2p,
             communicator,
             fallback,
@@ -352,6 +378,51 @@ impl Comm {
         .or_else(|| self.communicator.async_error())
     }
 
+    /// Adds an algorithm made for this communicator (an execution plan) under its own name, for
+    /// [`algorithm_named`](Self::algorithm_named); a name this communicator has already for the
+    /// same collective is refused.
+    pub fn add_loaded(&self, algorithm: Arc<dyn Algorithm>) -> mscclpp::Result<()> {
+        let (collective, name) = (algorithm.collective(), algorithm.name().to_string());
+        if self.algorithm_named(collective, &name).is_some() {
+            return Err(mscclpp::Error::InvalidArgument(format!(
+                "an algorithm named {name} for {collective:?} is already loaded on rank {}",
+                self.rank
+            )));
+        }
+        self.loaded
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(algorithm);
+        Ok(())
+    }
+
+    /// The algorithm named `name` for `collective`: a loaded one, else the collection's.
+    pub fn algorithm_named(
+        &self,
+        collective: Collective,
+        name: &str,
+    ) -> Option<Arc<dyn Algorithm>> {
+        let loaded = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
+        loaded
+            .iter()
+            .find(|a| a.collective() == collective && a.name() == name)
+            .cloned()
+            .or_else(|| self.algorithms.get(collective, name))
+    }
+
+    /// The names of every algorithm for `collective`: the collection's, then the loaded ones.
+    pub fn algorithm_names(&self, collective: Collective) -> Vec<String> {
+        let mut names = self.algorithms.names(collective);
+        let loaded = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
+        names.extend(
+            loaded
+                .iter()
+                .filter(|a| a.collective() == collective)
+                .map(|a| a.name().to_string()),
+        );
+        names
+    }
+
     /// The native algorithm that runs `args`, checked; the error says why none does.
     pub fn native(
         &self,
@@ -383,6 +454,9 @@ impl Comm {
 /// loaded the library before anyone calls the real init, so a rank without it cannot leave the
 /// others waiting inside NCCL.
 fn connect_fallback(env: &Env, bootstrap: &dyn Bootstrap) -> Fallback {
+    if crate::embedding::active() {
+        return Fallback::Missing(crate::embedding::NO_FALLBACK.into());
+    }
     if env.nccl_lib_path.is_none() {
         return Fallback::Missing("MSCCLPP_NCCL_LIB_PATH is unset".into());
     }

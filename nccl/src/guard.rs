@@ -61,11 +61,17 @@ thread_local! {
     /// The copy whose pointer `ncclGetLastError` hands out on this thread: valid until this
     /// thread's next call of it, whatever other threads record meanwhile.
     static RETURNED: RefCell<CString> = RefCell::new(CString::default());
+    /// The last failure of a call on this thread (the C API's `mscclppGetLastError`): what other
+    /// threads fail meanwhile does not replace it.
+    static THREAD_LAST: RefCell<CString> = RefCell::new(CString::default());
 }
 
 pub fn record(call: &str, failure: &Failure) {
     let text = format!("{call}: {}", failure.message);
     tracing::warn!(target: "mscclpp::nccl", "{text}");
+    let c = CString::new(text.replace('\0', " ")).unwrap_or_default();
+    // `try_with`: see `last_error_ptr`.
+    let _ = THREAD_LAST.try_with(|t| *t.borrow_mut() = c);
     if let Ok(mut last) = LAST_ERROR.lock() {
         *last = text;
     }
@@ -82,6 +88,14 @@ pub fn last_error_ptr() -> *const c_char {
             *r.borrow_mut() = c;
             r.borrow().as_ptr()
         })
+        .unwrap_or(c"".as_ptr())
+}
+
+/// The text of the last failure of a call on this thread (empty if none), valid until this
+/// thread's next failing call.
+pub fn thread_last_error_ptr() -> *const c_char {
+    THREAD_LAST
+        .try_with(|t| t.borrow().as_ptr())
         .unwrap_or(c"".as_ptr())
 }
 
@@ -145,6 +159,17 @@ mod tests {
         let text = unsafe { std::ffi::CStr::from_ptr(last_error_ptr()) };
         assert!(text.to_string_lossy().contains("ncclTest: internal error"));
         assert!(text.to_string_lossy().contains("boom"));
+        let mine = unsafe { std::ffi::CStr::from_ptr(thread_last_error_ptr()) };
+        assert!(mine.to_string_lossy().contains("ncclTest: internal error"));
+        let other = std::thread::spawn(|| {
+            let p = thread_last_error_ptr();
+            unsafe { std::ffi::CStr::from_ptr(p) }.to_bytes().len()
+        });
+        assert_eq!(
+            other.join().unwrap(),
+            0,
+            "another thread has no failure of its own"
+        );
     }
 
     #[test]

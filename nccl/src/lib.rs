@@ -29,6 +29,7 @@ pub mod abi;
 pub mod comm;
 pub mod device;
 pub mod device_api;
+pub mod embedding;
 pub mod fallback;
 pub mod group;
 pub mod guard;

@@ -62,39 +62,69 @@ nccl_export! {
     }
 }
 
-/// Starts an init of `rank` of `nranks` in job `id` on the caller's device: now (blocking), on a
-/// thread (nonblocking: `ncclInProgress`), or at the group's end.
-fn start_init(
+/// Starts an init of `rank` of `nranks` in job `id` on `device` (NCCL's calls: the caller's
+/// current device): now (blocking), on a thread (nonblocking: `ncclInProgress`), or at the
+/// group's end.
+pub fn start_init(
     call: &'static str,
     out: *mut Handle,
-    nranks: c_int,
+    (nranks, rank): (c_int, c_int),
     id: JobId,
-    rank: c_int,
+    device: usize,
     options: Options,
 ) -> CallResult {
     let (nranks, rank) = check_ranks(nranks, rank)?;
+    let job = id.clone();
+    launch_init(call, out, job, rank, options, move || {
+        Comm::connect(nranks, rank, &id, device)
+    })
+}
+
+/// Starts the init of a communicator over a bootstrap the caller made (the C API's host
+/// callbacks) on `device`, as `start_init` does with the TCP bootstrap.
+pub fn start_init_over(
+    call: &'static str,
+    out: *mut Handle,
+    bootstrap: Arc<dyn mscclpp::core::bootstrap::Bootstrap>,
+    job: JobId,
+    device: usize,
+) -> CallResult {
+    let rank = bootstrap.rank();
+    let id = job.clone();
+    launch_init(call, out, job, rank, Options::default(), move || {
+        Comm::connect_over(bootstrap, &id, device)
+    })
+}
+
+/// Registers a handle for the init `connect` does and runs it now, on a thread or at the group's
+/// end (see `start_init`).
+fn launch_init(
+    call: &'static str,
+    out: *mut Handle,
+    id: JobId,
+    rank: usize,
+    options: Options,
+    connect: impl FnOnce() -> CallResult<Comm> + Send + 'static,
+) -> CallResult {
     if out.is_null() {
         return Err(Failure::invalid_argument(
             "comm (the output pointer) is NULL",
         ));
     }
-    let device = caller_device();
-    let entry = Entry::initializing(id.clone());
+    let entry = Entry::initializing(id);
     let handle = handles::register(entry.clone());
     // SAFETY: checked non-null above.
     unsafe { out.write(handle) };
     let job = move || {
         // On whatever thread runs it (ours for a nonblocking init): a panic must not leave the
         // handle initialising forever.
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            Comm::connect(nranks, rank, &id, device)
-        }))
-        .unwrap_or_else(|_| {
-            Err(Failure::new(
-                INTERNAL_ERROR,
-                "the init panicked (a bug in mscclpp-rs)",
-            ))
-        });
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(connect))
+            .unwrap_or_else(|_| {
+                Err(Failure::new(
+                    INTERNAL_ERROR,
+                    "the init panicked (a bug in mscclpp-rs)",
+                ))
+            });
         entry.finish(call, result);
         entry.init_result().map(|_| ())
     };
@@ -124,7 +154,7 @@ nccl_export! {
     fn ncclCommInitRank / pncclCommInitRank(comm: *mut Handle, nranks: c_int, comm_id: UniqueId, rank: c_int) -> NcclResult {
         ffi("ncclCommInitRank", || {
             check_ranks(nranks, rank)?;
-            start_init("ncclCommInitRank", comm, nranks, parse_id(&comm_id)?, rank, Options::default())
+            start_init("ncclCommInitRank", comm, (nranks, rank), parse_id(&comm_id)?, caller_device(), Options::default())
         })
     }
 }
@@ -134,7 +164,7 @@ nccl_export! {
         ffi("ncclCommInitRankConfig", || {
             let options = unsafe { Options::from_config(config) }.map_err(Failure::invalid_argument)?;
             check_ranks(nranks, rank)?;
-            start_init("ncclCommInitRankConfig", comm, nranks, parse_id(&comm_id)?, rank, options)
+            start_init("ncclCommInitRankConfig", comm, (nranks, rank), parse_id(&comm_id)?, caller_device(), options)
         })
     }
 }
@@ -151,7 +181,7 @@ nccl_export! {
             check_ranks(nranks, myrank)?;
             // SAFETY: non-null and holds nId >= 1 ids.
             let first = unsafe { *comm_ids };
-            start_init("ncclCommInitRankScalable", newcomm, nranks, parse_id(&first)?, myrank, options)
+            start_init("ncclCommInitRankScalable", newcomm, (nranks, myrank), parse_id(&first)?, caller_device(), options)
         })
     }
 }

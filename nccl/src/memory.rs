@@ -63,7 +63,7 @@ nccl_export! {
     }
 }
 
-fn register(comm: Handle, buff: *mut c_void, size: usize) -> CallResult<*mut c_void> {
+pub fn register(comm: Handle, buff: *mut c_void, size: usize) -> CallResult<*mut c_void> {
     handles::live(comm)?;
     if buff.is_null() && size > 0 {
         return Err(Failure::invalid_argument("buff is NULL"));
@@ -73,7 +73,7 @@ fn register(comm: Handle, buff: *mut c_void, size: usize) -> CallResult<*mut c_v
     Ok(key as *mut c_void)
 }
 
-fn deregister(comm: Handle, handle: *mut c_void, what: &str) -> CallResult {
+pub fn deregister(comm: Handle, handle: *mut c_void, what: &str) -> CallResult {
     handles::live(comm)?;
     let mut table = lock(&REGISTRATIONS);
     match table.get(&(handle as usize)) {

@@ -19,12 +19,12 @@ use std::sync::Arc;
 
 type FallbackCall<'a> = Box<dyn FnOnce(&RealNccl, RawComm) -> NcclResult + 'a>;
 
-fn dtype(d: c_int) -> CallResult<DataType> {
+pub fn dtype(d: c_int) -> CallResult<DataType> {
     DataType::from_nccl(d).map_err(|e| Failure::invalid_argument(e.to_string()))
 }
 
 /// A built-in op, `None` for a PreMulSum op (made by the real NCCL), an error for anything else.
-fn red_op(op: c_int) -> CallResult<Option<ReduceOp>> {
+pub fn red_op(op: c_int) -> CallResult<Option<ReduceOp>> {
     if op < 0 {
         return Err(Failure::invalid_argument(format!(
             "ncclRedOp_t {op} is not an operator"
