@@ -44,7 +44,10 @@ STORE_KEY_SEPARATOR = "/"
 DEFAULT_TIMEOUT = timedelta(seconds=600)
 # CommOptions.hints keys this backend reads.
 HINT_ACCUM_DTYPE = "mscclpp.accum_dtype"
-HINT_HIGH_PRIORITY_STREAM = "torchcomm::is_high_priority_stream"
+# torchcomms' own hint names, as its NCCL backend reads them.
+HINT_HIGH_PRIORITY_STREAM = "is_high_priority_stream"
+HINT_MAX_EVENT_POOL_SIZE = "max_event_pool_size"
+DEFAULT_MAX_EVENT_POOL_SIZE = 1000
 
 _REDUCE_OPS = {"SUM": "sum", "PRODUCT": "prod", "MIN": "min", "MAX": "max", "AVG": "avg"}
 _BITWISE_OPS = ("BAND", "BOR", "BXOR")
@@ -267,10 +270,12 @@ def accum_dtype(hints):
 # ---- work ------------------------------------------------------------------------------------
 
 class EventPool:
-    """CUDA events reused across works: an event goes back once its work is known complete."""
+    """CUDA events reused across works: an event goes back once its work is known complete (up
+    to `max_size` kept; more are let go)."""
 
-    def __init__(self, make):
+    def __init__(self, make, max_size=DEFAULT_MAX_EVENT_POOL_SIZE):
         self._make = make
+        self._max_size = max_size
         self._free = []
         self._lock = threading.Lock()
 
@@ -282,7 +287,8 @@ class EventPool:
 
     def put(self, event):
         with self._lock:
-            self._free.append(event)
+            if len(self._free) < self._max_size:
+                self._free.append(event)
 
     def __len__(self):
         return len(self._free)
@@ -400,6 +406,11 @@ class MscclppBackendMethods:
         hints = getattr(options, "hints", None) or {}
         self._accum = accum_dtype(hints)
         self._high_priority = str(hints.get(HINT_HIGH_PRIORITY_STREAM, "")).lower() in ("1", "true")
+        pool = hints.get(HINT_MAX_EVENT_POOL_SIZE, DEFAULT_MAX_EVENT_POOL_SIZE)
+        try:
+            self._max_events = int(pool)
+        except ValueError:
+            raise ValueError(f"mscclpp: hint {HINT_MAX_EVENT_POOL_SIZE}={pool!r} is not a number") from None
 
     def _adopt(self, session, index):
         torch = _import_torch()
@@ -409,7 +420,7 @@ class MscclppBackendMethods:
         with torch.cuda.device(index):
             self._stream = torch.cuda.Stream(index, priority=-1 if self._high_priority else 0)
             self._barrier_buffer = torch.zeros(1, dtype=torch.float32, device=f"cuda:{index}")
-        self._events = EventPool(lambda: torch.cuda.Event())
+        self._events = EventPool(lambda: torch.cuda.Event(), self._max_events)
 
     def finalize(self):
         """Finishes this rank's outstanding work (within the timeout) and frees the communicator;
@@ -575,7 +586,8 @@ class MscclppBackendMethods:
         )
 
     def _p2p(self, ops, stream):
-        """One group of sends and receives: (kind, peer, tensor)."""
+        """One group of sends and receives, (kind, peer, tensor), as one kernel; a send to this
+        rank is a copy into the group's receive from this rank."""
         ops = [(kind, peer, t.data_ptr(), nbytes(t)) for kind, peer, t in ops if t.numel() > 0]
         if ops:
             self._session.p2p(ops, stream.cuda_stream)
@@ -685,10 +697,10 @@ class MscclppBackendMethods:
                     tensor.numel())
 
         def launch(stream):
-            peers = [p for p in range(self._size) if p != self._rank]
-            self._p2p([("send", p, tensor) for p in peers] + [("recv", p, tensor_list[p]) for p in peers],
+            # One group; the send to this rank is the copy into its own slot.
+            ranks = range(self._size)
+            self._p2p([("send", p, tensor) for p in ranks] + [("recv", p, tensor_list[p]) for p in ranks],
                       stream)
-            tensor_list[self._rank].copy_(tensor)
 
         return self._issue(operation, async_op, [tensor] + list(tensor_list), launch)
 
@@ -789,11 +801,9 @@ class MscclppBackendMethods:
         outs = self._splits(operation, "output", output, output_split_sizes)
 
         def launch(stream):
-            sends = [("send", p, ins[p]) for p in range(self._size) if p != self._rank]
-            recvs = [("recv", p, outs[p]) for p in range(self._size) if p != self._rank]
-            self._p2p(sends + recvs, stream)
-            if outs[self._rank].numel():
-                outs[self._rank].copy_(ins[self._rank])
+            ranks = range(self._size)
+            self._p2p([("send", p, ins[p]) for p in ranks] + [("recv", p, outs[p]) for p in ranks],
+                      stream)
 
         return self._issue(operation, async_op, [input, output], launch)
 
@@ -828,10 +838,9 @@ class MscclppBackendMethods:
                     output_tensor_list[self._rank], input_tensor_list[self._rank].numel())
 
         def launch(stream):
-            peers = [p for p in range(self._size) if p != self._rank]
-            self._p2p([("send", p, input_tensor_list[p]) for p in peers]
-                      + [("recv", p, output_tensor_list[p]) for p in peers], stream)
-            output_tensor_list[self._rank].copy_(input_tensor_list[self._rank])
+            ranks = range(self._size)
+            self._p2p([("send", p, input_tensor_list[p]) for p in ranks]
+                      + [("recv", p, output_tensor_list[p]) for p in ranks], stream)
 
         return self._issue(operation, async_op,
                            list(output_tensor_list) + list(input_tensor_list), launch)
@@ -851,11 +860,8 @@ class MscclppBackendMethods:
             same_dtype(operation, [output_tensor] + inputs)
 
         def launch(stream):
-            if self._rank == root:
-                self._p2p([("send", p, inputs[p]) for p in range(self._size) if p != root], stream)
-                output_tensor.copy_(inputs[root])
-            else:
-                self._p2p([("recv", root, output_tensor)], stream)
+            sends = [("send", p, inputs[p]) for p in range(self._size)] if self._rank == root else []
+            self._p2p(sends + [("recv", root, output_tensor)], stream)
 
         return self._issue(operation, async_op, [output_tensor] + inputs, launch)
 
@@ -874,11 +880,8 @@ class MscclppBackendMethods:
             same_dtype(operation, [input_tensor] + outputs)
 
         def launch(stream):
-            if self._rank == root:
-                self._p2p([("recv", p, outputs[p]) for p in range(self._size) if p != root], stream)
-                outputs[root].copy_(input_tensor)
-            else:
-                self._p2p([("send", root, input_tensor)], stream)
+            recvs = [("recv", p, outputs[p]) for p in range(self._size)] if self._rank == root else []
+            self._p2p([("send", root, input_tensor)] + recvs, stream)
 
         return self._issue(operation, async_op, [input_tensor] + outputs, launch)
 

@@ -109,10 +109,10 @@ impl PySession {
         .map_err(to_py)
     }
 
-    /// Enqueues one group of sends and receives on `stream`: `ops` are
+    /// Enqueues one group of sends and receives on `stream`, one kernel: `ops` are
     /// `(kind, peer, address, bytes)` with kind `"send"` or `"recv"`. The whole group may be in
-    /// flight at once (a rank may send to and receive from the same peers in one group); a peer
-    /// is never this rank.
+    /// flight at once (a rank may send to and receive from the same peers in one group); a send
+    /// to this rank is a copy into the group's receive from this rank.
     fn p2p(
         &self,
         py: Python<'_>,
@@ -132,10 +132,9 @@ impl PySession {
                         )))
                     }
                 };
-                if peer >= size || peer == rank {
+                if peer >= size {
                     return Err(PyValueError::new_err(format!(
-                        "peer {peer} of rank {rank}: a peer is another rank of this communicator \
-                         (0..{size})"
+                        "peer {peer} of rank {rank} is not a rank of this communicator (0..{size})"
                     )));
                 }
                 Ok(P2pOp {

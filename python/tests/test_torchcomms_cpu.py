@@ -442,9 +442,9 @@ def test_list_variants_are_one_group_of_sends_and_receives():
     mine = FakeTensor(4, ptr=0x9000, log=log)
     backend.all_gather(out, mine, False)
     (p2p,) = [e for e in log if e[0] == "p2p"]
-    assert p2p[1] == [("send", 1, 0x9000, 16), ("send", 2, 0x9000, 16),
-                      ("recv", 1, 0x200, 16), ("recv", 2, 0x300, 16)]
-    assert ("copy_", 0x100, 0x9000) in log
+    # The copy into this rank's own slot is the group's send to itself.
+    assert p2p[1] == [("send", 0, 0x9000, 16), ("send", 1, 0x9000, 16), ("send", 2, 0x9000, 16),
+                      ("recv", 0, 0x100, 16), ("recv", 1, 0x200, 16), ("recv", 2, 0x300, 16)]
 
 
 def test_timeout_aborts_and_names_the_operation_and_rank():
@@ -487,3 +487,29 @@ def test_capture_polls_nothing():
     work._start = -100.0
     assert not work.is_completed(), "event queries are not allowed while capturing"
     work.wait()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_scatter_and_gather_are_one_group_each(rank):
+    backend, log = make_backend(rank=rank, size=2)
+    parts = [FakeTensor(4, ptr=0x100), FakeTensor(4, ptr=0x200)] if rank == 0 else []
+    out = FakeTensor(4, ptr=0x900)
+    backend.scatter(out, parts, 0, False)
+    backend.gather(parts, out, 0, False)
+    groups = [e[1] for e in log if e[0] == "p2p"]
+    if rank == 0:
+        assert groups == [
+            [("send", 0, 0x100, 16), ("send", 1, 0x200, 16), ("recv", 0, 0x900, 16)],
+            [("send", 0, 0x900, 16), ("recv", 0, 0x100, 16), ("recv", 1, 0x200, 16)],
+        ]
+    else:
+        assert groups == [[("recv", 0, 0x900, 16)], [("send", 0, 0x900, 16)]]
+
+
+def test_the_event_pool_keeps_at_most_its_size():
+    made = []
+    pool = tb.EventPool(lambda: made.append(object()) or made[-1], max_size=1)
+    a, b = pool.get(), pool.get()
+    pool.put(a)
+    pool.put(b)
+    assert len(pool) == 1 and pool.get() is a

@@ -163,7 +163,7 @@ def new_comm(backend, device, name=None, abort_process_on_timeout_or_error=None,
     options.enable_reconfigure = enable_reconfigure
     options.hints = dict(hints or {})
     if is_high_priority_stream is not None:
-        options.hints["torchcomm::is_high_priority_stream"] = str(bool(is_high_priority_stream)).lower()
+        options.hints["is_high_priority_stream"] = str(bool(is_high_priority_stream)).lower()
     impl = _registry[backend]()
     impl.init(device, name, options)
     return TorchComm(backend, impl, options)
