@@ -267,6 +267,17 @@ def accum_dtype(hints):
         ) from None
 
 
+def accumulator(dtype, accum):
+    """The accumulation type a reduction of `dtype` takes from the hint: fp8 types accumulate in
+    the hinted type, float16/bfloat16 in float32 when that is the hint; every other type in its
+    own (the kernels offer only wider accumulators)."""
+    if accum is None:
+        return None
+    if dtype.startswith("fp8") or (dtype in ("f16", "bf16") and accum == "f32"):
+        return accum
+    return None
+
+
 # ---- work ------------------------------------------------------------------------------------
 
 class EventPool:
@@ -582,7 +593,7 @@ class MscclppBackendMethods:
             collective, input.data_ptr(), output.data_ptr(),
             nbytes(input) if input_size is None else input_size,
             nbytes(output) if output_size is None else output_size,
-            dtype, op, root, stream.cuda_stream, self._accum,
+            dtype, op, root, stream.cuda_stream, accumulator(dtype, self._accum),
         )
 
     def _p2p(self, ops, stream):
@@ -821,8 +832,9 @@ class MscclppBackendMethods:
                 f"mscclpp: {operation}: {what}_split_sizes {sizes} must be {self._size} "
                 f"non-negative sizes summing to {what}'s {rows} rows"
             )
-        flat = tensor.view(rows, -1) if tensor.dim() else tensor.view(-1, 1)
-        return list(flat.split(sizes))
+        # Rows of `cols` elements (a view: `tensor` is contiguous); explicit so 0 rows work.
+        cols = tensor.numel() // rows if rows else 0
+        return list(tensor.view(rows, cols).split(sizes))
 
     def all_to_all(self, output_tensor_list, input_tensor_list, async_op):
         operation = "all_to_all"

@@ -362,6 +362,9 @@ def test_accumulation_type_comes_from_a_hint():
     backend.all_reduce(FakeTensor(4, dtype="torch.float8_e4m3fn", element_size=1),
                        torchcomms.ReduceOp.SUM, False)
     assert runs(log)[0][-1] == "f16"
+    backend.all_reduce(FakeTensor(4, dtype="torch.int32"), torchcomms.ReduceOp.SUM, False)
+    assert runs(log)[1][-1] is None, "types the kernels cannot widen keep their own"
+    assert tb.accumulator("bf16", "f32") == "f32" and tb.accumulator("bf16", "f16") is None
 
 
 # ---- the work contract -----------------------------------------------------------------------
