@@ -7,8 +7,11 @@ stand-in in standin/ otherwise; see torchcomms_support.py)."""
 
 import contextlib
 import gc
+import importlib.util
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 import weakref
 from datetime import timedelta
 from importlib.metadata import entry_points
@@ -42,6 +45,17 @@ def test_importing_registers_a_torchcommbackend_subclass():
     backend = mscclpp_torchcomms.MscclppBackend()
     assert backend.get_backend_name() == "mscclpp"
     assert mscclpp_torchcomms.TORCHCOMMS_PROTOCOL_VERSION == "0.3"
+
+
+def test_importing_without_torchcomms_says_what_is_missing(tmp_path):
+    if importlib.util.find_spec("torch") is not None:
+        pytest.skip("torch is installed here, so torch.comms may be importable")
+    code = "import mscclpp_torchcomms"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+                          cwd=str(tmp_path))
+    assert done.returncode != 0
+    assert "registers a backend with torchcomms (>= 0.3) or torch.comms" in done.stderr
 
 
 def test_every_protocol_method_is_served():
