@@ -24,19 +24,27 @@ run() {
   echo "== $1 on $nranks ranks"
   torchrun --nproc_per_node="$nranks" --master_port="${PORT:-29521}" "$here/python/$1" "${@:2}"
 }
+# run within TORCHCOMMS_TIMEOUT seconds (default $1), so a hang cannot outlast one device command.
+bounded() {
+  local seconds="${TORCHCOMMS_TIMEOUT:-$1}"; shift
+  echo "== $1 on $nranks ranks (at most $seconds s)"
+  timeout -k 10 "$seconds" torchrun --nproc_per_node="$nranks" --master_port="${PORT:-29521}" \
+    "$here/python/$1" "${@:2}"
+}
 case "${1:-all}" in
   check) run tests/gpu_check.py ;;
   default) run examples/customized_comm_with_default_algo.py ;;
   dsl) run examples/customized_comm_with_dsl.py "$here/plans" "$here/builder-plans" ;;
   tuning) run examples/customized_comm_with_tuning.py ;;
   native) run examples/customized_allgather.py ;;
-  torchcomms) run tests/torchcomms_gpu_check.py ${TORCHCOMMS_QUICK:+--quick} ;;
+  torchcomms) bounded 540 tests/torchcomms_gpu_check.py ${TORCHCOMMS_QUICK:+--quick} ;;
   torchcomms-train)
     train="$(mktemp -d)"
-    run tests/torchcomms_training_check.py run torchcomms "$train"
+    bounded 240 tests/torchcomms_training_check.py run torchcomms "$train"
     # Every call native (no real NCCL behind the shim), as through the backend.
     echo "== tests/torchcomms_training_check.py through torch.distributed + libmscclpp_nccl.so"
-    env -u MSCCLPP_NCCL_LIB_PATH LD_PRELOAD="$here/lib/libmscclpp_nccl.so" torchrun \
+    timeout -k 10 "${TORCHCOMMS_TIMEOUT:-240}" env -u MSCCLPP_NCCL_LIB_PATH \
+      LD_PRELOAD="$here/lib/libmscclpp_nccl.so" torchrun \
       --nproc_per_node="$nranks" --master_port="$((${PORT:-29521} + 1))" \
       "$here/python/tests/torchcomms_training_check.py" run dist "$train"
     python3 "$here/python/tests/torchcomms_training_check.py" compare "$train" "$nranks"
@@ -47,7 +55,7 @@ case "${1:-all}" in
     run examples/customized_comm_with_dsl.py "$here/plans" "$here/builder-plans"
     run examples/customized_comm_with_tuning.py
     run examples/customized_allgather.py
-    run tests/torchcomms_gpu_check.py ${TORCHCOMMS_QUICK:+--quick}
+    bounded 540 tests/torchcomms_gpu_check.py ${TORCHCOMMS_QUICK:+--quick}
     ;;
   *) echo "usage: $0 [check|default|dsl|tuning|native|torchcomms|torchcomms-train|all]" >&2; exit 2 ;;
 esac
