@@ -48,6 +48,9 @@ impl CommSession {
     /// stays within its 32 MiB per rank). A communicator whose engine cannot be built still
     /// runs collectives; its sends and receives fail with the reason.
     pub fn new(communicator: Arc<Communicator>) -> Result<CommSession> {
+        // Building loads kernels and maps memory on the communicator's device, whichever device
+        // the calling thread had current.
+        communicator.gpu().set_device(communicator.device())?;
         let (builder, resources) = crate::build_default_algorithms_with_resources(
             &communicator,
             crate::DEFAULT_SCRATCH_BYTES,
