@@ -53,6 +53,6 @@ if [ -f .gpu-kcache.tgz ]; then cp .gpu-kcache.tgz .gpu/kcache.tgz; fi
 source scripts/python-tools.sh
 "$py_tools/bin/maturin" build -q --release --strip -m python/Cargo.toml -o .gpu
 mkdir -p .gpu/python && cp -r python/examples python/tests .gpu/python/
-rm -rf .gpu/python/*/__pycache__
+find .gpu/python -name __pycache__ -prune -exec rm -rf {} +
 cp scripts/python-run.sh .gpu/
 ls -la .gpu/bin

@@ -4,9 +4,11 @@
 # multicast off; MPS=1 runs them under an MPS server, each rank held to its share of the SMs when
 # ranks outnumber GPUs (mps.sh), as gpu-run.sh does. The wheel must be installed first, e.g.
 #   pip install --no-deps --target /tmp/site .gpu/*.whl   (then PYTHONPATH=/tmp/site is used)
-# Usage: [NRANKS=4] [MPS=1] bash .gpu/python-run.sh [check|default|dsl|tuning|native|all]
+# Usage: [NRANKS=4] [MPS=1] bash .gpu/python-run.sh [check|default|dsl|tuning|native|torchcomms|torchcomms-train|all]
 # dsl runs the execution-plan example on the plans gpu-stage.sh put in .gpu/plans and
-# .gpu/builder-plans.
+# .gpu/builder-plans. torchcomms runs the TorchComms backend's check (TORCHCOMMS_QUICK=1: its
+# quick matrix); torchcomms-train its training loop through the backend and through
+# torch.distributed with .gpu/lib/libmscclpp_nccl.so preloaded, then compares them bit for bit.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 export NCCL_NVLS_ENABLE=0 MSCCLPP_FORCE_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -22,18 +24,38 @@ run() {
   echo "== $1 on $nranks ranks"
   torchrun --nproc_per_node="$nranks" --master_port="${PORT:-29521}" "$here/python/$1" "${@:2}"
 }
+# run within TORCHCOMMS_TIMEOUT seconds (default $1), so a hang cannot outlast one device command.
+bounded() {
+  local seconds="${TORCHCOMMS_TIMEOUT:-$1}"; shift
+  echo "== $1 on $nranks ranks (at most $seconds s)"
+  timeout -k 10 "$seconds" torchrun --nproc_per_node="$nranks" --master_port="${PORT:-29521}" \
+    "$here/python/$1" "${@:2}"
+}
 case "${1:-all}" in
   check) run tests/gpu_check.py ;;
   default) run examples/customized_comm_with_default_algo.py ;;
   dsl) run examples/customized_comm_with_dsl.py "$here/plans" "$here/builder-plans" ;;
   tuning) run examples/customized_comm_with_tuning.py ;;
   native) run examples/customized_allgather.py ;;
+  torchcomms) bounded 540 tests/torchcomms_gpu_check.py ${TORCHCOMMS_QUICK:+--quick} ;;
+  torchcomms-train)
+    train="$(mktemp -d)"
+    bounded 240 tests/torchcomms_training_check.py run torchcomms "$train"
+    # Every call native (no real NCCL behind the shim), as through the backend.
+    echo "== tests/torchcomms_training_check.py through torch.distributed + libmscclpp_nccl.so"
+    timeout -k 10 "${TORCHCOMMS_TIMEOUT:-240}" env -u MSCCLPP_NCCL_LIB_PATH \
+      LD_PRELOAD="$here/lib/libmscclpp_nccl.so" torchrun \
+      --nproc_per_node="$nranks" --master_port="$((${PORT:-29521} + 1))" \
+      "$here/python/tests/torchcomms_training_check.py" run dist "$train"
+    python3 "$here/python/tests/torchcomms_training_check.py" compare "$train" "$nranks"
+    ;;
   all)
     run tests/gpu_check.py
     run examples/customized_comm_with_default_algo.py
     run examples/customized_comm_with_dsl.py "$here/plans" "$here/builder-plans"
     run examples/customized_comm_with_tuning.py
     run examples/customized_allgather.py
+    bounded 540 tests/torchcomms_gpu_check.py ${TORCHCOMMS_QUICK:+--quick}
     ;;
-  *) echo "usage: $0 [check|default|dsl|tuning|native|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [check|default|dsl|tuning|native|torchcomms|torchcomms-train|all]" >&2; exit 2 ;;
 esac

@@ -32,6 +32,7 @@ pub mod nvls;
 pub mod p2p;
 pub mod port_allreduce;
 pub mod resources;
+pub mod session;
 pub mod single_rank;
 pub mod testing;
 pub mod tune;

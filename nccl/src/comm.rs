@@ -4,14 +4,14 @@
 use crate::abi::UniqueId as AbiId;
 use crate::fallback::{RawComm, RealNccl};
 use crate::guard::{CallResult, Failure};
-use mscclpp::core::algorithm_collection::{AlgorithmCollection, SelectionContext};
 use mscclpp::core::bootstrap::{Bootstrap, BootstrapConfig, TcpBootstrap, UniqueId};
 use mscclpp::core::communicator::Communicator;
 use mscclpp::core::gpu::Stream;
 use mscclpp::core::process::Section;
 use mscclpp::core::{AccumType, Algorithm, Collective, ExecuteArgs};
 use mscclpp::{Env, Gpu, GpuBackend};
-use mscclpp_collectives::p2p::{P2pEngine, P2pOp};
+use mscclpp_collectives::p2p::P2pOp;
+use mscclpp_collectives::session::CommSession;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -60,43 +60,24 @@ pub struct Comm {
     pub device: usize,
     pub job: UniqueId,
     pub gpu: Arc<dyn Gpu>,
-    pub algorithms: AlgorithmCollection,
+    /// The default algorithms, the point-to-point engine (ncclSend/ncclRecv natively, or why not:
+    /// then they go to the fallback) and the order of calls across streams.
+    session: CommSession,
     /// Algorithms loaded after init (the C API's execution plans), found by name beside the
     /// collection's; dropped before the communicator they hold.
     loaded: Mutex<Vec<Arc<dyn Algorithm>>>,
-    /// ncclSend/ncclRecv natively, or why not (then they go to the fallback).
-    p2p: Result<P2pEngine, String>,
     pub communicator: Arc<Communicator>,
     pub fallback: Fallback,
     /// Lower-case operation names `MSCCLPP_FORCE_NCCL_FALLBACK_OPERATION` sends to the fallback.
     forced: Vec<String>,
     /// What fp8 reductions accumulate in (`MSCCLPP_NCCL_ACCUM_DTYPE`).
     pub accum: AccumType,
-    arch: String,
     /// Set by [`abort`](Comm::abort): the teardown aborts the real NCCL's communicator instead
     /// of destroying it.
     aborted: AtomicBool,
-    /// The stream of this communicator's last operation, and the event that orders the next one
-    /// after it when it comes on another stream ([`follow_previous`](Comm::follow_previous)).
-    stream_order: Mutex<StreamOrder>,
     /// Taken by the drop: the process's exit waits for the teardown (`mscclpp::core::process`).
     /// Last, so it is released after every other field is dropped.
     exit_section: Mutex<Option<Section<'static>>>,
-}
-
-/// See [`Comm::follow_previous`].
-#[derive(Default)]
-struct StreamOrder {
-    last: Option<Stream>,
-    event: Option<mscclpp::core::gpu::Event>,
-}
-
-impl StreamOrder {
-    /// An operation comes on `stream`: the stream it must wait for, the previous operation's,
-    /// where that is another.
-    fn switch_to(&mut self, stream: Stream) -> Option<Stream> {
-        self.last.replace(stream).filter(|&p| p != stream)
-    }
 }
 
 /// Checks NCCL's (nranks, rank) pair.
@@ -199,33 +180,12 @@ impl Comm {
         let gpu = gpu()?;
         gpu.set_device(device)?;
         let communicator = Arc::new(Communicator::new(bootstrap.clone(), gpu.clone(), device)?);
-        let (algorithms, p2p) = if with_algorithms {
-            let (builder, resources) =
-                mscclpp_collectives::build_default_algorithms_with_resources(
-                    &communicator,
-                    mscclpp_collectives::DEFAULT_SCRATCH_BYTES,
-                    AlgorithmCollection::builder(),
-                )?;
-            // ncclSend/ncclRecv borrow the collection's point-to-point region: no allocation of
-            // their own, so the communicator stays within its 32 MiB per rank (issue #24).
-            let p2p = match resources {
-                Some(r) => P2pEngine::with_resources(communicator.clone(), r),
-                None => P2pEngine::new(communicator.clone()),
-            }
-            .map_err(|e| e.to_string());
-            (builder.build(), p2p)
+        let session = if with_algorithms {
+            CommSession::new(communicator.clone())?
         } else {
-            (
-                AlgorithmCollection::builder().build(),
-                Err("a communicator without algorithms (tests)".to_string()),
-            )
+            CommSession::without_algorithms(communicator.clone())
         };
-        let arch = match gpu.properties(device) {
-            Ok(p) => p.arch,
-            // The host test GPU has no properties.
-            Err(_) if !with_algorithms => String::from("test"),
-            Err(e) => return Err(e.into()),
-        };
+        let arch = session.arch().to_string();
         let fallback = connect_fallback(env, bootstrap.as_ref());
         if let Fallback::Missing(why) = &fallback {
             tracing::info!(target: "mscclpp::nccl", "rank {rank}: no NCCL fallback ({why})");
@@ -241,16 +201,13 @@ impl Comm {
             device,
             job: id.clone(),
             gpu,
-            algorithms,
+            session,
             loaded: Mutex::new(Vec::new()),
-            p2p,
             communicator,
             fallback,
             forced: env.force_nccl_fallback_operation.clone(),
             accum: env.nccl_accum_dtype,
-            arch,
             aborted: AtomicBool::new(false),
-            stream_order: Mutex::new(StreamOrder::default()),
             exit_section: Mutex::new(None),
         })
     }
@@ -293,89 +250,29 @@ impl Comm {
 
     /// Why ncclSend/ncclRecv do not run natively on this communicator, if they do not.
     pub fn p2p_unavailable(&self) -> Option<&str> {
-        self.p2p.as_ref().err().map(String::as_str)
+        self.session.p2p_unavailable()
     }
 
-    /// Orders an operation about to be enqueued on `stream` after this communicator's previous
-    /// one, as NCCL does whatever streams they come on: PyTorch issues a synchronous collective on
-    /// the caller's current stream and an asynchronous one on a stream of its own, with nothing
-    /// between the two, while the collection's algorithms share one scratch, call counter and
-    /// semaphores (`CollectionResources`: its calls must be ordered on the device). When the
-    /// stream changes, the new one waits for what the previous one holds so far (an event
-    /// recorded there). Nothing is added while the stream stays the same, nor during CUDA-graph
-    /// capture (the capture orders its streams itself; an event from outside it may not be
-    /// waited on there).
-    pub fn follow_previous(&self, stream: Stream) -> mscclpp::Result<()> {
-        let mut order = self.stream_order.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(previous) = order.switch_to(stream) {
-            self.gpu.set_device(self.device)?;
-            if !self.gpu.is_capturing(stream)? {
-                let event = match order.event {
-                    Some(e) => e,
-                    None => *order.event.insert(self.gpu.create_event()?),
-                };
-                // A stream the caller destroyed since takes no record (its work runs to its end
-                // unordered, as the driver's stream destruction lets it), and one being captured
-                // orders itself.
-                let recorded = self.gpu.is_capturing(previous).and_then(|capturing| {
-                    (!capturing)
-                        .then(|| self.gpu.record_event(event, previous))
-                        .transpose()
-                });
-                match recorded {
-                    Ok(Some(())) => self.gpu.stream_wait_event(stream, event)?,
-                    Ok(None) => {}
-                    Err(e) => tracing::debug!(
-                        target: "mscclpp::nccl",
-                        "rank {}: the previous operation's stream {:#x} takes no event ({e}); \
-                         not ordered after it",
-                        self.rank,
-                        previous.0
-                    ),
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Runs `algorithm` on `args`, after this communicator's previous operation
-    /// ([`follow_previous`](Self::follow_previous)).
+    /// Runs `algorithm` on `args`, after this communicator's previous operation, whatever stream
+    /// that came on (`CommSession::follow_previous`).
     pub fn execute(&self, algorithm: &dyn Algorithm, args: &ExecuteArgs) -> mscclpp::Result<()> {
-        self.follow_previous(args.stream)?;
-        algorithm.execute(args)
+        self.session.execute(algorithm, args)
     }
 
     /// Runs one group of sends and receives of this communicator on `stream` natively.
     pub fn run_p2p(&self, ops: &[P2pOp], stream: Stream) -> mscclpp::Result<()> {
-        match &self.p2p {
-            Ok(engine) => {
-                self.gpu.set_device(self.device)?;
-                self.follow_previous(stream)?;
-                engine.run(ops, &stream)
-            }
-            Err(why) => Err(mscclpp::Error::Unsupported(why.clone())),
-        }
+        self.session.run_p2p(ops, stream)
     }
 
     /// [`run_p2p`](Self::run_p2p)'s host work before any rank of this process launches.
     pub fn prepare_p2p(&self) -> mscclpp::Result<()> {
-        match &self.p2p {
-            Ok(engine) => {
-                self.gpu.set_device(self.device)?;
-                engine.prepare()
-            }
-            Err(why) => Err(mscclpp::Error::Unsupported(why.clone())),
-        }
+        self.session.prepare_p2p()
     }
 
     /// The communicator's asynchronous error: a send/recv size mismatch (naming rank and peer)
     /// first, else the core communicator's.
     pub fn async_error(&self) -> Option<mscclpp::Error> {
-        match &self.p2p {
-            Ok(engine) => engine.mismatch().map(mscclpp::Error::InvalidArgument),
-            Err(_) => None,
-        }
-        .or_else(|| self.communicator.async_error())
+        self.session.async_error()
     }
 
     /// Adds an algorithm made for this communicator (an execution plan) under its own name, for
@@ -407,12 +304,12 @@ impl Comm {
             .iter()
             .find(|a| a.collective() == collective && a.name() == name)
             .cloned()
-            .or_else(|| self.algorithms.get(collective, name))
+            .or_else(|| self.session.algorithms().get(collective, name))
     }
 
     /// The names of every algorithm for `collective`: the collection's, then the loaded ones.
     pub fn algorithm_names(&self, collective: Collective) -> Vec<String> {
-        let mut names = self.algorithms.names(collective);
+        let mut names = self.session.algorithms().names(collective);
         let loaded = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
         names.extend(
             loaded
@@ -429,24 +326,7 @@ impl Comm {
         collective: Collective,
         args: &ExecuteArgs,
     ) -> mscclpp::Result<Arc<dyn Algorithm>> {
-        self.gpu.set_device(self.device)?;
-        let ctx = SelectionContext {
-            collective,
-            message_bytes: args.input_bytes,
-            dtype: args.dtype,
-            world_size: self.nranks,
-            // Ranks on other hosts (MSCCLPP_HOSTID) take the multi-host branch of the selector.
-            local_world_size: self.communicator.topology().local_size(self.rank),
-            symmetric_memory: false,
-            capturing: self.gpu.is_capturing(args.stream)?,
-            arch: self.arch.clone(),
-            // NVLink multicast stays off under the shim (DESIGN.md, safety on shared GPUs).
-            nvls_allowed: false,
-            in_place: SelectionContext::buffers_in_place(collective, args, self.rank),
-        };
-        let algorithm = self.algorithms.select(&ctx)?;
-        algorithm.check(args)?;
-        Ok(algorithm)
+        self.session.native(collective, args)
     }
 }
 
@@ -528,38 +408,9 @@ impl Drop for Comm {
         // unmaps what they touch (after a failure each shared buffer checks again, and leaks
         // itself if the drain fails).
         self.communicator.drain("the communicator's buffers");
-        let event = self
-            .stream_order
-            .get_mut()
-            .unwrap_or_else(|e| e.into_inner())
-            .event
-            .take();
-        if let Some(event) = event {
-            let _ = self.gpu.destroy_event(event);
-        }
     }
 }
 
 // SAFETY: the raw real-NCCL communicator is an opaque handle NCCL lets any thread use.
 unsafe impl Send for Fallback {}
 unsafe impl Sync for Fallback {}
-
-#[cfg(test)]
-mod stream_order_tests {
-    use super::*;
-
-    #[test]
-    fn an_operation_on_another_stream_waits_for_the_previous_one() {
-        let (a, b) = (Stream(0xa), Stream(0xb));
-        let mut order = StreamOrder::default();
-        assert_eq!(
-            order.switch_to(a),
-            None,
-            "the first operation waits for nothing"
-        );
-        assert_eq!(order.switch_to(a), None, "the same stream keeps its order");
-        assert_eq!(order.switch_to(b), Some(a));
-        assert_eq!(order.switch_to(b), None);
-        assert_eq!(order.switch_to(a), Some(b));
-    }
-}

@@ -6,6 +6,7 @@ need a GPU raise `MscclppError` saying why when there is none.
 
 from . import ext, utils
 from ._mscclpp import (
+    CommSession,
     Communicator,
     MemoryChannels,
     MscclppError,
@@ -36,6 +37,7 @@ __all__ = [
     "CollectiveRequest",
     "CommGroup",
     "CommResult",
+    "CommSession",
     "Communicator",
     "CustomAlgorithm",
     "MemoryChannels",

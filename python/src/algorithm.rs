@@ -30,7 +30,7 @@ const COLLECTIVES: [Collective; 9] = [
     Collective::Scatter,
 ];
 
-fn collective(name: &str) -> PyResult<Collective> {
+pub(crate) fn collective(name: &str) -> PyResult<Collective> {
     COLLECTIVES
         .into_iter()
         .find(|c| c.name() == name)
@@ -47,7 +47,7 @@ pub(crate) fn dtype(name: &str) -> PyResult<DataType> {
     name.parse().map_err(to_py)
 }
 
-fn accum(name: Option<&str>) -> PyResult<AccumType> {
+pub(crate) fn accum(name: Option<&str>) -> PyResult<AccumType> {
     Ok(match name {
         None => AccumType::Auto,
         Some(n) => match dtype(n)? {

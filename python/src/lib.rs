@@ -16,6 +16,7 @@ mod buffer;
 mod comm;
 mod executor;
 mod native;
+mod session;
 
 use mscclpp::core::gpu::Gpu;
 use mscclpp::{Env, Error};
@@ -117,5 +118,6 @@ fn _mscclpp(m: &Bound<'_, PyModule>) -> PyResult<()> {
     algorithm::register(m)?;
     native::register(m)?;
     executor::register(m)?;
+    session::register(m)?;
     Ok(())
 }

@@ -1,0 +1,273 @@
+//! A communicator as a front end issuing collectives sees it (the NCCL shim's `ncclComm_t`, the
+//! Python package's TorchComms backend): the default native algorithms, the point-to-point engine
+//! on the same resources, the choice of an algorithm for one call, and the order of calls that
+//! come on different streams. Both front ends map their calls onto [`CommSession::run`] and
+//! [`CommSession::run_p2p`], so a collective means the same thing whichever one issued it.
+
+use crate::p2p::{P2pEngine, P2pOp};
+use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
+use mscclpp_core::algorithm_collection::{AlgorithmCollection, SelectionContext};
+use mscclpp_core::communicator::Communicator;
+use mscclpp_core::gpu::{Event, Gpu, Stream};
+use mscclpp_core::{Error, Result};
+use std::sync::{Arc, Mutex};
+
+/// One rank's communicator with its default algorithms and point-to-point engine.
+pub struct CommSession {
+    communicator: Arc<Communicator>,
+    gpu: Arc<dyn Gpu>,
+    algorithms: AlgorithmCollection,
+    /// Sends and receives, or why this communicator has none.
+    p2p: std::result::Result<P2pEngine, String>,
+    /// Compiler architecture of the device, for the selector.
+    arch: String,
+    /// See [`CommSession::follow_previous`].
+    stream_order: Mutex<StreamOrder>,
+}
+
+/// The stream of a session's last operation, and the event that orders the next one after it
+/// when it comes on another stream.
+#[derive(Default)]
+struct StreamOrder {
+    last: Option<Stream>,
+    event: Option<Event>,
+}
+
+impl StreamOrder {
+    /// An operation comes on `stream`: the stream it must wait for, the previous operation's,
+    /// where that is another.
+    fn switch_to(&mut self, stream: Stream) -> Option<Stream> {
+        self.last.replace(stream).filter(|&p| p != stream)
+    }
+}
+
+impl CommSession {
+    /// Collective: builds the default algorithms for `communicator` (one scratch of
+    /// [`DEFAULT_SCRATCH_BYTES`](crate::DEFAULT_SCRATCH_BYTES) lent to all of them) and a
+    /// point-to-point engine on the same resources (no allocation of its own, so a communicator
+    /// stays within its 32 MiB per rank). A communicator whose engine cannot be built still
+    /// runs collectives; its sends and receives fail with the reason.
+    pub fn new(communicator: Arc<Communicator>) -> Result<CommSession> {
+        // Building loads kernels and maps memory on the communicator's device, whichever device
+        // the calling thread had current.
+        communicator.gpu().set_device(communicator.device())?;
+        let (builder, resources) = crate::build_default_algorithms_with_resources(
+            &communicator,
+            crate::DEFAULT_SCRATCH_BYTES,
+            AlgorithmCollection::builder(),
+        )?;
+        let p2p = match resources {
+            Some(r) => P2pEngine::with_resources(communicator.clone(), r),
+            None => P2pEngine::new(communicator.clone()),
+        }
+        .map_err(|e| e.to_string());
+        let gpu = communicator.gpu().clone();
+        let arch = gpu.properties(communicator.device())?.arch;
+        Ok(CommSession::assemble(
+            communicator,
+            builder.build(),
+            p2p,
+            arch,
+        ))
+    }
+
+    /// A session without algorithms or engine (they load kernels), for tests of the lifecycle on
+    /// a host test GPU: every call fails, saying so.
+    pub fn without_algorithms(communicator: Arc<Communicator>) -> CommSession {
+        let why = "a communicator without algorithms (tests)".to_string();
+        let algorithms = AlgorithmCollection::builder().build();
+        CommSession::assemble(communicator, algorithms, Err(why), "test".into())
+    }
+
+    fn assemble(
+        communicator: Arc<Communicator>,
+        algorithms: AlgorithmCollection,
+        p2p: std::result::Result<P2pEngine, String>,
+        arch: String,
+    ) -> CommSession {
+        CommSession {
+            gpu: communicator.gpu().clone(),
+            communicator,
+            algorithms,
+            p2p,
+            arch,
+            stream_order: Mutex::new(StreamOrder::default()),
+        }
+    }
+
+    /// The default algorithms, by name (`AlgorithmCollection::get`).
+    pub fn algorithms(&self) -> &AlgorithmCollection {
+        &self.algorithms
+    }
+
+    pub fn communicator(&self) -> &Arc<Communicator> {
+        &self.communicator
+    }
+
+    /// Compiler architecture of the device (`sm_90`, `gfx942`; `test` on the host test GPU).
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    pub fn rank(&self) -> usize {
+        self.communicator.rank()
+    }
+
+    pub fn size(&self) -> usize {
+        self.communicator.size()
+    }
+
+    /// The native algorithm that runs `args` as `collective`, checked against them; the error
+    /// says why none does.
+    pub fn native(&self, collective: Collective, args: &ExecuteArgs) -> Result<Arc<dyn Algorithm>> {
+        let rank = self.rank();
+        self.gpu.set_device(self.communicator.device())?;
+        let ctx = SelectionContext {
+            collective,
+            message_bytes: args.input_bytes,
+            dtype: args.dtype,
+            world_size: self.size(),
+            // Ranks on other hosts (MSCCLPP_HOSTID) take the multi-host branch of the selector.
+            local_world_size: self.communicator.topology().local_size(rank),
+            symmetric_memory: false,
+            capturing: self.gpu.is_capturing(args.stream)?,
+            arch: self.arch.clone(),
+            // NVLink multicast stays off for callers that make no symmetric-memory promise
+            // (DESIGN.md, safety on shared GPUs).
+            nvls_allowed: false,
+            in_place: SelectionContext::buffers_in_place(collective, args, rank),
+        };
+        let algorithm = self.algorithms.select(&ctx)?;
+        algorithm.check(args)?;
+        Ok(algorithm)
+    }
+
+    /// Selects ([`native`](Self::native)) and runs one collective on `args.stream`.
+    pub fn run(&self, collective: Collective, args: &ExecuteArgs) -> Result<()> {
+        let algorithm = self.native(collective, args)?;
+        self.execute(algorithm.as_ref(), args)
+    }
+
+    /// Runs `algorithm` on `args`, after this session's previous operation
+    /// ([`follow_previous`](Self::follow_previous)).
+    pub fn execute(&self, algorithm: &dyn Algorithm, args: &ExecuteArgs) -> Result<()> {
+        self.follow_previous(args.stream)?;
+        algorithm.execute(args)
+    }
+
+    /// Runs one group of sends and receives on `stream`: every op of the group may be in flight
+    /// at once, so a rank may send to and receive from the same peers in one group.
+    pub fn run_p2p(&self, ops: &[P2pOp], stream: Stream) -> Result<()> {
+        let engine = self.engine()?;
+        self.gpu.set_device(self.communicator.device())?;
+        self.follow_previous(stream)?;
+        engine.run(ops, &stream)
+    }
+
+    /// [`run_p2p`](Self::run_p2p)'s host work, for a caller that must finish it on every rank of
+    /// this process before any of them launches.
+    pub fn prepare_p2p(&self) -> Result<()> {
+        let engine = self.engine()?;
+        self.gpu.set_device(self.communicator.device())?;
+        engine.prepare()
+    }
+
+    fn engine(&self) -> Result<&P2pEngine> {
+        self.p2p
+            .as_ref()
+            .map_err(|why| Error::Unsupported(why.clone()))
+    }
+
+    /// Why sends and receives do not run on this communicator, if they do not.
+    pub fn p2p_unavailable(&self) -> Option<&str> {
+        self.p2p.as_ref().err().map(String::as_str)
+    }
+
+    /// The communicator's asynchronous error: a send/recv size mismatch (naming rank and peer)
+    /// first, else the core communicator's (an abort, a dead peer, a device wait that gave up).
+    pub fn async_error(&self) -> Option<Error> {
+        match &self.p2p {
+            Ok(engine) => engine.mismatch().map(Error::InvalidArgument),
+            Err(_) => None,
+        }
+        .or_else(|| self.communicator.async_error())
+    }
+
+    /// Orders an operation about to be enqueued on `stream` after this session's previous one,
+    /// as NCCL does whatever streams they come on: PyTorch issues a synchronous collective on the
+    /// caller's current stream and an asynchronous one on a stream of its own, with nothing
+    /// between the two, while the collection's algorithms share one scratch, call counter and
+    /// semaphores (`CollectionResources`: its calls must be ordered on the device). When the
+    /// stream changes, the new one waits for what the previous one holds so far (an event
+    /// recorded there). Nothing is added while the stream stays the same, nor during CUDA-graph
+    /// capture (the capture orders its streams itself; an event from outside it may not be
+    /// waited on there).
+    pub fn follow_previous(&self, stream: Stream) -> Result<()> {
+        let mut order = self.stream_order.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(previous) = order.switch_to(stream) else {
+            return Ok(());
+        };
+        self.gpu.set_device(self.communicator.device())?;
+        if self.gpu.is_capturing(stream)? {
+            return Ok(());
+        }
+        let event = match order.event {
+            Some(e) => e,
+            None => *order.event.insert(self.gpu.create_event()?),
+        };
+        // A stream the caller destroyed since takes no record (its work runs to its end
+        // unordered, as the driver's stream destruction lets it), and one being captured orders
+        // itself.
+        let recorded = self.gpu.is_capturing(previous).and_then(|capturing| {
+            (!capturing)
+                .then(|| self.gpu.record_event(event, previous))
+                .transpose()
+        });
+        match recorded {
+            Ok(Some(())) => self.gpu.stream_wait_event(stream, event)?,
+            Ok(None) => {}
+            Err(e) => tracing::debug!(
+                target: "mscclpp::algo",
+                "rank {}: the previous operation's stream {:#x} takes no event ({e}); not \
+                 ordered after it",
+                self.rank(),
+                previous.0
+            ),
+        }
+        Ok(())
+    }
+}
+
+impl Drop for CommSession {
+    fn drop(&mut self) {
+        let event = self
+            .stream_order
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .event
+            .take();
+        if let Some(event) = event {
+            let _ = self.gpu.destroy_event(event);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_operation_on_another_stream_waits_for_the_previous_one() {
+        let (a, b) = (Stream(0xa), Stream(0xb));
+        let mut order = StreamOrder::default();
+        assert_eq!(
+            order.switch_to(a),
+            None,
+            "the first operation waits for nothing"
+        );
+        assert_eq!(order.switch_to(a), None, "the same stream keeps its order");
+        assert_eq!(order.switch_to(b), Some(a));
+        assert_eq!(order.switch_to(b), None);
+        assert_eq!(order.switch_to(a), Some(b));
+    }
+}
