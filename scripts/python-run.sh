@@ -4,9 +4,9 @@
 # multicast off; MPS=1 runs them under an MPS server, each rank held to its share of the SMs when
 # ranks outnumber GPUs (mps.sh), as gpu-run.sh does. The wheel must be installed first, e.g.
 #   pip install --no-deps --target /tmp/site .gpu/*.whl   (then PYTHONPATH=/tmp/site is used)
-# Usage: [NRANKS=4] [MPS=1] bash .gpu/python-run.sh [check|default|dsl|tuning|native|all]
+# Usage: [NRANKS=4] [MPS=1] bash .gpu/python-run.sh [check|default|dsl|dslc|tuning|native|all]
 # dsl runs the execution-plan example on the plans gpu-stage.sh put in .gpu/plans and
-# .gpu/builder-plans.
+# .gpu/builder-plans; dslc compiles our DSL programs (python/examples/dsl) and runs their plans.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 export NCCL_NVLS_ENABLE=0 MSCCLPP_FORCE_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -26,14 +26,16 @@ case "${1:-all}" in
   check) run tests/gpu_check.py ;;
   default) run examples/customized_comm_with_default_algo.py ;;
   dsl) run examples/customized_comm_with_dsl.py "$here/plans" "$here/builder-plans" ;;
+  dslc) run tests/gpu_dsl_check.py ;;
   tuning) run examples/customized_comm_with_tuning.py ;;
   native) run examples/customized_allgather.py ;;
   all)
     run tests/gpu_check.py
     run examples/customized_comm_with_default_algo.py
     run examples/customized_comm_with_dsl.py "$here/plans" "$here/builder-plans"
+    run tests/gpu_dsl_check.py
     run examples/customized_comm_with_tuning.py
     run examples/customized_allgather.py
     ;;
-  *) echo "usage: $0 [check|default|dsl|tuning|native|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [check|default|dsl|dslc|tuning|native|all]" >&2; exit 2 ;;
 esac
