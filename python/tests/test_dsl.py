@@ -276,7 +276,8 @@ def test_chunk_errors_name_line_rank_threadblock_and_chunks():
         line = sys._getframe().f_lineno - 1
         msg = str(e.value)
         assert msg.startswith(f"{HERE}:{line}:")
-        assert "rank 0 input[0:1]" in msg and "rank 1 output[0:2]" in msg and "differ in size" in msg
+        assert "on rank 0, threadblock 3" in msg and "differ in size" in msg
+        assert "rank 0 input[0:1]" in msg and "rank 1 output[0:2]" in msg
         with pytest.raises(DslError, match=r"slice \[1:3\] is empty or outside 0\.\.2"):
             inp[1:3]
         with pytest.raises(DslError, match="not on the channel's peer rank 1"):

@@ -9,7 +9,7 @@ on rank dst); the program is checked for that when it is lowered.
 
 from . import _context, _ops
 from .rank import check_chunk, local_ref
-from .thread_block_group import ThreadBlockGroup, threadblocks
+from .thread_block_group import ThreadBlockGroup, threadblocks, where
 from .types import BufferType, ChannelType, Chunk, ReduceOperationType, SyncType, call_site, fail
 
 __all__ = [
@@ -43,9 +43,8 @@ class _PeerChannel:
     def __repr__(self):
         return f"{type(self).__name__}(rank {self.src_rank} -> rank {self.dst_rank}, id {self.channel_id})"
 
-    def _what(self, verb, tb=None):
-        where = f"{self!r}.{verb}"
-        return where if tb is None else f"{where} on threadblock {tb}"
+    def _what(self, verb, tb=None, tb_group=None):
+        return f"{self!r}.{verb} on rank {self.src_rank}, {where(tb, tb_group)}"
 
     def _channel_index(self, prog, tb):
         return prog.ranks[self.src_rank].threadblock(tb).channel_index(self.channel_type, self.channel_id)
@@ -57,7 +56,7 @@ class _PeerChannel:
 
     def _sync(self, name, tb, data_sync):
         prog = _context.current()
-        threadblocks(tb, None, self._what(name))
+        threadblocks(tb, None, self._what(name, tb))
         if not isinstance(data_sync, SyncType):
             fail(f"{self._what(name, tb)}: data_sync must be a SyncType, not {data_sync!r}")
         origin = call_site()
@@ -69,29 +68,30 @@ class _PeerChannel:
         elif name in ("wait", "rlxwait"):
             prog.register_wait(self.src_rank, self.dst_rank, self.channel_type, origin)
 
-    def _check_pair(self, verb, local, remote, local_is_src=True):
+    def _check_pair(self, what, local, remote, local_is_src=True):
         """Checks a local chunk of the source rank and a remote chunk of the peer."""
-        check_chunk(local, f"{self._what(verb)}: {'source' if local_is_src else 'destination'}")
-        check_chunk(remote, f"{self._what(verb)}: {'destination' if local_is_src else 'source'}")
+        check_chunk(local, f"{what}: {'source' if local_is_src else 'destination'}")
+        check_chunk(remote, f"{what}: {'destination' if local_is_src else 'source'}")
         if local.rank != self.src_rank:
-            fail(f"{self._what(verb)}: {local} is not on the channel's own rank {self.src_rank}")
+            fail(f"{what}: {local} is not on the channel's own rank {self.src_rank}")
         if remote.rank != self.dst_rank:
-            fail(f"{self._what(verb)}: {remote} is not on the channel's peer rank {self.dst_rank}")
+            fail(f"{what}: {remote} is not on the channel's peer rank {self.dst_rank}")
         if local.size != remote.size:
-            fail(f"{self._what(verb)}: {local} and {remote} differ in size")
+            fail(f"{what}: {local} and {remote} differ in size")
 
     def _transfer(self, name, verb, dst_chunk, src_chunk, tb, tb_group):
         prog = _context.current()
+        what = self._what(verb, tb, tb_group)
         if name == "get":
-            self._check_pair(verb, dst_chunk, src_chunk, local_is_src=False)
+            self._check_pair(what, dst_chunk, src_chunk, local_is_src=False)
         else:
-            self._check_pair(verb, src_chunk, dst_chunk)
+            self._check_pair(what, src_chunk, dst_chunk)
         if name in ("ppkt", "rppkt") and dst_chunk.buffer != BufferType.scratch:
-            fail(f"{self._what(verb)}: the destination {dst_chunk} must be in scratch (packets live there)")
+            fail(f"{what}: the destination {dst_chunk} must be in scratch (packets live there)")
         if name == "rppkt" and src_chunk.buffer != BufferType.scratch:
-            fail(f"{self._what(verb)}: the source {src_chunk} must be packets in scratch")
+            fail(f"{what}: the source {src_chunk} must be packets in scratch")
         origin = call_site()
-        for t, tbg in threadblocks(tb, tb_group, self._what(verb)):
+        for t, tbg in threadblocks(tb, tb_group, what):
             index = self._channel_index(prog, t)
             if name == "get":
                 remote = _ops.RemoteRef(self._remote_index(prog, t, src_chunk), src_chunk.index, src_chunk.size)
@@ -145,13 +145,13 @@ class MemoryChannel(_PeerChannel):
         """Reduces the local `local_src_chunk` with the peer's `remote_src_chunks` (read over the
         channel) into `local_dst_chunk` (default `local_src_chunk`)."""
         prog = _context.current()
-        verb = self._what("reduce")
+        verb = self._what("reduce", tb, tb_group)
         dst_chunk = local_src_chunk if local_dst_chunk is None else local_dst_chunk
         remotes = list(remote_src_chunks)
         if not remotes:
             fail(f"{verb}: remote_src_chunks is empty")
         for r in remotes:
-            self._check_pair("reduce", local_src_chunk, r)
+            self._check_pair(verb, local_src_chunk, r)
         check_chunk(dst_chunk, f"{verb}: destination")
         if dst_chunk.rank != self.src_rank or dst_chunk.size != local_src_chunk.size:
             fail(f"{verb}: destination {dst_chunk} must be on rank {self.src_rank} and the size of {local_src_chunk}")

@@ -2,7 +2,7 @@
 their chunks (`BaseBuffer`, scratch `Buffer`), and `Semaphore`s between its threadblocks."""
 
 from . import _context, _ops
-from .thread_block_group import ThreadBlockGroup, threadblocks
+from .thread_block_group import ThreadBlockGroup, threadblocks, where
 from .types import BufferType, Chunk, ReduceOperationType, SyncType, call_site, fail
 
 __all__ = [
@@ -51,16 +51,17 @@ class Rank:
 
     def _copy(self, dst_chunk, src_chunk, tb, tb_group, name, verb):
         prog = _context.current()
+        verb = f"{verb} on rank {self.rank}, {where(tb, tb_group)}"
         dst = self._local(dst_chunk, f"{verb}: destination")
         src = self._local(src_chunk, f"{verb}: source")
         if dst.size != src.size:
-            fail(f"{verb} on rank {self.rank}: destination {dst} and source {src} differ in size")
+            fail(f"{verb}: destination {dst} and source {src} differ in size")
         if name == "upkt" and src.buffer != BufferType.scratch:
-            fail(f"unpack_packets on rank {self.rank}: the source {src} must be in scratch (packets live there)")
+            fail(f"{verb}: the source {src} must be in scratch (packets live there)")
         if name == "cpkt" and dst.buffer != BufferType.scratch:
-            fail(f"copy_packets on rank {self.rank}: the destination {dst} must be in scratch (packets live there)")
+            fail(f"{verb}: the destination {dst} must be in scratch (packets live there)")
         origin = call_site()
-        for t, tbg in threadblocks(tb, tb_group, f"{verb} on rank {self.rank}"):
+        for t, tbg in threadblocks(tb, tb_group, verb):
             prog.add_operation(self.rank, t, _ops.Copy(origin, name, [local_ref(src)], [local_ref(dst)], tbg))
 
     def copy(self, dst_chunk, src_chunk, tb=None, tb_group=None):
@@ -80,7 +81,7 @@ class Rank:
         """Reduces `src_chunk` with `other_chunks` (all on this rank) into `dst_chunk` (default
         `src_chunk`); with `packet=True` the other chunks are packets in scratch."""
         prog = _context.current()
-        verb = f"reduce on rank {self.rank}"
+        verb = f"reduce on rank {self.rank}, {where(tb, tb_group)}"
         src = self._local(src_chunk, f"{verb}: source")
         dst = self._local(dst_chunk if dst_chunk is not None else src_chunk, f"{verb}: destination")
         if not isinstance(reduce_op, ReduceOperationType):

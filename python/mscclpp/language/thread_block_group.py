@@ -35,6 +35,15 @@ class ThreadBlockGroup:
         return f"ThreadBlockGroup({self.tb_list})"
 
 
+def where(tb, tb_group):
+    """Which threadblock(s) a call names, for error messages."""
+    if tb is not None:
+        return f"threadblock {tb}"
+    if isinstance(tb_group, ThreadBlockGroup):
+        return f"threadblocks {tb_group.tb_list}"
+    return "no threadblock"
+
+
 def threadblocks(tb, tb_group, what):
     """(tb, tbg_info) for each threadblock an op given `tb=` or `tb_group=` runs on."""
     if tb is not None and tb_group is not None:
