@@ -104,7 +104,7 @@ def _read_cached(path, key):
     return plan
 
 
-def _write_atomically(path, text):
+def write_atomically(path, text):
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -112,6 +112,7 @@ def _write_atomically(path, text):
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache's plans from other users
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -150,7 +151,7 @@ class DslCompiler:
                 raise TypeError(f"compile: {algo!r} returned {prog!r}, not the CollectiveProgram it wrote")
             plan = prog.to_dict()
             stamped = dict(plan, **{_CACHE_FIELD: {"key": key, "digest": _digest(plan)}})
-            _write_atomically(path, json.dumps(stamped, separators=(",", ":")))
+            write_atomically(path, json.dumps(stamped, separators=(",", ":")))
         execution_plan = _mscclpp.ExecutionPlan(str(path), rank)
         return Algorithm(
             id=key,

@@ -1,6 +1,8 @@
 """GPU check of the DSL under torchrun (ranks may share one GPU): every program of
 python/examples/dsl/algorithms.py that the GPU interpreter runs (all but the switch-channel one:
-NVLS stays gated) is compiled with `mscclpp.compile` at the job's world size and run three ways:
+NVLS stays gated) is compiled with `mscclpp.compile` at the job's world size (the two-node
+all-reduce of the default plans with the ranks split into two simulated nodes, over port channels,
+included) and run three ways:
 through `Algorithm.execute` without an executor, with an explicit `mscclpp.Executor`, and captured
 into a CUDA graph and replayed on fresh data. float32 and bfloat16, three sizes each; outputs
 poisoned first, every element checked against a float64 reference (integers would be exact;
@@ -52,8 +54,10 @@ class Case:
     def __init__(self, group, name, algo):
         self.group, self.name, self.algo = group, name, algo
         with open(algo.execution_plan.path) as f:
-            gpu0 = json.load(f)["gpus"][0]
+            plan = json.load(f)
+        gpu0 = plan["gpus"][0]
         self.in_chunks, self.out_chunks = gpu0["input_chunks"], gpu0["output_chunks"]
+        self.in_place = plan["inplace"]
         most = max(self.in_chunks, self.out_chunks) * max(CHUNK_ELEMS) * 4
         self.raw = mscclpp.RawGpuBuffer(2 * most)
         self.bytes = torch.utils.dlpack.from_dlpack(self.raw.to_dlpack(data_type=str(torch.uint8)))
@@ -67,6 +71,8 @@ class Case:
         flat = self.bytes.view(dtype)
         inp = flat[: in_count]
         out = flat[self.half // dtype.itemsize: self.half // dtype.itemsize + out_count]
+        if self.in_place:  # the all-reduce's output is its input
+            out = inp
         out.fill_(POISON)
         inp.copy_(inputs[rank])
         want, summed = expected(self.algo.collective, inputs, rank, out_count)

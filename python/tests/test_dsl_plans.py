@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import random
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import pytest
 
 import mscclpp
 from mscclpp import _mscclpp
-from mscclpp.language import (AllGather, AllReduce, Buffer, CollectiveProgram, DslError,
+from mscclpp.language import (AlgoSpec, AllGather, AllReduce, Buffer, CollectiveProgram, DslError,
                               MemoryChannel, PortChannel, Rank, ReplicationPolicy, ThreadBlockGroup)
 
 HERE = Path(__file__).resolve().parent
@@ -70,6 +71,35 @@ def test_a_wrong_plan_is_caught_by_the_checker():
     ops[:] = [op for op in ops if op["name"] != "copy"]
     with pytest.raises(ValueError, match="wrong result"):
         _mscclpp.check_plan(json.dumps(plan), "broken", 2)
+
+
+# The default plans (mscclpp.default_algos) and `python -m mscclpp --install`.
+
+@pytest.mark.parametrize("nodes, gpus", [(1, 2), (2, 1), (2, 2), (2, 4), (4, 2), (3, 2)])
+@pytest.mark.parametrize("group", [1, 2])
+def test_the_multi_node_allreduce_is_proved(nodes, gpus, group):
+    from mscclpp.default_algos import allreduce_multi_nodes
+
+    world = nodes * gpus
+    spec = AlgoSpec(name="ml", collective=AllReduce(world, 1, True), nranks_per_node=gpus, world_size=world,
+                    in_place=True, instances=1, protocol="LL", use_double_scratch_buffer=True)
+    text = allreduce_multi_nodes(spec, thread_block_group_size=group).to_json()
+    assert ": ok:" in _mscclpp.check_plan(text, f"ml {nodes}x{gpus}", world)
+
+
+def test_install_writes_the_default_plans_and_each_is_proved(tmp_path):
+    env = dict(os.environ, MSCCLPP_CACHE_DIR=str(tmp_path))
+    subprocess.run([sys.executable, "-m", "mscclpp", "--install"], check=True, env=env, capture_output=True)
+    files = sorted((tmp_path / "default").glob("*.json"))
+    assert [f.name for f in files] == ["allreduce_2nodes_128K_2M.json", "allreduce_2nodes_1K_64K.json",
+                                       "allreduce_4nodes_128K_2M.json", "allreduce_4nodes_1K_64K.json"]
+    for f in files:
+        plan = mscclpp.ExecutionPlan(str(f))
+        nodes = int(f.name.split("_")[1][0])
+        assert (plan.world_size, plan.collective, plan.protocol, plan.inplace) == (8 * nodes, "allreduce", "LL", True)
+        small = "1K_64K" in f.name
+        assert (plan.min_message_size, plan.max_message_size) == ((1 << 10, 64 << 10) if small else (128 << 10, 2 << 20))
+        assert ": ok:" in _mscclpp.check_plan(f.read_text(), f.name, plan.world_size)
 
 
 # mscclpp.compile and its cache.

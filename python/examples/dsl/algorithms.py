@@ -292,6 +292,14 @@ def sendrecv_ring(spec):
     return prog
 
 
+def allreduce_two_nodes(spec):
+    """LL, in place: the default plans' hierarchical all-reduce (mscclpp.default_algos) with the
+    ranks split into two nodes, so its port channels (between the halves) run on one machine."""
+    from mscclpp.default_algos import allreduce_multi_nodes
+
+    return allreduce_multi_nodes(spec, gpus_per_node=max(1, spec.world_size // 2), thread_block_group_size=2)
+
+
 # name -> (program, collective class, chunk_factor, protocol, instances, runs on the GPU interpreter)
 ALGORITHMS = {
     "allreduce_read_reduce": (allreduce_read_reduce, AllReduce, 1, "Simple", 1, True),
@@ -308,18 +316,22 @@ ALGORITHMS = {
     "reducescatter_packet": (reducescatter_packet, ReduceScatter, 1, "LL", 2, True),
     "alltoall_put": (alltoall_put, AllToAll, 1, "Simple", 1, True),
     "sendrecv_ring": (sendrecv_ring, SendRecv, 1, "Simple", 1, True),
+    "allreduce_two_nodes": (allreduce_two_nodes, AllReduce, 1, "LL", 1, True),
 }
+# Programs that work in place (the input buffer is the output).
+IN_PLACE = {"allreduce_two_nodes"}
 
 
 def spec_for(name, world_size, **overrides):
     """The AlgoSpec ALGORITHMS gives `name` at `world_size` ranks (fields overridable)."""
     _, collective, chunk_factor, protocol, instances, _ = ALGORITHMS[name]
+    in_place = name in IN_PLACE
     fields = dict(
         name=f"{name}_{world_size}",
-        collective=collective(world_size, chunk_factor, False),
+        collective=collective(world_size, chunk_factor, in_place),
         nranks_per_node=world_size,
         world_size=world_size,
-        in_place=False,
+        in_place=in_place,
         instances=instances,
         protocol=protocol,
     )
