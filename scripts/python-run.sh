@@ -4,11 +4,12 @@
 # multicast off; MPS=1 runs them under an MPS server, each rank held to its share of the SMs when
 # ranks outnumber GPUs (mps.sh), as gpu-run.sh does. The wheel must be installed first, e.g.
 #   pip install --no-deps --target /tmp/site .gpu/*.whl   (then PYTHONPATH=/tmp/site is used)
-# Usage: [NRANKS=4] [MPS=1] bash .gpu/python-run.sh [check|default|dsl|tuning|native|torchcomms|torchcomms-train|all]
+# Usage: [NRANKS=4] [MPS=1] bash .gpu/python-run.sh [check|default|dsl|dslc|tuning|native|torchcomms|torchcomms-train|all]
 # dsl runs the execution-plan example on the plans gpu-stage.sh put in .gpu/plans and
-# .gpu/builder-plans. torchcomms runs the TorchComms backend's check (TORCHCOMMS_QUICK=1: its
-# quick matrix); torchcomms-train its training loop through the backend and through
-# torch.distributed with .gpu/lib/libmscclpp_nccl.so preloaded, then compares them bit for bit.
+# .gpu/builder-plans; dslc compiles our DSL programs (python/examples/dsl) and runs their plans.
+# torchcomms runs the TorchComms backend's check (TORCHCOMMS_QUICK=1: its quick matrix);
+# torchcomms-train its training loop through the backend and through torch.distributed with
+# .gpu/lib/libmscclpp_nccl.so preloaded, then compares them bit for bit.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 export NCCL_NVLS_ENABLE=0 MSCCLPP_FORCE_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -35,6 +36,7 @@ case "${1:-all}" in
   check) run tests/gpu_check.py ;;
   default) run examples/customized_comm_with_default_algo.py ;;
   dsl) run examples/customized_comm_with_dsl.py "$here/plans" "$here/builder-plans" ;;
+  dslc) run tests/gpu_dsl_check.py ;;
   tuning) run examples/customized_comm_with_tuning.py ;;
   native) run examples/customized_allgather.py ;;
   torchcomms) bounded 540 tests/torchcomms_gpu_check.py ${TORCHCOMMS_QUICK:+--quick} ;;
@@ -53,9 +55,10 @@ case "${1:-all}" in
     run tests/gpu_check.py
     run examples/customized_comm_with_default_algo.py
     run examples/customized_comm_with_dsl.py "$here/plans" "$here/builder-plans"
+    run tests/gpu_dsl_check.py
     run examples/customized_comm_with_tuning.py
     run examples/customized_allgather.py
     bounded 540 tests/torchcomms_gpu_check.py ${TORCHCOMMS_QUICK:+--quick}
     ;;
-  *) echo "usage: $0 [check|default|dsl|tuning|native|torchcomms|torchcomms-train|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [check|default|dsl|dslc|tuning|native|torchcomms|torchcomms-train|all]" >&2; exit 2 ;;
 esac

@@ -30,25 +30,34 @@ pub fn plan_files(args: &[PathBuf]) -> std::io::Result<Vec<PathBuf>> {
 
 /// Checks one plan file; `ranks`, when given, is the world size the user expects it to be for.
 pub fn check_file(path: &Path, ranks: Option<usize>) -> CheckLine {
-    let name = path.display();
+    let name = path.display().to_string();
+    match Plan::load(path) {
+        Ok(plan) => check_plan(&name, &plan, ranks),
+        Err(e) => CheckLine {
+            text: format!("{name}: FAILED: {e}"),
+            ok: false,
+        },
+    }
+}
+
+/// Proves one parsed and validated plan (what [`check_file`] does once the file is loaded; the
+/// Python package's DSL tests call it on the plans they generate, without writing files). `name`
+/// heads the line.
+pub fn check_plan(name: &str, plan: &Plan, ranks: Option<usize>) -> CheckLine {
     let fail = |why: String| CheckLine {
         text: format!("{name}: FAILED: {why}"),
         ok: false,
     };
-    let plan = match Plan::load(path) {
-        Ok(p) => p,
-        Err(e) => return fail(e.to_string()),
-    };
     if let Some(n) = ranks.filter(|&n| n != plan.world_size()) {
         return fail(format!("written for {} ranks, not {n}", plan.world_size()));
     }
-    match prove(&plan) {
+    match prove(plan) {
         Ok(sizes) => CheckLine {
             text: format!(
                 "{name}: ok: {} ({}) over {} ranks, {} protocol{}, every dtype, chunks of {:?} elements \
                  (f32 input bytes per rank {:?})",
                 format!("{:?}", plan.collective).to_lowercase(),
-                reduce_name(&plan),
+                reduce_name(plan),
                 plan.world_size(),
                 format!("{:?}", plan.protocol).to_uppercase().replace("SIMPLE", "Simple"),
                 if plan.needs_switch() { ", switch channels emulated" } else { "" },

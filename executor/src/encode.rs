@@ -263,10 +263,13 @@ pub fn encode(plan: &Plan, rank: usize, nvls_allowed: bool) -> Result<EncodedPla
         for (o, op) in tb.ops.iter().enumerate() {
             let op_path = format!("{path}.threadblocks[{t}].ops[{o}]");
             if op.name == OpCode::Pipeline {
+                let head = enc.ops.len();
                 encoder.pipeline(&mut enc, op, &op_path)?;
                 for (i, inner) in op.ops.iter().enumerate() {
                     encoder.op(&mut enc, t, inner, &format!("{op_path}.ops[{i}]"))?;
                 }
+                // The head counts encoded ops, which a split op (`Op::pairs`) makes more of.
+                enc.ops[head].nids = narrow((enc.ops.len() - head - 1) as u32, &op_path, "ops")?;
             } else {
                 encoder.op(&mut enc, t, op, &op_path)?;
             }
@@ -407,6 +410,15 @@ impl Encoder<'_> {
 
     fn op(&self, enc: &mut EncodedPlan, t: usize, op: &Op, path: &str) -> Result<()> {
         use OpCode::*;
+        // The kernel reduces an op's sources whenever it has several, so a fused put (copy,
+        // get) of several pairs runs as one op per pair. Port channels pair them in port_put.
+        if op.channel_type != Some(ChannelType::Port) {
+            if let Some(pairs) = op.pairs() {
+                return pairs
+                    .iter()
+                    .try_for_each(|pair| self.op(enc, t, pair, path));
+            }
+        }
         let name = format!("{:?}", op.name).to_lowercase();
         let refuse_switch = || {
             let why = if self.nvls_allowed {

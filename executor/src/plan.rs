@@ -246,6 +246,37 @@ pub struct Op {
     pub ops: Vec<Op>,
 }
 
+impl Op {
+    /// A data op that moves without reducing (put, ppkt, get, copy, cpkt, upkt) and has one
+    /// source per destination, split into one op per pair: MSCCL++'s executor moves source d to
+    /// destination d (a fused put of several chunks to several peers), it does not combine the
+    /// sources. `None` for every other op, which the interpreters run as it is.
+    pub fn pairs(&self) -> Option<Vec<Op>> {
+        use OpCode::*;
+        let n = self.src_buff.len();
+        if !matches!(self.name, Put | Ppkt | Get | Copy | Cpkt | Upkt)
+            || n < 2
+            || n != self.dst_buff.len()
+        {
+            return None;
+        }
+        Some(
+            (0..n)
+                .map(|d| Op {
+                    src_buff: vec![self.src_buff[d].clone()],
+                    dst_buff: vec![self.dst_buff[d].clone()],
+                    channel_ids: self
+                        .channel_ids
+                        .get(d)
+                        .map(|&c| vec![c])
+                        .unwrap_or_default(),
+                    ..self.clone()
+                })
+                .collect(),
+        )
+    }
+}
+
 /// One entry of a threadblock's `channels`: which of the GPU's channels of a type it drives; an op's
 /// `channel_ids` index this list.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]

@@ -808,6 +808,10 @@ impl<'a> Machine<'a> {
             _ => {
                 if port && matches!(op.name, Put | Pws | Pwsf | Ppkt | Rppkt) {
                     self.queue_puts(st, rank, t, tid, o, op, win)?;
+                } else if let Some(pairs) = op.pairs() {
+                    for pair in &pairs {
+                        self.move_data(st, rank, t, tid, o, pair, win)?;
+                    }
                 } else {
                     self.move_data(st, rank, t, tid, o, op, win)?;
                 }
@@ -1027,6 +1031,7 @@ fn check_shape(plan: &Plan) -> Result<(), CheckError> {
             Collective::Allgather => i > 0 && o == world * i,
             Collective::Reducescatter => o > 0 && i == world * o,
             Collective::Alltoall => i > 0 && i == o && i % world == 0,
+            Collective::Sendrecv => i > 0 && o == i,
             other => {
                 return Err(CheckError::Unsupported(format!(
                     "no reference for collective {other:?}"
@@ -1073,6 +1078,10 @@ fn check_outputs(
     let world = plan.gpus.len();
     let m = cfg.elems_per_chunk;
     let reduce = |vals: &mut dyn Iterator<Item = f64>| reduced(op, &vals.collect::<Vec<_>>());
+    let senders = match plan.collective {
+        Collective::Sendrecv => sendrecv_senders(plan, cfg, inputs, bufs)?,
+        _ => Vec::new(),
+    };
     for rank in 0..world {
         let gpu = &plan.gpus[rank];
         let in_elems = gpu.input_chunks as usize * m;
@@ -1094,6 +1103,7 @@ fn check_outputs(
                     let k = out_elems / world;
                     (inputs[e / k][rank * k + e % k], 0.0)
                 }
+                Collective::Sendrecv => (inputs[senders[rank]][e], 0.0),
                 other => {
                     return Err(CheckError::Unsupported(format!(
                         "no reference for collective {other:?}"
@@ -1113,6 +1123,40 @@ fn check_outputs(
         }
     }
     Ok(())
+}
+
+/// A send/receive's pairs are the program's choice (a ring, pairs within groups...): each rank
+/// must end with the whole input of one other rank, every rank's input received by one rank.
+/// Returns the rank each rank received from.
+fn sendrecv_senders(
+    plan: &Plan,
+    cfg: RunConfig,
+    inputs: &[Vec<f64>],
+    bufs: &[[Vec<Cell>; 3]],
+) -> Result<Vec<usize>, CheckError> {
+    let world = plan.gpus.len();
+    let m = cfg.elems_per_chunk;
+    let mut senders = Vec::with_capacity(world);
+    for (rank, cells) in bufs.iter().enumerate().take(world) {
+        let elems = plan.gpus[rank].output_chunks as usize * m;
+        let got = |e: usize| {
+            let (b, i) = alias(plan, m, rank, BufferType::Output, e);
+            cells[buffer_slot(b)][i].value
+        };
+        // Small integer types may give two ranks equal inputs: take a sender no rank took yet.
+        let sender = (0..world)
+            .filter(|&s| s != rank && !senders.contains(&s))
+            .find(|&s| (0..elems).all(|e| within(cfg.dtype, got(e), inputs[s][e], 0.0)))
+            .ok_or_else(|| {
+                CheckError::Mismatch(format!(
+                    "{}: rank {rank}'s output is not the input of another rank (that no other \
+                     rank received)",
+                    cfg.dtype.name()
+                ))
+            })?;
+        senders.push(sender);
+    }
+    Ok(senders)
 }
 
 fn op_name(op: PlanReduceOp) -> &'static str {

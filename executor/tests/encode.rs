@@ -142,3 +142,39 @@ fn threadblock_programs_name_the_references_and_ids_of_the_global_encoding() {
         }
     }
 }
+
+/// A fused put of several (source, destination) pairs runs as one op per pair on the GPU (the
+/// kernel reduces an op's sources whenever it has several), and a pipeline counts the split ops.
+#[test]
+fn a_fused_put_encodes_as_one_op_per_pair() {
+    let pairs = |d: u32| serde_json::json!({"type": "i", "index": d, "size": 1});
+    let put = serde_json::json!({"name": "put", "src_buff": [pairs(1), pairs(2)],
+        "dst_buff": [{"buffer_id": 0, "index": 0, "size": 1}, {"buffer_id": 1, "index": 0, "size": 1}],
+        "channel_type": "memory"});
+    let gpus: Vec<serde_json::Value> = (0..3u32)
+        .map(|r| {
+            let peers: Vec<u32> = (0..3).filter(|&p| p != r).collect();
+            serde_json::json!({"id": r, "input_chunks": 3, "output_chunks": 3, "scratch_chunks": 0,
+                "threadblocks": [{"id": 0, "ops": [{"name": "pipeline",
+                    "iter_context": {"unit_size": 4096, "num_chunks": 1}, "ops": [put]}],
+                    "channels": [{"channel_type": "memory", "channel_ids": [0, 1]}],
+                    "remote_buffer_refs": [{"access_channel_type": "memory", "remote_buffer_ids": [0, 1]}]}],
+                "channels": [{"channel_type": "memory", "connected_to": peers}],
+                "remote_buffers": peers.iter().map(|&p| serde_json::json!(
+                    {"rank": p, "type": "i", "access_channel_types": ["memory"]})).collect::<Vec<_>>()})
+        })
+        .collect();
+    let plan = Plan::from_json(
+        &serde_json::to_vec(&serde_json::json!({"name": "p", "collective": "alltoall",
+            "protocol": "Simple", "inplace": false, "gpus": gpus}))
+        .unwrap(),
+    )
+    .unwrap();
+    let enc = encode(&plan, 0, false).unwrap();
+    assert_eq!(enc.ops.len(), 3, "the pipeline head and one op per pair");
+    assert_eq!(enc.ops[0].kind, OpKind::Pipeline as u8);
+    assert_eq!(enc.ops[0].nids, 2, "the head counts the encoded ops");
+    for op in &enc.ops[1..] {
+        assert_eq!((op.nsrc, op.ndst), (1, 1));
+    }
+}

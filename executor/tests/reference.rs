@@ -270,3 +270,100 @@ fn pipelines_iterate_over_windows_of_their_ops() {
         "{err}"
     );
 }
+
+/// An all-gather over 3 ranks whose puts are fused as MSCCL++'s DSL fuses them: one `put` with a
+/// source and a destination per peer (here the same source twice), optionally inside a pipeline.
+fn fused_put_allgather(pipelined: bool) -> Value {
+    let gpus: Vec<Value> = (0..3u32)
+        .map(|r| {
+            let peers: Vec<u32> = (0..3).filter(|&p| p != r).collect();
+            let out = serde_json::json!({"type": "o", "index": r, "size": 1});
+            let input = serde_json::json!({"type": "i", "index": 0, "size": 1});
+            let put = serde_json::json!({
+                "name": "put",
+                "src_buff": [input, input],
+                "dst_buff": [{"buffer_id": 0, "index": r, "size": 1},
+                             {"buffer_id": 1, "index": r, "size": 1}],
+                "channel_type": "memory"
+            });
+            let moves = vec![
+                serde_json::json!({"name": "copy", "src_buff": [input], "dst_buff": [out]}),
+                put,
+            ];
+            let mut ops = if pipelined {
+                vec![serde_json::json!({"name": "pipeline",
+                    "iter_context": {"unit_size": 1 << 16, "num_chunks": 1}, "ops": moves})]
+            } else {
+                moves
+            };
+            ops.extend([
+                serde_json::json!({"name": "nop"}),
+                serde_json::json!({"name": "signal", "channel_ids": [0, 1], "channel_type": "memory"}),
+                serde_json::json!({"name": "wait", "channel_ids": [0, 1], "channel_type": "memory"}),
+                serde_json::json!({"name": "nop"}),
+            ]);
+            serde_json::json!({
+                "id": r, "input_chunks": 1, "output_chunks": 3, "scratch_chunks": 0,
+                "threadblocks": [{"id": 0, "ops": ops,
+                    "channels": [{"channel_type": "memory", "channel_ids": [0, 1]}],
+                    "remote_buffer_refs": [{"access_channel_type": "memory", "remote_buffer_ids": [0, 1]}]}],
+                "channels": [{"channel_type": "memory", "connected_to": peers}],
+                "remote_buffers": peers.iter().map(|&p| serde_json::json!(
+                    {"rank": p, "type": "o", "access_channel_types": ["memory"]})).collect::<Vec<_>>(),
+                "semaphores": []
+            })
+        })
+        .collect();
+    serde_json::json!({"name": "fused_put_allgather", "collective": "allgather", "protocol": "Simple",
+        "inplace": false, "gpus": gpus})
+}
+
+#[test]
+fn a_fused_put_moves_each_source_to_its_destination() {
+    for pipelined in [false, true] {
+        let plan = plan_of(&fused_put_allgather(pipelined));
+        prove(&plan).unwrap_or_else(|e| panic!("pipelined {pipelined}: {e}"));
+    }
+}
+
+/// A send/receive ring over 3 ranks: rank r puts its input into rank r+1's output.
+fn sendrecv_ring(skip_rank: Option<u32>) -> Value {
+    let gpus: Vec<Value> = (0..3u32)
+        .map(|r| {
+            let (next, prev) = ((r + 1) % 3, (r + 2) % 3);
+            let mut ops = vec![
+                serde_json::json!({"name": "put", "src_buff": [{"type": "i", "index": 0, "size": 1}],
+                    "dst_buff": [{"buffer_id": 0, "index": 0, "size": 1}], "channel_type": "memory"}),
+                serde_json::json!({"name": "nop"}),
+                serde_json::json!({"name": "signal", "channel_ids": [0], "channel_type": "memory"}),
+                serde_json::json!({"name": "wait", "channel_ids": [1], "channel_type": "memory"}),
+            ];
+            if skip_rank == Some(r) {
+                ops.remove(0);
+            }
+            serde_json::json!({
+                "id": r, "input_chunks": 1, "output_chunks": 1, "scratch_chunks": 0,
+                "threadblocks": [{"id": 0, "ops": ops,
+                    "channels": [{"channel_type": "memory", "channel_ids": [0, 1]}],
+                    "remote_buffer_refs": [{"access_channel_type": "memory", "remote_buffer_ids": [0]}]}],
+                "channels": [{"channel_type": "memory", "connected_to": [next, prev]}],
+                "remote_buffers": [{"rank": next, "type": "o", "access_channel_types": ["memory"]}],
+                "semaphores": []
+            })
+        })
+        .collect();
+    serde_json::json!({"name": "ring", "collective": "sendrecv", "protocol": "Simple",
+        "inplace": false, "gpus": gpus})
+}
+
+#[test]
+fn a_sendrecv_is_proved_by_the_pairs_it_makes() {
+    prove(&plan_of(&sendrecv_ring(None))).unwrap();
+    // Rank 1 sends nothing: rank 2's output is nobody's input.
+    let err = f32_run(&plan_of(&sendrecv_ring(Some(1)))).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("rank 2's output is not the input of another rank"),
+        "{err}"
+    );
+}

@@ -4,7 +4,7 @@ CUDA or ROCm is loaded when first needed, so `import mscclpp` works on any machi
 need a GPU raise `MscclppError` saying why when there is none.
 """
 
-from . import ext, utils
+from . import ext, language, utils
 from ._mscclpp import (
     CommSession,
     Communicator,
@@ -28,6 +28,7 @@ from .algorithm import (
 )
 from .executor import ExecutionPlan, Executor
 from .native import compile_native
+from ._compiler import DslCompiler, compile  # noqa: A004 (MSCCL++'s name: mscclpp.compile)
 from .comm import CommGroup
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "CommSession",
     "Communicator",
     "CustomAlgorithm",
+    "DslCompiler",
     "MemoryChannels",
     "NativeModule",
     "DataType",
@@ -52,9 +54,11 @@ __all__ = [
     "TcpBootstrap",
     "TuningTable",
     "backend_name",
+    "compile",
     "compile_native",
     "env",
     "is_nvls_supported",
     "ext",
+    "language",
     "utils",
 ]

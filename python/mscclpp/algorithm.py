@@ -151,15 +151,29 @@ class Algorithm:
         elif self._collection is not None:
             runner = self._collection._executor(native, stream)
         else:
-            raise ValueError(
-                f"{self.name} is an execution plan: pass executor=mscclpp.Executor(comm.communicator)"
-            )
+            runner = self._own_executor(native)
         runner.execute(
             native.rank, input_buffer, output_buffer, input_size, output_size,
             _runtime_dtype(dtype), self.execution_plan, stream, "LL16",
             None if op == ReduceOp.NOP else op.value,
         )
         return CommResult.COMM_SUCCESS
+
+    def _own_executor(self, native):
+        """The executor this plan runs on when no executor or collection is given (one per
+        communicator, made on the plan's first run there, which is collective like any plan's
+        first run)."""
+        if getattr(self, "_executors", None) is None:
+            self._executors = {}
+            track(self)
+        entry = self._executors.get(id(native))
+        if entry is None or entry[0] is not native:
+            entry = (native, _mscclpp.NativeExecutor(native))
+            self._executors[id(native)] = entry
+        return entry[1]
+
+    def _close(self):
+        self._executors = {}
 
     def _launch(self, native, input_buffer, output_buffer, input_size, output_size, dtype, op,
                 stream, nblocks, nthreads_per_block, accum_dtype, extras):

@@ -282,7 +282,29 @@ impl PyExecutor {
     }
 }
 
+/// Parses, validates and proves the plan in `text` (JSON) on the CPU reference interpreter, on
+/// random data of every dtype (what `mscclpp-bench plan-check` does for a file). Returns the
+/// checker's line; raises ValueError with it when the plan is malformed or computes a wrong
+/// result. `ranks`, when given, is the world size the plan must be written for.
+#[pyfunction]
+#[pyo3(signature = (text, name = "plan", ranks = None))]
+fn check_plan(py: Python<'_>, text: &str, name: &str, ranks: Option<usize>) -> PyResult<String> {
+    let line = py.detach(|| match Plan::from_json(text.as_bytes()) {
+        Ok(plan) => mscclpp_executor::check::check_plan(name, &plan, ranks),
+        Err(e) => mscclpp_executor::check::CheckLine {
+            text: format!("{name}: FAILED: {e}"),
+            ok: false,
+        },
+    });
+    if line.ok {
+        Ok(line.text)
+    } else {
+        Err(PyValueError::new_err(line.text))
+    }
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(check_plan, m)?)?;
     m.add_class::<PyExecutionPlan>()?;
     m.add_class::<PyExecutor>()?;
     Ok(())

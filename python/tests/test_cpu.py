@@ -342,9 +342,12 @@ def test_a_registered_plan_is_selected_and_runs_on_the_collections_executor(monk
         assert mine._native.runs == [(0, "allreduce_pkt", "bf16", "LL16", "sum")]
         with pytest.raises(TypeError, match="executor must be an mscclpp.Executor"):
             chosen.execute(comm, 1, 1, 4096, 4096, mscclpp.DataType.float32, executor=object())
+    # An Algorithm of no collection, given no executor, runs on one of its own per communicator.
     alone = mscclpp.Algorithm(execution_plan=plan)
-    with pytest.raises(ValueError, match="pass executor=mscclpp.Executor"):
-        alone.execute(comm, 1, 1, 4096, 4096, mscclpp.DataType.float32)
+    alone.execute(comm, 1, 1, 4096, 4096, mscclpp.DataType.float32)
+    alone.execute(comm, 1, 1, 4096, 4096, mscclpp.DataType.float32)
+    (own,) = [e for _, e in alone._executors.values()]
+    assert own.runs == [(0, "allreduce_pkt", "f32", "LL16", None)] * 2
     mine.execute(0, 1, 1, 8, 8, mscclpp.DataType.float32, plan, packet_type=mscclpp.PacketType.LL8)
     assert mine._native.runs[-1] == (0, "allreduce_pkt", "f32", "LL8", None)
 
