@@ -10,13 +10,29 @@ cd "$(dirname "$0")/.."
 # nothing rebuilds.
 # shellcheck source=scripts/nvrtc-env.sh
 source scripts/nvrtc-env.sh >/dev/null
-cargo test -q --workspace --all-targets --no-run
+# A test build leaves its example programs (no harness: examples/Cargo.toml) under hashed names
+# only: cargo says which.
+examples=$(cargo test -q --workspace --all-targets --no-run --message-format=json | python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and "example" in m["target"]["kind"]:
+        print(m["target"]["name"], m["executable"])')
+example() {
+  local path
+  path=$(awk -v n="$1" '$1 == n { print $2 }' <<<"$examples" | tail -n 1)
+  [ -x "$path" ] || { echo "examples: example $1 was not built" >&2; exit 1; }
+  echo "$path"
+}
 shim="$PWD/target/debug/deps/libmscclpp_nccl.so"
 [ -f "$shim" ] || { echo "examples: $shim was not built" >&2; exit 1; }
 
 echo "-- Rust API (examples/rust/allreduce.rs) and an execution plan (examples/rust/execution_plan.rs)"
-target/debug/examples/allreduce
-target/debug/examples/execution_plan
+"$(example allreduce)"
+"$(example execution_plan)"
 
 echo "-- C against the NCCL ABI (examples/c/allreduce.c), linked to the shim as libnccl"
 # The CUDA runtime's headers and library from PyPI (the NVRTC environment above has no crt/).
