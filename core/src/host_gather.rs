@@ -115,8 +115,8 @@ pub struct OwnPage {
 }
 
 impl OwnPage {
-    /// This rank's new file, or `None` where shared memory cannot be had here (said once at debug
-    /// level: the bootstrap serves instead).
+    /// This rank's new file, or `None` where shared memory cannot be had here (logged at debug
+    /// level; the communicator then uses the bootstrap).
     pub fn create(rank: usize) -> Option<OwnPage> {
         let path = format!(
             "/dev/shm/mscclpp-host-gather-{}-{rank}-{:016x}",
