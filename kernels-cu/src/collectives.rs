@@ -141,6 +141,7 @@ impl CollectiveFile {
             CollectiveFile::AllToAll => &[
                 "alltoallv_zero_copy",
                 "alltoallv_zero_copy_pull",
+                "alltoallv_zero_copy_swap",
                 "alltoallv_device_counts",
                 "alltoall_packet",
             ],

@@ -541,10 +541,8 @@ def rooted_and_exchanges(lib, comms, devs, streams):
             for r in range(n):
                 want = torch.cat([xs[s][r * chunk:(r + 1) * chunk] for s in range(n)])
                 check_exact(f"{name} rank {r}", outs[r], want)
-        # In place: served while the whole buffer fits the engine's stage (about 7 MiB), so
-        # the first chunk * n floats of each rank's input, at most 6 MiB.
-        chunk = min(chunk, (6 << 20) // (4 * n))
-        xs = [x[:chunk * n] for x in xs]
+        # In place: every rank's one buffer (copied through the engine's stage within it, swapped
+        # pair by pair beyond it).
         bufs = [xs[r].to(on[r]) for r in range(n)]
         name = f"initall ncclAlltoAll in place chunk={chunk}"
         if grouped(lib, name, comms, streams, lambda r: lib.ncclAlltoAll(
@@ -864,8 +862,9 @@ def inplace_mode():
     a call that does not finish is what SHIM_CHECK_TIMEOUT bounds. Sizes are nccl-tests' totals
     from 128 B: up to INPLACE_ROOTED_MAX_BYTES (4 MiB) for gather and scatter, whose in-place form
     hung at 128 B when each rank kept its own cache of registered buffers, and up to
-    INPLACE_MAX_BYTES (64 MiB) for the rest. In-place all-to-all is served up to the engine's stage
-    (about 7 MiB a rank); beyond it each rank must get ncclInvalidUsage naming the stage."""
+    INPLACE_MAX_BYTES (64 MiB) for the rest. In-place all-to-all is served at every size; rank 0
+    alone in place is served up to the engine's stage (about 7 MiB a rank), and beyond it every
+    rank must get ncclInvalidUsage saying that every rank must be in place."""
     lib = shim()
     n = int(os.environ["WORLD_SIZE"])
     rank, comm, _store = comm_pair(lib, n)
@@ -927,15 +926,16 @@ def inplace_mode():
                 check_exact(name, R, want)
         want = torch.cat([chunk(every[s], rank) for s in range(n)])
         for placement in ("out of place", "in place", "in place on rank 0 only"):
-            if total > (7 << 20) and placement != "out of place":
-                if placement == "in place":
-                    # Beyond the stage every rank refuses at once, before anything collective.
-                    torch.cuda.synchronize()
-                    rc = lib.ncclAlltoAll(ptr(R), ptr(R), size_t(count), NCCL_INT32, comm, sptr)
-                    why = last_error(lib)
-                    report("PASS" if rc == NCCL_INVALID_USAGE and "stage" in why else "FAIL",
-                           f"inplace ncclAlltoAll {total} B in place rank {rank} refused",
-                           f"(rc {rc}: {why})")
+            if total > (7 << 20) and placement == "in place on rank 0 only":
+                # Beyond the stage every rank refuses at once, before anything moves.
+                torch.cuda.synchronize()
+                src = R if rank == 0 else S
+                rc = lib.ncclAlltoAll(ptr(src), ptr(R), size_t(count), NCCL_INT32, comm, sptr)
+                why = last_error(lib)
+                refused = rc == NCCL_INVALID_USAGE and "needs every rank in place" in why
+                report("PASS" if refused else "FAIL",
+                       f"inplace ncclAlltoAll {total} B in place on rank 0 only rank {rank} refused",
+                       f"(rc {rc}: {why})")
                 continue
             R.fill_(-3)
             here = placement == "in place" or (placement != "out of place" and rank == 0)

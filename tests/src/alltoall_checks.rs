@@ -30,11 +30,13 @@
 //! rank as nccl-tests passes them): zero-copy and packet all-to-all over the same sizes, also with
 //! rank 0 alone in place (a mix NCCL allows), all-to-all-v with symmetric skewed splits (same send
 //! and receive regions) and with skewed splits received in reverse rank order, so that regions
-//! differ, the all-to-alls only up to the engine's stage (in place is copied whole into it first,
-//! and refused beyond it), gather and scatter over
-//! their matrix sizes; the whole buffer is checked: the received regions, and every other byte as
-//! it was uploaded. Then nccl-tests' own sequence: out of place, then in place in the same two
-//! buffers (the in-place scatter that hung on a registration only rank 0 had cached).
+//! differ; in place on every rank at every size (copied whole into the engine's stage within it,
+//! swapped pair by pair beyond it), the mixes and the differing regions only up to the stage, and
+//! gather and scatter over their matrix sizes; the whole buffer is checked: the received regions,
+//! and every other byte as it was uploaded. Beyond the stage, a mix (rank 0 alone in place) and
+//! differing regions must fail on every rank, naming the problem, with nothing moved. Then
+//! nccl-tests' own sequence: out of place, then in place in the same two buffers (the in-place
+//! scatter that hung on a registration only rank 0 had cached).
 //!
 //! After every check the ranks agree (bootstrap all-gather) on whether it completed; after a
 //! failure the remaining checks are skipped on every rank instead of each timing out.
@@ -800,15 +802,76 @@ fn device_counts_overflow(ctx: &RankContext, comm: Arc<Communicator>) -> Result<
     Ok("every rank failed naming rank 0's output, nothing written, no hang".into())
 }
 
+/// Beyond the stage, what no kernel can serve in place fails on every rank by name before anything
+/// moves: rank 0 alone in place in an all-to-all (a swap needs both ranks of each pair, and a push
+/// into rank 0 would overwrite what it has yet to send), then every rank in place in an
+/// all-to-all-v whose receive regions differ from its send regions. Every buffer is checked
+/// afterwards as it was uploaded (poison where nothing was sent).
+fn in_place_refusals(ctx: &RankContext, engines: &Engines, key: u64) -> Result<String> {
+    let (rank, n) = (ctx.rank(), ctx.size());
+    let beyond = engines.zero_copy.stage_bytes() + 16 * n;
+    let nothing = Split {
+        counts: vec![0; n],
+        displs: vec![0; n],
+    };
+    let cases = [
+        (
+            Op::Alltoall,
+            beyond.div_ceil(n),
+            Placement::InPlaceOnRank0,
+            "rank 0 is in place beyond its all-to-all stage".to_string(),
+        ),
+        (
+            Op::AlltoallvReversed,
+            beyond,
+            Placement::InPlace,
+            "with receive regions other than its send regions".to_string(),
+        ),
+    ];
+    for (i, (op, bytes, placement, named)) in cases.into_iter().enumerate() {
+        let all = splits(op, n, bytes, 1.5)?;
+        let (send, recv) = &all[rank];
+        let b = Buffers::place(
+            &ctx.gpu,
+            op,
+            (rank, n),
+            (send, recv),
+            placement.in_place(rank),
+        )?;
+        b.fill(key ^ i as u64, rank, send)?;
+        let outcome = match enqueue(engines, op, &b, send, recv, Stream::DEFAULT) {
+            Err(e) if e.to_string().contains(&named) => {
+                ctx.gpu.synchronize_stream(Stream::DEFAULT)?;
+                b.verify(key ^ i as u64, rank, &nothing)
+            }
+            other => Err(Error::Internal(format!(
+                "rank {rank}: {}{}: expected an error with \"{named}\", got {other:?}",
+                op_name(op),
+                placement.label()
+            ))),
+        };
+        let everyone = ctx.bootstrap.all_gather(&[u8::from(outcome.is_ok())])?;
+        outcome?;
+        if everyone.iter().any(|v| v.first() != Some(&1)) {
+            return Err(Error::Internal(format!(
+                "{}{}: another rank did not fail as expected (see its line)",
+                op_name(op),
+                placement.label()
+            )));
+        }
+    }
+    Ok("every rank failed naming the problem, nothing moved, no hang".into())
+}
+
 /// What nccl-tests 2.19 does for scatter, gather and all-to-all at root 0: per size, a send buffer
 /// S and a receive buffer R of `nranks` chunks each, the call out of place (S to R), then in place
 /// in R at NCCL's offsets (scatter: `recvbuff = R + rank * chunk`, gather: `sendbuff = R + rank *
 /// chunk`, all-to-all: R both), each checked. The in-place scatter hands rank 0 back the output it
 /// had out of place while every other rank's output is new, which hung when a gather or scatter
 /// registered its buffers through a per-rank cache (rank 0 in the kernel, the others in the
-/// registration's exchange). Chunks of 64 B, 4 KiB + 8 and 1 MiB - 8, those whose `nranks` chunks
-/// fit the engine's stage (within it gathers and scatters map no user buffer, and the all-to-all
-/// is served in place).
+/// registration's exchange). Chunks of 64 B, 4 KiB + 8 and 1 MiB - 8 (within the engine's stage
+/// gathers and scatters map no user buffer and the in-place all-to-all is copied; beyond it, at 8
+/// ranks, they register and swap).
 fn nccl_tests_sequence(ctx: &RankContext, engines: &Engines, key: u64) -> Result<String> {
     let (rank, n) = (ctx.rank(), ctx.size());
     let mut done = 0;
@@ -817,9 +880,6 @@ fn nccl_tests_sequence(ctx: &RankContext, engines: &Engines, key: u64) -> Result
         .enumerate()
     {
         for (i, bytes) in [64, 4096 + 8, MIB - 8].into_iter().enumerate() {
-            if bytes * n > engines.zero_copy.stage_bytes() {
-                continue;
-            }
             let all = splits(op, n, bytes, 0.0)?;
             let (send, recv) = &all[rank];
             let whole = n * bytes;
@@ -992,7 +1052,8 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
     ];
     // In place: every row above that NCCL runs in place, at NCCL's offsets (`Buffers::place`).
     let packet_sizes = vec![0, 1, 3, 4096 + 8, 64 << 10, packet_max];
-    // In place is served up to the engine's stage (the input is copied there first).
+    // Every rank in place is served at every size; a mix, or regions that differ, up to the
+    // engine's stage (the input is copied there first; `in_place_refusals` beyond it).
     let stage = engine.stage_bytes();
     let fits = |op: Op, sizes: Vec<usize>| -> Vec<usize> {
         sizes
@@ -1006,7 +1067,7 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
         (
             ALLTOALL_ZERO_COPY.to_string(),
             Op::Alltoall,
-            fits(Op::Alltoall, chunk_sizes(n)),
+            chunk_sizes(n),
             &[0.0][..],
             in_place,
         ),
@@ -1034,7 +1095,7 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
         (
             "alltoallv (skewed, symmetric)".into(),
             Op::AlltoallvSymmetric,
-            fits(Op::AlltoallvSymmetric, ALLTOALLV_SIZES.to_vec()),
+            ALLTOALLV_SIZES.to_vec(),
             &SKEWS,
             in_place,
         ),
@@ -1124,6 +1185,12 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
             "nccl-tests' sequence: out of place, then in place in the same buffers".into(),
             nccl_tests_sequence(ctx, &engines, run_seed ^ 0x1A5E),
         ));
+        if n >= 2 {
+            out.push((
+                "in place beyond the stage: a mix, and differing regions, refused".into(),
+                in_place_refusals(ctx, &engines, run_seed ^ 0x5A9),
+            ));
+        }
         out.push((
             "alltoallv: device counts (MoE routing)".into(),
             device_counts(ctx, engine, run_seed ^ 0x5EED),
@@ -1176,7 +1243,7 @@ mod tests {
     }
 
     /// The in-place all-to-all-v rows: the whole in-place buffer holds both sides, and the engine
-    /// copies it whole within the stage and refuses it beyond.
+    /// copies it whole within the stage, swaps symmetric regions beyond it and refuses the rest.
     #[test]
     fn in_place_rows_have_the_regions_the_engine_needs() {
         use mscclpp_collectives::alltoall::zero_copy::{in_place_plan, InPlace};
@@ -1192,7 +1259,7 @@ mod tests {
                             in_place_layout(Op::AlltoallvSymmetric, (rank, n), (send, recv))
                                 .unwrap();
                         assert_eq!((input, output), ((0, whole), (0, whole)));
-                        // Copied whole within a 7 MiB stage, refused beyond it.
+                        // Copied whole within a 7 MiB stage, swapped beyond it.
                         let one = Buffer {
                             ptr: 1 << 40,
                             bytes: whole,
@@ -1200,7 +1267,8 @@ mod tests {
                         match in_place_plan("t", rank, (one, send), (one, recv), 7 * MIB) {
                             Ok(InPlace::No) => assert!(bytes == 0 || send.total() == 0),
                             Ok(InPlace::Copy { bytes: b }) => assert!(b <= 7 * MIB),
-                            Err(e) => assert!(whole > 7 * MIB, "{e}"),
+                            Ok(InPlace::Swap { bytes: b }) => assert!(b > 7 * MIB && b == whole),
+                            Err(e) => panic!("{e}"),
                         }
                     }
                 }

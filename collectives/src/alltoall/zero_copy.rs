@@ -23,13 +23,19 @@
 //! engine used apart from the default collection.
 //!
 //! In place (all-to-all and all-to-all-v with one buffer for both sides, as NCCL's `ncclAlltoAll`
-//! allows): a peer's bytes land where this rank's bytes for that peer wait to be sent. What this
-//! rank does is its own decision ([`InPlace`], from its own arguments), and it never changes what a
-//! peer runs on the host, so a rank in place and a peer out of place may meet in one call: the
-//! input is copied whole into the stage first and sent from there (the kernel and the peers see an
-//! out-of-place call). An in-place call whose send extent does not fit the stage is refused by
-//! name, before anything collective: moving it in rounds through the stage needs every rank to
-//! pass the same barriers, which a rank in place beside peers out of place cannot promise alone.
+//! allows): a peer's bytes land where this rank's bytes for that peer wait to be sent. Each rank
+//! plans its side from its own arguments ([`InPlace`]):
+//! - a send extent that fits the stage is copied whole into the stage first and sent from there
+//!   (the kernel and the peers see an out-of-place call), so a rank in place and a peer out of
+//!   place may meet in one call;
+//! - beyond the stage, where each region the rank sends to a peer is also the one it receives that
+//!   peer's bytes into (always so for all-to-all), the pair swaps: `alltoallv_zero_copy_swap`
+//!   loads each byte on both sides before storing either, with nothing staged. Both ranks of every
+//!   pair must do so, so each rank says in the call's buffer agreement whether it swaps: when
+//!   every rank does, every rank launches the swap; when only some do, every rank fails with the
+//!   same error naming a rank that swaps and one that does not, before anything moves;
+//! - any other in-place call beyond the stage (all-to-all-v whose send and receive regions
+//!   differ) is refused by name, through the agreement so that the peers fail with it.
 //!
 //! Small gathers and scatters ([`rooted_via_stage`], decided from the chunk size and world size,
 //! the same on every rank) register nothing: every sender copies what it sends into its stage and
@@ -39,7 +45,7 @@
 use super::split::{check_local, check_matrix, mismatch_message, uniform_chunk, Side, Split};
 use crate::geometry::{self, Residency};
 use crate::resources::{param_ptr, CollectionResources, KernelTable, ScratchRegion};
-use crate::user_buffers::{UserBuffer, UserBufferTable};
+use crate::user_buffers::{Agreed, UserBuffer, UserBufferTable};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::communicator::Communicator;
 use mscclpp_core::gpu::{DevicePtr, LaunchConfig, Stream};
@@ -72,12 +78,15 @@ pub enum InPlace {
     /// One buffer: its first `bytes` (the whole send extent) are copied into the stage first, and
     /// the exchange sends from the copy.
     Copy { bytes: usize },
+    /// One buffer whose send regions are its receive regions, beyond the stage: every pair swaps
+    /// its two regions, provided every rank swaps (module docs). `bytes` is the send extent.
+    Swap { bytes: usize },
 }
 
 /// [`InPlace`] for `rank` of `nranks` sending `send` from `input` and receiving `recv` into
 /// `output`, with a stage of `stage_bytes`; the error (naming the rank, the call `what` and the
-/// sizes) where the buffers overlap other than exactly, or an in-place send extent does not fit
-/// the stage. No device access (tested on the CPU).
+/// sizes) where the buffers overlap other than exactly, or an in-place send extent beyond the
+/// stage has receive regions other than its send regions. No device access (tested on the CPU).
 pub fn in_place_plan(
     what: &str,
     rank: usize,
@@ -104,10 +113,15 @@ pub fn in_place_plan(
     if extent <= stage_bytes {
         return Ok(InPlace::Copy { bytes: extent });
     }
+    if send == recv {
+        return Ok(InPlace::Swap { bytes: extent });
+    }
     Err(Error::Unsupported(format!(
-        "rank {rank}: {what} in place of {extent} bytes: in place is served up to the \
-         collection's all-to-all stage ({stage_bytes} bytes), whose copy of the input the \
-         exchange sends from; pass distinct send and receive buffers"
+        "rank {rank}: {what} in place of {extent} bytes with receive regions other than its send \
+         regions: such a call is served up to the collection's all-to-all stage ({stage_bytes} \
+         bytes), whose copy of the input the exchange sends from, and beyond it only where each \
+         peer's bytes land where this rank's bytes for that peer were; pass distinct send and \
+         receive buffers"
     )))
 }
 
@@ -129,6 +143,9 @@ struct Staging {
     copy_input: usize,
     /// Pull: the peers read every rank's stage, not registered inputs (nothing is registered).
     peers_read_stage: bool,
+    /// Push in place beyond the stage ([`InPlace::Swap`]): this rank's send extent, said in the
+    /// agreement (0: this rank does not swap).
+    swap: usize,
 }
 
 /// One buffer of one rank's side of an exchange.
@@ -165,6 +182,9 @@ enum Direction {
     Push,
     /// Receivers load from the senders' registered inputs (`alltoallv_zero_copy_pull`).
     Pull,
+    /// Every rank in place: each pair swaps its regions in the registered buffers
+    /// (`alltoallv_zero_copy_swap`).
+    Swap,
 }
 
 impl Direction {
@@ -173,6 +193,7 @@ impl Direction {
         match self {
             Direction::Push => "alltoallv_zero_copy",
             Direction::Pull => "alltoallv_zero_copy_pull",
+            Direction::Swap => "alltoallv_zero_copy_swap",
         }
     }
 }
@@ -344,7 +365,8 @@ impl AlltoallZeroCopy {
     /// fixed default) and `threads`. Every rank passes an output buffer (non-null, even of 0
     /// bytes where it receives nothing): the outputs are what is registered (module docs).
     /// In place (`input` and `output` one buffer) as [`InPlace`] says: any splits whose send
-    /// extent fits [`Self::stage_bytes`], larger ones where `send` and `recv` give the same regions.
+    /// extent fits [`Self::stage_bytes`], larger ones where `send` and `recv` give the same regions
+    /// on every rank.
     #[allow(clippy::too_many_arguments)]
     pub fn alltoallv(
         &self,
@@ -395,11 +417,15 @@ impl AlltoallZeroCopy {
     ) -> Result<()> {
         // A refusal still joins the call's buffer agreement, where peers out of place wait.
         let plan = self.in_place(what, (input, send), (output, recv));
-        let plan = plan.map_err(|e| self.user_buffers.refuse(&self.comm, 1, e))?;
+        let plan = plan.map_err(|e| self.user_buffers.refuse(&self.comm, AGREED_BUFFERS, e))?;
         let staging = match plan {
             InPlace::No => Staging::default(),
             InPlace::Copy { bytes } => Staging {
                 copy_input: bytes,
+                ..Staging::default()
+            },
+            InPlace::Swap { bytes } => Staging {
+                swap: bytes,
                 ..Staging::default()
             },
         };
@@ -457,6 +483,7 @@ impl AlltoallZeroCopy {
             let staging = Staging {
                 copy_input: send.extent(rank, Side::Send)?,
                 peers_read_stage: true,
+                swap: 0,
             };
             (Direction::Pull, staging)
         } else {
@@ -550,18 +577,30 @@ impl AlltoallZeroCopy {
             )));
         }
         let (mut local, registered) = match direction {
-            Direction::Push => (input.ptr, output),
             Direction::Pull => (output.ptr, input),
+            Direction::Push | Direction::Swap => (input.ptr, output),
         };
         if staging.copy_input > 0 && direction == Direction::Push {
             local = self.stage.local;
         }
-        let entry = direction.entry();
-        let remote = if staging.peers_read_stage {
-            self.stage.peers
+        let (remote, direction) = if staging.peers_read_stage {
+            (self.stage.peers, direction)
         } else {
-            self.registered(registered)?
+            let swap = (staging.swap > 0).then_some(Buffer {
+                ptr: input.ptr,
+                bytes: staging.swap,
+            });
+            let (remote, every_rank_swaps) = self.registered(what, registered, swap)?;
+            (
+                remote,
+                if every_rank_swaps {
+                    Direction::Swap
+                } else {
+                    direction
+                },
+            )
         };
+        let entry = direction.entry();
         let mut args = AlltoallArgs {
             local,
             remote,
@@ -647,7 +686,9 @@ impl AlltoallZeroCopy {
             } else {
                 input.bytes as u64
             },
-            outputs: self.registered(output)?,
+            outputs: self
+                .registered("alltoallv with device counts", output, None)?
+                .0,
             tables: self.tables,
             send_counts,
             recv_counts,
@@ -670,31 +711,46 @@ impl AlltoallZeroCopy {
     /// The host work of an exchange in `direction` that must come before any rank of this
     /// process launches (`Algorithm::prepare`): loading the kernel. The buffers are agreed in the
     /// call itself, once per call on every rank.
+    /// A push may turn into a swap on every rank (decided in the call), so both are loaded.
     fn prepare_exchange(&self, direction: Direction) -> Result<()> {
-        self.kernels
-            .function(
+        let entries: &[Direction] = match direction {
+            Direction::Push | Direction::Swap => &[Direction::Push, Direction::Swap],
+            Direction::Pull => &[Direction::Pull],
+        };
+        for d in entries {
+            self.kernels.function(
                 self.comm.gpu().as_ref(),
                 CollectiveFile::AllToAll,
                 None,
-                direction.entry(),
-            )
-            .map(|_| ())
+                d.entry(),
+            )?;
+        }
+        Ok(())
     }
 
     /// Collective: every rank's `buffer` (the registered side of this call; see the module docs
-    /// for why every rank has one), agreed for this call. A rank that passed none fails every
-    /// rank, naming it.
-    fn registered(&self, buffer: Buffer) -> Result<PeerPtrs> {
-        let agreed = self
-            .user_buffers
-            .agree(&self.comm, &[UserBuffer::new(buffer.ptr, buffer.bytes)])?;
+    /// for why every rank has one), agreed for this call, and whether every rank swaps in place
+    /// (`swap`: this rank's in-place region where it does, [`InPlace::Swap`]). A rank that passed
+    /// no buffer fails every rank, naming it, and so does a call where only some ranks swap.
+    fn registered(
+        &self,
+        what: &str,
+        buffer: Buffer,
+        swap: Option<Buffer>,
+    ) -> Result<(PeerPtrs, bool)> {
+        let swap = swap.map_or(UserBuffer::new(0, 0), |b| UserBuffer::new(b.ptr, b.bytes));
+        let agreed = self.user_buffers.agree(
+            &self.comm,
+            &[UserBuffer::new(buffer.ptr, buffer.bytes), swap],
+        )?;
         if let Some(rank) = (0..agreed.ranks()).find(|&r| agreed.passed(r, 0).ptr == 0) {
             return Err(Error::InvalidArgument(format!(
                 "rank {rank}: {ALLTOALL_ZERO_COPY}: a null buffer where every rank passes one \
                  (pass a buffer even of 0 bytes)"
             )));
         }
-        agreed.peers(0)
+        let every_rank_swaps = every_rank_swaps(what, self.comm.rank(), &agreed)?;
+        Ok((agreed.peers(0)?, every_rank_swaps))
     }
 
     /// Launches `entry` of the all-to-all unit with its one argument struct `args` on the grid
@@ -721,6 +777,31 @@ impl AlltoallZeroCopy {
         let mut params = [param_ptr(args)];
         // SAFETY: per this function's contract.
         unsafe { self.comm.gpu().launch(f, cfg, stream, &mut params) }
+    }
+}
+
+/// Buffers each rank describes in an exchange's agreement: its registered side, and its in-place
+/// region where it swaps (else null).
+const AGREED_BUFFERS: usize = 2;
+
+/// Whether every rank of `agreed` (an exchange's, [`AGREED_BUFFERS`]) swaps in place: true when
+/// all do, false when none does, and the same error on every rank, naming a rank that swaps and
+/// one that does not, when only some do (neither kernel could serve them: the swap needs both
+/// ranks of a pair, and a push into a swapping rank would overwrite what it has yet to send).
+fn every_rank_swaps(what: &str, rank: usize, agreed: &Agreed) -> Result<bool> {
+    let swaps = |r: usize| agreed.passed(r, 1).ptr != 0;
+    let ranks = 0..agreed.ranks();
+    match (
+        ranks.clone().find(|&r| swaps(r)),
+        ranks.clone().find(|&r| !swaps(r)),
+    ) {
+        (None, _) => Ok(false),
+        (Some(_), None) => Ok(true),
+        (Some(s), Some(o)) => Err(Error::Unsupported(format!(
+            "rank {rank}: {what}: rank {s} is in place beyond its all-to-all stage ({} bytes \
+             sent) and rank {o} is not: in place beyond the stage needs every rank in place",
+            agreed.passed(s, 1).bytes
+        ))),
     }
 }
 
@@ -757,7 +838,7 @@ impl Algorithm for AlltoallZeroCopy {
 
     /// `input_bytes` is this rank's whole send buffer, cut into one equal chunk per rank (in
     /// whole elements); the output receives one chunk from each rank, in rank order. In place
-    /// (one buffer) as [`InPlace`] says: copied whole into the stage, refused beyond it.
+    /// (one buffer) as [`InPlace`] says: copied whole into the stage, swapped beyond it.
     fn check(&self, args: &ExecuteArgs) -> Result<()> {
         let n = self.comm.size();
         let chunk = uniform_chunk(ALLTOALL_ZERO_COPY, args, self.comm.rank(), n)?;
@@ -833,7 +914,7 @@ mod tests {
     }
 
     #[test]
-    fn in_place_plans_copy_what_fits_the_stage_and_refuse_the_rest() {
+    fn in_place_plans_copy_what_fits_the_stage_swap_symmetric_regions_and_refuse_the_rest() {
         let n = 4;
         let stage = 1 << 20;
         let u = |c: usize| Split::uniform(n, c);
@@ -866,24 +947,37 @@ mod tests {
             plan(one(64), one(64), &u(16), &skewed_recv).unwrap(),
             InPlace::Copy { bytes: 64 }
         );
-        // ... and refused by name beyond it, whatever the splits.
+        // ... swapped beyond it where the send regions are the receive regions ...
         let big = stage + 16 * n;
-        for (send, recv) in [
-            (u(big / n), u(big / n)),
-            (
-                Split::packed(vec![big / 2, big / 2, 0, 0], 2, Side::Send).unwrap(),
-                Split::packed(vec![big / 4; 4], 2, Side::Recv).unwrap(),
-            ),
-        ] {
-            let e = plan(one(big), one(big), &send, &recv).unwrap_err();
-            assert!(matches!(e, Error::Unsupported(_)), "{e}");
-            let m = e.to_string();
-            assert!(
-                m.contains("rank 2") && m.contains(&format!("{big} bytes")),
-                "{m}"
-            );
-            assert!(m.contains(&format!("({stage} bytes)")), "{m}");
-        }
+        assert_eq!(
+            plan(one(big), one(big), &u(big / n), &u(big / n)).unwrap(),
+            InPlace::Swap { bytes: big }
+        );
+        let symmetric =
+            Split::packed(vec![big / 2, big / 4, big / 8, big / 8], 2, Side::Send).unwrap();
+        assert_eq!(
+            plan(one(big), one(big), &symmetric, &symmetric).unwrap(),
+            InPlace::Swap { bytes: big }
+        );
+        // ... and refused by name where they differ.
+        let e = plan(
+            one(big),
+            one(big),
+            &Split::packed(vec![big / 2, big / 2, 0, 0], 2, Side::Send).unwrap(),
+            &Split::packed(vec![big / 4; 4], 2, Side::Recv).unwrap(),
+        )
+        .unwrap_err();
+        assert!(matches!(e, Error::Unsupported(_)), "{e}");
+        let m = e.to_string();
+        assert!(
+            m.contains("rank 2") && m.contains(&format!("{big} bytes")),
+            "{m}"
+        );
+        assert!(m.contains(&format!("({stage} bytes)")), "{m}");
+        assert!(
+            m.contains("receive regions other than its send regions"),
+            "{m}"
+        );
         // Overlap other than in place.
         let shifted = Buffer {
             ptr: 0x10_0000 + 16,

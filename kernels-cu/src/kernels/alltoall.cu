@@ -4,7 +4,8 @@
 //
 // alltoallv_zero_copy (push: registered outputs) and alltoallv_zero_copy_pull (pull: registered
 // inputs): with SM loads and stores over NVLink, every rank moves the bytes between itself and
-// each peer straight between the sender's input and the receiver's output.
+// each peer straight between the sender's input and the receiver's output (alltoallv_zero_copy_swap,
+// below, swaps in place).
 //   1. Each block writes this rank's table (the bytes it sends to and expects from every rank, and
 //      the displacements of its registered side) into its own slot of this rank's table space,
 //      which every peer maps.
@@ -102,8 +103,12 @@ MSCCLPP_DEVICE_INLINE void report_mismatch(AlltoallState* state, u32 sender, u32
   state->found = 1;
 }
 
-template <bool kPull>
+// How an exchange moves the bytes between a pair of ranks (steps 4 above and "swap" below).
+enum class Move { kPush, kPull, kSwap };
+
+template <Move kMove>
 MSCCLPP_DEVICE_INLINE void exchange(const AlltoallArgs& args) {
+  constexpr bool kPull = kMove == Move::kPull;
   const u32 n = args.nranks, rank = args.rank, npeers = n - 1;
   ExchangeTable* mine = table_of(args.tables, rank);
   for (u32 r = threadIdx.x; r < n; r += blockDim.x) {
@@ -130,6 +135,19 @@ MSCCLPP_DEVICE_INLINE void exchange(const AlltoallArgs& args) {
     for (u32 i = 0; i < n; ++i) {
       const u32 peer = (rank + i) % n;
       const u64 theirs = table_of(args.tables, peer)->displs[rank];
+      if (kMove == Move::kSwap) {
+        // This rank's region for the peer holds what it sends there and receives what the peer
+        // sends back (the counts agree both ways, as the check above proved). The pair splits it:
+        // the lower rank swaps the first half, the higher one the rest, so every byte has one owner.
+        if (peer == rank) continue;
+        const u64 bytes = args.send_counts[peer], half = (bytes / 2) & ~u64{15};
+        const u64 from = rank < peer ? 0 : half, to = rank < peer ? half : bytes;
+        u64 begin, end;
+        block_range(to - from, 16, begin, end);
+        swap_copy(args.local + args.send_displs[peer] + from + begin,
+                  static_cast<u8*>(args.remote.p[peer]) + theirs + from + begin, end - begin, threadIdx.x, blockDim.x);
+        continue;
+      }
       const u64 bytes = kPull ? args.recv_counts[peer] : args.send_counts[peer];
       u64 begin, end;
       block_range(bytes, 16, begin, end);
@@ -146,13 +164,25 @@ MSCCLPP_DEVICE_INLINE void exchange(const AlltoallArgs& args) {
 extern "C" __global__ void __launch_bounds__(1024, 1) alltoallv_zero_copy(AlltoallArgs args) {
   wait_prior_grids();
   if (block_aborted(args.error_word)) return;
-  exchange<false>(args);
+  exchange<Move::kPush>(args);
 }
 
 extern "C" __global__ void __launch_bounds__(1024, 1) alltoallv_zero_copy_pull(AlltoallArgs args) {
   wait_prior_grids();
   if (block_aborted(args.error_word)) return;
-  exchange<true>(args);
+  exchange<Move::kPull>(args);
+}
+
+// alltoallv_zero_copy_swap (in place beyond the all-to-all stage, every rank in place): the same
+// exchange over the registered buffers, each being its rank's input and output at once, with
+// each region a rank holds for a peer swapped with the peer's region for it. Every byte of a pair
+// is loaded on both sides by one thread of one of the two ranks before it stores either (swap_copy),
+// so nothing is overwritten before it is read, and neither rank stages anything; the start and end
+// barriers order the swaps after both ranks' earlier work and before their next.
+extern "C" __global__ void __launch_bounds__(1024, 1) alltoallv_zero_copy_swap(AlltoallArgs args) {
+  wait_prior_grids();
+  if (block_aborted(args.error_word)) return;
+  exchange<Move::kSwap>(args);
 }
 
 // ------------------------------------------------------------------------------------------------
