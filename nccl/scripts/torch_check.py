@@ -795,7 +795,9 @@ def watchdog_mode():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        env = dict(os.environ, LD_PRELOAD=os.path.abspath(shim_lib), WORLD_SIZE="2",
+        # NCCL_SHIM_LIB=none runs the same job on PyTorch's own NCCL, to compare how it ends.
+        preload = {} if shim_lib == "none" else {"LD_PRELOAD": os.path.abspath(shim_lib)}
+        env = dict(os.environ, **preload, WORLD_SIZE="2",
                    LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    TORCH_NCCL_ASYNC_ERROR_HANDLING=handling, WATCHDOG_PEER=peer,
                    MSCCLPP_DEVICE_WAIT_TIMEOUT=device_timeout, PYTHONUNBUFFERED="1",
