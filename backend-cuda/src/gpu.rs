@@ -22,7 +22,7 @@
 use crate::cache::KernelCache;
 use crate::driver::{self, cu};
 use crate::graph_launch::{self, GraphLaunches};
-use crate::ipc::{fetch_peer_fd, ImportCache, ImportKey, Mapping};
+use crate::ipc::{fetch_peer_fd, ExportOwner, ExportTable, ImportCache, ImportKey, Mapping};
 use crate::nvrtc::{CompileRequest, Nvrtc};
 use cudarc::driver::sys;
 use mscclpp_core::env::Env;
@@ -54,9 +54,10 @@ pub struct CudaGpu {
     /// Retained primary contexts (`CUcontext` as an address), filled on first use of each device.
     contexts: Vec<OnceLock<usize>>,
     imports: Mutex<ImportCache>,
-    /// Descriptors exported for VMM allocations, by allocation handle: kept open (peers copy them
-    /// with pidfd_getfd) until the allocation is freed, and reused by repeated exports.
-    exported_fds: Mutex<HashMap<u64, OwnedFd>>,
+    /// Descriptors exported for VMM allocations, by allocation handle, each with its export
+    /// number: kept open (peers copy them with pidfd_getfd) until the allocation is freed, and
+    /// reused by repeated exports (`crate::ipc`'s docs).
+    exported_fds: Mutex<ExportTable>,
     /// NVRTC + on-disk cache, created on the first `build_module` (NVRTC is only needed by callers
     /// that compile kernels, so a missing NVRTC must not stop `CudaGpu::new`).
     kernel_cache: OnceLock<KernelCache>,
@@ -127,7 +128,7 @@ impl CudaGpu {
             contexts: (0..count).map(|_| OnceLock::new()).collect(),
             devices,
             imports: Mutex::new(ImportCache::default()),
-            exported_fds: Mutex::new(HashMap::new()),
+            exported_fds: Mutex::new(ExportTable::default()),
             kernel_cache: OnceLock::new(),
             stream_mem_ops_64: (0..count).map(|_| OnceLock::new()).collect(),
             programmatic_launch: (0..count).map(|_| OnceLock::new()).collect(),
@@ -423,31 +424,34 @@ impl CudaGpu {
         })
     }
 
+    /// The POSIX descriptor of a VMM or multicast handle and its export number, exported once and
+    /// kept open (peers copy it with pidfd_getfd) until the handle is freed; later exports reuse
+    /// it. `owner`: the allocation the handle is for, where it is one (see
+    /// [`ExportTable::get_or_export`]).
+    fn exported_fd(
+        &self,
+        handle: sys::CUmemGenericAllocationHandle,
+        owner: Option<ExportOwner>,
+    ) -> Result<(c_int, u64)> {
+        lock(&self.exported_fds).get_or_export(handle, owner, || {
+            let mut raw: c_int = -1;
+            // SAFETY: for POSIX descriptors the driver writes an int.
+            unsafe {
+                cu!(cuMemExportToShareableHandle(
+                    (&mut raw as *mut c_int).cast(),
+                    handle,
+                    POSIX_FD,
+                    0,
+                ))
+            }?;
+            // SAFETY: the driver handed us a new descriptor.
+            Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+        })
+    }
+
     /// Describes the allocation containing `ptr`, which may come from elsewhere (e.g. a PyTorch
     /// tensor from `cudaMalloc`), so it can be exported. The result covers the whole allocation
     /// (`ptr` field = its base); it is not ours to free.
-    /// The POSIX descriptor of a VMM or multicast handle, exported once and kept open (peers copy
-    /// it with pidfd_getfd) until the handle is freed; later exports reuse it.
-    fn exported_fd(&self, handle: sys::CUmemGenericAllocationHandle) -> Result<c_int> {
-        let mut fds = lock(&self.exported_fds);
-        if let Some(fd) = fds.get(&handle) {
-            return Ok(fd.as_raw_fd());
-        }
-        let mut raw: c_int = -1;
-        // SAFETY: for POSIX descriptors the driver writes an int.
-        unsafe {
-            cu!(cuMemExportToShareableHandle(
-                (&mut raw as *mut c_int).cast(),
-                handle,
-                POSIX_FD,
-                0,
-            ))
-        }?;
-        // SAFETY: the driver handed us a new descriptor.
-        fds.insert(handle, unsafe { OwnedFd::from_raw_fd(raw) });
-        Ok(raw)
-    }
-
     pub fn allocation_of(&self, ptr: DevicePtr) -> Result<Allocation> {
         self.bind()?;
         let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
@@ -747,7 +751,7 @@ impl Gpu for CudaGpu {
             MemoryKind::Plain => unsafe { cu!(cuMemFree_v2(alloc.ptr)) },
             MemoryKind::Vmm => {
                 // Peers that already imported hold their own references; new imports are over.
-                lock(&self.exported_fds).remove(&alloc.handle);
+                lock(&self.exported_fds).remove(alloc.handle);
                 self.unmap_vmm(alloc.ptr, alloc.reserved, alloc.handle)
             }
         }?;
@@ -1010,10 +1014,15 @@ impl Gpu for CudaGpu {
                 })
             }
             MemoryKind::Vmm => {
-                let fd = self.exported_fd(alloc.handle)?;
+                let owner = ExportOwner {
+                    base: alloc.ptr,
+                    buffer_id: self.buffer_id(alloc.ptr)?,
+                };
+                let (fd, export) = self.exported_fd(alloc.handle, Some(owner))?;
                 Ok(IpcMemHandle::PosixFd {
                     pid: std::process::id(),
                     fd,
+                    export,
                     size: size as u64,
                     reserved: alloc.reserved as u64,
                     offset: ptr - alloc.ptr,
@@ -1626,7 +1635,7 @@ impl CudaGpu {
         self.bind()?;
         // Multicast and allocation handles share one namespace (CUmemGenericAllocationHandle),
         // so the descriptors of both live in `exported_fds` until the object is freed.
-        let fd = self.exported_fd(handle.handle)?;
+        let (fd, _) = self.exported_fd(handle.handle, None)?;
         Ok(MulticastExport {
             pid: std::process::id(),
             fd,
@@ -1687,7 +1696,7 @@ impl CudaGpu {
     fn mc_free(&self, handle: &MulticastHandle) -> Result<()> {
         require_multicast_api()?;
         // Importers hold their own references; new imports of this object are over.
-        lock(&self.exported_fds).remove(&handle.handle);
+        lock(&self.exported_fds).remove(handle.handle);
         self.bind()?;
         // SAFETY: this process's reference to the object, released once.
         unsafe { cu!(cuMemRelease(handle.handle)) }
@@ -1707,7 +1716,7 @@ mod nvls_tests {
             devices: Vec::new(),
             contexts: Vec::new(),
             imports: Mutex::new(ImportCache::default()),
-            exported_fds: Mutex::new(HashMap::new()),
+            exported_fds: Mutex::new(ExportTable::default()),
             kernel_cache: OnceLock::new(),
             stream_mem_ops_64: Vec::new(),
             programmatic_launch: Vec::new(),

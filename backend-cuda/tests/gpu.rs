@@ -237,6 +237,81 @@ fn vmm_import_in_process_is_cached_and_refcounted() {
     gpu.free(&a).expect("free");
 }
 
+/// #58's DSL check: a VMM buffer exported and imported, then freed while the import is still held
+/// (another registration of it alive), then a new buffer of the same size exported, often under
+/// the same descriptor number. Its import must read the new buffer, not the old one's memory.
+#[test]
+fn vmm_export_after_a_free_is_never_served_the_old_mapping() {
+    let Some(gpu) = gpu_or_skip("vmm_export_after_a_free", 1) else {
+        return;
+    };
+    let size = 1 << 21;
+    let a = gpu.alloc(size, MemoryKind::Vmm).expect("alloc a");
+    gpu.copy_to_device(a.ptr, &pattern(size, 1)).expect("h2d a");
+    let ha = gpu.export_memory(&a, a.ptr, size).expect("export a");
+    let ma = match gpu.import_memory(&ha, None) {
+        Ok(m) => m,
+        Err(e) if e.to_string().contains("pidfd") => {
+            eprintln!("skipping vmm_export_after_a_free: {e}");
+            gpu.free(&a).expect("free");
+            return;
+        }
+        Err(e) => panic!("import a: {e}"),
+    };
+    gpu.free(&a).expect("free a");
+    let b = gpu.alloc(size, MemoryKind::Vmm).expect("alloc b");
+    gpu.copy_to_device(b.ptr, &pattern(size, 2)).expect("h2d b");
+    let hb = gpu.export_memory(&b, b.ptr, size).expect("export b");
+    let fd = |h: &IpcMemHandle| match h {
+        IpcMemHandle::PosixFd { fd, .. } => *fd,
+        IpcMemHandle::Legacy { .. } => -1,
+    };
+    eprintln!(
+        "descriptor {} then {} (number reused: {})",
+        fd(&ha),
+        fd(&hb),
+        fd(&ha) == fd(&hb)
+    );
+    let mb = gpu.import_memory(&hb, None).expect("import b");
+    assert_ne!(mb.base, ma.base, "b's import was given a's mapping");
+    let mut back = vec![0u8; 4096];
+    gpu.copy_from_device(&mut back, mb.ptr).expect("read b");
+    assert_eq!(back, pattern(size, 2)[..4096], "b read through its import");
+    gpu.close_imported(&mb).expect("close b");
+    gpu.close_imported(&ma).expect("close a");
+    assert_eq!(gpu.imported_mappings(), 0);
+    gpu.free(&b).expect("free b");
+}
+
+/// The legacy side of the same hazard: imports of cudaMalloc memory are keyed by the IPC handle's
+/// bytes, so a new allocation at a freed one's address must get other bytes, or its importers
+/// would be handed the old mapping.
+#[test]
+fn a_plain_allocation_at_a_freed_address_gets_a_new_ipc_handle() {
+    let Some(gpu) = gpu_or_skip("plain_allocation_new_handle", 1) else {
+        return;
+    };
+    let size = 1 << 21;
+    let a = gpu.alloc(size, MemoryKind::Plain).expect("alloc a");
+    let ha = gpu.export_memory(&a, a.ptr, size).expect("export a");
+    gpu.free(&a).expect("free a");
+    let b = gpu.alloc(size, MemoryKind::Plain).expect("alloc b");
+    let hb = gpu.export_memory(&b, b.ptr, size).expect("export b");
+    eprintln!(
+        "address {:#x} then {:#x} (reused: {})",
+        a.ptr,
+        b.ptr,
+        a.ptr == b.ptr
+    );
+    if a.ptr == b.ptr {
+        assert_ne!(
+            ha, hb,
+            "a new allocation at a freed address kept the old IPC handle"
+        );
+    }
+    gpu.free(&b).expect("free b");
+}
+
 /// The child half of `ipc_across_processes`: imports each handle twice, checks the pattern, writes
 /// 0xAB over it, closes both imports.
 #[test]

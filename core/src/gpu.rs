@@ -171,6 +171,13 @@ pub enum IpcMemHandle {
         size: u64,
         reserved: u64,
         offset: u64,
+        /// Which export of the owner this is: a number the owner never gives twice. `fd` alone
+        /// does not name an allocation over time: the owner closes it when the allocation is
+        /// freed and the next export may get the same number (POSIX hands out the lowest free
+        /// one), while an importer can still hold its mapping of the old allocation. Importers
+        /// key their mappings by it, so a new allocation is never read through an old mapping.
+        #[serde(default)]
+        export: u64,
     },
 }
 

@@ -174,10 +174,7 @@ impl PlanAlgorithm {
         })?;
         let reduce_op = plan_reduce_op(&plan).map_err(|e| what(e.to_string()))?;
         // Every rank decides alike (the block and the proxy's connections are collective).
-        let staged = plan
-            .gpus
-            .iter()
-            .any(|g| !g.channel_peers(ChannelType::Port).is_empty());
+        let staged = is_staged(&plan);
         if staged {
             if let Some(hazard) =
                 shared_queue_hazard(mscclpp_core::env::Env::get()?, comm.mps_clients_per_gpu())
@@ -263,33 +260,10 @@ impl PlanAlgorithm {
         self.reduce_op
     }
 
-    /// Message sizes (input bytes per rank) the plan takes: its own range, capped by the scratch.
+    /// Message sizes (input bytes per rank) the plan takes: its own range, capped by the scratch
+    /// (and staging) of its set-up. The same as [`runnable_message_range`] of the plan.
     pub fn message_range(&self) -> (u64, u64) {
-        let chunks = self.plan.gpus[0].input_chunks.max(1) as u64;
-        let unit = unit_bytes(self.plan.protocol) as u64;
-        let mut max = self.plan.max_message_size;
-        if self.scratch_half_bytes > 0 {
-            let per_chunk = self.scratch_half_bytes as u64 / self.scratch_chunks().max(1);
-            let chunk_cap = if self.plan.protocol == crate::plan::Protocol::Simple {
-                per_chunk
-            } else {
-                per_chunk / packet_bytes(self.plan.protocol) as u64 * unit
-            };
-            max = max.min(chunk_cap * chunks);
-        }
-        if let Some(s) = self.staging {
-            max = max.min((s.max_chunk as u64) * chunks);
-        }
-        (self.plan.min_message_size, max)
-    }
-
-    fn scratch_chunks(&self) -> u64 {
-        self.plan
-            .gpus
-            .iter()
-            .map(|g| g.scratch_chunks)
-            .max()
-            .unwrap_or(0) as u64
+        range_within(&self.plan, self.scratch_half_bytes, self.staging)
     }
 
     /// Bytes per chunk for `args`, after every check of the call against the plan.
@@ -578,6 +552,50 @@ fn mode(in_place: bool) -> &'static str {
     } else {
         "out of place"
     }
+}
+
+/// Message sizes (input bytes per rank) `plan` runs with: its own `min_message_size..=
+/// max_message_size`, capped by the scratch and staging areas its set-up gets (at most
+/// [`MAX_PLAN_SCRATCH_BYTES`] per rank). A call outside it is refused naming this range; callers
+/// that pick sizes (a selector, a test) read it here without setting the plan up.
+pub fn runnable_message_range(plan: &Plan) -> (u64, u64) {
+    let scratch_half_bytes = scratch_bytes(plan, max_chunk_bytes(plan));
+    // The staging's largest chunk does not depend on where the scratch ends.
+    let staging = is_staged(plan).then(|| staging_layout(plan, 0));
+    range_within(plan, scratch_half_bytes, staging)
+}
+
+/// Whether `plan` has port channels, so its set-up stages the caller's buffers.
+fn is_staged(plan: &Plan) -> bool {
+    plan.gpus
+        .iter()
+        .any(|g| !g.channel_peers(ChannelType::Port).is_empty())
+}
+
+/// `plan`'s range within a scratch copy of `scratch_half_bytes` and the staging `staging`.
+fn range_within(plan: &Plan, scratch_half_bytes: usize, staging: Option<Staging>) -> (u64, u64) {
+    let chunks = plan.gpus[0].input_chunks.max(1) as u64;
+    let unit = unit_bytes(plan.protocol) as u64;
+    let mut max = plan.max_message_size;
+    if scratch_half_bytes > 0 {
+        let scratch_chunks = plan
+            .gpus
+            .iter()
+            .map(|g| g.scratch_chunks)
+            .max()
+            .unwrap_or(0) as u64;
+        let per_chunk = scratch_half_bytes as u64 / scratch_chunks.max(1);
+        let chunk_cap = if plan.protocol == crate::plan::Protocol::Simple {
+            per_chunk
+        } else {
+            per_chunk / packet_bytes(plan.protocol) as u64 * unit
+        };
+        max = max.min(chunk_cap * chunks);
+    }
+    if let Some(s) = staging {
+        max = max.min((s.max_chunk as u64) * chunks);
+    }
+    (plan.min_message_size, max)
 }
 
 /// The largest chunk the plan's messages have (its `max_message_size` over its input chunks),
@@ -920,6 +938,42 @@ mod tests {
             assert!(2 * scratch_bytes(p, chunk) <= MAX_PLAN_SCRATCH_BYTES);
             assert!(2 * scratch_bytes(p, 2 * chunk) > MAX_PLAN_SCRATCH_BYTES);
         }
+    }
+
+    /// The range a caller reads without a set-up is the one a call is checked against: capped by
+    /// the staging of a port-channel plan and by the scratch of an LL plan (#58: the DSL check ran
+    /// a port-channel plan at a size its staging cannot hold, from the plan's unbounded range).
+    #[test]
+    fn the_runnable_range_is_capped_by_staging_and_scratch() {
+        for (p, staged) in [
+            (plan(2, Protocol::Simple), false),
+            (plan(4, Protocol::Ll), false),
+            (port_plan(2, Protocol::Simple), true),
+            (port_plan(2, Protocol::Ll), true),
+        ] {
+            let (min, max) = runnable_message_range(&p);
+            assert_eq!(min, p.min_message_size);
+            assert!(max <= p.max_message_size);
+            let chunks = p.gpus[0].input_chunks.max(1) as u64;
+            let chunk = (max / chunks) as usize;
+            assert!(chunk > 0, "{}: nothing runs", p.name);
+            let half = scratch_bytes(&p, max_chunk_bytes(&p));
+            assert!(scratch_bytes(&p, chunk) <= half, "{}", p.name);
+            assert!(2 * half <= MAX_PLAN_SCRATCH_BYTES, "{}", p.name);
+            assert_eq!(is_staged(&p), staged, "{}", p.name);
+            if staged {
+                let s = staging_layout(&p, 0);
+                assert!(chunk <= s.max_chunk, "{}", p.name);
+                assert!(s.max_chunk * staged_chunks(&p) <= MAX_PLAN_SCRATCH_BYTES);
+                // A plan with an unbounded range still runs at a bounded one.
+                assert!(max < p.max_message_size, "{}", p.name);
+            }
+        }
+    }
+
+    fn port_plan(ranks: usize, protocol: Protocol) -> Plan {
+        let json = builder::port_allreduce(ranks, protocol, PlanReduceOp::Sum).to_string();
+        Plan::from_json(json.as_bytes()).expect("valid")
     }
 
     #[test]

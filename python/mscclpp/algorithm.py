@@ -94,10 +94,12 @@ class Algorithm:
 
     @property
     def message_size_range(self):
-        """`(min, max)` input bytes per rank: the plan's range, any size for native algorithms."""
+        """`(min, max)` input bytes per rank this algorithm runs with: for a plan, its range capped
+        by the scratch and staging its set-up gets (`ExecutionPlan.runnable_message_size_range`;
+        a call outside it is refused), any size for native algorithms."""
         if self.execution_plan is None:
             return (0, 2**64 - 1)
-        return (self.execution_plan.min_message_size, self.execution_plan.max_message_size)
+        return self.execution_plan.runnable_message_size_range
 
     def execute(
         self,

@@ -106,6 +106,14 @@ impl PyExecutionPlan {
         self.inner.max_message_size
     }
 
+    /// `(min, max)` input bytes per rank the plan runs with: its own range, capped by the scratch
+    /// and staging areas an executor sets it up with (at most 8 MiB per rank). A call outside it
+    /// is refused, naming this range.
+    #[getter]
+    fn runnable_message_size_range(&self) -> (u64, u64) {
+        mscclpp_executor::algorithm::runnable_message_range(&self.inner)
+    }
+
     /// Ranks the plan is written for.
     #[getter]
     fn world_size(&self) -> usize {

@@ -260,7 +260,12 @@ def test_a_registered_plan_joins_the_collection():
     dsl = mscclpp.Algorithm("mine", execution_plan=plan, tags={"fast": 1})
     assert dsl.is_dsl_algorithm() and not dsl.is_native_algorithm()
     assert (dsl.name, dsl.collective, dsl.id) == ("allreduce_pkt", "allreduce", "mine")
-    assert dsl.message_size_range == (plan.min_message_size, plan.max_message_size)
+    # The sizes it runs with: the plan's range, capped by its set-up's scratch (an LL plan's
+    # unbounded range is not what a call may ask for).
+    low, high = dsl.message_size_range
+    assert (low, high) == plan.runnable_message_size_range
+    assert low == plan.min_message_size and 0 < high <= plan.max_message_size
+    assert high <= 8 << 20
     builder = mscclpp.AlgorithmCollectionBuilder()
     builder.add_algorithm_builder(dsl)
     algos = builder.build_default_algorithms(rank=0)

@@ -102,6 +102,41 @@ def test_install_writes_the_default_plans_and_each_is_proved(tmp_path):
         assert ": ok:" in _mscclpp.check_plan(f.read_text(), f.name, plan.world_size)
 
 
+# The sizes the GPU check runs each plan at (gpu_dsl_check.py, through dsl_check_sizes).
+
+@pytest.mark.parametrize("name, n", CASES)
+def test_the_gpu_check_runs_every_plan_within_its_runnable_range(name, n, tmp_path):
+    from dsl_check_sizes import CHUNK_ELEMS, chunk_sizes
+
+    path = tmp_path / f"{name}_{n}.json"
+    plan_dict = plan_of(name, n)
+    path.write_text(json.dumps(plan_dict))
+    algo = mscclpp.Algorithm(execution_plan=mscclpp.ExecutionPlan(str(path)))
+    low, high = algo.message_size_range
+    assert (low, high) == algo.execution_plan.runnable_message_size_range
+    assert low == plan_dict["min_message_size"] and high <= plan_dict["max_message_size"]
+    chunks = plan_dict["gpus"][0]["input_chunks"]
+    for itemsize in (4, 2):  # float32, bfloat16
+        sizes, notes = chunk_sizes((low, high), chunks, itemsize)
+        assert sizes, notes
+        assert all(low <= chunks * e * itemsize <= high for e in sizes), (sizes, low, high)
+        assert len(notes) == sum(chunks * e * itemsize > high or chunks * e * itemsize < low for e in CHUNK_ELEMS)
+
+
+def test_the_two_node_allreduce_is_not_run_beyond_its_staging(tmp_path):
+    # Session 34's GPU check ran it at 64 Ki float32 per chunk (512 KiB), which its port channels'
+    # staging cannot hold: refused by the executor. The check now runs the largest size that fits.
+    from dsl_check_sizes import chunk_sizes
+
+    path = tmp_path / "two_nodes.json"
+    path.write_text(json.dumps(plan_of("allreduce_two_nodes", 2)))
+    plan = mscclpp.ExecutionPlan(str(path))
+    low, high = plan.runnable_message_size_range
+    assert high < plan.max_message_size and high < 2 * 65536 * 4
+    sizes, notes = chunk_sizes((low, high), 2, 4)
+    assert sizes[-1] * 2 * 4 <= high < sizes[-1] * 2 * 4 * 2 and len(notes) == 1, (sizes, notes)
+
+
 # mscclpp.compile and its cache.
 
 def spec(**changes):
