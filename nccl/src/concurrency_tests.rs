@@ -365,3 +365,12 @@ fn a_thread_ending_inside_a_group_leaks_its_communicators() {
     );
     assert_eq!(unsafe { ncclCommAbort(h1.get()) }, SUCCESS);
 }
+
+/// As NCCL: destroy and abort of NULL succeed doing nothing. PyTorch's watchdog aborts a
+/// communicator a second time once its handle is NULL (`NCCLComm::abort` after an abort) and
+/// terminates the process on an error there.
+#[test]
+fn destroy_and_abort_of_null_succeed() {
+    assert_eq!(unsafe { ncclCommAbort(std::ptr::null_mut()) }, SUCCESS);
+    assert_eq!(unsafe { ncclCommDestroy(std::ptr::null_mut()) }, SUCCESS);
+}
