@@ -105,7 +105,9 @@ if [ "$what" = nccl ]; then
   # NRANKS ranks (initall), faults (kill, abort, watchdog: 2 ranks), and the fallback at world size 1 with
   # every operation sent to PyTorch's NCCL (fallback). The real library is used from a copy, so
   # the shim's dlopen loads it afresh (RTLD_DEEPBIND) instead of finding PyTorch's already loaded.
-  shim="$PWD/.gpu/lib/libmscclpp_nccl.so"
+  # NCCL_SHIM: another build of the shim, e.g. the wheel's
+  # (NCCL_SHIM=$(PYTHONPATH=/tmp/site python3 -m mscclpp --nccl-lib)).
+  shim="${NCCL_SHIM:-$PWD/.gpu/lib/libmscclpp_nccl.so}"
   export NCCL_SHIM_LIB="$shim" MSCCLPP_DEVICE_WAIT_TIMEOUT="${MSCCLPP_DEVICE_WAIT_TIMEOUT:-10}"
   if [ -n "${MSCCLPP_NCCL_LIB_PATH:-}" ]; then
     mkdir -p /tmp/real-nccl && cp "$MSCCLPP_NCCL_LIB_PATH" /tmp/real-nccl/libnccl.so.2

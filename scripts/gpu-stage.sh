@@ -46,12 +46,11 @@ cp scripts/gpu-run.sh scripts/gpu-steps.sh scripts/mps.sh scripts/simulate-hosts
   scripts/plan-bench.py scripts/mps-fault-probe.py .gpu/
 # A kernel cache brought back from an earlier machine (gpu-steps.sh saves it as OUT/kcache.tgz).
 if [ -f .gpu-kcache.tgz ]; then cp .gpu-kcache.tgz .gpu/kcache.tgz; fi
-# The Python package: a release wheel (abi3, any Python >= 3.9; the release profile shares the
-# dependencies just built), its GPU check and the examples. On the GPU machine:
+# The Python package: the release wheel users get (abi3, any Python >= 3.9, manylinux_2_28, the
+# shim inside as mscclpp/lib/libmscclpp_nccl.so; scripts/build-wheel.sh, its own target dir
+# target/wheel since zig links it), its GPU check and the examples. On the GPU machine:
 #   pip install --no-deps --target /tmp/site .gpu/*.whl && bash .gpu/python-run.sh
-# shellcheck source=scripts/python-tools.sh
-source scripts/python-tools.sh
-"$py_tools/bin/maturin" build -q --release --strip -m python/Cargo.toml -o .gpu
+bash scripts/build-wheel.sh --profile release -o .gpu >/dev/null
 mkdir -p .gpu/python && cp -r python/examples python/tests .gpu/python/
 find .gpu/python -name __pycache__ -prune -exec rm -rf {} +
 cp scripts/python-run.sh .gpu/

@@ -1,11 +1,15 @@
 """`python -m mscclpp --install`: writes the default plans (mscclpp.default_algos) into
-MSCCLPP_CACHE_DIR/default, where the runtime, this package and the NCCL shim look for plans."""
+MSCCLPP_CACHE_DIR/default, where the runtime, this package and the NCCL shim look for plans.
+`python -m mscclpp --nccl-lib`: prints the path of the NCCL shim this wheel holds, for
+`LD_PRELOAD=$(python -m mscclpp --nccl-lib)`; its folder also holds it as libnccl.so.2, for
+LD_LIBRARY_PATH."""
 
 import argparse
 import json
 import sys
 
 from ._compiler import cache_dir, write_atomically
+from ._shim import nccl_lib
 from .default_algos import DEFAULT_PLANS
 
 
@@ -23,8 +27,19 @@ def install(directory=None):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m mscclpp", description=__doc__)
-    parser.add_argument("--install", action="store_true", help="write the default plans")
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--install", action="store_true", help="write the default plans")
+    what.add_argument(
+        "--nccl-lib", action="store_true", help="print the NCCL shim's path (for LD_PRELOAD)"
+    )
     args = parser.parse_args(argv)
+    if args.nccl_lib:
+        try:
+            print(nccl_lib())
+        except FileNotFoundError as e:
+            print(f"python -m mscclpp: {e}", file=sys.stderr)
+            return 1
+        return 0
     if not args.install:
         parser.print_help()
         return 2

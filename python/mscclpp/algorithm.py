@@ -27,6 +27,7 @@ returns 0.
 from collections import namedtuple
 
 from . import _mscclpp
+from ._shim import warn_registry_not_shared
 from ._teardown import track
 from ._types import CommResult, DataType, ReduceOp
 
@@ -343,6 +344,7 @@ class AlgorithmCollectionBuilder:
 
     def set_algorithm_selector(self, selector):
         """`selector(algorithms_by_collective, request) -> Algorithm or None` (None: default)."""
+        warn_registry_not_shared("set_algorithm_selector")
         self._selector = selector
 
     def add_algorithm_builder(self, algorithm_builder):
@@ -353,6 +355,7 @@ class AlgorithmCollectionBuilder:
                 "add_algorithm_builder takes a DSL algorithm: "
                 "mscclpp.Algorithm(execution_plan=mscclpp.ExecutionPlan(path))"
             )
+        warn_registry_not_shared("add_algorithm_builder")
         self._plans.append(algorithm_builder)
 
     def build(self):

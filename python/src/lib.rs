@@ -110,6 +110,8 @@ fn backend_name() -> PyResult<&'static str> {
 #[pymodule]
 fn _mscclpp(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MscclppError", m.py().get_type::<MscclppError>())?;
+    // The workspace's version, which is also the wheel's (maturin reads it from Cargo.toml).
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(is_nvls_supported, m)?)?;
     m.add_function(wrap_pyfunction!(env_vars, m)?)?;
     m.add_function(wrap_pyfunction!(backend_name, m)?)?;
