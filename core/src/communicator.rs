@@ -266,8 +266,6 @@ impl std::fmt::Debug for FailureFlag {
 
 /// Where [`Communicator::agreement_all_gather`] goes.
 enum HostExchange {
-    /// Not set up yet (the first call does it).
-    Unset,
     Shared(HostGather),
     Bootstrap,
 }
@@ -299,8 +297,8 @@ pub struct Communicator {
     next_slot: Mutex<Vec<usize>>,
     /// Calls that agreed on user buffers so far ([`next_agreement`](Self::next_agreement)).
     agreements: AtomicU64,
-    /// How [`agreement_all_gather`](Self::agreement_all_gather) reaches the peers, set up at its
-    /// first call.
+    /// How [`agreement_all_gather`](Self::agreement_all_gather) reaches the peers, set up at
+    /// creation.
     host_exchange: Mutex<HostExchange>,
     /// Taken by the drop: the process's exit waits for the teardown (`process`). Last, so it is
     /// released after every other field is dropped.
@@ -428,12 +426,16 @@ impl Communicator {
             },
             next_slot: Mutex::new(vec![0; size]),
             agreements: AtomicU64::new(0),
-            host_exchange: Mutex::new(HostExchange::Unset),
+            host_exchange: Mutex::new(HostExchange::Bootstrap),
             exit_section: Mutex::new(None),
         };
         let slab_alloc = comm.slab.alloc.clone();
         let local = comm.register(&slab_alloc, slab_alloc.ptr, slab_bytes)?;
         comm.slab.peers = comm.exchange(local)?;
+        // Set up here, where every rank takes part: set up at the first zero-copy call instead,
+        // its bootstrap all-gathers would wait out the bootstrap timeout for a peer that stopped
+        // calling, where the shared pages' waits end as soon as the communicator fails.
+        comm.host_exchange = Mutex::new(comm.set_up_host_exchange()?);
         // After the exchange every rank is up, so the bootstrap can open its liveness links.
         if watch {
             let listener: Weak<dyn FailureListener> = Arc::downgrade(&comm.health) as _;
@@ -701,9 +703,6 @@ impl Communicator {
     /// as any all-gather; fails at once when the communicator fails while waiting.
     pub fn agreement_all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
         let mut exchange = self.host_exchange.lock().unwrap_or_else(|e| e.into_inner());
-        if matches!(*exchange, HostExchange::Unset) {
-            *exchange = self.set_up_host_exchange()?;
-        }
         if let HostExchange::Shared(gather) = &mut *exchange {
             let timeout = Env::get()?.bootstrap_timeout;
             if let Some(all) = gather.all_gather(data, timeout, &|| self.health.error())? {
@@ -1278,6 +1277,36 @@ mod tests {
 
     /// One thread waits on the error word as a device wait does; another aborts: the waiter is
     /// released at once, with the reason.
+    /// A zero-copy call's agreement with a peer that never makes the call (alive, but stopped
+    /// calling) ends as soon as the communicator fails (here: aborted, as after a device wait's
+    /// timeout), not after the 6 s bootstrap timeout: the exchange was set up at creation.
+    #[test]
+    fn an_agreement_a_peer_never_joins_ends_when_the_communicator_fails() {
+        with_comms(2, Duration::from_secs(6), |rank, comm| {
+            if rank == 1 {
+                std::thread::sleep(Duration::from_secs(3));
+                return;
+            }
+            let comm = Arc::new(comm);
+            let aborter = {
+                let comm = comm.clone();
+                std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(300));
+                    comm.abort("a device wait timed out");
+                })
+            };
+            let start = Instant::now();
+            let r = comm.agreement_all_gather(b"rank 0's buffers");
+            let took = start.elapsed();
+            aborter.join().expect("aborter");
+            assert!(took < Duration::from_secs(2), "ended after {took:?}");
+            assert!(
+                matches!(&r, Err(e) if e.to_string().contains("a device wait timed out")),
+                "{r:?}"
+            );
+        });
+    }
+
     #[test]
     fn abort_from_another_thread_releases_a_waiter() {
         with_comms(1, Duration::from_secs(5), |_, comm| {
