@@ -578,13 +578,7 @@ fn range_within(plan: &Plan, scratch_half_bytes: usize, staging: Option<Staging>
     let unit = unit_bytes(plan.protocol) as u64;
     let mut max = plan.max_message_size;
     if scratch_half_bytes > 0 {
-        let scratch_chunks = plan
-            .gpus
-            .iter()
-            .map(|g| g.scratch_chunks)
-            .max()
-            .unwrap_or(0) as u64;
-        let per_chunk = scratch_half_bytes as u64 / scratch_chunks.max(1);
+        let per_chunk = scratch_half_bytes as u64 / scratch_chunks(plan).max(1) as u64;
         let chunk_cap = if plan.protocol == crate::plan::Protocol::Simple {
             per_chunk
         } else {
@@ -616,15 +610,19 @@ fn max_chunk_bytes(plan: &Plan) -> usize {
     chunk
 }
 
-/// Bytes of one scratch copy for chunks of `chunk` bytes: plain chunks for Simple, whole packets
-/// per chunk for LL.
-fn scratch_bytes(plan: &Plan, chunk: usize) -> usize {
-    let chunks = plan
-        .gpus
+/// The most scratch chunks any rank of `plan` uses.
+fn scratch_chunks(plan: &Plan) -> usize {
+    plan.gpus
         .iter()
         .map(|g| g.scratch_chunks)
         .max()
-        .unwrap_or(0) as usize;
+        .unwrap_or(0) as usize
+}
+
+/// Bytes of one scratch copy for chunks of `chunk` bytes: plain chunks for Simple, whole packets
+/// per chunk for LL.
+fn scratch_bytes(plan: &Plan, chunk: usize) -> usize {
+    let chunks = scratch_chunks(plan);
     let per_chunk = match packet_bytes(plan.protocol) {
         0 => chunk,
         pkt => chunk
