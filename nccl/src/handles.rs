@@ -154,10 +154,10 @@ pub fn remove(handle: Handle) -> CallResult<Arc<Entry>> {
 }
 
 /// Closes `handle` (destroy or abort): the table's reference to its communicator, if it has one
-/// and this is the first close; `None` when it was closed already (a no-op), failed its init, or
-/// is still initialising (the init's end sees the handle closed), or is NULL (as NCCL). An abort flags the
-/// communicator first (kernels and host waits give up within about a millisecond: `Comm::abort`),
-/// under the entry's lock, so no call can pick it up healthy after this returns.
+/// and this is the first close; `None` when it was closed already (a no-op), failed its init, is
+/// still initialising (the init's end sees the handle closed), or is NULL (as NCCL). An abort
+/// flags the communicator first (kernels and host waits give up within about a millisecond:
+/// `Comm::abort`), under the entry's lock, so no call can pick it up healthy after this returns.
 pub fn close(handle: Handle, ending: Ending) -> CallResult<Option<Arc<Comm>>> {
     // NCCL's destroy and abort of NULL succeed doing nothing; PyTorch's watchdog aborts a
     // communicator it has already aborted (its handle then NULL) and dies on an error.
