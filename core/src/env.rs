@@ -39,6 +39,7 @@
 //! | `MSCCLPP_NCCL_SYMMETRIC_MEMORY` | `nccl_symmetric_memory` | bool | false |
 //! | `MSCCLPP_NCCL_ACCUM_DTYPE` | `nccl_accum_dtype` | `f16`, `f32` or `auto`: the type the NCCL shim's fp8 reductions accumulate in (NCCL has no such option) | `auto` (the input type) |
 //! | `MSCCLPP_NCCL_GROUP_LOCKSTEP` | `nccl_group_lockstep` | bool; an NCCL group over several communicators of this process launches every communicator's i-th operation before any (i+1)-th (see the NCCL shim's `group` module); `0` only to compare | true |
+//! | `MSCCLPP_NCCL_WATCHDOG_WAIT` | `nccl_watchdog_wait` | seconds (0: off); a call of the NCCL shim on a failed communicator that another thread watches through ncclCommGetAsyncError (PyTorch's watchdog) returns its error once that communicator is aborted or destroyed, waiting at most this long (see the shim's `watchdog` module) | 10 |
 //! | `MSCCLPP_EXECUTION_PLAN_DIR` | `execution_plan_dir` | directory of JSON plans | unset |
 //! | `MSCCLPP_NPKIT_DUMP_DIR` | `npkit_dump_dir` | directory | unset |
 //! | `MSCCLPP_DISABLE_CHANNEL_CACHE` | `disable_channel_cache` | bool | false |
@@ -102,6 +103,7 @@ pub const VARIABLES: &[&str] = &[
     "MSCCLPP_NCCL_SYMMETRIC_MEMORY",
     "MSCCLPP_NCCL_ACCUM_DTYPE",
     "MSCCLPP_NCCL_GROUP_LOCKSTEP",
+    "MSCCLPP_NCCL_WATCHDOG_WAIT",
     "MSCCLPP_EXECUTION_PLAN_DIR",
     "MSCCLPP_NPKIT_DUMP_DIR",
     "MSCCLPP_DISABLE_CHANNEL_CACHE",
@@ -144,6 +146,9 @@ pub const VARIABLES: &[&str] = &[
 pub const DEFAULT_BOOTSTRAP_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default for [`Env::device_wait_timeout`].
 pub const DEFAULT_DEVICE_WAIT_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default for [`Env::nccl_watchdog_wait`]: longer than the 8 s PyTorch's watchdog gives itself
+/// to print a failed collective's stack.
+pub const DEFAULT_NCCL_WATCHDOG_WAIT: Duration = Duration::from_secs(10);
 
 /// Log verbosity, NCCL/MSCCL++ spelling. Ordered from quietest to loudest.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -419,6 +424,7 @@ pub struct Env {
     pub nccl_symmetric_memory: bool,
     pub nccl_accum_dtype: crate::dtype::AccumType,
     pub nccl_group_lockstep: bool,
+    pub nccl_watchdog_wait: Duration,
     pub execution_plan_dir: Option<PathBuf>,
     pub npkit_dump_dir: Option<PathBuf>,
     pub disable_channel_cache: bool,
@@ -516,7 +522,17 @@ impl Vars {
             .transpose()
     }
 
+    /// A timeout: a finite number of seconds > 0.
     fn seconds(&self, var: &'static str, default: Duration) -> Result<Duration> {
+        self.duration(var, default, false)
+    }
+
+    /// A wait that 0 turns off: a finite number of seconds >= 0.
+    fn seconds_or_off(&self, var: &'static str, default: Duration) -> Result<Duration> {
+        self.duration(var, default, true)
+    }
+
+    fn duration(&self, var: &'static str, default: Duration, zero: bool) -> Result<Duration> {
         let Some(v) = self.raw(var) else {
             return Ok(default);
         };
@@ -524,11 +540,12 @@ impl Vars {
             .trim()
             .parse()
             .map_err(|_| bad(var, v, "expected a number of seconds, e.g. 30 or 2.5"))?;
-        if !secs.is_finite() || secs <= 0.0 {
+        if !secs.is_finite() || secs < 0.0 || (secs == 0.0 && !zero) {
+            let allowed = if zero { ">= 0 (0: off)" } else { "> 0" };
             return Err(bad(
                 var,
                 v,
-                "the timeout must be a finite number of seconds > 0",
+                format!("must be a finite number of seconds {allowed}"),
             ));
         }
         Duration::try_from_secs_f64(secs).map_err(|e| bad(var, v, e.to_string()))
@@ -922,6 +939,8 @@ impl Env {
             nccl_symmetric_memory: vars.flag("MSCCLPP_NCCL_SYMMETRIC_MEMORY")?,
             nccl_accum_dtype,
             nccl_group_lockstep: vars.boolean("MSCCLPP_NCCL_GROUP_LOCKSTEP")?.unwrap_or(true),
+            nccl_watchdog_wait: vars
+                .seconds_or_off("MSCCLPP_NCCL_WATCHDOG_WAIT", DEFAULT_NCCL_WATCHDOG_WAIT)?,
             execution_plan_dir: vars.path("MSCCLPP_EXECUTION_PLAN_DIR"),
             npkit_dump_dir: vars.path("MSCCLPP_NPKIT_DUMP_DIR"),
             disable_channel_cache: vars.flag("MSCCLPP_DISABLE_CHANNEL_CACHE")?,
@@ -1388,6 +1407,25 @@ mod tests {
             err_var(&[("MSCCLPP_LIVENESS_TIMEOUT", value)]),
             "MSCCLPP_LIVENESS_TIMEOUT"
         );
+    }
+
+    /// The shim's wait for a watchdog takes 0 (off) as well as a number of seconds.
+    #[test]
+    fn watchdog_wait_takes_zero_and_rejects_the_rest_of_the_bad_values() {
+        assert_eq!(
+            env(&[]).unwrap().nccl_watchdog_wait,
+            DEFAULT_NCCL_WATCHDOG_WAIT
+        );
+        for (value, want) in [("0", Duration::ZERO), ("2.5", Duration::from_millis(2500))] {
+            let e = env(&[("MSCCLPP_NCCL_WATCHDOG_WAIT", value)]).unwrap();
+            assert_eq!(e.nccl_watchdog_wait, want);
+        }
+        for value in ["-1", "inf", "NaN", "10s"] {
+            assert_eq!(
+                err_var(&[("MSCCLPP_NCCL_WATCHDOG_WAIT", value)]),
+                "MSCCLPP_NCCL_WATCHDOG_WAIT"
+            );
+        }
     }
 
     #[rstest]

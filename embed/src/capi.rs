@@ -392,32 +392,33 @@ pub unsafe extern "C" fn mscclppAlgorithmExecute(
     nthreads: c_int,
 ) -> NcclResult {
     api("mscclppAlgorithmExecute", || {
-        let c = handles::ready(comm)?;
-        let coll = collective(coll)?;
-        let name = unsafe { text(name, "name") }?;
-        let algorithm = c.algorithm_named(coll, name).ok_or_else(|| {
+        handles::operate(comm, |c| {
+            let coll = collective(coll)?;
+            let name = unsafe { text(name, "name") }?;
+            let algorithm = c.algorithm_named(coll, name).ok_or_else(|| {
             Failure::invalid_argument(format!(
                 "rank {} has no algorithm named {name} for {coll:?} (mscclppAlgorithmName lists them)",
                 c.rank
             ))
         })?;
-        let args = execute_args(
-            &c,
-            (input, output),
-            (input_bytes, output_bytes),
-            datatype,
-            op,
-            root,
-            stream,
-            (nblocks, nthreads),
-        )?;
-        if input_bytes == 0 && output_bytes == 0 {
-            return Ok(SUCCESS);
-        }
-        c.gpu.set_device(c.device)?;
-        algorithm.check(&args)?;
-        c.execute(algorithm.as_ref(), &args)?;
-        Ok(SUCCESS)
+            let args = execute_args(
+                c,
+                (input, output),
+                (input_bytes, output_bytes),
+                datatype,
+                op,
+                root,
+                stream,
+                (nblocks, nthreads),
+            )?;
+            if input_bytes == 0 && output_bytes == 0 {
+                return Ok(SUCCESS);
+            }
+            c.gpu.set_device(c.device)?;
+            algorithm.check(&args)?;
+            c.execute(algorithm.as_ref(), &args)?;
+            Ok(SUCCESS)
+        })
     })
 }
 
@@ -429,28 +430,29 @@ pub unsafe extern "C" fn mscclppExecutionPlanLoad(
     name_bytes: usize,
 ) -> NcclResult {
     api("mscclppExecutionPlanLoad", || {
-        let c = handles::ready(comm)?;
-        let path = std::path::Path::new(unsafe { text(path, "path") }?);
-        if !path.is_file() {
-            return Err(Failure::invalid_argument(format!(
-                "{} is not a file (one execution plan, JSON)",
-                path.display()
-            )));
-        }
-        let plan = mscclpp_executor::load::load_plans(path)?
-            .pop()
-            .ok_or_else(|| {
-                Failure::invalid_argument(format!("{} holds no plan", path.display()))
-            })?;
-        c.gpu.set_device(c.device)?;
-        let algorithm: Arc<dyn Algorithm> = Arc::new(
-            mscclpp_executor::algorithm::PlanAlgorithm::new(c.communicator.clone(), plan)?,
-        );
-        let loaded = algorithm.name().to_string();
-        c.add_loaded(algorithm)?;
-        if name.is_null() {
-            return Ok(SUCCESS);
-        }
-        unsafe { write_name(name, name_bytes, &loaded) }.map(|_| SUCCESS)
+        handles::operate(comm, |c| {
+            let path = std::path::Path::new(unsafe { text(path, "path") }?);
+            if !path.is_file() {
+                return Err(Failure::invalid_argument(format!(
+                    "{} is not a file (one execution plan, JSON)",
+                    path.display()
+                )));
+            }
+            let plan = mscclpp_executor::load::load_plans(path)?
+                .pop()
+                .ok_or_else(|| {
+                    Failure::invalid_argument(format!("{} holds no plan", path.display()))
+                })?;
+            c.gpu.set_device(c.device)?;
+            let algorithm: Arc<dyn Algorithm> = Arc::new(
+                mscclpp_executor::algorithm::PlanAlgorithm::new(c.communicator.clone(), plan)?,
+            );
+            let loaded = algorithm.name().to_string();
+            c.add_loaded(algorithm)?;
+            if name.is_null() {
+                return Ok(SUCCESS);
+            }
+            unsafe { write_name(name, name_bytes, &loaded) }.map(|_| SUCCESS)
+        })
     })
 }

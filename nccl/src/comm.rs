@@ -4,6 +4,7 @@
 use crate::abi::UniqueId as AbiId;
 use crate::fallback::{RawComm, RealNccl};
 use crate::guard::{CallResult, Failure};
+use crate::watchdog::Watchdog;
 use mscclpp::core::bootstrap::{Bootstrap, BootstrapConfig, TcpBootstrap, UniqueId};
 use mscclpp::core::communicator::Communicator;
 use mscclpp::core::gpu::Stream;
@@ -75,6 +76,9 @@ pub struct Comm {
     /// Set by [`abort`](Comm::abort): the teardown aborts the real NCCL's communicator instead
     /// of destroying it.
     aborted: AtomicBool,
+    /// Whether another thread watches this communicator, so a failure waits for its abort
+    /// before a call returns it (`crate::watchdog`).
+    pub watchdog: Watchdog,
     /// Taken by the drop: the process's exit waits for the teardown (`mscclpp::core::process`).
     /// Last, so it is released after every other field is dropped.
     exit_section: Mutex<Option<Section<'static>>>,
@@ -208,6 +212,7 @@ impl Comm {
             forced: env.force_nccl_fallback_operation.clone(),
             accum: env.nccl_accum_dtype,
             aborted: AtomicBool::new(false),
+            watchdog: Watchdog::new(env.nccl_watchdog_wait),
             exit_section: Mutex::new(None),
         })
     }

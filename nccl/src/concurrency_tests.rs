@@ -374,3 +374,92 @@ fn destroy_and_abort_of_null_succeed() {
     assert_eq!(unsafe { ncclCommAbort(std::ptr::null_mut()) }, SUCCESS);
     assert_eq!(unsafe { ncclCommDestroy(std::ptr::null_mut()) }, SUCCESS);
 }
+
+/// PyTorch's order after a failure: its watchdog thread polls ncclCommGetAsyncError, sees the
+/// error, prints the failed collective's stack, then aborts the communicator; the main thread's
+/// next call on it returns the error only after that abort (`crate::watchdog`), never while the
+/// watchdog is still at work.
+#[test]
+fn a_failure_is_returned_after_the_watchdog_aborts() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let comms = host_comms(2);
+    let h0 = comms[0];
+    let polled = Arc::new(AtomicBool::new(false));
+    let watchdog = {
+        let polled = polled.clone();
+        std::thread::spawn(move || loop {
+            let (rc, code) = async_error(h0);
+            assert_eq!(rc, SUCCESS);
+            polled.store(true, Ordering::Release);
+            if code != SUCCESS {
+                std::thread::sleep(Duration::from_millis(400)); // the stack trace
+                let aborted_at = Instant::now();
+                assert_eq!(unsafe { ncclCommAbort(h0.get()) }, SUCCESS);
+                return aborted_at;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        })
+    };
+    while !polled.load(Ordering::Acquire) {
+        std::thread::yield_now();
+    }
+    handles::live(h0.get())
+        .expect("live")
+        .communicator
+        .abort("rank 1 stalled (test)");
+    let t0 = Instant::now();
+    let rc = unsafe {
+        ncclAllReduce(
+            std::ptr::null(),
+            std::ptr::null_mut(),
+            1,
+            7,
+            0,
+            h0.get(),
+            std::ptr::null_mut(),
+        )
+    };
+    let returned_at = Instant::now();
+    let aborted_at = watchdog.join().expect("watchdog");
+    assert_ne!(rc, SUCCESS);
+    let last = unsafe { std::ffi::CStr::from_ptr(ncclGetLastError(std::ptr::null_mut())) };
+    assert!(
+        last.to_string_lossy().contains("rank 1 stalled"),
+        "{last:?}"
+    );
+    assert!(
+        returned_at >= aborted_at,
+        "the call returned {:?} before the watchdog's abort",
+        aborted_at - returned_at
+    );
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    unsafe { ncclCommAbort(comms[1].get()) };
+}
+
+/// Without a watchdog (nobody else polls), a failed communicator's call returns at once.
+#[test]
+fn without_a_watchdog_a_failure_is_returned_at_once() {
+    let comms = host_comms(2);
+    let h0 = comms[0];
+    handles::live(h0.get())
+        .expect("live")
+        .communicator
+        .abort("rank 1 stalled (test)");
+    let t0 = Instant::now();
+    let rc = unsafe {
+        ncclAllReduce(
+            std::ptr::null(),
+            std::ptr::null_mut(),
+            1,
+            7,
+            0,
+            h0.get(),
+            std::ptr::null_mut(),
+        )
+    };
+    assert_ne!(rc, SUCCESS);
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+    for h in comms {
+        unsafe { ncclCommAbort(h.get()) };
+    }
+}

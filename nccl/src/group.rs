@@ -358,7 +358,14 @@ pub fn end() -> CallResult {
     for (comm, stream, list) in group.p2p {
         ops.push((comm, Op::PointToPoint(list, stream)));
     }
+    // A failure of a communicator that has failed is returned once its watchdog has acted.
+    let watched: Vec<Arc<Comm>> = ops.iter().map(|(c, _)| c.clone()).collect();
     let native = run_ops(ops);
+    if native.is_err() {
+        watched
+            .iter()
+            .for_each(|c| crate::handles::await_watchdog(c));
+    }
     let real = match &group.real {
         // SAFETY: no arguments.
         Some(real) => real.check(

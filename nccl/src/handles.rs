@@ -180,6 +180,7 @@ pub fn close(handle: Handle, ending: Ending) -> CallResult<Option<Arc<Comm>>> {
             if ending == Ending::Abort {
                 c.abort("ncclCommAbort");
             }
+            c.watchdog.closed();
             let code = c.async_error().map_or(SUCCESS, |e| code_of(&e));
             (Some(c.clone()), code)
         }
@@ -207,14 +208,27 @@ pub fn live(handle: Handle) -> CallResult<Arc<Comm>> {
     }
 }
 
-/// The communicator behind `handle`, for an operation: a communicator with an asynchronous error
-/// (aborted, revoked, a device wait that timed out) fails every operation with that error.
-pub fn ready(handle: Handle) -> CallResult<Arc<Comm>> {
+/// Runs an operation on the communicator behind `handle`. A communicator with an asynchronous
+/// error (aborted, revoked, a device wait that timed out) fails it with that error; a failure of
+/// a communicator that has failed is returned once its watchdog has acted ([`crate::watchdog`]).
+pub fn operate(handle: Handle, body: impl FnOnce(&Arc<Comm>) -> CallResult) -> CallResult {
     let comm = live(handle)?;
-    if let Some(e) = comm.communicator.async_error() {
-        return Err(e.into());
+    let result = match comm.communicator.async_error() {
+        Some(e) => Err(e.into()),
+        None => body(&comm),
+    };
+    if result.is_err() {
+        await_watchdog(&comm);
     }
-    Ok(comm)
+    result
+}
+
+/// Before a failure on `comm` is returned: when the communicator has failed, waits (bounded) for
+/// its watchdog to abort it ([`crate::watchdog`]).
+pub fn await_watchdog(comm: &Comm) {
+    if comm.async_error().is_some() {
+        comm.watchdog.await_close();
+    }
 }
 
 /// Drops the table's reference to a destroyed or aborted communicator; the teardown runs when
@@ -260,14 +274,17 @@ pub fn async_error_code(handle: Handle) -> CallResult<NcclResult> {
         State::Initializing => IN_PROGRESS,
         State::Failed(f) => f.code,
         State::Closed { code, .. } => code,
-        State::Ready(c) => match c.async_error() {
-            Some(e) => {
-                let f = Failure::from(e);
-                crate::guard::record("ncclCommGetAsyncError", &f);
-                f.code
+        State::Ready(c) => {
+            c.watchdog.polled();
+            match c.async_error() {
+                Some(e) => {
+                    let f = Failure::from(e);
+                    crate::guard::record("ncclCommGetAsyncError", &f);
+                    f.code
+                }
+                None => c.real_async_error(),
             }
-            None => c.real_async_error(),
-        },
+        }
     })
 }
 

@@ -37,6 +37,7 @@ pub mod handles;
 pub mod lifecycle;
 pub mod memory;
 pub mod ops;
+pub mod watchdog;
 
 #[cfg(test)]
 mod concurrency_tests;

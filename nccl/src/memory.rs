@@ -130,8 +130,7 @@ nccl_export! {
     /// PreMulSum runs in the real NCCL: the operator is the real library's, and operations that
     /// use it go there.
     fn ncclRedOpCreatePreMulSum / pncclRedOpCreatePreMulSum(op: *mut c_int, scalar: *mut c_void, datatype: c_int, residence: c_int, comm: Handle) -> NcclResult {
-        ffi("ncclRedOpCreatePreMulSum", || {
-            let c = handles::ready(comm)?;
+        ffi("ncclRedOpCreatePreMulSum", || handles::operate(comm, |c| {
             if op.is_null() || scalar.is_null() {
                 return Err(Failure::invalid_argument("op or scalar is NULL"));
             }
@@ -144,7 +143,7 @@ nccl_export! {
                     "PreMulSum has no native implementation and there is no fallback to the real NCCL: {why}"
                 ))),
             }
-        })
+        }))
     }
 }
 

@@ -131,59 +131,55 @@ fn stream_of(s: *mut c_void) -> RawStream {
 
 nccl_export! {
     fn ncclAllReduce / pncclAllReduce(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: c_int, op: c_int, comm: Handle, stream: *mut c_void) -> NcclResult {
-        ffi("ncclAllReduce", || {
-            let c = handles::ready(comm)?;
+        ffi("ncclAllReduce", || handles::operate(comm, |c| {
             let t = dtype(datatype)?;
             let native = match red_op(op)? {
-                Some(o) => { let b = bytes(count, t, 1)?; Native::Run(Collective::AllReduce, args(&c, (sendbuff, recvbuff), (b, b), t, o, 0, stream)) }
+                Some(o) => { let b = bytes(count, t, 1)?; Native::Run(Collective::AllReduce, args(c, (sendbuff, recvbuff), (b, b), t, o, 0, stream)) }
                 None => Native::None("PreMulSum runs only in the real NCCL".into()),
             };
             if count == 0 { return Ok(SUCCESS); }
-            submit(&c, "allreduce", native, Box::new(|r, rc| unsafe { (r.all_reduce)(sendbuff, recvbuff, count, datatype, op, rc, stream_of(stream)) }))
-        })
+            submit(c, "allreduce", native, Box::new(|r, rc| unsafe { (r.all_reduce)(sendbuff, recvbuff, count, datatype, op, rc, stream_of(stream)) }))
+        }))
     }
 }
 
 nccl_export! {
     fn ncclAllGather / pncclAllGather(sendbuff: *const c_void, recvbuff: *mut c_void, sendcount: usize, datatype: c_int, comm: Handle, stream: *mut c_void) -> NcclResult {
-        ffi("ncclAllGather", || {
-            let c = handles::ready(comm)?;
+        ffi("ncclAllGather", || handles::operate(comm, |c| {
             let t = dtype(datatype)?;
             let b = bytes(sendcount, t, 1)?;
             let out = bytes(sendcount, t, c.nranks)?;
             if sendcount == 0 { return Ok(SUCCESS); }
-            let native = Native::Run(Collective::AllGather, args(&c, (sendbuff, recvbuff), (b, out), t, ReduceOp::Sum, 0, stream));
-            submit(&c, "allgather", native, Box::new(|r, rc| unsafe { (r.all_gather)(sendbuff, recvbuff, sendcount, datatype, rc, stream_of(stream)) }))
-        })
+            let native = Native::Run(Collective::AllGather, args(c, (sendbuff, recvbuff), (b, out), t, ReduceOp::Sum, 0, stream));
+            submit(c, "allgather", native, Box::new(|r, rc| unsafe { (r.all_gather)(sendbuff, recvbuff, sendcount, datatype, rc, stream_of(stream)) }))
+        }))
     }
 }
 
 nccl_export! {
     fn ncclReduceScatter / pncclReduceScatter(sendbuff: *const c_void, recvbuff: *mut c_void, recvcount: usize, datatype: c_int, op: c_int, comm: Handle, stream: *mut c_void) -> NcclResult {
-        ffi("ncclReduceScatter", || {
-            let c = handles::ready(comm)?;
+        ffi("ncclReduceScatter", || handles::operate(comm, |c| {
             let t = dtype(datatype)?;
             let native = match red_op(op)? {
-                Some(o) => Native::Run(Collective::ReduceScatter, args(&c, (sendbuff, recvbuff), (bytes(recvcount, t, c.nranks)?, bytes(recvcount, t, 1)?), t, o, 0, stream)),
+                Some(o) => Native::Run(Collective::ReduceScatter, args(c, (sendbuff, recvbuff), (bytes(recvcount, t, c.nranks)?, bytes(recvcount, t, 1)?), t, o, 0, stream)),
                 None => Native::None("PreMulSum runs only in the real NCCL".into()),
             };
             if recvcount == 0 { return Ok(SUCCESS); }
-            submit(&c, "reducescatter", native, Box::new(|r, rc| unsafe { (r.reduce_scatter)(sendbuff, recvbuff, recvcount, datatype, op, rc, stream_of(stream)) }))
-        })
+            submit(c, "reducescatter", native, Box::new(|r, rc| unsafe { (r.reduce_scatter)(sendbuff, recvbuff, recvcount, datatype, op, rc, stream_of(stream)) }))
+        }))
     }
 }
 
 nccl_export! {
     fn ncclBroadcast / pncclBroadcast(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: c_int, root: c_int, comm: Handle, stream: *mut c_void) -> NcclResult {
-        ffi("ncclBroadcast", || {
-            let c = handles::ready(comm)?;
+        ffi("ncclBroadcast", || handles::operate(comm, |c| {
             let t = dtype(datatype)?;
-            let rt = check_rank(&c, "root", root)?;
+            let rt = check_rank(c, "root", root)?;
             let b = bytes(count, t, 1)?;
             if count == 0 { return Ok(SUCCESS); }
-            let native = Native::Run(Collective::Broadcast, args(&c, (sendbuff, recvbuff), (b, b), t, ReduceOp::Sum, rt, stream));
-            submit(&c, "broadcast", native, Box::new(|r, rc| unsafe { (r.broadcast)(sendbuff, recvbuff, count, datatype, root, rc, stream_of(stream)) }))
-        })
+            let native = Native::Run(Collective::Broadcast, args(c, (sendbuff, recvbuff), (b, b), t, ReduceOp::Sum, rt, stream));
+            submit(c, "broadcast", native, Box::new(|r, rc| unsafe { (r.broadcast)(sendbuff, recvbuff, count, datatype, root, rc, stream_of(stream)) }))
+        }))
     }
 }
 
@@ -195,19 +191,18 @@ nccl_export! {
 
 nccl_export! {
     fn ncclReduce / pncclReduce(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: c_int, op: c_int, root: c_int, comm: Handle, stream: *mut c_void) -> NcclResult {
-        ffi("ncclReduce", || {
-            let c = handles::ready(comm)?;
+        ffi("ncclReduce", || handles::operate(comm, |c| {
             let t = dtype(datatype)?;
-            let rt = check_rank(&c, "root", root)?;
+            let rt = check_rank(c, "root", root)?;
             let native = match red_op(op)? {
                 // Only the root writes: recvbuff is ignored elsewhere, as in NCCL.
-                Some(o) => { let b = bytes(count, t, 1)?; Native::Run(Collective::Reduce, args(&c, (sendbuff, recvbuff), (b, b), t, o, rt, stream)) }
+                Some(o) => { let b = bytes(count, t, 1)?; Native::Run(Collective::Reduce, args(c, (sendbuff, recvbuff), (b, b), t, o, rt, stream)) }
                 None => Native::None("PreMulSum runs only in the real NCCL".into()),
             };
             if count == 0 { return Ok(SUCCESS); }
-            submit(&c, "reduce", native,
+            submit(c, "reduce", native,
                 Box::new(|r, rc| unsafe { (r.reduce)(sendbuff, recvbuff, count, datatype, op, root, rc, stream_of(stream)) }))
-        })
+        }))
     }
 }
 
@@ -237,27 +232,25 @@ fn p2p(
 
 nccl_export! {
     fn ncclSend / pncclSend(sendbuff: *const c_void, count: usize, datatype: c_int, peer: c_int, comm: Handle, stream: *mut c_void) -> NcclResult {
-        ffi("ncclSend", || {
-            let c = handles::ready(comm)?;
+        ffi("ncclSend", || handles::operate(comm, |c| {
             let b = bytes(count, dtype(datatype)?, 1)?;
-            let p = check_rank(&c, "peer", peer)?;
+            let p = check_rank(c, "peer", peer)?;
             let op = P2pOp { kind: P2pKind::Send, peer: p, ptr: sendbuff as u64, bytes: b };
-            p2p(&c, "send", op, stream,
+            p2p(c, "send", op, stream,
                 Box::new(|r, rc| unsafe { (r.send)(sendbuff, count, datatype, peer, rc, stream_of(stream)) }))
-        })
+        }))
     }
 }
 
 nccl_export! {
     fn ncclRecv / pncclRecv(recvbuff: *mut c_void, count: usize, datatype: c_int, peer: c_int, comm: Handle, stream: *mut c_void) -> NcclResult {
-        ffi("ncclRecv", || {
-            let c = handles::ready(comm)?;
+        ffi("ncclRecv", || handles::operate(comm, |c| {
             let b = bytes(count, dtype(datatype)?, 1)?;
-            let p = check_rank(&c, "peer", peer)?;
+            let p = check_rank(c, "peer", peer)?;
             let op = P2pOp { kind: P2pKind::Recv, peer: p, ptr: recvbuff as u64, bytes: b };
-            p2p(&c, "recv", op, stream,
+            p2p(c, "recv", op, stream,
                 Box::new(|r, rc| unsafe { (r.recv)(recvbuff, count, datatype, peer, rc, stream_of(stream)) }))
-        })
+        }))
     }
 }
 
@@ -328,14 +321,13 @@ fn exchange(
 
 nccl_export! {
     fn ncclAlltoAll / pncclAlltoAll(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: c_int, comm: Handle, stream: *mut c_void) -> NcclResult {
-        ffi("ncclAlltoAll", || {
-            let c = handles::ready(comm)?;
+        ffi("ncclAlltoAll", || handles::operate(comm, |c| {
             let t = dtype(datatype)?;
             let chunk = bytes(count, t, 1)?;
             let total = bytes(count, t, c.nranks)?;
             if count == 0 { return Ok(SUCCESS); }
             let pairs: Vec<(c_int, usize)> = (0..c.nranks).map(|p| (p as c_int, p * chunk)).collect();
-            let native = Native::Run(Collective::AllToAll, args(&c, (sendbuff, recvbuff), (total, total), t, ReduceOp::Sum, 0, stream));
+            let native = Native::Run(Collective::AllToAll, args(c, (sendbuff, recvbuff), (total, total), t, ReduceOp::Sum, 0, stream));
             let in_place = sendbuff == recvbuff.cast_const();
             if let Fallback::Ready { real, .. } = &c.fallback {
                 if in_place && real.alltoall.is_none() && c.forced("alltoall") {
@@ -344,7 +336,7 @@ nccl_export! {
                         c.rank, real.location)));
                 }
             }
-            submit(&c, "alltoall", native,
+            submit(c, "alltoall", native,
                 Box::new(move |r, rc| match (in_place, r.alltoall) {
                     // A group of sends and receives on one buffer would let a peer's chunk land
                     // before this rank's chunk for it was sent: the real ncclAlltoAll, or nothing.
@@ -354,41 +346,39 @@ nccl_export! {
                     (true, None) => INVALID_USAGE,
                     (false, _) => exchange(r, rc, &Exchange { sendbuff, recvbuff, count, datatype, stream }, &pairs, &pairs),
                 }))
-        })
+        }))
     }
 }
 
 nccl_export! {
     fn ncclGather / pncclGather(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: c_int, root: c_int, comm: Handle, stream: *mut c_void) -> NcclResult {
-        ffi("ncclGather", || {
-            let c = handles::ready(comm)?;
+        ffi("ncclGather", || handles::operate(comm, |c| {
             let t = dtype(datatype)?;
-            let rt = check_rank(&c, "root", root)?;
+            let rt = check_rank(c, "root", root)?;
             let chunk = bytes(count, t, 1)?;
             let total = bytes(count, t, c.nranks)?;
             if count == 0 { return Ok(SUCCESS); }
             let recvs: Vec<(c_int, usize)> = if c.rank == rt { (0..c.nranks).map(|p| (p as c_int, p * chunk)).collect() } else { Vec::new() };
-            let native = Native::Run(Collective::Gather, args(&c, (sendbuff, recvbuff), (chunk, total), t, ReduceOp::Sum, rt, stream));
-            submit(&c, "gather", native,
+            let native = Native::Run(Collective::Gather, args(c, (sendbuff, recvbuff), (chunk, total), t, ReduceOp::Sum, rt, stream));
+            submit(c, "gather", native,
                 Box::new(move |r, rc| exchange(r, rc, &Exchange { sendbuff, recvbuff, count, datatype, stream }, &[(root, 0)], &recvs)))
-        })
+        }))
     }
 }
 
 nccl_export! {
     fn ncclScatter / pncclScatter(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: c_int, root: c_int, comm: Handle, stream: *mut c_void) -> NcclResult {
-        ffi("ncclScatter", || {
-            let c = handles::ready(comm)?;
+        ffi("ncclScatter", || handles::operate(comm, |c| {
             let t = dtype(datatype)?;
-            let rt = check_rank(&c, "root", root)?;
+            let rt = check_rank(c, "root", root)?;
             let chunk = bytes(count, t, 1)?;
             let total = bytes(count, t, c.nranks)?;
             if count == 0 { return Ok(SUCCESS); }
             let sends: Vec<(c_int, usize)> = if c.rank == rt { (0..c.nranks).map(|p| (p as c_int, p * chunk)).collect() } else { Vec::new() };
-            let native = Native::Run(Collective::Scatter, args(&c, (sendbuff, recvbuff), (total, chunk), t, ReduceOp::Sum, rt, stream));
-            submit(&c, "scatter", native,
+            let native = Native::Run(Collective::Scatter, args(c, (sendbuff, recvbuff), (total, chunk), t, ReduceOp::Sum, rt, stream));
+            submit(c, "scatter", native,
                 Box::new(move |r, rc| exchange(r, rc, &Exchange { sendbuff, recvbuff, count, datatype, stream }, &sends, &[(root, 0)])))
-        })
+        }))
     }
 }
 
