@@ -6,7 +6,9 @@
 
 use crate::p2p::{P2pEngine, P2pOp};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
-use mscclpp_core::algorithm_collection::{AlgorithmCollection, SelectionContext};
+use mscclpp_core::algorithm_collection::{
+    AlgorithmCollection, AlgorithmCollectionBuilder, SelectionContext,
+};
 use mscclpp_core::communicator::Communicator;
 use mscclpp_core::gpu::{Event, Gpu, Stream};
 use mscclpp_core::{Error, Result};
@@ -48,14 +50,24 @@ impl CommSession {
     /// stays within its 32 MiB per rank). A communicator whose engine cannot be built still
     /// runs collectives; its sends and receives fail with the reason.
     pub fn new(communicator: Arc<Communicator>) -> Result<CommSession> {
+        Self::with_more_algorithms(communicator, |_| Ok(()))
+    }
+
+    /// Collective: as [`new`](Self::new), with `more` adding algorithms (and a selector
+    /// preferring them) after the default ones, e.g. the execution plans of a plan directory.
+    pub fn with_more_algorithms(
+        communicator: Arc<Communicator>,
+        more: impl FnOnce(&mut AlgorithmCollectionBuilder) -> Result<()>,
+    ) -> Result<CommSession> {
         // Building loads kernels and maps memory on the communicator's device, whichever device
         // the calling thread had current.
         communicator.gpu().set_device(communicator.device())?;
-        let (builder, resources) = crate::build_default_algorithms_with_resources(
+        let (mut builder, resources) = crate::build_default_algorithms_with_resources(
             &communicator,
             crate::DEFAULT_SCRATCH_BYTES,
             AlgorithmCollection::builder(),
         )?;
+        more(&mut builder)?;
         let p2p = match resources {
             Some(r) => P2pEngine::with_resources(communicator.clone(), r),
             None => P2pEngine::new(communicator.clone()),

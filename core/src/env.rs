@@ -40,7 +40,7 @@
 //! | `MSCCLPP_NCCL_ACCUM_DTYPE` | `nccl_accum_dtype` | `f16`, `f32` or `auto`: the type the NCCL shim's fp8 reductions accumulate in (NCCL has no such option) | `auto` (the input type) |
 //! | `MSCCLPP_NCCL_GROUP_LOCKSTEP` | `nccl_group_lockstep` | bool; an NCCL group over several communicators of this process launches every communicator's i-th operation before any (i+1)-th (see the NCCL shim's `group` module); `0` only to compare | true |
 //! | `MSCCLPP_NCCL_WATCHDOG_WAIT` | `nccl_watchdog_wait` | seconds (0: off); a call of the NCCL shim on a failed communicator that another thread watches through ncclCommGetAsyncError (PyTorch's watchdog) returns its error once that communicator is aborted or destroyed, waiting at most this long (see the shim's `watchdog` module) | 10 |
-//! | `MSCCLPP_EXECUTION_PLAN_DIR` | `execution_plan_dir` | directory of JSON plans | unset |
+//! | `MSCCLPP_EXECUTION_PLAN_DIR` | `execution_plan_dir` | directory of JSON plans, for the default plan search (`mscclpp_executor::load`: the NCCL shim, the C API of `libmscclpp_embed`, `mscclpp-bench --plan default`); every rank must find the same plans, else none is used | unset |
 //! | `MSCCLPP_NPKIT_DUMP_DIR` | `npkit_dump_dir` | directory | unset |
 //! | `MSCCLPP_DISABLE_CHANNEL_CACHE` | `disable_channel_cache` | bool | false |
 //! | `MSCCLPP_CUDAIPC_USE_DEFAULT_STREAM` | `cudaipc_use_default_stream` | bool | false |

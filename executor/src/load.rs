@@ -73,6 +73,42 @@ pub fn default_plans(comm: &Communicator, env: &Env) -> Vec<Arc<Plan>> {
     runnable_plans(comm, plans)
 }
 
+/// Collective: the plans of the default directories ([`default_plans`]) that every rank of
+/// `comm` found alike. Each rank reads its own directories (another host's may differ), and
+/// setting a plan up is collective, so the ranks compare what they found (names and contents) in
+/// one all-gather first. Where any rank differs, no rank takes any plan: each logs which rank
+/// differed and goes on with the native algorithms.
+pub fn agreed_default_plans(comm: &Communicator, env: &Env) -> Result<Vec<Arc<Plan>>> {
+    let plans = default_plans(comm, env);
+    let mine = plan_set_identity(&plans);
+    let all = comm.bootstrap().all_gather(mine.as_bytes())?;
+    if let Some(other) = all.iter().position(|theirs| theirs != mine.as_bytes()) {
+        tracing::warn!(
+            target: "mscclpp::plan",
+            "rank {}: the execution plans found in {:?} differ from rank {other}'s (every rank \
+             must see the same plans): none is used",
+            comm.rank(),
+            default_plan_dirs(env)
+        );
+        return Ok(Vec::new());
+    }
+    Ok(plans)
+}
+
+/// The names and a digest of the contents of `plans`, in order: equal on two ranks exactly when
+/// they loaded the same plans (the digest is deterministic across processes of one build).
+fn plan_set_identity(plans: &[Arc<Plan>]) -> String {
+    use std::hash::{Hash, Hasher};
+    plans
+        .iter()
+        .map(|p| {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            format!("{p:?}").hash(&mut h);
+            format!("{}:{:016x}\n", p.name, h.finish())
+        })
+        .collect()
+}
+
 /// Collective: sets up `plans` for `comm` and adds them to `builder`, with the preferring
 /// selector. Every plan must run here (right world size, no port or switch op): the error names
 /// the plan and the op otherwise. Use [`runnable_plans`] to keep only those of a directory that
@@ -242,5 +278,48 @@ mod tests {
         let err = load_plans(&dir).unwrap_err().to_string();
         assert!(err.contains("a.json"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Every rank takes the plans of its directories only when all ranks found the same ones:
+    /// two loopback ranks, with the builder's 2-rank all-reduce in a plan directory both see,
+    /// then with it missing on rank 1 (no rank takes it, none waits for the other).
+    #[test]
+    fn plans_are_taken_only_where_every_rank_found_the_same() {
+        use crate::builder::allreduce;
+        use crate::plan::{PlanReduceOp, Protocol};
+        use mscclpp_core::bootstrap::on_loopback_ranks;
+        use mscclpp_core::port_channel::test_gpu::HostGpu;
+        let root =
+            std::env::temp_dir().join(format!("mscclpp-agreed-plans-{}", std::process::id()));
+        let (with, without, cache) = (root.join("with"), root.join("without"), root.join("cache"));
+        for d in [&with, &without, &cache] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        let plan = allreduce(2, Protocol::Simple, PlanReduceOp::Sum);
+        std::fs::write(with.join("allreduce.json"), plan.to_string()).unwrap();
+        for (rank1_dir, want) in [(&with, 1), (&without, 0)] {
+            let dirs = [with.clone(), rank1_dir.clone()];
+            let cache = cache.clone();
+            let found =
+                on_loopback_ranks(2, std::time::Duration::from_secs(20), move |rank, boot| {
+                    let env = Env::from_vars([
+                        (
+                            "MSCCLPP_EXECUTION_PLAN_DIR".to_string(),
+                            dirs[rank].display().to_string(),
+                        ),
+                        ("MSCCLPP_CACHE_DIR".to_string(), cache.display().to_string()),
+                    ])
+                    .unwrap();
+                    let comm = Communicator::new(boot, Arc::new(HostGpu::new()), 0).unwrap();
+                    agreed_default_plans(&comm, &env).unwrap().len()
+                });
+            assert_eq!(
+                found,
+                [want, want],
+                "rank 1's directory {}",
+                rank1_dir.display()
+            );
+        }
+        std::fs::remove_dir_all(&root).unwrap();
     }
 }

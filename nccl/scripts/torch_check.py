@@ -36,7 +36,8 @@ Modes (run through `.gpu/gpu-run.sh nccl MODE`, which preloads the shim and sets
             TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (TearDown) PyTorch itself ends the process with
             std::abort once it aborted the communicators, so SIGABRT is accepted there and only
             there. WATCHDOG_CASES picks the runs (handling:peer, comma separated; default
-            2:sleep,2:stop,1:sleep; peer sleep or stop);
+            2:sleep,2:stop,1:sleep; peer sleep or stop); WATCHDOG_LIMIT (seconds, default 105)
+            is how long rank 0 may take to end;
 SHIM_CHECK_QUICK=1 makes the all_reduce matrix's largest size 65541 elements instead of 1 Mi + 5
 and the other operations' 65537 instead of 1 Mi (the CPU references dominate the run time when
 ranks share a GPU): with it, 4 ranks sharing one GPU (NRANKS=4 MPS=1) finish in a few minutes.
@@ -821,7 +822,8 @@ def watchdog_mode():
             t.start()
             procs.append(p)
             readers.append((t, out))
-        limit = float(device_timeout) + float(os.environ.get("WATCHDOG_TORCH_TIMEOUT", "10")) + 90
+        limit = float(os.environ.get("WATCHDOG_LIMIT", 0)) or \
+            float(device_timeout) + float(os.environ.get("WATCHDOG_TORCH_TIMEOUT", "10")) + 90
         start = time.time()
         try:
             rc = procs[0].wait(timeout=limit)

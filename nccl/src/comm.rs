@@ -5,6 +5,7 @@ use crate::abi::UniqueId as AbiId;
 use crate::fallback::{RawComm, RealNccl};
 use crate::guard::{CallResult, Failure};
 use crate::watchdog::Watchdog;
+use mscclpp::core::algorithm_collection::AlgorithmCollectionBuilder;
 use mscclpp::core::bootstrap::{Bootstrap, BootstrapConfig, TcpBootstrap, UniqueId};
 use mscclpp::core::communicator::Communicator;
 use mscclpp::core::gpu::Stream;
@@ -185,7 +186,9 @@ impl Comm {
         gpu.set_device(device)?;
         let communicator = Arc::new(Communicator::new(bootstrap.clone(), gpu.clone(), device)?);
         let session = if with_algorithms {
-            CommSession::new(communicator.clone())?
+            CommSession::with_more_algorithms(communicator.clone(), |builder| {
+                add_plan_directory(&communicator, env, builder)
+            })?
         } else {
             CommSession::without_algorithms(communicator.clone())
         };
@@ -333,6 +336,30 @@ impl Comm {
     ) -> mscclpp::Result<Arc<dyn Algorithm>> {
         self.session.native(collective, args)
     }
+}
+
+/// Collective: the execution plans of `MSCCLPP_EXECUTION_PLAN_DIR` and of the plan cache (where
+/// `python -m mscclpp --install` puts the default ones) that run on this communicator, ahead of
+/// the native algorithms for the calls they match, as MSCCL++'s shim serves them to programs that
+/// cannot run Python. Every rank takes the same plans or none (`agreed_default_plans`).
+fn add_plan_directory(
+    communicator: &Arc<Communicator>,
+    env: &Env,
+    builder: &mut AlgorithmCollectionBuilder,
+) -> mscclpp::Result<()> {
+    let plans = mscclpp_executor::load::agreed_default_plans(communicator, env)?;
+    if plans.is_empty() {
+        return Ok(());
+    }
+    let added = mscclpp_executor::load::add_plans(communicator, builder, &plans)?;
+    let names: Vec<&str> = added.iter().map(|a| a.name()).collect();
+    tracing::info!(
+        target: "mscclpp::nccl",
+        "rank {}: execution plans ahead of the native algorithms where they match: {}",
+        communicator.rank(),
+        names.join(", ")
+    );
+    Ok(())
 }
 
 /// Collective: the real NCCL's communicator over the same ranks. Every rank says whether it
