@@ -9,7 +9,8 @@
 //! ```
 //! `--ptx none` leaves PTX out. It prints, per architecture, the units, the CPU time their
 //! compiles took and the bytes they take raw and compressed. A unit that does not compile fails
-//! the tool, naming it.
+//! the tool, naming it. A blob already at the output path that holds exactly what would be
+//! compiled is left as it is (the keys hash every input), so builds can ask for it every time.
 
 mod units;
 
@@ -151,6 +152,14 @@ fn run() -> Result<(), String> {
         args.archs.len(),
         nvrtc.location()
     );
+    let compiler = (
+        u32::try_from(major).unwrap_or(0),
+        u32::try_from(minor).unwrap_or(0),
+    );
+    if up_to_date(&args, &units, compiler) {
+        println!("blob {}: up to date", args.out.display());
+        return Ok(());
+    }
     let start = Instant::now();
     let mut compiled = compile_all(&nvrtc, &units, &args.archs)?;
     let wall = start.elapsed();
@@ -169,10 +178,6 @@ fn run() -> Result<(), String> {
     let frames: Vec<FrameImages> = frames.into_values().collect();
     let mut packed = vec![0usize; args.archs.len()];
     let mut frame_index = 0;
-    let compiler = (
-        u32::try_from(major).unwrap_or(0),
-        u32::try_from(minor).unwrap_or(0),
-    );
     let blob = aot::encode(compiler, &args.archs, &frames, |bytes| {
         let out = zstd::bulk::compress(bytes, ZSTD_LEVEL).expect("zstd compresses a buffer");
         packed[arch_of[frame_index]] += out.len();
@@ -180,7 +185,11 @@ fn run() -> Result<(), String> {
         out
     })?;
     let inflate = verify(&blob, &frames)?;
-    std::fs::write(&args.out, &blob).map_err(|e| format!("{}: {e}", args.out.display()))?;
+    // Renamed into place: a build never embeds half a blob, nor does the next run reuse one.
+    let tmp = args.out.with_extension("tmp");
+    std::fs::write(&tmp, &blob)
+        .and_then(|()| std::fs::rename(&tmp, &args.out))
+        .map_err(|e| format!("{}: {e}", args.out.display()))?;
     println!("arch\tunits\tcompile CPU s\traw MiB\tcompressed MiB");
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
     for (i, a) in args.archs.iter().enumerate() {
@@ -201,6 +210,36 @@ fn run() -> Result<(), String> {
         inflate.as_secs_f64()
     );
     Ok(())
+}
+
+/// Whether the blob at `args.out` was made by this NVRTC for these architectures and holds
+/// exactly the images `units` would compile: then the sources, headers and options they were
+/// compiled from are today's (the keys hash them), and compiling again would rewrite the same blob.
+fn up_to_date(args: &Args, units: &[Unit], compiler: aot::Version) -> bool {
+    let Ok(bytes) = std::fs::read(&args.out) else {
+        return false;
+    };
+    let Ok(blob) = aot::Blob::parse(&bytes) else {
+        return false;
+    };
+    if blob.compiler() != compiler
+        || blob.archs() != args.archs
+        || blob.len() != units.len() * args.archs.len()
+    {
+        return false;
+    }
+    args.archs.iter().all(|arch| {
+        units.iter().all(|u| {
+            let req = CompileRequest {
+                name: &u.name,
+                source: &u.source,
+                arch,
+                headers: mscclpp_kernels_cu::HEADERS,
+                options: &[],
+            };
+            blob.contains(&aot::embedded_key(&req))
+        })
+    })
 }
 
 /// Reads every image back through the run time's reader (`aot::Blob`, whose zstd decoder is not

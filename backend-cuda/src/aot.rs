@@ -23,7 +23,8 @@
 //! So [`find`] takes, in order: the CUBIN of the device's major with the highest minor not above
 //! the device's, where the driver's major is at least the compiler's; the PTX of the newest
 //! architecture not above the device, where the driver is at least the compiler's full version;
-//! else nothing (NVRTC compiles it).
+//! else nothing (NVRTC compiles it). An image the driver refuses all the same is compiled by NVRTC
+//! too (`build_module` warns once).
 //!
 //! # Blob (all integers little-endian)
 //! ```text
@@ -237,6 +238,11 @@ impl<'a> Blob<'a> {
 
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
+    }
+
+    /// Whether an image is stored under `key` (nothing is inflated).
+    pub fn contains(&self, key: &[u8; 32]) -> bool {
+        self.entries.binary_search_by(|e| e.key.cmp(key)).is_ok()
     }
 
     /// The image stored under `key`: `Ok(None)` where there is none, an error where its frame is

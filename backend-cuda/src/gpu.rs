@@ -1276,8 +1276,25 @@ impl Gpu for CudaGpu {
             options: &[],
         };
         if let Some(found) = self.embedded_image(&request, &props)? {
-            tracing::debug!(target: "mscclpp::gpu", "{name} for {}: embedded ({})", props.arch, found.arch);
-            return self.load_module(found.image);
+            match self.load_module(found.image) {
+                Ok(module) => {
+                    tracing::debug!(target: "mscclpp::gpu", "{name} for {}: embedded ({})", props.arch, found.arch);
+                    return Ok(module);
+                }
+                // A driver that refuses what `aot::find` judged loadable (a rule of CUDA's
+                // compatibility we got wrong) costs a compile, not the call.
+                Err(e) => {
+                    static ONCE: std::sync::Once = std::sync::Once::new();
+                    ONCE.call_once(|| {
+                        tracing::warn!(
+                            target: "mscclpp::gpu",
+                            "the driver refused the embedded {name} ({}): {e}; NVRTC compiles \
+                             such kernels instead",
+                            found.arch
+                        )
+                    });
+                }
+            }
         }
         let built = self.kernel_cache()?.get_or_compile(&request)?;
         tracing::debug!(target: "mscclpp::gpu", "{name} for {}: {:?} in {:?}", props.arch, built.outcome, built.elapsed);
