@@ -690,6 +690,9 @@ mod tests {
             Err(Miss::Corrupt(why)) => assert!(why.contains("frame 0"), "{why}"),
             other => panic!("a corrupt frame gave {other:?}"),
         }
+        // What build_module sees: nothing, so NVRTC compiles the unit.
+        let k = req("k", "k", "sm_90");
+        assert_eq!(lookup(Some(&blob), false, &k, (9, 0), || (13, 5)), None);
     }
 
     #[test]
