@@ -8,10 +8,10 @@
 //! into its unit (few data ops), and a user's `compile_native` source, exist only at run time:
 //! NVRTC compiles those.
 //!
-//! [`UnitSet::Default`] is what programs use, 135 units an architecture (about 3 minutes of one
-//! core's NVRTC and 1.1 MiB compressed for sm_90). Every variant would be 1,447, eleven times as
-//! many compiles and bytes (the plan interpreter's 960, one per type, op and feature set, are
-//! most of them); the rest compile at run time on first use, once per machine (the disk cache).
+//! [`UnitSet::Default`] is what programs use, 135 units an architecture. Every variant would be
+//! 1,447, eleven times the compiles and the bytes (the plan interpreter's 960, one per type, op
+//! and feature set, are most of them); the rest compile at run time on first use, once per
+//! machine (the disk cache).
 
 use mscclpp_collectives::port_allreduce;
 use mscclpp_core::{AccumType, DataType, ReduceOp, Result};

@@ -1,6 +1,6 @@
 //! Kernels compiled ahead of time and embedded in the library, so that a fresh machine loads them
-//! instead of running NVRTC on its first calls (it took a job's first start 22 s and a Python
-//! program's first all-reduce 3.5 s).
+//! instead of running NVRTC on its first calls (seconds a unit, on every new machine and for
+//! every rank at once).
 //!
 //! `mscclpp-aot` (a build tool, aot/) compiles the units the runtime loads and writes one blob;
 //! a build with `MSCCLPP_AOT_BLOB=<blob>` in its environment embeds it (build.rs sets the
@@ -36,7 +36,7 @@
 //! data:   the frames, one zstd frame each, at their offsets from the end of the tables
 //! ```
 //! A frame holds the images of one kernel file's variants for one architecture back to back: the
-//! variants share most of their code, and compressed together they take 40% less than each alone,
+//! variants share most of their code, so compressed together they take far less than each alone,
 //! while a lookup inflates only its own frame (once per process). A blob whose magic, tables or
 //! checksum do not match, and a frame whose inflated bytes do not match theirs, serve nothing:
 //! logged once as an error, with NVRTC compiling instead, never a wrong kernel.
