@@ -15,19 +15,26 @@
 # part of cargo's fingerprint, so sharing target/ with the ordinary builds would rebuild
 # everything on each switch. Debug info is left out there (symbols stay, for backtraces).
 #
-# Usage: scripts/build-wheel.sh [--profile dev|release] [--arch x86_64|aarch64] [-o DIR]
+# Both embed the kernels compiled ahead of time (scripts/aot-blob.sh; backend-cuda/src/aot.rs), so
+# a fresh machine runs without compiling them: with --aot ARCHS the CUBIN targets (PTX for GPUs
+# newer than sm_120 comes with them), --aot none embeds nothing. The default is every target
+# (sm_80,sm_90,sm_100,sm_120) for release and none for dev (CI's Python check, which runs no
+# kernel); a blob already named by MSCCLPP_AOT_BLOB is embedded as it is (scripts/gpu-stage.sh).
+#
+# Usage: scripts/build-wheel.sh [--profile dev|release] [--arch x86_64|aarch64] [--aot ARCHS|none] [-o DIR]
 #   aarch64 cross-builds (zig links it; needs `rustup target add aarch64-unknown-linux-gnu`).
 # Prints the wheel's path last.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-profile=release arch=$(uname -m) out=target/wheels
+profile=release arch=$(uname -m) out=target/wheels aot=
 while [ $# -gt 0 ]; do
   case "$1" in
     --profile) profile=$2; shift 2 ;;
     --arch) arch=$2; shift 2 ;;
+    --aot) aot=$2; shift 2 ;;
     -o) out=$2; shift 2 ;;
-    *) echo "build-wheel: unknown argument $1 (--profile dev|release, --arch x86_64|aarch64, -o DIR)" >&2; exit 2 ;;
+    *) echo "build-wheel: unknown argument $1 (--profile dev|release, --arch x86_64|aarch64, --aot ARCHS|none, -o DIR)" >&2; exit 2 ;;
   esac
 done
 case "$arch" in
@@ -39,6 +46,21 @@ case "$profile" in
   release) profile_dir=release ;;
   *) echo "build-wheel: --profile must be dev or release, not $profile" >&2; exit 2 ;;
 esac
+if [ -z "$aot" ]; then
+  if [ -n "${MSCCLPP_AOT_BLOB:-}" ]; then aot=given; elif [ "$profile" = release ]; then aot=sm_80,sm_90,sm_100,sm_120; else aot=none; fi
+fi
+case "$aot" in
+  given) ;;
+  none) unset MSCCLPP_AOT_BLOB ;;
+  *)
+    # Built for this machine in the ordinary target dir, before the wheel's settings below.
+    MSCCLPP_AOT_BLOB=$(bash scripts/aot-blob.sh "$aot" | tail -n 1)
+    export MSCCLPP_AOT_BLOB
+    ;;
+esac
+if [ -n "${MSCCLPP_AOT_BLOB:-}" ]; then
+  echo "build-wheel: embedding $MSCCLPP_AOT_BLOB ($(du -k "$MSCCLPP_AOT_BLOB" | cut -f1) KiB)" >&2
+fi
 triple="$arch-unknown-linux-gnu"
 # shellcheck source=scripts/python-tools.sh
 source scripts/python-tools.sh

@@ -3,6 +3,17 @@
 # device tool carries it). The GPU machine has no Rust: everything it runs is built here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Every binary embeds the kernels compiled ahead of time (scripts/aot-blob.sh), for sm_90 only:
+# the GPU machine is an H200, and each binary carries its own copy (the device tool carries at
+# most 64 MiB). MSCCLPP_AOT_BLOB=none stages binaries that compile every kernel at run time.
+wheel_aot=()
+if [ "${MSCCLPP_AOT_BLOB:-}" = none ]; then
+  unset MSCCLPP_AOT_BLOB
+  wheel_aot=(--aot none)
+elif [ -z "${MSCCLPP_AOT_BLOB:-}" ]; then
+  MSCCLPP_AOT_BLOB=$(bash scripts/aot-blob.sh sm_90 none | tail -n 1)
+  export MSCCLPP_AOT_BLOB
+fi
 cargo build --release -p mscclpp-bench -p mscclpp-tests --bins
 cargo build --release -p mscclpp-nccl -p mscclpp-embed
 cargo build --release -p mscclpp-examples --examples
@@ -50,8 +61,8 @@ if [ -f .gpu-kcache.tgz ]; then cp .gpu-kcache.tgz .gpu/kcache.tgz; fi
 # shim inside as mscclpp/lib/libmscclpp_nccl.so; scripts/build-wheel.sh, its own target dir
 # target/wheel since zig links it), its GPU check and the examples. On the GPU machine:
 #   pip install --no-deps --target /tmp/site .gpu/*.whl && bash .gpu/python-run.sh
-bash scripts/build-wheel.sh --profile release -o .gpu >/dev/null
+bash scripts/build-wheel.sh --profile release "${wheel_aot[@]}" -o .gpu >/dev/null
 mkdir -p .gpu/python && cp -r python/examples python/tests .gpu/python/
 find .gpu/python -name __pycache__ -prune -exec rm -rf {} +
-cp scripts/python-run.sh .gpu/
+cp scripts/python-run.sh scripts/cold-start.py .gpu/
 ls -la .gpu/bin

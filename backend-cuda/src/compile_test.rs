@@ -1,5 +1,6 @@
 //! Helpers for the workspace's compile-only kernel tests (NVRTC on a machine with no GPU). They
 //! panic by design: a unit that does not compile must fail its test, naming the unit.
+//! [`for_each_on_all_cores`] also spreads the build tool's compiles (`mscclpp-aot`).
 
 use crate::nvrtc::{CompileRequest, Nvrtc};
 

@@ -19,6 +19,7 @@
 //! to this device and every device that can reach it peer-to-peer; it is shared as a descriptor that
 //! the importer copies with `pidfd_getfd` (see [`crate::ipc`]).
 
+use crate::aot;
 use crate::cache::KernelCache;
 use crate::driver::{self, cu};
 use crate::graph_launch::{self, GraphLaunches};
@@ -58,9 +59,12 @@ pub struct CudaGpu {
     /// number: kept open (peers copy them with pidfd_getfd) until the allocation is freed, and
     /// reused by repeated exports (`crate::ipc`'s docs).
     exported_fds: Mutex<ExportTable>,
-    /// NVRTC + on-disk cache, created on the first `build_module` (NVRTC is only needed by callers
-    /// that compile kernels, so a missing NVRTC must not stop `CudaGpu::new`).
+    /// NVRTC + on-disk cache, created on the first kernel the embedded ones do not serve (NVRTC is
+    /// only needed by callers that compile kernels, so a missing NVRTC must not stop
+    /// `CudaGpu::new`, nor a run whose kernels are all embedded).
     kernel_cache: OnceLock<KernelCache>,
+    /// `cuDriverGetVersion`, read on the first lookup of an embedded kernel.
+    driver_version: OnceLock<aot::Version>,
     /// Per device: whether 64-bit stream memory operations (cuStreamWriteValue64) are available,
     /// read from the device attribute on first use.
     stream_mem_ops_64: Vec<OnceLock<bool>>,
@@ -130,6 +134,7 @@ impl CudaGpu {
             imports: Mutex::new(ImportCache::default()),
             exported_fds: Mutex::new(ExportTable::default()),
             kernel_cache: OnceLock::new(),
+            driver_version: OnceLock::new(),
             stream_mem_ops_64: (0..count).map(|_| OnceLock::new()).collect(),
             programmatic_launch: (0..count).map(|_| OnceLock::new()).collect(),
             eager_graph_launch: OnceLock::new(),
@@ -488,6 +493,51 @@ impl CudaGpu {
             device: usize::try_from(ordinal).unwrap_or(0),
             handle,
         })
+    }
+
+    /// NVRTC and the disk cache, loaded and created on first use.
+    fn kernel_cache(&self) -> Result<&KernelCache> {
+        if let Some(cache) = self.kernel_cache.get() {
+            return Ok(cache);
+        }
+        let dir = Env::get()?.cache_dir.clone();
+        let nvrtc = Nvrtc::load().inspect_err(|e| {
+            static ONCE: std::sync::Once = std::sync::Once::new();
+            ONCE.call_once(|| {
+                tracing::warn!(
+                    target: "mscclpp::gpu",
+                    "NVRTC cannot be loaded, so no kernel that this build does not embed can run: {e}"
+                )
+            });
+        })?;
+        // A racing thread may have set it first; either cache is equivalent.
+        let _ = self.kernel_cache.set(KernelCache::new(dir, nvrtc)?);
+        self.kernel_cache
+            .get()
+            .ok_or_else(|| Error::Internal("kernel cache vanished".into()))
+    }
+
+    /// The image of `request` this build embeds for the device `props` describes
+    /// ([`aot::lookup`]: none under `MSCCLPP_NVRTC_FORCE`, none where the driver is too old).
+    fn embedded_image(
+        &self,
+        request: &CompileRequest,
+        props: &DeviceProperties,
+    ) -> Result<Option<aot::Found<'static>>> {
+        let device = (props.compute_major, props.compute_minor);
+        let driver = || {
+            *self.driver_version.get_or_init(|| {
+                let mut v: c_int = 0;
+                // SAFETY: writes one int; callable at any time.
+                match unsafe { cu!(cuDriverGetVersion(&mut v)) } {
+                    Ok(()) => aot::driver_version(v),
+                    // Unknown: taken as too old for anything embedded, so NVRTC compiles.
+                    Err(_) => (0, 0),
+                }
+            })
+        };
+        let force = Env::get()?.nvrtc_force;
+        Ok(aot::lookup(aot::embedded(), force, request, device, driver))
     }
 
     /// Unloads a module from [`Gpu::load_module`].
@@ -1214,19 +1264,9 @@ impl Gpu for CudaGpu {
         CudaGpu::allocation_of(self, ptr)
     }
 
+    /// The embedded image of `request` first (`crate::aot`), else NVRTC through the disk cache;
+    /// NVRTC is loaded only then, so a machine without it runs everything that is embedded.
     fn build_module(&self, name: &str, source: &str) -> Result<Module> {
-        let cache = match self.kernel_cache.get() {
-            Some(cache) => cache,
-            None => {
-                let dir = mscclpp_core::env::Env::get()?.cache_dir.clone();
-                let cache = KernelCache::new(dir, Nvrtc::load()?)?;
-                // A racing thread may have set it first; either cache is equivalent.
-                let _ = self.kernel_cache.set(cache);
-                self.kernel_cache
-                    .get()
-                    .ok_or_else(|| Error::Internal("kernel cache vanished".into()))?
-            }
-        };
         let props = self.properties(CURRENT_DEVICE.get())?;
         let request = CompileRequest {
             name,
@@ -1235,7 +1275,28 @@ impl Gpu for CudaGpu {
             headers: mscclpp_kernels_cu::HEADERS,
             options: &[],
         };
-        let built = cache.get_or_compile(&request)?;
+        if let Some(found) = self.embedded_image(&request, &props)? {
+            match self.load_module(found.image) {
+                Ok(module) => {
+                    tracing::debug!(target: "mscclpp::gpu", "{name} for {}: embedded ({})", props.arch, found.arch);
+                    return Ok(module);
+                }
+                // A driver that refuses what `aot::find` judged loadable (a rule of CUDA's
+                // compatibility we got wrong) costs a compile, not the call.
+                Err(e) => {
+                    static ONCE: std::sync::Once = std::sync::Once::new();
+                    ONCE.call_once(|| {
+                        tracing::warn!(
+                            target: "mscclpp::gpu",
+                            "the driver refused the embedded {name} ({}): {e}; NVRTC compiles \
+                             such kernels instead",
+                            found.arch
+                        )
+                    });
+                }
+            }
+        }
+        let built = self.kernel_cache()?.get_or_compile(&request)?;
         tracing::debug!(target: "mscclpp::gpu", "{name} for {}: {:?} in {:?}", props.arch, built.outcome, built.elapsed);
         self.load_module(&built.kernel.image)
     }
@@ -1718,6 +1779,7 @@ mod nvls_tests {
             imports: Mutex::new(ImportCache::default()),
             exported_fds: Mutex::new(ExportTable::default()),
             kernel_cache: OnceLock::new(),
+            driver_version: OnceLock::new(),
             stream_mem_ops_64: Vec::new(),
             programmatic_launch: Vec::new(),
             eager_graph_launch: OnceLock::new(),

@@ -3,13 +3,16 @@
 //! - [`CudaGpu`]: the [`mscclpp_core::Gpu`] trait over the CUDA driver API (cudarc's raw bindings,
 //!   loaded at run time; a missing driver is a clear error, never a panic).
 //! - [`Nvrtc`]: run-time compilation with whichever NVRTC (CUDA 12 or 13) is installed, including
-//!   PyPI's `nvidia-cuda-nvrtc`; [`KernelCache`] keeps its output on disk.
+//!   PyPI's `nvidia-cuda-nvrtc`; [`KernelCache`] keeps its output on disk; [`aot`] serves the
+//!   kernels a release build embeds precompiled, before either.
 //! - Memory sharing between processes on one host: legacy IPC handles and VMM file descriptors
 //!   (see [`ipc`]).
 //!
 //! Environment: `MSCCLPP_NVRTC_LIB` (NVRTC library file or folder), `CUDA_HOME` / `CUDA_PATH`
-//! (toolkit roots for NVRTC and its headers).
+//! (toolkit roots for NVRTC and its headers), `MSCCLPP_NVRTC_FORCE` (compile even what is
+//! embedded); at build time `MSCCLPP_AOT_BLOB` (the blob to embed, see [`aot`]).
 
+pub mod aot;
 pub mod cache;
 pub mod compile_test;
 pub mod driver;

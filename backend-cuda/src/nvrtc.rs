@@ -289,12 +289,7 @@ impl Nvrtc {
     /// The full option list a compile of `req` passes to NVRTC (ours, then the caller's). The kernel
     /// cache hashes this, so anything that changes the output must appear here.
     pub fn options_for(&self, req: &CompileRequest) -> Vec<String> {
-        let mut opts = vec![
-            "-std=c++17".to_string(),
-            format!("--gpu-architecture={}", req.arch),
-            "-default-device".to_string(),
-            "-DMSCCLPP_NVRTC=1".to_string(),
-        ];
+        let mut opts = base_options(req.arch);
         opts.extend(
             self.include_dirs
                 .iter()
@@ -414,6 +409,18 @@ impl Nvrtc {
             message: self.error_string(r),
         })
     }
+}
+
+/// The options every compile for `arch` starts with, before the include folders and the caller's
+/// options. The embedded kernels' key ([`crate::aot::embedded_key`]) hashes these but not the
+/// include folders, which differ from machine to machine.
+pub fn base_options(arch: &str) -> Vec<String> {
+    vec![
+        "-std=c++17".to_string(),
+        format!("--gpu-architecture={arch}"),
+        "-default-device".to_string(),
+        "-DMSCCLPP_NVRTC=1".to_string(),
+    ]
 }
 
 /// Accepts `sm_XY[Z][a|f]` and `compute_XY[Z][a|f]`; anything else would give a confusing NVRTC

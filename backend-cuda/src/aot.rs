@@ -1,0 +1,763 @@
+//! Kernels compiled ahead of time and embedded in the library, so that a fresh machine loads them
+//! instead of running NVRTC on its first calls (seconds a unit, on every new machine and for
+//! every rank at once).
+//!
+//! `mscclpp-aot` (a build tool, aot/) compiles the units the runtime loads and writes one blob;
+//! a build with `MSCCLPP_AOT_BLOB=<blob>` in its environment embeds it (build.rs sets the
+//! `mscclpp_aot` cfg), a build without it embeds nothing and compiles everything at run time.
+//! `CudaGpu::build_module` asks [`find`] first and goes to NVRTC (through the disk cache) only
+//! for what the blob cannot serve, or for everything under `MSCCLPP_NVRTC_FORCE=1`.
+//!
+//! # Key
+//! [`embedded_key`]: SHA-256 over a format tag, the source, the headers, the options every compile
+//! passes ([`crate::nvrtc::base_options`]) and the caller's, and the architecture. Unlike the disk
+//! cache's key it leaves out the include folders (paths that differ between machines but name
+//! the same toolkit headers) and the NVRTC version: a CUBIN does not depend on which NVRTC the
+//! machine running it has, only on the driver being new enough, which [`find`] checks against
+//! the compiler version the blob records.
+//!
+//! # What the driver can run
+//! A CUBIN made by NVRTC 13.x loads on a driver of CUDA 13.0 or newer, and a CUBIN for sm_80 runs
+//! on sm_86 and sm_89 (one major, any later minor). PTX is JIT-compiled by the driver for GPUs
+//! newer than every CUBIN, but only by a driver at least as new as the compiler that wrote it.
+//! So [`find`] takes, in order: the CUBIN of the device's major with the highest minor not above
+//! the device's, where the driver's major is at least the compiler's; the PTX of the newest
+//! architecture not above the device, where the driver is at least the compiler's full version;
+//! else nothing (NVRTC compiles it). An image the driver refuses all the same is compiled by NVRTC
+//! too (`build_module` warns once).
+//!
+//! # Blob (all integers little-endian)
+//! ```text
+//! magic "MSCLAOT1" (8) | compiler major u32 | minor u32 | archs u32 | frames u32 | entries u32
+//! | sha256 of the tables (32)
+//! tables: archs   archs x 16 bytes, NUL-padded ("sm_90", "compute_120")
+//!         frames  frames x (offset u64 | compressed len u64 | raw len u64 | sha256 of raw (32))
+//!         entries entries x (key (32) | frame u32 | offset u64 | len u64), sorted by key
+//! data:   the frames, one zstd frame each, at their offsets from the end of the tables
+//! ```
+//! A frame holds the images of one kernel file's variants for one architecture back to back: the
+//! variants share most of their code, so compressed together they take far less than each alone,
+//! while a lookup inflates only its own frame (once per process). A blob whose magic, tables or
+//! checksum do not match, and a frame whose inflated bytes do not match theirs, serve nothing:
+//! logged once as an error, with NVRTC compiling instead, never a wrong kernel.
+
+use crate::cache::request_key;
+use crate::nvrtc::{base_options, CompileRequest};
+use sha2::{Digest, Sha256};
+use std::io::Read;
+use std::sync::{Once, OnceLock};
+
+const MAGIC: &[u8; 8] = b"MSCLAOT1";
+/// Bumped when anything about how the key is made changes.
+const KEY_FORMAT: &str = "mscclpp-rs embedded kernel v1";
+const HEADER_LEN: usize = 8 + 5 * 4 + 32;
+const ARCH_LEN: usize = 16;
+const FRAME_LEN: usize = 3 * 8 + 32;
+const ENTRY_LEN: usize = 32 + 4 + 2 * 8;
+
+/// The key of `req` in a blob (module docs): the same for every machine and NVRTC.
+pub fn embedded_key(req: &CompileRequest) -> [u8; 32] {
+    let mut options = base_options(req.arch);
+    options.extend(req.options.iter().cloned());
+    request_key(KEY_FORMAT, req, &options, None)
+}
+
+/// A CUDA version as (major, minor), e.g. the driver's `cuDriverGetVersion` 13000 as (13, 0).
+pub type Version = (u32, u32);
+
+/// `cuDriverGetVersion`'s number as a [`Version`].
+pub fn driver_version(raw: i32) -> Version {
+    let raw = u32::try_from(raw).unwrap_or(0);
+    (raw / 1000, raw % 1000 / 10)
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Frame {
+    offset: u64,
+    compressed: u64,
+    raw: u64,
+    sha256: [u8; 32],
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    key: [u8; 32],
+    frame: u32,
+    offset: u64,
+    len: u64,
+}
+
+/// A parsed blob; its frames are inflated on first use.
+#[derive(Debug)]
+pub struct Blob<'a> {
+    compiler: Version,
+    archs: Vec<String>,
+    frames: Vec<Frame>,
+    entries: Vec<Entry>,
+    data: &'a [u8],
+    inflated: Vec<OnceLock<Result<Vec<u8>, String>>>,
+}
+
+/// Little-endian reader over a byte slice; every read says what was cut short.
+struct Cursor<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], String> {
+        let end = self.at.checked_add(n).filter(|&e| e <= self.bytes.len());
+        let end = end.ok_or_else(|| format!("truncated at the {what}"))?;
+        let out = &self.bytes[self.at..end];
+        self.at = end;
+        Ok(out)
+    }
+
+    fn u32(&mut self, what: &str) -> Result<u32, String> {
+        let b = self.take(4, what)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    fn u64(&mut self, what: &str) -> Result<u64, String> {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(self.take(8, what)?);
+        Ok(u64::from_le_bytes(a))
+    }
+
+    fn hash(&mut self, what: &str) -> Result<[u8; 32], String> {
+        let mut a = [0u8; 32];
+        a.copy_from_slice(self.take(32, what)?);
+        Ok(a)
+    }
+}
+
+impl<'a> Blob<'a> {
+    /// Parses and checks the header and tables of `bytes`; the error says what is wrong.
+    pub fn parse(bytes: &'a [u8]) -> Result<Blob<'a>, String> {
+        let mut c = Cursor { bytes, at: 0 };
+        if c.take(8, "magic")? != MAGIC {
+            return Err("bad magic".into());
+        }
+        let compiler = (c.u32("header")?, c.u32("header")?);
+        let (narchs, nframes, nentries) = (c.u32("header")?, c.u32("header")?, c.u32("header")?);
+        let sha = c.hash("header")?;
+        let table = |n: u32, len: usize| (n as usize).checked_mul(len);
+        let tables_len = table(narchs, ARCH_LEN)
+            .zip(table(nframes, FRAME_LEN))
+            .zip(table(nentries, ENTRY_LEN))
+            .and_then(|((a, f), e)| a.checked_add(f)?.checked_add(e))
+            .ok_or("table sizes overflow")?;
+        let tables = c.take(tables_len, "tables")?;
+        if Sha256::digest(tables)[..] != sha {
+            return Err("table checksum mismatch".into());
+        }
+        let mut t = Cursor {
+            bytes: tables,
+            at: 0,
+        };
+        let archs = (0..narchs)
+            .map(|_| {
+                let raw = t.take(ARCH_LEN, "archs")?;
+                let name = raw.split(|&b| b == 0).next().unwrap_or_default();
+                String::from_utf8(name.to_vec())
+                    .map_err(|_| "an arch name is not UTF-8".to_string())
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let data = &bytes[c.at..];
+        let frames = (0..nframes)
+            .map(|_| {
+                let f = Frame {
+                    offset: t.u64("frames")?,
+                    compressed: t.u64("frames")?,
+                    raw: t.u64("frames")?,
+                    sha256: t.hash("frames")?,
+                };
+                let fits = f
+                    .offset
+                    .checked_add(f.compressed)
+                    .is_some_and(|end| end <= data.len() as u64);
+                if fits {
+                    Ok(f)
+                } else {
+                    Err(format!(
+                        "a frame ({} bytes at {}) runs past the data ({} bytes)",
+                        f.compressed,
+                        f.offset,
+                        data.len()
+                    ))
+                }
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        let entries = (0..nentries)
+            .map(|_| {
+                let e = Entry {
+                    key: t.hash("entries")?,
+                    frame: t.u32("entries")?,
+                    offset: t.u64("entries")?,
+                    len: t.u64("entries")?,
+                };
+                let frame = frames
+                    .get(e.frame as usize)
+                    .ok_or("an entry names a missing frame")?;
+                let fits = e
+                    .offset
+                    .checked_add(e.len)
+                    .is_some_and(|end| end <= frame.raw);
+                if !fits || e.len == 0 {
+                    return Err("an entry lies outside its frame".to_string());
+                }
+                Ok(e)
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        if !entries.windows(2).all(|w| w[0].key < w[1].key) {
+            return Err("entries are not sorted by key".into());
+        }
+        Ok(Blob {
+            compiler,
+            archs,
+            inflated: frames.iter().map(|_| OnceLock::new()).collect(),
+            frames,
+            entries,
+            data,
+        })
+    }
+
+    /// The NVRTC version that compiled the blob.
+    pub fn compiler(&self) -> Version {
+        self.compiler
+    }
+
+    /// The architectures with images, `sm_XY` (CUBIN) or `compute_XY` (PTX).
+    pub fn archs(&self) -> &[String] {
+        &self.archs
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Whether an image is stored under `key` (nothing is inflated).
+    pub fn contains(&self, key: &[u8; 32]) -> bool {
+        self.entries.binary_search_by(|e| e.key.cmp(key)).is_ok()
+    }
+
+    /// The image stored under `key`: `Ok(None)` where there is none, an error where its frame is
+    /// corrupt.
+    pub fn image(&self, key: &[u8; 32]) -> Result<Option<&[u8]>, String> {
+        let Ok(i) = self.entries.binary_search_by(|e| e.key.cmp(key)) else {
+            return Ok(None);
+        };
+        let e = self.entries[i];
+        let frame = self.inflated[e.frame as usize]
+            .get_or_init(|| self.inflate(e.frame as usize))
+            .as_ref()
+            .map_err(Clone::clone)?;
+        // In range: checked against the frame's raw length by `parse`, which `inflate` enforces.
+        Ok(Some(&frame[e.offset as usize..(e.offset + e.len) as usize]))
+    }
+
+    fn inflate(&self, index: usize) -> Result<Vec<u8>, String> {
+        let f = self.frames[index];
+        let compressed = &self.data[f.offset as usize..(f.offset + f.compressed) as usize];
+        // Room for what the table says, within reason: the table could be wrong.
+        let mut raw = Vec::with_capacity(f.raw.min(1 << 28) as usize);
+        ruzstd::decoding::StreamingDecoder::new(compressed)
+            .map_err(|e| format!("frame {index}: {e}"))?
+            .take(f.raw.saturating_add(1))
+            .read_to_end(&mut raw)
+            .map_err(|e| format!("frame {index}: {e}"))?;
+        if raw.len() as u64 != f.raw {
+            return Err(format!(
+                "frame {index} inflates to {} bytes, the table says {}",
+                raw.len(),
+                f.raw
+            ));
+        }
+        if Sha256::digest(&raw)[..] != f.sha256 {
+            return Err(format!("frame {index}: checksum mismatch"));
+        }
+        Ok(raw)
+    }
+}
+
+/// One frame of a blob being written: the images of one kernel file's variants for one
+/// architecture (module docs).
+#[derive(Debug, Default)]
+pub struct FrameImages {
+    pub images: Vec<([u8; 32], Vec<u8>)>,
+}
+
+/// Writes a blob of `frames`, compiled by NVRTC `compiler` for `archs`, each frame compressed by
+/// `compress` (a zstd frame; the build tool's encoder). Keys must be unique.
+pub fn encode(
+    compiler: Version,
+    archs: &[String],
+    frames: &[FrameImages],
+    mut compress: impl FnMut(&[u8]) -> Vec<u8>,
+) -> Result<Vec<u8>, String> {
+    let mut tables = Vec::new();
+    for a in archs {
+        if a.len() >= ARCH_LEN {
+            return Err(format!("architecture name {a} is too long"));
+        }
+        let mut field = [0u8; ARCH_LEN];
+        field[..a.len()].copy_from_slice(a.as_bytes());
+        tables.extend_from_slice(&field);
+    }
+    let mut data = Vec::new();
+    let mut entries = Vec::new();
+    for (index, frame) in frames.iter().enumerate() {
+        let mut raw = Vec::new();
+        for (key, image) in &frame.images {
+            entries.push(Entry {
+                key: *key,
+                frame: index as u32,
+                offset: raw.len() as u64,
+                len: image.len() as u64,
+            });
+            raw.extend_from_slice(image);
+        }
+        let packed = compress(&raw);
+        tables.extend_from_slice(&(data.len() as u64).to_le_bytes());
+        tables.extend_from_slice(&(packed.len() as u64).to_le_bytes());
+        tables.extend_from_slice(&(raw.len() as u64).to_le_bytes());
+        tables.extend_from_slice(&Sha256::digest(&raw));
+        data.extend_from_slice(&packed);
+    }
+    entries.sort_by_key(|e| e.key);
+    if let Some(w) = entries.windows(2).find(|w| w[0].key == w[1].key) {
+        return Err(format!("key {} is stored twice", hex::encode(w[0].key)));
+    }
+    for e in &entries {
+        tables.extend_from_slice(&e.key);
+        tables.extend_from_slice(&e.frame.to_le_bytes());
+        tables.extend_from_slice(&e.offset.to_le_bytes());
+        tables.extend_from_slice(&e.len.to_le_bytes());
+    }
+    let count = |n: usize, what: &str| u32::try_from(n).map_err(|_| format!("too many {what}"));
+    let mut out = Vec::with_capacity(HEADER_LEN + tables.len() + data.len());
+    out.extend_from_slice(MAGIC);
+    for v in [
+        compiler.0,
+        compiler.1,
+        count(archs.len(), "architectures")?,
+        count(frames.len(), "frames")?,
+        count(entries.len(), "entries")?,
+    ] {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    out.extend_from_slice(&Sha256::digest(&tables));
+    out.extend_from_slice(&tables);
+    out.extend_from_slice(&data);
+    Ok(out)
+}
+
+/// What [`find`] found for a unit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Found<'b> {
+    /// `sm_XY` (a CUBIN) or `compute_XY` (PTX, which the driver JIT-compiles).
+    pub arch: &'b str,
+    pub image: &'b [u8],
+}
+
+/// Why [`find`] found nothing; NVRTC compiles the unit then.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Miss {
+    /// The driver is older than the compiler's major: nothing in the blob loads.
+    DriverTooOld { driver: Version, compiler: Version },
+    /// No image of the unit for this device (a user's unit, a variant not embedded).
+    NotEmbedded,
+    /// The unit's frame is corrupt (the message says how).
+    Corrupt(String),
+}
+
+/// `sm_XY` / `compute_XY` as (X, Y); `None` for other names.
+fn arch_version(arch: &str) -> Option<Version> {
+    let digits = arch
+        .strip_prefix("sm_")
+        .or_else(|| arch.strip_prefix("compute_"))?;
+    if digits.len() < 2 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let (major, minor) = digits.split_at(digits.len() - 1);
+    Some((major.parse().ok()?, minor.parse().ok()?))
+}
+
+/// The image of `req` (its `arch` ignored) for a device of compute capability `device` under a
+/// driver of version `driver`, by the rules in the module docs.
+pub fn find<'b>(
+    blob: &'b Blob<'_>,
+    req: &CompileRequest,
+    device: Version,
+    driver: Version,
+) -> Result<Found<'b>, Miss> {
+    if driver.0 < blob.compiler.0 {
+        return Err(Miss::DriverTooOld {
+            driver,
+            compiler: blob.compiler,
+        });
+    }
+    let with_arch = |arch: &'b str| -> Result<Option<Found<'b>>, Miss> {
+        let key = embedded_key(&CompileRequest { arch, ..*req });
+        match blob.image(&key) {
+            Ok(image) => Ok(image.map(|image| Found { arch, image })),
+            Err(why) => Err(Miss::Corrupt(why)),
+        }
+    };
+    // (version, arch) of each kind, newest first, among those the device can run.
+    let mut cubins: Vec<(Version, &'b str)> = Vec::new();
+    let mut ptx: Vec<(Version, &'b str)> = Vec::new();
+    for arch in &blob.archs {
+        match arch_version(arch) {
+            Some(v) if arch.starts_with("sm_") && v.0 == device.0 && v.1 <= device.1 => {
+                cubins.push((v, arch))
+            }
+            Some(v) if arch.starts_with("compute_") && v <= device => ptx.push((v, arch)),
+            _ => {}
+        }
+    }
+    cubins.sort_unstable_by(|a, b| b.cmp(a));
+    ptx.sort_unstable_by(|a, b| b.cmp(a));
+    for &(_, arch) in &cubins {
+        if let Some(found) = with_arch(arch)? {
+            return Ok(found);
+        }
+    }
+    if driver >= blob.compiler {
+        for &(_, arch) in &ptx {
+            if let Some(found) = with_arch(arch)? {
+                return Ok(found);
+            }
+        }
+    }
+    Err(Miss::NotEmbedded)
+}
+
+/// What `CudaGpu::build_module` loads for `req` before asking NVRTC: the image [`find`] finds in
+/// `blob` (the embedded one, if any), unless `force` (`MSCCLPP_NVRTC_FORCE`). `None` means NVRTC
+/// compiles it; why is logged (the driver's age and corruption once: they hold for every unit).
+pub fn lookup<'b>(
+    blob: Option<&'b Blob<'_>>,
+    force: bool,
+    req: &CompileRequest,
+    device: Version,
+    driver: impl FnOnce() -> Version,
+) -> Option<Found<'b>> {
+    let blob = blob.filter(|_| !force)?;
+    match find(blob, req, device, driver()) {
+        Ok(found) => Some(found),
+        Err(miss) => {
+            log_miss(req.name, req.arch, &miss);
+            None
+        }
+    }
+}
+
+/// The blob this build embeds (`MSCCLPP_AOT_BLOB` at build time), parsed on first use; `None`
+/// where there is none or it is corrupt (logged once).
+pub fn embedded() -> Option<&'static Blob<'static>> {
+    #[cfg(mscclpp_aot)]
+    static BYTES: &[u8] = include_bytes!(env!("MSCCLPP_AOT_BLOB_PATH"));
+    #[cfg(not(mscclpp_aot))]
+    static BYTES: &[u8] = &[];
+    static BLOB: OnceLock<Option<Blob<'static>>> = OnceLock::new();
+    BLOB.get_or_init(|| {
+        if BYTES.is_empty() {
+            return None;
+        }
+        match Blob::parse(BYTES) {
+            Ok(blob) => {
+                tracing::debug!(
+                    target: "mscclpp::gpu",
+                    "{} embedded kernel images (NVRTC {}.{}, {})",
+                    blob.len(),
+                    blob.compiler.0,
+                    blob.compiler.1,
+                    blob.archs.join(" ")
+                );
+                Some(blob)
+            }
+            Err(why) => {
+                tracing::error!(
+                    target: "mscclpp::gpu",
+                    "the embedded kernels are unusable ({why}): every kernel is compiled by NVRTC"
+                );
+                None
+            }
+        }
+    })
+    .as_ref()
+}
+
+/// Logs why the blob did not serve a unit, where NVRTC is asked instead: the driver's age and
+/// corruption once per process (they hold for every unit), a unit that is not embedded at debug
+/// level (users' units and rare variants are expected to be compiled).
+fn log_miss(name: &str, arch: &str, miss: &Miss) {
+    static DRIVER: Once = Once::new();
+    static CORRUPT: Once = Once::new();
+    match miss {
+        Miss::DriverTooOld { driver, compiler } => DRIVER.call_once(|| {
+            tracing::warn!(
+                target: "mscclpp::gpu",
+                "the embedded kernels were compiled by NVRTC {}.{}, which needs a CUDA {}.x driver; \
+                 this driver is {}.{}: every kernel is compiled by NVRTC",
+                compiler.0, compiler.1, compiler.0, driver.0, driver.1
+            )
+        }),
+        Miss::Corrupt(why) => CORRUPT.call_once(|| {
+            tracing::error!(
+                target: "mscclpp::gpu",
+                "embedded kernels: {why}; the kernels of that frame are compiled by NVRTC"
+            )
+        }),
+        Miss::NotEmbedded => {
+            tracing::debug!(target: "mscclpp::gpu", "{name} for {arch} is not embedded")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HEADERS: &[(&str, &str)] = &[("mscclpp/a.cuh", "#define A 1\n")];
+
+    fn req<'a>(name: &'a str, source: &'a str, arch: &'a str) -> CompileRequest<'a> {
+        CompileRequest {
+            name,
+            source,
+            arch,
+            headers: HEADERS,
+            options: &[],
+        }
+    }
+
+    fn compress(raw: &[u8]) -> Vec<u8> {
+        ruzstd::encoding::compress_to_vec(raw, ruzstd::encoding::CompressionLevel::Fastest)
+    }
+
+    /// A blob by NVRTC 13.5 with unit `k` (source "k") for `archs`, its image `<arch>:k`, and a
+    /// second unit in the same frames.
+    fn blob_for(archs: &[&str]) -> Vec<u8> {
+        let frames: Vec<FrameImages> = archs
+            .iter()
+            .map(|a| FrameImages {
+                images: ["k", "other"]
+                    .iter()
+                    .map(|s| (embedded_key(&req(s, s, a)), format!("{a}:{s}").into_bytes()))
+                    .collect(),
+            })
+            .collect();
+        let archs: Vec<String> = archs.iter().map(|a| a.to_string()).collect();
+        encode((13, 5), &archs, &frames, compress).expect("encode")
+    }
+
+    fn found(blob: &Blob, device: Version, driver: Version) -> Result<String, Miss> {
+        find(blob, &req("k", "k", "sm_00"), device, driver)
+            .map(|f| String::from_utf8(f.image.to_vec()).expect("utf-8"))
+    }
+
+    #[test]
+    fn a_blob_round_trips() {
+        let bytes = blob_for(&["sm_80", "sm_90", "compute_120"]);
+        let blob = Blob::parse(&bytes).expect("parse");
+        assert_eq!(blob.compiler(), (13, 5));
+        assert_eq!(blob.archs(), ["sm_80", "sm_90", "compute_120"]);
+        assert_eq!(blob.len(), 6);
+        for a in ["sm_80", "sm_90", "compute_120"] {
+            for s in ["k", "other"] {
+                let image = blob.image(&embedded_key(&req(s, s, a))).expect("intact");
+                assert_eq!(image, Some(format!("{a}:{s}").as_bytes()));
+            }
+        }
+        assert_eq!(blob.image(&[0; 32]), Ok(None));
+    }
+
+    #[test]
+    fn the_key_ignores_the_name_and_names_source_headers_options_and_arch() {
+        let base = embedded_key(&req("k", "k", "sm_90"));
+        assert_eq!(base, embedded_key(&req("renamed", "k", "sm_90")));
+        assert_ne!(base, embedded_key(&req("k", "k2", "sm_90")));
+        assert_ne!(base, embedded_key(&req("k", "k", "sm_80")));
+        assert_ne!(
+            base,
+            embedded_key(&CompileRequest {
+                headers: &[],
+                ..req("k", "k", "sm_90")
+            })
+        );
+        let options = ["-DX=1".to_string()];
+        assert_ne!(
+            base,
+            embedded_key(&CompileRequest {
+                options: &options,
+                ..req("k", "k", "sm_90")
+            })
+        );
+    }
+
+    /// The disk cache's key names the NVRTC version, the embedded key does not: the same request
+    /// gets one embedded key whatever compiler a machine has.
+    #[test]
+    fn the_key_is_the_same_for_every_nvrtc() {
+        let r = req("k", "k", "sm_90");
+        let options = base_options("sm_90");
+        let nvrtc_13_0 = request_key(KEY_FORMAT, &r, &options, Some((13, 0)));
+        let nvrtc_13_5 = request_key(KEY_FORMAT, &r, &options, Some((13, 5)));
+        assert_ne!(nvrtc_13_0, nvrtc_13_5);
+        assert_eq!(
+            embedded_key(&r),
+            request_key(KEY_FORMAT, &r, &options, None)
+        );
+    }
+
+    #[test]
+    fn the_device_gets_its_cubin_then_its_majors_then_ptx() {
+        let bytes = blob_for(&["sm_80", "sm_90", "sm_100", "compute_120"]);
+        let blob = Blob::parse(&bytes).expect("parse");
+        let driver = (13, 5);
+        assert_eq!(found(&blob, (9, 0), driver).as_deref(), Ok("sm_90:k"));
+        assert_eq!(found(&blob, (8, 9), driver).as_deref(), Ok("sm_80:k"));
+        assert_eq!(found(&blob, (10, 3), driver).as_deref(), Ok("sm_100:k"));
+        assert_eq!(
+            found(&blob, (12, 0), driver).as_deref(),
+            Ok("compute_120:k")
+        );
+        assert_eq!(
+            found(&blob, (13, 0), driver).as_deref(),
+            Ok("compute_120:k")
+        );
+        // No CUBIN of the major and PTX only for newer GPUs.
+        assert_eq!(found(&blob, (7, 5), driver), Err(Miss::NotEmbedded));
+        let other = find(&blob, &req("user", "user code", "sm_90"), (9, 0), driver);
+        assert_eq!(other, Err(Miss::NotEmbedded));
+    }
+
+    #[test]
+    fn an_old_driver_loads_cubins_of_its_major_and_no_newer_ptx() {
+        let bytes = blob_for(&["sm_90", "compute_120"]);
+        let blob = Blob::parse(&bytes).expect("parse");
+        assert_eq!(found(&blob, (9, 0), (13, 0)).as_deref(), Ok("sm_90:k"));
+        assert_eq!(found(&blob, (12, 0), (13, 0)), Err(Miss::NotEmbedded));
+        assert_eq!(
+            found(&blob, (9, 0), (12, 8)),
+            Err(Miss::DriverTooOld {
+                driver: (12, 8),
+                compiler: (13, 5)
+            })
+        );
+        assert_eq!(driver_version(13000), (13, 0));
+        assert_eq!(driver_version(12080), (12, 8));
+    }
+
+    #[test]
+    fn damaged_blobs_are_refused_with_a_reason() {
+        let good = blob_for(&["sm_90"]);
+        let damage = |f: &dyn Fn(&mut Vec<u8>)| {
+            let mut b = good.clone();
+            f(&mut b);
+            b
+        };
+        let cases: Vec<(Vec<u8>, &str)> = vec![
+            (damage(&|b| b.truncate(20)), "truncated"),
+            (damage(&|b| b[0] = b'X'), "magic"),
+            (damage(&|b| b[HEADER_LEN] ^= 1), "checksum"),
+            (
+                damage(&|b| b[24..28].copy_from_slice(&u32::MAX.to_le_bytes())),
+                "truncated",
+            ),
+            (damage(&|b| b.truncate(b.len() - 1)), "past the data"),
+        ];
+        for (bytes, why) in cases {
+            let err = Blob::parse(&bytes).unwrap_err();
+            assert!(err.contains(why), "{why}: {err}");
+        }
+    }
+
+    /// A frame whose bytes were damaged after the tables: parsing succeeds, the lookup says the
+    /// frame is corrupt (NVRTC compiles instead), never a wrong image.
+    #[test]
+    fn a_corrupt_frame_serves_nothing() {
+        let mut bytes = blob_for(&["sm_90"]);
+        let last = bytes.len() - 2;
+        bytes[last] ^= 0x55;
+        let blob = Blob::parse(&bytes).expect("the tables are intact");
+        match found(&blob, (9, 0), (13, 5)) {
+            Err(Miss::Corrupt(why)) => assert!(why.contains("frame 0"), "{why}"),
+            other => panic!("a corrupt frame gave {other:?}"),
+        }
+        // What build_module sees: nothing, so NVRTC compiles the unit.
+        let k = req("k", "k", "sm_90");
+        assert_eq!(lookup(Some(&blob), false, &k, (9, 0), || (13, 5)), None);
+    }
+
+    #[test]
+    fn a_key_stored_twice_is_refused() {
+        let image = (embedded_key(&req("k", "k", "sm_90")), b"x".to_vec());
+        let frame = FrameImages {
+            images: vec![image.clone(), image],
+        };
+        let err = encode((13, 5), &["sm_90".into()], &[frame], compress).unwrap_err();
+        assert!(err.contains("twice"), "{err}");
+    }
+
+    /// MSCCLPP_NVRTC_FORCE skips the blob; a unit it lacks, or no blob, is NVRTC's (None).
+    #[test]
+    fn lookup_serves_what_is_embedded_unless_forced() {
+        let bytes = blob_for(&["sm_90"]);
+        let blob = Blob::parse(&bytes).expect("parse");
+        let driver = || (13, 0);
+        let k = req("k", "k", "sm_90");
+        let got = lookup(Some(&blob), false, &k, (9, 0), driver).map(|f| f.image);
+        assert_eq!(got, Some(&b"sm_90:k"[..]));
+        assert_eq!(lookup(Some(&blob), true, &k, (9, 0), driver), None);
+        assert_eq!(lookup(None, false, &k, (9, 0), driver), None);
+        let user = req("user", "user code", "sm_90");
+        assert_eq!(lookup(Some(&blob), false, &user, (9, 0), driver), None);
+    }
+
+    /// In builds that embed a blob (`MSCCLPP_AOT_BLOB`, every one of which has sm_90): it parses,
+    /// every frame inflates, and the runtime's request for the README's bf16 sum all-reduce on
+    /// an H100 finds its CUBIN, so the build tool's keys are the runtime's.
+    #[cfg(mscclpp_aot)]
+    #[test]
+    fn the_embedded_blob_is_intact_and_serves_the_runtime() {
+        use mscclpp_core::{DataType, ReduceOp};
+        use mscclpp_kernels_cu::collectives::{self as kc, CollectiveFile, ReduceSpec};
+        let blob = embedded().expect("this build embeds a blob that parses");
+        assert!(!blob.is_empty());
+        for i in 0..blob.frames.len() {
+            blob.inflate(i).expect("every frame inflates");
+        }
+        let spec = ReduceSpec {
+            dtype: DataType::Bf16,
+            acc: DataType::Bf16,
+            op: ReduceOp::Sum,
+        };
+        let source = kc::unit_source(CollectiveFile::AllReduce, Some(spec)).expect("source");
+        let name = kc::unit_name(CollectiveFile::AllReduce, Some(spec));
+        let request = CompileRequest {
+            name: &name,
+            source: &source,
+            arch: "sm_90",
+            headers: mscclpp_kernels_cu::HEADERS,
+            options: &[],
+        };
+        let found = find(blob, &request, (9, 0), blob.compiler()).expect("embedded");
+        assert_eq!(found.arch, "sm_90");
+        assert!(found.image.starts_with(b"\x7fELF"), "not a CUBIN");
+    }
+
+    #[test]
+    fn arch_names_parse() {
+        assert_eq!(arch_version("sm_90"), Some((9, 0)));
+        assert_eq!(arch_version("sm_120"), Some((12, 0)));
+        assert_eq!(arch_version("compute_100"), Some((10, 0)));
+        assert_eq!(arch_version("sm_90a"), None);
+        assert_eq!(arch_version("gfx942"), None);
+    }
+}
