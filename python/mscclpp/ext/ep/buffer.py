@@ -24,7 +24,7 @@ import torch
 from ... import _mscclpp
 from ...comm import CommGroup
 from . import checks
-from .config import Config, check_intranode, recommended
+from .config import check_intranode, recommended
 from .utils import EventHandle, EventOverlap
 
 # What the layout and dispatch bring to a 6-tuple handle, by position (DeepEP's order).
@@ -557,8 +557,7 @@ def _layout(topk_idx, num_experts, num_ranks):
     per_expert = torch.bincount(topk_idx[valid], minlength=num_experts).to(torch.int32)
     rank_of = torch.where(valid, topk_idx // (num_experts // num_ranks), 0)
     hits = torch.nn.functional.one_hot(rank_of, num_ranks).bool() & valid[..., None]
-    in_rank = hits.any(1) if topk_idx.shape[1] else torch.zeros(
-        topk_idx.shape[0], num_ranks, dtype=torch.bool, device=topk_idx.device)
+    in_rank = hits.any(1)
     return in_rank.sum(0, dtype=torch.int32), per_expert, in_rank.contiguous()
 
 
