@@ -7,7 +7,8 @@ seed. Cases: random routing with -1 holes, every token to one rank, a rank recei
 integers, so `combine(dispatch(x))` is exactly x times the ranks each token reached; that is
 checked too. Then the refusals: a handle made with another num_sms, on every rank.
 Prints the seed; exit status 1 on any mismatch or error.
-Run: torchrun --nproc_per_node=N ep_gpu_check.py [--seed S] [--quick]"""
+With --kernels, through the intranode kernels instead of the point-to-point groups.
+Run: torchrun --nproc_per_node=N ep_gpu_check.py [--seed S] [--quick] [--kernels]"""
 
 import argparse
 import os
@@ -131,14 +132,18 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     parser.add_argument("--quick", action="store_true", help="skip the 4096 x 7168 case")
+    parser.add_argument("--kernels", action="store_true",
+                        help="the intranode kernels (Buffer.use_kernels), not point-to-point")
     args = parser.parse_args()
+    Buffer.use_kernels = args.kernels
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank % torch.cuda.device_count())
     # gloo: the group only bootstraps the Buffer, and NCCL refuses ranks sharing a GPU.
     dist.init_process_group("gloo")
     R, r = dist.get_world_size(), dist.get_rank()
     if r == 0:
-        print(f"ep_gpu_check: {R} ranks, seed {args.seed}", flush=True)
+        print(f"ep_gpu_check: {R} ranks, seed {args.seed}, "
+              f"{'kernels' if args.kernels else 'point-to-point'}", flush=True)
     hidden_big = 7168
     hints = [c.get_nvl_buffer_size_hint(hidden_big * 2, R)
              for c in (Buffer.get_dispatch_config(R), Buffer.get_combine_config(R))]

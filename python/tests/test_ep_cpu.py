@@ -114,11 +114,12 @@ def test_config_defaults_tables_and_hints():
         for cfg in (Buffer.get_dispatch_config(r), Buffer.get_combine_config(r)):
             hint = cfg.get_nvl_buffer_size_hint(7168 * 2, r)
             assert hint % 128 == 0
-            assert hint >= cfg.dispatch_bytes(7168 * 2, r, 128, 128)
-            assert hint >= cfg.combine_bytes(7168 * 2, r, 128)
+            assert hint >= cfg.buffer_bytes(7168 * 2, r, 128, 128)
             assert cfg.get_rdma_buffer_size_hint(7168 * 2, r) == 0
     with pytest.raises(NotImplementedError, match="internode"):
         d.get_nvl_buffer_size_hint(7168 * 2, 16)
+    # The kernels' layout (kernels-cu/src/ep.rs pins the same number).
+    assert Config(20, 6, 256).buffer_bytes(7168 * 2, 8, 8) == 295_930_624
     with pytest.raises(ValueError, match="num_ranks=3"):
         Buffer.get_dispatch_config(3)
 
@@ -129,7 +130,7 @@ def test_config_refusals_name_the_field():
     with pytest.raises(ValueError, match="num_sms=-2"):
         Config(-2)
     with pytest.raises(ValueError, match="num_sms=3"):
-        Config(3).dispatch_bytes(256, 2, 8)
+        Config(3).buffer_bytes(256, 2, 8)
     # RDMA receive slots round up to whole chunks, as DeepEP's do.
     assert Config(20, 6, 256, 6, 100).num_max_rdma_chunked_recv_tokens == 102
 
@@ -233,6 +234,7 @@ class SimBuffer(Buffer):
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, 0
         self.low_latency_mode, self.explicitly_destroy = False, False
         self._device, self._stream, self._handles = torch.device("cpu"), None, {}
+        self._ep = self._nvl = None  # the point-to-point path (the kernels need a GPU)
         self._world = world
         self._session = SimpleNamespace(check=lambda: None)
         self._comm_group = SimpleNamespace(bootstrap=SimpleNamespace(

@@ -48,6 +48,10 @@ class Buffer:
     """
 
     num_sms: int = 20
+    # The data path of the Buffers made from now on: False, the runtime's point-to-point groups
+    # (see the module doc); True, the intranode kernels (kernels-cu/src/kernels/ep_intranode.cu:
+    # counts and rings through every rank's NVLink buffer). Every rank must set the same.
+    use_kernels: bool = False
 
     def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
                  num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False,
@@ -89,7 +93,12 @@ class Buffer:
         if why is not None:
             raise RuntimeError(f"Buffer: this communicator cannot send and receive: {why}")
         self._stream = torch.cuda.Stream(device=self._device)
-        self._nvl = torch.zeros(num_nvl_bytes, dtype=torch.uint8, device=self._device)
+        # The kernels' NVLink buffer is the runtime's (every peer maps it); the point-to-point
+        # path keeps a plain one for get_local_buffer_tensor.
+        self._ep = _mscclpp.EpBuffer(self._comm_group.communicator, num_nvl_bytes) \
+            if Buffer.use_kernels else None
+        self._nvl = None if self._ep is not None else torch.zeros(
+            num_nvl_bytes, dtype=torch.uint8, device=self._device)
         # The handles this Buffer made: id of the handle's rank prefix matrix -> (a weak reference
         # to it, the channel count it was made with). Weak, so a dropped handle is forgotten.
         self._handles = {}
@@ -136,6 +145,9 @@ class Buffer:
         self._live("get_local_buffer_tensor")
         if use_rdma_buffer:
             _not_in_phase_1("get_local_buffer_tensor(use_rdma_buffer=True): the RDMA buffer")
+        if self._ep is not None:
+            _not_in_phase_1("get_local_buffer_tensor with Buffer.use_kernels: the kernels' buffer "
+                            "as a tensor")
         if not 0 <= offset <= self.num_nvl_bytes:
             raise ValueError(f"get_local_buffer_tensor: offset={offset} is outside the "
                              f"{self.num_nvl_bytes}-byte buffer")
@@ -157,7 +169,7 @@ class Buffer:
         self._live("destroy")
         torch.cuda.current_stream().wait_stream(self._stream)
         self._stream.synchronize()
-        self._session = self._comm_group = self._nvl = None
+        self._session = self._comm_group = self._nvl = self._ep = None
         self._handles.clear()
 
     # ---- the calls ---------------------------------------------------------------------------
@@ -232,7 +244,7 @@ class Buffer:
                                 ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
                     if t is not None:
                         self._on_device(name, t)
-            needed = cfg.dispatch_bytes(x.shape[1] * x.element_size(), R, num_topk)
+            needed = cfg.buffer_bytes(x.shape[1] * x.element_size(), R, num_topk)
             checks.buffer_size(what, self.num_nvl_bytes, needed, cfg)
             agreed = dict(hidden=x.shape[1], cached=handle is not None, num_topk=num_topk,
                           num_experts=num_experts, num_worst_tokens=num_worst_tokens,
@@ -242,7 +254,12 @@ class Buffer:
         config = self._collectively(what, check)
         compute = self._wait(previous_event)
         with self._on_stream():
-            if handle is not None:
+            if self._ep is not None:
+                in_rank = handle[4] if handle is not None else is_token_in_rank
+                result, outputs = self._kernel_dispatch(
+                    x, handle, in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                    expert_alignment, num_worst_tokens, config)
+            elif handle is not None:
                 rank_prefix, _, _, recv_src_idx, in_rank, _ = handle
                 counts = _counts_of(rank_prefix.cpu())
                 self._session.check()
@@ -284,7 +301,7 @@ class Buffer:
             for i, b in enumerate(biases):
                 checks.tensor(f"bias[{i}]", b, torch.bfloat16, 2, in_rank.shape[0], x.shape[1])
                 self._on_device(f"bias[{i}]", b)
-            needed = cfg.combine_bytes(x.shape[1] * x.element_size(), self.group_size, num_topk)
+            needed = cfg.buffer_bytes(x.shape[1] * x.element_size(), self.group_size, num_topk)
             checks.buffer_size(what, self.num_nvl_bytes, needed, cfg)
             return dict(hidden=x.shape[1], num_topk=num_topk, num_sms=cfg.num_sms), cfg
 
@@ -292,9 +309,12 @@ class Buffer:
         compute = self._wait(previous_event)
         rank_prefix, _, _, recv_src_idx, in_rank, send_head = handle
         with self._on_stream():
-            counts = _counts_of(rank_prefix.cpu())
-            self._session.check()
-            combined, combined_w = self._combine(x, topk_weights, biases, in_rank, counts)
+            if self._ep is not None:
+                combined, combined_w = self._kernel_combine(x, handle, topk_weights, biases, config)
+            else:
+                counts = _counts_of(rank_prefix.cpu())
+                self._session.check()
+                combined, combined_w = self._combine(x, topk_weights, biases, in_rank, counts)
         inputs = [x, rank_prefix, recv_src_idx, in_rank, send_head] + biases
         if topk_weights is not None:
             inputs.append(topk_weights)
@@ -449,6 +469,92 @@ class Buffer:
             if acc_w is not None:
                 acc_w[tokens] += back_w[off:off + n]
         return acc.to(x.dtype), acc_w
+
+    def _kernel_dispatch(self, x, handle, in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                         expert_alignment, num_worst_tokens, config):
+        """Dispatch through the kernels: ep_notify (counts, prefix sums, ring reset) and one host
+        read of the counts, or, cached, ep_reset; then ep_dispatch."""
+        R, dev, C = self.group_size, self._device, config.num_channels
+        T, H = x.shape
+        K = 0 if topk_idx is None else topk_idx.shape[1]
+        recv_channel_prefix = torch.empty(R, C, dtype=torch.int32, device=dev)
+        if handle is not None:
+            rank_prefix, channel_prefix, _, old_src_idx, _, _ = handle
+            rows, L = old_src_idx.shape[0], 0
+            self._launch("reset", config, x, 0)
+        else:
+            L = num_tokens_per_expert.shape[0] // R
+            channel_prefix = _channel_prefix(in_rank, C)
+            rank_prefix = torch.empty(R, R, dtype=torch.int32, device=dev)
+            counts = torch.empty(L + 1, dtype=torch.int32, device=dev)
+            # The per-rank counts the kernel moves by are the routing's own (a caller's
+            # num_tokens_per_rank that disagreed would size the receive wrong).
+            self._launch("notify", config, x, K,
+                         num_tokens_per_rank=in_rank.sum(0, dtype=torch.int32),
+                         num_tokens_per_expert=num_tokens_per_expert, rank_prefix=rank_prefix,
+                         recv_expert_counts=counts, experts_per_rank=L,
+                         expert_alignment=expert_alignment)
+            # This rank's counts, and every rank's total (the prefix matrix's last row).
+            host = torch.cat([counts, rank_prefix[-1]]).cpu()
+            self._ep.check()
+            received = host[L + 1:]
+            if num_worst_tokens and int(received.max()) > num_worst_tokens:
+                over = {r: int(received[r]) for r in range(R) if received[r] > num_worst_tokens}
+                raise ValueError(f"dispatch: num_worst_tokens={num_worst_tokens} is below what "
+                                 f"rank(s) receive: {over}")
+            num_recv = int(host[L])
+            rows = num_worst_tokens if num_worst_tokens else num_recv
+            per_expert = [] if num_worst_tokens else host[:L].tolist()
+            send_head = _send_head(in_rank)
+        recv_x = torch.empty(rows, H, dtype=x.dtype, device=dev)
+        recv_src_idx = torch.full((rows,), -1, dtype=torch.int32, device=dev)
+        recv_topk_idx = recv_topk_weights = None
+        if K:
+            recv_topk_idx = torch.full((rows, K), -1, dtype=torch.int64, device=dev)
+            recv_topk_weights = torch.zeros(rows, K, dtype=torch.float32, device=dev)
+        self._launch("dispatch", config, x, K, x=x, is_token_in_rank=in_rank,
+                     channel_prefix=channel_prefix, topk_idx=topk_idx, topk_weights=topk_weights,
+                     rank_prefix=rank_prefix, recv_x=recv_x, recv_src_idx=recv_src_idx,
+                     recv_topk_idx=recv_topk_idx, recv_topk_weights=recv_topk_weights,
+                     recv_channel_prefix=recv_channel_prefix, num_tokens=T,
+                     experts_per_rank=L)
+        if handle is not None:
+            return (recv_x, None, None, None, None), [recv_x, recv_src_idx, recv_channel_prefix]
+        handle = (rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, in_rank,
+                  send_head)
+        self._remember(handle, C)
+        outputs = [recv_x, recv_topk_idx, recv_topk_weights] + list(handle)
+        return (recv_x, recv_topk_idx, recv_topk_weights, per_expert, handle), outputs
+
+    def _kernel_combine(self, x, handle, topk_weights, biases, config):
+        """Combine through the kernels: ep_reset, then ep_combine (no host read)."""
+        rank_prefix, _, recv_channel_prefix, _, in_rank, _ = handle
+        T, H = in_rank.shape[0], x.shape[1]
+        K = 0 if topk_weights is None else topk_weights.shape[1]
+        combined = torch.empty(T, H, dtype=x.dtype, device=self._device)
+        combined_w = None if topk_weights is None else torch.empty(
+            T, K, dtype=torch.float32, device=self._device)
+        self._launch("reset", config, x, K)
+        self._launch("combine", config, x, K, x=x, topk_weights=topk_weights,
+                     recv_channel_prefix=recv_channel_prefix, rank_prefix=rank_prefix,
+                     is_token_in_rank=in_rank, bias0=biases[0] if biases else None,
+                     bias1=biases[1] if len(biases) > 1 else None, combined=combined,
+                     combined_weights=combined_w, num_tokens=T)
+        return combined, combined_w
+
+    def _launch(self, kernel, config, x, num_topk, **fields):
+        """Enqueues one EP kernel on the Buffer's stream: tensors by address (None: null), the
+        call's shape from `config`, `x` and `num_topk`."""
+        args = dict(hidden_bytes=x.shape[1] * x.element_size(), num_topk=num_topk,
+                    num_channels=config.num_channels,
+                    ring_slots=config.num_max_nvl_chunked_recv_tokens,
+                    chunk=config.num_max_nvl_chunked_send_tokens)
+        for name, value in fields.items():
+            if isinstance(value, torch.Tensor):
+                args[name] = value.data_ptr()
+            elif value is not None:
+                args[name] = int(value)
+        self._ep.launch(kernel, args, self._stream.cuda_stream)
 
     def _exchange(self, sends, recvs):
         """One point-to-point group: `sends[p]` to and `recvs[p]` from peer p, matched in order

@@ -1,12 +1,13 @@
 """`Config`: the tuning of one high-throughput dispatch or combine (DeepEP's `Config`), the
 recommended tables, and the bytes of the NVLink buffer a call needs.
 
-The buffer layout these sizes describe is the one the intranode kernels use: per channel (two SMs,
-a sender and a receiver) and per peer, a ring of `num_max_nvl_chunked_recv_tokens` token slots,
-each slot holding the token's hidden bytes, its source index, its top-k indices (int64) and weights
-(f32) and its fp8 scales (f32), plus per (channel, peer) four ints (start and end offsets, head and
-tail) and the `[num_ranks, num_ranks]` count matrix. `get_nvl_buffer_size_hint` is that size at
-the largest top-k and scale counts, so a buffer sized by the hint fits every call of that config.
+The layout those bytes describe is the intranode kernels' (kernels-cu/src/ep.rs, BufferLayout):
+a count area of `num_ranks x (num_ranks + 1024)` ints, four 8-byte ring counters per (channel,
+peer), then per (channel, peer) a ring of `num_max_nvl_chunked_recv_tokens` slots, each holding a
+token's hidden bytes, its source index (8 bytes), its top-k indices (int64) and weights (f32), and
+its fp8 scales (f32), rounded up to 16 bytes. A channel is two SMs' worth of work (a sender and a
+receiver). `get_nvl_buffer_size_hint` is that size at the largest top-k and scale counts, so a
+buffer sized by the hint fits every call of that config.
 """
 
 # The most ranks one NVLink domain holds in the intranode mode (DeepEP's NUM_MAX_NVL_PEERS).
@@ -14,6 +15,8 @@ MAX_NVL_PEERS = 8
 # The largest top-k and per-token scale counts the hint provisions for (DeepEP's assumptions).
 MAX_TOPK = 128
 MAX_SCALES = 128
+# The experts per rank the count area holds (mscclpp_kernels_cu::ep::MAX_LOCAL_EXPERTS).
+MAX_LOCAL_EXPERTS = 1024
 _INT, _INT64, _FLOAT = 4, 8, 4
 
 
@@ -75,7 +78,7 @@ class Config:
         """Bytes of NVLink buffer that every dispatch and combine of this config needs for tokens of
         `hidden_bytes` among `num_ranks` ranks (at most 8: one NVLink domain)."""
         check_intranode(num_ranks, "get_nvl_buffer_size_hint: num_ranks")
-        return _align(self.dispatch_bytes(hidden_bytes, num_ranks, MAX_TOPK, MAX_SCALES), 128)
+        return _align(self.buffer_bytes(hidden_bytes, num_ranks, MAX_TOPK, MAX_SCALES), 128)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
         """0 within one NVLink domain (no RDMA buffer is used there); the internode mode, where it
@@ -83,26 +86,19 @@ class Config:
         check_intranode(num_ranks, "get_rdma_buffer_size_hint: num_ranks")
         return 0
 
-    def _check_even(self, what):
+    def buffer_bytes(self, hidden_bytes, num_ranks, num_topk, num_scales=0):
+        """The NVLink buffer bytes a dispatch or combine of `num_topk` experts uses: the layout of
+        `mscclpp_kernels_cu::ep::BufferLayout` (the module doc), plus `num_scales` f32 per slot
+        for fp8 tokens."""
         if self.num_sms % 2 or self.num_sms == 0:
-            raise ValueError(f"{what}: config.num_sms={self.num_sms} must be a positive even "
-                             "number (each channel is a sender and a receiver block)")
-
-    def dispatch_bytes(self, hidden_bytes, num_ranks, num_topk, num_scales=0):
-        """The NVLink buffer bytes one dispatch uses (the layout in the module doc)."""
-        self._check_even("dispatch")
-        slots = self.num_channels * num_ranks * self.num_max_nvl_chunked_recv_tokens
-        slot_bytes = hidden_bytes + _INT + num_topk * (_INT64 + _FLOAT) + num_scales * _FLOAT
-        meta = num_ranks * num_ranks * _INT + self.num_channels * num_ranks * 4 * _INT
-        return meta + slots * slot_bytes
-
-    def combine_bytes(self, hidden_bytes, num_ranks, num_topk):
-        """The NVLink buffer bytes one combine uses: head and tail per (channel, peer), and slots of
-        the token, its source index and its top-k weights."""
-        self._check_even("combine")
-        slots = self.num_channels * num_ranks * self.num_max_nvl_chunked_recv_tokens
-        meta = self.num_channels * num_ranks * 2 * _INT
-        return meta + slots * (hidden_bytes + _INT + num_topk * _FLOAT)
+            raise ValueError(f"config.num_sms={self.num_sms} must be a positive even number "
+                             "(each channel is a sender and a receiver)")
+        meta = _align(num_ranks * (num_ranks + MAX_LOCAL_EXPERTS) * _INT, 16)
+        ctrl = self.num_channels * num_ranks * 4 * _INT64
+        slot = _align(hidden_bytes + _INT64 + num_topk * (_INT64 + _FLOAT) + num_scales * _FLOAT,
+                      16)
+        return meta + ctrl + self.num_channels * num_ranks * self.num_max_nvl_chunked_recv_tokens \
+            * slot
 
 
 def check_intranode(num_ranks, what):
