@@ -11,7 +11,8 @@
 # torchcomms-train its training loop through the backend and through torch.distributed with
 # .gpu/lib/libmscclpp_nccl.so preloaded, then compares them bit for bit.
 # ep runs mscclpp.ext.ep's check against its reference (EP_SEED=S to repeat a seed, EP_QUICK=1
-# without the 4096 x 7168 case, EP_KERNELS=1 through the intranode kernels), then the MoE example.
+# without the 4096 x 7168 case, EP_KERNELS=1 through the intranode kernels, EP_NUM_SMS=N their
+# grid), then the MoE example.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 export NCCL_NVLS_ENABLE=0 MSCCLPP_FORCE_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -44,7 +45,7 @@ case "${1:-all}" in
   torchcomms) bounded 540 tests/torchcomms_gpu_check.py ${TORCHCOMMS_QUICK:+--quick} ;;
   ep)
     bounded 540 tests/ep_gpu_check.py ${EP_SEED:+--seed "$EP_SEED"} ${EP_QUICK:+--quick} \
-      ${EP_KERNELS:+--kernels}
+      ${EP_KERNELS:+--kernels} ${EP_NUM_SMS:+--num-sms "$EP_NUM_SMS"}
     bounded 120 examples/moe_ep.py
     ;;
   torchcomms-train)

@@ -8,7 +8,7 @@ integers, so `combine(dispatch(x))` is exactly x times the ranks each token reac
 checked too. Then the refusals: a handle made with another num_sms, on every rank.
 Prints the seed; exit status 1 on any mismatch or error.
 With --kernels, through the intranode kernels instead of the point-to-point groups.
-Run: torchrun --nproc_per_node=N ep_gpu_check.py [--seed S] [--quick] [--kernels]"""
+Run: torchrun --nproc_per_node=N ep_gpu_check.py [--seed S] [--quick] [--kernels] [--num-sms N]"""
 
 import argparse
 import os
@@ -134,15 +134,19 @@ def main():
     parser.add_argument("--quick", action="store_true", help="skip the 4096 x 7168 case")
     parser.add_argument("--kernels", action="store_true",
                         help="the intranode kernels (Buffer.use_kernels), not point-to-point")
+    parser.add_argument("--num-sms", type=int, default=Buffer.num_sms,
+                        help="Buffer.set_num_sms (the kernels' grid: 2 * num_sms * ranks blocks "
+                             "for a dispatch; lower it where ranks share a GPU under MPS)")
     args = parser.parse_args()
     Buffer.use_kernels = args.kernels
+    Buffer.set_num_sms(args.num_sms)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank % torch.cuda.device_count())
     # gloo: the group only bootstraps the Buffer, and NCCL refuses ranks sharing a GPU.
     dist.init_process_group("gloo")
     R, r = dist.get_world_size(), dist.get_rank()
     if r == 0:
-        print(f"ep_gpu_check: {R} ranks, seed {args.seed}, "
+        print(f"ep_gpu_check: {R} ranks, seed {args.seed}, num_sms {args.num_sms}, "
               f"{'kernels' if args.kernels else 'point-to-point'}", flush=True)
     hidden_big = 7168
     hints = [c.get_nvl_buffer_size_hint(hidden_big * 2, R)

@@ -8,7 +8,8 @@ Implemented: the intranode normal mode (1 to 8 ranks, one NVLink domain; ranks m
 `allocate_on_comm_stream`), `combine` (topk weights, bias), the configs and size hints,
 `capture`, `destroy`, `get_local_buffer_tensor`. Not yet: fp8 input, the internode mode
 (`num_rdma_bytes` across hosts), the low-latency mode; each raises NotImplementedError naming
-what is missing. How the data moves in this phase is in `buffer`'s doc.
+what is missing. How the data moves (point-to-point groups, or the intranode kernels with
+`Buffer.use_kernels = True`) is in `buffer`'s doc.
 
 The spec (DeepEP's semantics; `reference` implements it in plain PyTorch, rank by rank)
 

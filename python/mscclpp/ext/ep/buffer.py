@@ -1,19 +1,25 @@
 """`Buffer`: DeepEP V1's expert-parallel buffer (deep_ep/buffer.py at v1.2.1, same signatures and
-defaults) on this runtime, intranode normal mode.
+defaults) on this runtime, intranode normal mode, over one of two data paths.
 
-How it moves data (this phase): the layout and all planning are PyTorch ops on the communication
-stream; the counts every rank needs are exchanged in one point-to-point group of the runtime
-(`CommSession.p2p`, one kernel, sends and receives matched in order per peer) and read on the
-host; the tokens then move in a second group, each rank sending to each peer the rows it selects
-for it, packed in token order, into that peer's receive block for this source. Combine sends the
-rows back the same way and reduces them in fp32 in ascending rank order. The dedicated intranode
-kernels (rings over MemoryChannel peer pointers, no host read) are the next phase; their buffer
-layout is what `Config`'s sizes and the `num_nvl_bytes` checks already describe.
+The point-to-point path (the default): the layout and all planning are PyTorch ops on the
+communication stream; the counts every rank needs are exchanged in one point-to-point group of
+the runtime (`CommSession.p2p`, one kernel, sends and receives matched in order per peer) and read
+on the host; the tokens then move in a second group, each rank sending to each peer the rows it
+selects for it, packed in token order, into that peer's receive block for this source. Combine
+sends the rows back the same way and reduces them in fp32 in ascending rank order. Every call
+reads a few counts on the host, so none may be captured in a CUDA graph, and `num_worst_tokens`
+shapes the outputs but does not remove that read.
 
-Consequences callers see: non-cached and cached dispatch and combine each read a few counts on the
-host (as DeepEP's non-cached dispatch does), so none of them may be captured in a CUDA graph, and
-`num_worst_tokens` shapes the outputs but does not remove that read. Each refusal is raised before
-anything is enqueued, and a refusal that depends on other ranks' arguments is raised on every rank.
+The kernel path (`Buffer.use_kernels = True`, not yet run on a GPU): `ep_notify` exchanges the
+counts through every rank's NVLink buffer and the host reads them once per non-cached dispatch;
+`ep_dispatch` and `ep_combine` move the rows through rings in the receivers' buffers
+(kernels-cu/src/kernels/ep_intranode.cu); a cached dispatch and a combine read nothing on the host.
+The data path's refusals come from the runtime before anything is enqueued: a buffer too small
+for the kernels' layout, a grid that the ranks sharing the GPU could not all keep resident (naming
+`num_sms`).
+
+On both, each argument refusal is raised before anything is enqueued, and a refusal that depends
+on other ranks' arguments is raised on every rank.
 """
 
 import json
