@@ -96,18 +96,29 @@ MSCCLPP_DEVICE_INLINE void channel_range(u32 num_tokens, u32 channels, u32 c, u3
   end = min(begin + per, num_tokens);
 }
 
-// Thread 0 waits for `*word >= target` (acquire, system scope); the block learns whether it came.
-MSCCLPP_DEVICE_INLINE bool block_wait_at_least(const EpArgs& a, const u64* word, u64 target) {
+// Thread 0 waits for `*word >= target` (acquire, system scope); every thread of the block learns
+// whether it came and the value thread 0 saw (`seen`): one value for the whole block, since the
+// word may grow while the threads read it and they must all work on the same range.
+MSCCLPP_DEVICE_INLINE bool block_wait_at_least(const EpArgs& a, const u64* word, u64 target, u64& seen) {
   __shared__ int ok;
+  __shared__ u64 value;
   if (threadIdx.x == 0) {
-    ok = spin_until([word, target] { return atomic_load_acquire_sys(word) >= target; }, a.max_spin,
-                    a.error_word, kErrorSemaphoreWaitTimeout);
+    u64 v = 0;
+    ok = spin_until([word, target, &v] { return (v = atomic_load_acquire_sys(word)) >= target; },
+                    a.max_spin, a.error_word, kErrorSemaphoreWaitTimeout);
+    value = v;
   }
   __syncthreads();
   const bool came = ok != 0;
-  // Every thread has read `ok` before thread 0 may write it for the next wait.
+  seen = value;
+  // Every thread has read `ok` and `value` before thread 0 may write them for the next wait.
   __syncthreads();
   return came;
+}
+
+MSCCLPP_DEVICE_INLINE bool block_wait_at_least(const EpArgs& a, const u64* word, u64 target) {
+  u64 seen;
+  return block_wait_at_least(a, word, target, seen);
 }
 
 // Zeroes this rank's ctrl words between two barriers of all ranks (see the top of the file).
@@ -220,17 +231,20 @@ MSCCLPP_DEVICE_INLINE void dispatch_send(const EpArgs& a, u32 c, u32 dst) {
 // their rows of the receive (src's block, then the channel's start within it).
 MSCCLPP_DEVICE_INLINE void dispatch_recv(const EpArgs& a, u32 c, u32 src) {
   u64* ctrl = ctrl_of(a, a.rank, c, src);
-  if (!block_wait_at_least(a, ctrl + kCtrlStart, 1) || !block_wait_at_least(a, ctrl + kCtrlEnd, 1)) return;
-  const u64 start = atomic_load_acquire_sys(ctrl + kCtrlStart) - 1;
-  const u64 total = atomic_load_acquire_sys(ctrl + kCtrlEnd) - 1 - start;
+  u64 start_word, end_word;
+  if (!block_wait_at_least(a, ctrl + kCtrlStart, 1, start_word) ||
+      !block_wait_at_least(a, ctrl + kCtrlEnd, 1, end_word))
+    return;
+  const u64 start = start_word - 1, total = end_word - 1 - start;
   const u64 base = static_cast<u64>(block_start(a, src, a.rank)) + start;
   if (threadIdx.x == 0) a.recv_channel_prefix[src * a.num_channels + c] = static_cast<i32>(base);
   const u64 topk_off = a.hidden_bytes + 8, w_off = topk_off + 8ull * a.num_topk;
   const i64 lo = static_cast<i64>(a.rank) * a.experts_per_rank, hi = lo + a.experts_per_rank;
   u64 got = 0;
   while (got < total) {
-    if (!block_wait_at_least(a, ctrl + kCtrlTail, got + 1)) return;
-    const u64 ready = min(atomic_load_acquire_sys(ctrl + kCtrlTail), total);
+    u64 tail;
+    if (!block_wait_at_least(a, ctrl + kCtrlTail, got + 1, tail)) return;
+    const u64 ready = min(tail, total);
     for (u64 i = got; i < ready; ++i) {
       const u8* slot = slot_of(a, a.rank, c, src, i);
       const u64 row = base + i;
