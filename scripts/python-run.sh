@@ -4,12 +4,15 @@
 # multicast off; MPS=1 runs them under an MPS server, each rank held to its share of the SMs when
 # ranks outnumber GPUs (mps.sh), as gpu-run.sh does. The wheel must be installed first, e.g.
 #   pip install --no-deps --target /tmp/site .gpu/*.whl   (then PYTHONPATH=/tmp/site is used)
-# Usage: [NRANKS=4] [MPS=1] bash .gpu/python-run.sh [check|default|dsl|dslc|tuning|native|torchcomms|torchcomms-train|all]
+# Usage: [NRANKS=4] [MPS=1] bash .gpu/python-run.sh [check|default|dsl|dslc|tuning|native|torchcomms|torchcomms-train|ep|all]
 # dsl runs the execution-plan example on the plans gpu-stage.sh put in .gpu/plans and
 # .gpu/builder-plans; dslc compiles our DSL programs (python/examples/dsl) and runs their plans.
 # torchcomms runs the TorchComms backend's check (TORCHCOMMS_QUICK=1: its quick matrix);
 # torchcomms-train its training loop through the backend and through torch.distributed with
 # .gpu/lib/libmscclpp_nccl.so preloaded, then compares them bit for bit.
+# ep runs mscclpp.ext.ep's check against its reference (EP_SEED=S to repeat a seed, EP_QUICK=1
+# without the 4096 x 7168 case, EP_KERNELS=1 through the intranode kernels, EP_NUM_SMS=N their
+# grid), then the MoE example.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 export NCCL_NVLS_ENABLE=0 MSCCLPP_FORCE_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -40,6 +43,11 @@ case "${1:-all}" in
   tuning) run examples/customized_comm_with_tuning.py ;;
   native) run examples/customized_allgather.py ;;
   torchcomms) bounded 540 tests/torchcomms_gpu_check.py ${TORCHCOMMS_QUICK:+--quick} ;;
+  ep)
+    bounded 540 tests/ep_gpu_check.py ${EP_SEED:+--seed "$EP_SEED"} ${EP_QUICK:+--quick} \
+      ${EP_KERNELS:+--kernels} ${EP_NUM_SMS:+--num-sms "$EP_NUM_SMS"}
+    bounded 120 examples/moe_ep.py
+    ;;
   torchcomms-train)
     train="$(mktemp -d)"
     bounded 240 tests/torchcomms_training_check.py run torchcomms "$train"
@@ -60,5 +68,5 @@ case "${1:-all}" in
     run examples/customized_allgather.py
     bounded 540 tests/torchcomms_gpu_check.py ${TORCHCOMMS_QUICK:+--quick}
     ;;
-  *) echo "usage: $0 [check|default|dsl|dslc|tuning|native|torchcomms|torchcomms-train|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [check|default|dsl|dslc|tuning|native|torchcomms|torchcomms-train|ep|all]" >&2; exit 2 ;;
 esac

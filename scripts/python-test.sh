@@ -3,7 +3,9 @@
 # the extension, the NCCL shim, manylinux_2_28), checks it as a user meets it
 # (scripts/wheel-check.sh: fresh venv without Rust, import, version, `--nccl-lib`, the shim's
 # exports, the README example as far as it runs without a GPU), then adds pytest to that venv and
-# runs python/tests there. No GPU or CUDA toolkit needed.
+# runs python/tests there. No GPU or CUDA toolkit needed. mscclpp.ext.ep's CPU tests need torch,
+# which the package does not: they run again in a venv of their own with torch (kept in target/,
+# torch installed once, the same wheel put in each run), and are skipped in the first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/nvrtc-env.sh
@@ -16,3 +18,9 @@ bash scripts/wheel-check.sh "$whl" "$venv"
 # Run from outside the source tree so the installed package, not python/mscclpp, is imported.
 # pytest's exit 5 (no tests collected) fails like any other non-zero status.
 (cd target && "../$venv/bin/python" -m pytest -q ../python/tests)
+tvenv=target/py-venv-torch
+[ -x "$tvenv/bin/python" ] || python3 -m venv "$tvenv"
+"$tvenv/bin/python" -c 'import torch, pytest' 2>/dev/null ||
+  "$tvenv/bin/pip" install -q --disable-pip-version-check torch pytest
+"$tvenv/bin/pip" install -q --disable-pip-version-check --no-deps --force-reinstall "$whl"
+(cd target && "../$tvenv/bin/python" -m pytest -q ../python/tests/test_ep_cpu.py)

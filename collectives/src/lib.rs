@@ -15,7 +15,8 @@
 //! - at world size 1, every collective as one device copy (`single_rank`);
 //! - the all-to-all family (`alltoall`): packet and zero-copy all-to-all, all-to-all-v, gather,
 //!   scatter (`gather_scatter` serves the last two as collection algorithms);
-//! - reduce to one root: zero-copy (`algorithms::reduce_zero_copy`).
+//! - reduce to one root: zero-copy (`algorithms::reduce_zero_copy`);
+//! - expert-parallel MoE dispatch and combine (`ep`: rings in every rank's NVLink buffer).
 //!
 //! Kernels are in `mscclpp-kernels-cu` (collectives.rs, nvls_units.rs).
 //! [`build_default_algorithms`] builds them all for a communicator, with the default selector of
@@ -24,6 +25,7 @@
 pub mod algorithms;
 pub mod alltoall;
 pub mod copy_engine;
+pub mod ep;
 pub mod gather_scatter;
 pub mod geometry;
 pub mod hierarchical;

@@ -158,3 +158,12 @@ fn p2p_unit_compiles_for_every_arch() {
         &mscclpp_kernels_cu::p2p::layout_asserts(),
     );
 }
+
+#[test]
+fn ep_intranode_unit_compiles_for_every_arch() {
+    unit_compiles_for_every_arch(
+        "ep_intranode_unit_compiles_for_every_arch",
+        CollectiveFile::EpIntranode,
+        &mscclpp_kernels_cu::ep::layout_asserts(),
+    );
+}

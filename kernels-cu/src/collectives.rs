@@ -32,6 +32,8 @@ pub use mscclpp_core::device::{
 pub const ALLTOALL: &str = include_str!("kernels/alltoall.cu");
 /// The point-to-point engine's kernel (byte-oriented; see `crate::p2p`).
 pub const P2P: &str = include_str!("kernels/p2p.cu");
+/// Expert-parallel dispatch and combine, intranode (see `crate::ep`).
+pub const EP_INTRANODE: &str = include_str!("kernels/ep_intranode.cu");
 
 /// Largest grid of a kernel that uses [`CallState`] (`coll::kMaxPacketBlocks`); hosts must cap the
 /// packet kernels' grids at this.
@@ -72,10 +74,11 @@ pub enum CollectiveFile {
     AllToAll,
     P2p,
     Reduce,
+    EpIntranode,
 }
 
 impl CollectiveFile {
-    pub const ALL: [CollectiveFile; 7] = [
+    pub const ALL: [CollectiveFile; 8] = [
         CollectiveFile::AllReduce,
         CollectiveFile::AllGather,
         CollectiveFile::ReduceScatter,
@@ -83,6 +86,7 @@ impl CollectiveFile {
         CollectiveFile::AllToAll,
         CollectiveFile::P2p,
         CollectiveFile::Reduce,
+        CollectiveFile::EpIntranode,
     ];
 
     pub const fn source(self) -> &'static str {
@@ -94,6 +98,7 @@ impl CollectiveFile {
             CollectiveFile::AllToAll => ALLTOALL,
             CollectiveFile::P2p => P2P,
             CollectiveFile::Reduce => REDUCE,
+            CollectiveFile::EpIntranode => EP_INTRANODE,
         }
     }
 
@@ -106,6 +111,7 @@ impl CollectiveFile {
             CollectiveFile::AllToAll => "alltoall",
             CollectiveFile::P2p => "p2p",
             CollectiveFile::Reduce => "reduce",
+            CollectiveFile::EpIntranode => "ep_intranode",
         }
     }
 
@@ -147,6 +153,7 @@ impl CollectiveFile {
             ],
             CollectiveFile::P2p => &["p2p_group"],
             CollectiveFile::Reduce => &["reduce_zero_copy"],
+            CollectiveFile::EpIntranode => &["ep_notify", "ep_reset", "ep_dispatch", "ep_combine"],
         }
     }
 }

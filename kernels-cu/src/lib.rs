@@ -9,6 +9,7 @@
 
 pub mod alltoall;
 pub mod collectives;
+pub mod ep;
 pub mod executor;
 pub mod fused_ops;
 pub mod nvls_units;

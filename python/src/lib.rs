@@ -14,6 +14,7 @@
 mod algorithm;
 mod buffer;
 mod comm;
+mod ep;
 mod executor;
 mod native;
 mod session;
@@ -121,5 +122,6 @@ fn _mscclpp(m: &Bound<'_, PyModule>) -> PyResult<()> {
     native::register(m)?;
     executor::register(m)?;
     session::register(m)?;
+    ep::register(m)?;
     Ok(())
 }

@@ -1,0 +1,695 @@
+"""`Buffer`: DeepEP V1's expert-parallel buffer (deep_ep/buffer.py at v1.2.1, same signatures and
+defaults) on this runtime, intranode normal mode, over one of two data paths.
+
+The point-to-point path (the default): the layout and all planning are PyTorch ops on the
+communication stream; the counts every rank needs are exchanged in one point-to-point group of
+the runtime (`CommSession.p2p`, one kernel, sends and receives matched in order per peer) and read
+on the host; the tokens then move in a second group, each rank sending to each peer the rows it
+selects for it, packed in token order, into that peer's receive block for this source. Combine
+sends the rows back the same way and reduces them in fp32 in ascending rank order. Every call
+reads a few counts on the host, so none may be captured in a CUDA graph, and `num_worst_tokens`
+shapes the outputs but does not remove that read.
+
+The kernel path (`Buffer.use_kernels = True`, not yet run on a GPU): `ep_notify` exchanges the
+counts through every rank's NVLink buffer and the host reads them once per non-cached dispatch;
+`ep_dispatch` and `ep_combine` move the rows through rings in the receivers' buffers
+(kernels-cu/src/kernels/ep_intranode.cu); a cached dispatch and a combine read nothing on the host.
+The data path's refusals come from the runtime before anything is enqueued: a buffer too small
+for the kernels' layout, a grid that the ranks sharing the GPU could not all keep resident (naming
+`num_sms`).
+
+On both, each argument refusal is raised before anything is enqueued, and a refusal that depends
+on other ranks' arguments is raised on every rank.
+"""
+
+import json
+import weakref
+
+import torch
+
+from ... import _mscclpp
+from ...comm import CommGroup
+from . import checks
+from .config import check_intranode, recommended
+from .utils import EventHandle, EventOverlap
+
+# What the layout and dispatch bring to a 6-tuple handle, by position (DeepEP's order).
+_HANDLE_LEN = 6
+
+
+def _not_in_phase_1(what):
+    raise NotImplementedError(f"{what} is not implemented yet in mscclpp.ext.ep, which has the "
+                              "intranode normal mode (dispatch, combine) only")
+
+
+class Buffer:
+    """The expert-parallel communication buffer of one rank of `group` (DeepEP's `Buffer`).
+
+    `group` is a torch.distributed process group or a `mscclpp.CommGroup` (`comm`, an mpi4py
+    communicator, when `group` is None); creating a Buffer is collective. `num_nvl_bytes` is the
+    NVLink buffer, sized with `Config.get_nvl_buffer_size_hint`. `num_rdma_bytes`,
+    `num_qps_per_rank`, `allow_nvlink_for_low_latency_mode` and `allow_mnnvl` belong to the
+    internode and low-latency modes and are accepted but unused within one NVLink domain, as in
+    DeepEP; `low_latency_mode=True` and groups of more than 8 ranks are refused (not implemented).
+    """
+
+    num_sms: int = 20
+    # The data path of the Buffers made from now on: False, the runtime's point-to-point groups
+    # (see the module doc); True, the intranode kernels (kernels-cu/src/kernels/ep_intranode.cu:
+    # counts and rings through every rank's NVLink buffer). Every rank must set the same.
+    use_kernels: bool = False
+
+    def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
+                 num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False,
+                 explicitly_destroy=False, comm=None):
+        if low_latency_mode:
+            _not_in_phase_1("Buffer(low_latency_mode=True): the low-latency mode")
+        checks.positive_int("num_nvl_bytes", num_nvl_bytes, 0)
+        checks.positive_int("num_rdma_bytes", num_rdma_bytes, 0)
+        checks.positive_int("num_qps_per_rank", num_qps_per_rank, 1)
+        if group is None and comm is None:
+            raise ValueError("Buffer: either group (a torch.distributed group or a "
+                             "mscclpp.CommGroup) or comm (an mpi4py communicator) must be given")
+        if isinstance(group, CommGroup):
+            size = group.nranks
+        elif group is not None:
+            size = group.size()
+        else:
+            size = comm.Get_size()
+        check_intranode(size, "Buffer: the group's size")
+        if not torch.cuda.is_available():
+            raise RuntimeError("Buffer needs a CUDA device (torch.cuda.is_available() is False)")
+        device = torch.cuda.current_device()
+        if isinstance(group, CommGroup):
+            self._comm_group = group
+        elif group is not None:
+            self._comm_group = CommGroup(torch_group=group, device=device)
+        else:
+            self._comm_group = CommGroup(mpi_comm=comm, device=device)
+        self.group = group if group is not None else comm
+        self.rank = self._comm_group.my_rank
+        self.group_size = self._comm_group.nranks
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = False
+        self.explicitly_destroy = explicitly_destroy
+        self._device = torch.device("cuda", device)
+        self._session = _mscclpp.CommSession(self._comm_group.communicator)
+        why = self._session.p2p_unavailable()
+        if why is not None:
+            raise RuntimeError(f"Buffer: this communicator cannot send and receive: {why}")
+        self._stream = torch.cuda.Stream(device=self._device)
+        # The kernels' NVLink buffer is the runtime's (every peer maps it); the point-to-point
+        # path keeps a plain one for get_local_buffer_tensor.
+        self._ep = _mscclpp.EpBuffer(self._comm_group.communicator, num_nvl_bytes) \
+            if Buffer.use_kernels else None
+        self._nvl = None if self._ep is not None else torch.zeros(
+            num_nvl_bytes, dtype=torch.uint8, device=self._device)
+        # The handles this Buffer made: id of the handle's rank prefix matrix -> (a weak reference
+        # to it, the channel count it was made with). Weak, so a dropped handle is forgotten.
+        self._handles = {}
+
+    # ---- configuration -----------------------------------------------------------------------
+
+    @staticmethod
+    def set_num_sms(new_num_sms):
+        """The SMs the high-throughput kernels use (even: each channel is a sender and a receiver
+        block); the configs made after this call use it."""
+        if isinstance(new_num_sms, bool) or not isinstance(new_num_sms, int) or new_num_sms <= 0 \
+                or new_num_sms % 2:
+            raise ValueError(f"set_num_sms: new_num_sms={new_num_sms!r} must be a positive even "
+                             "int")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks):
+        """DeepEP's recommended dispatch config for `num_ranks` with `Buffer.num_sms`."""
+        return recommended("dispatch", num_ranks, Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks):
+        """DeepEP's recommended combine config for `num_ranks` with `Buffer.num_sms`."""
+        return recommended("combine", num_ranks, Buffer.num_sms)
+
+    @staticmethod
+    def capture():
+        """An event on the current stream, to pass as a later call's `previous_event`."""
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                       num_experts):
+        _not_in_phase_1("get_low_latency_rdma_size_hint: the low-latency mode")
+
+    def get_comm_stream(self):
+        """The stream this Buffer's dispatches and combines run on."""
+        return self._stream
+
+    def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
+        """This rank's NVLink buffer from byte `offset` as a `dtype` tensor (its first
+        `size.numel()` elements shaped `size` when given)."""
+        self._live("get_local_buffer_tensor")
+        if use_rdma_buffer:
+            _not_in_phase_1("get_local_buffer_tensor(use_rdma_buffer=True): the RDMA buffer")
+        if self._ep is not None:
+            _not_in_phase_1("get_local_buffer_tensor with Buffer.use_kernels: the kernels' buffer "
+                            "as a tensor")
+        if not 0 <= offset <= self.num_nvl_bytes:
+            raise ValueError(f"get_local_buffer_tensor: offset={offset} is outside the "
+                             f"{self.num_nvl_bytes}-byte buffer")
+        element = torch.empty((), dtype=dtype).element_size()
+        count = (self.num_nvl_bytes - offset) // element
+        tensor = self._nvl[offset:offset + count * element].view(dtype)
+        if size is None:
+            return tensor
+        if tensor.numel() < size.numel():
+            raise ValueError(f"get_local_buffer_tensor: size {tuple(size)} needs {size.numel()} "
+                             f"elements, the buffer has {tensor.numel()} from offset {offset}")
+        return tensor[:size.numel()].view(size)
+
+    def destroy(self):
+        """Releases the buffer and the communicator (needs `explicitly_destroy=True`)."""
+        if not self.explicitly_destroy:
+            raise RuntimeError("destroy: this Buffer was made with explicitly_destroy=False; its "
+                               "resources go with the object")
+        self._live("destroy")
+        torch.cuda.current_stream().wait_stream(self._stream)
+        self._stream.synchronize()
+        self._session = self._comm_group = self._nvl = self._ep = None
+        self._handles.clear()
+
+    # ---- the calls ---------------------------------------------------------------------------
+
+    def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False,
+                            allocate_on_comm_stream=False):
+        """Per rank and per expert how many tokens go there, and which token goes to which rank:
+        `(num_tokens_per_rank [R] int32, None, num_tokens_per_expert [E] int32,
+        is_token_in_rank [T, R] bool, event)`. `topk_idx` `[T, K]` int64, -1 for no expert."""
+        self._enter("get_dispatch_layout", previous_event, async_finish, allocate_on_comm_stream)
+        checks.tensor("topk_idx", topk_idx, torch.int64, 2)
+        self._on_device("topk_idx", topk_idx)
+        checks.num_experts(num_experts, self.group_size)
+        compute = self._wait(previous_event)
+        with self._on_stream():
+            checks.topk_range(topk_idx, num_experts)
+            per_rank, per_expert, in_rank = _layout(topk_idx, num_experts, self.group_size)
+        event = self._finish(compute, [topk_idx], [per_rank, per_expert, in_rank], async_finish)
+        return per_rank, None, per_expert, in_rank, event
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
+                 topk_weights=None, expert_alignment=1, num_worst_tokens=0, config=None,
+                 previous_event=None, async_finish=False, allocate_on_comm_stream=False):
+        """Sends each token to every rank that holds one of its experts. Returns `(recv_x,
+        recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)`; with
+        `handle` (cached mode) only `recv_x` and `event` (the rest None), the routing reused.
+        The order and values are the spec of `mscclpp.ext.ep`."""
+        what = "dispatch"
+
+        def check():
+            self._enter(what, previous_event, async_finish, allocate_on_comm_stream)
+            cfg = self.get_dispatch_config(self.group_size) if config is None else config
+            checks.hidden("x", x)
+            self._on_device("x", x)
+            checks.positive_int("expert_alignment", expert_alignment, 1)
+            checks.positive_int("num_worst_tokens", num_worst_tokens, 0)
+            if num_tokens_per_rdma_rank is not None:
+                _not_in_phase_1("dispatch(num_tokens_per_rdma_rank=...): the internode mode")
+            R, T = self.group_size, x.shape[0]
+            num_topk = num_experts = 0
+            if handle is not None:
+                if topk_idx is not None or topk_weights is not None:
+                    raise ValueError("dispatch: a cached dispatch (handle given) takes neither "
+                                     "topk_idx nor topk_weights: the handle holds the routing")
+                self._check_handle(what, handle, cfg)
+                checks.tensor("handle's is_token_in_rank", handle[4], torch.bool, 2, T, R)
+            else:
+                for name, value in (("num_tokens_per_rank", num_tokens_per_rank),
+                                    ("is_token_in_rank", is_token_in_rank),
+                                    ("num_tokens_per_expert", num_tokens_per_expert)):
+                    if value is None:
+                        raise ValueError(f"dispatch: {name} is needed without a handle (from "
+                                         "get_dispatch_layout)")
+                checks.tensor("num_tokens_per_rank", num_tokens_per_rank, torch.int32, 1, R)
+                checks.tensor("is_token_in_rank", is_token_in_rank, torch.bool, 2, T, R)
+                checks.tensor("num_tokens_per_expert", num_tokens_per_expert, torch.int32, 1)
+                num_experts = num_tokens_per_expert.shape[0]
+                checks.num_experts(num_experts, R)
+                if (topk_idx is None) != (topk_weights is None):
+                    raise ValueError("dispatch: topk_idx and topk_weights come together (both "
+                                     "or neither)")
+                if topk_idx is not None:
+                    checks.tensor("topk_idx", topk_idx, torch.int64, 2, T)
+                    num_topk = topk_idx.shape[1]
+                    checks.tensor("topk_weights", topk_weights, torch.float32, 2, T, num_topk)
+                elif num_worst_tokens:
+                    raise ValueError("dispatch: num_worst_tokens needs topk_idx and topk_weights")
+                for name, t in (("num_tokens_per_rank", num_tokens_per_rank),
+                                ("is_token_in_rank", is_token_in_rank),
+                                ("num_tokens_per_expert", num_tokens_per_expert),
+                                ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+                    if t is not None:
+                        self._on_device(name, t)
+            needed = cfg.buffer_bytes(x.shape[1] * x.element_size(), R, num_topk)
+            checks.buffer_size(what, self.num_nvl_bytes, needed, cfg)
+            agreed = dict(hidden=x.shape[1], cached=handle is not None, num_topk=num_topk,
+                          num_experts=num_experts, num_worst_tokens=num_worst_tokens,
+                          num_sms=cfg.num_sms)
+            return agreed, cfg
+
+        config = self._collectively(what, check)
+        compute = self._wait(previous_event)
+        with self._on_stream():
+            if self._ep is not None:
+                in_rank = handle[4] if handle is not None else is_token_in_rank
+                result, outputs = self._kernel_dispatch(
+                    x, handle, in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                    expert_alignment, num_worst_tokens, config)
+            elif handle is not None:
+                rank_prefix, _, _, recv_src_idx, in_rank, _ = handle
+                counts = _counts_of(rank_prefix.cpu())
+                self._session.check()
+                recv_x = self._move_tokens(x, in_rank, counts, recv_src_idx.shape[0])[0]
+                outputs = [recv_x]
+                result = (recv_x, None, None, None, None)
+            else:
+                in_rank = is_token_in_rank
+                result, outputs = self._dispatch(x, num_tokens_per_rank, in_rank,
+                                                 num_tokens_per_expert, topk_idx, topk_weights,
+                                                 expert_alignment, num_worst_tokens, config)
+        inputs = [t for t in (x, num_tokens_per_rank, in_rank, num_tokens_per_expert, topk_idx,
+                              topk_weights) if t is not None]
+        return result + (self._finish(compute, inputs, outputs, async_finish),)
+
+    def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
+                async_finish=False, allocate_on_comm_stream=False):
+        """Sends each received row back to its source rank and sums there, per token, bias 0 plus
+        bias 1 then the rows from ranks 0, 1, ... in fp32, rounded once to bf16 (no weights
+        applied). Returns `(combined_x, combined_topk_weights, event)`."""
+        what = "combine"
+        biases = [b for b in (bias if isinstance(bias, tuple) else (bias,)) if b is not None]
+
+        def check():
+            self._enter(what, previous_event, async_finish, allocate_on_comm_stream)
+            cfg = self.get_combine_config(self.group_size) if config is None else config
+            checks.hidden("x", x)
+            self._on_device("x", x)
+            self._check_handle(what, handle, cfg)
+            recv_src_idx, in_rank = handle[3], handle[4]
+            checks.tensor("x", x, torch.bfloat16, 2, recv_src_idx.shape[0])
+            num_topk = 0
+            if topk_weights is not None:
+                checks.tensor("topk_weights", topk_weights, torch.float32, 2, x.shape[0])
+                self._on_device("topk_weights", topk_weights)
+                num_topk = topk_weights.shape[1]
+            if isinstance(bias, tuple) and len(bias) != 2:
+                raise ValueError(f"combine: bias is a tensor or a pair, not {len(bias)} tensors")
+            for i, b in enumerate(biases):
+                checks.tensor(f"bias[{i}]", b, torch.bfloat16, 2, in_rank.shape[0], x.shape[1])
+                self._on_device(f"bias[{i}]", b)
+            needed = cfg.buffer_bytes(x.shape[1] * x.element_size(), self.group_size, num_topk)
+            checks.buffer_size(what, self.num_nvl_bytes, needed, cfg)
+            return dict(hidden=x.shape[1], num_topk=num_topk, num_sms=cfg.num_sms), cfg
+
+        self._collectively(what, check)
+        compute = self._wait(previous_event)
+        rank_prefix, _, _, recv_src_idx, in_rank, send_head = handle
+        with self._on_stream():
+            if self._ep is not None:
+                combined, combined_w = self._kernel_combine(x, handle, topk_weights, biases, config)
+            else:
+                counts = _counts_of(rank_prefix.cpu())
+                self._session.check()
+                combined, combined_w = self._combine(x, topk_weights, biases, in_rank, counts)
+        inputs = [x, rank_prefix, recv_src_idx, in_rank, send_head] + biases
+        if topk_weights is not None:
+            inputs.append(topk_weights)
+        event = self._finish(compute, inputs, [combined, combined_w], async_finish)
+        return combined, combined_w, event
+
+    def internode_dispatch(self, *args, **kwargs):
+        _not_in_phase_1("internode_dispatch: the internode mode")
+
+    def internode_combine(self, *args, **kwargs):
+        _not_in_phase_1("internode_combine: the internode mode")
+
+    def clean_low_latency_buffer(self, *args, **kwargs):
+        _not_in_phase_1("clean_low_latency_buffer: the low-latency mode")
+
+    def low_latency_dispatch(self, *args, **kwargs):
+        _not_in_phase_1("low_latency_dispatch: the low-latency mode")
+
+    def low_latency_combine(self, *args, **kwargs):
+        _not_in_phase_1("low_latency_combine: the low-latency mode")
+
+    def get_next_low_latency_combine_buffer(self, *args, **kwargs):
+        _not_in_phase_1("get_next_low_latency_combine_buffer: the low-latency mode")
+
+    # ---- the work ----------------------------------------------------------------------------
+
+    def _dispatch(self, x, num_tokens_per_rank, in_rank, num_tokens_per_expert, topk_idx,
+                  topk_weights, expert_alignment, num_worst_tokens, config):
+        R, me, dev = self.group_size, self.rank, self._device
+        E = num_tokens_per_expert.shape[0]
+        L, C = E // R, config.num_channels
+        channel_prefix = _channel_prefix(in_rank, C)
+        # What every rank needs of every other: its per-rank and per-expert counts, its channel
+        # prefix rows, and whether its num_tokens_per_rank agrees with its is_token_in_rank (so a
+        # caller's inconsistent pair is an error on every rank, not a size mismatch mid-transfer).
+        disagrees = (in_rank.sum(0, dtype=torch.int32) != num_tokens_per_rank).any()
+        mine = torch.cat([num_tokens_per_rank, num_tokens_per_expert, channel_prefix.flatten(),
+                          disagrees.to(torch.int32).reshape(1)])
+        table = torch.empty(R, mine.numel(), dtype=torch.int32, device=dev)
+        self._exchange([[mine]] * R, [[table[p]] for p in range(R)])
+        table = table.cpu()
+        self._session.check()
+        bad = [r for r in range(R) if table[r, -1]]
+        if bad:
+            raise ValueError(f"dispatch: num_tokens_per_rank disagrees with is_token_in_rank on "
+                             f"rank(s) {bad} (pass both from the same get_dispatch_layout)")
+        counts = table[:, :R]
+        received = counts.sum(0)
+        if num_worst_tokens and int(received.max()) > num_worst_tokens:
+            over = {r: int(received[r]) for r in range(R) if received[r] > num_worst_tokens}
+            raise ValueError(f"dispatch: num_worst_tokens={num_worst_tokens} is below what "
+                             f"rank(s) receive: {over}")
+        rank_prefix = counts.cumsum(0, dtype=torch.int32)
+        num_recv = int(received[me])
+        rows = num_worst_tokens if num_worst_tokens else num_recv
+        per_expert = table[:, R + me * L:R + (me + 1) * L].sum(0)
+        per_expert = ((per_expert + expert_alignment - 1) // expert_alignment
+                      * expert_alignment).tolist()
+        # Where channel c of source s starts in this rank's receive: the source's block start
+        # plus the tokens of its channels before c.
+        chan = table[:, R + E + me * C:R + E + (me + 1) * C]
+        starts = rank_prefix[:, me] - counts[:, me]
+        recv_channel_prefix = (starts[:, None] + torch.cat(
+            [torch.zeros(R, 1, dtype=torch.int32), chan[:, :-1]], 1)).to(torch.int32)
+
+        meta = [torch.arange(x.shape[0], dtype=torch.int32, device=dev)[:, None]]
+        if topk_idx is not None:
+            meta += [topk_idx.to(torch.int32), topk_weights.view(torch.int32)]
+        meta = torch.cat(meta, 1)
+        recv_x, recv_meta = self._move_tokens(x, in_rank, counts, rows, meta)
+        recv_src_idx = recv_meta[:, 0].contiguous()
+        recv_topk_idx = recv_topk_weights = None
+        if topk_idx is not None:
+            K = topk_idx.shape[1]
+            expert = recv_meta[:, 1:1 + K].to(torch.int64)
+            weight = recv_meta[:, 1 + K:].contiguous().view(torch.float32)
+            local = (expert >= me * L) & (expert < (me + 1) * L)
+            recv_topk_idx = torch.where(local, expert - me * L, torch.full_like(expert, -1))
+            recv_topk_weights = torch.where(local, weight, torch.zeros_like(weight))
+        if rows > num_recv:
+            # Rows past what arrived (num_worst_tokens): no expert, no weight, no source.
+            recv_src_idx[num_recv:] = -1
+            if recv_topk_idx is not None:
+                recv_topk_idx[num_recv:] = -1
+                recv_topk_weights[num_recv:] = 0
+        handle = (rank_prefix.to(dev), channel_prefix, recv_channel_prefix.to(dev), recv_src_idx,
+                  in_rank, _send_head(in_rank))
+        self._remember(handle, C)
+        result = (recv_x, recv_topk_idx, recv_topk_weights,
+                  [] if num_worst_tokens else per_expert, handle)
+        outputs = [recv_x, recv_topk_idx, recv_topk_weights] + list(handle)
+        return result, outputs
+
+    def _move_tokens(self, x, in_rank, counts, rows, meta=None):
+        """One transfer: to each rank the rows of `x` (and `meta`) it selects in `in_rank`, in
+        token order, into that rank's `rows`-row receive, blocks by source ascending. `counts`
+        is the host `[R, R]` count matrix (row: source, column: destination)."""
+        R, me = self.group_size, self.rank
+        order = in_rank.t().nonzero()[:, 1]
+        send_x = x.index_select(0, order)
+        send_meta = None if meta is None else meta.index_select(0, order)
+        recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=x.device)
+        recv_meta = None if meta is None else torch.empty(rows, meta.shape[1], dtype=meta.dtype,
+                                                          device=x.device)
+        sends, recvs = [[] for _ in range(R)], [[] for _ in range(R)]
+        sent = got = 0
+        for p in range(R):
+            n_out, n_in = int(counts[me, p]), int(counts[p, me])
+            for buf, out in ((send_x, sends), (send_meta, sends)):
+                if buf is not None:
+                    out[p].append(buf[sent:sent + n_out])
+            for buf, into in ((recv_x, recvs), (recv_meta, recvs)):
+                if buf is not None:
+                    into[p].append(buf[got:got + n_in])
+            sent, got = sent + n_out, got + n_in
+        self._exchange(sends, recvs)
+        return recv_x, recv_meta
+
+    def _combine(self, x, topk_weights, biases, in_rank, counts):
+        R, me = self.group_size, self.rank
+        T, H = in_rank.shape[0], x.shape[1]
+        order = in_rank.t().nonzero()[:, 1]
+        back_x = torch.empty(order.numel(), H, dtype=x.dtype, device=x.device)
+        back_w = None if topk_weights is None else torch.empty(
+            order.numel(), topk_weights.shape[1], dtype=torch.float32, device=x.device)
+        sends, recvs = [[] for _ in range(R)], [[] for _ in range(R)]
+        start = got = 0
+        offsets = []
+        for p in range(R):
+            n_from_p, n_to_p = int(counts[p, me]), int(counts[me, p])
+            # The rows this rank received from p go back to p; p's rows for this rank's tokens
+            # come back into the send layout (blocks by destination, tokens in order).
+            sends[p].append(x[start:start + n_from_p])
+            recvs[p].append(back_x[got:got + n_to_p])
+            if topk_weights is not None:
+                sends[p].append(topk_weights[start:start + n_from_p])
+                recvs[p].append(back_w[got:got + n_to_p])
+            offsets.append((got, n_to_p))
+            start, got = start + n_from_p, got + n_to_p
+        self._exchange(sends, recvs)
+        # Bias 0 plus bias 1 (0 for a missing one) first, as the spec adds them.
+        acc = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+        if biases:
+            acc = biases[0].float() + (biases[1].float() if len(biases) > 1 else 0.0)
+        acc_w = None if topk_weights is None else torch.zeros(
+            T, topk_weights.shape[1], dtype=torch.float32, device=x.device)
+        for p, (off, n) in enumerate(offsets):
+            if n == 0:
+                continue
+            tokens = order[off:off + n]
+            acc[tokens] += back_x[off:off + n].float()
+            if acc_w is not None:
+                acc_w[tokens] += back_w[off:off + n]
+        return acc.to(x.dtype), acc_w
+
+    def _kernel_dispatch(self, x, handle, in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                         expert_alignment, num_worst_tokens, config):
+        """Dispatch through the kernels: ep_notify (counts, prefix sums, ring reset) and one host
+        read of the counts, or, cached, ep_reset; then ep_dispatch."""
+        R, dev, C = self.group_size, self._device, config.num_channels
+        T, H = x.shape
+        K = 0 if topk_idx is None else topk_idx.shape[1]
+        recv_channel_prefix = torch.empty(R, C, dtype=torch.int32, device=dev)
+        if handle is not None:
+            rank_prefix, channel_prefix, _, old_src_idx, _, _ = handle
+            rows, L = old_src_idx.shape[0], 0
+            self._launch("reset", config, x, 0)
+        else:
+            L = num_tokens_per_expert.shape[0] // R
+            channel_prefix = _channel_prefix(in_rank, C)
+            rank_prefix = torch.empty(R, R, dtype=torch.int32, device=dev)
+            counts = torch.empty(L + 1, dtype=torch.int32, device=dev)
+            # The per-rank counts the kernel moves by are the routing's own (a caller's
+            # num_tokens_per_rank that disagreed would size the receive wrong).
+            self._launch("notify", config, x, K,
+                         num_tokens_per_rank=in_rank.sum(0, dtype=torch.int32),
+                         num_tokens_per_expert=num_tokens_per_expert, rank_prefix=rank_prefix,
+                         recv_expert_counts=counts, experts_per_rank=L,
+                         expert_alignment=expert_alignment)
+            # This rank's counts, and every rank's total (the prefix matrix's last row).
+            host = torch.cat([counts, rank_prefix[-1]]).cpu()
+            self._ep.check()
+            received = host[L + 1:]
+            if num_worst_tokens and int(received.max()) > num_worst_tokens:
+                over = {r: int(received[r]) for r in range(R) if received[r] > num_worst_tokens}
+                raise ValueError(f"dispatch: num_worst_tokens={num_worst_tokens} is below what "
+                                 f"rank(s) receive: {over}")
+            num_recv = int(host[L])
+            rows = num_worst_tokens if num_worst_tokens else num_recv
+            per_expert = [] if num_worst_tokens else host[:L].tolist()
+            send_head = _send_head(in_rank)
+        recv_x = torch.empty(rows, H, dtype=x.dtype, device=dev)
+        recv_src_idx = torch.full((rows,), -1, dtype=torch.int32, device=dev)
+        recv_topk_idx = recv_topk_weights = None
+        if K:
+            recv_topk_idx = torch.full((rows, K), -1, dtype=torch.int64, device=dev)
+            recv_topk_weights = torch.zeros(rows, K, dtype=torch.float32, device=dev)
+        self._launch("dispatch", config, x, K, x=x, is_token_in_rank=in_rank,
+                     channel_prefix=channel_prefix, topk_idx=topk_idx, topk_weights=topk_weights,
+                     rank_prefix=rank_prefix, recv_x=recv_x, recv_src_idx=recv_src_idx,
+                     recv_topk_idx=recv_topk_idx, recv_topk_weights=recv_topk_weights,
+                     recv_channel_prefix=recv_channel_prefix, num_tokens=T,
+                     experts_per_rank=L)
+        if handle is not None:
+            return (recv_x, None, None, None, None), [recv_x, recv_src_idx, recv_channel_prefix]
+        handle = (rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, in_rank,
+                  send_head)
+        self._remember(handle, C)
+        outputs = [recv_x, recv_topk_idx, recv_topk_weights] + list(handle)
+        return (recv_x, recv_topk_idx, recv_topk_weights, per_expert, handle), outputs
+
+    def _kernel_combine(self, x, handle, topk_weights, biases, config):
+        """Combine through the kernels: ep_reset, then ep_combine (no host read)."""
+        rank_prefix, _, recv_channel_prefix, _, in_rank, _ = handle
+        T, H = in_rank.shape[0], x.shape[1]
+        K = 0 if topk_weights is None else topk_weights.shape[1]
+        combined = torch.empty(T, H, dtype=x.dtype, device=self._device)
+        combined_w = None if topk_weights is None else torch.empty(
+            T, K, dtype=torch.float32, device=self._device)
+        self._launch("reset", config, x, K)
+        self._launch("combine", config, x, K, x=x, topk_weights=topk_weights,
+                     recv_channel_prefix=recv_channel_prefix, rank_prefix=rank_prefix,
+                     is_token_in_rank=in_rank, bias0=biases[0] if biases else None,
+                     bias1=biases[1] if len(biases) > 1 else None, combined=combined,
+                     combined_weights=combined_w, num_tokens=T)
+        return combined, combined_w
+
+    def _launch(self, kernel, config, x, num_topk, **fields):
+        """Enqueues one EP kernel on the Buffer's stream: tensors by address (None: null), the
+        call's shape from `config`, `x` and `num_topk`."""
+        args = dict(hidden_bytes=x.shape[1] * x.element_size(), num_topk=num_topk,
+                    num_channels=config.num_channels,
+                    ring_slots=config.num_max_nvl_chunked_recv_tokens,
+                    chunk=config.num_max_nvl_chunked_send_tokens)
+        for name, value in fields.items():
+            if isinstance(value, torch.Tensor):
+                args[name] = value.data_ptr()
+            elif value is not None:
+                args[name] = int(value)
+        self._ep.launch(kernel, args, self._stream.cuda_stream)
+
+    def _exchange(self, sends, recvs):
+        """One point-to-point group: `sends[p]` to and `recvs[p]` from peer p, matched in order
+        (empty pieces skipped on both sides alike: their sizes come from the same counts)."""
+        ops = []
+        for p in range(self.group_size):
+            for kind, pieces in (("send", sends[p]), ("recv", recvs[p])):
+                for t in pieces:
+                    if t.numel():
+                        ops.append((kind, p, t.data_ptr(), t.numel() * t.element_size()))
+        if ops:
+            self._session.p2p(ops, self._stream.cuda_stream)
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+
+    def _live(self, what):
+        if self._session is None:
+            raise RuntimeError(f"{what}: this Buffer was destroyed")
+
+    def _enter(self, what, previous_event, async_finish, allocate_on_comm_stream):
+        self._live(what)
+        checks.stream_events(previous_event, async_finish, allocate_on_comm_stream)
+        if self._capturing():
+            raise RuntimeError(f"{what}: cannot be captured in a CUDA graph yet (this phase reads "
+                               "the token counts on the host)")
+
+    # The CUDA stream and graph state, in methods of their own so the CPU tests can stand in.
+    def _capturing(self):
+        return torch.cuda.is_current_stream_capturing()
+
+    def _on_stream(self):
+        return torch.cuda.stream(self._stream)
+
+    def _on_device(self, what, t):
+        if t.device != self._device:
+            raise ValueError(f"{what} is on {t.device}, this Buffer on {self._device}")
+
+    def _collectively(self, what, check):
+        """Runs `check` (the call's argument checks: it returns the values every rank must share
+        and the call's config, or raises) on every rank, then compares on the bootstrap, before
+        any device work: a refusal on one rank, or ranks that disagree, is an error on every
+        rank (a lone refusal would leave the others waiting for it). Returns the config."""
+        self._live(what)
+        try:
+            values, config = check()
+            mine = {"values": values}
+        except (TypeError, ValueError, NotImplementedError, RuntimeError) as e:
+            error, mine = e, {"error": f"{type(e).__name__}: {e}"}
+        else:
+            error = None
+        payload = json.dumps(mine, sort_keys=True).encode()
+        every = [json.loads(bytes(b)) for b in self._comm_group.bootstrap.all_gather(payload)]
+        if error is not None:
+            raise error
+        refused = {r: e["error"] for r, e in enumerate(every) if "error" in e}
+        if refused:
+            raise ValueError(f"{what}: refused on rank(s) {refused}")
+        for key in values:
+            seen = {r: e["values"][key] for r, e in enumerate(every)}
+            if len(set(seen.values())) > 1:
+                raise ValueError(f"{what}: the ranks disagree on {key}: {seen}")
+        return config
+
+    def _wait(self, previous_event):
+        compute = torch.cuda.current_stream()
+        if previous_event is not None:
+            if previous_event.event is None:
+                raise ValueError("previous_event holds no event")
+            self._stream.wait_event(previous_event.event.event)
+        else:
+            self._stream.wait_stream(compute)
+        return compute
+
+    def _finish(self, compute, inputs, outputs, async_finish):
+        # The outputs were made on the communication stream and are used on the compute stream.
+        for t in outputs:
+            if t is not None:
+                t.record_stream(compute)
+        if not async_finish:
+            compute.wait_stream(self._stream)
+            return EventOverlap(None)
+        for t in inputs:
+            t.record_stream(self._stream)
+        return EventOverlap(EventHandle(self._stream))
+
+    def _remember(self, handle, num_channels):
+        key, handles = id(handle[0]), self._handles
+        handles[key] = (weakref.ref(handle[0], lambda _: handles.pop(key, None)), num_channels)
+
+    def _check_handle(self, what, handle, config):
+        if not isinstance(handle, tuple) or len(handle) != _HANDLE_LEN:
+            raise ValueError(f"{what}: handle must be the {_HANDLE_LEN}-tuple a dispatch of this "
+                             "Buffer returned")
+        entry = self._handles.get(id(handle[0]))
+        if entry is None or entry[0]() is not handle[0]:
+            raise ValueError(f"{what}: handle was not made by this Buffer (it comes from another "
+                             "Buffer, or its tensors were copied)")
+        if entry[1] != config.num_channels:
+            raise ValueError(f"{what}: handle was made with num_sms={2 * entry[1]}, the config "
+                             f"has num_sms={config.num_sms}: use the same num_sms")
+
+
+def _layout(topk_idx, num_experts, num_ranks):
+    """`(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)` of `topk_idx`."""
+    valid = topk_idx >= 0
+    per_expert = torch.bincount(topk_idx[valid], minlength=num_experts).to(torch.int32)
+    rank_of = torch.where(valid, topk_idx // (num_experts // num_ranks), 0)
+    hits = torch.nn.functional.one_hot(rank_of, num_ranks).bool() & valid[..., None]
+    in_rank = hits.any(1)
+    return in_rank.sum(0, dtype=torch.int32), per_expert, in_rank.contiguous()
+
+
+def _channel_prefix(in_rank, num_channels):
+    """`[R, C]`: per destination, the tokens it selects in channels 0..c (inclusive), channel c
+    being tokens [c * ceil(T / C), (c + 1) * ceil(T / C)) (DeepEP's split)."""
+    T, R = in_rank.shape
+    per = -(-T // num_channels)
+    padded = torch.zeros(num_channels * per, R, dtype=torch.int32, device=in_rank.device)
+    padded[:T] = in_rank.to(torch.int32)
+    per_channel = padded.view(num_channels, per, R).sum(1, dtype=torch.int32)
+    return per_channel.t().cumsum(1, dtype=torch.int32).contiguous()
+
+
+def _send_head(in_rank):
+    """`[T, R]`: a token's row in its block of the destination's receive, -1 if not sent."""
+    position = in_rank.to(torch.int32).cumsum(0, dtype=torch.int32) - 1
+    return torch.where(in_rank, position, torch.full_like(position, -1))
+
+
+def _counts_of(rank_prefix):
+    """The `[R, R]` count matrix (source, destination) of a rank prefix matrix."""
+    return torch.diff(rank_prefix, dim=0, prepend=torch.zeros_like(rank_prefix[:1]))

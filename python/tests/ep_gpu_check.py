@@ -1,0 +1,191 @@
+"""GPU check of `mscclpp.ext.ep` under torchrun (ranks may share one GPU, with or without MPS):
+every case's layout, dispatch (non-cached, cached, async with allocate_on_comm_stream,
+num_worst_tokens) and combine (with and without bias) compared bit for bit with
+`mscclpp.ext.ep.reference`, which each rank computes on the CPU for all ranks from the shared
+seed. Cases: random routing with -1 holes, every token to one rank, a rank receiving nothing,
+1 token, 0 tokens, and 4096 tokens x 7168 hidden x top-8 of 256 experts. Payloads are small
+integers, so `combine(dispatch(x))` is exactly x times the ranks each token reached; that is
+checked too. Then the refusals: a handle made with another num_sms, on every rank.
+Prints the seed; exit status 1 on any mismatch or error.
+With --kernels, through the intranode kernels instead of the point-to-point groups.
+Run: torchrun --nproc_per_node=N ep_gpu_check.py [--seed S] [--quick] [--kernels] [--num-sms N]"""
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from mscclpp.ext.ep import Buffer, Config, reference
+
+
+def case_inputs(seed, num_ranks, num_tokens, num_topk, num_experts, hidden, route):
+    """Every rank's (x, topk_idx, topk_weights) on the CPU, the same in every process."""
+    gen = torch.Generator().manual_seed(seed)
+    per_rank = num_experts // num_ranks
+    xs, idxs, ws = [], [], []
+    for _ in range(num_ranks):
+        scores = torch.rand(num_tokens, num_experts, generator=gen)
+        if route == "one_rank":  # only the last rank's experts
+            scores[:, :(num_ranks - 1) * per_rank] = -1
+        if route == "empty_rank":  # nothing for rank 0's experts
+            scores[:, :per_rank] = -1
+        idx = scores.topk(num_topk, dim=1).indices
+        idx[scores.gather(1, idx) < 0] = -1
+        if route in ("holes", "empty_rank"):
+            idx[torch.rand(idx.shape, generator=gen) < 0.2] = -1
+        xs.append(torch.randint(-8, 9, (num_tokens, hidden), generator=gen).to(torch.bfloat16))
+        idxs.append(idx)
+        ws.append(torch.rand(num_tokens, num_topk, generator=gen))
+    return xs, idxs, ws
+
+
+def same(name, got, want, failures):
+    got = got.cpu() if isinstance(got, torch.Tensor) else got
+    if isinstance(want, torch.Tensor):
+        ok = isinstance(got, torch.Tensor) and got.shape == want.shape and \
+            got.dtype == want.dtype and torch.equal(got, want)
+    else:
+        ok = got == want
+    if not ok:
+        failures.append(name)
+
+
+def run_case(buf, name, seed, num_tokens, num_topk, num_experts, hidden, route):
+    R, r, dev = buf.group_size, buf.rank, torch.device("cuda", torch.cuda.current_device())
+    xs, idxs, ws = case_inputs(seed, R, num_tokens, num_topk, num_experts, hidden, route)
+    biases = [torch.randint(-4, 5, (num_tokens, hidden),
+                            generator=torch.Generator().manual_seed(seed + 1 + s))
+              .to(torch.bfloat16) for s in range(R)]
+    want = reference.dispatch(xs, idxs, ws, num_experts, expert_alignment=8)
+    routes = [reference.layout(i, num_experts, R)[2] for i in idxs]
+    x, idx, w = xs[r].to(dev), idxs[r].to(dev), ws[r].to(dev)
+    f = []
+
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
+    for got, exp, what in zip((per_rank, per_expert, in_rank),
+                              reference.layout(idxs[r], num_experts, R),
+                              ("num_tokens_per_rank", "num_tokens_per_expert",
+                               "is_token_in_rank")):
+        same(f"layout {what}", got, exp, f)
+    recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, expert_alignment=8)
+    mine = want[r]
+    same("recv_x", recv_x, mine.recv_x, f)
+    same("recv_topk_idx", recv_idx, mine.recv_topk_idx, f)
+    same("recv_topk_weights", recv_w, mine.recv_topk_weights, f)
+    same("num_recv_tokens_per_expert_list", counts, mine.num_recv_tokens_per_expert, f)
+    same("rank_prefix_matrix", handle[0], mine.rank_prefix_matrix, f)
+    same("recv_src_idx", handle[3], mine.recv_src_idx, f)
+
+    # Cached, asynchronous, tensors owned by the communication stream.
+    cached = buf.dispatch(x * 2, handle=handle, previous_event=Buffer.capture(),
+                          async_finish=True, allocate_on_comm_stream=True)
+    cached[5].current_stream_wait()
+    same("cached recv_x", cached[0], mine.recv_x * 2, f)
+
+    # Combine without bias: x times the ranks reached; with bias: the reference.
+    combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+    reached = routes[r].sum(1, keepdim=True).float()
+    same("combine round trip", combined, (xs[r].float() * reached).to(torch.bfloat16), f)
+    out = reference.combine(routes, [g.recv_x for g in want], [g.recv_topk_weights for g in want],
+                            biases)
+    combined, combined_w, event = buf.combine(recv_x, handle, topk_weights=recv_w,
+                                              bias=biases[r].to(dev), async_finish=True)
+    event.current_stream_wait()
+    same("combine with bias", combined, out[r][0], f)
+    same("combined topk_weights", combined_w, out[r][1], f)
+
+    # num_worst_tokens: the same rows first, the rest without expert.
+    worst = max(g.recv_x.shape[0] for g in want) + 3
+    recv_x, recv_idx, _, counts, handle, _ = buf.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
+        num_worst_tokens=worst)
+    n = mine.recv_x.shape[0]
+    same("num_worst_tokens recv_x", recv_x[:n], mine.recv_x, f)
+    same("num_worst_tokens padding", bool((recv_idx[n:] == -1).all()), True, f)
+    same("num_worst_tokens list", counts, [], f)
+    return [f"{name}: {x}" for x in f]
+
+
+def check_refusals(buf, failures):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    idx = torch.zeros(4, 1, dtype=torch.int64, device=dev)
+    x = torch.ones(4, 64, dtype=torch.bfloat16, device=dev)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, buf.group_size)
+    recv = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                        num_tokens_per_expert=per_expert, topk_idx=idx,
+                        topk_weights=torch.ones(4, 1, device=dev))
+    try:
+        buf.combine(recv[0], recv[4], config=Config(Buffer.num_sms + 2, 4, 256))
+        failures.append("refusals: a handle of another num_sms was taken")
+    except ValueError as e:
+        if "handle was made with num_sms" not in str(e):
+            failures.append(f"refusals: unexpected error {e}")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seed", type=int, default=int(time.time()) % 100000)
+    parser.add_argument("--quick", action="store_true", help="skip the 4096 x 7168 case")
+    parser.add_argument("--kernels", action="store_true",
+                        help="the intranode kernels (Buffer.use_kernels), not point-to-point")
+    parser.add_argument("--num-sms", type=int, default=Buffer.num_sms,
+                        help="Buffer.set_num_sms (the kernels' grid: 2 * num_sms * ranks blocks "
+                             "for a dispatch; lower it where ranks share a GPU under MPS)")
+    args = parser.parse_args()
+    Buffer.use_kernels = args.kernels
+    Buffer.set_num_sms(args.num_sms)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    # gloo: the group only bootstraps the Buffer, and NCCL refuses ranks sharing a GPU.
+    dist.init_process_group("gloo")
+    R, r = dist.get_world_size(), dist.get_rank()
+    if r == 0:
+        print(f"ep_gpu_check: {R} ranks, seed {args.seed}, num_sms {args.num_sms}, "
+              f"{'kernels' if args.kernels else 'point-to-point'}", flush=True)
+    hidden_big = 7168
+    hints = [c.get_nvl_buffer_size_hint(hidden_big * 2, R)
+             for c in (Buffer.get_dispatch_config(R), Buffer.get_combine_config(R))]
+    buf = Buffer(dist.group.WORLD, num_nvl_bytes=max(hints), explicitly_destroy=True)
+    experts = 8 * R
+    cases = [("random with holes", 100, 4, experts, 256, "holes"),
+             ("every token to one rank", 64, 4, experts, 256, "one_rank"),
+             ("a rank receives nothing", 64, 4, experts, 256, "empty_rank"),
+             ("1 token", 1, 2, experts, 128, "holes"),
+             ("0 tokens", 0, 2, experts, 128, "holes")]
+    if not args.quick and 256 % R == 0:
+        cases.append(("4096 x 7168 top-8 of 256", 4096, 8, 256, hidden_big, "plain"))
+    failures = []
+    for i, (name, tokens, topk, num_experts, hidden, route) in enumerate(cases):
+        start = time.time()
+        try:
+            failures += run_case(buf, name, args.seed + 1000 * i, tokens, topk, num_experts,
+                                 hidden, route)
+        except Exception as e:  # noqa: BLE001 (reported, then the exit status says it)
+            failures.append(f"{name}: {type(e).__name__}: {e}")
+        if r == 0:
+            print(f"  {name}: done in {time.time() - start:.1f} s", flush=True)
+    try:
+        check_refusals(buf, failures)
+    except Exception as e:  # noqa: BLE001
+        failures.append(f"refusals: {type(e).__name__}: {e}")
+    for line in failures:
+        print(f"rank {r}: FAILED {line}", flush=True)
+    bad = torch.tensor([len(failures)])
+    dist.all_reduce(bad)
+    buf.destroy()
+    if r == 0:
+        total = len(cases) + 1
+        print(f"ep_gpu_check: {'FAILED ' + str(int(bad)) + ' checks' if bad else 'all passed'}"
+              f" ({total} cases on {R} ranks, seed {args.seed})", flush=True)
+    dist.destroy_process_group()
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,430 @@
+"""CPU tests of `mscclpp.ext.ep`: the reference against the spec's cases, `Config` and its size
+hints, the argument checks (each error naming the argument), DeepEP's signatures, and `Buffer`'s
+planning: R ranks simulated as threads of one process, the runtime's point-to-point group and the
+bootstrap's all-gather stood in by in-process exchanges, compared with the reference bit for bit.
+The CUDA stream handling is what the stand-in replaces; ep_gpu_check.py runs the real thing."""
+
+import contextlib
+import inspect
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import mscclpp.ext  # noqa: E402
+from mscclpp.ext import ep  # noqa: E402
+from mscclpp.ext.ep import checks, reference  # noqa: E402
+from mscclpp.ext.ep.buffer import Buffer  # noqa: E402
+from mscclpp.ext.ep.config import Config  # noqa: E402
+from mscclpp.ext.ep.utils import EventOverlap  # noqa: E402
+
+
+def routing(seed, num_ranks, num_tokens, num_topk, num_experts, hidden, holes=True):
+    """Every rank's (x, topk_idx, topk_weights): distinct experts per token, -1 holes, and
+    small-integer payloads (exact in bf16 sums)."""
+    gen = torch.Generator().manual_seed(seed)
+    xs, idxs, ws = [], [], []
+    for _ in range(num_ranks):
+        idx = torch.stack([torch.randperm(num_experts, generator=gen)[:num_topk]
+                           for _ in range(num_tokens)]) if num_tokens else \
+            torch.empty(0, num_topk, dtype=torch.int64)
+        if holes and idx.numel():
+            idx[torch.rand(idx.shape, generator=gen) < 0.2] = -1
+        xs.append(torch.randint(-8, 9, (num_tokens, hidden), generator=gen).to(torch.bfloat16))
+        idxs.append(idx)
+        ws.append(torch.rand(num_tokens, num_topk, generator=gen))
+    return xs, idxs, ws
+
+
+# ---- the reference ---------------------------------------------------------------------------
+
+def test_layout_counts_a_token_once_per_rank():
+    # 4 experts on 2 ranks: experts 0, 1 on rank 0; 2, 3 on rank 1.
+    topk = torch.tensor([[0, 1], [2, -1], [-1, -1], [1, 3]])
+    per_rank, per_expert, in_rank = reference.layout(topk, 4, 2)
+    assert per_rank.tolist() == [2, 2]
+    assert per_expert.tolist() == [1, 2, 1, 1]
+    assert in_rank.tolist() == [[True, False], [False, True], [False, False], [True, True]]
+
+
+def test_dispatch_order_local_indices_and_alignment():
+    x0 = torch.arange(3, dtype=torch.bfloat16)[:, None].repeat(1, 8)
+    x1 = 10 + torch.arange(2, dtype=torch.bfloat16)[:, None].repeat(1, 8)
+    idx0 = torch.tensor([[3, 0], [1, -1], [2, 3]])
+    idx1 = torch.tensor([[2, 1], [0, 0]])
+    w0, w1 = torch.full((3, 2), 0.5), torch.full((2, 2), 0.25)
+    got = reference.dispatch([x0, x1], [idx0, idx1], [w0, w1], 4, expert_alignment=4)
+    # Rank 1 (experts 2, 3): rank 0's tokens 0 and 2, then rank 1's token 0.
+    r1 = got[1]
+    assert r1.recv_x[:, 0].tolist() == [0, 2, 10]
+    assert r1.recv_src_idx.tolist() == [0, 2, 0]
+    assert r1.recv_topk_idx.tolist() == [[1, -1], [0, 1], [0, -1]]
+    assert r1.recv_topk_weights.tolist() == [[0.5, 0], [0.5, 0.5], [0.25, 0]]
+    assert r1.num_recv_tokens_per_expert == [4, 4]  # 2 and 2 pairs, aligned to 4
+    # Rank 0 (experts 0, 1): rank 0's tokens 0, 1, then rank 1's 0 and 1 (which picks 0 twice).
+    assert got[0].recv_src_idx.tolist() == [0, 1, 0, 1]
+    assert got[0].num_recv_tokens_per_expert == [4, 4]  # 3 and 2 pairs
+    assert got[0].rank_prefix_matrix.tolist() == [[2, 2], [4, 3]]
+
+
+@pytest.mark.parametrize("case", ["random", "one_rank", "empty_rank", "one_token", "no_tokens"])
+def test_combine_of_dispatch_is_x_times_the_ranks_reached(case):
+    R, E = 4, 16
+    T = {"one_token": 1, "no_tokens": 0}.get(case, 37)
+    xs, idxs, ws = routing(7, R, T, 4, E, 32)
+    if case == "one_rank":  # every token to rank 2's experts
+        idxs = [torch.randint(8, 12, i.shape) for i in idxs]
+    if case == "empty_rank":  # nothing for rank 3
+        idxs = [torch.where(i >= 12, -1, i) for i in idxs]
+    recv = reference.dispatch(xs, idxs, ws, E)
+    routes = [reference.layout(i, E, R)[2] for i in idxs]
+    if case == "empty_rank":
+        assert recv[3].recv_x.shape[0] == 0
+    out = reference.combine(routes, [r.recv_x for r in recv],
+                            [r.recv_topk_weights for r in recv])
+    for s in range(R):
+        reached = routes[s].sum(1, keepdim=True).float()
+        assert torch.equal(out[s][0], (xs[s].float() * reached).to(torch.bfloat16))
+        assert torch.equal(out[s][1], torch.where(idxs[s] >= 0, ws[s], torch.zeros_like(ws[s])))
+
+
+def test_combine_adds_bias_then_ranks_in_order_and_rounds_once():
+    # One token to both ranks: 256 + 1 + 1 is 258 added in fp32 then rounded (bf16 has 8 bits of
+    # mantissa, so rounding after each add would lose the ones: 256 + 1 rounds to 256).
+    route = [torch.tensor([[True, True]]), torch.zeros(0, 2, dtype=torch.bool)]
+    rows = [torch.ones(1, 8, dtype=torch.bfloat16), torch.ones(1, 8, dtype=torch.bfloat16)]
+    bias = torch.full((1, 8), 256, dtype=torch.bfloat16)
+    out = reference.combine(route, rows, biases=[bias, None])
+    assert out[0][0][0, 0].item() == 258
+
+
+# ---- Config ----------------------------------------------------------------------------------
+
+def test_config_defaults_tables_and_hints():
+    c = Config()
+    assert (c.num_sms, c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens,
+            c.num_max_rdma_chunked_send_tokens, c.num_max_rdma_chunked_recv_tokens) == \
+        (20, 6, 256, 6, 258)  # 256 RDMA slots rounded up to whole chunks of 6, as in DeepEP
+    d, k = Buffer.get_dispatch_config(8), Buffer.get_combine_config(2)
+    assert (d.num_max_nvl_chunked_send_tokens, d.num_max_nvl_chunked_recv_tokens) == (6, 256)
+    assert (k.num_max_nvl_chunked_send_tokens, k.num_max_nvl_chunked_recv_tokens) == (10, 256)
+    for r in (2, 4, 8):
+        for cfg in (Buffer.get_dispatch_config(r), Buffer.get_combine_config(r)):
+            hint = cfg.get_nvl_buffer_size_hint(7168 * 2, r)
+            assert hint % 128 == 0
+            assert hint >= cfg.buffer_bytes(7168 * 2, r, 128, 128)
+            assert cfg.get_rdma_buffer_size_hint(7168 * 2, r) == 0
+    with pytest.raises(NotImplementedError, match="internode"):
+        d.get_nvl_buffer_size_hint(7168 * 2, 16)
+    # The kernels' layout (kernels-cu/src/ep.rs pins the same number).
+    assert Config(20, 6, 256).buffer_bytes(7168 * 2, 8, 8) == 295_930_624
+    with pytest.raises(ValueError, match="num_ranks=3"):
+        Buffer.get_dispatch_config(3)
+
+
+def test_config_refusals_name_the_field():
+    with pytest.raises(ValueError, match="num_max_nvl_chunked_send_tokens=8"):
+        Config(20, 8, 8)
+    with pytest.raises(ValueError, match="num_sms=-2"):
+        Config(-2)
+    with pytest.raises(ValueError, match="num_sms=3"):
+        Config(3).buffer_bytes(256, 2, 8)
+    # RDMA receive slots round up to whole chunks, as DeepEP's do.
+    assert Config(20, 6, 256, 6, 100).num_max_rdma_chunked_recv_tokens == 102
+
+
+# ---- argument checks -------------------------------------------------------------------------
+
+def test_check_errors_name_the_argument():
+    with pytest.raises(ValueError, match="x: hidden size 7 is not supported"):
+        checks.hidden("x", torch.zeros(2, 7, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="x must be torch.bfloat16"):
+        checks.hidden("x", torch.zeros(2, 8))
+    with pytest.raises(NotImplementedError, match="fp8"):
+        checks.hidden("x", (torch.zeros(2, 128), torch.zeros(2, 1)))
+    with pytest.raises(ValueError, match=r"topk_idx holds values in \[-1, 16\]"):
+        checks.topk_range(torch.tensor([[0, 16], [-1, 3]]), 16)
+    with pytest.raises(ValueError, match=r"topk_idx holds values in \[-2, 3\]"):
+        checks.topk_range(torch.tensor([[-2, 3]]), 16)
+    with pytest.raises(ValueError, match="num_experts=10 does not split into 4 ranks"):
+        checks.num_experts(10, 4)
+    with pytest.raises(ValueError, match="num_nvl_bytes=100 .* too small"):
+        checks.buffer_size("dispatch", 100, 200, Config())
+    with pytest.raises(ValueError, match="must be contiguous"):
+        checks.tensor("topk_idx", torch.zeros(4, 4, dtype=torch.int64).t(), torch.int64, 2)
+    with pytest.raises(ValueError, match="allocate_on_comm_stream"):
+        checks.stream_events(None, True, True)
+
+
+# ---- DeepEP's API ----------------------------------------------------------------------------
+
+def test_the_signatures_are_deepeps():
+    assert list(inspect.signature(Buffer.__init__).parameters.items())[1:] == list(
+        inspect.signature(_deepep_buffer_init).parameters.items())[1:]
+    dispatch = inspect.signature(Buffer.dispatch).parameters
+    assert list(dispatch) == ["self", "x", "handle", "num_tokens_per_rank",
+                              "num_tokens_per_rdma_rank", "is_token_in_rank",
+                              "num_tokens_per_expert", "topk_idx", "topk_weights",
+                              "expert_alignment", "num_worst_tokens", "config", "previous_event",
+                              "async_finish", "allocate_on_comm_stream"]
+    assert list(inspect.signature(Buffer.combine).parameters) == [
+        "self", "x", "handle", "topk_weights", "bias", "config", "previous_event", "async_finish",
+        "allocate_on_comm_stream"]
+    assert Buffer.num_sms == 20
+    assert {"Buffer", "Config", "EventOverlap", "EventHandle"} <= set(ep.__all__)
+    assert {"AlgorithmCollection", "AlgorithmCollectionBuilder"} <= set(mscclpp.ext.__all__)
+
+
+def _deepep_buffer_init(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
+                        num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True,
+                        allow_mnnvl=False, explicitly_destroy=False, comm=None):
+    """DeepEP v1.2.1's Buffer.__init__ signature, to compare ours with."""
+
+
+def test_what_is_not_implemented_says_so():
+    with pytest.raises(NotImplementedError, match="low-latency mode"):
+        Buffer(None, low_latency_mode=True)
+    with pytest.raises(NotImplementedError, match="low-latency"):
+        Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256)
+    with pytest.raises(ValueError, match="either group"):
+        Buffer(None)
+    with pytest.raises(ValueError, match="new_num_sms=3"):
+        Buffer.set_num_sms(3)
+
+
+# ---- Buffer's planning on simulated ranks ----------------------------------------------------
+
+class World:
+    """R ranks in threads: an all-gather and a point-to-point exchange through shared lists, each
+    wait bounded (a rank that fails early breaks the barrier instead of hanging the others)."""
+
+    def __init__(self, num_ranks):
+        self.num_ranks = num_ranks
+        self.barrier = threading.Barrier(num_ranks, timeout=20)
+        self.slots = [None] * num_ranks
+
+    def _swap(self, rank, value):
+        self.slots[rank] = value
+        self.barrier.wait()
+        every = list(self.slots)
+        self.barrier.wait()
+        return every
+
+    def all_gather(self, rank, data):
+        return self._swap(rank, data)
+
+    def exchange(self, rank, sends, recvs):
+        every = self._swap(rank, sends)
+        for p in range(self.num_ranks):
+            theirs = [t for t in every[p][rank] if t.numel()]
+            mine = [t for t in recvs[p] if t.numel()]
+            assert [t.numel() * t.element_size() for t in theirs] == \
+                [t.numel() * t.element_size() for t in mine], "send/recv size mismatch"
+            for src, dst in zip(theirs, mine):
+                dst.copy_(src)
+
+
+class SimBuffer(Buffer):
+    """A Buffer of one simulated rank: the planning is Buffer's, the transport World's."""
+
+    def __init__(self, world, rank, num_nvl_bytes=1 << 30):
+        self.rank, self.group_size, self.group = rank, world.num_ranks, None
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, 0
+        self.low_latency_mode, self.explicitly_destroy = False, False
+        self._device, self._stream, self._handles = torch.device("cpu"), None, {}
+        self._ep = self._nvl = None  # the point-to-point path (the kernels need a GPU)
+        self._world = world
+        self._session = SimpleNamespace(check=lambda: None)
+        self._comm_group = SimpleNamespace(bootstrap=SimpleNamespace(
+            all_gather=lambda data: world.all_gather(rank, data)))
+
+    def _capturing(self):
+        return False
+
+    def _on_stream(self):
+        return contextlib.nullcontext()
+
+    def _wait(self, previous_event):
+        return None
+
+    def _finish(self, compute, inputs, outputs, async_finish):
+        return EventOverlap(None)
+
+    def _exchange(self, sends, recvs):
+        self._world.exchange(self.rank, sends, recvs)
+
+
+def on_ranks(num_ranks, fn, **kwargs):
+    """fn(buffer) on every simulated rank at once; the per-rank results (or exceptions)."""
+    world = World(num_ranks)
+    buffers = [SimBuffer(world, r, **kwargs) for r in range(num_ranks)]
+    out = [None] * num_ranks
+
+    def run(r):
+        try:
+            out[r] = fn(buffers[r])
+        except Exception as e:  # noqa: BLE001 (handed back to the test to inspect)
+            out[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(num_ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def raised(results):
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.mark.parametrize("num_ranks,num_tokens,case", [
+    (2, 50, "random"), (4, 33, "random"), (8, 20, "random"), (4, 1, "random"),
+    (4, 0, "random"), (4, 40, "one_rank"), (4, 40, "empty_rank")])
+def test_buffer_matches_the_reference(num_ranks, num_tokens, case):
+    E, K, H = 8 * num_ranks, 4, 64
+    xs, idxs, ws = routing(num_ranks * 1000 + num_tokens, num_ranks, num_tokens, K, E, H)
+    if case == "one_rank":
+        idxs = [torch.where(i >= 0, 8 + i % 8, i) for i in idxs]  # all to rank 1
+    if case == "empty_rank":
+        idxs = [torch.where(i >= E - 8, -1, i) for i in idxs]
+    biases = [torch.randint(-4, 5, (num_tokens, H)).to(torch.bfloat16) for _ in range(num_ranks)]
+    want = reference.dispatch(xs, idxs, ws, E, expert_alignment=4)
+    routes = [reference.layout(i, E, num_ranks)[2] for i in idxs]
+
+    def rank(buf):
+        r = buf.rank
+        per_rank, rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], E)
+        assert rdma is None
+        recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+            xs[r], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=idxs[r], topk_weights=ws[r],
+            expert_alignment=4)
+        cached = buf.dispatch(xs[r] * 2, handle=handle)
+        combined = buf.combine(recv_x, handle, topk_weights=recv_w, bias=biases[r])
+        return (per_rank, per_expert, in_rank), (recv_x, recv_idx, recv_w, counts, handle), \
+            cached, combined
+
+    got = raised(on_ranks(num_ranks, rank))
+    for r in range(num_ranks):
+        layout, (recv_x, recv_idx, recv_w, counts, handle), cached, combined = got[r]
+        for a, b in zip(layout, reference.layout(idxs[r], E, num_ranks)):
+            assert torch.equal(a, b)
+        w = want[r]
+        assert torch.equal(recv_x, w.recv_x)
+        assert torch.equal(recv_idx, w.recv_topk_idx)
+        assert torch.equal(recv_w, w.recv_topk_weights)
+        assert counts == w.num_recv_tokens_per_expert
+        assert torch.equal(handle[0], w.rank_prefix_matrix)
+        assert torch.equal(handle[3], w.recv_src_idx)
+        assert torch.equal(cached[0], w.recv_x * 2) and cached[1:5] == (None,) * 4
+    out = reference.combine(routes, [g[1][0] for g in got], [g[1][2] for g in got], biases)
+    for r in range(num_ranks):
+        assert torch.equal(got[r][3][0], out[r][0])
+        assert torch.equal(got[r][3][1], out[r][1])
+
+
+def test_num_worst_tokens_pads_and_refuses_too_few():
+    R, E = 2, 8
+    xs, idxs, ws = routing(3, R, 10, 2, E, 16)
+
+    def rank(buf, worst):
+        r = buf.rank
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], E)
+        return buf.dispatch(xs[r], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert, topk_idx=idxs[r],
+                            topk_weights=ws[r], num_worst_tokens=worst)
+
+    want = reference.dispatch(xs, idxs, ws, E)
+    got = raised(on_ranks(R, lambda b: rank(b, 20)))
+    for r in range(R):
+        recv_x, recv_idx, recv_w, counts, handle, _ = got[r]
+        n = want[r].recv_x.shape[0]
+        assert recv_x.shape[0] == 20 and counts == []
+        assert torch.equal(recv_x[:n], want[r].recv_x)
+        assert (recv_idx[n:] == -1).all() and (recv_w[n:] == 0).all()
+        assert handle[3].shape[0] == 20
+    results = on_ranks(R, lambda b: rank(b, 1))
+    assert all(isinstance(e, ValueError) and "num_worst_tokens=1" in str(e) for e in results)
+
+
+def test_handles_are_checked():
+    R, E = 2, 8
+    xs, idxs, ws = routing(5, R, 6, 2, E, 16)
+
+    def rank(buf):
+        r = buf.rank
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], E)
+        recv = buf.dispatch(xs[r], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert, topk_idx=idxs[r],
+                            topk_weights=ws[r])
+        handle = recv[4]
+        errors = []
+        for attempt in (
+                lambda: buf.combine(recv[0], handle, config=Config(10, 4, 256)),
+                lambda: buf.combine(recv[0], tuple(t.clone() for t in handle)),
+                lambda: buf.dispatch(xs[r], handle=handle, topk_idx=idxs[r])):
+            try:
+                attempt()
+            except ValueError as e:
+                errors.append(str(e))
+        return errors
+
+    for errors in raised(on_ranks(R, rank)):
+        assert "handle was made with num_sms=20, the config has num_sms=10" in errors[0]
+        assert "handle was not made by this Buffer" in errors[1]
+        assert "takes neither topk_idx nor topk_weights" in errors[2]
+
+
+def test_a_refusal_or_a_disagreement_is_raised_on_every_rank():
+    R, E = 4, 16
+    xs, idxs, ws = routing(9, R, 8, 2, E, 16)
+
+    def rank(buf, hidden_of, too_small):
+        r = buf.rank
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], E)
+        if too_small and r == 1:
+            buf.num_nvl_bytes = 1000
+        x = xs[r] if hidden_of is None else torch.zeros(8, hidden_of(r), dtype=torch.bfloat16)
+        return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert, topk_idx=idxs[r],
+                            topk_weights=ws[r])
+
+    results = on_ranks(R, lambda b: rank(b, lambda r: 16 if r else 24, False))
+    assert all(isinstance(e, ValueError) and "disagree on hidden" in str(e) for e in results)
+    results = on_ranks(R, lambda b: rank(b, lambda r: 7 if r == 2 else 16, False))
+    assert "hidden size 7 is not supported" in str(results[2])
+    assert all("refused on rank(s) {2: " in str(e) for i, e in enumerate(results) if i != 2)
+    results = on_ranks(R, lambda b: rank(b, None, True))
+    assert "num_nvl_bytes=1000" in str(results[1])
+    assert all("refused on rank(s) {1: " in str(e) for i, e in enumerate(results) if i != 1)
+
+
+def test_inconsistent_layout_is_refused_everywhere():
+    R, E = 2, 8
+    xs, idxs, ws = routing(11, R, 6, 2, E, 16)
+
+    def rank(buf):
+        r = buf.rank
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], E)
+        if r == 0:
+            per_rank = per_rank + 1
+        return buf.dispatch(xs[r], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert, topk_idx=idxs[r],
+                            topk_weights=ws[r])
+
+    for e in on_ranks(R, rank):
+        assert isinstance(e, ValueError)
+        assert "num_tokens_per_rank disagrees with is_token_in_rank on rank(s) [0]" in str(e)
+
+
+def test_layout_refuses_topk_out_of_range():
+    def rank(buf):
+        return buf.get_dispatch_layout(torch.tensor([[0, 9]]), 8)
+
+    assert all("topk_idx holds values in [0, 9]" in str(e) for e in on_ranks(2, rank))
