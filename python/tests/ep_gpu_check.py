@@ -130,7 +130,8 @@ def check_refusals(buf, failures):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--seed", type=int, default=int(time.time()) % 100000)
+    parser.add_argument("--seed", type=int, default=None,
+                        help="default: rank 0's clock, shared with every rank")
     parser.add_argument("--quick", action="store_true", help="skip the 4096 x 7168 case")
     parser.add_argument("--kernels", action="store_true",
                         help="the intranode kernels (Buffer.use_kernels), not point-to-point")
@@ -145,6 +146,10 @@ def main():
     # gloo: the group only bootstraps the Buffer, and NCCL refuses ranks sharing a GPU.
     dist.init_process_group("gloo")
     R, r = dist.get_world_size(), dist.get_rank()
+    # Every rank builds every rank's inputs from the seed: all must use rank 0's.
+    seed = [args.seed if args.seed is not None else int(time.time()) % 100000]
+    dist.broadcast_object_list(seed, src=0)
+    args.seed = seed[0]
     if r == 0:
         print(f"ep_gpu_check: {R} ranks, seed {args.seed}, num_sms {args.num_sms}, "
               f"{'kernels' if args.kernels else 'point-to-point'}", flush=True)
