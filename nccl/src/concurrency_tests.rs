@@ -149,17 +149,7 @@ fn abort_from_another_thread_releases_a_call_blocked_in_a_host_wait() {
         unsafe { ncclCommCount(h0.get(), &mut count) },
         INVALID_ARGUMENT
     );
-    let rc = unsafe {
-        ncclAllReduce(
-            std::ptr::null(),
-            std::ptr::null_mut(),
-            1,
-            7,
-            0,
-            h0.get(),
-            std::ptr::null_mut(),
-        )
-    };
+    let rc = all_reduce_of_nothing(h0);
     assert_eq!(rc, INVALID_ARGUMENT);
     stop.store(true, std::sync::atomic::Ordering::Release);
     let seen = poller.join().expect("poller");
@@ -375,6 +365,22 @@ fn destroy_and_abort_of_null_succeed() {
     assert_eq!(unsafe { ncclCommDestroy(std::ptr::null_mut()) }, SUCCESS);
 }
 
+/// An all-reduce on `h` that fails before it touches its buffers (the handle is closed, or its
+/// communicator has failed).
+fn all_reduce_of_nothing(h: H) -> NcclResult {
+    unsafe {
+        ncclAllReduce(
+            std::ptr::null(),
+            std::ptr::null_mut(),
+            1,
+            7,
+            0,
+            h.get(),
+            std::ptr::null_mut(),
+        )
+    }
+}
+
 /// PyTorch's order after a failure: its watchdog thread polls ncclCommGetAsyncError, sees the
 /// error, prints the failed collective's stack, then aborts the communicator; the main thread's
 /// next call on it returns the error only after that abort (`crate::watchdog`), never while the
@@ -408,17 +414,7 @@ fn a_failure_is_returned_after_the_watchdog_aborts() {
         .communicator
         .abort("rank 1 stalled (test)");
     let t0 = Instant::now();
-    let rc = unsafe {
-        ncclAllReduce(
-            std::ptr::null(),
-            std::ptr::null_mut(),
-            1,
-            7,
-            0,
-            h0.get(),
-            std::ptr::null_mut(),
-        )
-    };
+    let rc = all_reduce_of_nothing(h0);
     let returned_at = Instant::now();
     let aborted_at = watchdog.join().expect("watchdog");
     assert_ne!(rc, SUCCESS);
@@ -446,17 +442,7 @@ fn without_a_watchdog_a_failure_is_returned_at_once() {
         .communicator
         .abort("rank 1 stalled (test)");
     let t0 = Instant::now();
-    let rc = unsafe {
-        ncclAllReduce(
-            std::ptr::null(),
-            std::ptr::null_mut(),
-            1,
-            7,
-            0,
-            h0.get(),
-            std::ptr::null_mut(),
-        )
-    };
+    let rc = all_reduce_of_nothing(h0);
     assert_ne!(rc, SUCCESS);
     assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
     for h in comms {
