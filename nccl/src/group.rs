@@ -359,7 +359,12 @@ pub fn end() -> CallResult {
         ops.push((comm, Op::PointToPoint(list, stream)));
     }
     // A failure of a communicator that has failed is returned once its watchdog has acted.
-    let watched: Vec<Arc<Comm>> = ops.iter().map(|(c, _)| c.clone()).collect();
+    let mut watched: Vec<Arc<Comm>> = Vec::new();
+    for (c, _) in &ops {
+        if !watched.iter().any(|w| Arc::ptr_eq(w, c)) {
+            watched.push(c.clone());
+        }
+    }
     let native = run_ops(ops);
     if native.is_err() {
         watched
