@@ -365,6 +365,14 @@ fn destroy_and_abort_of_null_succeed() {
     assert_eq!(unsafe { ncclCommDestroy(std::ptr::null_mut()) }, SUCCESS);
 }
 
+/// Fails the communicator behind `h` as the liveness check does when a peer stops.
+fn fail_as_if_rank_1_stalled(h: H) {
+    handles::live(h.get())
+        .expect("live")
+        .communicator
+        .abort("rank 1 stalled (test)");
+}
+
 /// An all-reduce on `h` that fails before it touches its buffers (the handle is closed, or its
 /// communicator has failed).
 fn all_reduce_of_nothing(h: H) -> NcclResult {
@@ -409,10 +417,7 @@ fn a_failure_is_returned_after_the_watchdog_aborts() {
     while !polled.load(Ordering::Acquire) {
         std::thread::yield_now();
     }
-    handles::live(h0.get())
-        .expect("live")
-        .communicator
-        .abort("rank 1 stalled (test)");
+    fail_as_if_rank_1_stalled(h0);
     let t0 = Instant::now();
     let rc = all_reduce_of_nothing(h0);
     let returned_at = Instant::now();
@@ -437,10 +442,7 @@ fn a_failure_is_returned_after_the_watchdog_aborts() {
 fn without_a_watchdog_a_failure_is_returned_at_once() {
     let comms = host_comms(2);
     let h0 = comms[0];
-    handles::live(h0.get())
-        .expect("live")
-        .communicator
-        .abort("rank 1 stalled (test)");
+    fail_as_if_rank_1_stalled(h0);
     let t0 = Instant::now();
     let rc = all_reduce_of_nothing(h0);
     assert_ne!(rc, SUCCESS);
