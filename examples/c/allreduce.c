@@ -6,7 +6,11 @@
  * Build against our nccl.h (or NVIDIA's: the ABI is the same) and the CUDA runtime, e.g.
  *   cc -std=c11 examples/c/allreduce.c -I nccl/include -I "$CUDA_HOME/include" \
  *     -L DIR_WITH_LIBNCCL_SO -lnccl -L "$CUDA_HOME/lib64" -lcudart -o allreduce
- * where libnccl.so is a link to target/release/libmscclpp_nccl.so (its SONAME is libnccl.so.2).
+ * where DIR_WITH_LIBNCCL_SO holds libnccl.so and libnccl.so.2, both links to
+ * target/release/libmscclpp_nccl.so: the linker reads libnccl.so, and the program then asks the
+ * loader for the SONAME, libnccl.so.2. Run it with that folder in LD_LIBRARY_PATH (or link with
+ * -Wl,-rpath,DIR_WITH_LIBNCCL_SO); otherwise the loader may find another libnccl.so.2 (NVIDIA's,
+ * which refuses two ranks on one GPU).
  * A program already linked to NVIDIA's NCCL runs on the shim unchanged:
  *   LD_PRELOAD=target/release/libmscclpp_nccl.so ./program
  * Without a GPU it prints why and exits successfully.

@@ -35,7 +35,12 @@ Modes (run through `.gpu/gpu-run.sh nccl MODE`, which preloads the shim and sets
             1-127), never by a signal: SIGSEGV is the failure this mode looks for. With
             TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (TearDown) PyTorch itself ends the process with
             std::abort once it aborted the communicators, so SIGABRT is accepted there and only
-            there. WATCHDOG_CASES picks the runs (handling:peer, comma separated; default
+            there. After an error PyTorch itself sleeps before the process can end: its
+            watchdog TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC (60 s by default) before handling the
+            failure, and with the dump on (its default) its heartbeat monitor
+            TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (480 s), which the interpreter's exit joins. This mode
+            sets them to 10 s and 30 s unless they are set, so each case ends in about 45 s.
+            WATCHDOG_CASES picks the runs (handling:peer, comma separated; default
             2:sleep,2:stop,1:sleep; peer sleep or stop); WATCHDOG_LIMIT (seconds, default 105)
             is how long rank 0 may take to end;
 SHIM_CHECK_QUICK=1 makes the all_reduce matrix's largest size 65541 elements instead of 1 Mi + 5
@@ -798,7 +803,9 @@ def watchdog_mode():
             port = s.getsockname()[1]
         # NCCL_SHIM_LIB=none runs the same job on PyTorch's own NCCL, to compare how it ends.
         preload = {} if shim_lib == "none" else {"LD_PRELOAD": os.path.abspath(shim_lib)}
-        env = dict(os.environ, **preload, WORLD_SIZE="2",
+        # PyTorch's own sleeps after an error, shortened (see the module docs) unless set.
+        sleeps = {"TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "10000", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "30"}
+        env = dict({**sleeps, **os.environ}, **preload, WORLD_SIZE="2",
                    LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    TORCH_NCCL_ASYNC_ERROR_HANDLING=handling, WATCHDOG_PEER=peer,
                    MSCCLPP_DEVICE_WAIT_TIMEOUT=device_timeout, PYTHONUNBUFFERED="1",

@@ -4,7 +4,8 @@ torch.cuda.graph; the RawGpuBuffer/DLPack round trip; an all-reduce without torc
 the Torch integration guide's tuning loop over launch shapes (a shape an algorithm cannot run
 returns a non-zero CommResult and enqueues nothing, a valid one returns 0 and the right sum); the
 zero-copy algorithms on tensors every rank allocates and places in its own pattern
-(GPU_CHECK_DIVERGENT_CALLS, default 400).
+(GPU_CHECK_DIVERGENT_CALLS, default 400; GPU_CHECK_SEED, default 20261202, printed, replays a
+schedule and every rank's placements; GPU_CHECK_ONLY=divergent runs that part alone).
 Outputs are poisoned first and every element is checked: integers exact, floats against the
 float64 reference within one rounding per summed term relative to the largest sum of magnitudes.
 A call an algorithm declines (an unsupported type, a message beyond its scratch, a count that does
@@ -209,7 +210,7 @@ ZERO_COPY = ("default_allreduce_rsag_zero_copy", "default_allgather_fullmesh2",
              "default_reducescatter_zero_copy", "default_alltoall_zero_copy")
 
 
-def divergent_allocations(group, collection, calls):
+def divergent_allocations(group, collection, calls, seed):
     """The user-buffer rule through the package: `calls` zero-copy calls whose tensors every rank
     allocates in its own pattern, as PyTorch's caching allocator gives them (rank-dependent padding
     allocations kept or dropped, views at odd element offsets into larger tensors, empty_cache() on
@@ -218,7 +219,7 @@ def divergent_allocations(group, collection, calls):
     import random as rnd
     rank, n = group.my_rank, group.nranks
     algos = [a for a in collection if a.name in ZERO_COPY]
-    shared, mine = rnd.Random(20261202), rnd.Random(1000 + 7 * rank)
+    shared, mine = rnd.Random(seed), rnd.Random(seed + 1000 + 7 * rank)
     kept = []
     for call in range(calls):
         algo = algos[shared.randrange(len(algos))]
@@ -266,9 +267,14 @@ def main():
     raw_pointer_allreduce(group, collection)
     launch_shape_loop(group, collection)
     user_selector(group)
-    calls = divergent_allocations(group, collection, int(os.environ.get("GPU_CHECK_DIVERGENT_CALLS", "400")))
-    print(f"rank {rank}: {calls} zero-copy calls on buffers placed differently per rank, all right",
-          flush=True)
+    divergent_seed = int(os.environ.get("GPU_CHECK_SEED", "20261202"))
+    calls = divergent_allocations(group, collection, int(os.environ.get("GPU_CHECK_DIVERGENT_CALLS", "400")),
+                                  divergent_seed)
+    print(f"rank {rank}: {calls} zero-copy calls on buffers placed differently per rank "
+          f"(GPU_CHECK_SEED={divergent_seed}, {group.nranks} ranks), all right", flush=True)
+    if os.environ.get("GPU_CHECK_ONLY") == "divergent":
+        group.barrier()
+        sys.exit(0)
     passed, refused, failed = 0, [], []
     seed = 1
     for algo in collection:

@@ -711,8 +711,10 @@ static int one_all_reduce(Link* l, size_t count, int in_place, cudaStream_t stre
   float *host = malloc(bytes), *dsend = NULL, *drecv = NULL;
   for (size_t i = 0; i < count; i++) host[i] = value(l->rank, i);
   if (cudaMalloc((void**)&dsend, bytes) != cudaSuccess || cudaMalloc((void**)&drecv, bytes) != cudaSuccess) return 1;
-  cudaMemcpy(dsend, host, bytes, cudaMemcpyHostToDevice);
-  cudaMemset(drecv, 0xff, bytes); /* poisoned: NaN everywhere */
+  /* On the call's stream: it is non-blocking, so copies on the legacy default stream would not
+   * be ordered before the all-reduce (the poison could land after the result). */
+  cudaMemcpyAsync(dsend, host, bytes, cudaMemcpyHostToDevice, stream);
+  cudaMemsetAsync(drecv, 0xff, bytes, stream); /* poisoned: NaN everywhere */
   float* out = in_place ? dsend : drecv;
   ncclResult_t rc = ncclAllReduce(dsend, out, count, ncclFloat32, ncclSum, NULL, stream);
   cudaError_t ce = cudaStreamSynchronize(stream);
@@ -738,7 +740,8 @@ static int graph_all_reduce(Link* l, size_t count, cudaStream_t stream) {
   for (size_t i = 0; i < count; i++) host[i] = value(l->rank, i);
   cudaMalloc((void**)&dsend, bytes);
   cudaMalloc((void**)&drecv, bytes);
-  cudaMemcpy(dsend, host, bytes, cudaMemcpyHostToDevice);
+  cudaMemcpyAsync(dsend, host, bytes, cudaMemcpyHostToDevice, stream);
+  if (cudaStreamSynchronize(stream) != cudaSuccess) return 1;
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   int bad = 0;
@@ -779,8 +782,8 @@ static int execute_named(Link* l, mscclppComm_t comm, const char* name, size_t c
   for (size_t i = 0; i < count; i++) host[i] = value(l->rank, i);
   cudaMalloc((void**)&dsend, bytes);
   cudaMalloc((void**)&drecv, bytes);
-  cudaMemcpy(dsend, host, bytes, cudaMemcpyHostToDevice);
-  cudaMemset(drecv, 0xff, bytes);
+  cudaMemcpyAsync(dsend, host, bytes, cudaMemcpyHostToDevice, stream);
+  cudaMemsetAsync(drecv, 0xff, bytes, stream);
   float* out = in_place ? dsend : drecv;
   mscclppResult_t rc = mscclppAlgorithmExecute(comm, mscclppCollAllReduce, name, dsend, out, bytes, bytes,
                                                ncclFloat32, ncclSum, 0, stream, nblocks, nthreads);
