@@ -217,7 +217,9 @@ def divergent_allocations(group, collection, calls, seed):
     odd ranks now and then). The schedule (algorithm, dtype, size) is shared; each rank's placement
     is its own. Every element is checked. Returns the number of calls checked."""
     import random as rnd
+    import time
     rank, n = group.my_rank, group.nranks
+    start = time.monotonic()
     algos = [a for a in collection if a.name in ZERO_COPY]
     shared, mine = rnd.Random(seed), rnd.Random(seed + 1000 + 7 * rank)
     kept = []
@@ -256,6 +258,9 @@ def divergent_allocations(group, collection, calls, seed):
         summed = inputs if reduces else None
         check(f"divergent call {call}: {algo.name} {dtype} count {count}", out, want, dtype, summed)
         del inp, out
+        if rank == 0 and (call + 1) % 500 == 0:  # a stop between these lines is a hang, not slowness
+            print(f"divergent: {call + 1} of {calls} calls right after {time.monotonic() - start:.0f} s",
+                  flush=True)
     return calls
 
 

@@ -17,6 +17,7 @@ Run: torchrun --nproc_per_node=N torchcomms_gpu_check.py [--quick]
 
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -176,10 +177,14 @@ class Check:
     # -- the matrix ------------------------------------------------------------------------
 
     def run_all(self):
+        start = time.monotonic()
         for count in COUNTS:
             for dtype in DTYPES:
                 for mode in MODES:
                     self.matrix(count, dtype, mode)
+            if self.rank == 0:  # a stop between these lines is a hang, not slowness
+                print(f"count {count}: {self.cases} cases done after {time.monotonic() - start:.0f} s",
+                      flush=True)
 
     def matrix(self, count, dtype, mode):
         n, r, c = self.size, self.rank, self.comm
