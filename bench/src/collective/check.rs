@@ -13,7 +13,8 @@
 //! Checking splits the elements over threads: a 1 GiB message is hundreds of millions of them.
 
 use super::data::{
-    decode_float, decode_int, smallest_subnormal, unit_roundoff, worker_threads, InputSpec,
+    float_of_word, int_of_word, smallest_subnormal, unit_roundoff, word, worker_threads, InputSpec,
+    RankInput,
 };
 use super::shape::Shape;
 use mscclpp_core::{Collective, DataType, ReduceOp};
@@ -57,24 +58,41 @@ pub fn int_reference(dtype: DataType, op: ReduceOp, vals: &[i128]) -> i128 {
     }
 }
 
-/// Reference of a float reduction of `vals` and the tolerance around it.
-pub fn float_reference(dtype: DataType, op: ReduceOp, vals: &[f64]) -> (f64, f64) {
-    let n = vals.len().max(1) as f64;
-    let u = unit_roundoff(dtype);
-    let s = smallest_subnormal(dtype);
-    let abs_sum: f64 = vals.iter().map(|v| v.abs()).sum();
-    match op {
-        ReduceOp::Sum => (vals.iter().sum(), n * u * abs_sum + n * s),
-        ReduceOp::Avg => (
-            vals.iter().sum::<f64>() / n,
-            (n + 1.0) * u * abs_sum / n + n * s,
-        ),
-        ReduceOp::Prod => {
-            let p: f64 = vals.iter().product();
-            (p, 2.0 * n * u * p.abs() + n * s)
+/// The constants of a type's float tolerance (see the module docs), worked out once per check.
+#[derive(Debug, Clone, Copy)]
+pub struct Rounding {
+    /// Unit roundoff.
+    u: f64,
+    /// Smallest subnormal.
+    s: f64,
+}
+
+impl Rounding {
+    pub fn of(dtype: DataType) -> Rounding {
+        Rounding {
+            u: unit_roundoff(dtype),
+            s: smallest_subnormal(dtype),
         }
-        ReduceOp::Min => (vals.iter().copied().fold(f64::INFINITY, f64::min), 0.0),
-        ReduceOp::Max => (vals.iter().copied().fold(f64::NEG_INFINITY, f64::max), 0.0),
+    }
+
+    /// Reference of a float reduction of `vals` and the tolerance around it.
+    pub fn reference(&self, op: ReduceOp, vals: &[f64]) -> (f64, f64) {
+        let n = vals.len().max(1) as f64;
+        let (u, s) = (self.u, self.s);
+        let abs_sum: f64 = vals.iter().map(|v| v.abs()).sum();
+        match op {
+            ReduceOp::Sum => (vals.iter().sum(), n * u * abs_sum + n * s),
+            ReduceOp::Avg => (
+                vals.iter().sum::<f64>() / n,
+                (n + 1.0) * u * abs_sum / n + n * s,
+            ),
+            ReduceOp::Prod => {
+                let p: f64 = vals.iter().product();
+                (p, 2.0 * n * u * p.abs() + n * s)
+            }
+            ReduceOp::Min => (vals.iter().copied().fold(f64::INFINITY, f64::min), 0.0),
+            ReduceOp::Max => (vals.iter().copied().fold(f64::NEG_INFINITY, f64::max), 0.0),
+        }
     }
 }
 
@@ -137,12 +155,16 @@ fn check_range(
     let dtype = spec.dtype;
     let esize = dtype.size();
     let n = spec.nranks;
+    let inputs: Vec<RankInput> = (0..n.max(root + 1)).map(|r| spec.rank(r)).collect();
+    let rounding = Rounding::of(dtype);
     let mut out = CheckResult::default();
     let mut fvals = vec![0f64; n];
     let mut ivals = vec![0i128; n];
-    let mut expect_bytes = [0u8; 8];
     for i in range {
-        let g = &got[i * esize..(i + 1) * esize];
+        let g = word(&got[i * esize..(i + 1) * esize]);
+        // Only the first mismatch is described: a wrong 1 GiB output has millions.
+        let describe = out.first.is_none();
+        let wrong = |text: &dyn Fn() -> String| Some(if describe { text() } else { String::new() });
         let mismatch: Option<String> = match shape.collective {
             // Shape::new refuses them, so no buffer of theirs gets here.
             Collective::Reduce | Collective::Gather | Collective::Scatter => {
@@ -156,23 +178,30 @@ fn check_range(
                     0
                 };
                 if dtype.is_float() {
-                    for (r, v) in fvals.iter_mut().enumerate() {
-                        *v = spec.value(r, offset + i);
+                    for (v, input) in fvals.iter_mut().zip(&inputs) {
+                        *v = input.value(offset + i);
                     }
-                    let (want, tol) = float_reference(dtype, op, &fvals);
-                    let value = decode_float(dtype, g);
+                    let (want, tol) = rounding.reference(op, &fvals);
+                    let value = float_of_word(dtype, g);
                     // False for NaN, which is always wrong.
-                    let within = (value - want).abs() <= tol;
-                    (!within).then(|| {
-                        format!("element {i}: got {value}, expected {want} (tolerance {tol:e})")
-                    })
+                    if (value - want).abs() <= tol {
+                        None
+                    } else {
+                        wrong(&|| {
+                            format!("element {i}: got {value}, expected {want} (tolerance {tol:e})")
+                        })
+                    }
                 } else {
-                    for (r, v) in ivals.iter_mut().enumerate() {
-                        *v = spec.value(r, offset + i) as i128;
+                    for (v, input) in ivals.iter_mut().zip(&inputs) {
+                        *v = input.value(offset + i) as i128;
                     }
                     let want = int_reference(dtype, op, &ivals);
-                    let value = decode_int(dtype, g);
-                    (value != want).then(|| format!("element {i}: got {value}, expected {want}"))
+                    let value = int_of_word(dtype, g);
+                    if value == want {
+                        None
+                    } else {
+                        wrong(&|| format!("element {i}: got {value}, expected {want}"))
+                    }
                 }
             }
             Collective::AllGather
@@ -188,14 +217,18 @@ fn check_range(
                     Collective::SendRecv => (sendrecv_peers(rank, n).1, i),
                     _ => (root, i),
                 };
-                let e = &mut expect_bytes[..esize];
-                super::data::encode(dtype, spec.value(src_rank, src_index), e);
-                (g != &e[..]).then(|| {
-                    format!(
-                        "element {i}: got bytes {g:02x?}, expected {:02x?} (rank {src_rank}'s element {src_index})",
-                        &e[..]
-                    )
-                })
+                let (want, _) = inputs[src_rank].element(src_index);
+                if g == want {
+                    None
+                } else {
+                    wrong(&|| {
+                        format!(
+                            "element {i}: got bytes {:02x?}, expected {:02x?} (rank {src_rank}'s element {src_index})",
+                            &g.to_le_bytes()[..esize],
+                            &want.to_le_bytes()[..esize]
+                        )
+                    })
+                }
             }
         };
         if let Some(m) = mismatch {
@@ -210,7 +243,7 @@ fn check_range(
 
 #[cfg(test)]
 mod tests {
-    use super::super::data::encode;
+    use super::super::data::encode_word;
     use super::*;
     use rstest::rstest;
 
@@ -223,6 +256,10 @@ mod tests {
         }
     }
 
+    fn put(dtype: DataType, v: f64, out: &mut [u8]) {
+        out.copy_from_slice(&encode_word(dtype, v).to_le_bytes()[..dtype.size()]);
+    }
+
     /// What a correct device would write: the reference rounded to the type.
     fn correct_output(shape: &Shape, s: &InputSpec, op: ReduceOp, rank: usize) -> Vec<u8> {
         let e = s.dtype.size();
@@ -233,16 +270,18 @@ mod tests {
             match shape.collective {
                 Collective::AllGather => {
                     let (r, j) = (i / shape.per_rank_count, i % shape.per_rank_count);
-                    encode(s.dtype, s.value(r, j), chunk)
+                    put(s.dtype, s.rank(r).value(j), chunk)
                 }
-                Collective::Broadcast => encode(s.dtype, s.value(0, i), chunk),
+                Collective::Broadcast => put(s.dtype, s.rank(0).value(i), chunk),
                 Collective::AllToAll => {
                     let c = shape.per_rank_count;
-                    encode(s.dtype, s.value(i / c, rank * c + i % c), chunk)
+                    put(s.dtype, s.rank(i / c).value(rank * c + i % c), chunk)
                 }
-                Collective::SendRecv => {
-                    encode(s.dtype, s.value(sendrecv_peers(rank, s.nranks).1, i), chunk)
-                }
+                Collective::SendRecv => put(
+                    s.dtype,
+                    s.rank(sendrecv_peers(rank, s.nranks).1).value(i),
+                    chunk,
+                ),
                 c => {
                     let off = if c == Collective::ReduceScatter {
                         rank * shape.per_rank_count
@@ -250,12 +289,13 @@ mod tests {
                         0
                     };
                     if s.dtype.is_float() {
-                        let v: Vec<f64> = (0..s.nranks).map(|r| s.value(r, off + i)).collect();
-                        encode(s.dtype, float_reference(s.dtype, op, &v).0, chunk)
+                        let v: Vec<f64> = (0..s.nranks).map(|r| s.rank(r).value(off + i)).collect();
+                        put(s.dtype, Rounding::of(s.dtype).reference(op, &v).0, chunk)
                     } else {
-                        let v: Vec<i128> =
-                            (0..s.nranks).map(|r| s.value(r, off + i) as i128).collect();
-                        encode(s.dtype, int_reference(s.dtype, op, &v) as f64, chunk)
+                        let v: Vec<i128> = (0..s.nranks)
+                            .map(|r| s.rank(r).value(off + i) as i128)
+                            .collect();
+                        put(s.dtype, int_reference(s.dtype, op, &v) as f64, chunk)
                     }
                 }
             }
@@ -338,10 +378,10 @@ mod tests {
         assert_eq!(int_reference(DataType::I8, ReduceOp::Prod, &[2; 8]), 0);
         assert_eq!(int_reference(DataType::I32, ReduceOp::Avg, &[-3, 0]), -1);
         assert_eq!(
-            float_reference(DataType::F32, ReduceOp::Min, &[1.0, -2.0]),
+            Rounding::of(DataType::F32).reference(ReduceOp::Min, &[1.0, -2.0]),
             (-2.0, 0.0)
         );
-        let (v, tol) = float_reference(DataType::Bf16, ReduceOp::Sum, &[1.0, -0.5]);
+        let (v, tol) = Rounding::of(DataType::Bf16).reference(ReduceOp::Sum, &[1.0, -0.5]);
         assert_eq!(v, 0.5);
         assert!(tol > 0.0 && tol < 0.02, "{tol}");
     }

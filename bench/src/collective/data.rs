@@ -63,24 +63,23 @@ pub fn smallest_subnormal(dtype: DataType) -> f64 {
     }
 }
 
-/// Writes `v` as one element of `dtype` into `out` (`dtype.size()` bytes), rounding to nearest
-/// (floats) or truncating to the width (integers, which the generator keeps in range).
-pub fn encode(dtype: DataType, v: f64, out: &mut [u8]) {
-    if let Some(f) = fp8::format_of(dtype) {
-        out[0] = f.encode(v as f32);
-        return;
-    }
+/// `v` as one element of `dtype`, in the low `dtype.size()` bytes of a little-endian word:
+/// rounded to nearest (floats) or truncated to the width (integers, which the generator keeps in
+/// range).
+pub fn encode_word(dtype: DataType, v: f64) -> u64 {
+    // The common types first: this runs for every element of every check.
     match dtype {
-        DataType::F32 => out.copy_from_slice(&(v as f32).to_le_bytes()),
-        DataType::F64 => out.copy_from_slice(&v.to_le_bytes()),
-        DataType::F16 => out.copy_from_slice(&f16::from_f64(v).to_le_bytes()),
-        DataType::Bf16 => out.copy_from_slice(&bf16::from_f64(v).to_le_bytes()),
-        DataType::I8 => out[0] = v as i64 as i8 as u8,
-        DataType::U8 => out[0] = v as i64 as u8,
-        DataType::I32 => out.copy_from_slice(&(v as i64 as i32).to_le_bytes()),
-        DataType::U32 => out.copy_from_slice(&(v as i64 as u32).to_le_bytes()),
-        DataType::I64 => out.copy_from_slice(&(v as i64).to_le_bytes()),
-        _ => out.copy_from_slice(&(v as i128 as u64).to_le_bytes()),
+        DataType::F32 => u64::from((v as f32).to_bits()),
+        DataType::F64 => v.to_bits(),
+        DataType::F16 => u64::from(f16::from_f64(v).to_bits()),
+        DataType::Bf16 => u64::from(bf16::from_f64(v).to_bits()),
+        DataType::I8 => u64::from(v as i64 as i8 as u8),
+        DataType::U8 => u64::from(v as i64 as u8),
+        DataType::I32 => u64::from(v as i64 as i32 as u32),
+        DataType::U32 => u64::from(v as i64 as u32),
+        DataType::I64 => v as i64 as u64,
+        DataType::U64 => v as i128 as u64,
+        fp8_type => fp8::format_of(fp8_type).map_or(0, |f| u64::from(f.encode(v as f32))),
     }
 }
 
@@ -97,31 +96,30 @@ pub fn poison_byte(dtype: DataType) -> u8 {
     }
 }
 
-fn word(bytes: &[u8]) -> u64 {
+/// One element's bytes (at most 8) as a little-endian word, the form [`encode_word`] gives.
+pub fn word(bytes: &[u8]) -> u64 {
     let mut w = [0u8; 8];
     let n = bytes.len().min(8);
     w[..n].copy_from_slice(&bytes[..n]);
     u64::from_le_bytes(w)
 }
 
-/// Value of one float element (`dtype.size()` bytes). Integers decode exactly too, for display.
-pub fn decode_float(dtype: DataType, bytes: &[u8]) -> f64 {
-    let raw = word(bytes);
-    if let Some(f) = fp8::format_of(dtype) {
-        return f64::from(f.decode(raw as u8));
-    }
+/// Value of one float element given as a [`word`]. Integers decode exactly too, for display.
+pub fn float_of_word(dtype: DataType, raw: u64) -> f64 {
     match dtype {
         DataType::F32 => f64::from(f32::from_bits(raw as u32)),
         DataType::F64 => f64::from_bits(raw),
         DataType::F16 => f16::from_bits(raw as u16).to_f64(),
         DataType::Bf16 => bf16::from_bits(raw as u16).to_f64(),
-        _ => decode_int(dtype, bytes) as f64,
+        other => match fp8::format_of(other) {
+            Some(f) => f64::from(f.decode(raw as u8)),
+            None => int_of_word(other, raw) as f64,
+        },
     }
 }
 
-/// Exact value of one integer element.
-pub fn decode_int(dtype: DataType, bytes: &[u8]) -> i128 {
-    let raw = word(bytes);
+/// Exact value of one integer element given as a [`word`].
+pub fn int_of_word(dtype: DataType, raw: u64) -> i128 {
     match dtype {
         DataType::I8 => i128::from(raw as u8 as i8),
         DataType::U8 => i128::from(raw as u8),
@@ -130,14 +128,6 @@ pub fn decode_int(dtype: DataType, bytes: &[u8]) -> i128 {
         DataType::I64 => i128::from(raw as i64),
         _ => i128::from(raw),
     }
-}
-
-/// `v` rounded to the nearest value of `dtype`.
-pub fn round_to(dtype: DataType, v: f64) -> f64 {
-    let mut buf = [0u8; 8];
-    let b = &mut buf[..dtype.size()];
-    encode(dtype, v, b);
-    decode_float(dtype, b)
 }
 
 /// Threads worth using for `elements` elements of host work: one below a million elements
@@ -171,46 +161,48 @@ pub struct InputSpec {
 }
 
 impl InputSpec {
-    fn bits(&self, rank: usize, index: usize) -> u64 {
-        mix(self.seed
-            ^ mix((rank as u64 + 1).wrapping_mul(0xd6e8_feb8_6659_fd93))
-            ^ mix(index as u64))
-    }
-
-    /// Element `index` of `rank`'s input, exactly representable in the type.
-    pub fn value(&self, rank: usize, index: usize) -> f64 {
-        let r = self.bits(rank, index);
+    /// How this configuration's values are drawn from random bits: see the module docs.
+    fn draw(&self) -> Draw {
         let n = self.nranks.max(1) as f64;
         let dtype = self.dtype;
-        // 53 random bits as a fraction in [0, 1).
-        let unit = (r >> 11) as f64 / (1u64 << 53) as f64;
         if dtype.is_float() {
-            if self.op == Some(ReduceOp::Prod) {
-                let b = (max_finite(dtype).log2() / 2.0).min(4.0) / n;
-                let sign = if r & 1 == 0 { 1.0 } else { -1.0 };
-                round_to(dtype, sign * (b * (2.0 * unit - 1.0)).exp2())
-            } else {
-                let a = (max_finite(dtype) / (2.0 * n)).min(1.0);
-                round_to(dtype, a * (2.0 * unit - 1.0))
-            }
-        } else {
-            let signed = matches!(dtype, DataType::I8 | DataType::I32 | DataType::I64);
-            let pick = |lo: i64, hi: i64| lo + (r % (hi - lo + 1) as u64) as i64;
-            let v = if self.op == Some(ReduceOp::Prod) {
-                pick(1, 3)
-            } else if dtype.size() == 1 {
-                // n <= 8 ranks of |x| <= 15 (signed) or x <= 31 (unsigned) cannot overflow a byte.
-                if signed {
-                    pick(-15, 15)
-                } else {
-                    pick(0, 31)
+            return if self.op == Some(ReduceOp::Prod) {
+                Draw::Product {
+                    b: (max_finite(dtype).log2() / 2.0).min(4.0) / n,
                 }
-            } else if signed {
-                pick(-1000, 1000)
             } else {
-                pick(0, 1000)
+                Draw::Float {
+                    scale: (max_finite(dtype) / (2.0 * n)).min(1.0),
+                }
             };
-            v as f64
+        }
+        let signed = matches!(dtype, DataType::I8 | DataType::I32 | DataType::I64);
+        let (lo, hi) = if self.op == Some(ReduceOp::Prod) {
+            (1, 3)
+        } else if dtype.size() == 1 {
+            // n <= 8 ranks of |x| <= 15 (signed) or x <= 31 (unsigned) cannot overflow a byte.
+            if signed {
+                (-15, 15)
+            } else {
+                (0, 31)
+            }
+        } else if signed {
+            (-1000, 1000)
+        } else {
+            (0, 1000)
+        };
+        Draw::Int {
+            lo,
+            span: (hi - lo + 1) as u64,
+        }
+    }
+
+    /// `rank`'s input, ready to give any of its elements.
+    pub fn rank(&self, rank: usize) -> RankInput {
+        RankInput {
+            dtype: self.dtype,
+            key: self.seed ^ mix((rank as u64 + 1).wrapping_mul(0xd6e8_feb8_6659_fd93)),
+            draw: self.draw(),
         }
     }
 
@@ -218,19 +210,72 @@ impl InputSpec {
     /// (a 1 GiB input is 256 Mi f32 elements).
     pub fn encode_range(&self, rank: usize, start: usize, count: usize) -> Vec<u8> {
         let size = self.dtype.size();
+        let input = self.rank(rank);
         let mut out = vec![0u8; count * size];
         let parts = worker_threads(count);
         let per = count.div_ceil(parts).max(1);
         std::thread::scope(|scope| {
             for (p, part) in out.chunks_mut(per * size).enumerate() {
+                let input = &input;
                 scope.spawn(move || {
                     for (k, chunk) in part.chunks_exact_mut(size).enumerate() {
-                        encode(self.dtype, self.value(rank, start + p * per + k), chunk);
+                        let (bits, _) = input.element(start + p * per + k);
+                        chunk.copy_from_slice(&bits.to_le_bytes()[..size]);
                     }
                 });
             }
         });
         out
+    }
+}
+
+/// How values come from 53 random bits `t` in [0, 1), worked out once per input: a 1 GiB check
+/// draws hundreds of millions of elements.
+#[derive(Debug, Clone, Copy)]
+enum Draw {
+    /// `scale · (2t - 1)`, rounded to the type.
+    Float { scale: f64 },
+    /// `±2^(b · (2t - 1))`, rounded to the type.
+    Product { b: f64 },
+    /// An integer in `[lo, lo + span)`.
+    Int { lo: i64, span: u64 },
+}
+
+/// One rank's input (see [`InputSpec::rank`]).
+#[derive(Debug, Clone, Copy)]
+pub struct RankInput {
+    dtype: DataType,
+    /// The seed mixed with the rank, so each element costs one counter mix.
+    key: u64,
+    draw: Draw,
+}
+
+impl RankInput {
+    /// Element `index`: its encoding (the low `dtype.size()` bytes of a little-endian word, as
+    /// [`encode_word`]) and its exact value.
+    pub fn element(&self, index: usize) -> (u64, f64) {
+        let r = mix(self.key ^ mix(index as u64));
+        let t = 2.0 * ((r >> 11) as f64 / (1u64 << 53) as f64) - 1.0;
+        let rounded = |v: f64| {
+            let bits = encode_word(self.dtype, v);
+            (bits, float_of_word(self.dtype, bits))
+        };
+        match self.draw {
+            Draw::Float { scale } => rounded(scale * t),
+            Draw::Product { b } => {
+                let sign = if r & 1 == 0 { 1.0 } else { -1.0 };
+                rounded(sign * (b * t).exp2())
+            }
+            Draw::Int { lo, span } => {
+                let v = (lo + (r % span) as i64) as f64;
+                (encode_word(self.dtype, v), v)
+            }
+        }
+    }
+
+    /// Element `index`'s value.
+    pub fn value(&self, index: usize) -> f64 {
+        self.element(index).1
     }
 }
 
@@ -251,11 +296,15 @@ mod tests {
                 };
                 let bytes = spec.encode_range(3, 100, 64);
                 for (k, b) in bytes.chunks_exact(dtype.size()).enumerate() {
-                    let want = spec.value(3, 100 + k);
+                    let want = spec.rank(3).value(100 + k);
                     if dtype.is_float() {
-                        assert_eq!(decode_float(dtype, b), want, "{dtype} {op:?} #{k}");
+                        assert_eq!(float_of_word(dtype, word(b)), want, "{dtype} {op:?} #{k}");
                     } else {
-                        assert_eq!(decode_int(dtype, b) as f64, want, "{dtype} {op:?} #{k}");
+                        assert_eq!(
+                            int_of_word(dtype, word(b)) as f64,
+                            want,
+                            "{dtype} {op:?} #{k}"
+                        );
                     }
                 }
             }
@@ -270,7 +319,7 @@ mod tests {
             op: Some(ReduceOp::Sum),
             nranks: 2,
         };
-        assert_eq!(a.value(0, 5), a.value(0, 5));
+        assert_eq!(a.rank(0).value(5), a.rank(0).value(5));
         assert_ne!(a.encode_range(0, 0, 16), a.encode_range(1, 0, 16));
         assert_ne!(
             a.encode_range(0, 0, 16),
@@ -285,10 +334,9 @@ mod tests {
         let big = (1 << 20) + 3;
         let all = a.encode_range(1, 0, big);
         assert_eq!(all.len(), big * 4);
-        let mut one = [0u8; 4];
         for i in [0, 1 << 19, big - 1] {
-            encode(DataType::F32, a.value(1, i), &mut one);
-            assert_eq!(all[i * 4..i * 4 + 4], one, "element {i}");
+            let one = a.rank(1).element(i).0.to_le_bytes();
+            assert_eq!(all[i * 4..i * 4 + 4], one[..4], "element {i}");
         }
     }
 
@@ -305,7 +353,7 @@ mod tests {
                 nranks: 8,
             };
             for i in 0..2000 {
-                let vals: Vec<f64> = (0..8).map(|r| spec.value(r, i)).collect();
+                let vals: Vec<f64> = (0..8).map(|r| spec.rank(r).value(i)).collect();
                 let total = if op == ReduceOp::Sum {
                     vals.iter().map(|v| v.abs()).sum::<f64>()
                 } else {
@@ -323,7 +371,13 @@ mod tests {
         assert_eq!(max_finite(DataType::Fp8E4M3), 448.0);
         assert_eq!(smallest_subnormal(DataType::Fp8E4M3), 2f64.powi(-9));
         assert_eq!(smallest_subnormal(DataType::F16), 2f64.powi(-24));
-        assert_eq!(round_to(DataType::Bf16, 1.0 + 1.0 / 512.0), 1.0);
+        assert_eq!(
+            float_of_word(
+                DataType::Bf16,
+                encode_word(DataType::Bf16, 1.0 + 1.0 / 512.0)
+            ),
+            1.0
+        );
         assert_eq!(unit_roundoff(DataType::I32), 0.0);
     }
 }
