@@ -4,9 +4,11 @@
 # multicast off; MPS=1 runs them under an MPS server, each rank held to its share of the SMs when
 # ranks outnumber GPUs (mps.sh), as gpu-run.sh does. The wheel must be installed first, e.g.
 #   pip install --no-deps --target /tmp/site .gpu/*.whl   (then PYTHONPATH=/tmp/site is used)
-# Usage: [NRANKS=4] [MPS=1] bash .gpu/python-run.sh [check|default|dsl|dslc|tuning|native|torchcomms|torchcomms-train|ep|all]
+# Usage: [NRANKS=4] [MPS=1] bash .gpu/python-run.sh [check|default|dsl|dslc|interpose|tuning|native|torchcomms|torchcomms-train|ep|all]
 # dsl runs the execution-plan example on the plans gpu-stage.sh put in .gpu/plans and
-# .gpu/builder-plans; dslc compiles our DSL programs (python/examples/dsl) and runs their plans.
+# .gpu/builder-plans; dslc compiles our DSL programs (python/examples/dsl) and runs their plans;
+# interpose the DSL guide's NCCL-interposition flow (a DSL plan and a selector registered in
+# Python, then torch.distributed over .gpu/lib/libmscclpp_nccl.so, preloaded).
 # torchcomms runs the TorchComms backend's check (TORCHCOMMS_QUICK=1: its quick matrix);
 # torchcomms-train its training loop through the backend and through torch.distributed with
 # .gpu/lib/libmscclpp_nccl.so preloaded, then compares them bit for bit.
@@ -35,11 +37,18 @@ bounded() {
   timeout -k 10 "$seconds" torchrun --nproc_per_node="$nranks" --master_port="${PORT:-29521}" \
     "$here/python/$1" "${@:2}"
 }
+# Every call native (no real NCCL behind the shim): a call the shim cannot serve fails.
+interpose() {
+  echo "== examples/dsl_with_nccl_api.py on $nranks ranks, the shim preloaded"
+  env -u MSCCLPP_NCCL_LIB_PATH LD_PRELOAD="$here/lib/libmscclpp_nccl.so" torchrun \
+    --nproc_per_node="$nranks" --master_port="${PORT:-29521}" "$here/python/examples/dsl_with_nccl_api.py"
+}
 case "${1:-all}" in
   check) run tests/gpu_check.py ;;
   default) run examples/customized_comm_with_default_algo.py ;;
   dsl) run examples/customized_comm_with_dsl.py "$here/plans" "$here/builder-plans" ;;
   dslc) run tests/gpu_dsl_check.py ;;
+  interpose) interpose ;;
   tuning) run examples/customized_comm_with_tuning.py ;;
   native) run examples/customized_allgather.py ;;
   torchcomms) bounded 540 tests/torchcomms_gpu_check.py ${TORCHCOMMS_QUICK:+--quick} ;;
@@ -64,9 +73,10 @@ case "${1:-all}" in
     run examples/customized_comm_with_default_algo.py
     run examples/customized_comm_with_dsl.py "$here/plans" "$here/builder-plans"
     run tests/gpu_dsl_check.py
+    interpose
     run examples/customized_comm_with_tuning.py
     run examples/customized_allgather.py
     bounded 540 tests/torchcomms_gpu_check.py ${TORCHCOMMS_QUICK:+--quick}
     ;;
-  *) echo "usage: $0 [check|default|dsl|dslc|tuning|native|torchcomms|torchcomms-train|ep|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [check|default|dsl|dslc|interpose|tuning|native|torchcomms|torchcomms-train|ep|all]" >&2; exit 2 ;;
 esac

@@ -132,6 +132,18 @@ impl CommSession {
     /// The native algorithm that runs `args` as `collective`, checked against them; the error
     /// says why none does.
     pub fn native(&self, collective: Collective, args: &ExecuteArgs) -> Result<Arc<dyn Algorithm>> {
+        self.native_preferring(collective, args, |_| Ok(None))
+    }
+
+    /// As [`native`](Self::native), asking `prefer` first: the algorithm it names, if it names
+    /// one, runs in place of the selector's choice (the NCCL shim asks the selector a Python
+    /// program registered there).
+    pub fn native_preferring(
+        &self,
+        collective: Collective,
+        args: &ExecuteArgs,
+        prefer: impl FnOnce(&SelectionContext) -> Result<Option<String>>,
+    ) -> Result<Arc<dyn Algorithm>> {
         let rank = self.rank();
         self.gpu.set_device(self.communicator.device())?;
         let ctx = SelectionContext {
@@ -149,7 +161,10 @@ impl CommSession {
             nvls_allowed: false,
             in_place: SelectionContext::buffers_in_place(collective, args, rank),
         };
-        let algorithm = self.algorithms.select(&ctx)?;
+        let algorithm = match prefer(&ctx)? {
+            Some(name) => self.algorithms.chosen(&ctx, &name)?,
+            None => self.algorithms.select(&ctx)?,
+        };
         algorithm.check(args)?;
         Ok(algorithm)
     }

@@ -44,6 +44,23 @@ pub enum Collective {
 }
 
 impl Collective {
+    pub const ALL: [Collective; 9] = [
+        Collective::AllReduce,
+        Collective::AllGather,
+        Collective::ReduceScatter,
+        Collective::Broadcast,
+        Collective::AllToAll,
+        Collective::SendRecv,
+        Collective::Reduce,
+        Collective::Gather,
+        Collective::Scatter,
+    ];
+
+    /// The collective MSCCL++ spells `name` ([`name`](Self::name)).
+    pub fn from_name(name: &str) -> Option<Collective> {
+        Collective::ALL.into_iter().find(|c| c.name() == name)
+    }
+
     /// MSCCL++ spelling (`allreduce`, ...), used in plan files and tuning tables.
     pub const fn name(self) -> &'static str {
         match self {

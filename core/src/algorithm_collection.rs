@@ -140,18 +140,7 @@ impl AlgorithmCollection {
         let selector = self.selector.as_ref().ok_or_else(|| {
             Error::InvalidArgument("the algorithm collection has no selector".into())
         })?;
-        let describe = || {
-            format!(
-                "{} of {} bytes of {} on {} ranks (arch {}, symmetric memory {}, capturing {})",
-                ctx.collective,
-                ctx.message_bytes,
-                ctx.dtype,
-                ctx.world_size,
-                ctx.arch,
-                ctx.symmetric_memory,
-                ctx.capturing
-            )
-        };
+        let describe = || describe_call(ctx);
         let name = selector(ctx).ok_or_else(|| {
             Error::Unsupported(format!(
                 "no algorithm for {}{}",
@@ -161,14 +150,22 @@ impl AlgorithmCollection {
                     .unwrap_or_default()
             ))
         })?;
-        if is_nvls_name(&name) && !ctx.nvls_allowed {
+        self.chosen(ctx, &name)
+    }
+
+    /// The algorithm `name` chosen for `ctx` (by the selector, or by a selector outside the
+    /// collection such as the one the NCCL shim takes from Python). Errors name the call when
+    /// `name` is not registered, or is an NVLS algorithm while NVLS is not allowed.
+    pub fn chosen(&self, ctx: &SelectionContext, name: &str) -> Result<Arc<dyn Algorithm>> {
+        let describe = || describe_call(ctx);
+        if is_nvls_name(name) && !ctx.nvls_allowed {
             return Err(Error::Unsupported(format!(
                 "the selector chose {name} for {}, but NVLink multicast is not allowed \
                  (set MSCCLPP_ENABLE_NVLS=1 on a machine that supports it)",
                 describe()
             )));
         }
-        self.get(ctx.collective, &name).ok_or_else(|| {
+        self.get(ctx.collective, name).ok_or_else(|| {
             Error::InvalidArgument(format!(
                 "the selector chose {name} for {}, but no such {} algorithm is registered \
                  (registered: {})",
@@ -178,6 +175,20 @@ impl AlgorithmCollection {
             ))
         })
     }
+}
+
+/// The call `ctx` describes, as errors name it.
+fn describe_call(ctx: &SelectionContext) -> String {
+    format!(
+        "{} of {} bytes of {} on {} ranks (arch {}, symmetric memory {}, capturing {})",
+        ctx.collective,
+        ctx.message_bytes,
+        ctx.dtype,
+        ctx.world_size,
+        ctx.arch,
+        ctx.symmetric_memory,
+        ctx.capturing
+    )
 }
 
 /// Why the default policy has no algorithm for `ctx`, where it knows: what a user reads after

@@ -15,7 +15,7 @@ use mscclpp_nccl::comm::{new_job_id, parse_id};
 use mscclpp_nccl::guard::{self, write_out, CallResult, Failure};
 use mscclpp_nccl::handles::{self, Ending, Handle};
 use mscclpp_nccl::{embedding, lifecycle, memory, ops};
-use std::ffi::{c_char, c_int, c_void, CStr};
+use std::ffi::{c_char, c_int, c_void};
 use std::sync::Arc;
 
 /// Runs one function of `mscclpp.h` named `call` (the name its failures carry).
@@ -41,17 +41,6 @@ fn collective(c: c_int) -> CallResult<Collective> {
             )))
         }
     })
-}
-
-/// A NUL-terminated argument named `what`.
-unsafe fn text<'a>(p: *const c_char, what: &str) -> CallResult<&'a str> {
-    if p.is_null() {
-        return Err(Failure::invalid_argument(format!("{what} is NULL")));
-    }
-    // SAFETY: non-null; the caller promises a NUL-terminated string.
-    unsafe { CStr::from_ptr(p) }
-        .to_str()
-        .map_err(|_| Failure::invalid_argument(format!("{what} is not UTF-8")))
 }
 
 /// Copies `name` and its NUL into the caller's `buf` of `len` bytes.
@@ -394,7 +383,7 @@ pub unsafe extern "C" fn mscclppAlgorithmExecute(
     api("mscclppAlgorithmExecute", || {
         handles::operate(comm, |c| {
             let coll = collective(coll)?;
-            let name = unsafe { text(name, "name") }?;
+            let name = unsafe { guard::text_arg(name, "name") }?;
             let algorithm = c.algorithm_named(coll, name).ok_or_else(|| {
             Failure::invalid_argument(format!(
                 "rank {} has no algorithm named {name} for {coll:?} (mscclppAlgorithmName lists them)",
@@ -431,7 +420,7 @@ pub unsafe extern "C" fn mscclppExecutionPlanLoad(
 ) -> NcclResult {
     api("mscclppExecutionPlanLoad", || {
         handles::operate(comm, |c| {
-            let path = std::path::Path::new(unsafe { text(path, "path") }?);
+            let path = std::path::Path::new(unsafe { guard::text_arg(path, "path") }?);
             if !path.is_file() {
                 return Err(Failure::invalid_argument(format!(
                     "{} is not a file (one execution plan, JSON)",

@@ -73,22 +73,25 @@ pub fn default_plans(comm: &Communicator, env: &Env) -> Vec<Arc<Plan>> {
     runnable_plans(comm, plans)
 }
 
-/// Collective: the plans of the default directories ([`default_plans`]) that every rank of
-/// `comm` found alike. Each rank reads its own directories (another host's may differ), and
-/// setting a plan up is collective, so the ranks compare what they found (names and contents) in
-/// one all-gather first. Where any rank differs, no rank takes any plan: each logs which rank
+/// Collective: the plans of `plans` (found in `source`: the default directories, plans a
+/// program registered) that every rank of `comm` found alike. Each rank gathers its own (another
+/// host's directories may differ, a program may register differently per rank), and setting a
+/// plan up is collective, so the ranks compare what they found (names and contents) in one
+/// all-gather first. Where any rank differs, no rank takes any plan: each logs which rank
 /// differed and goes on with the native algorithms.
-pub fn agreed_default_plans(comm: &Communicator, env: &Env) -> Result<Vec<Arc<Plan>>> {
-    let plans = default_plans(comm, env);
+pub fn agreed_plans(
+    comm: &Communicator,
+    plans: Vec<Arc<Plan>>,
+    source: &str,
+) -> Result<Vec<Arc<Plan>>> {
     let mine = plan_set_identity(&plans);
     let all = comm.bootstrap().all_gather(mine.as_bytes())?;
     if let Some(other) = all.iter().position(|theirs| theirs != mine.as_bytes()) {
         tracing::warn!(
             target: "mscclpp::plan",
-            "rank {}: the execution plans found in {:?} differ from rank {other}'s (every rank \
-             must see the same plans): none is used",
+            "rank {}: the execution plans found in {source} differ from rank {other}'s (every \
+             rank must see the same plans): none is used",
             comm.rank(),
-            default_plan_dirs(env)
         );
         return Ok(Vec::new());
     }
@@ -311,7 +314,9 @@ mod tests {
                     ])
                     .unwrap();
                     let comm = Communicator::new(boot, Arc::new(HostGpu::new()), 0).unwrap();
-                    agreed_default_plans(&comm, &env).unwrap().len()
+                    agreed_plans(&comm, default_plans(&comm, &env), "the test's directories")
+                        .unwrap()
+                        .len()
                 });
             assert_eq!(
                 found,

@@ -334,20 +334,35 @@ impl Comm {
         collective: Collective,
         args: &ExecuteArgs,
     ) -> mscclpp::Result<Arc<dyn Algorithm>> {
-        self.session.native(collective, args)
+        let rank = self.rank;
+        self.session.native_preferring(collective, args, |ctx| {
+            crate::registry::ask(ctx, rank, args.stream)
+        })
     }
 }
 
-/// Collective: the execution plans of `MSCCLPP_EXECUTION_PLAN_DIR` and of the plan cache (where
-/// `python -m mscclpp --install` puts the default ones) that run on this communicator, ahead of
-/// the native algorithms for the calls they match, as MSCCL++'s shim serves them to programs that
-/// cannot run Python. Every rank takes the same plans or none (`agreed_default_plans`).
+/// Collective: the execution plans a program registered in this process (`registry`, the
+/// Python package's `add_algorithm_builder`), then those of `MSCCLPP_EXECUTION_PLAN_DIR` and of
+/// the plan cache (where `python -m mscclpp --install` puts the default ones) not named alike,
+/// that run on this communicator, ahead of the native algorithms for the calls they match, as
+/// MSCCL++'s shim serves them. Every rank takes the same plans or none (`agreed_plans`).
 fn add_plan_directory(
     communicator: &Arc<Communicator>,
     env: &Env,
     builder: &mut AlgorithmCollectionBuilder,
 ) -> mscclpp::Result<()> {
-    let plans = mscclpp_executor::load::agreed_default_plans(communicator, env)?;
+    use mscclpp_executor::load::{agreed_plans, default_plans, runnable_plans};
+    let mut plans = runnable_plans(communicator, crate::registry::plans());
+    for plan in default_plans(communicator, env) {
+        if plans.iter().all(|p| p.name != plan.name) {
+            plans.push(plan);
+        }
+    }
+    let plans = agreed_plans(
+        communicator,
+        plans,
+        "this process's registrations and the plan directories",
+    )?;
     if plans.is_empty() {
         return Ok(());
     }

@@ -120,6 +120,20 @@ pub fn ffi(call: &str, body: impl FnOnce() -> CallResult) -> NcclResult {
     }
 }
 
+/// A NUL-terminated text argument named `what`; NULL or not UTF-8 is an invalid argument.
+///
+/// # Safety
+/// `p` is null or a NUL-terminated string that outlives `'a`.
+pub unsafe fn text_arg<'a>(p: *const c_char, what: &str) -> CallResult<&'a str> {
+    if p.is_null() {
+        return Err(Failure::invalid_argument(format!("{what} is NULL")));
+    }
+    // SAFETY: non-null; the caller promises a NUL-terminated string.
+    unsafe { std::ffi::CStr::from_ptr(p) }
+        .to_str()
+        .map_err(|_| Failure::invalid_argument(format!("{what} is not UTF-8")))
+}
+
 /// Writes `value` through an out-pointer argument named `what`; null is an invalid argument.
 ///
 /// # Safety

@@ -27,14 +27,15 @@ returns 0.
 from collections import namedtuple
 
 from . import _mscclpp
-from ._shim import warn_registry_not_shared
+from . import _shim
 from ._teardown import track
 from ._types import CommResult, DataType, ReduceOp
 
 CollectiveRequest = namedtuple(
     "CollectiveRequest",
-    "collective message_size dtype world_size rank stream symmetric_memory in_place",
-    defaults=(False,),
+    "collective message_size dtype world_size rank stream symmetric_memory in_place "
+    "nranks_per_node",
+    defaults=(False, None),
 )
 
 
@@ -301,7 +302,7 @@ class AlgorithmCollection:
         if self._selector is not None:
             request = CollectiveRequest(
                 collective, message_size, dtype, native.size, native.rank, stream, symmetric_memory,
-                in_place,
+                in_place, native.nranks_per_node,
             )
             chosen = self._selector(self.by_collective(), request)
             if chosen is not None:
@@ -341,21 +342,34 @@ class AlgorithmCollectionBuilder:
     def __init__(self):
         self._selector = None
         self._plans = []
+        self._shared = None
 
     def set_algorithm_selector(self, selector):
-        """`selector(algorithms_by_collective, request) -> Algorithm or None` (None: default)."""
-        warn_registry_not_shared("set_algorithm_selector")
+        """`selector(algorithms_by_collective, request) -> Algorithm or None` (None: default).
+        Where the NCCL shim is loaded in this process it becomes the shim's selector too, asked
+        before each of its collectives with this builder's algorithms (`_shim.share_selector`)."""
         self._selector = selector
+        _shim.share_selector(selector, self._shared_algorithms)
+
+    def _shared_algorithms(self):
+        """`{collective: {name: Algorithm}}` of the default algorithms and the plans added, as
+        the shim's selector is handed them (rebuilt only when a plan was added)."""
+        if self._shared is None or self._shared[0] != len(self._plans):
+            view = AlgorithmCollection(_mscclpp.default_algorithm_names(), 0, None, None,
+                                       list(self._plans))
+            self._shared = (len(self._plans), view.by_collective())
+        return self._shared[1]
 
     def add_algorithm_builder(self, algorithm_builder):
         """Adds an execution plan (`Algorithm(execution_plan=...)`) to the collections built
-        after this call."""
+        after this call, and, where the NCCL shim is loaded in this process, to the communicators
+        it creates after this call (`_shim.share_plan`; every rank must add the same plans)."""
         if not (isinstance(algorithm_builder, Algorithm) and algorithm_builder.is_dsl_algorithm()):
             raise ValueError(
                 "add_algorithm_builder takes a DSL algorithm: "
                 "mscclpp.Algorithm(execution_plan=mscclpp.ExecutionPlan(path))"
             )
-        warn_registry_not_shared("add_algorithm_builder")
+        _shim.share_plan(algorithm_builder.execution_plan)
         self._plans.append(algorithm_builder)
 
     def build(self):

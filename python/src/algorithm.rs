@@ -18,29 +18,14 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use std::sync::Arc;
 
-const COLLECTIVES: [Collective; 9] = [
-    Collective::AllReduce,
-    Collective::AllGather,
-    Collective::ReduceScatter,
-    Collective::Broadcast,
-    Collective::AllToAll,
-    Collective::SendRecv,
-    Collective::Reduce,
-    Collective::Gather,
-    Collective::Scatter,
-];
-
 pub(crate) fn collective(name: &str) -> PyResult<Collective> {
-    COLLECTIVES
-        .into_iter()
-        .find(|c| c.name() == name)
-        .ok_or_else(|| {
-            let names: Vec<_> = COLLECTIVES.iter().map(|c| c.name()).collect();
-            PyValueError::new_err(format!(
-                "unknown collective {name:?} (expected one of {})",
-                names.join(", ")
-            ))
-        })
+    Collective::from_name(name).ok_or_else(|| {
+        let names: Vec<_> = Collective::ALL.iter().map(|c| c.name()).collect();
+        PyValueError::new_err(format!(
+            "unknown collective {name:?} (expected one of {})",
+            names.join(", ")
+        ))
+    })
 }
 
 pub(crate) fn dtype(name: &str) -> PyResult<DataType> {
@@ -216,7 +201,7 @@ impl PyCollection {
     /// Every algorithm, collective by collective, names sorted.
     fn algorithms(&self) -> Vec<PyAlgorithm> {
         let mut out = Vec::new();
-        for c in COLLECTIVES {
+        for c in Collective::ALL {
             for name in self.inner.names(c) {
                 if let Some(inner) = self.inner.get(c, &name) {
                     out.push(PyAlgorithm { inner });

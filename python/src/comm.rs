@@ -144,6 +144,13 @@ impl PyCommunicator {
         self.inner.device()
     }
 
+    /// Ranks on this rank's host (its NVLink domain), what a selector's request calls
+    /// `nranks_per_node`.
+    #[getter]
+    fn nranks_per_node(&self) -> usize {
+        self.inner.topology().local_size(self.inner.rank())
+    }
+
     fn barrier(&self, py: Python<'_>) -> PyResult<()> {
         let boot = self.inner.bootstrap().clone();
         py.detach(|| boot.barrier()).map_err(to_py)

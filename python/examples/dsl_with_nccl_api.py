@@ -1,0 +1,72 @@
+"""The DSL guide's NCCL-interposition flow, checked: compile a DSL all-reduce
+(`allreduce_packet` of dsl/algorithms.py), register it and a selector with
+`AlgorithmCollectionBuilder`, then `dist.init_process_group("nccl")` with the NCCL shim preloaded:
+the shim's communicator takes the plan, and the selector is asked before each of its
+collectives. The selector answers with the plan for float32 all-reduces the plan's range covers
+and leaves the rest to the shim. Random data, outputs poisoned first, every element checked
+against a float64 reference; the selector's answers are counted, and a call it sent to the plan
+would have failed had the shim's communicator not taken the plan (an unknown name is an error).
+Run: LD_PRELOAD=$(python -m mscclpp --nccl-lib) torchrun --nproc_per_node=N dsl_with_nccl_api.py"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "dsl"))
+import mscclpp  # noqa: E402
+from mscclpp import _shim  # noqa: E402
+import algorithms  # noqa: E402
+
+# Elements per rank (float32): inside the plan's range, then beyond what its scratch holds.
+COUNTS = [1024, 64 * 257, 1 << 22]
+
+
+def main():
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local % torch.cuda.device_count())
+    if not _shim.in_process():
+        sys.exit("dsl_with_nccl_api: preload the shim: LD_PRELOAD=$(python -m mscclpp --nccl-lib)")
+    spec = algorithms.spec_for("allreduce_packet", world)
+    algo = mscclpp.compile(algo=algorithms.allreduce_packet, algo_spec=spec, rank=rank)
+    low, high = algo.message_size_range
+    answers = {"plan": 0, "shim": 0}
+
+    def selector(by_collective, request):
+        if (request.collective == "allreduce" and request.dtype == mscclpp.DataType.float32
+                and low <= request.message_size <= high):
+            answers["plan"] += 1
+            return by_collective["allreduce"][algo.name]
+        answers["shim"] += 1
+        return None
+
+    builder = mscclpp.AlgorithmCollectionBuilder()
+    builder.add_algorithm_builder(algo)
+    builder.set_algorithm_selector(selector)
+    dist.init_process_group("nccl")
+    failures = 0
+    for step, count in enumerate(COUNTS):
+        gen = torch.Generator().manual_seed(1000 * step + 17)
+        inputs = [torch.randn(count, generator=gen) for _ in range(world)]
+        want = torch.stack([x.double() for x in inputs]).sum(0)
+        tensor = inputs[rank].cuda()
+        dist.all_reduce(tensor)
+        got = tensor.double().cpu()
+        tol = world * 2.0**-24 * torch.stack([x.double().abs() for x in inputs]).sum(0) + 1e-30
+        wrong = int(((got - want).abs() > tol).sum())
+        if wrong:
+            failures += 1
+            print(f"rank {rank}: FAIL all_reduce of {count} float32: {wrong} elements wrong", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"rank {rank}: {len(COUNTS)} all-reduces checked, {failures} wrong; the selector sent "
+          f"{answers['plan']} to {algo.name} (range {low}-{high} bytes) and left {answers['shim']} "
+          "to the shim", flush=True)
+    if failures or answers["plan"] == 0:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
