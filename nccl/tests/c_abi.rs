@@ -1,7 +1,8 @@
 //! The shim as C programs see it, on the CPU: every NCCL 2.28 export of `exports.txt` is present
 //! with C linkage (and its `p` alias) and declared in `include/nccl.h`; and `tests/c/abi_check.c`,
 //! built with `cc` against our header and linked as `libnccl.so.2`, passes its checks (versions,
-//! error strings, unique ids, init with bad arguments, a missing rank named by its timeout).
+//! error strings, unique ids, init with bad arguments, a missing rank named by its timeout, the
+//! registry of `include/mscclpp_nccl_registry.h`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -89,6 +90,10 @@ fn c_program_against_our_header_passes() {
         // Short timeouts: the missing-rank checks wait for them.
         .env("MSCCLPP_BOOTSTRAP_TIMEOUT", "2")
         .env_remove("MSCCLPP_NCCL_LIB_PATH")
+        .env(
+            "MSCCLPP_TEST_PLAN",
+            Path::new(CRATE).join("../python/tests/golden/dsl/allgather_put_2.json"),
+        )
         .env_remove("LD_PRELOAD")
         .output()
         .expect("run abi_check");

@@ -1,6 +1,7 @@
 /* The C side of the shim's CPU checks: built with `cc` against include/nccl.h and linked to
  * libmscclpp_nccl.so (as libnccl.so.2) by tests/c_abi.rs. No GPU needed: init stops with a clear
  * error after the bootstrap when there is none. Exits non-zero on the first failed check. */
+#include <mscclpp_nccl_registry.h>
 #include <nccl.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -44,7 +45,65 @@ static void* init_rank(void* p) {
   return NULL;
 }
 
+/* Answers with what it was told, so the checks see the request's layout as C lays it out. */
+static int echo_selector(const mscclppNcclSelectionRequest* r, char* name, size_t capacity,
+                         void* context) {
+  if (r->message_size == 0) return 0;
+  if (r->message_size == 1) return -2;
+  snprintf(name, capacity, "%s:%zu:%s:%d/%d@%d:%p:%d:%d:%s", r->collective, r->message_size,
+           r->dtype, r->rank, r->world_size, r->nranks_per_node, r->stream, r->in_place,
+           r->symmetric_memory, (const char*)context);
+  return 1;
+}
+
+/* The registry (mscclpp_nccl_registry.h): a plan from the file MSCCLPP_TEST_PLAN names, a
+ * malformed one, and the selector through mscclppNcclAskSelector. */
+static void registry_checks(void) {
+  expect("clear", mscclppNcclClearRegistry(), ncclSuccess, NULL);
+  expect("register NULL", mscclppNcclRegisterPlan(NULL), ncclInvalidArgument, "NULL");
+  expect("register malformed", mscclppNcclRegisterPlan("{\"name\": "), ncclInvalidArgument,
+         "the plan is refused");
+  const char* path = getenv("MSCCLPP_TEST_PLAN");
+  CHECK(path != NULL, "MSCCLPP_TEST_PLAN is unset");
+  FILE* f = path ? fopen(path, "rb") : NULL;
+  CHECK(f != NULL, "cannot open %s", path ? path : "(null)");
+  if (f) {
+    static char json[1 << 20];
+    size_t n = fread(json, 1, sizeof json - 1, f);
+    fclose(f);
+    json[n] = 0;
+    expect("register the plan", mscclppNcclRegisterPlan(json), ncclSuccess, NULL);
+    expect("register it again", mscclppNcclRegisterPlan(json), ncclSuccess, NULL);
+  }
+  static char tag[] = "ctx";
+  expect("set the selector", mscclppNcclSetSelector(echo_selector, tag), ncclSuccess, NULL);
+  char text[256];
+  size_t length = 0;
+  expect("describe", mscclppNcclDescribeRegistry(text, sizeof text, &length), ncclSuccess, NULL);
+  CHECK(strcmp(text, "plans: allgather_put_2; selector: set") == 0 && length == strlen(text),
+        "describe gave \"%s\" (length %zu)", text, length);
+  mscclppNcclSelectionRequest request = {"allgather", 4096, "f32", 4, 2, 1, (void*)0x70, 1, 0};
+  char name[128];
+  int answered = -1;
+  expect("ask", mscclppNcclAskSelector(&request, name, sizeof name, &answered), ncclSuccess, NULL);
+  CHECK(answered == 1 && strcmp(name, "allgather:4096:f32:1/4@2:0x70:1:0:ctx") == 0,
+        "ask gave %d \"%s\"", answered, name);
+  request.message_size = 0;
+  expect("ask, no answer", mscclppNcclAskSelector(&request, name, sizeof name, &answered),
+         ncclSuccess, NULL);
+  CHECK(answered == 0 && name[0] == 0, "no answer gave %d \"%s\"", answered, name);
+  request.message_size = 1;
+  expect("ask, the selector fails", mscclppNcclAskSelector(&request, name, sizeof name, &answered),
+         ncclInvalidArgument, "the registered selector failed for allgather of 1 bytes");
+  expect("clear again", mscclppNcclClearRegistry(), ncclSuccess, NULL);
+  expect("describe, cut", mscclppNcclDescribeRegistry(text, 6, &length), ncclSuccess, NULL);
+  CHECK(strcmp(text, "plans") == 0 && length == strlen("plans: none; selector: none"),
+        "cut describe gave \"%s\" (length %zu)", text, length);
+}
+
 int main(void) {
+  registry_checks();
+
   /* Versions. */
   int version = 0;
   CHECK(ncclGetVersion(&version) == ncclSuccess && version == NCCL_VERSION_CODE,
