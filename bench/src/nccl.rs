@@ -68,6 +68,17 @@ type BroadcastFn = unsafe extern "C" fn(
     RawComm,
     RawStream,
 ) -> c_int;
+/// `ncclReduce(send, recv, count, type, op, root, comm, stream)`.
+type ReduceFn = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    c_int,
+    c_int,
+    c_int,
+    RawComm,
+    RawStream,
+) -> c_int;
 type SendFn = unsafe extern "C" fn(*const c_void, usize, c_int, c_int, RawComm, RawStream) -> c_int;
 type RecvFn = unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, RawComm, RawStream) -> c_int;
 type GroupFn = unsafe extern "C" fn() -> c_int;
@@ -83,8 +94,9 @@ struct Api {
     all_gather: AllGatherFn,
     reduce_scatter: ReduceScatterFn,
     broadcast: BroadcastFn,
-    /// Point-to-point (NCCL 2.7+): the all-to-all baseline is a group of sends and receives, as
-    /// nccl-tests runs it.
+    reduce: ReduceFn,
+    /// Point-to-point (NCCL 2.7+): the all-to-all, gather and scatter baselines are groups of
+    /// sends and receives, as nccl-tests runs them.
     p2p: Option<P2pApi>,
     get_error_string: GetErrorStringFn,
     /// Added in NCCL 2.13; absent from older libraries.
@@ -191,6 +203,7 @@ impl Nccl {
             all_gather: symbol(&lib, loc, "ncclAllGather")?,
             reduce_scatter: symbol(&lib, loc, "ncclReduceScatter")?,
             broadcast: symbol(&lib, loc, "ncclBroadcast")?,
+            reduce: symbol(&lib, loc, "ncclReduce")?,
             p2p: (|| -> Result<P2pApi> {
                 Ok(P2pApi {
                     send: symbol(&lib, loc, "ncclSend")?,
@@ -461,6 +474,84 @@ impl NcclComm {
             )
         };
         self.nccl.check("ncclBroadcast", r, Some(self.comm))
+    }
+
+    /// `ncclReduce` of `count` elements into `root`'s `recv`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn reduce(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        root: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        let t = nccl_dtype(dtype)?;
+        let root = c_int::try_from(root).map_err(|_| {
+            Error::InvalidArgument(format!("reduce root {root} does not fit an int"))
+        })?;
+        // SAFETY: as in `all_reduce`; `recv` is only written on the root.
+        let r = unsafe {
+            (self.nccl.api.reduce)(
+                ptr(send),
+                ptr(recv),
+                count,
+                t,
+                op.to_nccl(),
+                root,
+                self.comm,
+                raw_stream(stream),
+            )
+        };
+        self.nccl.check("ncclReduce", r, Some(self.comm))
+    }
+
+    /// nccl-tests' gather: every rank sends its `count` elements to `root`, which receives rank
+    /// p's into chunk p of `recv`, as one group.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gather(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: usize,
+        dtype: DataType,
+        root: usize,
+        rank: usize,
+        nranks: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        let chunk = (count * dtype.size()) as u64;
+        let recvs: Vec<(usize, DevicePtr)> = if rank == root {
+            (0..nranks).map(|p| (p, recv + p as u64 * chunk)).collect()
+        } else {
+            Vec::new()
+        };
+        self.p2p_group(&[(root, send)], &recvs, count, dtype, stream)
+    }
+
+    /// nccl-tests' scatter: `root` sends chunk p of `send` to rank p, every rank receives its
+    /// `count` elements into `recv`, as one group.
+    #[allow(clippy::too_many_arguments)]
+    pub fn scatter(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: usize,
+        dtype: DataType,
+        root: usize,
+        rank: usize,
+        nranks: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        let chunk = (count * dtype.size()) as u64;
+        let sends: Vec<(usize, DevicePtr)> = if rank == root {
+            (0..nranks).map(|p| (p, send + p as u64 * chunk)).collect()
+        } else {
+            Vec::new()
+        };
+        self.p2p_group(&sends, &[(root, recv)], count, dtype, stream)
     }
 
     /// All-to-all of `count` elements per peer among `nranks` ranks, as one group of

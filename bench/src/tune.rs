@@ -122,7 +122,20 @@ pub fn parse_tune_args(args: &[String]) -> Result<TuneCommand> {
         };
         match flag.as_str() {
             "-h" | "--help" => return Ok(TuneCommand::Help),
-            "-c" | "--collective" => o.collective = parse_collective(&value()?)?,
+            "-c" | "--collective" => {
+                o.collective = parse_collective(&value()?)?;
+                // The tuner's table has no root: rooted collectives are served by one algorithm.
+                if matches!(
+                    o.collective,
+                    Collective::Reduce | Collective::Gather | Collective::Scatter
+                ) {
+                    return Err(Error::InvalidArgument(format!(
+                        "-c {}: the tuner tunes allreduce, allgather, reducescatter, broadcast \
+                         and alltoall",
+                        o.collective
+                    )));
+                }
+            }
             "-d" | "--datatype" => o.dtypes = parse_dtypes(&value()?)?,
             "-b" | "--minbytes" => o.min_bytes = parse_size(&value()?)?,
             "-e" | "--maxbytes" => o.max_bytes = parse_size(&value()?)?,

@@ -15,9 +15,10 @@ Options:
                            fp8_e4m3b15, comma-separated, or all (default f32)
   -o, --op LIST            sum prod min max avg, comma-separated, or all (default sum)
   -c, --collective NAME    allreduce allgather reducescatter broadcast alltoall sendrecv
+                           reduce gather scatter
                            (sendrecv: each rank to the next, as nccl-tests, on the point-to-point
                            engine, default_sendrecv_p2p; default allreduce)
-  -r, --root N             broadcast root (default 0)
+  -r, --root N             root of broadcast, reduce, gather and scatter (default 0)
   -n, --iters N            timed calls per batch (default 20)
   -w, --warmup_iters N     warm-up calls (default 5)
   -m, --batches N          timed batches; the median batch is reported (default 5)
@@ -182,9 +183,12 @@ pub fn parse_collective(s: &str) -> Result<Collective> {
         "broadcast" => Ok(Collective::Broadcast),
         "alltoall" => Ok(Collective::AllToAll),
         "sendrecv" => Ok(Collective::SendRecv),
+        "reduce" => Ok(Collective::Reduce),
+        "gather" => Ok(Collective::Gather),
+        "scatter" => Ok(Collective::Scatter),
         _ => Err(Error::InvalidArgument(format!(
             "unknown collective {s:?} (expected allreduce, allgather, reducescatter, broadcast, \
-             alltoall or sendrecv)"
+             alltoall, sendrecv, reduce, gather or scatter)"
         ))),
     }
 }
@@ -454,7 +458,7 @@ mod tests {
     #[case(&["-b", "1X"], "\"1X\"")]
     #[case(&["-d", "f128"], "f128")]
     #[case(&["-o", "xor"], "xor")]
-    #[case(&["-c", "gather"], "gather")]
+    #[case(&["-c", "gatherv"], "gatherv")]
     #[case(&["-b", "2M", "-e", "1M"], "larger than")]
     #[case(&["-n", "0"], "iters")]
     #[case(&["-f", "1", "-e", "4M"], "stepfactor")]

@@ -109,6 +109,14 @@ fn nccl_declined(e: &Error) -> bool {
 /// could unmap its peers' memory and exit.
 const REPLAYS_IN_FLIGHT: usize = 4;
 
+/// The collectives with a root (`--root`).
+fn is_rooted(collective: Collective) -> bool {
+    matches!(
+        collective,
+        Collective::Broadcast | Collective::Reduce | Collective::Gather | Collective::Scatter
+    )
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     match v.len() {
@@ -611,7 +619,7 @@ impl<'a> Bench<'a> {
             count: shape.count,
             dtype: shape.dtype.name().into(),
             redop: op.map_or("none", ReduceOp::name).into(),
-            root: if shape.collective == Collective::Broadcast {
+            root: if is_rooted(shape.collective) {
                 self.opts.root as i64
             } else {
                 -1
@@ -646,8 +654,8 @@ impl<'a> Bench<'a> {
         let off = shape.in_place_offset(self.rank()) as u64;
         match (placement, shape.collective) {
             (Placement::OutOfPlace, _) => (i, o),
-            (Placement::InPlace, Collective::AllGather) => (o + off, o),
-            (Placement::InPlace, Collective::ReduceScatter) => (i, i + off),
+            (Placement::InPlace, Collective::AllGather | Collective::Gather) => (o + off, o),
+            (Placement::InPlace, Collective::ReduceScatter | Collective::Scatter) => (i, i + off),
             (Placement::InPlace, _) => (i, i),
         }
     }
@@ -909,8 +917,12 @@ impl<'a> Bench<'a> {
             self.stream,
         )?;
         self.sync()?;
-        let root_only = shape.collective == Collective::Broadcast
-            && placement == Placement::InPlace
+        // In place, a broadcast's or a scatter's output off the root is its input buffer (or
+        // lies in it): uploading there would overwrite the poison the call must replace.
+        let root_only = matches!(
+            shape.collective,
+            Collective::Broadcast | Collective::Scatter
+        ) && placement == Placement::InPlace
             && rank != self.opts.root;
         if !root_only {
             let count = shape.input_bytes / shape.dtype.size();
@@ -983,9 +995,26 @@ impl<'a> Bench<'a> {
                 shape.nranks,
                 stream,
             ),
-            // Shape::new refuses them.
-            Collective::Reduce | Collective::Gather | Collective::Scatter => Err(
-                Error::Unsupported(format!("no NCCL baseline for {}", shape.collective)),
+            Collective::Reduce => nccl.reduce(input, output, shape.count, dtype, op, root, stream),
+            Collective::Gather => nccl.gather(
+                input,
+                output,
+                shape.per_rank_count,
+                dtype,
+                root,
+                self.rank(),
+                shape.nranks,
+                stream,
+            ),
+            Collective::Scatter => nccl.scatter(
+                input,
+                output,
+                shape.per_rank_count,
+                dtype,
+                root,
+                self.rank(),
+                shape.nranks,
+                stream,
             ),
         };
         let timed = self.time(&call);

@@ -1,12 +1,13 @@
 //! The shape of one benchmarked call, in nccl-tests' conventions.
 //!
 //! A size on the command line is the collective's "total" bytes as nccl-tests reports it: the
-//! whole buffer for all-reduce and broadcast, the gathered output for all-gather, the scattered
-//! input for reduce-scatter, each rank's whole send buffer for all-to-all, what each rank sends
-//! to the next for sendrecv (nccl-tests' ring exchange). The count column is
-//! nccl-tests' too: elements per rank for all-gather (sent) and reduce-scatter (received), the
-//! whole buffer otherwise. Sizes that do not
-//! split evenly are rounded down to whole elements per rank, as nccl-tests does.
+//! whole buffer for all-reduce, broadcast and reduce, the gathered output for all-gather and
+//! gather, the scattered input for reduce-scatter and scatter, each rank's whole send buffer for
+//! all-to-all, what each rank sends to the next for sendrecv (nccl-tests' ring exchange). The
+//! count column is nccl-tests' too: elements per rank for all-gather and gather (sent) and
+//! reduce-scatter and scatter (received), the whole buffer otherwise. Sizes that do not split
+//! evenly are rounded down to whole elements per rank, as nccl-tests does. Every rank holds
+//! buffers of the root's sizes, as in nccl-tests.
 
 use mscclpp_core::{Collective, DataType, Error, Result};
 
@@ -39,26 +40,24 @@ impl Shape {
         let e = dtype.size();
         let n = nranks.max(1);
         let (count, input_bytes, output_bytes) = match collective {
-            Collective::AllReduce | Collective::Broadcast | Collective::SendRecv => {
+            Collective::AllReduce
+            | Collective::Broadcast
+            | Collective::SendRecv
+            | Collective::Reduce => {
                 let c = size / e;
                 (c, c * e, c * e)
             }
-            Collective::AllGather => {
+            Collective::AllGather | Collective::Gather => {
                 let c = size / e / n;
                 (c, c * e, c * e * n)
             }
-            Collective::ReduceScatter => {
+            Collective::ReduceScatter | Collective::Scatter => {
                 let c = size / e / n;
                 (c, c * e * n, c * e)
             }
             Collective::AllToAll => {
                 let c = size / e / n;
                 (c * n, c * e * n, c * e * n)
-            }
-            Collective::Reduce | Collective::Gather | Collective::Scatter => {
-                return Err(Error::Unsupported(format!(
-                    "mscclpp-bench does not measure {collective} (the GPU suite checks it)"
-                )))
             }
         };
         let per_rank_count = match collective {
@@ -86,8 +85,8 @@ impl Shape {
     /// in-place output inside the input (reduce-scatter); 0 otherwise.
     pub fn in_place_offset(&self, rank: usize) -> usize {
         match self.collective {
-            Collective::AllGather => rank * self.input_bytes,
-            Collective::ReduceScatter => rank * self.output_bytes,
+            Collective::AllGather | Collective::Gather => rank * self.input_bytes,
+            Collective::ReduceScatter | Collective::Scatter => rank * self.output_bytes,
             _ => 0,
         }
     }
@@ -107,13 +106,17 @@ impl Shape {
     }
 }
 
-/// nccl-tests' bus-bandwidth factors: all-reduce `2(n-1)/n`, all-gather and reduce-scatter
-/// `(n-1)/n`, broadcast 1, all-to-all `(n-1)/n`, sendrecv 1.
+/// nccl-tests' bus-bandwidth factors: all-reduce `2(n-1)/n`; all-gather, reduce-scatter,
+/// all-to-all, gather and scatter `(n-1)/n`; broadcast, reduce and sendrecv 1.
 pub fn bus_factor(collective: Collective, nranks: usize) -> f64 {
     let n = nranks.max(1) as f64;
     match collective {
         Collective::AllReduce => 2.0 * (n - 1.0) / n,
-        Collective::AllGather | Collective::ReduceScatter | Collective::AllToAll => (n - 1.0) / n,
+        Collective::AllGather
+        | Collective::ReduceScatter
+        | Collective::AllToAll
+        | Collective::Gather
+        | Collective::Scatter => (n - 1.0) / n,
         _ => 1.0,
     }
 }
@@ -131,6 +134,9 @@ mod tests {
     #[case(Collective::Broadcast, 8, 1.0)]
     #[case(Collective::AllToAll, 4, 3.0 / 4.0)]
     #[case(Collective::SendRecv, 4, 1.0)]
+    #[case(Collective::Reduce, 4, 1.0)]
+    #[case(Collective::Gather, 4, 3.0 / 4.0)]
+    #[case(Collective::Scatter, 8, 7.0 / 8.0)]
     fn bus_factors(#[case] c: Collective, #[case] n: usize, #[case] want: f64) {
         assert!((bus_factor(c, n) - want).abs() < 1e-12);
     }
@@ -145,6 +151,9 @@ mod tests {
     #[case(Collective::Broadcast, DataType::Fp8E4M3, 7, 8, (7, 7, 7, 7))]
     #[case(Collective::AllToAll, DataType::F32, 100, 3, (24, 96, 96, 96))]
     #[case(Collective::SendRecv, DataType::F32, 100, 3, (25, 100, 100, 100))]
+    #[case(Collective::Reduce, DataType::F32, 100, 3, (25, 100, 100, 100))]
+    #[case(Collective::Gather, DataType::F32, 100, 3, (8, 32, 96, 96))]
+    #[case(Collective::Scatter, DataType::U8, 1000, 3, (333, 999, 333, 999))]
     fn shapes_follow_nccl_tests(
         #[case] c: Collective,
         #[case] dtype: DataType,
