@@ -508,50 +508,33 @@ impl NcclComm {
         self.nccl.check("ncclReduce", r, Some(self.comm))
     }
 
-    /// nccl-tests' gather: every rank sends its `count` elements to `root`, which receives rank
-    /// p's into chunk p of `recv`, as one group.
+    /// nccl-tests' gather (`gather`: every rank sends its `count` elements to `root`, which
+    /// receives rank p's into chunk p of `recv`) or scatter (`root` sends chunk p of `send` to
+    /// rank p, every rank receives its `count` elements into `recv`), as one group.
     #[allow(clippy::too_many_arguments)]
-    pub fn gather(
+    pub fn gather_or_scatter(
         &self,
+        gather: bool,
         send: DevicePtr,
         recv: DevicePtr,
         count: usize,
         dtype: DataType,
         root: usize,
-        rank: usize,
-        nranks: usize,
+        (rank, nranks): (usize, usize),
         stream: Stream,
     ) -> Result<()> {
         let chunk = (count * dtype.size()) as u64;
-        let recvs: Vec<(usize, DevicePtr)> = if rank == root {
-            (0..nranks).map(|p| (p, recv + p as u64 * chunk)).collect()
+        let whole = if gather { recv } else { send };
+        let chunks: Vec<(usize, DevicePtr)> = if rank == root {
+            (0..nranks).map(|p| (p, whole + p as u64 * chunk)).collect()
         } else {
             Vec::new()
         };
-        self.p2p_group(&[(root, send)], &recvs, count, dtype, stream)
-    }
-
-    /// nccl-tests' scatter: `root` sends chunk p of `send` to rank p, every rank receives its
-    /// `count` elements into `recv`, as one group.
-    #[allow(clippy::too_many_arguments)]
-    pub fn scatter(
-        &self,
-        send: DevicePtr,
-        recv: DevicePtr,
-        count: usize,
-        dtype: DataType,
-        root: usize,
-        rank: usize,
-        nranks: usize,
-        stream: Stream,
-    ) -> Result<()> {
-        let chunk = (count * dtype.size()) as u64;
-        let sends: Vec<(usize, DevicePtr)> = if rank == root {
-            (0..nranks).map(|p| (p, send + p as u64 * chunk)).collect()
+        if gather {
+            self.p2p_group(&[(root, send)], &chunks, count, dtype, stream)
         } else {
-            Vec::new()
-        };
-        self.p2p_group(&sends, &[(root, recv)], count, dtype, stream)
+            self.p2p_group(&chunks, &[(root, recv)], count, dtype, stream)
+        }
     }
 
     /// All-to-all of `count` elements per peer among `nranks` ranks, as one group of

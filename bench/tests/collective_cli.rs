@@ -64,7 +64,7 @@ fn help_lists_every_option() {
 #[test]
 fn bad_options_fail_with_the_option_named() {
     for (args, needle) in [
-        (&["collective", "-c", "gather"][..], "gather"),
+        (&["collective", "-c", "gatherv"][..], "gatherv"),
         (&["collective", "-d", "f128"][..], "f128"),
         (&["collective", "-b", "2M", "-e", "1M"][..], "larger than"),
         (&["collective", "--ranks", "0"][..], "--ranks"),

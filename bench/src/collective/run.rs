@@ -996,24 +996,14 @@ impl<'a> Bench<'a> {
                 stream,
             ),
             Collective::Reduce => nccl.reduce(input, output, shape.count, dtype, op, root, stream),
-            Collective::Gather => nccl.gather(
+            Collective::Gather | Collective::Scatter => nccl.gather_or_scatter(
+                shape.collective == Collective::Gather,
                 input,
                 output,
                 shape.per_rank_count,
                 dtype,
                 root,
-                self.rank(),
-                shape.nranks,
-                stream,
-            ),
-            Collective::Scatter => nccl.scatter(
-                input,
-                output,
-                shape.per_rank_count,
-                dtype,
-                root,
-                self.rank(),
-                shape.nranks,
+                (self.rank(), shape.nranks),
                 stream,
             ),
         };
