@@ -187,7 +187,7 @@ impl Comm {
         let communicator = Arc::new(Communicator::new(bootstrap.clone(), gpu.clone(), device)?);
         let session = if with_algorithms {
             CommSession::with_more_algorithms(communicator.clone(), |builder| {
-                add_plan_directory(&communicator, env, builder)
+                add_execution_plans(&communicator, env, builder)
             })?
         } else {
             CommSession::without_algorithms(communicator.clone())
@@ -346,7 +346,7 @@ impl Comm {
 /// the plan cache (where `python -m mscclpp --install` puts the default ones) not named alike,
 /// that run on this communicator, ahead of the native algorithms for the calls they match, as
 /// MSCCL++'s shim serves them. Every rank takes the same plans or none (`agreed_plans`).
-fn add_plan_directory(
+fn add_execution_plans(
     communicator: &Arc<Communicator>,
     env: &Env,
     builder: &mut AlgorithmCollectionBuilder,

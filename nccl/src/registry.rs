@@ -6,7 +6,7 @@
 //! `init_process_group("nccl")`. C programs can call the same exports.
 //!
 //! - Plans join each communicator created after they are registered, beside the plan
-//!   directory's (`comm::add_plan_directory`), agreed by every rank first: setting a plan up is
+//!   directory's (`comm::add_execution_plans`), agreed by every rank first: setting a plan up is
 //!   collective. A communicator created earlier keeps the plans it has.
 //! - The selector is asked on every collective call of every communicator, from the calling
 //!   thread. It answers with an algorithm's name (a plan's, or a native algorithm's) or with no
