@@ -147,6 +147,12 @@ pub fn decode_version(code: i32) -> (i32, i32, i32) {
     }
 }
 
+/// A rank as NCCL's `int` argument; `what` names it in the error.
+fn rank_arg(what: &str, rank: usize) -> Result<c_int> {
+    c_int::try_from(rank)
+        .map_err(|_| Error::InvalidArgument(format!("{what} {rank} does not fit an int")))
+}
+
 fn symbol<T: Copy>(lib: &libloading::Library, location: &str, name: &str) -> Result<T> {
     // SAFETY: every `T` used with this helper is the exact C signature of `name` in nccl.h; the
     // returned pointer stays valid while `lib` (kept in `Nccl`) is loaded.
@@ -457,10 +463,7 @@ impl NcclComm {
         root: usize,
         stream: Stream,
     ) -> Result<()> {
-        let t = nccl_dtype(dtype)?;
-        let root = c_int::try_from(root).map_err(|_| {
-            Error::InvalidArgument(format!("broadcast root {root} does not fit an int"))
-        })?;
+        let (t, root) = (nccl_dtype(dtype)?, rank_arg("broadcast root", root)?);
         // SAFETY: as in `all_reduce`; `send` is only read on the root.
         let r = unsafe {
             (self.nccl.api.broadcast)(
@@ -488,10 +491,7 @@ impl NcclComm {
         root: usize,
         stream: Stream,
     ) -> Result<()> {
-        let t = nccl_dtype(dtype)?;
-        let root = c_int::try_from(root).map_err(|_| {
-            Error::InvalidArgument(format!("reduce root {root} does not fit an int"))
-        })?;
+        let (t, root) = (nccl_dtype(dtype)?, rank_arg("reduce root", root)?);
         // SAFETY: as in `all_reduce`; `recv` is only written on the root.
         let r = unsafe {
             (self.nccl.api.reduce)(
@@ -589,10 +589,7 @@ impl NcclComm {
                 self.nccl.version_string()
             ))
         })?;
-        let peer = |p: usize| {
-            c_int::try_from(p)
-                .map_err(|_| Error::InvalidArgument(format!("peer {p} does not fit an int")))
-        };
+        let peer = |p: usize| rank_arg("peer", p);
         // SAFETY: group calls take no arguments.
         let r = unsafe { (p2p.group_start)() };
         self.nccl.check("ncclGroupStart", r, Some(self.comm))?;
