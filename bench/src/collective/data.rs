@@ -63,6 +63,14 @@ pub fn smallest_subnormal(dtype: DataType) -> f64 {
     }
 }
 
+/// `v` as bf16 bits: rounded to nearest even through f32 (bf16 is f32's top half). Rounded
+/// twice, a value can land one step from the nearest bf16, which no check can notice: every value
+/// the benchmark uses is the decoded bf16 it wrote. Finite values only, as the generator makes.
+fn bf16_bits(v: f64) -> u16 {
+    let x = (v as f32).to_bits();
+    ((x + 0x7fff + ((x >> 16) & 1)) >> 16) as u16
+}
+
 /// `v` as one element of `dtype`, in the low `dtype.size()` bytes of a little-endian word:
 /// rounded to nearest (floats) or truncated to the width (integers, which the generator keeps in
 /// range).
@@ -72,7 +80,7 @@ pub fn encode_word(dtype: DataType, v: f64) -> u64 {
         DataType::F32 => u64::from((v as f32).to_bits()),
         DataType::F64 => v.to_bits(),
         DataType::F16 => u64::from(f16::from_f64(v).to_bits()),
-        DataType::Bf16 => u64::from(bf16::from_f64(v).to_bits()),
+        DataType::Bf16 => u64::from(bf16_bits(v)),
         DataType::I8 => u64::from(v as i64 as i8 as u8),
         DataType::U8 => u64::from(v as i64 as u8),
         DataType::I32 => u64::from(v as i64 as i32 as u32),
@@ -98,10 +106,32 @@ pub fn poison_byte(dtype: DataType) -> u8 {
 
 /// One element's bytes (at most 8) as a little-endian word, the form [`encode_word`] gives.
 pub fn word(bytes: &[u8]) -> u64 {
-    let mut w = [0u8; 8];
-    let n = bytes.len().min(8);
-    w[..n].copy_from_slice(&bytes[..n]);
-    u64::from_le_bytes(w)
+    // The element sizes spelled out: a copy of a length known only at run time would be a call
+    // per element, and checks read hundreds of millions.
+    match *bytes {
+        [a] => u64::from(a),
+        [a, b] => u64::from(u16::from_le_bytes([a, b])),
+        [a, b, c, d] => u64::from(u32::from_le_bytes([a, b, c, d])),
+        [a, b, c, d, e, f, g, h] => u64::from_le_bytes([a, b, c, d, e, f, g, h]),
+        _ => {
+            let mut w = [0u8; 8];
+            let n = bytes.len().min(8);
+            w[..n].copy_from_slice(&bytes[..n]);
+            u64::from_le_bytes(w)
+        }
+    }
+}
+
+/// Stores `bits` (a [`word`]) as an element of `out.len()` bytes, the sizes spelled out as in
+/// [`word`].
+pub fn put_word(bits: u64, out: &mut [u8]) {
+    match out.len() {
+        1 => out[0] = bits as u8,
+        2 => out.copy_from_slice(&(bits as u16).to_le_bytes()),
+        4 => out.copy_from_slice(&(bits as u32).to_le_bytes()),
+        8 => out.copy_from_slice(&bits.to_le_bytes()),
+        n => out.copy_from_slice(&bits.to_le_bytes()[..n]),
+    }
 }
 
 /// Value of one float element given as a [`word`]. Integers decode exactly too, for display.
@@ -110,7 +140,7 @@ pub fn float_of_word(dtype: DataType, raw: u64) -> f64 {
         DataType::F32 => f64::from(f32::from_bits(raw as u32)),
         DataType::F64 => f64::from_bits(raw),
         DataType::F16 => f16::from_bits(raw as u16).to_f64(),
-        DataType::Bf16 => bf16::from_bits(raw as u16).to_f64(),
+        DataType::Bf16 => f64::from(f32::from_bits((raw as u32 & 0xffff) << 16)),
         other => match fp8::format_of(other) {
             Some(f) => f64::from(f.decode(raw as u8)),
             None => int_of_word(other, raw) as f64,
@@ -219,8 +249,7 @@ impl InputSpec {
                 let input = &input;
                 scope.spawn(move || {
                     for (k, chunk) in part.chunks_exact_mut(size).enumerate() {
-                        let (bits, _) = input.element(start + p * per + k);
-                        chunk.copy_from_slice(&bits.to_le_bytes()[..size]);
+                        put_word(input.element(start + p * per + k).0, chunk);
                     }
                 });
             }
@@ -361,6 +390,31 @@ mod tests {
                 };
                 assert!(total <= max_finite(dtype), "{dtype} {op} #{i}: {total}");
             }
+        }
+    }
+
+    #[test]
+    fn bf16_rounds_to_nearest_even_from_f32_and_words_round_trip() {
+        let spec = InputSpec {
+            seed: 3,
+            dtype: DataType::F32,
+            op: None,
+            nranks: 1,
+        };
+        let input = spec.rank(0);
+        for i in 0..20_000 {
+            let v = input.value(i) * 3.0f64.powi(i as i32 % 40 - 20);
+            assert_eq!(bf16_bits(v), bf16::from_f32(v as f32).to_bits(), "{v}");
+        }
+        // Ties go to even (bf16's step at 1 is 2^-7): 1 + 2^-8 down to 1, 1 + 3 * 2^-8 up to 1 + 2^-6.
+        assert_eq!(bf16_bits(1.0 + 2f64.powi(-8)), bf16::ONE.to_bits());
+        let up = bf16::from_f32(1.0 + 2f32.powi(-6)).to_bits();
+        assert_eq!(bf16_bits(1.0 + 3.0 * 2f64.powi(-8)), up);
+        for size in [1, 2, 4, 8] {
+            let mut b = [0u8; 8];
+            let bits = 0x0123_4567_89ab_cdefu64 & (u64::MAX >> (64 - 8 * size));
+            put_word(bits, &mut b[..size]);
+            assert_eq!(word(&b[..size]), bits, "{size} bytes");
         }
     }
 
