@@ -1,8 +1,8 @@
 """The NCCL shim the wheel holds (scripts/build-wheel.sh): `python -m mscclpp --nccl-lib`, and the
 registrations AlgorithmCollectionBuilder shares with the shim when it is loaded in the process
-(preloaded, or opened under NCCL's name): the plans reach the communicators it creates, and the
-selector is asked before its collectives (here through mscclppNcclAskSelector, as a communicator
-asks it)."""
+(preloaded, or opened under NCCL's name): the plans land in the shim's registry, which its
+communicators take them from (a GPU check: python/examples/dsl_with_nccl_api.py), and the selector
+answers the shim as a communicator asks it (through mscclppNcclAskSelector)."""
 
 import os
 import subprocess
