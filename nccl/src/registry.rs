@@ -20,6 +20,7 @@ use mscclpp::core::gpu::Stream;
 use mscclpp::core::Collective;
 use mscclpp_executor::plan::Plan;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// What the selector is told about a call (`mscclppNcclSelectionRequest` in C).
@@ -78,6 +79,10 @@ static REGISTRY: Mutex<Registry> = Mutex::new(Registry {
     selector: None,
 });
 
+/// Whether a selector is set: read before taking the lock, so that calls of programs that never
+/// register one (most) pay one load, not a lock, on every collective.
+static SELECTOR_SET: AtomicBool = AtomicBool::new(false);
+
 fn registry() -> MutexGuard<'static, Registry> {
     REGISTRY.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -91,6 +96,9 @@ pub fn plans() -> Vec<Arc<Plan>> {
 /// without a selector or an answer. The registry's lock is not held while it runs, so a
 /// selector may register or clear.
 pub fn ask(ctx: &SelectionContext, rank: usize, stream: Stream) -> mscclpp::Result<Option<String>> {
+    if !SELECTOR_SET.load(Ordering::Acquire) {
+        return Ok(None);
+    }
     let Some(selector) = registry().selector.clone() else {
         return Ok(None);
     };
@@ -169,7 +177,9 @@ pub unsafe extern "C" fn mscclppNcclSetSelector(
     context: *mut c_void,
 ) -> NcclResult {
     ffi("mscclppNcclSetSelector", || {
-        registry().selector = selector.map(|call| Arc::new(RegisteredSelector { call, context }));
+        let mut reg = registry();
+        reg.selector = selector.map(|call| Arc::new(RegisteredSelector { call, context }));
+        SELECTOR_SET.store(reg.selector.is_some(), Ordering::Release);
         Ok(SUCCESS)
     })
 }
@@ -178,7 +188,9 @@ pub unsafe extern "C" fn mscclppNcclSetSelector(
 #[no_mangle]
 pub unsafe extern "C" fn mscclppNcclClearRegistry() -> NcclResult {
     ffi("mscclppNcclClearRegistry", || {
-        *registry() = Registry::default();
+        let mut reg = registry();
+        *reg = Registry::default();
+        SELECTOR_SET.store(false, Ordering::Release);
         Ok(SUCCESS)
     })
 }
