@@ -11,8 +11,8 @@ its launch queue full), or --delay seconds in all when given, then SIGKILLs or S
 its timed loop stopped on the failure (so the signal landed in the loop, not in set-up; a survivor
 whose log says its set-up stopped instead names the step, and --settle was too short), and no
 survivor's log, nor a continued stopped victim's, shows a fault of its CUDA context. A run in which
-any rank ended before the signal fails too (a false timeout under load is a failure, not a skipped
-run). Survivors still running --hang-after seconds after the signal are killed and the run
+any rank ended, or a survivor's timed loop stopped, before the signal fails too (a false timeout
+under load is a failure, not a skipped run). Survivors still running --hang-after seconds after the signal are killed and the run
 fails. The liveness timeout (MSCCLPP_LIVENESS_TIMEOUT) follows MSCCLPP_DEVICE_WAIT_TIMEOUT unless
 the environment sets it.
 
@@ -457,7 +457,16 @@ class World:
         # only reads its own device memory): the driver's, not a survivor's own access. Such a
         # run is judged on the rest and the fault is counted as a note.
         driver_fault = self.cfg[3] and self.cfg[1] == "KILL"
+        # A survivor whose timed loop stopped before the signal failed by itself (a false
+        # timeout under load, say), even when it had not exited by the time the signal went out.
+        stopped_early = []
+        if self.sent_wall is not None:
+            for r in self.survivors:
+                stopped = stamped(self.texts[r], LOOP_STOPPED)
+                if stopped is not None and stopped < self.sent_wall:
+                    stopped_early.append(r)
         before = ("ended before the signal" if self.early else
+                  "stopped before the signal" if stopped_early else
                   "not running in time" if self.not_running else None)
         verdicts = []
         for r in self.survivors:
@@ -473,6 +482,8 @@ class World:
                              for s in (stamped(text, LOOP_STOPPED), stamped(text, TORN_DOWN)))
             if self.early:
                 why = f"rank(s) {self.early} ended before the signal"
+            elif stopped_early:
+                why = f"rank(s) {stopped_early} stopped the timed loop before the signal"
             elif self.not_running:
                 why = self.not_running
             elif t is None:
