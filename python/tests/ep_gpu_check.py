@@ -5,7 +5,12 @@ num_worst_tokens) and combine (with and without bias) compared bit for bit with
 seed. Cases: random routing with -1 holes, every token to one rank, a rank receiving nothing,
 1 token, 0 tokens, and 4096 tokens x 7168 hidden x top-8 of 256 experts. Payloads are small
 integers, so `combine(dispatch(x))` is exactly x times the ranks each token reached; that is
-checked too. Then the refusals: a handle made with another num_sms, on every rank.
+checked too. Then fp8 tokens (e4m3 rows with f32 scales per 128 channels, non-cached and cached,
+bit for bit; refused by the kernels, on every rank), the low-latency mode (bf16 and the three fp8
+scale formats: each local expert's rows, counts, source indices and layout ranges against
+`reference.low_latency_dispatch`, the weighted combine against `reference.low_latency_combine`,
+asynchronous with a receive hook, then dispatch and combine captured in one CUDA graph and
+replayed on fresh data), and the refusals: a handle made with another num_sms, on every rank.
 Prints the seed; exit status 1 on any mismatch or error.
 With --kernels, through the intranode kernels instead of the point-to-point groups.
 Run: torchrun --nproc_per_node=N ep_gpu_check.py [--seed S] [--quick] [--kernels] [--num-sms N]"""
@@ -44,6 +49,9 @@ def case_inputs(seed, num_ranks, num_tokens, num_topk, num_experts, hidden, rout
 
 def same(name, got, want, failures):
     got = got.cpu() if isinstance(got, torch.Tensor) else got
+    if isinstance(want, torch.Tensor) and want.element_size() == 1:  # fp8: compare the bits
+        want = want.view(torch.uint8)
+        got = got.view(torch.uint8) if isinstance(got, torch.Tensor) else got
     if isinstance(want, torch.Tensor):
         ok = isinstance(got, torch.Tensor) and got.shape == want.shape and \
             got.dtype == want.dtype and torch.equal(got, want)
@@ -112,6 +120,98 @@ def run_case(buf, name, seed, num_tokens, num_topk, num_experts, hidden, route):
     return [f"{name}: {x}" for x in f]
 
 
+def run_fp8_case(buf, seed, kernels):
+    """fp8 dispatch: e4m3 rows and f32 scales move bit for bit (the kernels refuse it)."""
+    R, r, dev = buf.group_size, buf.rank, torch.device("cuda", torch.cuda.current_device())
+    experts, hidden = 8 * R, 512
+    xs, idxs, ws = case_inputs(seed, R, 77, 4, experts, hidden, "holes")
+    gen = torch.Generator().manual_seed(seed + 1)
+    fp8 = [(x.to(torch.float8_e4m3fn), torch.rand(x.shape[0], hidden // 128, generator=gen))
+           for x in xs]
+    want = reference.dispatch(fp8, idxs, ws, experts)[r]
+    x = (fp8[r][0].to(dev), fp8[r][1].to(dev))
+    idx, w = idxs[r].to(dev), ws[r].to(dev)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+    f = []
+    try:
+        recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+    except NotImplementedError as e:
+        if not kernels or "Buffer.use_kernels" not in str(e):
+            f.append(f"refused: {e}")
+        return [f"fp8: {m}" for m in f]
+    if kernels:
+        f.append("the kernels took fp8 tokens, which they cannot carry")
+    for i, part in enumerate(("rows", "scales")):
+        same(f"recv_x {part}", recv_x[i], want.recv_x[i], f)
+    same("recv_topk_idx", recv_idx, want.recv_topk_idx, f)
+    same("num_recv_tokens_per_expert_list", counts, want.num_recv_tokens_per_expert, f)
+    cached = buf.dispatch(x, handle=handle)[0]
+    for i, part in enumerate(("rows", "scales")):
+        same(f"cached recv_x {part}", cached[i], want.recv_x[i], f)
+    return [f"fp8: {m}" for m in f]
+
+
+def run_low_latency_case(buf, seed, num_tokens, num_max, hidden, num_topk, num_experts):
+    """The low-latency mode against the reference: eager in each format, then in a CUDA graph."""
+    R, r, dev = buf.group_size, buf.rank, torch.device("cuda", torch.cuda.current_device())
+    L = num_experts // R
+    f = []
+    xs, idxs, ws = case_inputs(seed, R, num_tokens, num_topk, num_experts, hidden, "holes")
+    gen = torch.Generator().manual_seed(seed + 7)
+    outputs = [torch.randint(-8, 9, (L, R * num_max, hidden), generator=gen).to(torch.bfloat16)
+               for _ in range(R)]
+    x, idx, w, y = xs[r].to(dev), idxs[r].to(dev), ws[r].to(dev), outputs[r].to(dev)
+
+    def compare(tag, got, count, handle, want):
+        same(f"{tag} recv_count", count, want.recv_count, f)
+        same(f"{tag} layout_range", handle[1], want.layout_range, f)
+        parts = got if isinstance(got, tuple) else (got,)
+        want_parts = want.recv_x if isinstance(want.recv_x, tuple) else (want.recv_x,)
+        for local in range(L):
+            n = int(want.recv_count[local])
+            same(f"{tag} src_info of expert {local}", handle[0][local, :n],
+                 want.src_info[local, :n], f)
+            for i, (a, b) in enumerate(zip(parts, want_parts)):
+                same(f"{tag} recv_x[{i}] of expert {local}", a[local, :n].contiguous(),
+                     b[local, :n].contiguous(), f)
+
+    combined_want = None
+    for tag, flags in (("bf16", dict(use_fp8=False)), ("fp8", dict(use_fp8=True)),
+                       ("fp8 rounded", dict(use_fp8=True, round_scale=True)),
+                       ("fp8 ue8m0", dict(use_fp8=True, round_scale=True, use_ue8m0=True))):
+        want = reference.low_latency_dispatch(xs, idxs, num_max, num_experts, **flags)
+        got, count, handle, event, hook = buf.low_latency_dispatch(
+            x, idx, num_max, num_experts, async_finish=True, return_recv_hook=True, **flags)
+        event.current_stream_wait()
+        hook()
+        compare(f"low-latency {tag}", got, count, handle, want[r])
+        if combined_want is None:
+            combined_want = reference.low_latency_combine(idxs, ws, outputs, want)[r]
+        combined, _, _ = buf.low_latency_combine(y, idx, w, handle)
+        same(f"low-latency combine after {tag}", combined, combined_want, f)
+
+    # Captured: dispatch and combine in one graph, replayed on other tokens of the same routing.
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            got, count, handle, _, _ = buf.low_latency_dispatch(x, idx, num_max, num_experts,
+                                                                use_fp8=True)
+            combined, _, _ = buf.low_latency_combine(y, idx, w, handle)
+    torch.cuda.current_stream().wait_stream(stream)
+    x.mul_(-1)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = reference.low_latency_dispatch([-t for t in xs], idxs, num_max, num_experts,
+                                          use_fp8=True)
+    compare("low-latency graph replay", got, count, handle, want[r])
+    same("low-latency graph replay combine", combined, combined_want, f)
+    return [f"low-latency: {m}" for m in f]
+
+
 def check_refusals(buf, failures):
     dev = torch.device("cuda", torch.cuda.current_device())
     idx = torch.zeros(4, 1, dtype=torch.int64, device=dev)
@@ -156,7 +256,11 @@ def main():
     hidden_big = 7168
     hints = [c.get_nvl_buffer_size_hint(hidden_big * 2, R)
              for c in (Buffer.get_dispatch_config(R), Buffer.get_combine_config(R))]
-    buf = Buffer(dist.group.WORLD, num_nvl_bytes=max(hints), explicitly_destroy=True)
+    ll = dict(num_tokens=48, num_max=64, hidden=2048, num_topk=4, num_experts=4 * R)
+    rdma = Buffer.get_low_latency_rdma_size_hint(ll["num_max"], ll["hidden"], R,
+                                                 ll["num_experts"])
+    buf = Buffer(dist.group.WORLD, num_nvl_bytes=max(hints), num_rdma_bytes=rdma,
+                 low_latency_mode=True, explicitly_destroy=True)
     experts = 8 * R
     cases = [("random with holes", 100, 4, experts, 256, "holes"),
              ("every token to one rank", 64, 4, experts, 256, "one_rank"),
@@ -175,6 +279,20 @@ def main():
             failures.append(f"{name}: {type(e).__name__}: {e}")
         if r == 0:
             print(f"  {name}: done in {time.time() - start:.1f} s", flush=True)
+    start = time.time()
+    try:
+        failures += run_fp8_case(buf, args.seed + 999, args.kernels)
+    except Exception as e:  # noqa: BLE001
+        failures.append(f"fp8: {type(e).__name__}: {e}")
+    if r == 0:
+        print(f"  fp8: done in {time.time() - start:.1f} s", flush=True)
+    start = time.time()
+    try:
+        failures += run_low_latency_case(buf, args.seed + 2000, **ll)
+    except Exception as e:  # noqa: BLE001
+        failures.append(f"low-latency: {type(e).__name__}: {e}")
+    if r == 0:
+        print(f"  low-latency: done in {time.time() - start:.1f} s", flush=True)
     try:
         check_refusals(buf, failures)
     except Exception as e:  # noqa: BLE001
@@ -185,7 +303,7 @@ def main():
     dist.all_reduce(bad)
     buf.destroy()
     if r == 0:
-        total = len(cases) + 1
+        total = len(cases) + 3
         print(f"ep_gpu_check: {'FAILED ' + str(int(bad)) + ' checks' if bad else 'all passed'}"
               f" ({total} cases on {R} ranks, seed {args.seed})", flush=True)
     dist.destroy_process_group()

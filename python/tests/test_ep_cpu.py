@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 
 import mscclpp.ext  # noqa: E402
 from mscclpp.ext import ep  # noqa: E402
-from mscclpp.ext.ep import checks, reference  # noqa: E402
+from mscclpp.ext.ep import checks, low_latency, reference  # noqa: E402
 from mscclpp.ext.ep.buffer import Buffer  # noqa: E402
 from mscclpp.ext.ep.config import Config  # noqa: E402
 from mscclpp.ext.ep.utils import EventOverlap  # noqa: E402
@@ -142,8 +142,23 @@ def test_check_errors_name_the_argument():
         checks.hidden("x", torch.zeros(2, 7, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="x must be torch.bfloat16"):
         checks.hidden("x", torch.zeros(2, 8))
-    with pytest.raises(NotImplementedError, match="fp8"):
+    with pytest.raises(ValueError, match="only dispatch takes fp8"):
         checks.hidden("x", (torch.zeros(2, 128), torch.zeros(2, 1)))
+    fp8 = torch.zeros(2, 128).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"x\[0\] must be a 1-byte float8 tensor"):
+        checks.tokens("x", (torch.zeros(2, 128, dtype=torch.bfloat16), torch.zeros(2, 1)))
+    with pytest.raises(ValueError, match=r"x\[1\] \(the scales\) must be torch.float32 or "
+                                         r"torch.int32"):
+        checks.tokens("x", (fp8, torch.zeros(2, 1, dtype=torch.float16)))
+    with pytest.raises(ValueError, match=r"has shape \(3, 1\): it must be \[2\] or \[2, "):
+        checks.tokens("x", (fp8, torch.zeros(3, 1)))
+    with pytest.raises(ValueError, match="a \\(tokens, scales\\) pair, not 3 items"):
+        checks.tokens("x", (fp8, torch.zeros(2, 1), None))
+    with pytest.raises(ValueError, match=r"x\[0\]: hidden size 8 is not supported"):
+        checks.tokens("x", (torch.zeros(2, 8).to(torch.float8_e4m3fn), torch.zeros(2)))
+    # Scales of any strides are taken (DeepEP reads them through their strides).
+    column_major = torch.zeros(1, 2).t()
+    assert checks.tokens("x", (fp8, column_major))[1].is_contiguous()
     with pytest.raises(ValueError, match=r"topk_idx holds values in \[-1, 16\]"):
         checks.topk_range(torch.tensor([[0, 16], [-1, 3]]), 16)
     with pytest.raises(ValueError, match=r"topk_idx holds values in \[-2, 3\]"):
@@ -184,10 +199,11 @@ def _deepep_buffer_init(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_late
 
 
 def test_what_is_not_implemented_says_so():
-    with pytest.raises(NotImplementedError, match="low-latency mode"):
-        Buffer(None, low_latency_mode=True)
-    with pytest.raises(NotImplementedError, match="low-latency"):
-        Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256)
+    with pytest.raises(NotImplementedError, match="internode"):
+        Buffer.internode_dispatch(None)
+    assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) % 128 == 0
+    with pytest.raises(ValueError, match="num_experts=10 does not split into 4 ranks"):
+        Buffer.get_low_latency_rdma_size_hint(128, 7168, 4, 10)
     with pytest.raises(ValueError, match="either group"):
         Buffer(None)
     with pytest.raises(ValueError, match="new_num_sms=3"):
@@ -229,11 +245,13 @@ class World:
 class SimBuffer(Buffer):
     """A Buffer of one simulated rank: the planning is Buffer's, the transport World's."""
 
-    def __init__(self, world, rank, num_nvl_bytes=1 << 30):
+    def __init__(self, world, rank, num_nvl_bytes=1 << 30, num_rdma_bytes=0,
+                 low_latency_mode=False):
         self.rank, self.group_size, self.group = rank, world.num_ranks, None
-        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, 0
-        self.low_latency_mode, self.explicitly_destroy = False, False
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode, self.explicitly_destroy = low_latency_mode, False
         self._device, self._stream, self._handles = torch.device("cpu"), None, {}
+        self._ll_combine_input = None
         self._ep = self._nvl = None  # the point-to-point path (the kernels need a GPU)
         self._world = world
         self._session = SimpleNamespace(check=lambda: None)
@@ -327,6 +345,88 @@ def test_buffer_matches_the_reference(num_ranks, num_tokens, case):
     for r in range(num_ranks):
         assert torch.equal(got[r][3][0], out[r][0])
         assert torch.equal(got[r][3][1], out[r][1])
+
+
+def fp8_tokens(xs, gen, scales_kind):
+    """Every rank's fp8 pair from its bf16 tokens: e4m3 rows and scales of `scales_kind`."""
+    out = []
+    for x in xs:
+        T, H = x.shape
+        if scales_kind == "f32":
+            scales = torch.rand(T, H // 128, generator=gen) + 0.5
+        elif scales_kind == "per_token":
+            scales = torch.rand(T, generator=gen)
+        elif scales_kind == "ue8m0":
+            scales = torch.randint(-2**31, 2**31 - 1, (T, H // 512), generator=gen,
+                                   dtype=torch.int32)
+        else:  # column-major f32, as DeepGEMM lays them out
+            scales = torch.rand(H // 128, T, generator=gen).t()
+        out.append((x.to(torch.float8_e4m3fn), scales))
+    return out
+
+
+def same_bits(a, b):
+    if a.element_size() == 1:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("num_ranks,scales_kind", [
+    (2, "f32"), (4, "per_token"), (4, "ue8m0"), (8, "column_major")])
+def test_fp8_dispatch_moves_rows_and_scales_bit_for_bit(num_ranks, scales_kind):
+    E, K, H = 4 * num_ranks, 3, 512
+    xs, idxs, ws = routing(num_ranks * 31, num_ranks, 17, K, E, H)
+    fp8 = fp8_tokens(xs, torch.Generator().manual_seed(num_ranks), scales_kind)
+    want = reference.dispatch([(d, s.contiguous()) for d, s in fp8], idxs, ws, E,
+                              expert_alignment=2)
+
+    def rank(buf):
+        r = buf.rank
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], E)
+        recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+            fp8[r], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=idxs[r], topk_weights=ws[r],
+            expert_alignment=2)
+        cached = buf.dispatch(fp8[r], handle=handle)[0]
+        worst = buf.dispatch(fp8[r], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                             num_tokens_per_expert=per_expert, topk_idx=idxs[r],
+                             topk_weights=ws[r], num_worst_tokens=17 * num_ranks)[0]
+        return recv_x, recv_idx, recv_w, counts, cached, worst
+
+    for r, (recv_x, recv_idx, recv_w, counts, cached, worst) in enumerate(
+            raised(on_ranks(num_ranks, rank))):
+        w = want[r]
+        n = w.recv_x[0].shape[0]
+        for got in (recv_x, cached):
+            assert isinstance(got, tuple) and len(got) == 2
+            assert same_bits(got[0], w.recv_x[0]) and same_bits(got[1], w.recv_x[1])
+        assert worst[0].shape[0] == 17 * num_ranks == worst[1].shape[0]
+        assert same_bits(worst[0][:n], w.recv_x[0]) and same_bits(worst[1][:n], w.recv_x[1])
+        assert torch.equal(recv_idx, w.recv_topk_idx)
+        assert torch.equal(recv_w, w.recv_topk_weights)
+        assert counts == w.num_recv_tokens_per_expert
+
+
+def test_fp8_refusals_are_raised_on_every_rank():
+    R, E = 2, 8
+    xs, idxs, ws = routing(13, R, 6, 2, E, 256)
+    fp8 = fp8_tokens(xs, torch.Generator().manual_seed(1), "f32")
+
+    def rank(buf, mixed, kernels):
+        r = buf.rank
+        if kernels:
+            buf._ep = SimpleNamespace()  # as with Buffer.use_kernels
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], E)
+        x = xs[r] if mixed and r == 1 else fp8[r]
+        return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert, topk_idx=idxs[r],
+                            topk_weights=ws[r])
+
+    results = on_ranks(R, lambda b: rank(b, True, False))
+    assert all(isinstance(e, ValueError) and "disagree on dtype" in str(e) for e in results)
+    results = on_ranks(R, lambda b: rank(b, False, True))
+    assert all(isinstance(e, NotImplementedError) and "Buffer.use_kernels" in str(e)
+               for e in results)
 
 
 def test_num_worst_tokens_pads_and_refuses_too_few():
@@ -428,3 +528,140 @@ def test_layout_refuses_topk_out_of_range():
         return buf.get_dispatch_layout(torch.tensor([[0, 9]]), 8)
 
     assert all("topk_idx holds values in [0, 9]" in str(e) for e in on_ranks(2, rank))
+
+
+# ---- the low-latency mode --------------------------------------------------------------------
+
+def test_fp8_cast_matches_hand_values():
+    x = torch.zeros(3, 512)
+    x[0, :3] = torch.tensor([448.0, -224.0, 1.0])  # amax 448: scale 1, the values exact
+    x[1, 0] = 1000.0  # amax 1000
+    x[2, 0], x[2, 128], x[2, 256], x[2, 384] = 1000.0, 300.0, 200.0, 2000.0
+    x = x.to(torch.bfloat16)
+    rows, scales = low_latency.cast_fp8(x, round_scale=False, use_ue8m0=False)
+    assert rows.dtype == torch.float8_e4m3fn and scales.shape == (3, 4)
+    assert rows[0, :3].float().tolist() == [448.0, -224.0, 1.0]
+    assert scales[0, 0] == torch.tensor(448.0) * (1 / 448)
+    # An all-zero group: amax floored at 1e-4, rows zero.
+    assert scales[0, 1] == torch.tensor(1e-4) * (1 / 448) and rows[0, 128:].float().abs().sum() == 0
+    # Rounded: 1000 / 448 = 2.23, so the scale is 4 and 1000 / 4 = 250 rounds to e4m3's 256; 300 /
+    # 448 = 0.67, so the scale is 1 and 300 rounds to 288.
+    rows, scales = low_latency.cast_fp8(x, round_scale=True, use_ue8m0=False)
+    assert scales[1, 0] == 4.0 and rows[1, 0].float() == 256.0
+    assert scales[2].tolist() == [4.0, 1.0, 0.5, 8.0] and rows[2, 128].float() == 288.0
+    rows, packed = low_latency.cast_fp8(x, round_scale=True, use_ue8m0=True)
+    assert packed.dtype == torch.int32 and packed.shape == (3, 1)
+    assert packed[2:].view(torch.uint8).tolist() == [[129, 127, 126, 130]]
+
+
+def ll_buffer(num_ranks, num_max, hidden, num_experts):
+    return dict(low_latency_mode=True, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(
+        num_max, hidden, num_ranks, num_experts))
+
+
+@pytest.mark.parametrize("num_ranks,num_tokens,num_max,fp8,route", [
+    (2, 9, 16, None, "random"), (4, 13, 13, "plain", "random"), (4, 7, 20, "round", "random"),
+    (8, 5, 8, "ue8m0", "random"), (4, 0, 4, "plain", "random"), (4, 1, 4, None, "random"),
+    (4, 11, 11, None, "one_rank")])
+def test_low_latency_matches_the_reference(num_ranks, num_tokens, num_max, fp8, route):
+    E, K, H = 4 * num_ranks, 3, 512
+    L = E // num_ranks
+    xs, idxs, ws = routing(num_ranks * 77 + num_tokens, num_ranks, num_tokens, K, E, H)
+    if route == "one_rank":
+        idxs = [torch.where(i >= 0, L + i % L, i) for i in idxs]
+    flags = dict(use_fp8=fp8 is not None, round_scale=fp8 in ("round", "ue8m0"),
+                 use_ue8m0=fp8 == "ue8m0")
+    want = reference.low_latency_dispatch(xs, idxs, num_max, E, **flags)
+    gen = torch.Generator().manual_seed(num_ranks)
+    outputs = [torch.randint(-8, 9, (L, num_ranks * num_max, H), generator=gen)
+               .to(torch.bfloat16) for _ in range(num_ranks)]
+    combined_want = reference.low_latency_combine(idxs, ws, outputs, want)
+
+    def rank(buf):
+        r = buf.rank
+        stats = torch.zeros(L, dtype=torch.int32)
+        recv_x, count, handle, event, hook = buf.low_latency_dispatch(
+            xs[r], idxs[r], num_max, E, cumulative_local_expert_recv_stats=stats,
+            return_recv_hook=True, **flags)
+        hook()
+        combined, _, no_hook = buf.low_latency_combine(outputs[r], idxs[r], ws[r], handle)
+        buf.get_next_low_latency_combine_buffer(handle).copy_(outputs[r])
+        out = torch.empty(num_tokens, H, dtype=torch.bfloat16)
+        zero_copy = buf.low_latency_combine(torch.empty_like(outputs[r]), idxs[r], ws[r],
+                                            handle, zero_copy=True, out=out)[0]
+        assert zero_copy is out and no_hook is None
+        return recv_x, count, handle, stats, combined
+
+    for r, (recv_x, count, handle, stats, combined) in enumerate(
+            raised(on_ranks(num_ranks, rank, **ll_buffer(num_ranks, num_max, H, E)))):
+        w = want[r]
+        assert torch.equal(count, w.recv_count) and torch.equal(stats, w.recv_count)
+        assert handle[2:] == (num_max, H, E)
+        assert torch.equal(handle[1], w.layout_range)
+        parts = recv_x if flags["use_fp8"] else (recv_x,)
+        want_parts = w.recv_x if flags["use_fp8"] else (w.recv_x,)
+        assert parts[0].shape == (L, num_ranks * num_max, H) and parts[0].is_contiguous()
+        if flags["use_fp8"]:
+            assert parts[0].dtype == torch.float8_e4m3fn
+            assert parts[1].stride()[1] == 1  # column-major scales
+        for local in range(L):
+            n = int(count[local])
+            assert torch.equal(handle[0][local, :n], w.src_info[local, :n])
+            for got, exp in zip(parts, want_parts):
+                assert same_bits(got[local, :n].contiguous(), exp[local, :n].contiguous())
+        assert torch.equal(combined, combined_want[r])
+
+
+def test_low_latency_combine_of_dispatch_weights_each_expert():
+    # Small integers and weights of a few bits: every sum is exact, so the combine of the
+    # dispatched rows is x times the sum of the token's weights.
+    R, T, K, E, H, M = 4, 10, 4, 16, 256, 12
+    xs, idxs, _ = routing(3, R, T, K, E, H)
+    ws = [torch.randint(0, 4, i.shape).float() / 4 for i in idxs]
+
+    def rank(buf):
+        recv_x, _, handle, _, _ = buf.low_latency_dispatch(xs[buf.rank], idxs[buf.rank], M, E,
+                                                           use_fp8=False)
+        return buf.low_latency_combine(recv_x, idxs[buf.rank], ws[buf.rank], handle)[0]
+
+    for r, combined in enumerate(raised(on_ranks(R, rank, **ll_buffer(R, M, H, E)))):
+        weight = torch.where(idxs[r] >= 0, ws[r], torch.zeros_like(ws[r])).sum(1, keepdim=True)
+        assert torch.equal(combined, (xs[r].float() * weight).to(torch.bfloat16))
+
+
+def test_low_latency_refusals_name_the_argument_on_every_rank():
+    R, E, H, M = 2, 8, 256, 8
+    xs, idxs, ws = routing(21, R, 6, 2, E, H)
+    sized = ll_buffer(R, M, H, E)
+
+    def attempt(call, **kwargs):
+        def rank(buf):
+            return call(buf, buf.rank)
+        return on_ranks(R, rank, **kwargs)
+
+    cases = [
+        (lambda b, r: b.low_latency_dispatch(xs[r], idxs[r], M, E), {},
+         "made with low_latency_mode=False"),
+        (lambda b, r: b.low_latency_dispatch(xs[r], idxs[r], M, E),
+         dict(low_latency_mode=True, num_rdma_bytes=1000), "num_rdma_bytes=1000"),
+        (lambda b, r: b.low_latency_dispatch(xs[r], idxs[r], 4, E), sized,
+         "x has 6 tokens, more than num_max_dispatch_tokens_per_rank=4"),
+        (lambda b, r: b.low_latency_dispatch(xs[r], idxs[r], M, E, use_ue8m0=True), sized,
+         "use_ue8m0=True needs round_scale=True"),
+        (lambda b, r: b.low_latency_dispatch(xs[r], idxs[r], M, E, use_ue8m0=True,
+                                             round_scale=True), sized,
+         "hidden size 256 is not supported with use_fp8 and use_ue8m0"),
+        (lambda b, r: b.low_latency_dispatch(xs[r], idxs[r] + 8, M, E), sized,
+         "topk_idx holds values in"),
+        (lambda b, r: b.low_latency_combine(
+            torch.zeros(4, 16, H, dtype=torch.bfloat16), idxs[r], ws[r], (None,) * 5), sized,
+         "handle was not made by this Buffer's low_latency_dispatch"),
+        (lambda b, r: b.low_latency_combine(
+            torch.zeros(4, 16, H, dtype=torch.bfloat16), idxs[r][:, :1].contiguous(),
+            ws[r][:, :1].contiguous(),
+            b.low_latency_dispatch(xs[r], idxs[r], M, E)[2]), sized,
+         "topk_idx has shape (6, 1): dimension 1 must be 2"),
+    ]
+    for call, kwargs, message in cases:
+        for e in attempt(call, **kwargs):
+            assert isinstance(e, ValueError) and message in str(e), (message, e)

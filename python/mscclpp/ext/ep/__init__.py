@@ -2,14 +2,20 @@
 v1.2.1), so code written against `deep_ep` runs with its import changed:
 `from mscclpp.ext.ep import Buffer, Config, EventOverlap`. Needs torch.
 
-Implemented: the intranode normal mode (1 to 8 ranks, one NVLink domain; ranks may share a GPU):
-`get_dispatch_layout`, `dispatch` (bf16; non-cached and cached through the handle;
-`expert_alignment`, `num_worst_tokens`; `previous_event`, `async_finish`,
-`allocate_on_comm_stream`), `combine` (topk weights, bias), the configs and size hints,
-`capture`, `destroy`, `get_local_buffer_tensor`. Not yet: fp8 input, the internode mode
-(`num_rdma_bytes` across hosts), the low-latency mode; each raises NotImplementedError naming
-what is missing. How the data moves (point-to-point groups, or the intranode kernels with
-`Buffer.use_kernels = True`) is in `buffer`'s doc.
+Implemented, for 1 to 8 ranks (ranks may share a GPU):
+- the intranode normal mode: `get_dispatch_layout`, `dispatch` (bf16, or fp8 as DeepEP's
+  `(tokens, scales)` pair; non-cached and cached through the handle; `expert_alignment`,
+  `num_worst_tokens`; `previous_event`, `async_finish`, `allocate_on_comm_stream`), `combine`
+  (topk weights, bias), the configs and size hints;
+- the low-latency mode (`low_latency_mode=True`): `low_latency_dispatch` (bf16, or fp8 with f32,
+  power-of-two or packed UE8M0 scales; `cumulative_local_expert_recv_stats`; `return_recv_hook`;
+  capturable in a CUDA graph), `low_latency_combine` (weighted; `zero_copy` through
+  `get_next_low_latency_combine_buffer`, `out`), `get_low_latency_rdma_size_hint`,
+  `clean_low_latency_buffer`;
+- `capture`, `destroy`, `get_local_buffer_tensor`.
+Not yet: the internode mode (more than 8 ranks, `num_tokens_per_rdma_rank`), which raises
+NotImplementedError naming it. How the data moves (point-to-point groups, or the intranode kernels
+with `Buffer.use_kernels = True`) is in `buffer`'s and `low_latency`'s docs.
 
 The spec (DeepEP's semantics; `reference` implements it in plain PyTorch, rank by rank)
 
@@ -33,9 +39,30 @@ Ranks r = 0..R-1; E experts, L = E / R per rank, expert e on rank e // L. Each r
   to bf16. No weights are applied. The returned top-k weights are the returned weight rows summed
   the same way (in fp32, not rounded). So with `bias` absent, `combine(dispatch(x))` is x times the
   number of ranks the token went to, exactly for small-integer payloads.
+- fp8 dispatch: `x = (tokens [T, H] float8_e4m3fn, scales)` with scales f32 or int32, `[T]` or
+  `[T, S]` (any strides); both move as bytes, so `recv_x` is the pair of the received rows and
+  their scales, in the same order as bf16 rows.
+- Low-latency dispatch (M = `num_max_dispatch_tokens_per_rank`, T <= M): rank `me` receives
+  `recv_x [L, R * M, H]`; local expert l's rows are blocks by source rank ascending, block s the
+  tokens of rank s with any top-k slot naming expert `me * L + l`, in increasing token index.
+  `recv_count[l]` is the number of rows, `layout_range[l, s]` is `(begin << 32) | count` of block
+  s, `src_info[l, i]` the row's token index on its source; rows past `recv_count[l]` are
+  unspecified. (DeepEP's kernels fill a block in arrival order, so code that must run on both
+  compares per (expert, source) block as sets.) With `use_fp8`, per token and 128 channels: amax
+  = max |x| (at least 1e-4); scale = amax * (1/448) and rows = x * (448 / amax), or with
+  `round_scale` scale = 2^ceil(log2(amax / 448)) and rows = x / scale; rows clamped to +-448 and
+  rounded to nearest even e4m3; scales `[L, R * M, H / 128]` f32, or with `use_ue8m0` the
+  exponent bytes (2^(byte - 127)) packed four to an int32, `[L, R * M, H / 512]`, both
+  column-major in the last two dimensions.
+- Low-latency combine (weighted, the inverse of a low-latency dispatch given its handle): for each
+  of its tokens, rank s sums in fp32, over the top-k slots in order that name an expert, weight
+  times the row the expert's rank returns for that token (its row in the dispatch packing), and
+  rounds once to bf16; a token with no expert gets zeros.
 - Errors name the argument: a hidden size whose row is not a multiple of 16 bytes, `topk_idx` out
-  of [-1, E), a `num_nvl_bytes` too small for the config, a handle from another Buffer or made
-  with another `num_sms`, ranks that disagree. A refusal on one rank is raised on every rank.
+  of [-1, E), a `num_nvl_bytes` too small for the config (or a `num_rdma_bytes` too small for the
+  low-latency shapes), more tokens than `num_max_dispatch_tokens_per_rank`, a handle from another
+  Buffer or made with another `num_sms`, ranks that disagree. A refusal on one rank is raised on
+  every rank.
 """
 
 from .buffer import Buffer

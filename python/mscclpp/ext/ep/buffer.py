@@ -1,13 +1,15 @@
 """`Buffer`: DeepEP V1's expert-parallel buffer (deep_ep/buffer.py at v1.2.1, same signatures and
-defaults) on this runtime, intranode normal mode, over one of two data paths.
+defaults) on this runtime: the intranode normal mode over one of two data paths, and the
+low-latency mode.
 
 The point-to-point path (the default): the layout and all planning are PyTorch ops on the
 communication stream; the counts every rank needs are exchanged in one point-to-point group of
 the runtime (`CommSession.p2p`, one kernel, sends and receives matched in order per peer) and read
 on the host; the tokens then move in a second group, each rank sending to each peer the rows it
-selects for it, packed in token order, into that peer's receive block for this source. Combine
-sends the rows back the same way and reduces them in fp32 in ascending rank order. Every call
-reads a few counts on the host, so none may be captured in a CUDA graph, and `num_worst_tokens`
+selects for it, packed in token order, into that peer's receive block for this source (a row and
+its metadata as one run of bytes: one send and one receive a peer). Combine
+sends the rows back the same way and reduces them in fp32 in ascending rank order. Every normal
+call reads a few counts on the host, so none may be captured in a CUDA graph, and `num_worst_tokens`
 shapes the outputs but does not remove that read.
 
 The kernel path (`Buffer.use_kernels = True`; on one H200 it matched the reference bit for bit at 2
@@ -20,17 +22,24 @@ for the kernels' layout, a grid that the ranks sharing the GPU could not all kee
 `num_sms`).
 
 On both, each argument refusal is raised before anything is enqueued, and a refusal that depends
-on other ranks' arguments is raised on every rank.
+on other ranks' arguments is raised on every rank. fp8 tokens take the point-to-point path (the
+kernels' rings carry no scales): rows move as bytes, their scales as extra int32 columns of the
+row's metadata.
+
+The low-latency calls always take the point-to-point path, with every size fixed by the call's
+shapes, so they read nothing on the host and may be captured in a CUDA graph (`low_latency`'s doc).
 """
 
 import json
+import math
 import weakref
+from typing import NamedTuple
 
 import torch
 
 from ... import _mscclpp
 from ...comm import CommGroup
-from . import checks
+from . import checks, low_latency
 from .config import check_intranode, recommended
 from .utils import EventHandle, EventOverlap
 
@@ -40,7 +49,7 @@ _HANDLE_LEN = 6
 
 def _not_in_phase_1(what):
     raise NotImplementedError(f"{what} is not implemented yet in mscclpp.ext.ep, which has the "
-                              "intranode normal mode (dispatch, combine) only")
+                              "intranode normal mode and the low-latency mode")
 
 
 class Buffer:
@@ -48,10 +57,13 @@ class Buffer:
 
     `group` is a torch.distributed process group or a `mscclpp.CommGroup` (`comm`, an mpi4py
     communicator, when `group` is None); creating a Buffer is collective. `num_nvl_bytes` is the
-    NVLink buffer, sized with `Config.get_nvl_buffer_size_hint`. `num_rdma_bytes`,
-    `num_qps_per_rank`, `allow_nvlink_for_low_latency_mode` and `allow_mnnvl` belong to the
-    internode and low-latency modes and are accepted but unused within one NVLink domain, as in
-    DeepEP; `low_latency_mode=True` and groups of more than 8 ranks are refused (not implemented).
+    NVLink buffer, sized with `Config.get_nvl_buffer_size_hint`. With `low_latency_mode=True`
+    the low-latency calls take `num_rdma_bytes` of at least `get_low_latency_rdma_size_hint` for
+    their shapes (checked; their point-to-point path allocates what a call moves from PyTorch's
+    allocator, so the bytes are not reserved up front). `num_qps_per_rank`,
+    `allow_nvlink_for_low_latency_mode` and `allow_mnnvl` are accepted and unused, as in DeepEP
+    within one NVLink domain; groups of more than 8 ranks are refused (the internode mode is not
+    implemented).
     """
 
     num_sms: int = 20
@@ -63,8 +75,6 @@ class Buffer:
     def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
                  num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False,
                  explicitly_destroy=False, comm=None):
-        if low_latency_mode:
-            _not_in_phase_1("Buffer(low_latency_mode=True): the low-latency mode")
         checks.positive_int("num_nvl_bytes", num_nvl_bytes, 0)
         checks.positive_int("num_rdma_bytes", num_rdma_bytes, 0)
         checks.positive_int("num_qps_per_rank", num_qps_per_rank, 1)
@@ -92,7 +102,7 @@ class Buffer:
         self.group_size = self._comm_group.nranks
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
-        self.low_latency_mode = False
+        self.low_latency_mode = bool(low_latency_mode)
         self.explicitly_destroy = explicitly_destroy
         self._device = torch.device("cuda", device)
         self._session = _mscclpp.CommSession(self._comm_group.communicator)
@@ -106,9 +116,12 @@ class Buffer:
             if Buffer.use_kernels else None
         self._nvl = None if self._ep is not None else torch.zeros(
             num_nvl_bytes, dtype=torch.uint8, device=self._device)
-        # The handles this Buffer made: id of the handle's rank prefix matrix -> (a weak reference
-        # to it, the channel count it was made with). Weak, so a dropped handle is forgotten.
+        # The handles this Buffer made: id of the handle's first tensor -> (a weak reference to
+        # it, what a later call needs of it: the channel count of a normal-mode handle, the
+        # combine plan of a low-latency one). Weak, so a dropped handle is forgotten.
         self._handles = {}
+        # The low-latency combine's zero-copy input (get_next_low_latency_combine_buffer).
+        self._ll_combine_input = None
 
     # ---- configuration -----------------------------------------------------------------------
 
@@ -140,7 +153,16 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
                                        num_experts):
-        _not_in_phase_1("get_low_latency_rdma_size_hint: the low-latency mode")
+        """The `num_rdma_bytes` a low-latency Buffer needs for these shapes (at least: a larger
+        buffer is fine); every rank must use the same shapes."""
+        what = "get_low_latency_rdma_size_hint"
+        checks.positive_int(f"{what}: num_max_dispatch_tokens_per_rank",
+                            num_max_dispatch_tokens_per_rank, 1)
+        checks.positive_int(f"{what}: hidden", hidden, 1)
+        checks.positive_int(f"{what}: num_ranks", num_ranks, 1)
+        checks.num_experts(num_experts, num_ranks)
+        return low_latency.rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                          num_experts)
 
     def get_comm_stream(self):
         """The stream this Buffer's dispatches and combines run on."""
@@ -206,12 +228,21 @@ class Buffer:
         `handle` (cached mode) only `recv_x` and `event` (the rest None), the routing reused.
         The order and values are the spec of `mscclpp.ext.ep`."""
         what = "dispatch"
+        scales = None
 
         def check():
+            nonlocal x, scales
             self._enter(what, previous_event, async_finish, allocate_on_comm_stream)
             cfg = self.get_dispatch_config(self.group_size) if config is None else config
-            checks.hidden("x", x)
+            x, scales = checks.tokens("x", x)
             self._on_device("x", x)
+            if scales is not None:
+                self._on_device("x's scales", scales)
+                if self._ep is not None:
+                    raise NotImplementedError(
+                        "dispatch: fp8 tokens through the intranode kernels (Buffer.use_kernels) "
+                        "are not implemented yet: their rings carry no scales; the "
+                        "point-to-point path (the default) takes them")
             checks.positive_int("expert_alignment", expert_alignment, 1)
             checks.positive_int("num_worst_tokens", num_worst_tokens, 0)
             if num_tokens_per_rdma_rank is not None:
@@ -251,13 +282,17 @@ class Buffer:
                                 ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
                     if t is not None:
                         self._on_device(name, t)
-            needed = cfg.buffer_bytes(x.shape[1] * x.element_size(), R, num_topk)
+            num_scales = 0 if scales is None else math.prod(scales.shape[1:])
+            needed = cfg.buffer_bytes(x.shape[1] * x.element_size(), R, num_topk, num_scales)
             checks.buffer_size(what, self.num_nvl_bytes, needed, cfg)
             # num_worst_tokens is agreed: every rank refuses a value below what any rank
-            # receives from the same counts, so a refusal is never one rank's alone.
+            # receives from the same counts, so a refusal is never one rank's alone. So is the
+            # tokens' format, down to the scales' shape: the rows each rank moves must match.
             agreed = dict(hidden=x.shape[1], cached=handle is not None, num_topk=num_topk,
                           num_experts=num_experts, num_worst_tokens=num_worst_tokens,
-                          num_sms=cfg.num_sms)
+                          num_sms=cfg.num_sms, dtype=str(x.dtype),
+                          scales=None if scales is None else
+                          f"{scales.dtype} x {list(scales.shape[1:])}")
             return agreed, cfg
 
         config = self._collectively(what, check)
@@ -272,16 +307,22 @@ class Buffer:
                 rank_prefix, _, _, recv_src_idx, in_rank, _ = handle
                 counts = _counts_of(rank_prefix.cpu())
                 self._session.check()
-                recv_x = self._move_tokens(x, in_rank, counts, recv_src_idx.shape[0])[0]
-                outputs = [recv_x]
+                rows = recv_src_idx.shape[0]
+                if scales is None:
+                    recv_x = self._move_tokens(x, in_rank, counts, rows)[0]
+                    outputs = [recv_x]
+                else:
+                    recv_x = _with_scales(*self._move_tokens(x, in_rank, counts, rows,
+                                                             _as_columns(scales)), scales)
+                    outputs = list(recv_x)
                 result = (recv_x, None, None, None, None)
             else:
                 in_rank = is_token_in_rank
-                result, outputs = self._dispatch(x, num_tokens_per_rank, in_rank,
+                result, outputs = self._dispatch(x, scales, num_tokens_per_rank, in_rank,
                                                  num_tokens_per_expert, topk_idx, topk_weights,
                                                  expert_alignment, num_worst_tokens, config)
-        inputs = [t for t in (x, num_tokens_per_rank, in_rank, num_tokens_per_expert, topk_idx,
-                              topk_weights) if t is not None]
+        inputs = [t for t in (x, scales, num_tokens_per_rank, in_rank, num_tokens_per_expert,
+                              topk_idx, topk_weights) if t is not None]
         return result + (self._finish(compute, inputs, outputs, async_finish),)
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
@@ -336,21 +377,157 @@ class Buffer:
     def internode_combine(self, *args, **kwargs):
         _not_in_phase_1("internode_combine: the internode mode")
 
-    def clean_low_latency_buffer(self, *args, **kwargs):
-        _not_in_phase_1("clean_low_latency_buffer: the low-latency mode")
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        """DeepEP zeroes the parts of its buffer its low-latency kernels count in; the
+        point-to-point path keeps no such state, so this checks the shapes and clears the
+        zero-copy combine input."""
+        self._low_latency("clean_low_latency_buffer", num_max_dispatch_tokens_per_rank, hidden,
+                          num_experts)
+        if self._ll_combine_input is not None:
+            self._ll_combine_input.zero_()
 
-    def low_latency_dispatch(self, *args, **kwargs):
-        _not_in_phase_1("low_latency_dispatch: the low-latency mode")
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                             cumulative_local_expert_recv_stats=None,
+                             dispatch_wait_recv_cost_stats=None, use_fp8=True, round_scale=False,
+                             use_ue8m0=False, async_finish=False, return_recv_hook=False):
+        """Sends each token to the ranks of its experts, for each expert. Returns `(recv_x,
+        recv_count, handle, event, hook)`: `recv_x` `[L, R * M, H]` (bf16, or with `use_fp8` the
+        e4m3 rows and their scales, `[L, R * M, H / 128]` f32 or with `use_ue8m0` `[L, R * M, H /
+        512]` int32, column-major in the last two dimensions), valid up to `recv_count[l]` rows
+        per local expert; the order and the handle are the spec of `mscclpp.ext.ep`. Nothing is
+        read on the host, so the call may be captured in a CUDA graph. The data has arrived
+        when the call's work is done: the hook (with `return_recv_hook`) has nothing left to
+        receive. `dispatch_wait_recv_cost_stats` is checked and left as it is (the
+        point-to-point path has no per-token wait to time)."""
+        what = "low_latency_dispatch"
+        M, E = num_max_dispatch_tokens_per_rank, num_experts
 
-    def low_latency_combine(self, *args, **kwargs):
-        _not_in_phase_1("low_latency_combine: the low-latency mode")
+        def check():
+            checks.hidden("x", x)
+            T, H = x.shape
+            self._low_latency(what, M, H, E)
+            self._on_device("x", x)
+            checks.tensor("topk_idx", topk_idx, torch.int64, 2, T)
+            self._on_device("topk_idx", topk_idx)
+            if T > M:
+                raise ValueError(f"{what}: x has {T} tokens, more than "
+                                 f"num_max_dispatch_tokens_per_rank={M}")
+            if use_ue8m0 and not round_scale:
+                raise ValueError(f"{what}: use_ue8m0=True needs round_scale=True (UE8M0 scales "
+                                 "are powers of two)")
+            if (round_scale or use_ue8m0) and not use_fp8:
+                raise ValueError(f"{what}: round_scale and use_ue8m0 shape fp8 scales: they "
+                                 "need use_fp8=True")
+            group = low_latency.SCALE_GROUP * (low_latency.UE8M0_PER_INT if use_ue8m0 else 1)
+            if use_fp8 and H % group:
+                raise ValueError(f"{what}: hidden size {H} is not supported with use_fp8"
+                                 f"{' and use_ue8m0' if use_ue8m0 else ''}: it must be a "
+                                 f"multiple of {group} (a scale per {low_latency.SCALE_GROUP} "
+                                 "channels)")
+            L = E // self.group_size
+            stats = cumulative_local_expert_recv_stats
+            if stats is not None:
+                checks.tensor("cumulative_local_expert_recv_stats", stats, torch.int32, 1, L)
+                self._on_device("cumulative_local_expert_recv_stats", stats)
+            waits = dispatch_wait_recv_cost_stats
+            if waits is not None and (waits.dtype != torch.int64
+                                      or waits.numel() not in (self.group_size,
+                                                               self.group_size ** 2)):
+                raise ValueError(f"{what}: dispatch_wait_recv_cost_stats must be int64 with "
+                                 f"{self.group_size} or {self.group_size ** 2} elements, not "
+                                 f"{waits.dtype} of shape {tuple(waits.shape)}")
+            if not self._capturing():
+                checks.topk_range(topk_idx, E)
+            return dict(hidden=H, num_max_dispatch_tokens_per_rank=M, num_experts=E,
+                        num_topk=topk_idx.shape[1], use_fp8=bool(use_fp8),
+                        round_scale=bool(round_scale), use_ue8m0=bool(use_ue8m0)), None
 
-    def get_next_low_latency_combine_buffer(self, *args, **kwargs):
-        _not_in_phase_1("get_next_low_latency_combine_buffer: the low-latency mode")
+        self._collectively(what, check)
+        compute = self._wait(None)
+        with self._on_stream():
+            recv_x, recv_count, handle, plan = self._ll_dispatch(x, topk_idx, M, E, use_fp8,
+                                                                 round_scale, use_ue8m0)
+            if cumulative_local_expert_recv_stats is not None:
+                cumulative_local_expert_recv_stats.add_(recv_count)
+        self._remember(handle, plan)
+        received = list(recv_x) if use_fp8 else [recv_x]
+        outputs = received + [recv_count, handle[0], handle[1]]
+        inputs = [t for t in (x, topk_idx, cumulative_local_expert_recv_stats) if t is not None]
+        event = self._finish(compute, inputs, outputs, async_finish)
+        return recv_x, recv_count, handle, event, _arrived if return_recv_hook else None
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
+                            zero_copy=False, async_finish=False, return_recv_hook=False, out=None,
+                            combine_wait_recv_cost_stats=None):
+        """Returns each expert output row to its token's rank and sums there, per token, in fp32
+        in top-k slot order, weight times row for each slot naming an expert, rounded once to
+        bf16. Returns `(combined_x [T, H] bf16, event, hook)`. `x` `[L, R * M, H]` bf16 in the
+        dispatch's packing (with `zero_copy`, the rows are read from
+        `get_next_low_latency_combine_buffer(handle)` instead); `topk_idx` and `topk_weights`
+        are the dispatched tokens'. Rows travel in bf16 whatever `use_logfmt` says (so the
+        result is the exact one); `combine_wait_recv_cost_stats` is left as it is."""
+        what = "low_latency_combine"
+
+        def check():
+            plan = self._ll_handle(what, handle)
+            M, H, E = handle[2], handle[3], handle[4]
+            self._low_latency(what, M, H, E)
+            R = self.group_size
+            checks.tensor("x", x, torch.bfloat16, 3, E // R, R * M)
+            if x.shape[2] != H:
+                raise ValueError(f"{what}: x has hidden size {x.shape[2]}, the handle's dispatch "
+                                 f"had {H}")
+            self._on_device("x", x)
+            checks.tensor("topk_idx", topk_idx, torch.int64, 2, None, plan.num_topk)
+            checks.tensor("topk_weights", topk_weights, torch.float32, 2, topk_idx.shape[0],
+                          plan.num_topk)
+            if topk_idx.shape[0] != plan.num_tokens:
+                raise ValueError(f"{what}: topk_idx has {topk_idx.shape[0]} tokens, the "
+                                 f"handle's dispatch sent {plan.num_tokens}")
+            for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+                self._on_device(name, t)
+            if out is not None:
+                checks.tensor("out", out, torch.bfloat16, 2, topk_idx.shape[0], H)
+                self._on_device("out", out)
+            staged = self._ll_combine_input
+            if zero_copy and (staged is None or staged.shape != x.shape):
+                raise ValueError(f"{what}: zero_copy=True reads the rows from "
+                                 "get_next_low_latency_combine_buffer(handle), which was not "
+                                 "taken for these shapes")
+            if not self._capturing():
+                checks.topk_range(topk_idx, E)
+            return dict(hidden=H, num_max_dispatch_tokens_per_rank=M, num_experts=E,
+                        num_topk=plan.num_topk, zero_copy=bool(zero_copy)), None
+
+        self._collectively(what, check)
+        plan = self._ll_handle(what, handle)
+        rows = self._ll_combine_input if zero_copy else x
+        compute = self._wait(None)
+        with self._on_stream():
+            combined = self._ll_combine(rows, topk_idx, topk_weights, handle, plan)
+            if out is not None:
+                out.copy_(combined)
+                combined = out
+        inputs = [x, topk_idx, topk_weights, handle[0], handle[1]]
+        event = self._finish(compute, inputs, [combined], async_finish)
+        return combined, event, _arrived if return_recv_hook else None
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        """The `[L, R * M, H]` bf16 tensor a `zero_copy` low-latency combine reads its rows from
+        (the same tensor for every handle of these shapes)."""
+        what = "get_next_low_latency_combine_buffer"
+        self._ll_handle(what, handle)
+        M, H, E = handle[2], handle[3], handle[4]
+        self._low_latency(what, M, H, E)
+        R = self.group_size
+        shape = (E // R, R * M, H)
+        if self._ll_combine_input is None or tuple(self._ll_combine_input.shape) != shape:
+            self._ll_combine_input = torch.zeros(shape, dtype=torch.bfloat16, device=self._device)
+        return self._ll_combine_input
 
     # ---- the work ----------------------------------------------------------------------------
 
-    def _dispatch(self, x, num_tokens_per_rank, in_rank, num_tokens_per_expert, topk_idx,
+    def _dispatch(self, x, scales, num_tokens_per_rank, in_rank, num_tokens_per_expert, topk_idx,
                   topk_weights, expert_alignment, num_worst_tokens, config):
         R, me, dev = self.group_size, self.rank, self._device
         E = num_tokens_per_expert.shape[0]
@@ -389,17 +566,23 @@ class Buffer:
         recv_channel_prefix = (starts[:, None] + torch.cat(
             [torch.zeros(R, 1, dtype=torch.int32), chan[:, :-1]], 1)).to(torch.int32)
 
+        # Each row's meta travels as int32 columns: its source index, top-k indices and weights,
+        # and its scales (f32 or int32, bit for bit).
+        K = 0 if topk_idx is None else topk_idx.shape[1]
         meta = [torch.arange(x.shape[0], dtype=torch.int32, device=dev)[:, None]]
         if topk_idx is not None:
             meta += [topk_idx.to(torch.int32), topk_weights.view(torch.int32)]
+        if scales is not None:
+            meta.append(_as_columns(scales))
         meta = torch.cat(meta, 1)
         recv_x, recv_meta = self._move_tokens(x, in_rank, counts, rows, meta)
         recv_src_idx = recv_meta[:, 0].contiguous()
+        if scales is not None:
+            recv_x = _with_scales(recv_x, recv_meta[:, 1 + 2 * K:], scales)
         recv_topk_idx = recv_topk_weights = None
         if topk_idx is not None:
-            K = topk_idx.shape[1]
             expert = recv_meta[:, 1:1 + K].to(torch.int64)
-            weight = recv_meta[:, 1 + K:].contiguous().view(torch.float32)
+            weight = recv_meta[:, 1 + K:1 + 2 * K].contiguous().view(torch.float32)
             local = (expert >= me * L) & (expert < (me + 1) * L)
             recv_topk_idx = torch.where(local, expert - me * L, torch.full_like(expert, -1))
             recv_topk_weights = torch.where(local, weight, torch.zeros_like(weight))
@@ -414,56 +597,50 @@ class Buffer:
         self._remember(handle, C)
         result = (recv_x, recv_topk_idx, recv_topk_weights,
                   [] if num_worst_tokens else per_expert, handle)
-        outputs = [recv_x, recv_topk_idx, recv_topk_weights] + list(handle)
+        received = list(recv_x) if scales is not None else [recv_x]
+        outputs = received + [recv_topk_idx, recv_topk_weights] + list(handle)
         return result, outputs
 
     def _move_tokens(self, x, in_rank, counts, rows, meta=None):
         """One transfer: to each rank the rows of `x` (and `meta`) it selects in `in_rank`, in
         token order, into that rank's `rows`-row receive, blocks by source ascending. `counts`
         is the host `[R, R]` count matrix (row: source, column: destination)."""
-        R, me = self.group_size, self.rank
         order = in_rank.t().nonzero()[:, 1]
-        send_x = x.index_select(0, order)
-        send_meta = None if meta is None else meta.index_select(0, order)
-        recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=x.device)
-        recv_meta = None if meta is None else torch.empty(rows, meta.shape[1], dtype=meta.dtype,
-                                                          device=x.device)
-        sends, recvs = [[] for _ in range(R)], [[] for _ in range(R)]
-        sent = got = 0
-        for p in range(R):
-            n_out, n_in = int(counts[me, p]), int(counts[p, me])
-            for buf, out in ((send_x, sends), (send_meta, sends)):
-                if buf is not None:
-                    out[p].append(buf[sent:sent + n_out])
-            for buf, into in ((recv_x, recvs), (recv_meta, recvs)):
-                if buf is not None:
-                    into[p].append(buf[got:got + n_in])
-            sent, got = sent + n_out, got + n_in
+        parts = [x] if meta is None else [x, meta]
+        received = self._send_rows(_row_bytes(parts).index_select(0, order),
+                                   [int(c) for c in counts[self.rank]],
+                                   [int(c) for c in counts[:, self.rank]], rows)
+        return tuple(_split_row_bytes(received, parts)) + ((None,) if meta is None else ())
+
+    def _send_rows(self, rows_out, n_out, n_in, rows_in, zero_rows=0):
+        """One point-to-point group: `rows_out` `[N, B]` bytes, blocks of `n_out[p]` rows to each
+        peer p in order, into a `[rows_in, B]` receive holding `n_in[p]` rows from each peer p,
+        blocks by peer ascending, followed by `zero_rows` rows of zeros. One send and one receive
+        a peer (a group needs a resident block for each, so fewer pieces let more ranks share a
+        GPU)."""
+        received = torch.empty(rows_in + zero_rows, rows_out.shape[1], dtype=torch.uint8,
+                               device=rows_out.device)
+        received[rows_in:].zero_()
+        sends, recvs, sent, got = [], [], 0, 0
+        for p in range(self.group_size):
+            sends.append([rows_out[sent:sent + n_out[p]]])
+            recvs.append([received[got:got + n_in[p]]])
+            sent, got = sent + n_out[p], got + n_in[p]
         self._exchange(sends, recvs)
-        return recv_x, recv_meta
+        return received
 
     def _combine(self, x, topk_weights, biases, in_rank, counts):
         R, me = self.group_size, self.rank
         T, H = in_rank.shape[0], x.shape[1]
         order = in_rank.t().nonzero()[:, 1]
-        back_x = torch.empty(order.numel(), H, dtype=x.dtype, device=x.device)
-        back_w = None if topk_weights is None else torch.empty(
-            order.numel(), topk_weights.shape[1], dtype=torch.float32, device=x.device)
-        sends, recvs = [[] for _ in range(R)], [[] for _ in range(R)]
-        start = got = 0
-        offsets = []
-        for p in range(R):
-            n_from_p, n_to_p = int(counts[p, me]), int(counts[me, p])
-            # The rows this rank received from p go back to p; p's rows for this rank's tokens
-            # come back into the send layout (blocks by destination, tokens in order).
-            sends[p].append(x[start:start + n_from_p])
-            recvs[p].append(back_x[got:got + n_to_p])
-            if topk_weights is not None:
-                sends[p].append(topk_weights[start:start + n_from_p])
-                recvs[p].append(back_w[got:got + n_to_p])
-            offsets.append((got, n_to_p))
-            start, got = start + n_from_p, got + n_to_p
-        self._exchange(sends, recvs)
+        # The rows this rank received from each peer go back to it; each peer's rows for this
+        # rank's tokens come back in the send layout (blocks by destination, tokens in order).
+        parts = [x] if topk_weights is None else [x, topk_weights]
+        n_to = [int(c) for c in counts[me]]
+        back = self._send_rows(_row_bytes(parts), [int(c) for c in counts[:, me]], n_to,
+                               order.numel())
+        back_x, back_w = (_split_row_bytes(back, parts) + [None])[:2]
+        offsets = [(sum(n_to[:p]), n_to[p]) for p in range(R)]
         # Bias 0 plus bias 1 (0 for a missing one) first, as the spec adds them.
         acc = torch.zeros(T, H, dtype=torch.float32, device=x.device)
         if biases:
@@ -550,6 +727,60 @@ class Buffer:
                      bias1=biases[1] if len(biases) > 1 else None, combined=combined,
                      combined_weights=combined_w, num_tokens=T)
         return combined, combined_w
+
+    def _ll_dispatch(self, x, topk_idx, M, E, use_fp8, round_scale, use_ue8m0):
+        """The low-latency dispatch's work (`low_latency`'s module doc): one block of M rows to
+        every rank, then the packing per local expert. A block row is one run of bytes (the
+        token's row, its fp8 scales, its metadata), so each peer takes one send and one receive
+        (a point-to-point group needs a resident block per send and receive)."""
+        R, dev = self.group_size, x.device
+        L, (T, H), K = E // R, x.shape, topk_idx.shape[1]
+        rank, local = low_latency.route(topk_idx, R, L)
+        token, _ = low_latency.send_slots(rank, R, M)
+        meta = low_latency.block_meta(token, rank, local, T)
+        parts = list(low_latency.cast_fp8(x, round_scale, use_ue8m0)) if use_fp8 else [x]
+        widths = [p.shape[1] * p.element_size() for p in parts]
+        payload = torch.cat([p.view(torch.uint8) for p in parts], 1)
+        # A zero padding row at T: the rows of a block past its tokens.
+        payload = torch.cat([payload, payload.new_zeros(1, payload.shape[1])])
+        send = torch.cat([payload.index_select(0, token.flatten()).view(R, M, -1),
+                          meta.view(torch.uint8)], 2)
+        # Received rows, flattened over (source, row), and a zero padding row at R * M.
+        recv = self._send_rows(send.view(R * M, -1), [M] * R, [M] * R, R * M, zero_rows=1)
+        recv_meta = recv[:-1, sum(widths):].view(torch.int32).view(R, M, 1 + K)
+        row, count, layout_range, slot = low_latency.unpack(recv_meta, L)
+        pick = row.flatten()
+        # Each part gathered on its own columns, so the rows come out contiguous.
+        rows = recv[:, :widths[0]].index_select(0, pick).view(parts[0].dtype).view(L, R * M, H)
+        if use_fp8:
+            num_scales = parts[1].shape[1]
+            # Column-major in the last two dimensions (DeepEP's layout, for TMA loads).
+            scales = torch.empty(L, num_scales, R * M, dtype=parts[1].dtype,
+                                 device=dev).transpose(1, 2)
+            scales.copy_(recv[:, widths[0]:sum(widths)].index_select(0, pick)
+                         .view(parts[1].dtype).view(L, R * M, num_scales))
+            recv_x = (rows, scales)
+        else:
+            recv_x = rows
+        sources = torch.cat([recv_meta[..., 0].flatten(),
+                             torch.full((1,), -1, dtype=torch.int32, device=dev)])
+        src_info = sources.index_select(0, pick).view(L, R * M)
+        handle = (src_info, layout_range, M, H, E)
+        plan = _LowLatencyPlan(low_latency.combine_index(recv_meta, slot, L), T, K)
+        return recv_x, count, handle, plan
+
+    def _ll_combine(self, x, topk_idx, topk_weights, handle, plan):
+        """The low-latency combine's work: M x K rows back to every source, summed there."""
+        R, M = self.group_size, handle[2]
+        K, H = plan.num_topk, x.shape[2]
+        index = plan.index.flatten()
+        rows = x.reshape(-1, H).index_select(0, index.clamp(min=0))
+        back = torch.where((index >= 0)[:, None], rows, torch.zeros_like(rows))
+        returned = self._send_rows(back.view(torch.uint8), [M * K] * R, [M * K] * R, R * M * K)
+        returned = returned.view(x.dtype)
+        rank, _ = low_latency.route(topk_idx, R, handle[4] // R)
+        _, position = low_latency.send_slots(rank, R, M)
+        return low_latency.combine_rows(returned, rank, position, topk_weights, M)
 
     def _launch(self, kernel, config, rows, num_topk, **fields):
         """Enqueues one EP kernel on the Buffer's stream: tensors by address (None: null), the
@@ -650,9 +881,38 @@ class Buffer:
             t.record_stream(self._stream)
         return EventOverlap(EventHandle(self._stream))
 
-    def _remember(self, handle, num_channels):
+    def _remember(self, handle, what_it_needs):
         key, handles = id(handle[0]), self._handles
-        handles[key] = (weakref.ref(handle[0], lambda _: handles.pop(key, None)), num_channels)
+        handles[key] = (weakref.ref(handle[0], lambda _: handles.pop(key, None)), what_it_needs)
+
+    def _low_latency(self, what, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        """Refuses a low-latency call on a Buffer not made for it, or too small for its shapes."""
+        self._live(what)
+        if not self.low_latency_mode:
+            raise ValueError(f"{what}: this Buffer was made with low_latency_mode=False")
+        checks.positive_int("num_max_dispatch_tokens_per_rank",
+                            num_max_dispatch_tokens_per_rank, 1)
+        checks.num_experts(num_experts, self.group_size)
+        needed = low_latency.rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden,
+                                            self.group_size, num_experts)
+        if self.num_rdma_bytes < needed:
+            raise ValueError(
+                f"{what}: num_rdma_bytes={self.num_rdma_bytes} of this Buffer is too small: "
+                f"{needed} bytes are needed for num_max_dispatch_tokens_per_rank="
+                f"{num_max_dispatch_tokens_per_rank}, hidden={hidden}, num_experts={num_experts} "
+                "(size it with Buffer.get_low_latency_rdma_size_hint)")
+
+    def _ll_handle(self, what, handle):
+        """The combine plan of a low-latency dispatch's handle, refusing any other handle."""
+        if not isinstance(handle, tuple) or len(handle) != 5:
+            raise ValueError(f"{what}: handle must be the 5-tuple a low_latency_dispatch of this "
+                             "Buffer returned")
+        entry = self._handles.get(id(handle[0]))
+        if entry is None or entry[0]() is not handle[0] \
+                or not isinstance(entry[1], _LowLatencyPlan):
+            raise ValueError(f"{what}: handle was not made by this Buffer's low_latency_dispatch "
+                             "(it comes from another Buffer, or its tensors were copied)")
+        return entry[1]
 
     def _check_handle(self, what, handle, config):
         if not isinstance(handle, tuple) or len(handle) != _HANDLE_LEN:
@@ -665,6 +925,20 @@ class Buffer:
         if entry[1] != config.num_channels:
             raise ValueError(f"{what}: handle was made with num_sms={2 * entry[1]}, the config "
                              f"has num_sms={config.num_sms}: use the same num_sms")
+
+
+class _LowLatencyPlan(NamedTuple):
+    """What a low-latency combine needs of its dispatch: for each source's block row and top-k
+    slot the flat index of its expert output here (`low_latency.combine_index`), and the
+    dispatch's token and top-k counts."""
+
+    index: torch.Tensor
+    num_tokens: int
+    num_topk: int
+
+
+def _arrived():
+    """The receive hook of a low-latency call: the call's own work already received the data."""
 
 
 def _layout(topk_idx, num_experts, num_ranks):
@@ -692,6 +966,34 @@ def _send_head(in_rank):
     """`[T, R]`: a token's row in its block of the destination's receive, -1 if not sent."""
     position = in_rank.to(torch.int32).cumsum(0, dtype=torch.int32) - 1
     return torch.where(in_rank, position, torch.full_like(position, -1))
+
+
+def _row_bytes(parts):
+    """Several `[N, ...]` tensors as one `[N, B]` uint8 tensor: each row's parts side by side."""
+    return torch.cat([p.reshape(p.shape[0], math.prod(p.shape[1:])).view(torch.uint8)
+                      for p in parts], 1)
+
+
+def _split_row_bytes(rows, like):
+    """`_row_bytes`'s inverse for `[N, B]` rows: one contiguous tensor per part of `like`."""
+    out, at = [], 0
+    for part in like:
+        width = math.prod(part.shape[1:]) * part.element_size()
+        piece = rows[:, at:at + width].contiguous().view(part.dtype)
+        out.append(piece.view((rows.shape[0],) + tuple(part.shape[1:])))
+        at += width
+    return out
+
+
+def _as_columns(scales):
+    """fp8 scales `[T]` or `[T, S]` (f32 or int32) as `[T, S]` int32 columns, bit for bit."""
+    return scales.reshape(scales.shape[0], math.prod(scales.shape[1:])).view(torch.int32)
+
+
+def _with_scales(recv_x, columns, scales):
+    """The received fp8 pair: the rows and their scales in the sender's dtype and shape."""
+    shape = (columns.shape[0],) + tuple(scales.shape[1:])
+    return recv_x, columns.contiguous().view(scales.dtype).reshape(shape)
 
 
 def _counts_of(rank_prefix):

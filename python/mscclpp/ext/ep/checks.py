@@ -27,15 +27,47 @@ def tensor(what, t, dtype, dim, rows=None, cols=None):
 def hidden(what, x):
     """`x` `[T, H]` bf16 with rows of whole 16-byte units."""
     if isinstance(x, tuple):
-        raise NotImplementedError(
-            f"{what}: fp8 input (a (tensor, scales) pair) is not implemented yet in "
-            "mscclpp.ext.ep; pass bf16 tokens")
+        raise ValueError(f"{what} must be a bf16 tensor here, not a (tokens, scales) pair: only "
+                         "dispatch takes fp8 tokens")
     tensor(what, x, torch.bfloat16, 2)
+    _whole_units(what, x)
+
+
+def _whole_units(what, x):
     row_bytes = x.shape[1] * x.element_size()
     if row_bytes % HIDDEN_ALIGN_BYTES:
         raise ValueError(f"{what}: hidden size {x.shape[1]} is not supported: a token's "
                          f"{row_bytes} bytes must be a multiple of {HIDDEN_ALIGN_BYTES} "
                          f"(hidden a multiple of {HIDDEN_ALIGN_BYTES // x.element_size()})")
+
+
+def tokens(what, x):
+    """Dispatch's `x`: bf16 `[T, H]`, or DeepEP's fp8 pair `(tokens [T, H] of a 1-byte float8
+    type, scales)` where the scales are f32 or int32 (UE8M0 exponents packed four to an int),
+    `[T]` or `[T, S]`, any strides. Returns `(tokens, scales or None)`, the scales contiguous."""
+    if not isinstance(x, tuple):
+        hidden(what, x)
+        return x, None
+    if len(x) != 2:
+        raise ValueError(f"{what}: an fp8 input is a (tokens, scales) pair, not {len(x)} items")
+    data, scales = x
+    if not isinstance(data, torch.Tensor) or not data.dtype.is_floating_point \
+            or data.element_size() != 1:
+        kind = data.dtype if isinstance(data, torch.Tensor) else type(data).__name__
+        raise ValueError(f"{what}[0] must be a 1-byte float8 tensor (torch.float8_e4m3fn), not "
+                         f"{kind}")
+    tensor(f"{what}[0]", data, data.dtype, 2)
+    _whole_units(f"{what}[0]", data)
+    if not isinstance(scales, torch.Tensor):
+        raise TypeError(f"{what}[1] (the scales) must be a torch.Tensor, not "
+                        f"{type(scales).__name__}")
+    if scales.dtype not in (torch.float32, torch.int32):
+        raise ValueError(f"{what}[1] (the scales) must be torch.float32 or torch.int32 (packed "
+                         f"UE8M0), not {scales.dtype}")
+    if scales.dim() not in (1, 2) or scales.shape[0] != data.shape[0]:
+        raise ValueError(f"{what}[1] (the scales) has shape {tuple(scales.shape)}: it must be "
+                         f"[{data.shape[0]}] or [{data.shape[0]}, num_scales], a row per token")
+    return data, scales.contiguous()
 
 
 def num_experts(value, num_ranks):
