@@ -525,36 +525,44 @@ impl NcclComm {
     ) -> Result<()> {
         let chunk = (count * dtype.size()) as u64;
         let whole = if gather { recv } else { send };
-        let chunks: Vec<(usize, DevicePtr)> = if rank == root {
-            (0..nranks).map(|p| (p, whole + p as u64 * chunk)).collect()
+        let chunks: Vec<(usize, DevicePtr, usize)> = if rank == root {
+            (0..nranks)
+                .map(|p| (p, whole + p as u64 * chunk, count))
+                .collect()
         } else {
             Vec::new()
         };
         if gather {
-            self.p2p_group(&[(root, send)], &chunks, count, dtype, stream)
+            self.p2p_group(&[(root, send, count)], &chunks, dtype, stream)
         } else {
-            self.p2p_group(&chunks, &[(root, recv)], count, dtype, stream)
+            self.p2p_group(&chunks, &[(root, recv, count)], dtype, stream)
         }
     }
 
-    /// All-to-all of `count` elements per peer among `nranks` ranks, as one group of
-    /// `ncclSend`/`ncclRecv` (chunk p of `send` to rank p, chunk p of `recv` from it).
+    /// All-to-all(-v) of traffic matrix `traffic` (elements, `[src][dst]`) as one group of
+    /// `ncclSend`/`ncclRecv`, as PyTorch runs `all_to_all_single` with splits: this rank's parts
+    /// packed in rank order in `send` (what it sends each peer) and `recv` (what it receives
+    /// from each).
     pub fn all_to_all(
         &self,
         send: DevicePtr,
         recv: DevicePtr,
-        count: usize,
+        traffic: &[Vec<usize>],
+        rank: usize,
         dtype: DataType,
-        nranks: usize,
         stream: Stream,
     ) -> Result<()> {
-        let chunk = (count * dtype.size()) as u64;
-        let chunks: Vec<(usize, DevicePtr, DevicePtr)> = (0..nranks)
-            .map(|p| (p, send + p as u64 * chunk, recv + p as u64 * chunk))
-            .collect();
-        let (sends, recvs): (Vec<_>, Vec<_>) =
-            chunks.iter().map(|&(p, s, r)| ((p, s), (p, r))).unzip();
-        self.p2p_group(&sends, &recvs, count, dtype, stream)
+        let e = dtype.size() as u64;
+        let (mut sent, mut got) = (0u64, 0u64);
+        let (mut sends, mut recvs) = (Vec::new(), Vec::new());
+        for (p, row) in traffic.iter().enumerate() {
+            let (out, into) = (traffic[rank][p], row[rank]);
+            sends.push((p, send + sent * e, out));
+            recvs.push((p, recv + got * e, into));
+            sent += out as u64;
+            got += into as u64;
+        }
+        self.p2p_group(&sends, &recvs, dtype, stream)
     }
 
     /// nccl-tests' `sendrecv`: `count` elements of `send` to rank `to`, and from rank `from` into
@@ -570,15 +578,14 @@ impl NcclComm {
         from: usize,
         stream: Stream,
     ) -> Result<()> {
-        self.p2p_group(&[(to, send)], &[(from, recv)], count, dtype, stream)
+        self.p2p_group(&[(to, send, count)], &[(from, recv, count)], dtype, stream)
     }
 
-    /// One group of `ncclSend`s and `ncclRecv`s of `count` elements each, by (peer, buffer).
+    /// One group of `ncclSend`s and `ncclRecv`s, by (peer, buffer, elements).
     fn p2p_group(
         &self,
-        sends: &[(usize, DevicePtr)],
-        recvs: &[(usize, DevicePtr)],
-        count: usize,
+        sends: &[(usize, DevicePtr, usize)],
+        recvs: &[(usize, DevicePtr, usize)],
         dtype: DataType,
         stream: Stream,
     ) -> Result<()> {
@@ -594,7 +601,7 @@ impl NcclComm {
         let r = unsafe { (p2p.group_start)() };
         self.nccl.check("ncclGroupStart", r, Some(self.comm))?;
         let mut queued = Ok(());
-        for &(p, buf) in sends {
+        for &(p, buf, count) in sends {
             queued = queued.and_then(|()| {
                 // SAFETY: `buf` holds `count` elements, owned by the caller and live until the
                 // stream has run the group; the communicator is live.
@@ -604,7 +611,7 @@ impl NcclComm {
                 self.nccl.check("ncclSend", r, Some(self.comm))
             });
         }
-        for &(p, buf) in recvs {
+        for &(p, buf, count) in recvs {
             queued = queued.and_then(|()| {
                 // SAFETY: as for the sends.
                 let r = unsafe {

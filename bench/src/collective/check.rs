@@ -148,6 +148,21 @@ pub fn sendrecv_peers(rank: usize, nranks: usize) -> (usize, usize) {
     ((rank + 1) % n, (rank + n - 1) % n)
 }
 
+/// For each source s, where its part starts in `rank`'s output and in s's input (elements), in
+/// an all-to-all of traffic matrix `m` (`[src][dst]`, parts packed in rank order).
+fn part_starts(m: &[Vec<usize>], rank: usize) -> (Vec<usize>, Vec<usize>) {
+    let recv = m
+        .iter()
+        .scan(0, |at, row| {
+            let start = *at;
+            *at += row[rank];
+            Some(start)
+        })
+        .collect();
+    let send = m.iter().map(|row| row[..rank].iter().sum()).collect();
+    (recv, send)
+}
+
 fn check_range(
     shape: &Shape,
     spec: &InputSpec,
@@ -165,6 +180,13 @@ fn check_range(
     let mut out = CheckResult::default();
     let mut fvals = vec![0f64; n];
     let mut ivals = vec![0i128; n];
+    // The skewed all-to-all-v: where each source's part starts in this rank's output, and in
+    // the source's input.
+    let (recv_starts, send_starts) = if shape.skewed {
+        part_starts(&shape.traffic(), rank)
+    } else {
+        Default::default()
+    };
     for i in range {
         let g = word(&got[i * esize..(i + 1) * esize]);
         // Only the first mismatch is described: a wrong 1 GiB output has millions.
@@ -216,6 +238,12 @@ fn check_range(
                 let c = shape.per_rank_count.max(1);
                 let (src_rank, src_index) = match shape.collective {
                     Collective::AllGather | Collective::Gather => (i / c, i % c),
+                    Collective::AllToAll if shape.skewed => {
+                        // The last source whose part starts at or before i (parts are in rank
+                        // order without gaps; an empty part shares its start with the next).
+                        let s = recv_starts.partition_point(|&start| start <= i) - 1;
+                        (s, send_starts[s] + i - recv_starts[s])
+                    }
                     Collective::AllToAll => (i / c, rank * c + i % c),
                     Collective::Scatter => (root, rank * c + i),
                     Collective::SendRecv => (sendrecv_peers(rank, n).1, i),
@@ -366,6 +394,36 @@ mod tests {
             bad.first.as_deref().unwrap_or("").contains("element 0"),
             "{bad:?}"
         );
+    }
+
+    #[rstest]
+    #[case(DataType::Bf16, 2)]
+    #[case(DataType::I32, 3)]
+    #[case(DataType::U8, 8)]
+    fn skewed_alltoallv_outputs_are_checked_part_by_part(
+        #[case] dtype: DataType,
+        #[case] n: usize,
+    ) {
+        let shape = Shape::skewed_alltoallv(dtype, 3 << 12, n).expect("shape");
+        let m = shape.traffic();
+        let s = spec(dtype, None, n);
+        for rank in 0..n {
+            // What every source sends this rank, in source order, from the sender's side.
+            let mut out = Vec::new();
+            for (src, row) in m.iter().enumerate() {
+                let start: usize = row[..rank].iter().sum();
+                out.extend(s.encode_range(src, start, row[rank]));
+            }
+            assert_eq!(out.len(), shape.output_bytes);
+            let ok = check_output(&shape, &s, ReduceOp::Sum, rank, 0, &out);
+            assert_eq!(ok.wrong, 0, "{dtype} rank {rank}: {:?}", ok.first);
+            // Every element of the first source's part, corrupted, is counted.
+            let e = dtype.size();
+            let first = m[0][rank] * e;
+            out[..first].iter_mut().for_each(|b| *b ^= 0x40);
+            let bad = check_output(&shape, &s, ReduceOp::Sum, rank, 0, &out);
+            assert_eq!(bad.wrong, first / e, "{dtype} rank {rank}");
+        }
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! of every timed configuration, and NCCL measured in the same run (`--vs-nccl`). `main` enters
 //! through [`entry::run`].
 
+pub mod alltoallv;
 pub mod check;
 pub mod data;
 pub mod device_line;

@@ -1,5 +1,6 @@
 //! Command-line options of the collective benchmark, spelled as in nccl-tests where it has them.
 
+use super::shape::{call_name, Shape};
 use mscclpp_core::{Collective, DataType, Error, ReduceOp, Result};
 use std::path::PathBuf;
 
@@ -14,10 +15,12 @@ Options:
   -d, --datatype LIST      f32 f16 bf16 f64 i8 u8 i32 u32 i64 u64 fp8_e4m3 fp8_e5m2 fp8_e4m3fnuz
                            fp8_e4m3b15, comma-separated, or all (default f32)
   -o, --op LIST            sum prod min max avg, comma-separated, or all (default sum)
-  -c, --collective NAME    allreduce allgather reducescatter broadcast alltoall sendrecv
-                           reduce gather scatter
+  -c, --collective NAME    allreduce allgather reducescatter broadcast alltoall alltoallv
+                           sendrecv reduce gather scatter
                            (sendrecv: each rank to the next, as nccl-tests, on the point-to-point
-                           engine, default_sendrecv_p2p; default allreduce)
+                           engine, default_sendrecv_p2p; alltoallv: a skewed split, rank s to
+                           rank d a share ((s + d) mod n + 1)^2 of its buffer, on the engine's
+                           all-to-all-v; default allreduce)
   -r, --root N             root of broadcast, reduce, gather and scatter (default 0)
   -n, --iters N            timed calls per batch (default 20)
   -w, --warmup_iters N     warm-up calls (default 5)
@@ -71,6 +74,8 @@ pub struct BenchOptions {
     pub dtypes: Vec<DataType>,
     pub ops: Vec<ReduceOp>,
     pub collective: Collective,
+    /// `-c alltoallv`: the skewed all-to-all-v (`collective` is all-to-all).
+    pub skewed_alltoallv: bool,
     pub root: usize,
     pub iters: usize,
     pub warmup: usize,
@@ -99,6 +104,7 @@ impl Default for BenchOptions {
             dtypes: vec![DataType::F32],
             ops: vec![ReduceOp::Sum],
             collective: Collective::AllReduce,
+            skewed_alltoallv: false,
             root: 0,
             iters: 20,
             warmup: 5,
@@ -174,7 +180,18 @@ pub fn parse_ops(s: &str) -> Result<Vec<ReduceOp>> {
     parse_list("reduce op", s, &ReduceOp::ALL, |p| p.parse())
 }
 
-/// `-c`: the benchmarked collectives.
+/// The benchmark's `-c`: a collective, or `alltoallv` (the skewed all-to-all-v, reported as
+/// `(AllToAll, true)`).
+pub fn parse_bench_collective(s: &str) -> Result<(Collective, bool)> {
+    if s.to_ascii_lowercase().replace(['_', '-'], "") == "alltoallv" {
+        return Ok((Collective::AllToAll, true));
+    }
+    parse_collective(s)
+        .map(|c| (c, false))
+        .map_err(|e| Error::InvalidArgument(format!("{e}; or alltoallv")))
+}
+
+/// `-c`: the collectives of the runtime.
 pub fn parse_collective(s: &str) -> Result<Collective> {
     match s.to_ascii_lowercase().replace(['_', '-'], "").as_str() {
         "allreduce" => Ok(Collective::AllReduce),
@@ -229,7 +246,9 @@ where
             "-f" | "--stepfactor" => o.step_factor = parse_number(&flag, &value(&flag)?)?,
             "-d" | "--datatype" => o.dtypes = parse_dtypes(&value(&flag)?)?,
             "-o" | "--op" => o.ops = parse_ops(&value(&flag)?)?,
-            "-c" | "--collective" => o.collective = parse_collective(&value(&flag)?)?,
+            "-c" | "--collective" => {
+                (o.collective, o.skewed_alltoallv) = parse_bench_collective(&value(&flag)?)?
+            }
             "-r" | "--root" => o.root = parse_number(&flag, &value(&flag)?)?,
             "-n" | "--iters" => o.iters = parse_number(&flag, &value(&flag)?)?,
             "-w" | "--warmup_iters" | "--warmup-iters" => {
@@ -315,6 +334,20 @@ impl BenchOptions {
         if self.nblocks == Some(0) || self.nthreads == Some(0) {
             return bad("--nblocks and --nthreads must be positive".into());
         }
+        if self.skewed_alltoallv {
+            let other = match (&self.algo, &self.tuning, &self.plan) {
+                (AlgoChoice::Named(name), _, _) => Some(format!("--algo {name}")),
+                (_, Some(t), _) => Some(format!("--tuning {}", t.display())),
+                (_, _, Some(p)) => Some(format!("--plan {}", p.display())),
+                _ => None,
+            };
+            if let Some(option) = other {
+                return bad(format!(
+                    "{option}: -c alltoallv runs the all-to-all engine's all-to-all-v only (no \
+                     algorithm of the collection takes per-peer splits)"
+                ));
+            }
+        }
         if let (Some(t), AlgoChoice::Named(name)) = (&self.tuning, &self.algo) {
             return bad(format!(
                 "--tuning {} and --algo {name} exclude each other (the table chooses the \
@@ -323,6 +356,20 @@ impl BenchOptions {
             ));
         }
         Ok(())
+    }
+
+    /// The shape of one call of the benchmarked collective.
+    pub fn shape(&self, dtype: DataType, size: usize, nranks: usize) -> Result<Shape> {
+        if self.skewed_alltoallv {
+            Shape::skewed_alltoallv(dtype, size, nranks)
+        } else {
+            Shape::new(self.collective, dtype, size, nranks)
+        }
+    }
+
+    /// The name of the benchmarked collective (`alltoallv` for the skewed all-to-all-v).
+    pub fn collective_name(&self) -> &'static str {
+        call_name(self.collective, self.skewed_alltoallv)
     }
 
     /// The requested sizes, nccl-tests style: min, min*f, ... up to max.
@@ -468,6 +515,8 @@ mod tests {
     #[case(&["--nblocks", "-3"], "--nblocks")]
     #[case(&["--tuning", "t.yaml", "--algo", "x"], "exclude each other")]
     #[case(&["--tuning"], "--tuning needs a value")]
+    #[case(&["-c", "alltoallv", "--algo", "x"], "--algo x: -c alltoallv runs")]
+    #[case(&["-c", "alltoallv", "--plan", "p.json"], "--plan p.json: -c alltoallv runs")]
     fn bad_options_name_the_problem(#[case] args: &[&str], #[case] needle: &str) {
         let err = run(args).expect_err("must fail");
         assert!(err.to_string().contains(needle), "{err} lacks {needle}");
@@ -488,5 +537,14 @@ mod tests {
         assert_eq!(tuned.tuning, Some(PathBuf::from("t.yaml")));
         let single = run(&["-b", "1M", "-e", "1M", "-f", "1"]).expect("single size");
         assert_eq!(single.sizes(), vec![1 << 20]);
+        let v = run(&["-c", "all_to_all_v"]).expect("alltoallv");
+        assert_eq!(
+            (v.collective, v.skewed_alltoallv),
+            (Collective::AllToAll, true)
+        );
+        assert_eq!(v.collective_name(), "alltoallv");
+        assert!(v.shape(DataType::F32, 4096, 4).expect("shape").skewed);
+        let err = run(&["-c", "gatherv"]).expect_err("gatherv");
+        assert!(err.to_string().contains("or alltoallv"), "{err}");
     }
 }

@@ -20,6 +20,7 @@
 //! failure ends the run with the rank and its error, so no rank waits for a peer that gave up.
 //! Host waits on the stream are bounded by `MSCCLPP_DEVICE_WAIT_TIMEOUT`.
 
+use super::alltoallv::{SkewedAlltoallv, SKEWED_ALLTOALLV};
 use super::check::{check_output, sendrecv_peers, CheckResult, TOLERANCE_TEXT};
 use super::data::{poison_byte, InputSpec};
 use super::device_line;
@@ -27,6 +28,7 @@ use super::options::{AlgoChoice, BenchOptions, Placement};
 use super::report::{self, JsonReport, LoadedPlan, Measure, Outcome, Row};
 use super::shape::Shape;
 use crate::nccl::{Nccl, NcclComm};
+use mscclpp_collectives::alltoall::AlltoallZeroCopy;
 use mscclpp_collectives::p2p::sendrecv::{P2pSendRecv, SENDRECV_P2P};
 use mscclpp_collectives::resources::DeviceBuffer;
 use mscclpp_core::algorithm_collection::{AlgorithmCollection, SelectionContext};
@@ -207,7 +209,7 @@ pub fn run_rank(setup: RankSetup, opts: &BenchOptions) -> Result<Summary> {
                 device: &header.device,
                 nccl: &header.nccl,
                 nranks,
-                collective: opts.collective.name(),
+                collective: opts.collective_name(),
                 mode: mode_text(opts),
                 iters: opts.iters,
                 warmup: opts.warmup,
@@ -303,6 +305,14 @@ impl<'a> Bench<'a> {
                 mscclpp_collectives::DEFAULT_SCRATCH_BYTES,
                 AlgorithmCollection::builder(),
             )?;
+        if opts.skewed_alltoallv {
+            // The engine's all-to-all-v, on the collection's resources as the default all-to-all.
+            let engine = match &resources {
+                Some(r) => AlltoallZeroCopy::with_resources(comm.clone(), r.clone())?,
+                None => AlltoallZeroCopy::new(comm.clone())?,
+            };
+            builder.add_algorithm(Arc::new(SkewedAlltoallv::new(engine)))?;
+        }
         if opts.collective == Collective::SendRecv {
             // The ring through the point-to-point engine (any buffers), the default below, on the
             // collection's point-to-point region as the NCCL shim builds it.
@@ -351,7 +361,7 @@ impl<'a> Bench<'a> {
         let (mut max_in, mut max_out) = (1usize, 1usize);
         for &dtype in &opts.dtypes {
             for &size in &opts.sizes() {
-                if let Ok(s) = Shape::new(opts.collective, dtype, size, nranks) {
+                if let Ok(s) = opts.shape(dtype, size, nranks) {
                     max_in = max_in.max(s.input_bytes);
                     max_out = max_out.max(s.output_bytes);
                 }
@@ -569,7 +579,7 @@ impl<'a> Bench<'a> {
         self.print(&format!("# device: {}", self.device_text));
         self.print(&format!(
             "# mscclpp-bench {}: {n} ranks ({}), {}, {} warm-up calls, {} batches of {} calls, median batch, mean over ranks",
-            opts.collective,
+            opts.collective_name(),
             self.comm.topology(),
             mode_text(opts),
             opts.warmup,
@@ -583,7 +593,7 @@ impl<'a> Bench<'a> {
         for &dtype in &opts.dtypes {
             for op in opts.ops_for() {
                 for size in opts.sizes() {
-                    let Ok(shape) = Shape::new(opts.collective, dtype, size, n) else {
+                    let Ok(shape) = opts.shape(dtype, size, n) else {
                         continue;
                     };
                     // Rounding to whole elements can map two requested sizes to one call.
@@ -614,7 +624,7 @@ impl<'a> Bench<'a> {
 
     fn row(&mut self, shape: &Shape, op: Option<ReduceOp>) -> Result<Row> {
         let mut row = Row {
-            collective: shape.collective.name().into(),
+            collective: shape.name().into(),
             size_bytes: shape.size_bytes,
             count: shape.count,
             dtype: shape.dtype.name().into(),
@@ -673,6 +683,10 @@ impl<'a> Bench<'a> {
                 .get(shape.collective, name)
                 .ok_or_else(|| format!("no {} algorithm named {name}", shape.collective))?,
             // nccl-tests' sendrecv is a point-to-point exchange: the engine NCCL's send/recv use.
+            AlgoChoice::Auto if shape.skewed => self
+                .algos
+                .get(shape.collective, SKEWED_ALLTOALLV)
+                .ok_or_else(|| format!("no {SKEWED_ALLTOALLV} algorithm"))?,
             AlgoChoice::Auto if shape.collective == Collective::SendRecv => self
                 .algos
                 .get(shape.collective, SENDRECV_P2P)
@@ -972,6 +986,7 @@ impl<'a> Bench<'a> {
         }
         let (dtype, stream, root) = (shape.dtype, self.stream, self.opts.root);
         let op = op.unwrap_or(ReduceOp::Sum);
+        let traffic = shape.traffic();
         let call = || match shape.collective {
             Collective::AllReduce => nccl.all_reduce(input, output, shape.count, dtype, op, stream),
             Collective::AllGather => {
@@ -987,14 +1002,9 @@ impl<'a> Bench<'a> {
                 let (to, from) = sendrecv_peers(self.rank(), shape.nranks);
                 nccl.send_recv(input, output, shape.count, dtype, to, from, stream)
             }
-            Collective::AllToAll => nccl.all_to_all(
-                input,
-                output,
-                shape.per_rank_count,
-                dtype,
-                shape.nranks,
-                stream,
-            ),
+            Collective::AllToAll => {
+                nccl.all_to_all(input, output, &traffic, self.rank(), dtype, stream)
+            }
             Collective::Reduce => nccl.reduce(input, output, shape.count, dtype, op, root, stream),
             Collective::Gather | Collective::Scatter => nccl.gather_or_scatter(
                 shape.collective == Collective::Gather,

@@ -8,8 +8,19 @@
 //! reduce-scatter and scatter (received), the whole buffer otherwise. Sizes that do not split
 //! evenly are rounded down to whole elements per rank, as nccl-tests does. Every rank holds
 //! buffers of the root's sizes, as in nccl-tests.
+//!
+//! The skewed all-to-all-v (`-c alltoallv`, which nccl-tests lacks) sizes like all-to-all, each
+//! rank's whole send buffer, split as MoE routing skews an exchange: the runtime's
+//! [`skewed_matrix`] with skew [`ALLTOALLV_SKEW`], rank s sending rank s + k (mod n) a share
+//! weighted (1 + k)^-2 (at 8 ranks the nearest peer gets 64 times the farthest, and small sizes
+//! leave far peers nothing). Every column holds each weight once, so every rank also receives its
+//! whole buffer's worth.
 
+use mscclpp_collectives::alltoall::skewed_matrix;
 use mscclpp_core::{Collective, DataType, Error, Result};
+
+/// The skew of `-c alltoallv`'s traffic matrix ([`skewed_matrix`]).
+pub const ALLTOALLV_SKEW: f64 = 2.0;
 
 /// Buffers and counts of one call on `nranks` ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,6 +37,8 @@ pub struct Shape {
     pub per_rank_count: usize,
     pub input_bytes: usize,
     pub output_bytes: usize,
+    /// The skewed all-to-all-v (`collective` is all-to-all): see [`Shape::traffic`].
+    pub skewed: bool,
 }
 
 impl Shape {
@@ -78,7 +91,46 @@ impl Shape {
             per_rank_count,
             input_bytes,
             output_bytes,
+            skewed: false,
         })
+    }
+
+    /// The skewed all-to-all-v's shape (module docs): `size` is each rank's whole send buffer.
+    pub fn skewed_alltoallv(dtype: DataType, size: usize, nranks: usize) -> Result<Shape> {
+        let n = nranks.max(1);
+        let count = size / dtype.size();
+        if count == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{size} bytes hold no whole {dtype} element for alltoallv"
+            )));
+        }
+        let bytes = count * dtype.size();
+        Ok(Shape {
+            collective: Collective::AllToAll,
+            dtype,
+            nranks: n,
+            size_bytes: bytes,
+            count,
+            per_rank_count: count / n,
+            input_bytes: bytes,
+            output_bytes: bytes,
+            skewed: true,
+        })
+    }
+
+    /// The name of the benchmarked call (`alltoallv` for the skewed shape).
+    pub fn name(&self) -> &'static str {
+        call_name(self.collective, self.skewed)
+    }
+
+    /// The all-to-all's traffic matrix in elements, `[src][dst]`: `per_rank_count` everywhere,
+    /// or the skewed split's (module docs). Parts are packed in rank order on both sides.
+    pub fn traffic(&self) -> Vec<Vec<usize>> {
+        if self.skewed {
+            skewed_matrix(self.nranks, self.count, ALLTOALLV_SKEW)
+        } else {
+            vec![vec![self.per_rank_count; self.nranks]; self.nranks]
+        }
     }
 
     /// Byte offset of this rank's in-place input inside the output (all-gather) or of its
@@ -103,6 +155,15 @@ impl Shape {
     /// nccl-tests' bus bandwidth: algbw times [`bus_factor`].
     pub fn busbw(&self, time_us: f64) -> f64 {
         self.algbw(time_us) * bus_factor(self.collective, self.nranks)
+    }
+}
+
+/// The name a row gives its call: the collective's, or `alltoallv` for the skewed all-to-all-v.
+pub fn call_name(collective: Collective, skewed: bool) -> &'static str {
+    if skewed {
+        "alltoallv"
+    } else {
+        collective.name()
     }
 }
 
@@ -171,6 +232,29 @@ mod tests {
         assert!(e.to_string().contains("4 bytes"), "{e}");
         let e = Shape::new(Collective::AllToAll, DataType::F32, 12, 4).unwrap_err();
         assert!(e.to_string().contains("12 bytes"), "{e}");
+    }
+
+    #[test]
+    fn the_skewed_split_sends_and_receives_every_buffer_whole() {
+        for n in [1, 2, 3, 4, 8] {
+            let s = Shape::skewed_alltoallv(DataType::Bf16, 1 << 20, n).expect("shape");
+            assert_eq!(
+                (s.name(), s.input_bytes, s.output_bytes),
+                ("alltoallv", 1 << 20, 1 << 20)
+            );
+            let m = s.traffic();
+            for r in 0..n {
+                assert_eq!(m[r].iter().sum::<usize>(), s.count);
+                assert_eq!(m.iter().map(|row| row[r]).sum::<usize>(), s.count);
+            }
+        }
+        // At 8 ranks the nearest peer gets 64 times the farthest.
+        let m = Shape::skewed_alltoallv(DataType::F32, 1 << 20, 8)
+            .expect("shape")
+            .traffic();
+        assert!(m[3][3] >= 64 * m[3][2] && m[3][2] > 0, "{:?}", m[3]);
+        let e = Shape::skewed_alltoallv(DataType::F32, 3, 8).unwrap_err();
+        assert!(e.to_string().contains("3 bytes"), "{e}");
     }
 
     #[test]
