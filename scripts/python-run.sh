@@ -4,7 +4,7 @@
 # multicast off; MPS=1 runs them under an MPS server, each rank held to its share of the SMs when
 # ranks outnumber GPUs (mps.sh), as gpu-run.sh does. The wheel must be installed first, e.g.
 #   pip install --no-deps --target /tmp/site .gpu/*.whl   (then PYTHONPATH=/tmp/site is used)
-# Usage: [NRANKS=4] [MPS=1] bash .gpu/python-run.sh [check|default|dsl|dslc|interpose|tuning|native|torchcomms|torchcomms-train|ep|all]
+# Usage: [NRANKS=4] [MPS=1] bash .gpu/python-run.sh [check|default|dsl|dslc|interpose|tuning|native|torchcomms|torchcomms-train|ep|ep-bench|all]
 # dsl runs the execution-plan example on the plans gpu-stage.sh put in .gpu/plans and
 # .gpu/builder-plans; dslc compiles our DSL programs (python/examples/dsl) and runs their plans;
 # interpose the DSL guide's NCCL-interposition flow (a DSL plan and a selector registered in
@@ -14,7 +14,9 @@
 # .gpu/lib/libmscclpp_nccl.so preloaded, then compares them bit for bit.
 # ep runs mscclpp.ext.ep's check against its reference (EP_SEED=S to repeat a seed, EP_QUICK=1
 # without the 4096 x 7168 case, EP_KERNELS=1 through the intranode kernels, EP_NUM_SMS=N their
-# grid), then the MoE example.
+# grid), then the MoE example. ep-bench runs the EP benchmark (python -m mscclpp.ext.ep.bench;
+# EP_BENCH_ARGS are its options, e.g. "--num-tokens 512 --modes low-latency"), within
+# TORCHCOMMS_TIMEOUT seconds (default 300).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 export NCCL_NVLS_ENABLE=0 MSCCLPP_FORCE_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -57,6 +59,12 @@ case "${1:-all}" in
       ${EP_KERNELS:+--kernels} ${EP_NUM_SMS:+--num-sms "$EP_NUM_SMS"}
     bounded 120 examples/moe_ep.py
     ;;
+  ep-bench)
+    echo "== python -m mscclpp.ext.ep.bench on $nranks ranks"
+    # shellcheck disable=SC2086 # EP_BENCH_ARGS is a list of options
+    timeout -k 10 "${TORCHCOMMS_TIMEOUT:-300}" torchrun --nproc_per_node="$nranks" \
+      --master_port="${PORT:-29521}" -m mscclpp.ext.ep.bench ${EP_BENCH_ARGS:-}
+    ;;
   torchcomms-train)
     train="$(mktemp -d)"
     bounded 240 tests/torchcomms_training_check.py run torchcomms "$train"
@@ -78,5 +86,5 @@ case "${1:-all}" in
     run examples/customized_allgather.py
     bounded 540 tests/torchcomms_gpu_check.py ${TORCHCOMMS_QUICK:+--quick}
     ;;
-  *) echo "usage: $0 [check|default|dsl|dslc|interpose|tuning|native|torchcomms|torchcomms-train|ep|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [check|default|dsl|dslc|interpose|tuning|native|torchcomms|torchcomms-train|ep|ep-bench|all]" >&2; exit 2 ;;
 esac

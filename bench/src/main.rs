@@ -33,6 +33,7 @@ usage: mscclpp-bench [auto|collective] [collective options; see `mscclpp-bench c
        mscclpp-bench tune [-c NAME] [-d LIST] [-b SIZE] [-e SIZE] --out FILE [see `tune --help`]
        mscclpp-bench [auto|bootstrap] [-n RANKS] [--iters N] [--warmup N]
        mscclpp-bench plan-check FILE|DIR... [--ranks N]
+       mscclpp-bench ep [see `ep --help`]
 
   auto        collective benchmark on GPUs; bootstrap self-check when no GPU is found (default)
   collective  collective benchmark (nccl-tests columns, --vs-nccl for the same-run NCCL ratio)
@@ -41,6 +42,9 @@ usage: mscclpp-bench [auto|collective] [collective options; see `mscclpp-bench c
               (e.g. `tune -c allreduce -d bf16 -b 1K -e 1G --out table.yaml`); the collective
               benchmark reads it with --tuning FILE
   plan-check  proves MSCCL++ JSON execution plans on the CPU reference interpreter (no GPU)
+  ep          MoE dispatch and combine of mscclpp.ext.ep (DeepEP's figures), one process per
+              rank (`torchrun --no-python ... mscclpp-bench ep`): runs `python3 -m
+              mscclpp.ext.ep.bench`, which needs the Python package and torch
   -n RANKS    local ranks to spawn when not started by a launcher (default: local GPUs, or 8)
   --iters N   timed iterations (default 1000)
   --warmup N  untimed iterations first (default 100)
@@ -102,6 +106,22 @@ fn parse_args(argv: &[String]) -> Result<Args> {
     Ok(args)
 }
 
+/// `mscclpp-bench ep`: the EP benchmark lives beside the EP API in the Python package, so this
+/// process becomes `python3 -m mscclpp.ext.ep.bench ARGS` (same environment, same rank).
+fn run_ep(args: &[String]) -> Result<()> {
+    use std::os::unix::process::CommandExt;
+    let failed = std::process::Command::new("python3")
+        .args(["-m", "mscclpp.ext.ep.bench"])
+        .args(args)
+        .exec();
+    Err(Error::io(
+        "starting python3 -m mscclpp.ext.ep.bench (the EP benchmark needs python3 with the \
+         mscclpp package and torch)"
+            .to_string(),
+        failed,
+    ))
+}
+
 fn run(argv: &[String]) -> Result<()> {
     // The collective benchmark owns every argument after its mode word (nccl-tests options, where
     // -n means iterations), so it is dispatched before the self-check parses anything.
@@ -112,6 +132,9 @@ fn run(argv: &[String]) -> Result<()> {
     }
     if first == Some("plan-check") {
         return plan_check::run(&argv[1..]);
+    }
+    if first == Some("ep") {
+        return run_ep(&argv[1..]);
     }
     let collective_mode = match first {
         Some("collective") => Some(true),

@@ -665,3 +665,33 @@ def test_low_latency_refusals_name_the_argument_on_every_rank():
     for call, kwargs, message in cases:
         for e in attempt(call, **kwargs):
             assert isinstance(e, ValueError) and message in str(e), (message, e)
+
+
+# ---- the benchmark (its GPU run is `python -m mscclpp.ext.ep.bench` under torchrun) ----------
+
+def test_bench_accounting_and_options():
+    from mscclpp.ext.ep import bench
+    assert bench.normal_recv_bytes(10, 7168, False) == 10 * 7168 * 2
+    assert bench.normal_recv_bytes(10, 7168, True) == 10 * 7168 * 2 * (1 + 4 / 128) / 2
+    assert bench.low_latency_bytes(3, 7168, True) == 3 * (7168 + 56 * 4 + 16)
+    assert bench.low_latency_bytes(3, 7168, False) == 3 * 7168 * 2
+    row = bench.format_row("dispatch bf16", 4096, 7168, 8, 256, 100.0, 1e8, "ok")
+    assert row.split() == ["dispatch", "bf16", "4096", "7168", "8", "256", "100.00", "1000.00",
+                           "ok"]
+    args = bench.parse_args(["--modes", "low-latency", "--ll-tokens", "64"])
+    assert (args.modes, args.ll_tokens, args.num_tokens) == (["low-latency"], 64, 4096)
+    for bad in (["--modes", "fast"], ["--hidden", "1000"], ["--iters", "0"],
+                ["--num-topk", "9", "--num-experts", "8"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+@pytest.mark.parametrize("use_ue8m0", [False, True])
+def test_the_benchmarks_exact_checks_hold(use_ue8m0):
+    # The benchmark checks fp8 calls by dequantizing: with power-of-two scales, small-integer
+    # tokens come back exactly, which its combine identities rely on.
+    from mscclpp.ext.ep import bench
+    x, idx, w = bench.routing(3, 16, 1024, 4, 32, torch.device("cpu"))
+    rows, scales = low_latency.cast_fp8(x, round_scale=True, use_ue8m0=use_ue8m0)
+    assert torch.equal(bench.dequantize(rows, scales), x)
+    assert (idx.sort(1).values.diff(1) > 0).all() and ((w * 4).frac() == 0).all()
