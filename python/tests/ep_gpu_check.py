@@ -10,7 +10,9 @@ bit for bit; refused by the kernels, on every rank), the low-latency mode (bf16 
 scale formats: each local expert's rows, counts, source indices and layout ranges against
 `reference.low_latency_dispatch`, the weighted combine against `reference.low_latency_combine`,
 asynchronous with a receive hook, then dispatch and combine captured in one CUDA graph and
-replayed on fresh data), and the refusals: a handle made with another num_sms, on every rank.
+replayed on fresh data), the normal mode captured in a CUDA graph (dispatch with
+num_worst_tokens, then combine, replayed on doubled tokens; refused by the kernels), and the
+refusals: a handle made with another num_sms, on every rank.
 Prints the seed; exit status 1 on any mismatch or error.
 With --kernels, through the intranode kernels instead of the point-to-point groups.
 Run: torchrun --nproc_per_node=N ep_gpu_check.py [--seed S] [--quick] [--kernels] [--num-sms N]"""
@@ -153,6 +155,47 @@ def run_fp8_case(buf, seed, kernels):
     return [f"fp8: {m}" for m in f]
 
 
+def run_graph_case(buf, seed, kernels):
+    """The normal mode captured in one CUDA graph: dispatch (num_worst_tokens) and combine."""
+    R, r, dev = buf.group_size, buf.rank, torch.device("cuda", torch.cuda.current_device())
+    experts = 8 * R
+    xs, idxs, ws = case_inputs(seed, R, 64, 4, experts, 256, "holes")
+    want = reference.dispatch([2 * t for t in xs], idxs, ws, experts)[r]
+    routes = [reference.layout(i, experts, R)[2] for i in idxs]
+    x, idx, w = xs[r].to(dev), idxs[r].to(dev), ws[r].to(dev)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+    worst = max(g.recv_x.shape[0] for g in reference.dispatch(xs, idxs, ws, experts)) + 3
+    f = []
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.stream(stream):
+            with torch.cuda.graph(graph, stream=stream):
+                recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(
+                    x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                    num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
+                    num_worst_tokens=worst)
+                combined, _, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+    except RuntimeError as e:
+        if not kernels or "through the intranode kernels" not in str(e):
+            f.append(f"capture failed: {e}")
+        return [f"graph: {m}" for m in f]
+    if kernels:
+        f.append("the kernels were captured, which they refuse")
+    torch.cuda.current_stream().wait_stream(stream)
+    x.mul_(2)
+    graph.replay()
+    torch.cuda.synchronize()
+    n = want.recv_x.shape[0]
+    same("graph recv_x", recv_x[:n], want.recv_x, f)
+    same("graph recv_topk_idx", recv_idx[:n], want.recv_topk_idx, f)
+    same("graph padding", bool((recv_idx[n:] == -1).all()), True, f)
+    reached = routes[r].sum(1, keepdim=True).float()
+    same("graph combine", combined, (2 * xs[r].float() * reached).to(torch.bfloat16), f)
+    return [f"graph: {m}" for m in f]
+
+
 def run_low_latency_case(buf, seed, num_tokens, num_max, hidden, num_topk, num_experts):
     """The low-latency mode against the reference: eager in each format, then in a CUDA graph."""
     R, r, dev = buf.group_size, buf.rank, torch.device("cuda", torch.cuda.current_device())
@@ -270,29 +313,23 @@ def main():
     if not args.quick and 256 % R == 0:
         cases.append(("4096 x 7168 top-8 of 256", 4096, 8, 256, hidden_big, "plain"))
     failures = []
-    for i, (name, tokens, topk, num_experts, hidden, route) in enumerate(cases):
+
+    def case(name, run, *case_args, **case_kwargs):
+        """Runs one case; its failures (or its exception) are reported, its time printed."""
         start = time.time()
         try:
-            failures += run_case(buf, name, args.seed + 1000 * i, tokens, topk, num_experts,
-                                 hidden, route)
+            failures.extend(run(*case_args, **case_kwargs))
         except Exception as e:  # noqa: BLE001 (reported, then the exit status says it)
             failures.append(f"{name}: {type(e).__name__}: {e}")
         if r == 0:
             print(f"  {name}: done in {time.time() - start:.1f} s", flush=True)
-    start = time.time()
-    try:
-        failures += run_fp8_case(buf, args.seed + 999, args.kernels)
-    except Exception as e:  # noqa: BLE001
-        failures.append(f"fp8: {type(e).__name__}: {e}")
-    if r == 0:
-        print(f"  fp8: done in {time.time() - start:.1f} s", flush=True)
-    start = time.time()
-    try:
-        failures += run_low_latency_case(buf, args.seed + 2000, **ll)
-    except Exception as e:  # noqa: BLE001
-        failures.append(f"low-latency: {type(e).__name__}: {e}")
-    if r == 0:
-        print(f"  low-latency: done in {time.time() - start:.1f} s", flush=True)
+
+    for i, (name, tokens, topk, num_experts, hidden, route) in enumerate(cases):
+        case(name, run_case, buf, name, args.seed + 1000 * i, tokens, topk, num_experts, hidden,
+             route)
+    case("fp8", run_fp8_case, buf, args.seed + 999, args.kernels)
+    case("normal mode in a CUDA graph", run_graph_case, buf, args.seed + 3000, args.kernels)
+    case("low-latency", run_low_latency_case, buf, args.seed + 2000, **ll)
     try:
         check_refusals(buf, failures)
     except Exception as e:  # noqa: BLE001
@@ -303,7 +340,7 @@ def main():
     dist.all_reduce(bad)
     buf.destroy()
     if r == 0:
-        total = len(cases) + 3
+        total = len(cases) + 4
         print(f"ep_gpu_check: {'FAILED ' + str(int(bad)) + ' checks' if bad else 'all passed'}"
               f" ({total} cases on {R} ranks, seed {args.seed})", flush=True)
     dist.destroy_process_group()

@@ -274,10 +274,10 @@ class SimBuffer(Buffer):
         self._world.exchange(self.rank, sends, recvs)
 
 
-def on_ranks(num_ranks, fn, **kwargs):
+def on_ranks(num_ranks, fn, buffer_class=SimBuffer, **kwargs):
     """fn(buffer) on every simulated rank at once; the per-rank results (or exceptions)."""
     world = World(num_ranks)
-    buffers = [SimBuffer(world, r, **kwargs) for r in range(num_ranks)]
+    buffers = [buffer_class(world, r, **kwargs) for r in range(num_ranks)]
     out = [None] * num_ranks
 
     def run(r):
@@ -429,16 +429,21 @@ def test_fp8_refusals_are_raised_on_every_rank():
                for e in results)
 
 
+def dispatch_with_worst(buf, xs, idxs, ws, num_experts, worst):
+    """This rank's layout, then its dispatch with num_worst_tokens=worst."""
+    r = buf.rank
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], num_experts)
+    return buf.dispatch(xs[r], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                        num_tokens_per_expert=per_expert, topk_idx=idxs[r], topk_weights=ws[r],
+                        num_worst_tokens=worst)
+
+
 def test_num_worst_tokens_pads_and_refuses_too_few():
     R, E = 2, 8
     xs, idxs, ws = routing(3, R, 10, 2, E, 16)
 
     def rank(buf, worst):
-        r = buf.rank
-        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], E)
-        return buf.dispatch(xs[r], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                            num_tokens_per_expert=per_expert, topk_idx=idxs[r],
-                            topk_weights=ws[r], num_worst_tokens=worst)
+        return dispatch_with_worst(buf, xs, idxs, ws, E, worst)
 
     want = reference.dispatch(xs, idxs, ws, E)
     got = raised(on_ranks(R, lambda b: rank(b, 20)))
@@ -695,3 +700,89 @@ def test_the_benchmarks_exact_checks_hold(use_ue8m0):
     rows, scales = low_latency.cast_fp8(x, round_scale=True, use_ue8m0=use_ue8m0)
     assert torch.equal(bench.dequantize(rows, scales), x)
     assert (idx.sort(1).values.diff(1) > 0).all() and ((w * 4).frac() == 0).all()
+
+
+# ---- the normal mode under CUDA-graph capture (fixed-size blocks, nothing read on the host) ----
+
+class CapturingSimBuffer(SimBuffer):
+    """A simulated rank whose every call runs as if a CUDA graph were being captured."""
+
+    def _capturing(self):
+        return True
+
+
+def on_capturing_ranks(num_ranks, fn, **kwargs):
+    return on_ranks(num_ranks, fn, buffer_class=CapturingSimBuffer, **kwargs)
+
+
+@pytest.mark.parametrize("num_ranks,fp8", [(2, False), (4, True), (8, False)])
+def test_captured_dispatch_and_combine_match_the_reference(num_ranks, fp8):
+    # Every rank with its own token count (0 on the last), as real batches differ.
+    E, K, H = 4 * num_ranks, 3, 256
+    xs, idxs, ws = routing(num_ranks * 5, num_ranks, 30, K, E, H)
+    counts = [30 - 7 * (r % 4) for r in range(num_ranks - 1)] + [0]
+    xs, idxs, ws = ([t[:n].contiguous() for t, n in zip(v, counts)] for v in (xs, idxs, ws))
+    tokens = fp8_tokens(xs, torch.Generator().manual_seed(2), "f32") if fp8 else xs
+    biases = [torch.randint(-4, 5, (n, H)).to(torch.bfloat16) for n in counts]
+    want = reference.dispatch([(d, s) for d, s in tokens] if fp8 else tokens, idxs, ws, E)
+    routes = [reference.layout(i, E, num_ranks)[2] for i in idxs]
+    worst = max(w.recv_src_idx.shape[0] for w in want) + 5
+
+    def rank(buf):
+        r = buf.rank
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], E)
+        recv_x, recv_idx, recv_w, listed, handle, _ = buf.dispatch(
+            tokens[r], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=idxs[r], topk_weights=ws[r],
+            num_worst_tokens=worst)
+        cached = buf.dispatch(tokens[r], handle=handle)[0]
+        rows = recv_x[0] if fp8 else recv_x
+        n = want[r].recv_src_idx.shape[0]
+        # The combine's input: the received rows, padding rows zero (a model's output there
+        # is whatever it computes; a combine ignores them).
+        expert_out = values_as_bf16(rows) if fp8 else rows.clone()
+        combined = buf.combine(expert_out, handle, topk_weights=recv_w, bias=biases[r])
+        return recv_x, recv_idx, recv_w, listed, handle, cached, combined, n
+
+    got = raised(on_capturing_ranks(num_ranks, rank))
+    outs = []
+    for r, (recv_x, recv_idx, recv_w, listed, handle, cached, combined, n) in enumerate(got):
+        w = want[r]
+        assert listed == [] and handle[3].shape[0] == worst
+        parts = recv_x if fp8 else (recv_x,)
+        want_parts = w.recv_x if fp8 else (w.recv_x,)
+        for got_part, cached_part, exp in zip(parts, cached if fp8 else (cached,), want_parts):
+            assert same_bits(got_part[:n].contiguous(), exp)
+            assert same_bits(cached_part[:n].contiguous(), exp)
+        assert torch.equal(recv_idx[:n], w.recv_topk_idx) and (recv_idx[n:] == -1).all()
+        assert torch.equal(recv_w[:n], w.recv_topk_weights) and (recv_w[n:] == 0).all()
+        assert torch.equal(handle[3][:n], w.recv_src_idx) and (handle[3][n:] == -1).all()
+        assert torch.equal(handle[0], w.rank_prefix_matrix)
+        outs.append(combined)
+    rows = [(g[0][0] if fp8 else g[0])[:g[7]] for g in got]
+    rows = [values_as_bf16(t) if fp8 else t for t in rows]
+    want_combined = reference.combine(routes, rows, [g[2][:g[7]] for g in got], biases)
+    for r in range(num_ranks):
+        assert torch.equal(outs[r][0], want_combined[r][0])
+        assert torch.equal(outs[r][1], want_combined[r][1])
+
+
+def values_as_bf16(rows):
+    """fp8 rows as the bf16 of their values (a stand-in for an expert's output)."""
+    return rows.float().to(torch.bfloat16)
+
+
+def test_capture_needs_num_worst_tokens_and_asserts_on_overflow():
+    R, E = 2, 8
+    xs, idxs, ws = routing(17, R, 12, 2, E, 16)
+
+    def rank(buf, worst):
+        return dispatch_with_worst(buf, xs, idxs, ws, E, worst)
+
+    results = on_capturing_ranks(R, lambda b: rank(b, 0))
+    assert all(isinstance(e, RuntimeError) and "without num_worst_tokens" in str(e)
+               for e in results)
+    # Too few rows: nothing can be raised in a graph, so the device asserts (here at once).
+    results = on_capturing_ranks(R, lambda b: rank(b, 1))
+    assert all(isinstance(e, RuntimeError) and "more tokens arrived than the 1 rows" in str(e)
+               for e in results)

@@ -6,7 +6,8 @@ Implemented, for 1 to 8 ranks (ranks may share a GPU):
 - the intranode normal mode: `get_dispatch_layout`, `dispatch` (bf16, or fp8 as DeepEP's
   `(tokens, scales)` pair; non-cached and cached through the handle; `expert_alignment`,
   `num_worst_tokens`; `previous_event`, `async_finish`, `allocate_on_comm_stream`), `combine`
-  (topk weights, bias), the configs and size hints;
+  (topk weights, bias), the configs and size hints; with `num_worst_tokens` > 0 (and for cached
+  dispatches and combines) capturable in a CUDA graph on the point-to-point path;
 - the low-latency mode (`low_latency_mode=True`): `low_latency_dispatch` (bf16, or fp8 with f32,
   power-of-two or packed UE8M0 scales; `cumulative_local_expert_recv_stats`; `return_recv_hook`;
   capturable in a CUDA graph), `low_latency_combine` (weighted; `zero_copy` through

@@ -8,9 +8,13 @@ the runtime (`CommSession.p2p`, one kernel, sends and receives matched in order 
 on the host; the tokens then move in a second group, each rank sending to each peer the rows it
 selects for it, packed in token order, into that peer's receive block for this source (a row and
 its metadata as one run of bytes: one send and one receive a peer). Combine
-sends the rows back the same way and reduces them in fp32 in ascending rank order. Every normal
-call reads a few counts on the host, so none may be captured in a CUDA graph, and `num_worst_tokens`
-shapes the outputs but does not remove that read.
+sends the rows back the same way and reduces them in fp32 in ascending rank order. An eager call
+reads a few counts on the host (so a receive beyond `num_worst_tokens` is a ValueError on every
+rank). Under CUDA-graph capture (a dispatch needs `num_worst_tokens` > 0 there, as in DeepEP; a
+cached dispatch and a combine need nothing) nothing is read on the host: every rank sends each
+rank a block of as many rows as it has tokens, the receiver packs the real ones with searches over
+running counts, and more than `num_worst_tokens` arriving is a device-side assertion, as in
+DeepEP.
 
 The kernel path (`Buffer.use_kernels = True`; on one H200 it matched the reference bit for bit at 2
 and 4 ranks, the 4096 x 7168 case not yet): `ep_notify` exchanges the
@@ -208,13 +212,15 @@ class Buffer:
         """Per rank and per expert how many tokens go there, and which token goes to which rank:
         `(num_tokens_per_rank [R] int32, None, num_tokens_per_expert [E] int32,
         is_token_in_rank [T, R] bool, event)`. `topk_idx` `[T, K]` int64, -1 for no expert."""
-        self._enter("get_dispatch_layout", previous_event, async_finish, allocate_on_comm_stream)
+        self._enter("get_dispatch_layout", previous_event, async_finish, allocate_on_comm_stream,
+                    graph_note=None)
         checks.tensor("topk_idx", topk_idx, torch.int64, 2)
         self._on_device("topk_idx", topk_idx)
         checks.num_experts(num_experts, self.group_size)
         compute = self._wait(previous_event)
         with self._on_stream():
-            checks.topk_range(topk_idx, num_experts)
+            if not self._capturing():  # the range check reads the values
+                checks.topk_range(topk_idx, num_experts)
             per_rank, per_expert, in_rank = _layout(topk_idx, num_experts, self.group_size)
         event = self._finish(compute, [topk_idx], [per_rank, per_expert, in_rank], async_finish)
         return per_rank, None, per_expert, in_rank, event
@@ -232,7 +238,14 @@ class Buffer:
 
         def check():
             nonlocal x, scales
-            self._enter(what, previous_event, async_finish, allocate_on_comm_stream)
+            if self._ep is not None:
+                note = "through the intranode kernels (Buffer.use_kernels): not yet"
+            elif handle is None and not num_worst_tokens:
+                note = ("without num_worst_tokens, whose receive size is read on the host: "
+                        "pass num_worst_tokens > 0, as DeepEP requires")
+            else:
+                note = None
+            self._enter(what, previous_event, async_finish, allocate_on_comm_stream, note)
             cfg = self.get_dispatch_config(self.group_size) if config is None else config
             x, scales = checks.tokens("x", x)
             self._on_device("x", x)
@@ -293,10 +306,11 @@ class Buffer:
                           num_sms=cfg.num_sms, dtype=str(x.dtype),
                           scales=None if scales is None else
                           f"{scales.dtype} x {list(scales.shape[1:])}")
-            return agreed, cfg
+            return agreed, cfg, T
 
-        config = self._collectively(what, check)
+        config, tokens_of = self._collectively(what, check)
         compute = self._wait(previous_event)
+        in_graph = self._capturing()
         with self._on_stream():
             if self._ep is not None:
                 in_rank = handle[4] if handle is not None else is_token_in_rank
@@ -305,22 +319,24 @@ class Buffer:
                     expert_alignment, num_worst_tokens, config)
             elif handle is not None:
                 rank_prefix, _, _, recv_src_idx, in_rank, _ = handle
-                counts = _counts_of(rank_prefix.cpu())
-                self._session.check()
                 rows = recv_src_idx.shape[0]
-                if scales is None:
-                    recv_x = self._move_tokens(x, in_rank, counts, rows)[0]
-                    outputs = [recv_x]
+                parts = [x] if scales is None else [x, _as_columns(scales)]
+                if in_graph:
+                    to_me = _counts_of(rank_prefix)[:, self.rank]
+                    moved = self._move_tokens_in_graph(parts, in_rank, to_me, rows, tokens_of)[0]
                 else:
-                    recv_x = _with_scales(*self._move_tokens(x, in_rank, counts, rows,
-                                                             _as_columns(scales)), scales)
-                    outputs = list(recv_x)
+                    counts = _counts_of(rank_prefix.cpu())
+                    self._session.check()
+                    moved = self._move_tokens(parts, in_rank, counts, rows)
+                recv_x = moved[0] if scales is None else _with_scales(*moved, scales)
+                outputs = [recv_x] if scales is None else list(recv_x)
                 result = (recv_x, None, None, None, None)
             else:
                 in_rank = is_token_in_rank
                 result, outputs = self._dispatch(x, scales, num_tokens_per_rank, in_rank,
                                                  num_tokens_per_expert, topk_idx, topk_weights,
-                                                 expert_alignment, num_worst_tokens, config)
+                                                 expert_alignment, num_worst_tokens, config,
+                                                 tokens_of if in_graph else None)
         inputs = [t for t in (x, scales, num_tokens_per_rank, in_rank, num_tokens_per_expert,
                               topk_idx, topk_weights) if t is not None]
         return result + (self._finish(compute, inputs, outputs, async_finish),)
@@ -334,7 +350,9 @@ class Buffer:
         biases = [b for b in (bias if isinstance(bias, tuple) else (bias,)) if b is not None]
 
         def check():
-            self._enter(what, previous_event, async_finish, allocate_on_comm_stream)
+            note = "through the intranode kernels (Buffer.use_kernels): not yet" \
+                if self._ep is not None else None
+            self._enter(what, previous_event, async_finish, allocate_on_comm_stream, note)
             cfg = self.get_combine_config(self.group_size) if config is None else config
             checks.hidden("x", x)
             self._on_device("x", x)
@@ -353,18 +371,19 @@ class Buffer:
                 self._on_device(f"bias[{i}]", b)
             needed = cfg.buffer_bytes(x.shape[1] * x.element_size(), self.group_size, num_topk)
             checks.buffer_size(what, self.num_nvl_bytes, needed, cfg)
-            return dict(hidden=x.shape[1], num_topk=num_topk, num_sms=cfg.num_sms), cfg
+            return dict(hidden=x.shape[1], num_topk=num_topk, num_sms=cfg.num_sms), cfg, \
+                in_rank.shape[0]
 
-        config = self._collectively(what, check)
+        config, tokens_of = self._collectively(what, check)
         compute = self._wait(previous_event)
         rank_prefix, _, _, recv_src_idx, in_rank, send_head = handle
         with self._on_stream():
             if self._ep is not None:
                 combined, combined_w = self._kernel_combine(x, handle, topk_weights, biases, config)
             else:
-                counts = _counts_of(rank_prefix.cpu())
-                self._session.check()
-                combined, combined_w = self._combine(x, topk_weights, biases, in_rank, counts)
+                combined, combined_w = self._combine(
+                    x, topk_weights, biases, in_rank, send_head, rank_prefix,
+                    tokens_of if self._capturing() else None)
         inputs = [x, rank_prefix, recv_src_idx, in_rank, send_head] + biases
         if topk_weights is not None:
             inputs.append(topk_weights)
@@ -440,7 +459,7 @@ class Buffer:
                 checks.topk_range(topk_idx, E)
             return dict(hidden=H, num_max_dispatch_tokens_per_rank=M, num_experts=E,
                         num_topk=topk_idx.shape[1], use_fp8=bool(use_fp8),
-                        round_scale=bool(round_scale), use_ue8m0=bool(use_ue8m0)), None
+                        round_scale=bool(round_scale), use_ue8m0=bool(use_ue8m0)), None, T
 
         self._collectively(what, check)
         compute = self._wait(None)
@@ -497,7 +516,8 @@ class Buffer:
             if not self._capturing():
                 checks.topk_range(topk_idx, E)
             return dict(hidden=H, num_max_dispatch_tokens_per_rank=M, num_experts=E,
-                        num_topk=plan.num_topk, zero_copy=bool(zero_copy)), None
+                        num_topk=plan.num_topk, zero_copy=bool(zero_copy)), None, \
+                topk_idx.shape[0]
 
         self._collectively(what, check)
         plan = self._ll_handle(what, handle)
@@ -528,43 +548,55 @@ class Buffer:
     # ---- the work ----------------------------------------------------------------------------
 
     def _dispatch(self, x, scales, num_tokens_per_rank, in_rank, num_tokens_per_expert, topk_idx,
-                  topk_weights, expert_alignment, num_worst_tokens, config):
+                  topk_weights, expert_alignment, num_worst_tokens, config, tokens_of=None):
+        """A non-cached dispatch on the point-to-point path. With `tokens_of` (every rank's token
+        count: the call is being captured, and num_worst_tokens > 0) nothing is read on the host:
+        the blocks have fixed sizes (`_move_tokens_in_graph`)."""
         R, me, dev = self.group_size, self.rank, self._device
         E = num_tokens_per_expert.shape[0]
         L, C = E // R, config.num_channels
+        in_graph = tokens_of is not None
         channel_prefix = _channel_prefix(in_rank, C)
         # What every rank needs of every other: its per-rank and per-expert counts, its channel
         # prefix rows, and whether its num_tokens_per_rank agrees with its is_token_in_rank (so a
         # caller's inconsistent pair is an error on every rank, not a size mismatch mid-transfer).
-        disagrees = (in_rank.sum(0, dtype=torch.int32) != num_tokens_per_rank).any()
-        mine = torch.cat([num_tokens_per_rank, num_tokens_per_expert, channel_prefix.flatten(),
-                          disagrees.to(torch.int32).reshape(1)])
+        # In a graph the counts are the routing's own and nothing can be raised: the flag goes
+        # unread.
+        per_rank = in_rank.sum(0, dtype=torch.int32)
+        disagrees = (per_rank != num_tokens_per_rank).any()
+        mine = torch.cat([per_rank if in_graph else num_tokens_per_rank, num_tokens_per_expert,
+                          channel_prefix.flatten(), disagrees.to(torch.int32).reshape(1)])
         table = torch.empty(R, mine.numel(), dtype=torch.int32, device=dev)
         self._exchange([[mine]] * R, [[table[p]] for p in range(R)])
-        table = table.cpu()
-        self._session.check()
-        bad = [r for r in range(R) if table[r, -1]]
-        if bad:
-            raise ValueError(f"dispatch: num_tokens_per_rank disagrees with is_token_in_rank on "
-                             f"rank(s) {bad} (pass both from the same get_dispatch_layout)")
+        if not in_graph:
+            table = table.cpu()
+            self._session.check()
+            bad = [r for r in range(R) if table[r, -1]]
+            if bad:
+                raise ValueError(f"dispatch: num_tokens_per_rank disagrees with is_token_in_rank "
+                                 f"on rank(s) {bad} (pass both from the same get_dispatch_layout)")
         counts = table[:, :R]
-        received = counts.sum(0)
-        if num_worst_tokens and int(received.max()) > num_worst_tokens:
-            over = {r: int(received[r]) for r in range(R) if received[r] > num_worst_tokens}
-            raise ValueError(f"dispatch: num_worst_tokens={num_worst_tokens} is below what "
-                             f"rank(s) receive: {over}")
         rank_prefix = counts.cumsum(0, dtype=torch.int32)
-        num_recv = int(received[me])
-        rows = num_worst_tokens if num_worst_tokens else num_recv
-        per_expert = table[:, R + me * L:R + (me + 1) * L].sum(0)
-        per_expert = ((per_expert + expert_alignment - 1) // expert_alignment
-                      * expert_alignment).tolist()
+        per_expert = []
+        if in_graph:
+            rows = num_worst_tokens
+        else:
+            received = counts.sum(0)
+            if num_worst_tokens and int(received.max()) > num_worst_tokens:
+                over = {r: int(received[r]) for r in range(R) if received[r] > num_worst_tokens}
+                raise ValueError(f"dispatch: num_worst_tokens={num_worst_tokens} is below what "
+                                 f"rank(s) receive: {over}")
+            rows = num_worst_tokens if num_worst_tokens else int(received[me])
+            if not num_worst_tokens:
+                per_expert = table[:, R + me * L:R + (me + 1) * L].sum(0)
+                per_expert = ((per_expert + expert_alignment - 1) // expert_alignment
+                              * expert_alignment).tolist()
         # Where channel c of source s starts in this rank's receive: the source's block start
         # plus the tokens of its channels before c.
         chan = table[:, R + E + me * C:R + E + (me + 1) * C]
         starts = rank_prefix[:, me] - counts[:, me]
         recv_channel_prefix = (starts[:, None] + torch.cat(
-            [torch.zeros(R, 1, dtype=torch.int32), chan[:, :-1]], 1)).to(torch.int32)
+            [torch.zeros_like(chan[:, :1]), chan[:, :-1]], 1)).to(torch.int32)
 
         # Each row's meta travels as int32 columns: its source index, top-k indices and weights,
         # and its scales (f32 or int32, bit for bit).
@@ -575,7 +607,12 @@ class Buffer:
         if scales is not None:
             meta.append(_as_columns(scales))
         meta = torch.cat(meta, 1)
-        recv_x, recv_meta = self._move_tokens(x, in_rank, counts, rows, meta)
+        if in_graph:
+            (recv_x, recv_meta), arrived = self._move_tokens_in_graph(
+                [x, meta], in_rank, counts[:, me], rows, tokens_of)
+        else:
+            recv_x, recv_meta = self._move_tokens([x, meta], in_rank, counts, rows)
+            arrived = torch.arange(rows, device=dev) < int(counts[:, me].sum())
         recv_src_idx = recv_meta[:, 0].contiguous()
         if scales is not None:
             recv_x = _with_scales(recv_x, recv_meta[:, 1 + 2 * K:], scales)
@@ -586,31 +623,101 @@ class Buffer:
             local = (expert >= me * L) & (expert < (me + 1) * L)
             recv_topk_idx = torch.where(local, expert - me * L, torch.full_like(expert, -1))
             recv_topk_weights = torch.where(local, weight, torch.zeros_like(weight))
-        if rows > num_recv:
-            # Rows past what arrived (num_worst_tokens): no expert, no weight, no source.
-            recv_src_idx[num_recv:] = -1
-            if recv_topk_idx is not None:
-                recv_topk_idx[num_recv:] = -1
-                recv_topk_weights[num_recv:] = 0
+        # Rows past what arrived (num_worst_tokens): no expert, no weight, no source.
+        recv_src_idx = torch.where(arrived, recv_src_idx, torch.full_like(recv_src_idx, -1))
+        if recv_topk_idx is not None:
+            recv_topk_idx = torch.where(arrived[:, None], recv_topk_idx,
+                                        torch.full_like(recv_topk_idx, -1))
+            recv_topk_weights = torch.where(arrived[:, None], recv_topk_weights,
+                                            torch.zeros_like(recv_topk_weights))
         handle = (rank_prefix.to(dev), channel_prefix, recv_channel_prefix.to(dev), recv_src_idx,
                   in_rank, _send_head(in_rank))
         self._remember(handle, C)
-        result = (recv_x, recv_topk_idx, recv_topk_weights,
-                  [] if num_worst_tokens else per_expert, handle)
+        result = (recv_x, recv_topk_idx, recv_topk_weights, per_expert, handle)
         received = list(recv_x) if scales is not None else [recv_x]
         outputs = received + [recv_topk_idx, recv_topk_weights] + list(handle)
         return result, outputs
 
-    def _move_tokens(self, x, in_rank, counts, rows, meta=None):
-        """One transfer: to each rank the rows of `x` (and `meta`) it selects in `in_rank`, in
-        token order, into that rank's `rows`-row receive, blocks by source ascending. `counts`
-        is the host `[R, R]` count matrix (row: source, column: destination)."""
+    def _move_tokens(self, parts, in_rank, counts, rows):
+        """One transfer: to each rank the rows of `parts` (tensors of one row per token) it
+        selects in `in_rank`, in token order, into that rank's `rows`-row receive, blocks by
+        source ascending. `counts` is the host `[R, R]` count matrix (row: source, column:
+        destination). Returns the received parts."""
         order = in_rank.t().nonzero()[:, 1]
-        parts = [x] if meta is None else [x, meta]
         received = self._send_rows(_row_bytes(parts).index_select(0, order),
                                    [int(c) for c in counts[self.rank]],
                                    [int(c) for c in counts[:, self.rank]], rows)
-        return tuple(_split_row_bytes(received, parts)) + ((None,) if meta is None else ())
+        return _split_row_bytes(received, parts)
+
+    def _move_tokens_in_graph(self, parts, in_rank, to_me, rows, tokens_of):
+        """`_move_tokens` with nothing read on the host, for CUDA-graph capture: each rank sends
+        every rank a block of as many rows as it has tokens (those it selects for that rank, in
+        order, then zeros), and the receiver packs the `to_me[s]` real rows of each source's block
+        into `rows` rows, blocks by source ascending (`tokens_of`: every rank's token count, from
+        the call's agreement). More than `rows` arriving is a device-side assertion, as in
+        DeepEP: it cannot be raised. Returns (the received parts, which rows arrived)."""
+        R, dev, T = self.group_size, self._device, in_rank.shape[0]
+        token = low_latency.slots_of(in_rank, T)
+        payload = _row_bytes(parts)
+        payload = torch.cat([payload, payload.new_zeros(1, payload.shape[1])])
+        recv = self._send_rows(payload.index_select(0, token.flatten()), [T] * R, tokens_of,
+                               sum(tokens_of), zero_rows=1)
+        block, row = _block_rows(tokens_of, dev)
+        real = row < to_me[block]
+        total = real.sum()
+        torch._assert_async(total <= rows, f"dispatch: more tokens arrived than the {rows} rows "
+                            "of num_worst_tokens")
+        running = real.cumsum(0)
+        pick = torch.searchsorted(running, torch.arange(1, rows + 1, device=dev))
+        received = recv.index_select(0, pick)
+        return _split_row_bytes(received, parts), torch.arange(rows, device=dev) < total
+
+    def _combine(self, x, topk_weights, biases, in_rank, send_head, rank_prefix, tokens_of):
+        """A combine on the point-to-point path: each received row back to its source, then per
+        token, in fp32, bias 0 plus bias 1, then the rows from ranks 0, 1, ... in order, rounded
+        once. With `tokens_of` (in a graph) the blocks have fixed sizes and nothing is read on
+        the host."""
+        R, me, dev = self.group_size, self.rank, self._device
+        T, H = in_rank.shape[0], x.shape[1]
+        parts = [x] if topk_weights is None else [x, topk_weights]
+        rows_out = _row_bytes(parts)
+        if tokens_of is None:
+            counts = _counts_of(rank_prefix.cpu())
+            self._session.check()
+            # The rows this rank received from each peer go back to it; each peer's rows for
+            # this rank's tokens come back in the send layout (blocks by destination, in order).
+            n_to = [int(c) for c in counts[me]]
+            back = self._send_rows(rows_out, [int(c) for c in counts[:, me]], n_to, sum(n_to),
+                                   zero_rows=1)
+            starts = [sum(n_to[:d]) for d in range(R)]
+        else:
+            # Back to each source a block of as many rows as it has tokens: the rows received
+            # from it, then zeros.
+            to_me = _counts_of(rank_prefix)[:, me]
+            begin = rank_prefix[:, me] - to_me
+            block, row = _block_rows(tokens_of, dev)
+            take = torch.where(row < to_me[block], begin[block] + row,
+                               torch.full_like(row, x.shape[0]))
+            padded = torch.cat([rows_out, rows_out.new_zeros(1, rows_out.shape[1])])
+            back = self._send_rows(padded.index_select(0, take), tokens_of, [T] * R, R * T,
+                                   zero_rows=1)
+            starts = [d * T for d in range(R)]
+        back_x, back_w = (_split_row_bytes(back, parts) + [None])[:2]
+        # Bias 0 plus bias 1 (0 for a missing one) first, as the spec adds them.
+        acc = torch.zeros(T, H, dtype=torch.float32, device=dev)
+        if biases:
+            acc = biases[0].float() + (biases[1].float() if len(biases) > 1 else 0.0)
+        acc_w = None if topk_weights is None else torch.zeros(
+            T, topk_weights.shape[1], dtype=torch.float32, device=dev)
+        last = back.shape[0] - 1  # the zero row
+        for d in range(R):
+            went = in_rank[:, d]
+            at = torch.where(went, starts[d] + send_head[:, d].to(torch.int64),
+                             torch.full((T,), last, dtype=torch.int64, device=dev))
+            acc = torch.where(went[:, None], acc + back_x.index_select(0, at).float(), acc)
+            if acc_w is not None:
+                acc_w = torch.where(went[:, None], acc_w + back_w.index_select(0, at), acc_w)
+        return acc.to(x.dtype), acc_w
 
     def _send_rows(self, rows_out, n_out, n_in, rows_in, zero_rows=0):
         """One point-to-point group: `rows_out` `[N, B]` bytes, blocks of `n_out[p]` rows to each
@@ -628,33 +735,6 @@ class Buffer:
             sent, got = sent + n_out[p], got + n_in[p]
         self._exchange(sends, recvs)
         return received
-
-    def _combine(self, x, topk_weights, biases, in_rank, counts):
-        R, me = self.group_size, self.rank
-        T, H = in_rank.shape[0], x.shape[1]
-        order = in_rank.t().nonzero()[:, 1]
-        # The rows this rank received from each peer go back to it; each peer's rows for this
-        # rank's tokens come back in the send layout (blocks by destination, tokens in order).
-        parts = [x] if topk_weights is None else [x, topk_weights]
-        n_to = [int(c) for c in counts[me]]
-        back = self._send_rows(_row_bytes(parts), [int(c) for c in counts[:, me]], n_to,
-                               order.numel())
-        back_x, back_w = (_split_row_bytes(back, parts) + [None])[:2]
-        offsets = [(sum(n_to[:p]), n_to[p]) for p in range(R)]
-        # Bias 0 plus bias 1 (0 for a missing one) first, as the spec adds them.
-        acc = torch.zeros(T, H, dtype=torch.float32, device=x.device)
-        if biases:
-            acc = biases[0].float() + (biases[1].float() if len(biases) > 1 else 0.0)
-        acc_w = None if topk_weights is None else torch.zeros(
-            T, topk_weights.shape[1], dtype=torch.float32, device=x.device)
-        for p, (off, n) in enumerate(offsets):
-            if n == 0:
-                continue
-            tokens = order[off:off + n]
-            acc[tokens] += back_x[off:off + n].float()
-            if acc_w is not None:
-                acc_w[tokens] += back_w[off:off + n]
-        return acc.to(x.dtype), acc_w
 
     def _kernel_dispatch(self, x, handle, in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                          expert_alignment, num_worst_tokens, config):
@@ -815,12 +895,13 @@ class Buffer:
         if self._session is None:
             raise RuntimeError(f"{what}: this Buffer was destroyed")
 
-    def _enter(self, what, previous_event, async_finish, allocate_on_comm_stream):
+    def _enter(self, what, previous_event, async_finish, allocate_on_comm_stream, graph_note):
+        """The checks every normal-mode call makes first; `graph_note`, when the call cannot be
+        captured in a CUDA graph, says why (refused while capturing)."""
         self._live(what)
         checks.stream_events(previous_event, async_finish, allocate_on_comm_stream)
-        if self._capturing():
-            raise RuntimeError(f"{what}: cannot be captured in a CUDA graph yet (this phase reads "
-                               "the token counts on the host)")
+        if graph_note is not None and self._capturing():
+            raise RuntimeError(f"{what}: cannot be captured in a CUDA graph {graph_note}")
 
     # The CUDA stream and graph state, in methods of their own so the CPU tests can stand in.
     def _capturing(self):
@@ -834,14 +915,15 @@ class Buffer:
             raise ValueError(f"{what} is on {t.device}, this Buffer on {self._device}")
 
     def _collectively(self, what, check):
-        """Runs `check` (the call's argument checks: it returns the values every rank must share
-        and the call's config, or raises) on every rank, then compares on the bootstrap, before
-        any device work: a refusal on one rank, or ranks that disagree, is an error on every
-        rank (a lone refusal would leave the others waiting for it). Returns the config."""
+        """Runs `check` (the call's argument checks: it returns the values every rank must share,
+        the call's config and this rank's token count, or raises) on every rank, then compares
+        on the bootstrap, before any device work: a refusal on one rank, or ranks that disagree,
+        is an error on every rank (a lone refusal would leave the others waiting for it).
+        Returns the config and every rank's token count."""
         self._live(what)
         try:
-            values, config = check()
-            mine = {"values": values}
+            values, config, tokens = check()
+            mine = {"values": values, "tokens": tokens}
         except (TypeError, ValueError, NotImplementedError, RuntimeError) as e:
             error, mine = e, {"error": f"{type(e).__name__}: {e}"}
         else:
@@ -857,7 +939,7 @@ class Buffer:
             seen = {r: e["values"][key] for r, e in enumerate(every)}
             if len(set(seen.values())) > 1:
                 raise ValueError(f"{what}: the ranks disagree on {key}: {seen}")
-        return config
+        return config, [e["tokens"] for e in every]
 
     def _wait(self, previous_event):
         compute = torch.cuda.current_stream()
@@ -983,6 +1065,22 @@ def _split_row_bytes(rows, like):
         out.append(piece.view((rows.shape[0],) + tuple(part.shape[1:])))
         at += width
     return out
+
+
+def _block_rows(sizes, device):
+    """For rows flattened over consecutive blocks of `sizes` (host ints): each row's block and
+    its index in the block, built from scalars on the device (no copy from the host, so that a
+    CUDA graph can capture it)."""
+    flat = torch.arange(sum(sizes), device=device)
+    block = torch.zeros_like(flat)
+    start = torch.zeros_like(flat)
+    at = 0
+    for b, n in enumerate(sizes[:-1]):
+        at += n
+        later = flat >= at
+        block = torch.where(later, torch.full_like(block, b + 1), block)
+        start = torch.where(later, torch.full_like(start, at), start)
+    return block, flat - start
 
 
 def _as_columns(scales):

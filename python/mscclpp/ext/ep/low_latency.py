@@ -86,15 +86,21 @@ def send_slots(rank, num_ranks, num_max):
     """`(token [R, M], position [T, R])`: which token fills row j of the block for rank d (T, the
     padding row, past the tokens that go there), and each token's row in each block (-1 if it
     does not go there)."""
-    tokens = rank.shape[0]
     goes = (rank[:, :, None] == torch.arange(num_ranks, device=rank.device)).any(1)  # [T, R]
-    filled = goes.to(torch.int32).cumsum(0, dtype=torch.int32)  # [T, R]
+    filled = goes.to(torch.int32).cumsum(0, dtype=torch.int32)
     position = torch.where(goes, filled - 1, torch.full_like(filled, -1))
+    return slots_of(goes, num_max), position
+
+
+def slots_of(goes, num_max):
+    """`[R, M]`: for `goes [T, R]` (token t goes to rank d), which token fills row j of the block
+    for rank d, tokens in order; T (a padding row) past the tokens that go there."""
+    tokens, num_ranks = goes.shape
+    filled = goes.to(torch.int32).cumsum(0, dtype=torch.int32).t().contiguous()  # [R, T]
     # Row j holds the first token whose running count reaches j + 1.
-    wanted = torch.arange(1, num_max + 1, dtype=torch.int32, device=rank.device)
-    token = torch.searchsorted(filled.t().contiguous(), wanted.expand(num_ranks, num_max)
-                               .contiguous())
-    return token.clamp(max=tokens), position
+    wanted = torch.arange(1, num_max + 1, dtype=torch.int32, device=goes.device)
+    token = torch.searchsorted(filled, wanted.expand(num_ranks, num_max).contiguous())
+    return token.clamp(max=tokens)
 
 
 def block_meta(token, rank, local, num_tokens):
