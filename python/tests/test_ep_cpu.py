@@ -187,6 +187,14 @@ def test_the_signatures_are_deepeps():
     assert list(inspect.signature(Buffer.combine).parameters) == [
         "self", "x", "handle", "topk_weights", "bias", "config", "previous_event", "async_finish",
         "allocate_on_comm_stream"]
+    assert list(inspect.signature(Buffer.low_latency_dispatch).parameters) == [
+        "self", "x", "topk_idx", "num_max_dispatch_tokens_per_rank", "num_experts",
+        "cumulative_local_expert_recv_stats", "dispatch_wait_recv_cost_stats", "use_fp8",
+        "round_scale", "use_ue8m0", "async_finish", "return_recv_hook"]
+    assert list(inspect.signature(Buffer.low_latency_combine).parameters) == [
+        "self", "x", "topk_idx", "topk_weights", "handle", "use_logfmt", "zero_copy",
+        "async_finish", "return_recv_hook", "out", "combine_wait_recv_cost_stats"]
+    assert inspect.signature(Buffer.low_latency_dispatch).parameters["use_fp8"].default is True
     assert Buffer.num_sms == 20
     assert {"Buffer", "Config", "EventOverlap", "EventHandle"} <= set(ep.__all__)
     assert {"AlgorithmCollection", "AlgorithmCollectionBuilder"} <= set(mscclpp.ext.__all__)
@@ -204,6 +212,11 @@ def test_what_is_not_implemented_says_so():
     assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) % 128 == 0
     with pytest.raises(ValueError, match="num_experts=10 does not split into 4 ranks"):
         Buffer.get_low_latency_rdma_size_hint(128, 7168, 4, 10)
+    for name, args in (("low_latency_update_mask_buffer", (1, True)),
+                       ("low_latency_query_mask_buffer", (torch.zeros(2),)),
+                       ("low_latency_clean_mask_buffer", ())):
+        with pytest.raises(NotImplementedError, match=f"{name}: masking ranks .* fails every"):
+            getattr(Buffer, name)(None, *args)
     with pytest.raises(ValueError, match="either group"):
         Buffer(None)
     with pytest.raises(ValueError, match="new_num_sms=3"):

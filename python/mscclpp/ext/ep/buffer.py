@@ -56,6 +56,14 @@ def _not_in_phase_1(what):
                               "intranode normal mode and the low-latency mode")
 
 
+def _not_masked(what):
+    raise NotImplementedError(
+        f"{what}: masking ranks out of the low-latency mode is not implemented: DeepEP masks a "
+        "failed rank to go on without it, while this runtime's communicator fails every rank's "
+        "calls when a peer dies or stalls (an error naming the peer, within the device wait "
+        "timeout); make a new Buffer over the survivors instead")
+
+
 class Buffer:
     """The expert-parallel communication buffer of one rank of `group` (DeepEP's `Buffer`).
 
@@ -531,6 +539,15 @@ class Buffer:
         inputs = [x, topk_idx, topk_weights, handle[0], handle[1]]
         event = self._finish(compute, inputs, [combined], async_finish)
         return combined, event, _arrived if return_recv_hook else None
+
+    def low_latency_update_mask_buffer(self, rank_to_mask, mask=False):
+        _not_masked("low_latency_update_mask_buffer")
+
+    def low_latency_query_mask_buffer(self, mask_status):
+        _not_masked("low_latency_query_mask_buffer")
+
+    def low_latency_clean_mask_buffer(self):
+        _not_masked("low_latency_clean_mask_buffer")
 
     def get_next_low_latency_combine_buffer(self, handle):
         """The `[L, R * M, H]` bf16 tensor a `zero_copy` low-latency combine reads its rows from
