@@ -9,7 +9,8 @@
 //! - prod: `|got - ref| <= n·u·|ref|·2 + n·s`
 //! - min, max: exact
 //!
-//! with `u` the type's unit roundoff and `s` its smallest subnormal ([`TOLERANCE_TEXT`]).
+//! with `u` the type's unit roundoff and `s` its smallest subnormal ([`TOLERANCE_TEXT`]). A
+//! reduction over one rank does no arithmetic, so its output must be its input bit for bit.
 //! Checking splits the elements over threads: a 1 GiB message is hundreds of millions of them.
 
 use super::data::{
@@ -23,7 +24,7 @@ use mscclpp_core::{Collective, DataType, ReduceOp};
 pub const TOLERANCE_TEXT: &str =
     "floats: sum |got-ref| <= n*u*sum|x| + n*s, avg <= (n+1)*u*sum|x|/n + n*s, \
 prod <= 2*n*u*|ref| + n*s (u: unit roundoff, s: smallest subnormal of the type); \
-min/max, integers and copies exact";
+min/max, integers, copies and reductions over one rank exact";
 
 /// Result of checking one output buffer.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -193,7 +194,9 @@ fn check_range(
         let describe = out.first.is_none();
         let wrong = |text: &dyn Fn() -> String| Some(if describe { text() } else { String::new() });
         let mismatch: Option<String> = match shape.collective {
-            Collective::AllReduce | Collective::ReduceScatter | Collective::Reduce => {
+            // A reduction over one rank does no arithmetic: it is checked as the copy it is,
+            // bit for bit (below), which is stricter and a quarter of the work.
+            Collective::AllReduce | Collective::ReduceScatter | Collective::Reduce if n > 1 => {
                 // Element i of the output is element `offset + i` of every input.
                 let offset = if shape.collective == Collective::ReduceScatter {
                     rank * shape.per_rank_count
@@ -232,9 +235,13 @@ fn check_range(
             | Collective::Broadcast
             | Collective::Scatter
             | Collective::AllToAll
-            | Collective::SendRecv => {
+            | Collective::SendRecv
+            | Collective::AllReduce
+            | Collective::ReduceScatter
+            | Collective::Reduce => {
                 // Data movement: which rank's input element lands at output element i (for
-                // all-to-all, chunk s of the output is chunk `rank` of rank s's input).
+                // all-to-all, chunk s of the output is chunk `rank` of rank s's input; for a
+                // reduction over one rank, element i of its own input).
                 let c = shape.per_rank_count.max(1);
                 let (src_rank, src_index) = match shape.collective {
                     Collective::AllGather | Collective::Gather => (i / c, i % c),
@@ -423,6 +430,29 @@ mod tests {
             out[..first].iter_mut().for_each(|b| *b ^= 0x40);
             let bad = check_output(&shape, &s, ReduceOp::Sum, rank, 0, &out);
             assert_eq!(bad.wrong, first / e, "{dtype} rank {rank}");
+        }
+    }
+
+    #[test]
+    fn a_reduction_over_one_rank_must_be_its_input_bit_for_bit() {
+        for (c, dtype, op) in [
+            (Collective::AllReduce, DataType::Bf16, ReduceOp::Sum),
+            (Collective::AllReduce, DataType::F32, ReduceOp::Prod),
+            (Collective::ReduceScatter, DataType::F16, ReduceOp::Avg),
+            (Collective::Reduce, DataType::I32, ReduceOp::Sum),
+        ] {
+            let shape = Shape::new(c, dtype, 4096, 1).expect("shape");
+            let s = spec(dtype, Some(op), 1);
+            let mut out = s.encode_range(0, 0, shape.output_bytes / dtype.size());
+            assert_eq!(
+                check_output(&shape, &s, op, 0, 0, &out).wrong,
+                0,
+                "{c} {dtype}"
+            );
+            // One unit in the last place off: within a sum's tolerance, but no arithmetic ran.
+            out[0] ^= 1;
+            let bad = check_output(&shape, &s, op, 0, 0, &out);
+            assert_eq!(bad.wrong, 1, "{c} {dtype} {op}");
         }
     }
 
