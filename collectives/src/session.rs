@@ -161,12 +161,25 @@ impl CommSession {
             nvls_allowed: false,
             in_place: SelectionContext::buffers_in_place(collective, args, rank),
         };
-        let algorithm = match prefer(&ctx)? {
-            Some(name) => self.algorithms.chosen(&ctx, &name)?,
-            None => self.algorithms.select(&ctx)?,
-        };
-        algorithm.check(args)?;
-        Ok(algorithm)
+        match prefer(&ctx)? {
+            Some(name) => {
+                let algorithm = self.algorithms.chosen(&ctx, &name)?;
+                // The program's selector chose it: say so, so that the refusal is read as the
+                // selector's mistake, not as a call nothing here can run.
+                let said = |why| format!("the selector chose {name}, which cannot take it: {why}");
+                algorithm.check(args).map_err(|e| match e {
+                    Error::Unsupported(why) => Error::Unsupported(said(why)),
+                    Error::InvalidArgument(why) => Error::InvalidArgument(said(why)),
+                    other => other,
+                })?;
+                Ok(algorithm)
+            }
+            None => {
+                let algorithm = self.algorithms.select(&ctx)?;
+                algorithm.check(args)?;
+                Ok(algorithm)
+            }
+        }
     }
 
     /// Selects ([`native`](Self::native)) and runs one collective on `args.stream`.

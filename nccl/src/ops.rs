@@ -105,7 +105,7 @@ fn submit(
                     }
                     return Ok(SUCCESS);
                 }
-                Err(e) => format!("no native algorithm takes it ({e})"),
+                Err(e) => format!("mscclpp-rs cannot run it ({e})"),
             },
             Native::None(why) => why,
         }

@@ -2,7 +2,8 @@
 (`allreduce_packet` of dsl/algorithms.py), register it and a selector with
 `AlgorithmCollectionBuilder`, then `dist.init_process_group("nccl")` with the NCCL shim preloaded:
 the shim's communicator takes the plan, and the selector is asked before each of its
-collectives. The selector answers with the plan for float32 all-reduces the plan's range covers
+collectives. The plan is written in place, as dist.all_reduce calls it; the selector answers with
+it for in-place float32 all-reduces that its range covers and that cut into one chunk a rank,
 and leaves the rest to the shim. CALLS all-reduces (default 300) of sizes drawn from a shared
 seed (DSL_NCCL_SEED, printed) on tensors every rank places in its own pattern, as a caching
 allocator gives them: rank-dependent padding allocations kept or dropped, views at odd offsets,
@@ -34,14 +35,18 @@ def main():
     torch.cuda.set_device(local % torch.cuda.device_count())
     if not _shim.in_process():
         sys.exit("dsl_with_nccl_api: preload the shim: LD_PRELOAD=$(python -m mscclpp --nccl-lib)")
-    spec = algorithms.spec_for("allreduce_packet", world)
+    # dist.all_reduce is in place: so is the plan (a plan refuses buffers it was not written for).
+    spec = algorithms.spec_for("allreduce_packet", world, in_place=True)
     algo = mscclpp.compile(algo=algorithms.allreduce_packet, algo_spec=spec, rank=rank)
     low, high = algo.message_size_range
     answers = {"plan": 0, "shim": 0}
 
     def selector(by_collective, request):
+        # The plan cuts the buffer into one chunk a rank: PyTorch's own 1-element all-reduces
+        # (a barrier) go to the shim.
         if (request.collective == "allreduce" and request.dtype == mscclpp.DataType.float32
-                and low <= request.message_size <= high):
+                and request.in_place and low <= request.message_size <= high
+                and request.message_size % (4 * world) == 0):
             answers["plan"] += 1
             return by_collective["allreduce"][algo.name]
         answers["shim"] += 1

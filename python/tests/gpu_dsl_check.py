@@ -183,6 +183,10 @@ def run_case(case, executor, seed):
     return failures
 
 
+# The words of port channels' refusal to run with too many MPS clients on a GPU.
+MPS_PORT_REFUSAL = "share a GPU as MPS clients"
+
+
 def main():
     group = init_comm_group()
     n, rank = group.nranks, group.my_rank
@@ -199,7 +203,18 @@ def main():
         if rank == 0:
             for note in case.notes:
                 print(f"note {name}: {note}", flush=True)
-        mine = run_case(case, executor, 1000 * i)
+        try:
+            mine = run_case(case, executor, 1000 * i)
+        except mscclpp.MscclppError as e:
+            # Port channels refuse, on every rank alike, to start where ranks share a GPU under
+            # MPS beyond what their proxy's copies survive (core/src/port_channel.rs): a skip
+            # with its reason, not a failure. Any other error fails the check.
+            if MPS_PORT_REFUSAL not in str(e):
+                raise
+            if rank == 0:
+                print(f"skip {name}: {e}", flush=True)
+            del case, algo
+            continue
         for f in mine:
             print(f"rank {rank}: FAIL {f}", flush=True)
         counts = [int(b) for b in group.bootstrap.all_gather(str(len(mine)).encode())]

@@ -322,10 +322,12 @@ ALGORITHMS = {
 IN_PLACE = {"allreduce_two_nodes"}
 
 
-def spec_for(name, world_size, **overrides):
-    """The AlgoSpec ALGORITHMS gives `name` at `world_size` ranks (fields overridable)."""
+def spec_for(name, world_size, in_place=None, **overrides):
+    """The AlgoSpec ALGORITHMS gives `name` at `world_size` ranks (fields overridable; in place
+    where IN_PLACE says, unless `in_place` says otherwise)."""
     _, collective, chunk_factor, protocol, instances, _ = ALGORITHMS[name]
-    in_place = name in IN_PLACE
+    if in_place is None:
+        in_place = name in IN_PLACE
     fields = dict(
         name=f"{name}_{world_size}",
         collective=collective(world_size, chunk_factor, in_place),
