@@ -8,13 +8,14 @@
 //! into its unit (few data ops), and a user's `compile_native` source, exist only at run time:
 //! NVRTC compiles those.
 //!
-//! [`UnitSet::Default`] is what programs use, 135 units an architecture. Every variant would be
-//! 1,447, eleven times the compiles and the bytes (the plan interpreter's 960, one per type, op
+//! [`UnitSet::Default`] is what programs use, 137 units an architecture. Every variant would be
+//! 1,448, eleven times the compiles and the bytes (the plan interpreter's 960, one per type, op
 //! and feature set, are most of them); the rest compile at run time on first use, once per
 //! machine (the disk cache).
 
 use mscclpp_collectives::port_allreduce;
 use mscclpp_core::{AccumType, DataType, ReduceOp, Result};
+use mscclpp_kernels_cu::bench_data;
 use mscclpp_kernels_cu::collectives::{self as kc, CollectiveFile, ReduceSpec};
 use mscclpp_kernels_cu::executor::{self as kx, PlanFeatures};
 use mscclpp_kernels_cu::nvls_units::{nvls_unit_name, nvls_unit_source, NVLS_DTYPES};
@@ -129,6 +130,12 @@ pub fn units(set: UnitSet) -> Result<Vec<Unit>> {
             source: nvls_unit_source(dtype)?,
         });
     }
+    // The benchmark's inputs and checks: the main job runs them before anything else.
+    out.push(Unit {
+        family: "bench_data",
+        name: bench_data::UNIT_NAME.to_string(),
+        source: bench_data::SOURCE.to_string(),
+    });
     for (dtype, accum, op) in set.plan_variants() {
         for features in every_plan_features() {
             let (name, source) = kx::unit_source(dtype, accum, op, features)?;
@@ -154,12 +161,12 @@ mod tests {
         assert_eq!(names.len(), all.len(), "a unit name repeats");
         // The byte-oriented units: every file that does not reduce, one unit each.
         let plain = CollectiveFile::ALL.iter().filter(|f| !f.reduces()).count();
-        assert_eq!(all.len(), plain + 3 * 120 + 120 + 3 + 120 * 8);
+        assert_eq!(all.len(), plain + 3 * 120 + 120 + 3 + 1 + 120 * 8);
         let default = units(UnitSet::Default).expect("default");
         assert!(default.iter().all(|u| names.contains(u.name.as_str())));
         // f32, f16, bf16 in their own type and f16, bf16 in f32 (5 pairs) x 4 ops, and i32, i64 x
         // 3 ops: 26 specs, each in the 3 reducing files and the port-channel all-reduce.
-        assert_eq!(default.len(), plain + 4 * 26 + 3 + 3 * 8);
+        assert_eq!(default.len(), plain + 4 * 26 + 3 + 1 + 3 * 8);
     }
 
     /// The units the README's first programs run are embedded: a bf16 sum all-reduce

@@ -167,3 +167,22 @@ fn ep_intranode_unit_compiles_for_every_arch() {
         &mscclpp_kernels_cu::ep::layout_asserts(),
     );
 }
+
+/// The benchmark's device inputs and checks (kernels/bench_data.cu), which the main job loads
+/// from the ahead-of-time blob.
+#[test]
+fn bench_data_unit_compiles_for_every_arch() {
+    use mscclpp_kernels_cu::bench_data;
+    let Some(nvrtc) = nvrtc_or_skip("bench_data_unit_compiles_for_every_arch") else {
+        return;
+    };
+    let src = format!("{}{}", bench_data::SOURCE, bench_data::layout_asserts());
+    for arch in ["sm_80", "sm_90", "sm_100"] {
+        let image = compile_for(&nvrtc, bench_data::UNIT_NAME, &src, arch);
+        assert!(
+            has_symbol(&image, bench_data::ENTRY),
+            "{} missing for {arch}",
+            bench_data::ENTRY
+        );
+    }
+}

@@ -8,6 +8,7 @@
 //! type (`simple_allreduce_<dtype>`), so a program compiles only the types it uses.
 
 pub mod alltoall;
+pub mod bench_data;
 pub mod collectives;
 pub mod ep;
 pub mod executor;

@@ -403,6 +403,109 @@ mod tests {
         );
     }
 
+    /// The device check (bench_data.cu) of `args`, run here with data.rs's generator: what the
+    /// kernel computes, so that its mapping from output elements to inputs is tested on the CPU.
+    fn device_check_on_the_host(
+        s: &InputSpec,
+        op: ReduceOp,
+        args: &mscclpp_kernels_cu::bench_data::BenchDataArgs,
+        got: &[u8],
+    ) -> usize {
+        use mscclpp_kernels_cu::bench_data::{MODE_CHECK_BLOCKS, MODE_CHECK_COPY};
+        let e = s.dtype.size();
+        (0..args.count as usize)
+            .filter(|&i| {
+                let g = word(&got[i * e..(i + 1) * e]);
+                let (base, block) = (args.base as usize, args.block as usize);
+                match args.mode {
+                    MODE_CHECK_COPY => g != s.rank(args.rank as usize).element(base + i).0,
+                    MODE_CHECK_BLOCKS => g != s.rank(i / block).element(base + i % block).0,
+                    _ if s.dtype.is_float() => {
+                        let v: Vec<f64> =
+                            (0..s.nranks).map(|r| s.rank(r).value(base + i)).collect();
+                        let (want, tol) = Rounding::of(s.dtype).reference(op, &v);
+                        (float_of_word(s.dtype, g) - want).abs() > tol
+                            || float_of_word(s.dtype, g).is_nan()
+                    }
+                    _ => {
+                        let v: Vec<i128> = (0..s.nranks)
+                            .map(|r| s.rank(r).value(base + i) as i128)
+                            .collect();
+                        int_of_word(s.dtype, g) != int_reference(s.dtype, op, &v)
+                    }
+                }
+            })
+            .count()
+    }
+
+    #[rstest]
+    fn the_device_plan_reads_the_inputs_the_host_check_reads(
+        #[values(
+            Collective::AllReduce,
+            Collective::ReduceScatter,
+            Collective::Reduce,
+            Collective::AllGather,
+            Collective::Gather,
+            Collective::Broadcast,
+            Collective::Scatter,
+            Collective::AllToAll,
+            Collective::SendRecv
+        )]
+        c: Collective,
+        #[values(1, 3, 4)] n: usize,
+    ) {
+        use super::super::device_data::{CheckPlan, DeviceData};
+        for (dtype, op) in [
+            (DataType::Bf16, ReduceOp::Sum),
+            (DataType::F32, ReduceOp::Avg),
+            (DataType::I8, ReduceOp::Prod),
+            (DataType::U32, ReduceOp::Max),
+        ] {
+            let shape = Shape::new(c, dtype, 96 * n * dtype.size(), n).expect("shape");
+            let s = spec(dtype, c.reduces().then_some(op), n);
+            for rank in 0..n {
+                // correct_output draws the broadcast and the scatter from rank 0; reduce and
+                // gather are checked on their root only.
+                let root = if matches!(c, Collective::Reduce | Collective::Gather) {
+                    n - 1
+                } else {
+                    0
+                };
+                let mut out = correct_output(&shape, &s, op, rank);
+                let plan = DeviceData::plan(&shape, &s, op, (rank, root));
+                let args = match plan {
+                    CheckPlan::Unchecked => {
+                        assert!(
+                            matches!(c, Collective::Reduce | Collective::Gather) && rank != root
+                        );
+                        continue;
+                    }
+                    CheckPlan::Host => panic!("{c} {dtype} {op}: not planned for the device"),
+                    CheckPlan::Device(args) => args,
+                };
+                assert_eq!(args.count as usize, shape.output_bytes / dtype.size());
+                let host = check_output(&shape, &s, op, rank, root, &out).wrong;
+                let device = device_check_on_the_host(&s, op, &args, &out);
+                assert_eq!(
+                    (host, device),
+                    (0, 0),
+                    "{c} {dtype} {op} rank {rank} of {n}"
+                );
+                let e = dtype.size();
+                for i in [0, args.count as usize / 2, args.count as usize - 1] {
+                    out[(i + 1) * e - 1] ^= 0x40;
+                }
+                let host = check_output(&shape, &s, op, rank, root, &out).wrong;
+                let device = device_check_on_the_host(&s, op, &args, &out);
+                assert_eq!(
+                    host, device,
+                    "{c} {dtype} {op} rank {rank} of {n}, corrupted"
+                );
+                assert!(host >= 1, "{c} {dtype} {op} rank {rank} of {n}, corrupted");
+            }
+        }
+    }
+
     #[rstest]
     #[case(DataType::Bf16, 2)]
     #[case(DataType::I32, 3)]

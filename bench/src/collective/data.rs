@@ -79,7 +79,10 @@ pub fn encode_word(dtype: DataType, v: f64) -> u64 {
     match dtype {
         DataType::F32 => u64::from((v as f32).to_bits()),
         DataType::F64 => v.to_bits(),
-        DataType::F16 => u64::from(f16::from_f64(v).to_bits()),
+        // Through f32, as the device draws it (bench_data.cu): half's f64 conversion drops the
+        // low bits before rounding, which no device conversion does. Every value used is the
+        // decoded one, so a second rounding changes no check.
+        DataType::F16 => u64::from(f16::from_f32(v as f32).to_bits()),
         DataType::Bf16 => u64::from(bf16_bits(v)),
         DataType::I8 => u64::from(v as i64 as i8 as u8),
         DataType::U8 => u64::from(v as i64 as u8),
@@ -192,7 +195,7 @@ pub struct InputSpec {
 
 impl InputSpec {
     /// How this configuration's values are drawn from random bits: see the module docs.
-    fn draw(&self) -> Draw {
+    pub(super) fn draw(&self) -> Draw {
         let n = self.nranks.max(1) as f64;
         let dtype = self.dtype;
         if dtype.is_float() {
@@ -261,7 +264,7 @@ impl InputSpec {
 /// How values come from 53 random bits `t` in [0, 1), worked out once per input: a 1 GiB check
 /// draws hundreds of millions of elements.
 #[derive(Debug, Clone, Copy)]
-enum Draw {
+pub(super) enum Draw {
     /// `scale · (2t - 1)`, rounded to the type.
     Float { scale: f64 },
     /// `±2^(b · (2t - 1))`, rounded to the type.
@@ -280,6 +283,11 @@ pub struct RankInput {
 }
 
 impl RankInput {
+    /// The seed mixed with the rank: what the device generator starts from (device_data.rs).
+    pub(super) fn key(&self) -> u64 {
+        self.key
+    }
+
     /// Element `index`: its encoding (the low `dtype.size()` bytes of a little-endian word, as
     /// [`encode_word`]) and its exact value.
     pub fn element(&self, index: usize) -> (u64, f64) {

@@ -5,6 +5,7 @@
 pub mod alltoallv;
 pub mod check;
 pub mod data;
+pub mod device_data;
 pub mod device_line;
 pub mod entry;
 pub mod options;

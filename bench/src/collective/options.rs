@@ -45,8 +45,21 @@ Options:
       --vs-nccl            measure NCCL (MSCCLPP_NCCL_LIB_PATH or libnccl.so.2) in the same run
       --cpu-bind gpu|none  gpu: run each rank on the CPUs next to its GPU, as `mpirun --bind-to`
                            would (default); none: leave the launcher's placement
+      --check device|host|both
+                           where the checks draw inputs and compare outputs: device (default;
+                           the host checks what the GPU kernel does not, and describes every
+                           mismatch), host, or both (one element planted wrong in every output;
+                           the two checks must agree and both see it)
   -h, --help               this text
 ";
+
+/// Where the checks draw their inputs and compare outputs (`--check`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CheckPlace {
+    Device,
+    Host,
+    Both,
+}
 
 /// Which algorithm runs each call.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -93,6 +106,7 @@ pub struct BenchOptions {
     pub vs_nccl: bool,
     /// `--cpu-bind gpu`: bind each rank's thread to its GPU's local CPUs.
     pub cpu_bind: bool,
+    pub check: CheckPlace,
 }
 
 impl Default for BenchOptions {
@@ -119,6 +133,7 @@ impl Default for BenchOptions {
             json: None,
             vs_nccl: false,
             cpu_bind: true,
+            check: CheckPlace::Device,
         }
     }
 }
@@ -281,6 +296,18 @@ where
                     other => {
                         return Err(Error::InvalidArgument(format!(
                             "--cpu-bind {other}: expected gpu or none"
+                        )))
+                    }
+                }
+            }
+            "--check" => {
+                o.check = match value(&flag)?.as_str() {
+                    "device" => CheckPlace::Device,
+                    "host" => CheckPlace::Host,
+                    "both" => CheckPlace::Both,
+                    other => {
+                        return Err(Error::InvalidArgument(format!(
+                            "--check {other}: expected device, host or both"
                         )))
                     }
                 }
@@ -460,8 +487,11 @@ mod tests {
             "none",
             "--plan",
             "plans/allreduce_2gpu.json",
+            "--check",
+            "both",
         ])
         .expect("parses");
+        assert_eq!(o.check, CheckPlace::Both);
         assert_eq!(o.plan, Some(PathBuf::from("plans/allreduce_2gpu.json")));
         assert_eq!((o.min_bytes, o.max_bytes, o.step_factor), (8, 128 << 20, 4));
         assert_eq!(o.dtypes, vec![DataType::Bf16, DataType::Fp8E4M3]);
@@ -511,6 +541,7 @@ mod tests {
     #[case(&["-f", "1", "-e", "4M"], "stepfactor")]
     #[case(&["--inplace-only", "--outofplace-only"], "exclude")]
     #[case(&["--cpu-bind", "socket"], "--cpu-bind socket")]
+    #[case(&["--check", "gpu"], "--check gpu: expected device, host or both")]
     #[case(&["--frobnicate"], "--frobnicate")]
     #[case(&["--nblocks", "-3"], "--nblocks")]
     #[case(&["--tuning", "t.yaml", "--algo", "x"], "exclude each other")]

@@ -23,8 +23,9 @@
 use super::alltoallv::{SkewedAlltoallv, SKEWED_ALLTOALLV};
 use super::check::{check_output, sendrecv_peers, CheckResult, TOLERANCE_TEXT};
 use super::data::{poison_byte, InputSpec};
+use super::device_data::{cross_check, CheckPlan, DeviceData};
 use super::device_line;
-use super::options::{AlgoChoice, BenchOptions, Placement};
+use super::options::{AlgoChoice, BenchOptions, CheckPlace, Placement};
 use super::report::{self, JsonReport, LoadedPlan, Measure, Outcome, Row};
 use super::shape::Shape;
 use crate::nccl::{Nccl, NcclComm};
@@ -174,6 +175,8 @@ struct Bench<'a> {
     output: DeviceBuffer,
     run_seed: u64,
     checks: u64,
+    /// The checks' kernel (`--check device|both`), or why the host checks everything.
+    device_data: std::result::Result<DeviceData, String>,
     /// The device line, printed first.
     device_text: String,
     /// Where this rank's thread runs (`--cpu-bind`), printed by rank 0.
@@ -191,9 +194,10 @@ struct Spent {
     timing: Duration,
     /// NCCL's calls, the same way.
     nccl: Duration,
-    /// The checks' inputs: drawn on the host, uploaded.
+    /// The checks' inputs: drawn on the device, or on the host and uploaded.
     inputs: Duration,
-    /// The checks' calls and outputs: the call, the copy back, the host comparison.
+    /// The checks' calls and outputs: the call, the comparison (and the copy back where the
+    /// host compares).
     outputs: Duration,
 }
 
@@ -421,6 +425,12 @@ impl<'a> Bench<'a> {
                 rank: 0,
                 message: format!("sent a run seed of {} bytes instead of 8", seed_bytes.len()),
             })?;
+        let device_data = match opts.check {
+            CheckPlace::Host => Err("--check host".to_string()),
+            CheckPlace::Device => DeviceData::load(&gpu).map_err(|e| e.to_string()),
+            // Asked to compare the two, a rank that cannot is an error, not a fallback.
+            CheckPlace::Both => Ok(DeviceData::load(&gpu)?),
+        };
         let mut bench = Bench {
             opts,
             env,
@@ -439,6 +449,7 @@ impl<'a> Bench<'a> {
             output,
             run_seed,
             checks: 0,
+            device_data,
             device_text: String::new(),
             cpu_binding,
             spent: Spent::default(),
@@ -622,6 +633,19 @@ impl<'a> Bench<'a> {
             opts.iters,
         ));
         self.print(&format!("# check: {TOLERANCE_TEXT}"));
+        self.print(&format!(
+            "# check: {}",
+            match (&self.device_data, opts.check) {
+                (Ok(_), CheckPlace::Both) => "inputs drawn on the GPU, every output checked on \
+                    the GPU and on the host with one element planted wrong (the two must agree)"
+                    .to_string(),
+                (Ok(_), _) => "inputs drawn and outputs compared on the GPU where its kernel can \
+                    (the host draws fp8 and float products, checks the skewed all-to-all-v, and \
+                    describes every mismatch)"
+                    .to_string(),
+                (Err(why), _) => format!("inputs drawn and outputs compared on the host ({why})"),
+            }
+        ));
         self.print(&format!("# rank 0 thread: {}", self.cpu_binding));
         self.print(report::header(self.nccl.is_some()).trim_end());
         let mut seen = HashSet::new();
@@ -972,16 +996,20 @@ impl<'a> Bench<'a> {
             shape.output_bytes,
             self.stream,
         )?;
-        self.sync()?;
         // In place, a broadcast's or a scatter's output off the root is its input buffer (or
-        // lies in it): uploading there would overwrite the poison the call must replace.
+        // lies in it): writing the input there would overwrite the poison the call must replace.
         let root_only = matches!(
             shape.collective,
             Collective::Broadcast | Collective::Scatter
         ) && placement == Placement::InPlace
             && rank != self.opts.root;
-        if !root_only {
-            let count = shape.input_bytes / shape.dtype.size();
+        let count = shape.input_bytes / shape.dtype.size();
+        let drawn_on_device = match &self.device_data {
+            Ok(d) if !root_only => d.fill(&spec, rank, args.input, count, self.stream)?,
+            _ => false,
+        };
+        self.sync()?;
+        if !root_only && !drawn_on_device {
             let data = spec.encode_range(rank, 0, count);
             self.gpu.copy_to_device(args.input, &data)?;
         }
@@ -1003,12 +1031,48 @@ impl<'a> Bench<'a> {
             self.sync()?;
         }
         self.comm.check_device_errors()?;
-        let mut got = vec![0u8; shape.output_bytes];
-        self.gpu.copy_from_device(&mut got, args.output)?;
-        let op = op.unwrap_or(ReduceOp::Sum);
-        let checked = check_output(shape, &spec, op, rank, self.opts.root, &got);
+        let checked = self.compare(shape, &spec, op.unwrap_or(ReduceOp::Sum), args.output);
         self.spent.outputs += clock.elapsed();
-        Ok(checked)
+        checked
+    }
+
+    /// This rank's verdict on the output of a checked call (see device_data.rs for where it is
+    /// reached).
+    fn compare(
+        &self,
+        shape: &Shape,
+        spec: &InputSpec,
+        op: ReduceOp,
+        output: DevicePtr,
+    ) -> Result<CheckResult> {
+        let (rank, root) = (self.rank(), self.opts.root);
+        let on_host = || -> Result<CheckResult> {
+            let mut got = vec![0u8; shape.output_bytes];
+            self.gpu.copy_from_device(&mut got, output)?;
+            Ok(check_output(shape, spec, op, rank, root, &got))
+        };
+        let Ok(device) = &self.device_data else {
+            return on_host();
+        };
+        let args = match DeviceData::plan(shape, spec, op, (rank, root)) {
+            CheckPlan::Unchecked => return Ok(CheckResult::default()),
+            CheckPlan::Host => return on_host(),
+            CheckPlan::Device(args) => args,
+        };
+        let elements = args.count as usize;
+        let sync = || self.sync();
+        if self.opts.check == CheckPlace::Both && elements > 0 {
+            let planted = (spec.seed % elements as u64) as usize;
+            device.plant_wrong(spec, output, planted, self.stream)?;
+            let counted = device.count_wrong(args, output, self.stream, &sync)?;
+            return Ok(cross_check(counted, on_host()?, planted));
+        }
+        let counted = device.count_wrong(args, output, self.stream, &sync)?;
+        if counted.wrong == 0 {
+            return Ok(CheckResult::default());
+        }
+        // The host counts and describes what the device found wrong.
+        on_host()
     }
 
     /// NCCL's time for the same call: `Ok(Ok(us))`, or `Ok(Err(why))` when NCCL cannot run it
