@@ -18,6 +18,10 @@ import mscclpp.utils as mu  # noqa: E402
 
 imported = time.perf_counter()
 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+# The CUDA context, which any program pays on its first CUDA call (NCCL's included): timed apart.
+torch.empty(1, device="cuda")
+torch.cuda.synchronize()
+context = time.perf_counter()
 group = mscclpp.CommGroup()
 algos = mscclpp.AlgorithmCollectionBuilder().build_default_algorithms(rank=group.my_rank)
 x = torch.ones(1 << 20, dtype=torch.bfloat16, device="cuda")
@@ -33,7 +37,8 @@ assert (x == group.nranks).all()
 cache = os.environ.get("MSCCLPP_CACHE_DIR", os.path.expanduser("~/.cache/mscclpp"))
 entries = len([f for f in os.listdir(cache) if f.endswith(".kbin")]) if os.path.isdir(cache) else 0
 print(f"rank {group.my_rank}: import torch {torch_loaded - start:.2f} s, mscclpp "
-      f"{imported - torch_loaded:.2f} s, group and collection {ready - imported:.2f} s, "
-      f"first all-reduce ({algo.name}) {done - ready:.3f} s, {done - imported:.2f} s after import; "
+      f"{imported - torch_loaded:.2f} s, CUDA context {context - imported:.2f} s, group and "
+      f"collection {ready - context:.2f} s, first all-reduce ({algo.name}) {done - ready:.3f} s, "
+      f"{done - imported:.2f} s after import ({done - context:.2f} s after the context); "
       f"kernel cache entries {entries}",
       flush=True)

@@ -457,6 +457,7 @@ impl HierarchicalAllreduce {
             // NVLink multicast stays behind its gate: not from here.
             nvls_allowed: false,
             in_place: SelectionContext::buffers_in_place(collective, args, self.host_comm.rank()),
+            op: Some(args.op),
         };
         let chosen = self.host.select(&ctx)?;
         if chosen.name() != native_names::ALLGATHER_FULLMESH2 {

@@ -160,6 +160,7 @@ impl CommSession {
             // (DESIGN.md, safety on shared GPUs).
             nvls_allowed: false,
             in_place: SelectionContext::buffers_in_place(collective, args, rank),
+            op: Some(args.op),
         };
         match prefer(&ctx)? {
             Some(name) => {

@@ -10,7 +10,7 @@
 //! whatever the selector says.
 
 use crate::algorithm::{Algorithm, Collective, ExecuteArgs};
-use crate::dtype::DataType;
+use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -38,6 +38,10 @@ pub struct SelectionContext {
     /// The call is in place ([`SelectionContext::buffers_in_place`]): algorithms written for one
     /// buffer mode (execution plans) are chosen only for calls of that mode.
     pub in_place: bool,
+    /// The call's reduction, where the caller knows it (`None`: a selector asked without a
+    /// call, as the Python package's `select` and the registry's C request are): algorithms
+    /// written for one reduction (execution plans) are chosen only for calls of that one.
+    pub op: Option<ReduceOp>,
 }
 
 impl SelectionContext {
@@ -682,6 +686,7 @@ mod tests {
             arch: "sm_90".into(),
             nvls_allowed: false,
             in_place: false,
+            op: None,
         }
     }
 

@@ -573,6 +573,7 @@ mod tests {
             arch: "sm_90".into(),
             nvls_allowed: nvls,
             in_place: false,
+            op: None,
         }
     }
 

@@ -10,7 +10,7 @@
 mod common;
 
 use mscclpp::core::algorithm_collection::SelectionContext;
-use mscclpp::core::{Collective, DataType};
+use mscclpp::core::{Collective, DataType, ReduceOp};
 use mscclpp::Result;
 use std::process::ExitCode;
 
@@ -47,6 +47,7 @@ fn run() -> Result<()> {
         arch: job.gpu.properties(job.comm.device())?.arch,
         nvls_allowed: false,
         in_place: true,
+        op: Some(ReduceOp::Sum),
     })?;
     common::sum_and_check(&job, algorithm.as_ref(), COUNT, true)
 }

@@ -266,12 +266,23 @@ impl PlanAlgorithm {
         range_within(&self.plan, self.scratch_half_bytes, self.staging)
     }
 
+    /// Chunks this rank's input is cut into: a call's input must be a whole number of elements
+    /// a chunk.
+    pub fn input_chunks(&self) -> usize {
+        self.plan.gpus[self.comm.rank()].input_chunks.max(1) as usize
+    }
+
+    /// The widest element the plan's protocol carries (an LL8 packet's payload, or any).
+    pub fn widest_element(&self) -> usize {
+        unit_bytes(self.plan.protocol) as usize
+    }
+
     /// Bytes per chunk for `args`, after every check of the call against the plan.
     fn chunk_bytes(&self, args: &ExecuteArgs) -> Result<usize> {
         let name = &self.plan.name;
         let rank = self.comm.rank();
         let bad = |why: String| Err(Error::Unsupported(format!("plan {name}: {why}")));
-        if args.dtype.size() > unit_bytes(self.plan.protocol) as usize {
+        if args.dtype.size() > self.widest_element() {
             return bad(format!(
                 "{} elements are wider than the {}-byte payload of an LL8 packet",
                 args.dtype,
@@ -292,7 +303,7 @@ impl PlanAlgorithm {
             ));
         }
         let gpu = &self.plan.gpus[rank];
-        let chunks = gpu.input_chunks.max(1) as usize;
+        let chunks = self.input_chunks();
         let unit = chunks * args.dtype.size();
         if args.input_bytes % unit != 0 {
             return Err(Error::InvalidArgument(format!(

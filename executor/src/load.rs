@@ -12,7 +12,7 @@ use mscclpp_core::algorithm::{Algorithm, Collective};
 use mscclpp_core::algorithm_collection::{AlgorithmCollectionBuilder, SelectionContext, Selector};
 use mscclpp_core::communicator::Communicator;
 use mscclpp_core::env::Env;
-use mscclpp_core::{Error, Result};
+use mscclpp_core::{Error, ReduceOp, Result};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -149,6 +149,9 @@ pub fn register_plans(
                 min_bytes: min,
                 max_bytes: max,
                 in_place: a.plan().inplace,
+                input_chunks: a.input_chunks(),
+                widest_element: a.widest_element(),
+                reduce_op: a.collective().reduces().then(|| a.reduce_op()),
             }
         })
         .collect();
@@ -167,21 +170,40 @@ pub struct PlanEntry {
     pub max_bytes: u64,
     /// The plan's buffer mode (its `inplace` key).
     pub in_place: bool,
+    /// Chunks a rank's input is cut into, each a whole number of elements.
+    pub input_chunks: usize,
+    /// The widest element its protocol carries.
+    pub widest_element: usize,
+    /// The reduction it applies, if it reduces.
+    pub reduce_op: Option<ReduceOp>,
 }
 
-/// A selector that answers with the first plan of `table` matching the call's collective, world
-/// size, message size and buffer mode (in place or not), and asks `fallback` otherwise.
+impl PlanEntry {
+    /// Whether the plan can run the call `ctx` describes: everything `PlanAlgorithm`'s check
+    /// of a call asks that the selector is told, so that a call the plan cannot cut, carry or
+    /// reduce goes to the next choice instead of failing (PyTorch's one-element barrier
+    /// all-reduces, a max where the plan sums).
+    fn takes(&self, ctx: &SelectionContext) -> bool {
+        let bytes = ctx.message_bytes as u64;
+        let element = ctx.dtype.size();
+        self.collective == ctx.collective
+            && self.world_size == ctx.world_size
+            && (self.min_bytes..=self.max_bytes).contains(&bytes)
+            && self.in_place == ctx.in_place
+            && element <= self.widest_element
+            && ctx.message_bytes % (self.input_chunks * element) == 0
+            && (self.reduce_op.is_none() || ctx.op.is_none() || self.reduce_op == ctx.op)
+    }
+}
+
+/// A selector that answers with the first plan of `table` that takes the call
+/// ([`PlanEntry::takes`]: collective, world size, message size, buffer mode, element size and
+/// reduction), and asks `fallback` otherwise.
 pub fn preferring_plans(table: Vec<PlanEntry>, fallback: Option<Selector>) -> Selector {
     Box::new(move |ctx: &SelectionContext| {
-        let bytes = ctx.message_bytes as u64;
         table
             .iter()
-            .find(|p| {
-                p.collective == ctx.collective
-                    && p.world_size == ctx.world_size
-                    && (p.min_bytes..=p.max_bytes).contains(&bytes)
-                    && p.in_place == ctx.in_place
-            })
+            .find(|p| p.takes(ctx))
             .map(|p| p.name.clone())
             .or_else(|| fallback.as_ref().and_then(|f| f(ctx)))
     })
@@ -226,6 +248,7 @@ mod tests {
             arch: "sm_90".into(),
             nvls_allowed: false,
             in_place: true,
+            op: None,
         }
     }
 
@@ -238,6 +261,9 @@ mod tests {
             min_bytes: 1024,
             max_bytes: 1 << 20,
             in_place: true,
+            input_chunks: 2,
+            widest_element: 4,
+            reduce_op: Some(ReduceOp::Sum),
         }];
         let fallback: Selector = Box::new(|_| Some("default_allreduce_packet".into()));
         let select = preferring_plans(table, Some(fallback));
@@ -257,12 +283,43 @@ mod tests {
         // An out-of-place call of the same shape does not get the in-place plan.
         let out_of_place = SelectionContext {
             in_place: false,
+            op: None,
             ..ctx(Collective::AllReduce, 4096, 2)
         };
         assert_eq!(
             select(&out_of_place).as_deref(),
             Some("default_allreduce_packet")
         );
+        // Nor a call it cannot cut into its chunks, carry, or reduce: 257 f32 (1028 bytes) in
+        // 2 chunks, as PyTorch's one-element barrier is, an f64 in LL8 packets, a max where it
+        // sums. A call that does not say its reduction gets it.
+        let call = |bytes, dtype, op| SelectionContext {
+            dtype,
+            op,
+            ..ctx(Collective::AllReduce, bytes, 2)
+        };
+        use mscclpp_core::DataType;
+        for other in [
+            call(1028, DataType::F32, Some(ReduceOp::Sum)),
+            call(4096, DataType::F64, Some(ReduceOp::Sum)),
+            call(4096, DataType::F32, Some(ReduceOp::Max)),
+        ] {
+            assert_eq!(
+                select(&other).as_deref(),
+                Some("default_allreduce_packet"),
+                "{other:?}"
+            );
+        }
+        for taken in [
+            call(1032, DataType::F32, Some(ReduceOp::Sum)),
+            call(4096, DataType::F32, None),
+        ] {
+            assert_eq!(
+                select(&taken).as_deref(),
+                Some("allreduce_2gpu"),
+                "{taken:?}"
+            );
+        }
     }
 
     #[test]

@@ -275,6 +275,7 @@ pub unsafe extern "C" fn mscclppNcclAskSelector(
             arch: String::new(),
             nvls_allowed: false,
             in_place: r.in_place != 0,
+            op: None,
         };
         let answer = ask(&ctx, r.rank.max(0) as usize, Stream(r.stream as u64))?;
         let text = answer.as_deref().unwrap_or("");

@@ -247,6 +247,7 @@ impl PyCollection {
                     arch: props.arch.clone(),
                     nvls_allowed: env.nvls_allowed() && props.supports_multicast,
                     in_place,
+                    op: None,
                 };
                 collection.select(&ctx)
             })

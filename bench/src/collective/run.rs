@@ -767,6 +767,7 @@ impl<'a> Bench<'a> {
                         args,
                         self.rank(),
                     ),
+                    op: Some(args.op),
                 };
                 match &self.tuning {
                     Some(table) => {

@@ -1495,6 +1495,7 @@ fn host_path_cost(
         nvls_allowed: false,
         // The call below uses two halves of one buffer.
         in_place: false,
+        op: Some(ReduceOp::Sum),
     };
     let algo = coll.select(&ctx)?;
     let args = ExecuteArgs {
