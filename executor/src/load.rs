@@ -183,7 +183,7 @@ impl PlanEntry {
     /// of a call asks that the selector is told, so that a call the plan cannot cut, carry or
     /// reduce goes to the next choice instead of failing (PyTorch's one-element barrier
     /// all-reduces, a max where the plan sums).
-    fn takes(&self, ctx: &SelectionContext) -> bool {
+    pub fn takes(&self, ctx: &SelectionContext) -> bool {
         let bytes = ctx.message_bytes as u64;
         let element = ctx.dtype.size();
         self.collective == ctx.collective
