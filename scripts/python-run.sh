@@ -4,11 +4,12 @@
 # multicast off; MPS=1 runs them under an MPS server, each rank held to its share of the SMs when
 # ranks outnumber GPUs (mps.sh), as gpu-run.sh does. The wheel must be installed first, e.g.
 #   pip install --no-deps --target /tmp/site .gpu/*.whl   (then PYTHONPATH=/tmp/site is used)
-# Usage: [NRANKS=4] [MPS=1] bash .gpu/python-run.sh [check|default|dsl|dslc|interpose|tuning|native|torchcomms|torchcomms-train|ep|ep-bench|all]
+# Usage: [NRANKS=4] [MPS=1] bash .gpu/python-run.sh [check|default|dsl|dslc|dslshim|interpose|tuning|native|torchcomms|torchcomms-train|ep|ep-bench|all]
 # dsl runs the execution-plan example on the plans gpu-stage.sh put in .gpu/plans and
 # .gpu/builder-plans; dslc compiles our DSL programs (python/examples/dsl) and runs their plans;
 # interpose the DSL guide's NCCL-interposition flow (a DSL plan and a selector registered in
-# Python, then torch.distributed over .gpu/lib/libmscclpp_nccl.so, preloaded).
+# Python, then torch.distributed over .gpu/lib/libmscclpp_nccl.so, preloaded); dslshim every DSL
+# program PyTorch calls through that shim (tests/gpu_dsl_shim_check.py).
 # torchcomms runs the TorchComms backend's check (TORCHCOMMS_QUICK=1: its quick matrix);
 # torchcomms-train its training loop through the backend and through torch.distributed with
 # .gpu/lib/libmscclpp_nccl.so preloaded, then compares them bit for bit.
@@ -51,6 +52,10 @@ case "${1:-all}" in
   dsl) run examples/customized_comm_with_dsl.py "$here/plans" "$here/builder-plans" ;;
   dslc) run tests/gpu_dsl_check.py ;;
   interpose) interpose ;;
+  dslshim)
+    echo "== tests/gpu_dsl_shim_check.py on $nranks ranks, the shim preloaded"
+    env -u MSCCLPP_NCCL_LIB_PATH LD_PRELOAD="$here/lib/libmscclpp_nccl.so" torchrun \
+      --nproc_per_node="$nranks" --master_port="${PORT:-29521}" "$here/python/tests/gpu_dsl_shim_check.py" ;;
   tuning) run examples/customized_comm_with_tuning.py ;;
   native) run examples/customized_allgather.py ;;
   torchcomms) bounded 540 tests/torchcomms_gpu_check.py ${TORCHCOMMS_QUICK:+--quick} ;;
@@ -86,5 +91,5 @@ case "${1:-all}" in
     run examples/customized_allgather.py
     bounded 540 tests/torchcomms_gpu_check.py ${TORCHCOMMS_QUICK:+--quick}
     ;;
-  *) echo "usage: $0 [check|default|dsl|dslc|interpose|tuning|native|torchcomms|torchcomms-train|ep|ep-bench|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [check|default|dsl|dslc|dslshim|interpose|tuning|native|torchcomms|torchcomms-train|ep|ep-bench|all]" >&2; exit 2 ;;
 esac

@@ -49,6 +49,20 @@ def test_every_plan_is_proved_on_random_data(name, n):
     assert ": ok:" in line, line
 
 
+# The all-reduce programs compiled in place, as the interposition example and
+# gpu_dsl_shim_check.py register them for dist.all_reduce.
+IN_PLACE_CASES = [(name, n) for name, entry in algorithms.ALGORITHMS.items()
+                  if entry[1] is AllReduce and entry[5] for n in (2, 4, 8)]
+
+
+@pytest.mark.parametrize("name, n", IN_PLACE_CASES)
+def test_every_all_reduce_is_proved_in_place_too(name, n):
+    plan = algorithms.ALGORITHMS[name][0](algorithms.spec_for(name, n, in_place=True)).to_dict()
+    assert plan["inplace"]
+    line = _mscclpp.check_plan(json.dumps(plan), f"{name}@{n} in place", n)
+    assert ": ok:" in line, line
+
+
 def test_plans_match_their_golden_copies():
     digests_path = GOLDEN / "digests.json"
     digests = {f"{name}_{n}": digest(plan_of(name, n)) for name, n in CASES if n != 2}
