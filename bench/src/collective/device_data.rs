@@ -3,9 +3,10 @@
 //!
 //! The kernel draws a rank's input with data.rs's generator and compares an output with
 //! check.rs's rules, so a check of a 1 GiB output moves two counters across PCIe instead of the
-//! output, and the host draws nothing: on one H200 the main job spent 7.5 of its 9.4 s drawing
-//! and comparing on the host. When the kernel counts a wrong element, the output is copied back
-//! and the host check counts and describes it, so every reported mismatch reads as before.
+//! output, and the host draws nothing: drawing and comparing on the host were most of the main
+//! job's time (docs/support.md has the numbers). When the kernel counts a wrong element, the
+//! output is copied back and the host check counts and describes it, so every reported mismatch
+//! reads as before.
 //!
 //! The host does what the kernel does not: fp8 (its encoder is the host's), float products
 //! (their inputs are drawn through exp2, which the device rounds differently), the skewed
