@@ -20,21 +20,26 @@
 # newer than sm_120 comes with them), --aot none embeds nothing. The default is every target
 # (sm_80,sm_90,sm_100,sm_120) for release and none for dev (CI's Python check, which runs no
 # kernel); a blob already named by MSCCLPP_AOT_BLOB is embedded as it is (scripts/gpu-stage.sh).
+# The same for AMD GPUs: --aot-hip TARGETS embeds code objects (scripts/aot-blob.sh --hip;
+# backend-rocm/src/aot.rs), by default gfx90a,gfx942 for release and none for dev, or the blob
+# MSCCLPP_AOT_HIP_BLOB names.
 #
-# Usage: scripts/build-wheel.sh [--profile dev|release] [--arch x86_64|aarch64] [--aot ARCHS|none] [-o DIR]
+# Usage: scripts/build-wheel.sh [--profile dev|release] [--arch x86_64|aarch64] [--aot ARCHS|none]
+#          [--aot-hip TARGETS|none] [-o DIR]
 #   aarch64 cross-builds (zig links it; needs `rustup target add aarch64-unknown-linux-gnu`).
 # Prints the wheel's path last.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-profile=release arch=$(uname -m) out=target/wheels aot=
+profile=release arch=$(uname -m) out=target/wheels aot= aot_hip=
 while [ $# -gt 0 ]; do
   case "$1" in
     --profile) profile=$2; shift 2 ;;
     --arch) arch=$2; shift 2 ;;
     --aot) aot=$2; shift 2 ;;
+    --aot-hip) aot_hip=$2; shift 2 ;;
     -o) out=$2; shift 2 ;;
-    *) echo "build-wheel: unknown argument $1 (--profile dev|release, --arch x86_64|aarch64, --aot ARCHS|none, -o DIR)" >&2; exit 2 ;;
+    *) echo "build-wheel: unknown argument $1 (--profile dev|release, --arch x86_64|aarch64, --aot ARCHS|none, --aot-hip TARGETS|none, -o DIR)" >&2; exit 2 ;;
   esac
 done
 case "$arch" in
@@ -58,9 +63,22 @@ case "$aot" in
     export MSCCLPP_AOT_BLOB
     ;;
 esac
-if [ -n "${MSCCLPP_AOT_BLOB:-}" ]; then
-  echo "build-wheel: embedding $MSCCLPP_AOT_BLOB ($(du -k "$MSCCLPP_AOT_BLOB" | cut -f1) KiB)" >&2
+if [ -z "$aot_hip" ]; then
+  if [ -n "${MSCCLPP_AOT_HIP_BLOB:-}" ]; then aot_hip=given; elif [ "$profile" = release ]; then aot_hip=gfx90a,gfx942; else aot_hip=none; fi
 fi
+case "$aot_hip" in
+  given) ;;
+  none) unset MSCCLPP_AOT_HIP_BLOB ;;
+  *)
+    MSCCLPP_AOT_HIP_BLOB=$(bash scripts/aot-blob.sh --hip "$aot_hip" | tail -n 1)
+    export MSCCLPP_AOT_HIP_BLOB
+    ;;
+esac
+for blob in "${MSCCLPP_AOT_BLOB:-}" "${MSCCLPP_AOT_HIP_BLOB:-}"; do
+  if [ -n "$blob" ]; then
+    echo "build-wheel: embedding $blob ($(du -k "$blob" | cut -f1) KiB)" >&2
+  fi
+done
 triple="$arch-unknown-linux-gnu"
 # shellcheck source=scripts/python-tools.sh
 source scripts/python-tools.sh

@@ -61,7 +61,8 @@ if [ -f .gpu-kcache.tgz ]; then cp .gpu-kcache.tgz .gpu/kcache.tgz; fi
 # shim inside as mscclpp/lib/libmscclpp_nccl.so; scripts/build-wheel.sh, its own target dir
 # target/wheel since zig links it), its GPU check and the examples. On the GPU machine:
 #   pip install --no-deps --target /tmp/site .gpu/*.whl && bash .gpu/python-run.sh
-bash scripts/build-wheel.sh --profile release "${wheel_aot[@]}" -o .gpu >/dev/null
+# The lent machines are NVIDIA ones: no AMD code objects (they would only take carry room).
+bash scripts/build-wheel.sh --profile release "${wheel_aot[@]}" --aot-hip none -o .gpu >/dev/null
 mkdir -p .gpu/python && cp -r python/examples python/tests .gpu/python/
 find .gpu/python -name __pycache__ -prune -exec rm -rf {} +
 cp scripts/python-run.sh scripts/cold-start.py .gpu/

@@ -22,6 +22,12 @@ if [ "${MSCCLPP_SKIP_CU12:-0}" != 1 ]; then
     && MSCCLPP_GATE_ARCH=sm_90 cargo test -p mscclpp-cuda --test kernels_compile every_kernel_unit_compiles \
     && cargo test -p mscclpp-collectives --test nvrtc every_collective_variant_passes_the_front_end'
 fi
+# The AMD code objects the release wheel embeds: every default unit linked for gfx90a and gfx942
+# (scripts/aot-blob.sh --hip, ~95 s on two cores, kept under target/aot while no kernel changes),
+# then the ROCm backend built with them, whose tests check the blob against the runtime's keys and
+# that build_module loads the device's embedded code object (against the fake HIP library).
+MSCCLPP_AOT_HIP_BLOB=$(MSCCLPP_AOT_PROFILE=dev bash scripts/aot-blob.sh --hip | tail -n 1) \
+  cargo test -p mscclpp-rocm --lib --test fake_hip
 # The fault-injection script's scheduling, timing and verdicts against a fake bench (~20 s, no GPU).
 python3 scripts/fault-inject-test.py
 # The timing tools of the same-run comparisons (torch_bench.py compare, gpu-run.sh nccl bench,

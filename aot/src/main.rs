@@ -1,11 +1,15 @@
-//! `mscclpp-aot`: compiles the kernel units the runtime loads ([`units`]) ahead of time with
-//! NVRTC, for every architecture asked for, and writes them as one blob (the format:
-//! `mscclpp_cuda::aot`) that a build with `MSCCLPP_AOT_BLOB=<blob>` embeds.
+//! `mscclpp-aot`: compiles the kernel units the runtime loads ([`units`]) ahead of time, for every
+//! architecture asked for, and writes them as one blob (the format: `mscclpp_core::kernel_image`)
+//! that a build embeds: CUBINs and PTX by NVRTC, which `mscclpp-cuda` embeds under
+//! `MSCCLPP_AOT_BLOB=<blob>`, or with `--hip` AMD code objects by clang and ROCm's device
+//! libraries (`mscclpp_rocm::clang`), which `mscclpp-rocm` embeds under `MSCCLPP_AOT_HIP_BLOB`.
 //!
 //! ```text
 //! source scripts/nvrtc-env.sh
 //! cargo run --release -p mscclpp-aot -- -o target/kernels.aot
 //!     [--archs sm_80,sm_90,sm_100,sm_120] [--ptx compute_120] [--units default|all]
+//! source scripts/hip-env.sh
+//! cargo run --release -p mscclpp-aot -- -o target/kernels-hip.aot --hip gfx90a,gfx942
 //! ```
 //! `--ptx none` leaves PTX out. It prints, per architecture, the units, the CPU time their
 //! compiles took and the bytes they take raw and compressed. A unit that does not compile fails
@@ -14,9 +18,10 @@
 
 mod units;
 
-use mscclpp_cuda::aot::{self, FrameImages};
+use mscclpp_core::kernel_image::{self as image, CompileRequest, FrameImages};
 use mscclpp_cuda::compile_test::for_each_on_all_cores;
-use mscclpp_cuda::{CompileRequest, Nvrtc};
+use mscclpp_cuda::Nvrtc;
+use mscclpp_rocm::clang::{ClangHip, Output};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -28,20 +33,28 @@ use units::{Unit, UnitSet};
 const ZSTD_LEVEL: i32 = 19;
 
 const USAGE: &str = "usage: mscclpp-aot -o FILE [--archs sm_80,sm_90,sm_100,sm_120] \
-                     [--ptx compute_120|none] [--units default|all]";
+                     [--ptx compute_120|none] [--hip gfx90a,gfx942] [--units default|all]";
 
 #[derive(Debug)]
 struct Args {
     out: PathBuf,
     archs: Vec<String>,
+    /// AMD code objects (`--hip`) instead of CUBINs and PTX.
+    hip: bool,
     set: UnitSet,
 }
+
+/// The AMD targets `--hip` builds: the ones ROCm 6.0's device libraries and `inspect_code_object`
+/// know (MI200 and MI300).
+const HIP_TARGETS: [&str; 2] = ["gfx90a", "gfx942"];
 
 fn parse_args() -> Result<Args, String> {
     let mut out = None;
     let mut cubins = "sm_80,sm_90,sm_100,sm_120".to_string();
     let mut ptx = "compute_120".to_string();
     let mut set = UnitSet::Default;
+    let mut hip = None;
+    let mut cuda_given = false;
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         let mut value = || {
@@ -50,8 +63,9 @@ fn parse_args() -> Result<Args, String> {
         };
         match a.as_str() {
             "-o" => out = Some(PathBuf::from(value()?)),
-            "--archs" => cubins = value()?,
-            "--ptx" => ptx = value()?,
+            "--archs" => (cubins, cuda_given) = (value()?, true),
+            "--ptx" => (ptx, cuda_given) = (value()?, true),
+            "--hip" => hip = Some(value()?),
             "--units" => {
                 set = match value()?.as_str() {
                     "default" => UnitSet::Default,
@@ -63,6 +77,24 @@ fn parse_args() -> Result<Args, String> {
             other => return Err(format!("unknown argument {other}; {USAGE}")),
         }
     }
+    let out = out.ok_or_else(|| format!("-o FILE is required; {USAGE}"))?;
+    if let Some(hip) = hip {
+        if cuda_given {
+            return Err(format!(
+                "--hip builds AMD code objects only: leave out --archs and --ptx; {USAGE}"
+            ));
+        }
+        let archs: Vec<String> = hip.split(',').map(str::to_string).collect();
+        if let Some(a) = archs.iter().find(|a| !HIP_TARGETS.contains(&a.as_str())) {
+            return Err(format!("{a}: --hip builds {}", HIP_TARGETS.join(" and ")));
+        }
+        return Ok(Args {
+            out,
+            archs,
+            hip: true,
+            set,
+        });
+    }
     let mut archs: Vec<String> = cubins.split(',').map(str::to_string).collect();
     if ptx != "none" {
         archs.extend(ptx.split(',').map(str::to_string));
@@ -73,8 +105,9 @@ fn parse_args() -> Result<Args, String> {
         }
     }
     Ok(Args {
-        out: out.ok_or_else(|| format!("-o FILE is required; {USAGE}"))?,
+        out,
         archs,
+        hip: false,
         set,
     })
 }
@@ -100,7 +133,87 @@ struct Compiled {
     took: Duration,
 }
 
-fn compile_all(nvrtc: &Nvrtc, units: &[Unit], archs: &[String]) -> Result<Vec<Compiled>, String> {
+/// The compiler of one vendor's images, and the key the runtime looks each up by.
+enum Compiler {
+    Nvrtc(Nvrtc),
+    /// clang for AMD code objects, with the headers every HIP unit is compiled with.
+    Clang(ClangHip, Vec<(&'static str, &'static str)>),
+}
+
+impl Compiler {
+    fn new(hip: bool) -> Result<Compiler, String> {
+        if hip {
+            let headers = mscclpp_kernels_hip::all_headers();
+            return Ok(Compiler::Clang(ClangHip::new(&headers)?, headers));
+        }
+        Nvrtc::load()
+            .map(Compiler::Nvrtc)
+            .map_err(|e| e.to_string())
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Compiler::Nvrtc(n) => {
+                let (major, minor) = n.version();
+                format!("NVRTC {major}.{minor} from {}", n.location())
+            }
+            Compiler::Clang(c, _) => c.version_line().to_string(),
+        }
+    }
+
+    /// The version the blob records: NVRTC's decides which drivers load it.
+    fn version(&self) -> image::Version {
+        match self {
+            Compiler::Nvrtc(n) => {
+                let (major, minor) = n.version();
+                (
+                    u32::try_from(major).unwrap_or(0),
+                    u32::try_from(minor).unwrap_or(0),
+                )
+            }
+            Compiler::Clang(c, _) => c.version(),
+        }
+    }
+
+    fn request<'a>(&'a self, unit: &'a Unit, arch: &'a str) -> CompileRequest<'a> {
+        CompileRequest {
+            name: &unit.name,
+            source: &unit.source,
+            arch,
+            headers: match self {
+                Compiler::Nvrtc(_) => mscclpp_kernels_cu::HEADERS,
+                Compiler::Clang(_, headers) => headers,
+            },
+            options: &[],
+        }
+    }
+
+    /// The key the runtime's request for `unit` on `arch` has (`mscclpp_cuda::aot`,
+    /// `mscclpp_rocm::aot`).
+    fn key(&self, unit: &Unit, arch: &str) -> [u8; 32] {
+        let req = self.request(unit, arch);
+        match self {
+            Compiler::Nvrtc(_) => mscclpp_cuda::aot::embedded_key(&req),
+            Compiler::Clang(..) => mscclpp_rocm::aot::embedded_key(&req),
+        }
+    }
+
+    fn compile(&self, unit: &Unit, arch: &str) -> Result<Vec<u8>, String> {
+        match self {
+            Compiler::Nvrtc(n) => n
+                .compile(&self.request(unit, arch))
+                .map(|k| k.image)
+                .map_err(|e| e.to_string()),
+            Compiler::Clang(c, _) => c.compile(&unit.name, &unit.source, arch, Output::CodeObject),
+        }
+    }
+}
+
+fn compile_all(
+    compiler: &Compiler,
+    units: &[Unit],
+    archs: &[String],
+) -> Result<Vec<Compiled>, String> {
     let jobs: Vec<(usize, usize)> = (0..archs.len())
         .flat_map(|a| (0..units.len()).map(move |u| (a, u)))
         .collect();
@@ -108,24 +221,22 @@ fn compile_all(nvrtc: &Nvrtc, units: &[Unit], archs: &[String]) -> Result<Vec<Co
     let failures = Mutex::new(Vec::new());
     for_each_on_all_cores(&jobs, |&(arch, unit)| {
         let u = &units[unit];
-        let req = CompileRequest {
-            name: &u.name,
-            source: &u.source,
-            arch: &archs[arch],
-            headers: mscclpp_kernels_cu::HEADERS,
-            options: &[],
-        };
         let start = thread_cpu();
-        match nvrtc.compile(&req) {
-            Ok(k) => done
+        let started = Instant::now();
+        match compiler.compile(u, &archs[arch]) {
+            Ok(image) => done
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .push(Compiled {
                     arch,
                     unit,
-                    key: aot::embedded_key(&req),
-                    image: k.image,
-                    took: thread_cpu().saturating_sub(start),
+                    key: compiler.key(u, &archs[arch]),
+                    image,
+                    // clang runs in a child process: its time is the wall time of the call.
+                    took: match compiler {
+                        Compiler::Nvrtc(_) => thread_cpu().saturating_sub(start),
+                        Compiler::Clang(..) => started.elapsed(),
+                    },
                 }),
             Err(e) => failures
                 .lock()
@@ -142,26 +253,21 @@ fn compile_all(nvrtc: &Nvrtc, units: &[Unit], archs: &[String]) -> Result<Vec<Co
 
 fn run() -> Result<(), String> {
     let args = parse_args()?;
-    let nvrtc = Nvrtc::load().map_err(|e| e.to_string())?;
-    let units = units::units(args.set).map_err(|e| e.to_string())?;
-    let (major, minor) = nvrtc.version();
+    let compiler = Compiler::new(args.hip)?;
+    let units = units::units(args.set, args.hip).map_err(|e| e.to_string())?;
     eprintln!(
-        "mscclpp-aot: {} units x {} ({}) with NVRTC {major}.{minor} from {}",
+        "mscclpp-aot: {} units x {} ({}) with {}",
         units.len(),
         args.archs.join(" "),
         args.archs.len(),
-        nvrtc.location()
+        compiler.describe()
     );
-    let compiler = (
-        u32::try_from(major).unwrap_or(0),
-        u32::try_from(minor).unwrap_or(0),
-    );
-    if up_to_date(&args, &units, compiler) {
+    if up_to_date(&args, &units, &compiler) {
         println!("blob {}: up to date", args.out.display());
         return Ok(());
     }
     let start = Instant::now();
-    let mut compiled = compile_all(&nvrtc, &units, &args.archs)?;
+    let mut compiled = compile_all(&compiler, &units, &args.archs)?;
     let wall = start.elapsed();
     // Frames in a fixed order (architecture, family, unit), so the blob is reproducible.
     compiled.sort_by_key(|c| (c.arch, units[c.unit].family, c.unit));
@@ -178,7 +284,7 @@ fn run() -> Result<(), String> {
     let frames: Vec<FrameImages> = frames.into_values().collect();
     let mut packed = vec![0usize; args.archs.len()];
     let mut frame_index = 0;
-    let blob = aot::encode(compiler, &args.archs, &frames, |bytes| {
+    let blob = image::encode(compiler.version(), &args.archs, &frames, |bytes| {
         let out = zstd::bulk::compress(bytes, ZSTD_LEVEL).expect("zstd compresses a buffer");
         packed[arch_of[frame_index]] += out.len();
         frame_index += 1;
@@ -190,7 +296,13 @@ fn run() -> Result<(), String> {
     std::fs::write(&tmp, &blob)
         .and_then(|()| std::fs::rename(&tmp, &args.out))
         .map_err(|e| format!("{}: {e}", args.out.display()))?;
-    println!("arch\tunits\tcompile CPU s\traw MiB\tcompressed MiB");
+    // clang runs in child processes, so its column is each compile's wall time.
+    let time = if args.hip {
+        "compile s"
+    } else {
+        "compile CPU s"
+    };
+    println!("arch\tunits\t{time}\traw MiB\tcompressed MiB");
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
     for (i, a) in args.archs.iter().enumerate() {
         println!(
@@ -212,34 +324,25 @@ fn run() -> Result<(), String> {
     Ok(())
 }
 
-/// Whether the blob at `args.out` was made by this NVRTC for these architectures and holds
+/// Whether the blob at `args.out` was made by this compiler for these architectures and holds
 /// exactly the images `units` would compile: then the sources, headers and options they were
 /// compiled from are today's (the keys hash them), and compiling again would rewrite the same blob.
-fn up_to_date(args: &Args, units: &[Unit], compiler: aot::Version) -> bool {
+fn up_to_date(args: &Args, units: &[Unit], compiler: &Compiler) -> bool {
     let Ok(bytes) = std::fs::read(&args.out) else {
         return false;
     };
-    let Ok(blob) = aot::Blob::parse(&bytes) else {
+    let Ok(blob) = image::Blob::parse(&bytes) else {
         return false;
     };
-    if blob.compiler() != compiler
+    if blob.compiler() != compiler.version()
         || blob.archs() != args.archs
         || blob.len() != units.len() * args.archs.len()
     {
         return false;
     }
-    args.archs.iter().all(|arch| {
-        units.iter().all(|u| {
-            let req = CompileRequest {
-                name: &u.name,
-                source: &u.source,
-                arch,
-                headers: mscclpp_kernels_cu::HEADERS,
-                options: &[],
-            };
-            blob.contains(&aot::embedded_key(&req))
-        })
-    })
+    args.archs
+        .iter()
+        .all(|arch| units.iter().all(|u| blob.contains(&compiler.key(u, arch))))
 }
 
 /// Reads every image back through the run time's reader (`aot::Blob`, whose zstd decoder is not
@@ -247,7 +350,7 @@ fn up_to_date(args: &Args, units: &[Unit], compiler: aot::Version) -> bool {
 fn verify(blob: &[u8], frames: &[FrameImages]) -> Result<Duration, String> {
     let start = Instant::now();
     let parsed =
-        aot::Blob::parse(blob).map_err(|e| format!("the blob written does not parse: {e}"))?;
+        image::Blob::parse(blob).map_err(|e| format!("the blob written does not parse: {e}"))?;
     for (key, image) in frames.iter().flat_map(|f| &f.images) {
         match parsed.image(key) {
             Ok(Some(read)) if read == &image[..] => {}

@@ -8,10 +8,10 @@
 //! into its unit (few data ops), and a user's `compile_native` source, exist only at run time:
 //! NVRTC compiles those.
 //!
-//! [`UnitSet::Default`] is what programs use, 137 units an architecture. Every variant would be
-//! 1,448, eleven times the compiles and the bytes (the plan interpreter's 960, one per type, op
-//! and feature set, are most of them); the rest compile at run time on first use, once per
-//! machine (the disk cache).
+//! [`UnitSet::Default`] is what programs use, 137 units an architecture (133 for AMD). Every
+//! variant would be 1,448, eleven times the compiles and the bytes (the plan interpreter's 960, one
+//! per type, op and feature set, are most of them); the rest compile at run time on first use,
+//! once per machine (the disk cache).
 
 use mscclpp_collectives::port_allreduce;
 use mscclpp_core::{AccumType, DataType, ReduceOp, Result};
@@ -94,8 +94,10 @@ fn every_plan_features() -> impl Iterator<Item = PlanFeatures> {
     })
 }
 
-/// The units of `set`, family by family.
-pub fn units(set: UnitSet) -> Result<Vec<Unit>> {
+/// The units of `set`, family by family: for AMD GPUs (`hip`) all but the NVLS all-reduce, which
+/// needs NVLink multicast, and the benchmark's data unit, written for CUDA's half types (the
+/// benchmark compares with NCCL).
+pub fn units(set: UnitSet, hip: bool) -> Result<Vec<Unit>> {
     let mut out = Vec::new();
     let specs = set.reduce_specs();
     for file in CollectiveFile::ALL {
@@ -123,7 +125,7 @@ pub fn units(set: UnitSet) -> Result<Vec<Unit>> {
             source: port_allreduce::unit_source(spec),
         });
     }
-    for dtype in NVLS_DTYPES {
+    for dtype in NVLS_DTYPES.into_iter().filter(|_| !hip) {
         out.push(Unit {
             family: "allreduce_nvls",
             name: nvls_unit_name(dtype)?,
@@ -131,11 +133,13 @@ pub fn units(set: UnitSet) -> Result<Vec<Unit>> {
         });
     }
     // The benchmark's inputs and checks: the main job runs them before anything else.
-    out.push(Unit {
-        family: "bench_data",
-        name: bench_data::UNIT_NAME.to_string(),
-        source: bench_data::SOURCE.to_string(),
-    });
+    if !hip {
+        out.push(Unit {
+            family: "bench_data",
+            name: bench_data::UNIT_NAME.to_string(),
+            source: bench_data::SOURCE.to_string(),
+        });
+    }
     for (dtype, accum, op) in set.plan_variants() {
         for features in every_plan_features() {
             let (name, source) = kx::unit_source(dtype, accum, op, features)?;
@@ -156,24 +160,33 @@ mod tests {
 
     #[test]
     fn names_are_unique_and_the_default_is_a_subset() {
-        let all = units(UnitSet::All).expect("all");
+        let all = units(UnitSet::All, false).expect("all");
         let names: HashSet<&str> = all.iter().map(|u| u.name.as_str()).collect();
         assert_eq!(names.len(), all.len(), "a unit name repeats");
         // The byte-oriented units: every file that does not reduce, one unit each.
         let plain = CollectiveFile::ALL.iter().filter(|f| !f.reduces()).count();
         assert_eq!(all.len(), plain + 3 * 120 + 120 + 3 + 1 + 120 * 8);
-        let default = units(UnitSet::Default).expect("default");
+        let default = units(UnitSet::Default, false).expect("default");
         assert!(default.iter().all(|u| names.contains(u.name.as_str())));
         // f32, f16, bf16 in their own type and f16, bf16 in f32 (5 pairs) x 4 ops, and i32, i64 x
         // 3 ops: 26 specs, each in the 3 reducing files and the port-channel all-reduce.
         assert_eq!(default.len(), plain + 4 * 26 + 3 + 1 + 3 * 8);
+        let hip = units(UnitSet::Default, true).expect("hip");
+        assert_eq!(
+            hip.len(),
+            default.len() - 4,
+            "all but NVLS's three and bench_data"
+        );
+        assert!(hip
+            .iter()
+            .all(|u| u.family != "allreduce_nvls" && u.family != "bench_data"));
     }
 
     /// The units the README's first programs run are embedded: a bf16 sum all-reduce
     /// (the benchmark's default and the Python example's), accumulating in bf16 or f32.
     #[test]
     fn the_default_holds_the_first_programs_units() {
-        let default = units(UnitSet::Default).expect("default");
+        let default = units(UnitSet::Default, false).expect("default");
         for acc in [DataType::Bf16, DataType::F32] {
             let spec = ReduceSpec {
                 dtype: DataType::Bf16,

@@ -26,6 +26,7 @@
 
 use crate::nvrtc::{CompileRequest, CompiledKernel, Nvrtc};
 use mscclpp_core::error::IoContext;
+use mscclpp_core::kernel_image::request_key;
 use mscclpp_core::{Error, Result};
 use sha2::{Digest, Sha256};
 use std::io::Write;
@@ -209,39 +210,6 @@ impl KernelCache {
             Err(poisoned) => f(&mut poisoned.into_inner()),
         }
     }
-}
-
-/// SHA-256 over `format`, `req`'s source, headers and architecture, `options` and, where given, the
-/// compiler's version, each field length-prefixed so no two inputs collide by concatenation: the
-/// disk cache's key (every option, the NVRTC version) and the embedded kernels' (`crate::aot`).
-pub(crate) fn request_key(
-    format: &str,
-    req: &CompileRequest,
-    options: &[String],
-    compiler: Option<(i32, i32)>,
-) -> [u8; 32] {
-    let mut h = Sha256::new();
-    let mut field = |bytes: &[u8]| {
-        h.update((bytes.len() as u64).to_le_bytes());
-        h.update(bytes);
-    };
-    field(format.as_bytes());
-    field(req.source.as_bytes());
-    field(&(req.headers.len() as u64).to_le_bytes());
-    for (name, text) in req.headers {
-        field(name.as_bytes());
-        field(text.as_bytes());
-    }
-    field(&(options.len() as u64).to_le_bytes());
-    for o in options {
-        field(o.as_bytes());
-    }
-    field(req.arch.as_bytes());
-    if let Some((major, minor)) = compiler {
-        field(&major.to_le_bytes());
-        field(&minor.to_le_bytes());
-    }
-    h.finalize().into()
 }
 
 /// The valid entry at `path`, or what compiling it will be: `Compiled` where there is none,

@@ -112,19 +112,8 @@ impl std::fmt::Debug for Nvrtc {
     }
 }
 
-/// One run-time compilation.
-#[derive(Debug, Clone, Copy)]
-pub struct CompileRequest<'a> {
-    /// Program name, used in NVRTC's messages and in our errors.
-    pub name: &'a str,
-    pub source: &'a str,
-    /// `sm_90` (CUBIN for that GPU) or `compute_90` (PTX, loaded by the driver's JIT).
-    pub arch: &'a str,
-    /// In-memory headers: (include name as written in `#include "..."`, text).
-    pub headers: &'a [(&'a str, &'a str)],
-    /// Extra NVRTC options, appended after ours.
-    pub options: &'a [String],
-}
+/// One run-time compilation (shared with the other backend and the build tool).
+pub use mscclpp_core::kernel_image::CompileRequest;
 
 /// A compiled program.
 #[derive(Debug, Clone, PartialEq, Eq)]

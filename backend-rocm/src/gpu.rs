@@ -10,6 +10,7 @@
 //! Not implemented here (reported as `Unsupported`): VMM allocations (`hipMemCreate`) and POSIX-fd
 //! memory export; legacy IPC handles cover same-host sharing on ROCm.
 
+use crate::aot;
 use crate::hiprtc::{CompileRequest, Hiprtc};
 use crate::ipc_cache::{self, IpcCache};
 use crate::loader;
@@ -663,13 +664,35 @@ impl Gpu for RocmGpu {
     fn build_module(&self, name: &str, source: &str) -> Result<Module> {
         let arch = self.properties(self.current_device()?)?.arch;
         let headers = mscclpp_kernels_hip::all_headers();
-        let compiled = self.hiprtc()?.compile(&CompileRequest {
+        let request = CompileRequest {
             name,
             source,
             arch: &arch,
             headers: &headers,
             options: &[],
-        })?;
+        };
+        let force = Env::get()?.nvrtc_force;
+        if let Some(image) = aot::lookup(aot::embedded(), force, &request) {
+            match self.load_module(image) {
+                Ok(module) => {
+                    tracing::debug!(target: target::GPU, "{name} for {arch}: embedded");
+                    return Ok(module);
+                }
+                // A runtime that refuses the embedded code object (an older ROCm than the code
+                // object's version needs) costs a compile, not the call.
+                Err(e) => {
+                    static ONCE: std::sync::Once = std::sync::Once::new();
+                    ONCE.call_once(|| {
+                        tracing::warn!(
+                            target: target::GPU,
+                            "the HIP runtime refused the embedded {name} for {arch}: {e}; hiprtc \
+                             compiles such kernels instead"
+                        )
+                    });
+                }
+            }
+        }
+        let compiled = self.hiprtc()?.compile(&request)?;
         if !compiled.log.is_empty() {
             tracing::debug!(target: target::GPU, "hiprtc log for {name} ({arch}): {}", compiled.log);
         }

@@ -70,19 +70,8 @@ impl std::fmt::Debug for Hiprtc {
     }
 }
 
-/// One run-time compilation.
-#[derive(Debug, Clone, Copy)]
-pub struct CompileRequest<'a> {
-    /// Program name, used in hiprtc's messages and in our errors.
-    pub name: &'a str,
-    pub source: &'a str,
-    /// Target, e.g. `gfx942` (passed as `--offload-arch=`).
-    pub arch: &'a str,
-    /// In-memory headers: (include name as written in `#include "..."`, text).
-    pub headers: &'a [(&'a str, &'a str)],
-    /// Extra options, appended after ours.
-    pub options: &'a [String],
-}
+/// One run-time compilation (shared with the other backend and the build tool).
+pub use mscclpp_core::kernel_image::CompileRequest;
 
 /// A compiled code object.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -2,8 +2,11 @@
 //!
 //! Nothing links against ROCm at build time, so this crate builds and its CPU tests run on any
 //! machine; [`RocmGpu::new`] and [`Hiprtc::load`] say which library they looked for, and where,
-//! when ROCm is absent.
+//! when ROCm is absent. A release build embeds code objects for gfx90a and gfx942 compiled ahead
+//! of time ([`aot`]), so hiprtc runs only for what they do not cover.
 
+pub mod aot;
+pub mod clang;
 pub mod gpu;
 pub mod hiprtc;
 pub mod ipc_cache;

@@ -385,3 +385,46 @@ fn every_failing_call_becomes_an_error_naming_it() {
     );
     gpu.free(&a).unwrap();
 }
+
+/// In builds that embed AMD code objects (`MSCCLPP_AOT_HIP_BLOB`): on the fake's gfx942,
+/// `build_module` of a unit the blob holds loads that code object (the fake records the ELF
+/// header it was given), with no hiprtc involved.
+#[cfg(mscclpp_aot_hip)]
+#[test]
+fn build_module_loads_the_embedded_code_object_of_the_devices_target() {
+    use mscclpp_core::{DataType, ReduceOp};
+    use mscclpp_kernels_cu::collectives::{self as kc, CollectiveFile, ReduceSpec};
+    use mscclpp_rocm::{aot, CompileRequest};
+    let gpu = fake_gpu();
+    let spec = ReduceSpec {
+        dtype: DataType::Bf16,
+        acc: DataType::F32,
+        op: ReduceOp::Sum,
+    };
+    let name = kc::unit_name(CollectiveFile::AllReduce, Some(spec));
+    let source = kc::unit_source(CollectiveFile::AllReduce, Some(spec)).expect("source");
+    let headers = mscclpp_kernels_hip::all_headers();
+    let expected = aot::find(
+        aot::embedded().expect("this build embeds code objects"),
+        &CompileRequest {
+            name: &name,
+            source: &source,
+            arch: "gfx942",
+            headers: &headers,
+            options: &[],
+        },
+    )
+    .expect("the blob holds the unit for gfx942");
+    gpu.build_module(&name, &source).expect("built");
+    // SAFETY: the fake's control, resolved from the library the backend already loaded.
+    let header = unsafe {
+        let lib = libloading::Library::new(fake_library(false)).expect("fake HIP");
+        let loaded = *lib
+            .get::<unsafe extern "C" fn(*mut u8) -> c_int>(b"fake_hip_loaded_header\0")
+            .expect("fake_hip_loaded_header");
+        let mut header = [0u8; 64];
+        assert_eq!(loaded(header.as_mut_ptr()), 1, "nothing was loaded");
+        header
+    };
+    assert_eq!(header[..], expected[..64], "another image was loaded");
+}

@@ -7,9 +7,11 @@
 //!   gfx942.
 //! - gfx942 goes through clang (`MSCCLPP_HIP_CLANG`, default `clang-19`) the way hiprtc drives it:
 //!   `-D__HIPCC_RTC__`, `-nogpuinc`, hiprtc's own runtime header (read from
-//!   libhiprtc-builtins.so.5) as a forced include, and our in-memory headers as files. The device
-//!   code is compiled to gfx942 ISA (`-S`: every instruction selected, nothing linked, as ROCm
-//!   5.2's device libraries have no gfx942 build).
+//!   libhiprtc-builtins.so.5) as a forced include, and our in-memory headers as files
+//!   (`mscclpp_rocm::clang`). The gate compiles the device code to gfx942 ISA (`-S`: every
+//!   instruction selected, nothing linked), which is enough to find a broken unit and spares CI
+//!   the link; [`runtime_units_link_into_code_objects_the_runtime_finds`] links a few units
+//!   for both targets with ROCm 6.0's device libraries, as `mscclpp-aot --hip` links them all.
 //!
 //! Units: every unit of `mscclpp-kernels-cu` (primitives, switch channel, simple all-reduce per
 //! type; optimised where the code differs by target, [`optimised_on_both`], and through
@@ -48,9 +50,10 @@ use mscclpp_core::{DataType, ReduceOp};
 use mscclpp_kernels_cu::collectives::{self as kc, CollectiveFile, ReduceSpec};
 use mscclpp_kernels_cu::executor;
 use mscclpp_kernels_cu::{KERNELS, PRIMITIVE_KERNELS, TARGET_DEPENDENT_KERNELS};
-use mscclpp_rocm::{CompileRequest, Hiprtc};
+use mscclpp_rocm::clang::{inspect_code_object, ClangHip, Output};
+use mscclpp_rocm::{aot, CompileRequest, Hiprtc};
 use sha2::{Digest, Sha256};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Mutex;
 
@@ -514,152 +517,39 @@ fn every_kernel_unit_compiles_for_gfx90a_through_hiprtc() {
     eprintln!("{test}: {} units", units.len());
 }
 
-/// hiprtc's runtime header (the declarations hiprtc puts in front of every program), as ROCm
-/// ships it in libhiprtc-builtins.
-fn hiprtc_runtime_header() -> Result<Vec<u8>, String> {
-    let names = ["libhiprtc-builtins.so.5", "libhiprtc-builtins.so.6"];
-    let mut errors = Vec::new();
-    for name in names {
-        // SAFETY: a data-only library of ROCm's; nothing of it runs except its (empty) init.
-        let lib = match unsafe { libloading::Library::new(name) } {
-            Ok(l) => l,
-            Err(e) => {
-                errors.push(format!("{name}: {e}"));
-                continue;
-            }
-        };
-        // SAFETY: both symbols are data (a byte array and its length, an unsigned int); a
-        // `*const T` symbol is the object's address, read while `lib` is loaded.
-        let text = unsafe {
-            let size = lib
-                .get::<*const u32>(b"__hipRTC_header_size\0")
-                .map_err(|e| format!("{name}: {e}"))?;
-            let start = lib
-                .get::<*const u8>(b"__hipRTC_header\0")
-                .map_err(|e| format!("{name}: {e}"))?;
-            std::slice::from_raw_parts(*start, **size as usize).to_vec()
-        };
-        return Ok(text);
+/// The gfx942 gate's compile of `unit`: its assembly, with its entry points checked, or the
+/// front end alone.
+fn compile_for_gfx942(clang: &ClangHip, unit: &Unit) -> Result<(), String> {
+    let output = if unit.front_end_only {
+        Output::SyntaxOnly
+    } else {
+        Output::Assembly
+    };
+    let asm = clang.compile(&unit.name, &unit.source, "gfx942", output)?;
+    if unit.front_end_only {
+        return Ok(());
     }
-    Err(format!(
-        "hiprtc's runtime header not found ({})",
-        errors.join("; ")
-    ))
-}
-
-/// clang-19 driven as hiprtc drives it, for gfx942: the headers and hiprtc's runtime header as
-/// files in a folder of its own (removed on drop).
-struct ClangGate {
-    clang: String,
-    /// `clang --version`'s first line (part of the cache key).
-    version: String,
-    dir: PathBuf,
-    runtime: PathBuf,
-}
-
-impl ClangGate {
-    /// The gate, or why it cannot run (no clang, no hiprtc runtime header).
-    fn new(headers: &[(&str, &str)]) -> Result<ClangGate, String> {
-        let clang = std::env::var("MSCCLPP_HIP_CLANG").unwrap_or_else(|_| "clang-19".into());
-        let version = match Command::new(&clang).arg("--version").output() {
-            Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .next()
-                .unwrap_or_default()
-                .to_string(),
-            Ok(o) => return Err(format!("{clang} --version failed: {o:?}")),
-            Err(e) => return Err(format!("{clang} not found: {e}")),
-        };
-        let header = hiprtc_runtime_header()?;
-        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("mscclpp-hip-gate-{}-{n}", std::process::id()));
-        for (name, text) in headers {
-            let path = dir.join("include").join(name);
-            std::fs::create_dir_all(path.parent().expect("parent")).expect("include dir");
-            std::fs::write(&path, text).expect("header");
-        }
-        let runtime = dir.join("hiprtc_runtime.h");
-        std::fs::write(&runtime, &header).expect("runtime header");
-        Ok(ClangGate {
-            clang,
-            version,
-            dir,
-            runtime,
-        })
-    }
-
-    /// Compiles `unit` to gfx942 assembly and checks its entry points; a front-end-only unit goes
-    /// through the front end alone.
-    fn compile(&self, unit: &Unit) -> Result<(), String> {
-        let src = self.dir.join(format!("{}.hip", unit.name));
-        let asm = self.dir.join(format!("{}.s", unit.name));
-        std::fs::write(&src, &unit.source).map_err(|e| e.to_string())?;
-        let out = self
-            .command(unit, &src, &asm)
-            .output()
-            .map_err(|e| format!("{}: {e}", self.clang))?;
-        let _ = std::fs::remove_file(&src);
-        if !out.status.success() {
-            return Err(String::from_utf8_lossy(&out.stderr).into_owned());
-        }
-        if unit.front_end_only {
-            return Ok(());
-        }
-        let text = std::fs::read_to_string(&asm).map_err(|e| e.to_string())?;
-        let _ = std::fs::remove_file(&asm);
-        missing_entries(unit, |e| text.contains(&format!(".amdhsa_kernel {e}\n")))
-    }
-
-    /// clang with the options `Hiprtc::options_for` gives, plus the defines and includes hiprtc
-    /// adds itself, device code only.
-    fn command(&self, unit: &Unit, src: &Path, asm: &Path) -> Command {
-        let mut cmd = Command::new(&self.clang);
-        cmd.args(["-x", "hip", "--cuda-device-only", "-nogpulib", "-nogpuinc"])
-            .args(["-D__HIPCC_RTC__", "-Wno-pragma-once-outside-header"])
-            .args(Hiprtc::options_for(&CompileRequest {
-                name: "",
-                source: "",
-                arch: "gfx942",
-                headers: &[],
-                options: &[],
-            }))
-            .arg("-include")
-            .arg(&self.runtime)
-            .arg("-I")
-            .arg(self.dir.join("include"));
-        if unit.front_end_only {
-            cmd.arg("-fsyntax-only").arg(src);
-        } else {
-            cmd.arg("-S").arg(src).arg("-o").arg(asm);
-        }
-        cmd
-    }
-}
-
-impl Drop for ClangGate {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+    let text = String::from_utf8_lossy(&asm);
+    missing_entries(unit, |e| text.contains(&format!(".amdhsa_kernel {e}\n")))
 }
 
 #[test]
 fn every_kernel_unit_compiles_for_gfx942_through_clang() {
     let test = "every_kernel_unit_compiles_for_gfx942_through_clang";
     let headers = mscclpp_kernels_hip::all_headers();
-    let gate = match ClangGate::new(&headers) {
-        Ok(g) => g,
+    let clang = match ClangHip::new(&headers) {
+        Ok(c) => c,
         Err(e) => return unavailable(test, &e),
     };
-    eprintln!("{test}: {}", gate.version);
+    eprintln!("{test}: {}", clang.version_line());
     let units = every_unit();
     let cache = Cache::from_env();
     let failures = compile_all(&units, workers(), &|unit| {
-        let key = Cache::key(&gate.version, "gfx942", unit, &headers);
+        let key = Cache::key(clang.version_line(), "gfx942", unit, &headers);
         if cache.hit(&key) {
             return Ok(());
         }
-        gate.compile(unit)?;
+        compile_for_gfx942(&clang, unit)?;
         cache.record(&key);
         Ok(())
     });
@@ -720,8 +610,8 @@ fn a_broken_unit_fails_the_hiprtc_gate() {
 fn an_op_broken_on_hip_fails_its_every_op_program() {
     let test = "an_op_broken_on_hip_fails_its_every_op_program";
     let headers = mscclpp_kernels_hip::all_headers();
-    let gate = match ClangGate::new(&headers) {
-        Ok(g) => g,
+    let clang = match ClangHip::new(&headers) {
+        Ok(c) => c,
         Err(e) => return unavailable(test, &e),
     };
     let file = CollectiveFile::Reduce;
@@ -734,15 +624,125 @@ fn an_op_broken_on_hip_fails_its_every_op_program() {
     };
     let shipped = format!("{}{brk}", kc::unit_source(file, Some(spec)).expect("unit"));
     let compile = |ops: &[ReduceOp]| {
-        gate.compile(&Unit {
-            name: "reduce_every_op".into(),
-            source: every_op_source(&shipped, &kernel_text, file.entry_points(), ops),
-            entries: Vec::new(),
-            front_end_only: true,
-            gfx90a: false,
-        })
+        compile_for_gfx942(
+            &clang,
+            &Unit {
+                name: "reduce_every_op".into(),
+                source: every_op_source(&shipped, &kernel_text, file.entry_points(), ops),
+                entries: Vec::new(),
+                front_end_only: true,
+                gfx90a: false,
+            },
+        )
     };
     compile(&[ReduceOp::Sum, ReduceOp::Max]).expect("sum and max are not broken");
     let err = compile(&[ReduceOp::Sum, ReduceOp::Min]).expect_err("the min copy compiled");
     assert!(err.contains("min is broken on HIP"), "{err}");
+}
+
+/// What `mscclpp-aot --hip` embeds, end to end on a few runtime units: clang links each into a
+/// code object for gfx90a and gfx942 with ROCm's device libraries; the ELF header names the
+/// target and the symbol table every entry point; a blob of them serves the runtime's own
+/// request (`aot::find`, the key `RocmGpu::build_module` asks with) byte for byte.
+#[test]
+fn runtime_units_link_into_code_objects_the_runtime_finds() {
+    use mscclpp_core::kernel_image::{encode, Blob, FrameImages};
+    let test = "runtime_units_link_into_code_objects_the_runtime_finds";
+    let headers = mscclpp_kernels_hip::all_headers();
+    if std::env::var_os("MSCCLPP_HIP_DEVICE_LIBS").is_none() {
+        return unavailable(test, "MSCCLPP_HIP_DEVICE_LIBS is not set");
+    }
+    let clang = match ClangHip::new(&headers) {
+        Ok(c) => c,
+        Err(e) => return unavailable(test, &e),
+    };
+    let spec = ReduceSpec {
+        dtype: DataType::Bf16,
+        acc: DataType::F32,
+        op: ReduceOp::Sum,
+    };
+    let entries = |file: CollectiveFile| -> Vec<String> {
+        let mut e: Vec<String> = file
+            .entry_points()
+            .iter()
+            .filter(|e| !kc::CUDA_ONLY_ENTRY_POINTS.contains(e))
+            .map(|e| e.to_string())
+            .collect();
+        e.sort();
+        e
+    };
+    let (plan_name, plan_source) = executor::unit_source(
+        DataType::Bf16,
+        mscclpp_core::AccumType::Auto,
+        ReduceOp::Sum,
+        executor::PlanFeatures::ALL,
+    )
+    .expect("executor unit");
+    let units = [
+        (
+            kc::unit_name(CollectiveFile::AllReduce, Some(spec)),
+            kc::unit_source(CollectiveFile::AllReduce, Some(spec)).expect("unit"),
+            entries(CollectiveFile::AllReduce),
+        ),
+        (
+            kc::unit_name(CollectiveFile::AllGather, None),
+            kc::unit_source(CollectiveFile::AllGather, None).expect("unit"),
+            entries(CollectiveFile::AllGather),
+        ),
+        (plan_name, plan_source, vec![executor::ENTRY.to_string()]),
+    ];
+    let archs = ["gfx90a", "gfx942"];
+    fn request<'a>(
+        unit: &'a (String, String, Vec<String>),
+        arch: &'a str,
+        headers: &'a [(&'a str, &'a str)],
+    ) -> CompileRequest<'a> {
+        CompileRequest {
+            name: &unit.0,
+            source: &unit.1,
+            arch,
+            headers,
+            options: &[],
+        }
+    }
+    let mut frames = Vec::new();
+    for arch in archs {
+        let mut frame = FrameImages::default();
+        for unit in &units {
+            let image = clang
+                .compile(&unit.0, &unit.1, arch, Output::CodeObject)
+                .unwrap_or_else(|e| panic!("{} for {arch}: {e}", unit.0));
+            let info = inspect_code_object(&image).expect("a code object");
+            assert_eq!(info.arch, arch, "{}", unit.0);
+            for e in &unit.2 {
+                assert!(
+                    info.kernels.contains(e),
+                    "{} for {arch} lacks {e}: {info:?}",
+                    unit.0
+                );
+            }
+            frame
+                .images
+                .push((aot::embedded_key(&request(unit, arch, &headers)), image));
+        }
+        frames.push(frame);
+    }
+    let compress = |raw: &[u8]| {
+        ruzstd::encoding::compress_to_vec(raw, ruzstd::encoding::CompressionLevel::Fastest)
+    };
+    let archs: Vec<String> = archs.iter().map(|a| a.to_string()).collect();
+    let bytes = encode(clang.version(), &archs, &frames, compress).expect("encode");
+    let blob = Blob::parse(&bytes).expect("parse");
+    for (arch, frame) in archs.iter().zip(&frames) {
+        for (unit, (_, image)) in units.iter().zip(&frame.images) {
+            let found = aot::find(&blob, &request(unit, arch, &headers)).expect("found");
+            assert_eq!(found, &image[..], "{} for {arch}", unit.0);
+        }
+    }
+    eprintln!(
+        "{test}: {} code objects by {}, {} bytes in the blob",
+        units.len() * archs.len(),
+        clang.version_line(),
+        bytes.len()
+    );
 }

@@ -23,8 +23,9 @@
 //! | `MSCCLPP_LOG_FILE`, else `MSCCLPP_DEBUG_FILE` | `log_file` | path; `%h` host name, `%p` pid, `%%` a percent sign | stderr |
 //! | `MSCCLPP_CACHE_DIR` | `cache_dir` | path | `$HOME/.cache/mscclpp` (`$TMPDIR/mscclpp-cache` without `HOME`) |
 //! | `MSCCLPP_NVRTC_LIB` | - (read by `mscclpp-cuda`'s NVRTC loader) | path of `libnvrtc.so*`, or a folder holding one; when set, the only place tried | `$CUDA_HOME/lib64`, `$CUDA_PATH/lib64`, `/usr/local/cuda/lib64`, the loader's path, then PyPI's nvidia wheels |
-//! | `MSCCLPP_NVRTC_FORCE` | `nvrtc_force` | bool; compile every kernel with NVRTC (through the disk cache) even where the build embeds it precompiled (`mscclpp-aot`): to compare, or to rule the embedded kernels out | false |
+//! | `MSCCLPP_NVRTC_FORCE` | `nvrtc_force` | bool; compile every kernel at run time, with NVRTC (through the disk cache) or on ROCm with hiprtc, even where the build embeds it precompiled (`mscclpp-aot`, CUBINs and AMD code objects): to compare, or to rule the embedded kernels out | false |
 //! | `MSCCLPP_AOT_BLOB` | - (read at build time by `mscclpp-cuda`'s build script) | absolute path of a blob of `scripts/aot-blob.sh`, whose precompiled kernels the build embeds; known here so that a run in the same shell does not report it | unset: nothing embedded, NVRTC compiles every kernel |
+//! | `MSCCLPP_AOT_HIP_BLOB` | - (read at build time by `mscclpp-rocm`'s build script) | absolute path of a blob of `scripts/aot-blob.sh --hip`, whose AMD code objects (gfx90a, gfx942) the build embeds; known here for the same reason | unset: nothing embedded, hiprtc compiles every kernel |
 //! | `MSCCLPP_SOCKET_IFNAME` | `socket_ifname` | interface name or prefix | any |
 //! | `MSCCLPP_SOCKET_FAMILY` | `socket_family` | `AF_INET IPv4 inet`, `AF_INET6 IPv6 inet6` | any |
 //! | `MSCCLPP_HOSTID` | `host_id` | string naming this rank's host: ranks with equal ids map each other's memory (CudaIpc), others talk through a network transport; a different id per rank lets one machine pose as several hosts ([`crate::topology`]) | host name and boot id |
@@ -91,6 +92,7 @@ pub const VARIABLES: &[&str] = &[
     "MSCCLPP_NVRTC_LIB",
     "MSCCLPP_NVRTC_FORCE",
     "MSCCLPP_AOT_BLOB",
+    "MSCCLPP_AOT_HIP_BLOB",
     "MSCCLPP_SOCKET_IFNAME",
     "MSCCLPP_SOCKET_FAMILY",
     "MSCCLPP_HOSTID",

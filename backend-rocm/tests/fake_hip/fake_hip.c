@@ -6,6 +6,8 @@
  * Test controls (per calling thread, so tests running in parallel do not disturb each other):
  *   fake_hip_fail(name, code)  the next calls of entry point `name` return `code` (NULL: none)
  *   fake_hip_ipc_opens/closes  how many hipIpcOpenMemHandle / hipIpcCloseMemHandle succeeded
+ *   fake_hip_loaded_header(out) copies the first 64 bytes of the image hipModuleLoadData last
+ *                              loaded (an ELF header: which code object it was), returns 0 if none
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -24,6 +26,12 @@ void fake_hip_fail(const char *name, hipError_t code) {
 }
 int fake_hip_ipc_opens(void) { return ipc_opens; }
 int fake_hip_ipc_closes(void) { return ipc_closes; }
+static _Thread_local unsigned char loaded_header[64];
+static _Thread_local int loaded_any;
+int fake_hip_loaded_header(unsigned char *out) {
+  memcpy(out, loaded_header, sizeof loaded_header);
+  return loaded_any;
+}
 
 #define FAIL_IF_ASKED(name)                                   \
   do {                                                        \
@@ -230,6 +238,8 @@ hipError_t hipDeviceEnablePeerAccess(int peer, unsigned flags) {
 /* Modules: any non-empty image loads; functions exist unless named "missing". */
 hipError_t hipModuleLoadData(void **m, const void *image) {
   FAIL_IF_ASKED("hipModuleLoadData");
+  memcpy(loaded_header, image, sizeof loaded_header);
+  loaded_any = 1;
   *m = &token;
   return kSuccess;
 }
