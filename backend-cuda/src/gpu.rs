@@ -20,11 +20,11 @@
 //! the importer copies with `pidfd_getfd` (see [`crate::ipc`]).
 
 use crate::aot;
-use crate::cache::KernelCache;
 use crate::driver::{self, cu};
 use crate::graph_launch::{self, GraphLaunches};
 use crate::ipc::{fetch_peer_fd, ExportOwner, ExportTable, ImportCache, ImportKey, Mapping};
 use crate::nvrtc::{CompileRequest, Nvrtc};
+use crate::KernelCache;
 use cudarc::driver::sys;
 use mscclpp_core::env::Env;
 use mscclpp_core::gpu::{

@@ -13,7 +13,6 @@
 //! embedded); at build time `MSCCLPP_AOT_BLOB` (the blob to embed, see [`aot`]).
 
 pub mod aot;
-pub mod cache;
 pub mod compile_test;
 pub mod driver;
 pub mod gpu;
@@ -22,6 +21,9 @@ pub mod ipc;
 pub mod nvrtc;
 pub mod toolkit;
 
-pub use cache::{CacheOutcome, CacheStats, CachedKernel, KernelCache};
 pub use gpu::CudaGpu;
+pub use mscclpp_core::kernel_cache::{CacheOutcome, CacheStats, CachedKernel};
 pub use nvrtc::{cuda_include_dirs, CompileRequest, CompiledKernel, Nvrtc};
+
+/// NVRTC's output on disk (`mscclpp_core::kernel_cache`).
+pub type KernelCache = mscclpp_core::kernel_cache::KernelCache<Nvrtc>;

@@ -17,6 +17,7 @@
 //! headers (`mscclpp/packet.cuh`, ...) are handed to NVRTC in memory, so nothing is read from disk.
 
 use crate::toolkit::{self, NVRTC_LIB_ENV, NVRTC_LIB_NAMES};
+use mscclpp_core::kernel_cache::KernelCompiler;
 use mscclpp_core::{Error, Result};
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::path::PathBuf;
@@ -115,14 +116,8 @@ impl std::fmt::Debug for Nvrtc {
 /// One run-time compilation (shared with the other backend and the build tool).
 pub use mscclpp_core::kernel_image::CompileRequest;
 
-/// A compiled program.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CompiledKernel {
-    /// CUBIN for `sm_XX` targets; NUL-terminated PTX for `compute_XX` targets.
-    pub image: Vec<u8>,
-    /// NVRTC's log (warnings); empty when it had nothing to say.
-    pub log: String,
-}
+/// A compiled program (shared with the other backend and the disk cache).
+pub use mscclpp_core::kernel_image::CompiledKernel;
 
 /// Resolves one symbol, naming the library and symbol when it is missing.
 fn symbol<T: Copy>(lib: &libloading::Library, location: &str, name: &str) -> Result<T> {
@@ -473,6 +468,18 @@ impl Drop for Program<'_> {
         if r != NVRTC_SUCCESS {
             tracing::warn!("nvrtcDestroyProgram failed: {}", self.nvrtc.error_string(r));
         }
+    }
+}
+
+impl KernelCompiler for Nvrtc {
+    fn options_for(&self, req: &CompileRequest) -> Vec<String> {
+        Nvrtc::options_for(self, req)
+    }
+    fn version(&self) -> (i32, i32) {
+        Nvrtc::version(self)
+    }
+    fn compile(&self, req: &CompileRequest) -> Result<CompiledKernel> {
+        Nvrtc::compile(self, req)
     }
 }
 

@@ -114,7 +114,7 @@ fn compiled_kernel_runs_and_cache_reports_times() {
     );
     eprintln!(
         "NVRTC {:?} for {arch}: first-use compile {:?}, cached load {:?}",
-        cache.nvrtc().version(),
+        cache.compiler().version(),
         first.elapsed,
         second.elapsed
     );

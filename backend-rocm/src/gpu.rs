@@ -15,6 +15,7 @@ use crate::hiprtc::{CompileRequest, Hiprtc};
 use crate::ipc_cache::{self, IpcCache};
 use crate::loader;
 use crate::sys::*;
+use crate::KernelCache;
 use mscclpp_core::env::Env;
 use mscclpp_core::gpu::{
     plain_allocation_bytes, Allocation, DeviceProperties, DevicePtr, Event, Function, Gpu,
@@ -35,7 +36,8 @@ pub struct RocmGpu {
     location: String,
     ipc: IpcCache<[u8; HIP_IPC_HANDLE_SIZE]>,
     /// Loaded on the first `build_module`; a load failure is remembered as its message.
-    hiprtc: OnceLock<std::result::Result<Hiprtc, String>>,
+    /// hiprtc and the disk cache of what it compiles, loaded on first use.
+    kernel_cache: OnceLock<std::result::Result<KernelCache, String>>,
     wait_timeout: Duration,
     // Keeps `api`'s function pointers valid; shared with the device-synchronise helper thread.
     lib: Arc<libloading::Library>,
@@ -96,7 +98,7 @@ impl RocmGpu {
             api,
             location: opened.location,
             ipc: IpcCache::new(ipc_cache::system_limit()),
-            hiprtc: OnceLock::new(),
+            kernel_cache: OnceLock::new(),
             wait_timeout,
             lib: Arc::new(opened.lib),
         })
@@ -113,18 +115,18 @@ impl RocmGpu {
         &self.location
     }
 
-    /// The hiprtc compiler, loaded on first use.
-    pub fn hiprtc(&self) -> Result<&Hiprtc> {
-        match self
-            .hiprtc
-            .get_or_init(|| Hiprtc::load().map_err(|e| e.to_string()))
-        {
-            Ok(h) => Ok(h),
-            Err(msg) => Err(Error::BackendUnavailable {
-                backend: "rocm".into(),
-                reason: format!("run-time compilation needs hiprtc: {msg}"),
-            }),
-        }
+    /// hiprtc and its disk cache (in `MSCCLPP_CACHE_DIR`), loaded and created on first use.
+    pub fn kernel_cache(&self) -> Result<&KernelCache> {
+        let made = self.kernel_cache.get_or_init(|| {
+            let dir = Env::get().map_err(|e| e.to_string())?.cache_dir.clone();
+            let hiprtc =
+                Hiprtc::load().map_err(|e| format!("run-time compilation needs hiprtc: {e}"))?;
+            KernelCache::new(dir, hiprtc).map_err(|e| e.to_string())
+        });
+        made.as_ref().map_err(|msg| Error::BackendUnavailable {
+            backend: "rocm".into(),
+            reason: msg.clone(),
+        })
     }
 
     fn check(&self, call: &'static str, code: HipError) -> Result<()> {
@@ -692,11 +694,12 @@ impl Gpu for RocmGpu {
                 }
             }
         }
-        let compiled = self.hiprtc()?.compile(&request)?;
-        if !compiled.log.is_empty() {
-            tracing::debug!(target: target::GPU, "hiprtc log for {name} ({arch}): {}", compiled.log);
+        let built = self.kernel_cache()?.get_or_compile(&request)?;
+        tracing::debug!(target: target::GPU, "{name} for {arch}: {:?} in {:?}", built.outcome, built.elapsed);
+        if !built.kernel.log.is_empty() {
+            tracing::debug!(target: target::GPU, "hiprtc log for {name} ({arch}): {}", built.kernel.log);
         }
-        self.load_module(&compiled.image)
+        self.load_module(&built.kernel.image)
     }
 
     fn is_capturing(&self, stream: Stream) -> Result<bool> {

@@ -1,10 +1,11 @@
 //! hiprtc, loaded at run time: compiles HIP C++ source to a code object for one `gfx` target.
 //!
 //! Same shape as the CUDA backend's NVRTC wrapper: a [`CompileRequest`] with in-memory headers in,
-//! a [`CompiledCodeObject`] (image + compiler log) out; a failed compile is [`Error::Compile`]
+//! a [`CompiledKernel`] (code object + compiler log) out; a failed compile is [`Error::Compile`]
 //! carrying hiprtc's log.
 
 use crate::loader;
+use mscclpp_core::kernel_cache::KernelCompiler;
 use mscclpp_core::{Error, Result};
 use std::ffi::{c_char, c_int, CStr, CString};
 
@@ -73,14 +74,8 @@ impl std::fmt::Debug for Hiprtc {
 /// One run-time compilation (shared with the other backend and the build tool).
 pub use mscclpp_core::kernel_image::CompileRequest;
 
-/// A compiled code object.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CompiledCodeObject {
-    /// The code object (an ELF image `hipModuleLoadData` accepts).
-    pub image: Vec<u8>,
-    /// hiprtc's log (warnings); empty when it had nothing to say.
-    pub log: String,
-}
+/// A compiled code object (an ELF image `hipModuleLoadData` accepts) and hiprtc's log.
+pub use mscclpp_core::kernel_image::CompiledKernel;
 
 fn c_string(what: &str, s: &str) -> Result<CString> {
     CString::new(s).map_err(|_| Error::InvalidArgument(format!("{what} {s:?} contains a NUL byte")))
@@ -172,7 +167,7 @@ impl Hiprtc {
         opts
     }
 
-    pub fn compile(&self, req: &CompileRequest) -> Result<CompiledCodeObject> {
+    pub fn compile(&self, req: &CompileRequest) -> Result<CompiledKernel> {
         let source = c_string("source of", req.source)?;
         let name = c_string("program name", req.name)?;
         let header_texts = req
@@ -243,7 +238,7 @@ impl Hiprtc {
             });
         }
         let image = self.read(&program, self.api.code_size, self.api.code, "hiprtcGetCode")?;
-        Ok(CompiledCodeObject { image, log })
+        Ok(CompiledKernel { image, log })
     }
 
     fn read(
@@ -264,6 +259,18 @@ impl Hiprtc {
             })?;
         }
         Ok(buf)
+    }
+}
+
+impl KernelCompiler for Hiprtc {
+    fn options_for(&self, req: &CompileRequest) -> Vec<String> {
+        Hiprtc::options_for(req)
+    }
+    fn version(&self) -> (i32, i32) {
+        Hiprtc::version(self)
+    }
+    fn compile(&self, req: &CompileRequest) -> Result<CompiledKernel> {
+        Hiprtc::compile(self, req)
     }
 }
 

@@ -3,7 +3,8 @@
 //! Nothing links against ROCm at build time, so this crate builds and its CPU tests run on any
 //! machine; [`RocmGpu::new`] and [`Hiprtc::load`] say which library they looked for, and where,
 //! when ROCm is absent. A release build embeds code objects for gfx90a and gfx942 compiled ahead
-//! of time ([`aot`]), so hiprtc runs only for what they do not cover.
+//! of time ([`aot`]), so hiprtc runs only for what they do not cover, through the disk cache
+//! ([`KernelCache`]).
 
 pub mod aot;
 pub mod clang;
@@ -14,4 +15,7 @@ pub mod loader;
 pub mod sys;
 
 pub use gpu::RocmGpu;
-pub use hiprtc::{CompileRequest, CompiledCodeObject, Hiprtc};
+pub use hiprtc::{CompileRequest, CompiledKernel, Hiprtc};
+
+/// hiprtc's output on disk (`mscclpp_core::kernel_cache`).
+pub type KernelCache = mscclpp_core::kernel_cache::KernelCache<Hiprtc>;

@@ -746,3 +746,43 @@ fn runtime_units_link_into_code_objects_the_runtime_finds() {
         bytes.len()
     );
 }
+
+/// hiprtc's output goes through the disk cache (`RocmGpu::build_module`'s path for what the build
+/// does not embed): the first request compiles and stores, the second loads the same image, and a
+/// damaged entry is compiled again, never loaded.
+#[test]
+fn hiprtc_output_is_cached_on_disk() {
+    use mscclpp_core::kernel_cache::CacheOutcome;
+    let test = "hiprtc_output_is_cached_on_disk";
+    let hiprtc = match Hiprtc::load() {
+        Ok(h) => h,
+        Err(e) => return unavailable(test, &e.to_string()),
+    };
+    let dir = std::env::temp_dir().join(format!("mscclpp-hip-cache-{}", std::process::id()));
+    let cache = mscclpp_rocm::KernelCache::new(&dir, hiprtc).expect("cache");
+    let headers = mscclpp_kernels_hip::all_headers();
+    let req = CompileRequest {
+        name: "cached",
+        source: "#include \"mscclpp/common.cuh\"\nextern \"C\" __global__ void cached(int* p) { p[threadIdx.x] = 1; }\n",
+        arch: "gfx90a",
+        headers: &headers,
+        options: &[],
+    };
+    let first = cache.get_or_compile(&req).expect("compiled");
+    assert_eq!(first.outcome, CacheOutcome::Compiled);
+    let info = inspect_code_object(&first.kernel.image).expect("a code object");
+    assert_eq!(info.arch, "gfx90a");
+    assert_eq!(info.kernels, ["cached"]);
+    let second = cache.get_or_compile(&req).expect("loaded");
+    assert_eq!(second.outcome, CacheOutcome::Hit);
+    assert_eq!(second.kernel, first.kernel);
+    let entry = cache.entry_path(&req);
+    let mut bytes = std::fs::read(&entry).expect("the entry");
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&entry, bytes).expect("damaged");
+    let third = cache.get_or_compile(&req).expect("rebuilt");
+    assert_eq!(third.outcome, CacheOutcome::Rebuilt);
+    assert_eq!(third.kernel.image, first.kernel.image);
+    let _ = std::fs::remove_dir_all(&dir);
+}

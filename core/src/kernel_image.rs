@@ -36,6 +36,15 @@ pub struct CompileRequest<'a> {
     pub options: &'a [String],
 }
 
+/// What a compiler made of a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CompiledKernel {
+    /// A CUBIN (`sm_XX`), NUL-terminated PTX (`compute_XX`), or an AMD code object (`gfxNNN`).
+    pub image: Vec<u8>,
+    /// The compiler's log (warnings); empty when it had nothing to say.
+    pub log: String,
+}
+
 /// SHA-256 over `format`, `req`'s source, headers and architecture, `options` and, where given, the
 /// compiler's version, each field length-prefixed so no two inputs collide by concatenation: the
 /// key of a disk cache entry (every option, the compiler's version) and of an embedded image (the

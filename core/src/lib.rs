@@ -15,6 +15,7 @@ pub mod fifo;
 pub mod gpu;
 pub mod host_gather;
 pub mod host_semaphore;
+pub mod kernel_cache;
 pub mod kernel_image;
 pub mod port_channel;
 pub mod process;

@@ -1,10 +1,12 @@
 //! On-disk cache of compiled kernels, so a rank compiles each (source, options, arch, compiler)
-//! combination once per machine instead of on every start.
+//! combination once per machine instead of on every start: the run-time compiles of both backends
+//! (NVRTC's CUBINs and PTX, hiprtc's code objects), whatever their build does not embed.
 //!
 //! # Key
 //! SHA-256 over, each length-prefixed so no two inputs can collide by concatenation: a format tag,
-//! the source, every (include name, text) header pair, the full NVRTC option list (ours and the
-//! caller's, include folders included), the target architecture and the NVRTC version.
+//! the source, every (include name, text) header pair, the compiler's full option list (ours and
+//! the caller's, include folders included), the target architecture and the compiler's version
+//! ([`request_key`]).
 //!
 //! # Entry file (`<name>-<arch>-<key>.kbin` under the cache folder)
 //! ```text
@@ -24,10 +26,9 @@
 //! read-only folder, a file system without `flock`) or is held past `COMPILE_WAIT` (a stopped
 //! process) is passed by: the caller compiles itself, as without the lock.
 
-use crate::nvrtc::{CompileRequest, CompiledKernel, Nvrtc};
-use mscclpp_core::error::IoContext;
-use mscclpp_core::kernel_image::request_key;
-use mscclpp_core::{Error, Result};
+use crate::error::IoContext;
+use crate::kernel_image::{request_key, CompileRequest, CompiledKernel};
+use crate::{Error, Result};
 use sha2::{Digest, Sha256};
 use std::io::Write;
 use std::os::fd::AsRawFd;
@@ -43,6 +44,15 @@ const KEY_FORMAT: &str = "mscclpp-rs kernel cache v1";
 /// Longest wait for another process's compile of the same entry: the slowest unit (the plan
 /// interpreter) takes about a minute on a loaded host.
 const COMPILE_WAIT: Duration = Duration::from_secs(120);
+
+/// A run-time compiler whose output the cache keeps (NVRTC, hiprtc).
+pub trait KernelCompiler {
+    /// Every option a compile of `req` passes, ours and the caller's (the key names them).
+    fn options_for(&self, req: &CompileRequest) -> Vec<String>;
+    /// (major, minor): another version makes other entries.
+    fn version(&self) -> (i32, i32);
+    fn compile(&self, req: &CompileRequest) -> Result<CompiledKernel>;
+}
 
 /// How a [`KernelCache::get_or_compile`] call got its image.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,23 +87,23 @@ pub struct CacheStats {
     pub load_time: Duration,
 }
 
-/// Compile-or-load cache of NVRTC output under one folder (normally `Env.cache_dir`).
+/// Compile-or-load cache of one compiler's output under one folder (normally `Env.cache_dir`).
 #[derive(Debug)]
-pub struct KernelCache {
+pub struct KernelCache<C> {
     dir: PathBuf,
-    nvrtc: Nvrtc,
+    compiler: C,
     stats: Mutex<CacheStats>,
 }
 
-impl KernelCache {
-    /// A cache in `dir` (created if missing) that compiles with `nvrtc`.
-    pub fn new(dir: impl Into<PathBuf>, nvrtc: Nvrtc) -> Result<KernelCache> {
+impl<C: KernelCompiler> KernelCache<C> {
+    /// A cache in `dir` (created if missing) that compiles with `compiler`.
+    pub fn new(dir: impl Into<PathBuf>, compiler: C) -> Result<KernelCache<C>> {
         let dir = dir.into();
         std::fs::create_dir_all(&dir)
             .io_context(|| format!("creating kernel cache folder {}", dir.display()))?;
         Ok(KernelCache {
             dir,
-            nvrtc,
+            compiler,
             stats: Mutex::new(CacheStats::default()),
         })
     }
@@ -102,8 +112,8 @@ impl KernelCache {
         &self.dir
     }
 
-    pub fn nvrtc(&self) -> &Nvrtc {
-        &self.nvrtc
+    pub fn compiler(&self) -> &C {
+        &self.compiler
     }
 
     pub fn stats(&self) -> CacheStats {
@@ -118,8 +128,8 @@ impl KernelCache {
         request_key(
             KEY_FORMAT,
             req,
-            &self.nvrtc.options_for(req),
-            Some(self.nvrtc.version()),
+            &self.compiler.options_for(req),
+            Some(self.compiler.version()),
         )
     }
 
@@ -179,7 +189,7 @@ impl KernelCache {
             }
         }
 
-        let kernel = self.nvrtc.compile(req)?;
+        let kernel = self.compiler.compile(req)?;
         if let Err(e) = write_atomically(&path, &encode_entry(&key, &kernel)) {
             tracing::warn!("could not store kernel {} in the cache: {e}", req.name);
         }
@@ -384,7 +394,7 @@ mod tests {
 
     fn sample() -> CompiledKernel {
         CompiledKernel {
-            image: b"\x7fELF fake cubin".to_vec(),
+            image: b"\x7fELF fake image".to_vec(),
             log: "warning: x".into(),
         }
     }
@@ -461,7 +471,7 @@ mod tests {
             let exe = std::env::current_exe().expect("the test binary");
             let mut child = std::process::Command::new(exe)
                 .args([
-                    "cache::tests::compile_lock_holder",
+                    "kernel_cache::tests::compile_lock_holder",
                     "--exact",
                     "--nocapture",
                 ])
