@@ -8,7 +8,7 @@
 //! into its unit (few data ops), and a user's `compile_native` source, exist only at run time:
 //! NVRTC compiles those.
 //!
-//! [`UnitSet::Default`] is what programs use, 137 units an architecture (133 for AMD). Every
+//! [`UnitSet::Default`] is what programs use, 137 units an architecture (134 for AMD). Every
 //! variant would be 1,448, eleven times the compiles and the bytes (the plan interpreter's 960, one
 //! per type, op and feature set, are most of them); the rest compile at run time on first use,
 //! once per machine (the disk cache).
@@ -95,8 +95,7 @@ fn every_plan_features() -> impl Iterator<Item = PlanFeatures> {
 }
 
 /// The units of `set`, family by family: for AMD GPUs (`hip`) all but the NVLS all-reduce, which
-/// needs NVLink multicast, and the benchmark's data unit, written for CUDA's half types (the
-/// benchmark compares with NCCL).
+/// needs NVLink multicast.
 pub fn units(set: UnitSet, hip: bool) -> Result<Vec<Unit>> {
     let mut out = Vec::new();
     let specs = set.reduce_specs();
@@ -133,13 +132,11 @@ pub fn units(set: UnitSet, hip: bool) -> Result<Vec<Unit>> {
         });
     }
     // The benchmark's inputs and checks: the main job runs them before anything else.
-    if !hip {
-        out.push(Unit {
-            family: "bench_data",
-            name: bench_data::UNIT_NAME.to_string(),
-            source: bench_data::SOURCE.to_string(),
-        });
-    }
+    out.push(Unit {
+        family: "bench_data",
+        name: bench_data::UNIT_NAME.to_string(),
+        source: bench_data::SOURCE.to_string(),
+    });
     for (dtype, accum, op) in set.plan_variants() {
         for features in every_plan_features() {
             let (name, source) = kx::unit_source(dtype, accum, op, features)?;
@@ -172,14 +169,8 @@ mod tests {
         // 3 ops: 26 specs, each in the 3 reducing files and the port-channel all-reduce.
         assert_eq!(default.len(), plain + 4 * 26 + 3 + 1 + 3 * 8);
         let hip = units(UnitSet::Default, true).expect("hip");
-        assert_eq!(
-            hip.len(),
-            default.len() - 4,
-            "all but NVLS's three and bench_data"
-        );
-        assert!(hip
-            .iter()
-            .all(|u| u.family != "allreduce_nvls" && u.family != "bench_data"));
+        assert_eq!(hip.len(), default.len() - 3, "all but the three NVLS units");
+        assert!(hip.iter().all(|u| u.family != "allreduce_nvls"));
     }
 
     /// The units the README's first programs run are embedded: a bf16 sum all-reduce

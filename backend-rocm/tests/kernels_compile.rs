@@ -14,27 +14,27 @@
 //!   for both targets with ROCm 6.0's device libraries, as `mscclpp-aot --hip` links them all.
 //!
 //! Units: every unit of `mscclpp-kernels-cu` (primitives, switch channel, simple all-reduce per
-//! type; optimised where the code differs by target, [`optimised_on_both`], and through
-//! gfx942's front end for the other types), the native collectives, the PortChannel all-reduce
-//! and the plan interpreter. Each (type, accumulator) pair of the reducing collectives and of the
-//! PortChannel all-reduce is built for one op exactly as the runtime builds it (`-O3`), rotating
-//! through the ops from pair to pair so each op is optimised for a fifth of the pairs: on each
-//! target every pair but eight of the twelve fp8 ones, a different four fp8 pairs per target
-//! ([`GFX90A_FP8_PAIRS`], [`GFX942_FP8_PAIRS`]; the others' runtime units go through gfx942's
-//! front end); the four other ops go in one program ([`every_op_source`]) through clang's front
-//! end for gfx942 (`-fsyntax-only`: every template instantiated and type-checked; the ops differ
-//! only in a template parameter, and the targets' own code, such as gfx942's fp8 conversions, is
-//! op-independent and optimised in the pair's runtime unit). Plan programs compiled into the
-//! interpreter's unit (the executor's specialised units) come from the builder's plans
+//! type; optimised where the code differs by target, [`optimised_on_both`], and through gfx942's
+//! front end for the other types), the native collectives, the PortChannel all-reduce, the plan
+//! interpreter and the benchmark's data unit. Each (type, accumulator) pair of the reducing
+//! collectives and of the PortChannel all-reduce is built for one op exactly as the runtime builds
+//! it (`-O3`), rotating through the ops from pair to pair so each op is optimised for a fifth of
+//! the pairs: on each target every pair but eight of the twelve fp8 ones, a different four fp8
+//! pairs per target ([`GFX90A_FP8_PAIRS`], [`GFX942_FP8_PAIRS`]; the others' runtime units go
+//! through gfx942's front end); the four other ops go in one program ([`every_op_source`]) through
+//! clang's front end for gfx942 (`-fsyntax-only`: every template instantiated and type-checked; the
+//! ops differ only in a template parameter, and the targets' own code, such as gfx942's fp8
+//! conversions, is op-independent and optimised in the pair's runtime unit). Plan programs compiled
+//! into the interpreter's unit (the executor's specialised units) come from the builder's plans
 //! ([`specialised_plan_units`]). The plan interpreter is optimised for a spread of pairs
 //! ([`INTERPRETER_PAIRS`]), one op each, rotating, and goes through gfx942's front end for the
-//! others. Optimising every op was too slow for CI: optimising every op's software
-//! fp8 code took 66 to 129 s per fp8 pair of the all-reduce file alone on gfx90a (two busy shared
-//! cores), the 5 x 96 optimised units about 640 s of CPU on gfx942, and the every-op programs at
-//! `-O0` (instruction selection for every op, on both targets until 2026-11-28) 3-9 s each where
-//! the front end takes 0.5 s: three quarters of the gate's time. The interpreter's op only picks
-//! the `ReduceFn<Op>` it applies to the pair's types, which the collectives build for every op.
-//! NVLS units are CUDA-only (multicast) and not built for HIP.
+//! others. Optimising every op was too slow for CI: optimising every op's software fp8 code took 66
+//! to 129 s per fp8 pair of the all-reduce file alone on gfx90a (two busy shared cores), the 5 x 96
+//! optimised units about 640 s of CPU on gfx942, and the every-op programs at `-O0` (instruction
+//! selection for every op, on both targets until 2026-11-28) 3-9 s each where the front end takes
+//! 0.5 s: three quarters of the gate's time. The interpreter's op only picks the `ReduceFn<Op>` it
+//! applies to the pair's types, which the collectives build for every op. NVLS units are CUDA-only
+//! (multicast) and not built for HIP.
 //!
 //! hiprtc compiles one program at a time per process, so the gfx90a test runs itself again as one
 //! child process per core (`MSCCLPP_HIP_GATE_JOBS`), each compiling its share of the units.
@@ -48,7 +48,7 @@
 use mscclpp_collectives::port_allreduce;
 use mscclpp_core::{DataType, ReduceOp};
 use mscclpp_kernels_cu::collectives::{self as kc, CollectiveFile, ReduceSpec};
-use mscclpp_kernels_cu::executor;
+use mscclpp_kernels_cu::{bench_data, executor};
 use mscclpp_kernels_cu::{KERNELS, PRIMITIVE_KERNELS, TARGET_DEPENDENT_KERNELS};
 use mscclpp_rocm::clang::{inspect_code_object, ClangHip, Output};
 use mscclpp_rocm::{aot, CompileRequest, Hiprtc};
@@ -280,6 +280,14 @@ fn every_unit() -> Vec<Unit> {
         });
     }
     units.extend(specialised_plan_units());
+    // The benchmark's device inputs and checks, with the layout asserts of its argument struct.
+    units.push(Unit {
+        name: bench_data::UNIT_NAME.to_string(),
+        source: format!("{}{}", bench_data::SOURCE, bench_data::layout_asserts()),
+        entries: vec![bench_data::ENTRY.to_string()],
+        front_end_only: false,
+        gfx90a: true,
+    });
     units
 }
 

@@ -18,7 +18,9 @@
 //                   products stay on the host, since their inputs are drawn through exp2)
 #include "mscclpp/common.cuh"
 
+#if !defined(MSCCLPP_HIP)
 #include <cuda_fp16.h>
+#endif
 
 using namespace mscclpp;
 
@@ -52,6 +54,30 @@ struct BenchDataArgs {
   u32 nranks;
   u32 rank;
 };
+
+// f16: the 16 bits of float f rounded to nearest even, and the float of 16 bits. HIP's is the
+// compiler's _Float16 (hiprtc's runtime header declares its own __half besides the device
+// library's, so the CUDA names would be ambiguous there).
+MSCCLPP_DEVICE_INLINE u16 bench_f16_bits(float f) {
+#if defined(MSCCLPP_HIP)
+  _Float16 h = static_cast<_Float16>(f);
+  u16 bits;
+  __builtin_memcpy(&bits, &h, sizeof bits);
+  return bits;
+#else
+  return __half_as_ushort(__float2half_rn(f));
+#endif
+}
+
+MSCCLPP_DEVICE_INLINE float bench_f16_float(u16 bits) {
+#if defined(MSCCLPP_HIP)
+  _Float16 h;
+  __builtin_memcpy(&h, &bits, sizeof h);
+  return static_cast<float>(h);
+#else
+  return __half2float(__ushort_as_half(bits));
+#endif
+}
 
 MSCCLPP_DEVICE_INLINE u64 bench_mix(u64 z) {
   z += 0x9e3779b97f4a7c15ull;
@@ -93,9 +119,9 @@ MSCCLPP_DEVICE_INLINE u64 bench_encode_float(u32 dtype, double v, double* value)
       *value = v;
       return (u64)__double_as_longlong(v);
     case kF16: {
-      __half h = __float2half_rn(__double2float_rn(v));
-      *value = (double)__half2float(h);
-      return (u64)__half_as_ushort(h);
+      u16 bits = bench_f16_bits(__double2float_rn(v));
+      *value = (double)bench_f16_float(bits);
+      return (u64)bits;
     }
     case kBf16: {
       u32 x = __float_as_uint(__double2float_rn(v));
@@ -147,7 +173,7 @@ MSCCLPP_DEVICE_INLINE void bench_store(u32 dtype, u8* data, u64 i, u64 bits) {
 MSCCLPP_DEVICE_INLINE double bench_decode_float(u32 dtype, u64 bits) {
   switch (dtype) {
     case kF64: return __longlong_as_double((long long)bits);
-    case kF16: return (double)__half2float(__ushort_as_half((unsigned short)bits));
+    case kF16: return (double)bench_f16_float((u16)bits);
     case kBf16: return (double)__uint_as_float((u32)bits << 16);
     default: return (double)__uint_as_float((u32)bits);
   }
