@@ -6,6 +6,7 @@ The CUDA stream handling is what the stand-in replaces; ep_gpu_check.py runs the
 
 import contextlib
 import inspect
+import math
 import threading
 from types import SimpleNamespace
 
@@ -425,21 +426,38 @@ def test_fp8_refusals_are_raised_on_every_rank():
     xs, idxs, ws = routing(13, R, 6, 2, E, 256)
     fp8 = fp8_tokens(xs, torch.Generator().manual_seed(1), "f32")
 
-    def rank(buf, mixed, kernels):
+    def rank(buf):
         r = buf.rank
-        if kernels:
-            buf._ep = SimpleNamespace()  # as with Buffer.use_kernels
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], E)
-        x = xs[r] if mixed and r == 1 else fp8[r]
+        x = xs[r] if r == 1 else fp8[r]
         return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                             num_tokens_per_expert=per_expert, topk_idx=idxs[r],
                             topk_weights=ws[r])
 
-    results = on_ranks(R, lambda b: rank(b, True, False))
+    results = on_ranks(R, rank)
     assert all(isinstance(e, ValueError) and "disagree on dtype" in str(e) for e in results)
-    results = on_ranks(R, lambda b: rank(b, False, True))
-    assert all(isinstance(e, NotImplementedError) and "Buffer.use_kernels" in str(e)
-               for e in results)
+
+
+@pytest.mark.parametrize("hidden", [128, 384, 512, 7168])
+@pytest.mark.parametrize("scales_kind", ["f32", "per_token", "ue8m0", "column_major"])
+def test_fp8_rows_pack_into_kernel_rows_and_back_bit_for_bit(hidden, scales_kind):
+    """What the kernels' rings carry of an fp8 dispatch: one row of bytes a token (rows, scales,
+    zero padding to the rings' 16 bytes), split on arrival into the sender's dtypes and shapes."""
+    from mscclpp.ext.ep.buffer import _KERNEL_ROW_ALIGN, _packed_rows, _unpacked_rows
+    gen = torch.Generator().manual_seed(hidden)
+    x = torch.randn(11, hidden, generator=gen).to(torch.bfloat16)
+    [(rows, scales)] = fp8_tokens([x], gen, scales_kind)
+    packed = _packed_rows(rows, scales)
+    S = math.prod(scales.shape[1:])
+    assert packed.dtype == torch.uint8 and packed.is_contiguous()
+    assert packed.shape[1] % _KERNEL_ROW_ALIGN == 0
+    assert packed.shape[1] - (hidden + 4 * S) < _KERNEL_ROW_ALIGN
+    assert torch.equal(packed[:, hidden + 4 * S:], torch.zeros_like(packed[:, hidden + 4 * S:]))
+    # A receiver gets the rows in another order, some twice: each is unpacked on its own.
+    pick = torch.tensor([3, 0, 10, 3, 7])
+    got_rows, got_scales = _unpacked_rows(packed[pick], rows, scales)
+    assert same_bits(got_rows, rows[pick])
+    assert same_bits(got_scales, scales[pick].contiguous())
 
 
 def dispatch_with_worst(buf, xs, idxs, ws, num_experts, worst):

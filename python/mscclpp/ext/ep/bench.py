@@ -157,13 +157,10 @@ def bench_normal(buf, args, rows):
     num_recv = recv_x.shape[0]
     cases = [("dispatch bf16", lambda: buf.dispatch(x, **layout),
               normal_recv_bytes(num_recv, H, False), ok_bf16)]
-    if args.kernels:
-        rows.append(f"{'dispatch fp8':>22} skipped: the kernels take bf16 tokens only")
-    else:
-        recv_fp8, _, _, _, handle_fp8, _ = buf.dispatch(x_fp8, **layout)
-        ok_fp8 = torch.equal(buf.combine(dequantize(*recv_fp8), handle_fp8)[0], want)
-        cases.append(("dispatch fp8", lambda: buf.dispatch(x_fp8, **layout),
-                      normal_recv_bytes(num_recv, H, True), ok_fp8))
+    recv_fp8, _, _, _, handle_fp8, _ = buf.dispatch(x_fp8, **layout)
+    ok_fp8 = torch.equal(buf.combine(dequantize(*recv_fp8), handle_fp8)[0], want)
+    cases.append(("dispatch fp8", lambda: buf.dispatch(x_fp8, **layout),
+                  normal_recv_bytes(num_recv, H, True), ok_fp8))
     cases.append(("combine bf16", lambda: buf.combine(recv_x, handle, topk_weights=recv_w),
                   normal_recv_bytes(num_recv, H, False), ok_bf16))
     for mode, call, nbytes, ok in cases:

@@ -26,9 +26,10 @@ for the kernels' layout, a grid that the ranks sharing the GPU could not all kee
 `num_sms`).
 
 On both, each argument refusal is raised before anything is enqueued, and a refusal that depends
-on other ranks' arguments is raised on every rank. fp8 tokens take the point-to-point path (the
-kernels' rings carry no scales): rows move as bytes, their scales as extra int32 columns of the
-row's metadata.
+on other ranks' arguments is raised on every rank. fp8 rows move as bytes with their scales (f32
+or int32, bit for bit): on the point-to-point path as extra int32 columns of the row's metadata,
+through the kernels as one row of bytes a token (rows, scales, zero padding to 16 bytes), split
+again on arrival.
 
 The low-latency calls always take the point-to-point path, with every size fixed by the call's
 shapes, so they read nothing on the host and may be captured in a CUDA graph (`low_latency`'s doc).
@@ -259,11 +260,6 @@ class Buffer:
             self._on_device("x", x)
             if scales is not None:
                 self._on_device("x's scales", scales)
-                if self._ep is not None:
-                    raise NotImplementedError(
-                        "dispatch: fp8 tokens through the intranode kernels (Buffer.use_kernels) "
-                        "are not implemented yet: their rings carry no scales; the "
-                        "point-to-point path (the default) takes them")
             checks.positive_int("expert_alignment", expert_alignment, 1)
             checks.positive_int("num_worst_tokens", num_worst_tokens, 0)
             if num_tokens_per_rdma_rank is not None:
@@ -323,7 +319,7 @@ class Buffer:
             if self._ep is not None:
                 in_rank = handle[4] if handle is not None else is_token_in_rank
                 result, outputs = self._kernel_dispatch(
-                    x, handle, in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                    x, scales, handle, in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                     expert_alignment, num_worst_tokens, config)
             elif handle is not None:
                 rank_prefix, _, _, recv_src_idx, in_rank, _ = handle
@@ -753,10 +749,14 @@ class Buffer:
         self._exchange(sends, recvs)
         return received
 
-    def _kernel_dispatch(self, x, handle, in_rank, num_tokens_per_expert, topk_idx, topk_weights,
-                         expert_alignment, num_worst_tokens, config):
+    def _kernel_dispatch(self, x, scales, handle, in_rank, num_tokens_per_expert, topk_idx,
+                         topk_weights, expert_alignment, num_worst_tokens, config):
         """Dispatch through the kernels: ep_notify (counts, prefix sums, ring reset) and one host
-        read of the counts, or, cached, ep_reset; then ep_dispatch."""
+        read of the counts, or, cached, ep_reset; then ep_dispatch. fp8 rows travel with their
+        scales as one row of bytes (`_packed_rows`), unpacked on arrival."""
+        tokens = x
+        if scales is not None:
+            x = _packed_rows(tokens, scales)
         R, dev, C = self.group_size, self._device, config.num_channels
         T, H = x.shape
         K = 0 if topk_idx is None else topk_idx.shape[1]
@@ -801,12 +801,16 @@ class Buffer:
                      recv_topk_idx=recv_topk_idx, recv_topk_weights=recv_topk_weights,
                      recv_channel_prefix=recv_channel_prefix, num_tokens=T,
                      experts_per_rank=L)
+        received = [recv_x]
+        if scales is not None:
+            recv_x = _unpacked_rows(recv_x, tokens, scales)
+            received = list(recv_x)
         if handle is not None:
-            return (recv_x, None, None, None, None), [recv_x, recv_src_idx, recv_channel_prefix]
+            return (recv_x, None, None, None, None), received + [recv_src_idx, recv_channel_prefix]
         handle = (rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, in_rank,
                   send_head)
         self._remember(handle, C)
-        outputs = [recv_x, recv_topk_idx, recv_topk_weights] + list(handle)
+        outputs = received + [recv_topk_idx, recv_topk_weights] + list(handle)
         return (recv_x, recv_topk_idx, recv_topk_weights, per_expert, handle), outputs
 
     def _kernel_combine(self, x, handle, topk_weights, biases, config):
@@ -1109,6 +1113,32 @@ def _with_scales(recv_x, columns, scales):
     """The received fp8 pair: the rows and their scales in the sender's dtype and shape."""
     shape = (columns.shape[0],) + tuple(scales.shape[1:])
     return recv_x, columns.contiguous().view(scales.dtype).reshape(shape)
+
+
+# The kernels' rings move rows whose length is a multiple of this many bytes.
+_KERNEL_ROW_ALIGN = 16
+
+
+def _packed_rows(x, scales):
+    """fp8 rows `[T, H]` and their scales (`_as_columns`) as one uint8 row a token, zero-padded
+    to the kernels' row alignment: `[T, H + 4 S + pad]`, what the kernels' rings carry."""
+    columns = _as_columns(scales).contiguous()
+    # Flat first: a [T, 1] column counts as contiguous whatever its stride, which a byte view
+    # of its rows would refuse.
+    scale_bytes = columns.reshape(-1).view(torch.uint8).reshape(x.shape[0], 4 * columns.shape[1])
+    parts = [x.view(torch.uint8), scale_bytes]
+    pad = -sum(p.shape[1] for p in parts) % _KERNEL_ROW_ALIGN
+    if pad:
+        parts.append(torch.zeros(x.shape[0], pad, dtype=torch.uint8, device=x.device))
+    return torch.cat(parts, dim=1)
+
+
+def _unpacked_rows(packed, x, scales):
+    """The fp8 pair in `_packed_rows`' received rows: the rows in `x`'s dtype, the scales in the
+    sender's dtype and shape."""
+    H, S = x.shape[1], math.prod(scales.shape[1:])
+    rows = packed[:, :H].contiguous().view(x.dtype)
+    return _with_scales(rows, packed[:, H:H + 4 * S].contiguous().view(torch.int32), scales)
 
 
 def _counts_of(rank_prefix):
