@@ -34,10 +34,9 @@ pub(crate) const STANDALONE_SCRATCH_BYTES: usize = 1 << 20;
 const DEFAULT_THREADS: u32 = 512;
 
 /// Blocks of [`SMALL_THREADS`] threads for calls that send at most [`SMALL_WORK_BYTES`] per rank:
-/// a few LL128 lines need few warps, and smaller blocks start and finish sooner. On 2 x H200
-/// (graph mode, bf16, 2026-11-27) 1-8 KiB all-to-alls took 3.23-3.36 µs with one 512-thread block
-/// and 3.00-3.07 µs with four of 128 threads (NCCL 6.2-6.8); from 16 KiB to 128 KiB 128-thread
-/// blocks (as many as the lines need) took 3.09-3.22 µs against 3.43-3.67.
+/// a few LL128 lines need few warps, and smaller blocks start and finish sooner, so at least
+/// [`SMALL_MIN_BLOCKS`] small blocks beat one large one there (the timings are in
+/// docs/algorithms.md, "Geometry").
 const SMALL_THREADS: u32 = 128;
 const SMALL_WORK_BYTES: usize = 128 << 10;
 const SMALL_MIN_BLOCKS: u32 = 4;
