@@ -31,7 +31,8 @@ hip_devlibs_root="${XDG_CACHE_HOME:-$HOME/.cache}/mscclpp-hip-device-libs/${hip_
 hip_devlibs="$hip_devlibs_root/usr/lib/llvm-17/lib/clang/17/amdgcn/bitcode"
 if [ ! -f "$hip_devlibs/oclc_isa_version_942.bc" ]; then
   echo "HIP gate: fetching ROCm 6.0's device libraries ($hip_devlibs_deb)"
-  hip_tmp=$(mktemp -d)
+  mkdir -p "$(dirname "$hip_devlibs_root")"
+  hip_tmp=$(mktemp -d "$(dirname "$hip_devlibs_root")/.fetch.XXXXXX")
   if ! curl -fsS --retry 3 --max-time 120 -o "$hip_tmp/devlibs.deb" \
       "http://deb.debian.org/debian/pool/main/r/rocm-device-libs/$hip_devlibs_deb"; then
     echo "HIP gate: could not fetch $hip_devlibs_deb from deb.debian.org" >&2
@@ -43,8 +44,11 @@ if [ ! -f "$hip_devlibs/oclc_isa_version_942.bc" ]; then
     rm -rf "$hip_tmp"
     return 1
   fi
-  mkdir -p "$hip_devlibs_root"
-  dpkg-deb -x "$hip_tmp/devlibs.deb" "$hip_devlibs_root"
+  # Unpacked beside the cache and renamed into place: an interrupted unpack is never taken
+  # for a complete one.
+  rm -rf "$hip_devlibs_root"
+  dpkg-deb -x "$hip_tmp/devlibs.deb" "$hip_tmp/root"
+  mv "$hip_tmp/root" "$hip_devlibs_root"
   rm -rf "$hip_tmp"
 fi
 export MSCCLPP_HIP_DEVICE_LIBS="$hip_devlibs"
