@@ -10,7 +10,11 @@
 #     ncclGetVersion through libnccl.so.2 with the very function libmscclpp_nccl.so holds (one
 #     copy loaded, not two);
 #   - the README's Python example runs as far as it can without a GPU (readme-example-cpu.py).
-# Usage: scripts/wheel-check.sh WHEEL [VENV]   (VENV default target/wheel-venv, made afresh)
+# A wheel for another architecture than the machine's (aarch64 on x86_64) is checked the same way
+# under qemu's user-mode emulation: pip installs it for that platform into a folder, and that
+# architecture's Python (a root of Debian's packages, scripts/emu-python-root.sh) runs the checks.
+# Usage: scripts/wheel-check.sh WHEEL [VENV]   (VENV default target/wheel-venv, made afresh;
+#          for a foreign wheel the install folder, and MSCCLPP_EMU_ROOT names the root)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 whl=${1:?usage: scripts/wheel-check.sh WHEEL [VENV]}
@@ -25,14 +29,34 @@ grep -q "consistent with the following platform tag: \"manylinux_2_28_$arch\"" <
   { echo "wheel-check: auditwheel does not find $whl manylinux_2_28_$arch: $tag" >&2; exit 1; }
 echo "wheel-check: auditwheel: manylinux_2_28_$arch"
 
-rm -rf "$venv" && python3 -m venv "$venv"
 # No Rust from here on: a user's machine has none.
 clean_path=$(tr ':' '\n' <<<"$PATH" | grep -v -e '\.cargo' -e 'rustup' | paste -sd: -)
-py() { env PATH="$clean_path" CARGO_HOME=/nonexistent RUSTUP_HOME=/nonexistent "$venv/bin/python" "$@"; }
 if env PATH="$clean_path" sh -c 'command -v cargo || command -v rustc' >/dev/null; then
   echo "wheel-check: cargo or rustc is still on PATH without ~/.cargo: the check cannot say 'no Rust'" >&2
 fi
-py -m pip install -q --disable-pip-version-check --no-index --no-deps "$whl"
+rm -rf "$venv"
+if [ "$arch" = "$(uname -m)" ]; then
+  python3 -m venv "$venv"
+  py() { env PATH="$clean_path" CARGO_HOME=/nonexistent RUSTUP_HOME=/nonexistent "$venv/bin/python" "$@"; }
+  py -m pip install -q --disable-pip-version-check --no-index --no-deps "$whl"
+else
+  root=${MSCCLPP_EMU_ROOT:-}
+  emu_python=$(ls "$root"/usr/bin/python3.* 2>/dev/null | grep -E 'python3\.[0-9]+$' | head -n 1 || true)
+  if ! command -v "qemu-$arch-static" >/dev/null || [ -z "$emu_python" ]; then
+    echo "wheel-check: an $arch wheel on $(uname -m) needs qemu-$arch-static (Debian's" \
+      "qemu-user-static) and MSCCLPP_EMU_ROOT, an $arch Python root (scripts/emu-python-root.sh)" >&2
+    exit 1
+  fi
+  emu_version=$(basename "$emu_python" | sed 's/python//')
+  python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore --no-index \
+    --no-deps --target "$venv" \
+    --platform "manylinux_2_28_$arch" --python-version "$emu_version" --only-binary=:all: "$whl"
+  py() {
+    env PATH="$clean_path" CARGO_HOME=/nonexistent RUSTUP_HOME=/nonexistent PYTHONPATH="$venv" \
+      "qemu-$arch-static" -L "$root" "$emu_python" "$@"
+  }
+  echo "wheel-check: installed for $arch (Python $emu_version) under qemu-$arch-static"
+fi
 # Outside the source tree, so the installed package is the one imported.
 cd target
 version=$(sed -n '/^\[workspace.package\]/,/^\[/s/^version = "\(.*\)"$/\1/p' ../Cargo.toml)
