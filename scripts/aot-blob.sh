@@ -13,7 +13,7 @@
 #   PTX      PTX targets for newer GPUs (default compute_120; `none` for none)
 #   --hip    AMD code objects instead, by clang-19 and ROCm 6.0's device libraries
 #            (scripts/hip-env.sh), for TARGETS (default gfx90a,gfx942); backend-rocm embeds them
-#            under MSCCLPP_AOT_HIP_BLOB. About 6 min of CPU for both targets.
+#            under MSCCLPP_AOT_HIP_BLOB. About 3 min of CPU for both targets (90 s on two cores).
 # Four architectures and PTX take about 15 min of CPU (half that on two cores); sm_90 alone, 3.
 # MSCCLPP_AOT_PROFILE=dev builds the tool in the test builds' profile (CI, where the release
 # profile is not built otherwise; the compilers do the work, not the tool).

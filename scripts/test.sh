@@ -23,11 +23,13 @@ if [ "${MSCCLPP_SKIP_CU12:-0}" != 1 ]; then
     && cargo test -p mscclpp-collectives --test nvrtc every_collective_variant_passes_the_front_end'
 fi
 # The AMD code objects the release wheel embeds: every default unit linked for gfx90a and gfx942
-# (scripts/aot-blob.sh --hip, ~95 s on two cores, kept under target/aot while no kernel changes),
+# (scripts/aot-blob.sh --hip, ~90 s on two cores, kept under target/aot while no kernel changes),
 # then the ROCm backend built with them, whose tests check the blob against the runtime's keys and
 # that build_module loads the device's embedded code object (against the fake HIP library).
-MSCCLPP_AOT_HIP_BLOB=$(MSCCLPP_AOT_PROFILE=dev bash scripts/aot-blob.sh --hip | tail -n 1) \
-  cargo test -p mscclpp-rocm --lib --test fake_hip
+# (A plain assignment first: a failing substitution in front of a command would not stop the
+# script, and the tests would run without the blob.)
+hip_blob=$(MSCCLPP_AOT_PROFILE=dev bash scripts/aot-blob.sh --hip | tail -n 1)
+MSCCLPP_AOT_HIP_BLOB="$hip_blob" cargo test -p mscclpp-rocm --lib --test fake_hip
 # The fault-injection script's scheduling, timing and verdicts against a fake bench (~20 s, no GPU).
 python3 scripts/fault-inject-test.py
 # The timing tools of the same-run comparisons (torch_bench.py compare, gpu-run.sh nccl bench,
