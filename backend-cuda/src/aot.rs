@@ -192,6 +192,7 @@ fn log_miss(name: &str, arch: &str, miss: &Miss) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use mscclpp_core::kernel_image::testing::two_unit_blob;
 
     const HEADERS: &[(&str, &str)] = &[("mscclpp/a.cuh", "#define A 1\n")];
 
@@ -205,24 +206,10 @@ mod tests {
         }
     }
 
-    fn compress(raw: &[u8]) -> Vec<u8> {
-        ruzstd::encoding::compress_to_vec(raw, ruzstd::encoding::CompressionLevel::Fastest)
-    }
-
     /// A blob by NVRTC 13.5 with unit `k` (source "k") for `archs`, its image `<arch>:k`, and a
     /// second unit in the same frames.
     fn blob_for(archs: &[&str]) -> Vec<u8> {
-        let frames: Vec<FrameImages> = archs
-            .iter()
-            .map(|a| FrameImages {
-                images: ["k", "other"]
-                    .iter()
-                    .map(|s| (embedded_key(&req(s, s, a)), format!("{a}:{s}").into_bytes()))
-                    .collect(),
-            })
-            .collect();
-        let archs: Vec<String> = archs.iter().map(|a| a.to_string()).collect();
-        encode((13, 5), &archs, &frames, compress).expect("encode")
+        two_unit_blob((13, 5), archs, |u, a| embedded_key(&req(u, u, a)))
     }
 
     fn found(blob: &Blob, device: Version, driver: Version) -> Result<String, Miss> {

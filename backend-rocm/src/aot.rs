@@ -92,7 +92,7 @@ pub fn embedded() -> Option<&'static Blob<'static>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use mscclpp_core::kernel_image::{encode, FrameImages};
+    use mscclpp_core::kernel_image::testing::two_unit_blob;
 
     fn req<'a>(source: &'a str, arch: &'a str) -> CompileRequest<'a> {
         CompileRequest {
@@ -104,25 +104,12 @@ mod tests {
         }
     }
 
-    fn compress(raw: &[u8]) -> Vec<u8> {
-        ruzstd::encoding::compress_to_vec(raw, ruzstd::encoding::CompressionLevel::Fastest)
-    }
-
     /// A blob by clang 19.1 with units `k` and `other` for gfx90a and gfx942, each image
     /// `<arch>:<unit>`.
     fn blob() -> Vec<u8> {
-        let archs = ["gfx90a", "gfx942"];
-        let frames: Vec<FrameImages> = archs
-            .iter()
-            .map(|a| FrameImages {
-                images: ["k", "other"]
-                    .iter()
-                    .map(|s| (embedded_key(&req(s, a)), format!("{a}:{s}").into_bytes()))
-                    .collect(),
-            })
-            .collect();
-        let archs: Vec<String> = archs.iter().map(|a| a.to_string()).collect();
-        encode((19, 1), &archs, &frames, compress).expect("encode")
+        two_unit_blob((19, 1), &["gfx90a", "gfx942"], |u, a| {
+            embedded_key(&req(u, a))
+        })
     }
 
     #[test]

@@ -654,6 +654,7 @@ fn an_op_broken_on_hip_fails_its_every_op_program() {
 /// request (`aot::find`, the key `RocmGpu::build_module` asks with) byte for byte.
 #[test]
 fn runtime_units_link_into_code_objects_the_runtime_finds() {
+    use mscclpp_core::kernel_image::testing::compress_fast;
     use mscclpp_core::kernel_image::{encode, Blob, FrameImages};
     let test = "runtime_units_link_into_code_objects_the_runtime_finds";
     let headers = mscclpp_kernels_hip::all_headers();
@@ -735,11 +736,8 @@ fn runtime_units_link_into_code_objects_the_runtime_finds() {
         }
         frames.push(frame);
     }
-    let compress = |raw: &[u8]| {
-        ruzstd::encoding::compress_to_vec(raw, ruzstd::encoding::CompressionLevel::Fastest)
-    };
     let archs: Vec<String> = archs.iter().map(|a| a.to_string()).collect();
-    let bytes = encode(clang.version(), &archs, &frames, compress).expect("encode");
+    let bytes = encode(clang.version(), &archs, &frames, compress_fast).expect("encode");
     let blob = Blob::parse(&bytes).expect("parse");
     for (arch, frame) in archs.iter().zip(&frames) {
         for (unit, (_, image)) in units.iter().zip(&frame.images) {

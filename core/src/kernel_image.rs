@@ -409,6 +409,37 @@ pub fn parse_embedded(bytes: &'static [u8], compiler: &str) -> Option<Blob<'stat
     }
 }
 
+/// Blobs for the backends' lookup tests.
+#[cfg(any(test, feature = "testing"))]
+pub mod testing {
+    use super::{encode, FrameImages, Version};
+
+    /// zstd's fastest level: what a test's blob is compressed with.
+    pub fn compress_fast(raw: &[u8]) -> Vec<u8> {
+        ruzstd::encoding::compress_to_vec(raw, ruzstd::encoding::CompressionLevel::Fastest)
+    }
+
+    /// A blob by `compiler` holding, for each of `archs` (one frame each), the units `k` and
+    /// `other` under `key(unit, arch)`, each image the bytes `<arch>:<unit>`.
+    pub fn two_unit_blob(
+        compiler: Version,
+        archs: &[&str],
+        key: impl Fn(&str, &str) -> [u8; 32],
+    ) -> Vec<u8> {
+        let frames: Vec<FrameImages> = archs
+            .iter()
+            .map(|a| FrameImages {
+                images: ["k", "other"]
+                    .iter()
+                    .map(|u| (key(u, a), format!("{a}:{u}").into_bytes()))
+                    .collect(),
+            })
+            .collect();
+        let archs: Vec<String> = archs.iter().map(|a| a.to_string()).collect();
+        encode(compiler, &archs, &frames, compress_fast).expect("a test blob encodes")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -426,23 +457,8 @@ mod tests {
         request_key(FORMAT, &req, &[], None)
     }
 
-    fn compress(raw: &[u8]) -> Vec<u8> {
-        ruzstd::encoding::compress_to_vec(raw, ruzstd::encoding::CompressionLevel::Fastest)
-    }
-
-    /// A blob by compiler 13.5 with units `k` and `other` for `archs`, each image `<arch>:<unit>`.
     fn blob_for(archs: &[&str]) -> Vec<u8> {
-        let frames: Vec<FrameImages> = archs
-            .iter()
-            .map(|a| FrameImages {
-                images: ["k", "other"]
-                    .iter()
-                    .map(|s| (key(s, a), format!("{a}:{s}").into_bytes()))
-                    .collect(),
-            })
-            .collect();
-        let archs: Vec<String> = archs.iter().map(|a| a.to_string()).collect();
-        encode((13, 5), &archs, &frames, compress).expect("encode")
+        testing::two_unit_blob((13, 5), archs, key)
     }
 
     #[test]
@@ -551,13 +567,13 @@ mod tests {
         let frame = FrameImages {
             images: vec![image.clone(), image],
         };
-        let err = encode((13, 5), &["sm_90".into()], &[frame], compress).unwrap_err();
+        let err = encode((13, 5), &["sm_90".into()], &[frame], testing::compress_fast).unwrap_err();
         assert!(err.contains("twice"), "{err}");
     }
 
     #[test]
     fn an_arch_name_longer_than_its_field_is_refused() {
-        let err = encode((1, 0), &["x".repeat(ARCH_LEN)], &[], compress).unwrap_err();
+        let err = encode((1, 0), &["x".repeat(ARCH_LEN)], &[], testing::compress_fast).unwrap_err();
         assert!(err.contains("too long"), "{err}");
     }
 
