@@ -10,7 +10,7 @@ use std::mem::{offset_of, size_of};
 pub const UNIT_NAME: &str = "bench_data";
 /// Its entry point.
 pub const ENTRY: &str = "bench_data";
-/// The unit's source (it includes only the device library's `common.cuh` and cuda_fp16.h).
+/// The unit's source (it includes only the device library's `common.cuh`, and cuda_fp16.h on CUDA).
 pub const SOURCE: &str = include_str!("kernels/bench_data.cu");
 
 /// Most ranks whose inputs one launch regenerates (`BENCH_MAX_RANKS`).

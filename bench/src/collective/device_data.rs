@@ -11,7 +11,7 @@
 //! The host does what the kernel does not: fp8 (its encoder is the host's), float products
 //! (their inputs are drawn through exp2, which the device rounds differently), the skewed
 //! all-to-all-v (its parts are found by a search), more than [`MAX_RANKS`] ranks, and everything
-//! where the unit does not load (ROCm: its source is CUDA's), which the header says.
+//! where the unit does not load, which the header says.
 //!
 //! `--check both` is the check of the checks: inputs drawn on the device, one output element
 //! overwritten with the poison after the call, then both checks; they must agree on the count and
