@@ -54,19 +54,33 @@ pub fn check_plan(name: &str, plan: &Plan, ranks: Option<usize>) -> CheckLine {
     match prove(plan) {
         Ok(sizes) => CheckLine {
             text: format!(
-                "{name}: ok: {} ({}) over {} ranks, {} protocol{}, every dtype, chunks of {:?} elements \
+                "{name}: ok: {} ({}) over {} ranks, {} protocol{}{}, every dtype, chunks of {:?} elements \
                  (f32 input bytes per rank {:?})",
                 format!("{:?}", plan.collective).to_lowercase(),
                 reduce_name(plan),
                 plan.world_size(),
                 format!("{:?}", plan.protocol).to_uppercase().replace("SIMPLE", "Simple"),
                 if plan.needs_switch() { ", switch channels emulated" } else { "" },
+                added_handshakes(plan),
                 CHUNK_ELEMS_TRIED,
                 sizes
             ),
             ok: true,
         },
         Err(e) => fail(e.to_string()),
+    }
+}
+
+/// What the loader added to the plan's own ops ([`crate::call_bounds`]), for the line.
+fn added_handshakes(plan: &Plan) -> &'static str {
+    let tbs = || plan.gpus.iter().flat_map(|g| &g.threadblocks);
+    let entry = tbs().any(|tb| tb.added.entry > 0);
+    let exit = tbs().any(|tb| tb.added.exit > 0);
+    match (entry, exit) {
+        (false, false) => "",
+        (true, false) => ", with the entry handshake the loader added",
+        (false, true) => ", with the exit handshake the loader added",
+        (true, true) => ", with the entry and exit handshakes the loader added",
     }
 }
 

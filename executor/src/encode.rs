@@ -261,7 +261,10 @@ pub fn encode(plan: &Plan, rank: usize, nvls_allowed: bool) -> Result<EncodedPla
     };
     for (t, tb) in gpu.threadblocks.iter().enumerate() {
         for (o, op) in tb.ops.iter().enumerate() {
-            let op_path = format!("{path}.threadblocks[{t}].ops[{o}]");
+            let op_path = match tb.json_op(o) {
+                Ok(k) => format!("{path}.threadblocks[{t}].ops[{k}]"),
+                Err(added) => format!("{path}.threadblocks[{t}] ({added})"),
+            };
             if op.name == OpCode::Pipeline {
                 let head = enc.ops.len();
                 encoder.pipeline(&mut enc, op, &op_path)?;

@@ -10,6 +10,7 @@
 
 pub mod algorithm;
 pub mod builder;
+pub mod call_bounds;
 pub mod check;
 pub mod encode;
 pub mod error;
@@ -20,7 +21,7 @@ pub mod validate;
 
 pub use error::{PlanError, Result};
 pub use plan::{
-    BufferRef, BufferType, Channel, ChannelType, Collective, Gpu, IterContext, Op, OpCode, Plan,
-    PlanReduceOp, Protocol, RankGroup, RemoteBuffer, RemoteBufferRef, Semaphore, TbChannels,
-    TbgInfo, Threadblock,
+    AddedOps, BufferRef, BufferType, Channel, ChannelType, Collective, Gpu, IterContext, Op,
+    OpCode, Plan, PlanReduceOp, Protocol, RankGroup, RemoteBuffer, RemoteBufferRef, Semaphore,
+    TbChannels, TbgInfo, Threadblock,
 };

@@ -302,9 +302,32 @@ pub struct Threadblock {
     pub remote_buffer_refs: Vec<RemoteBufferRef>,
     #[serde(skip)]
     pub ops: Vec<Op>,
+    /// Ops the loader added before and after the plan's own ([`crate::call_bounds`]): `ops`
+    /// index `entry + o` is the JSON's op `o`.
+    #[serde(skip)]
+    pub added: AddedOps,
+}
+
+/// How many of a threadblock's ops the loader added at each end ([`crate::call_bounds`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct AddedOps {
+    pub entry: usize,
+    pub exit: usize,
 }
 
 impl Threadblock {
+    /// Where op `o` of `ops` comes from, for messages: the JSON's op index, or which handshake
+    /// the loader added it for.
+    pub fn json_op(&self, o: usize) -> std::result::Result<usize, &'static str> {
+        if o < self.added.entry {
+            Err("the entry handshake")
+        } else if o >= self.ops.len() - self.added.exit {
+            Err("the exit handshake")
+        } else {
+            Ok(o - self.added.entry)
+        }
+    }
+
     /// The GPU-wide index of this threadblock's `id`-th channel of type `ty` (what an op's
     /// `channel_ids` entry names).
     pub fn channel(&self, ty: ChannelType, id: u32) -> Option<u32> {
@@ -451,10 +474,12 @@ impl Plan {
         Plan::from_json(&text)
     }
 
-    /// Parses and validates a plan.
+    /// Parses and validates a plan, and adds the handshakes it needs at the boundaries of a call
+    /// ([`crate::call_bounds`]).
     pub fn from_json(bytes: &[u8]) -> Result<Plan> {
-        let plan = Plan::parse(bytes)?;
+        let mut plan = Plan::parse(bytes)?;
         crate::validate::validate(&plan)?;
+        crate::call_bounds::add_handshakes(&mut plan);
         Ok(plan)
     }
 

@@ -9,6 +9,11 @@
 //! tracked with vector clocks (signals, packets, semaphores and barriers carry the writer's clock),
 //! so two writes to one element that no signal orders are reported as a race.
 //!
+//! Callers: each rank's program writes its input and output just before the call and uses them
+//! again once the call has returned, so a peer's access to them that no signal from the rank
+//! orders after the call's start, or before its end, is a race too ([`crate::call_bounds`]). Only
+//! the one call is modelled: scratch reuse from one call to the next is not.
+//!
 //! Port channels: a put is the host proxy's, so it happens late: it is queued on its channel and
 //! carried out (reading its source then) by the next signal or flush on that channel (a `pws` /
 //! `pwsf` signals its own), when its threadblock ends, or when every threadblock waits (the proxy
@@ -217,6 +222,14 @@ struct Counter {
     clock: Vec<u32>,
 }
 
+/// The signals a channel received: entry k is the join of the clocks of signals 0..=k, so the
+/// k-th wait orders its threadblock after the signals it consumed and no later one (a join of
+/// every signal so far would hide a race whenever a later signal happened to come first).
+#[derive(Clone, Default)]
+struct Signals {
+    history: Vec<Vec<u32>>,
+}
+
 /// Where a buffer reference lands: a rank's buffer, the element ranges (start, len) in op order,
 /// and whether it holds LL packets.
 struct Span {
@@ -263,7 +276,7 @@ struct State {
     /// bufs[rank][buffer as input/output/scratch] elements.
     bufs: Vec<[Vec<Cell>; 3]>,
     /// Inbound signals of (rank, channel type, global channel index).
-    inbound: HashMap<(usize, ChannelType, usize), Counter>,
+    inbound: HashMap<(usize, ChannelType, usize), Signals>,
     /// Signals a channel's waits consumed so far.
     consumed: HashMap<(usize, ChannelType, usize), i64>,
     semaphores: Vec<Vec<Counter>>,
@@ -283,6 +296,8 @@ struct Machine<'a> {
     op: PlanReduceOp,
     /// Thread index of (rank, tb).
     tids: Vec<Vec<usize>>,
+    /// Clock index of rank 0's caller; rank r's is `first_caller + r`.
+    first_caller: usize,
     /// Op labels by (thread, op index) for race reports.
     labels: Vec<Vec<String>>,
     /// (rank, type, channel) -> (peer, peer's matching channel).
@@ -314,6 +329,7 @@ pub fn run(plan: &Plan, cfg: RunConfig) -> Result<(), CheckError> {
     }
     let machine = Machine::new(plan, cfg, reduce)?;
     let inputs = machine.fill_inputs();
+    machine.callers_enter();
     std::thread::scope(|s| {
         for (rank, gpu) in plan.gpus.iter().enumerate() {
             for t in 0..gpu.threadblocks.len() {
@@ -322,13 +338,11 @@ pub fn run(plan: &Plan, cfg: RunConfig) -> Result<(), CheckError> {
             }
         }
     });
-    let state = machine
-        .state
-        .into_inner()
-        .unwrap_or_else(|e| e.into_inner());
-    if let Some(f) = state.failure {
-        return Err(f);
+    let state = machine.state.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(f) = &state.failure {
+        return Err(f.clone());
     }
+    machine.callers_leave(&state)?;
     check_outputs(plan, cfg, reduce, &inputs, &state.bufs)
 }
 
@@ -346,7 +360,10 @@ impl<'a> Machine<'a> {
                         .iter()
                         .enumerate()
                         .map(|(o, op)| {
-                            format!("rank {rank} threadblock {t} op {o} ({:?})", op.name)
+                            let at = tb
+                                .json_op(o)
+                                .map_or_else(str::to_string, |k| format!("op {k}"));
+                            format!("rank {rank} threadblock {t} {at} ({:?})", op.name)
                                 .to_lowercase()
                         })
                         .collect(),
@@ -355,6 +372,15 @@ impl<'a> Machine<'a> {
             tids.push(row);
         }
         let threads = labels.len();
+        // The callers (module docs, "Callers"): one more clock entry per rank, after the
+        // threadblocks'.
+        for rank in 0..plan.gpus.len() {
+            labels.push(vec![
+                format!("rank {rank}'s program before its call"),
+                format!("rank {rank}'s program after its call"),
+            ]);
+        }
+        let width = labels.len();
         let mut peers = HashMap::new();
         for (rank, gpu) in plan.gpus.iter().enumerate() {
             for ty in [ChannelType::Memory, ChannelType::Port] {
@@ -393,7 +419,7 @@ impl<'a> Machine<'a> {
                     .iter()
                     .map(|s| Counter {
                         value: s.init_value as i64,
-                        clock: vec![0; threads],
+                        clock: vec![0; width],
                     })
                     .collect()
             })
@@ -403,6 +429,7 @@ impl<'a> Machine<'a> {
             cfg,
             op,
             tids,
+            first_caller: threads,
             labels,
             peers,
             state: Mutex::new(State {
@@ -411,9 +438,9 @@ impl<'a> Machine<'a> {
                 consumed: HashMap::new(),
                 semaphores,
                 barriers: HashMap::new(),
-                clocks: vec![vec![0; threads]; threads],
+                clocks: vec![vec![0; width]; width],
                 live: threads,
-                blocked: vec![None; threads],
+                blocked: vec![None; width],
                 failure: None,
                 pending: Vec::new(),
             }),
@@ -443,6 +470,62 @@ impl<'a> Machine<'a> {
 
     fn alias(&self, rank: usize, buffer: BufferType, e: usize) -> (BufferType, usize) {
         alias(self.plan, self.cfg.elems_per_chunk, rank, buffer, e)
+    }
+
+    /// Callers: each rank's program writes its input and output just before its call (in stream
+    /// order, so the rank's own threadblocks come after it) and nothing orders a peer's access
+    /// after that but a signal from the rank ([`crate::call_bounds`]).
+    fn callers_enter(&self) {
+        let mut st = self.state.lock().unwrap();
+        for rank in 0..self.plan.gpus.len() {
+            let caller = self.first_caller + rank;
+            st.clocks[caller][caller] = 1;
+            for &tid in &self.tids[rank] {
+                st.clocks[tid][caller] = 1;
+            }
+            for slot in [BufferType::Input, BufferType::Output].map(buffer_slot) {
+                for cell in &mut st.bufs[rank][slot] {
+                    cell.last_write = Some((caller, 1, 0));
+                }
+            }
+        }
+    }
+
+    /// Each rank's program uses its input and output again once its call has returned, i.e.
+    /// after every one of its threadblocks: every access of a peer to them must be ordered
+    /// before that, by a signal the rank waited for.
+    fn callers_leave(&self, st: &State) -> Result<(), CheckError> {
+        for rank in 0..self.plan.gpus.len() {
+            let caller = self.first_caller + rank;
+            let mut clock = st.clocks[caller].clone();
+            for &tid in &self.tids[rank] {
+                join(&mut clock, &st.clocks[tid]);
+            }
+            let after = &self.labels[caller][1];
+            for buffer in [BufferType::Input, BufferType::Output] {
+                for (e, cell) in st.bufs[rank][buffer_slot(buffer)].iter().enumerate() {
+                    if let Some((w, c, wo)) = cell.last_write {
+                        if clock[w] < c {
+                            return Err(CheckError::Race(format!(
+                                "rank {rank} {} element {e}: written by {} with nothing ordering it before {after}",
+                                buffer.name(),
+                                self.labels[w][wo]
+                            )));
+                        }
+                    }
+                    if let Some(&(rt, _, ro)) =
+                        cell.readers.iter().find(|&&(rt, rc, _)| clock[rt] < rc)
+                    {
+                        return Err(CheckError::Race(format!(
+                            "rank {rank} {} element {e}: read by {} with nothing ordering it before {after}",
+                            buffer.name(),
+                            self.labels[rt][ro]
+                        )));
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     fn run_threadblock(&self, rank: usize, t: usize) {
@@ -605,7 +688,10 @@ impl<'a> Machine<'a> {
                         .or_default() += 1;
                 }
                 need.iter().all(|(&c, &n)| {
-                    let got = st.inbound.get(&(rank, ty, c)).map_or(0, |x| x.value);
+                    let got = st
+                        .inbound
+                        .get(&(rank, ty, c))
+                        .map_or(0, |x| x.history.len() as i64);
                     let used = st.consumed.get(&(rank, ty, c)).copied().unwrap_or(0);
                     got - used >= n
                 })
@@ -763,11 +849,13 @@ impl<'a> Machine<'a> {
                 let ty = op.channel_type.unwrap_or(ChannelType::Memory);
                 for &id in &op.channel_ids {
                     let key = (rank, ty, self.global_channel(rank, t, ty, id));
-                    *st.consumed.entry(key).or_default() += 1;
+                    let used = st.consumed.entry(key).or_default();
+                    *used += 1;
+                    let nth = *used as usize - 1;
                     let clock = st
                         .inbound
                         .get(&key)
-                        .map(|c| c.clock.clone())
+                        .and_then(|c| c.history.get(nth).cloned())
                         .unwrap_or_default();
                     join(&mut st.clocks[tid], &clock);
                 }
@@ -846,11 +934,13 @@ impl<'a> Machine<'a> {
                 ))
             })?;
             let c = st.inbound.entry((peer, ty, pc)).or_default();
-            c.value += 1;
-            if c.clock.is_empty() {
-                c.clock = vec![0; clock.len()];
-            }
-            join(&mut c.clock, &clock);
+            let mut joined = c
+                .history
+                .last()
+                .cloned()
+                .unwrap_or_else(|| vec![0; clock.len()]);
+            join(&mut joined, &clock);
+            c.history.push(joined);
         }
         Ok(())
     }

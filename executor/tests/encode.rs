@@ -171,10 +171,17 @@ fn a_fused_put_encodes_as_one_op_per_pair() {
     )
     .unwrap();
     let enc = encode(&plan, 0, false).unwrap();
-    assert_eq!(enc.ops.len(), 3, "the pipeline head and one op per pair");
-    assert_eq!(enc.ops[0].kind, OpKind::Pipeline as u8);
-    assert_eq!(enc.ops[0].nids, 2, "the head counts the encoded ops");
-    for op in &enc.ops[1..] {
+    // The puts into the peers' inputs open with the loader's handshake (call_bounds).
+    let head = plan.gpus[0].threadblocks[0].added.entry;
+    assert_eq!(head, 2, "a signal and a wait");
+    assert_eq!(
+        enc.ops.len(),
+        head + 3,
+        "the pipeline head and one op per pair"
+    );
+    assert_eq!(enc.ops[head].kind, OpKind::Pipeline as u8);
+    assert_eq!(enc.ops[head].nids, 2, "the head counts the encoded ops");
+    for op in &enc.ops[head + 1..] {
         assert_eq!((op.nsrc, op.ndst), (1, 1));
     }
 }
