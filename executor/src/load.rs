@@ -31,11 +31,13 @@ pub fn plan_files(path: &Path) -> std::result::Result<Vec<PathBuf>, PlanError> {
     Ok(files)
 }
 
-/// The directories plans are looked for in when none is given (those that exist).
+/// The directories plans are looked for in when none is given (those that exist):
+/// `MSCCLPP_EXECUTION_PLAN_DIR` and the cache's `default/` (`python -m mscclpp --install`). Not
+/// the cache itself: `mscclpp.compile` keeps every plan it compiled there, and a plan a program
+/// compiled but did not register must not serve its calls (nor a later program's).
 pub fn default_plan_dirs(env: &Env) -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = env.execution_plan_dir.iter().cloned().collect();
     dirs.push(env.cache_dir.join("default"));
-    dirs.push(env.cache_dir.clone());
     dirs.into_iter().filter(|d| d.is_dir()).collect()
 }
 
@@ -338,6 +340,29 @@ mod tests {
         let err = load_plans(&dir).unwrap_err().to_string();
         assert!(err.contains("a.json"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The cache's `default/` holds plans to serve; the cache itself holds what `mscclpp.compile`
+    /// compiled, which only a registration may serve.
+    #[test]
+    fn compiled_plans_in_the_cache_are_not_default_plans() {
+        let cache = std::env::temp_dir().join(format!("mscclpp-plan-cache-{}", std::process::id()));
+        std::fs::create_dir_all(cache.join("default")).unwrap();
+        let env = |dir: Option<&std::path::Path>| {
+            let mut vars = vec![("MSCCLPP_CACHE_DIR".to_string(), cache.display().to_string())];
+            if let Some(d) = dir {
+                vars.push(("MSCCLPP_EXECUTION_PLAN_DIR".into(), d.display().to_string()));
+            }
+            Env::from_vars(vars).unwrap()
+        };
+        assert_eq!(default_plan_dirs(&env(None)), [cache.join("default")]);
+        let plans = cache.join("plans");
+        std::fs::create_dir_all(&plans).unwrap();
+        assert_eq!(
+            default_plan_dirs(&env(Some(&plans))),
+            [plans, cache.join("default")]
+        );
+        std::fs::remove_dir_all(&cache).unwrap();
     }
 
     /// Every rank takes the plans of its directories only when all ranks found the same ones:

@@ -343,7 +343,7 @@ impl Comm {
 
 /// Collective: the execution plans a program registered in this process (`registry`, the
 /// Python package's `add_algorithm_builder`), then those of `MSCCLPP_EXECUTION_PLAN_DIR` and of
-/// the plan cache (where `python -m mscclpp --install` puts the default ones) not named alike,
+/// the plan cache's `default/` (where `python -m mscclpp --install` puts them) not named alike,
 /// that run on this communicator, ahead of the native algorithms for the calls they match, as
 /// MSCCL++'s shim serves them. Every rank takes the same plans or none (`agreed_plans`).
 fn add_execution_plans(

@@ -40,6 +40,25 @@ TORCH_CALLS = {
 }
 
 
+# Most MPS clients a GPU may have where port channels run (core/src/port_channel.rs).
+MPS_PORT_CLIENTS = 2
+
+
+def crowded_mps(world):
+    """Whether the ranks run as MPS clients (mps.sh sets the pipe folder), more of them a GPU
+    than port channels take."""
+    return "CUDA_MPS_PIPE_DIRECTORY" in os.environ and \
+        world > MPS_PORT_CLIENTS * torch.cuda.device_count()
+
+
+def uses_ports(name, world):
+    """Whether program `name` at `world` ranks has port channels (its plan built in memory, not
+    compiled into the plan cache)."""
+    spec = algorithms.spec_for(name, world)
+    plan = json.loads(algorithms.ALGORITHMS[name][0](spec).to_json())
+    return any(c["channel_type"] == "port" for g in plan["gpus"] for c in g["channels"])
+
+
 class Program:
     """One compiled program and the chunk counts and sizes its calls use."""
 
@@ -75,6 +94,15 @@ def main():
             if rank == 0:
                 print(f"skip {name}: it splits the ranks into two simulated nodes over port "
                       "channels, which the shim's communicator of one host does not", flush=True)
+            continue
+        if uses_ports(name, world) and crowded_mps(world):
+            # Every plan the shim takes is built when the communicator is, so one refusal would
+            # fail dist.init_process_group (gpu_dsl_check.py skips these on the same refusal). The
+            # shim also takes the plans compile() left in the plan cache (executor/src/load.rs,
+            # default_plan_dirs): this one is never compiled.
+            if rank == 0:
+                print(f"skip {name}: port channels with more than {MPS_PORT_CLIENTS} MPS clients a "
+                      "GPU are refused (core/src/port_channel.rs)", flush=True)
             continue
         programs.append(Program(name, world, rank))
     # The call being made: the selector answers with its program for it and nothing else.
