@@ -9,24 +9,35 @@
 //! 8-byte semaphore word of the slab.
 //!
 //! # Ordering
-//! Copies are synchronous host<->device copies ([`Gpu::copy_to_device`] / [`Gpu::copy_from_device`]),
-//! issued on the calling thread (the Ethernet receiver applies frames in order), so a semaphore
-//! store issued after a write lands after the write's bytes. They go through the legacy default
-//! stream, which does not wait for the library's non-blocking streams, so they complete while a
-//! kernel on those streams spins on the semaphore they set. The 8-byte store of a signal is one
-//! aligned copy; kernels compare the whole word against their expected counter.
+//! Every copy is issued on the calling thread (the Ethernet receiver applies frames in order) on
+//! the resolver's own non-blocking stream and waited for, so a semaphore store issued after a write
+//! lands after the write's bytes. The 8-byte store of a signal is one aligned copy; kernels compare
+//! the whole word against their expected counter.
+//!
+//! The kernels that wait for these copies must never wait behind them, so the copies stay off two
+//! shared paths of the driver:
+//! - the legacy default stream: a caller's kernel may run on it, or it may be waiting for one
+//!   (PyTorch makes its current stream, the legacy one by default, wait for a communication
+//!   stream);
+//! - pageable host memory: the driver stages pageable copies through buffers of its own, one copy
+//!   at a time, and another thread's copy into pageable memory (PyTorch's `tensor.cpu()`) waits
+//!   for the kernel that waits for ours. Seen with the EP buffer across simulated hosts, where
+//!   every rank hung in `.cpu()` after its first exchange. So the bytes go through a pinned
+//!   bounce buffer of the resolver's.
 
 use crate::error::{Error, Result};
-use crate::gpu::{DevicePtr, Gpu};
+use crate::gpu::{DevicePtr, Gpu, HostMapped, Stream};
 use crate::transport::host_memory::MemoryResolver;
 use crate::transport::MemoryRegion;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 /// Device memory ranges a staging transport may access. See the module docs.
 pub struct DeviceMemoryResolver {
     gpu: Arc<dyn Gpu>,
     device: usize,
     ranges: RwLock<Vec<(DevicePtr, u64)>>,
+    /// The copies' stream and pinned bounce buffer (see the module docs), made on the first copy.
+    bounce: Mutex<Option<Bounce>>,
 }
 
 impl std::fmt::Debug for DeviceMemoryResolver {
@@ -44,7 +55,70 @@ impl DeviceMemoryResolver {
             gpu,
             device,
             ranges: RwLock::new(Vec::new()),
+            bounce: Mutex::new(None),
         }
+    }
+
+    /// Runs `f` with the stream and bounce buffer, made on first use. The caller has bound the
+    /// device ([`Self::resolve`]).
+    fn with_bounce(&self, f: impl FnOnce(&Bounce) -> Result<()>) -> Result<()> {
+        let mut bounce = self
+            .bounce
+            .lock()
+            .map_err(|_| Error::Internal("device memory resolver bounce lock poisoned".into()))?;
+        let b = match &*bounce {
+            Some(b) => b,
+            None => {
+                let stream = self.gpu.create_stream()?;
+                match self.gpu.alloc_host_mapped(BOUNCE_BYTES) {
+                    Ok(buffer) => bounce.insert(Bounce { stream, buffer }),
+                    Err(e) => {
+                        let _ = self.gpu.destroy_stream(stream);
+                        return Err(e);
+                    }
+                }
+            }
+        };
+        f(b)
+    }
+
+    /// Copies `data` to device address `dst` through the bounce buffer.
+    fn copy_in(&self, dst: DevicePtr, data: &[u8]) -> Result<()> {
+        self.with_bounce(|b| {
+            for (k, piece) in data.chunks(BOUNCE_BYTES).enumerate() {
+                // SAFETY: the bounce buffer holds BOUNCE_BYTES pinned bytes, alive while the lock
+                // is held, and no copy of it is pending (each piece is waited for).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(piece.as_ptr(), b.buffer.host_ptr, piece.len())
+                };
+                let at = dst + (k * BOUNCE_BYTES) as u64;
+                self.gpu
+                    .memcpy_async(at, b.buffer.host_ptr as u64, piece.len(), b.stream)?;
+                self.gpu.synchronize_stream(b.stream)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Copies from device address `src` into `out` through the bounce buffer.
+    fn copy_out(&self, out: &mut [u8], src: DevicePtr) -> Result<()> {
+        self.with_bounce(|b| {
+            for (k, piece) in out.chunks_mut(BOUNCE_BYTES).enumerate() {
+                let at = src + (k * BOUNCE_BYTES) as u64;
+                self.gpu
+                    .memcpy_async(b.buffer.host_ptr as u64, at, piece.len(), b.stream)?;
+                self.gpu.synchronize_stream(b.stream)?;
+                // SAFETY: as in copy_in; the copy into the buffer has completed.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        b.buffer.host_ptr,
+                        piece.as_mut_ptr(),
+                        piece.len(),
+                    )
+                };
+            }
+            Ok(())
+        })
     }
 
     /// Allows access to `[ptr, ptr + size)` of this resolver's device. The memory must stay
@@ -89,12 +163,12 @@ impl DeviceMemoryResolver {
 impl MemoryResolver for DeviceMemoryResolver {
     fn read(&self, region: &MemoryRegion, offset: u64, out: &mut [u8]) -> Result<()> {
         let src = self.resolve(region, offset, out.len() as u64)?;
-        self.gpu.copy_from_device(out, src)
+        self.copy_out(out, src)
     }
 
     fn write(&self, region: &MemoryRegion, offset: u64, data: &[u8]) -> Result<()> {
         let dst = self.resolve(region, offset, data.len() as u64)?;
-        self.gpu.copy_to_device(dst, data)
+        self.copy_in(dst, data)
     }
 
     fn store_release(&self, region: &MemoryRegion, offset: u64, value: u64) -> Result<()> {
@@ -104,7 +178,26 @@ impl MemoryResolver for DeviceMemoryResolver {
                 "semaphore word at {dst:#x} is not 8-byte aligned"
             )));
         }
-        self.gpu.copy_to_device(dst, &value.to_le_bytes())
+        self.copy_in(dst, &value.to_le_bytes())
+    }
+}
+
+/// Bytes of a resolver's pinned bounce buffer: a larger write goes through it in pieces.
+const BOUNCE_BYTES: usize = 1 << 20;
+
+/// A resolver's copy stream and pinned bounce buffer.
+struct Bounce {
+    stream: Stream,
+    buffer: HostMapped,
+}
+
+impl Drop for DeviceMemoryResolver {
+    fn drop(&mut self) {
+        if let Some(b) = self.bounce.get_mut().ok().and_then(|b| b.take()) {
+            let _ = self.gpu.set_device(self.device);
+            let _ = self.gpu.destroy_stream(b.stream);
+            let _ = self.gpu.free_host_mapped(&b.buffer);
+        }
     }
 }
 
