@@ -38,7 +38,8 @@ nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(nvidia.nccl.__path
 [ -n "$nccl" ] && export MSCCLPP_NCCL_LIB_PATH="$nccl"
 # HOSTS=h makes the ranks pose as h hosts (MSCCLPP_HOSTID per block of local ranks, see
 # simulate-hosts.sh): traffic between the "hosts" takes the Ethernet transport over this machine.
-# The suite then runs its cross-host sections only: port_allreduce and multi_host (the matrices of
+# The suite then runs its cross-host sections only: port_allreduce, p2p (send/recv through
+# PortChannels) and multi_host (those send/recv checks, and the matrices of
 # default_allreduce_hierarchical, port_allreduce and the all-gather and broadcast through them).
 # HOSTS=2 NRANKS=4 is 2 hosts x 2 ranks, HOSTS=2 NRANKS=8 2 x 4, e.g.
 # `HOSTS=2 NRANKS=8 bash .gpu/gpu-run.sh suite --only multi_host`; without MPS=1 (the proxy's

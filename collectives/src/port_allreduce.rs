@@ -132,15 +132,17 @@ impl InFlight {
 }
 
 /// Bounds the segments of this algorithm queued on the GPU (module docs, "Segments in flight"):
-/// two events recorded in turn as [`InFlight`] says, across calls.
-struct Marks {
+/// two events recorded in turn as [`InFlight`] says, across calls. The cross-host point-to-point
+/// engine bounds its queued groups with it too (`p2p::port`), for the same reason: each needs
+/// this process's proxy.
+pub(crate) struct Marks {
     events: [Event; 2],
     count: InFlight,
     gpu: Arc<dyn Gpu>,
 }
 
 impl Marks {
-    fn new(gpu: Arc<dyn Gpu>) -> Result<Marks> {
+    pub(crate) fn new(gpu: Arc<dyn Gpu>) -> Result<Marks> {
         let first = gpu.create_event()?;
         let second = match gpu.create_event() {
             Ok(e) => e,
@@ -157,7 +159,7 @@ impl Marks {
     }
 
     /// After a segment enqueued on `stream`: waits (with `wait`) and records as [`InFlight`] says.
-    fn segment_enqueued(
+    pub(crate) fn segment_enqueued(
         &mut self,
         stream: Stream,
         wait: impl FnOnce(Event) -> Result<()>,
@@ -177,7 +179,7 @@ impl Drop for Marks {
         // An event still pending is released once it completes (cuEventDestroy).
         for e in self.events {
             if let Err(err) = self.gpu.destroy_event(e) {
-                tracing::warn!(target: "mscclpp::coll", "destroying a {NAME} event: {err}");
+                tracing::warn!(target: "mscclpp::coll", "destroying an in-flight mark's event: {err}");
             }
         }
     }

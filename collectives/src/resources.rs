@@ -3,7 +3,9 @@
 
 use mscclpp_core::communicator::{Communicator, RegisteredMemory};
 use mscclpp_core::device::{D2DSemaphoreHandle, DeviceRepr};
-use mscclpp_core::gpu::{Allocation, DevicePtr, Function, Gpu, MemoryKind, Module, Stream};
+use mscclpp_core::gpu::{
+    Allocation, DevicePtr, Function, Gpu, HostMapped, MemoryKind, Module, Stream,
+};
 use mscclpp_core::{Error, Result};
 use mscclpp_kernels_cu::alltoall::{AlltoallState, TABLE_SCRATCH_BYTES};
 use mscclpp_kernels_cu::collectives::{
@@ -47,13 +49,25 @@ impl DeviceBuffer {
 
     /// Device memory holding a copy of `items` (plain `#[repr(C)]` handles).
     pub fn upload<T>(gpu: &Arc<dyn Gpu>, items: &[T]) -> Result<DeviceBuffer> {
+        let buf = DeviceBuffer::zeroed(gpu, std::mem::size_of_val(items))?;
+        buf.write(0, items)?;
+        Ok(buf)
+    }
+
+    /// Copies `items` (plain `#[repr(C)]` handles) to `offset` bytes into the buffer
+    /// (synchronously: setup only).
+    pub fn write<T>(&self, offset: usize, items: &[T]) -> Result<()> {
         let bytes = std::mem::size_of_val(items);
-        let buf = DeviceBuffer::zeroed(gpu, bytes)?;
+        if offset + bytes > self.alloc.size {
+            return Err(Error::Internal(format!(
+                "writing {bytes} bytes at offset {offset} of a device buffer of {}",
+                self.alloc.size
+            )));
+        }
         // SAFETY: `items` is a live slice of `bytes` bytes; the handle types uploaded here are
         // `#[repr(C)]` structs of integers and pointers with no padding the device relies on.
         let raw = unsafe { std::slice::from_raw_parts(items.as_ptr() as *const u8, bytes) };
-        gpu.copy_to_device(buf.ptr(), raw)?;
-        Ok(buf)
+        self.gpu.copy_to_device(self.ptr() + offset as u64, raw)
     }
 
     pub fn ptr(&self) -> DevicePtr {
@@ -68,6 +82,40 @@ impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         if let Err(e) = self.gpu.free(&self.alloc) {
             tracing::warn!(target: "mscclpp::coll", "freeing {} bytes of device memory failed: {e}", self.alloc.size);
+        }
+    }
+}
+
+/// Pinned host memory mapped for kernels, zero-filled, freed on drop: a record a kernel fills and
+/// the host reads with one load, no sync (the point-to-point engines' mismatch records).
+pub struct HostMappedBuffer {
+    gpu: Arc<dyn Gpu>,
+    mem: HostMapped,
+}
+
+impl HostMappedBuffer {
+    pub fn zeroed(gpu: &Arc<dyn Gpu>, bytes: usize) -> Result<HostMappedBuffer> {
+        Ok(HostMappedBuffer {
+            mem: gpu.alloc_host_mapped(bytes)?,
+            gpu: gpu.clone(),
+        })
+    }
+
+    /// The address kernels use.
+    pub fn device_ptr(&self) -> DevicePtr {
+        self.mem.device_ptr
+    }
+
+    /// The address the host reads; valid while `self` lives.
+    pub fn host_ptr(&self) -> *mut u8 {
+        self.mem.host_ptr
+    }
+}
+
+impl Drop for HostMappedBuffer {
+    fn drop(&mut self) {
+        if let Err(e) = self.gpu.free_host_mapped(&self.mem) {
+            tracing::warn!(target: "mscclpp::coll", "freeing {} bytes of host-mapped memory failed: {e}", self.mem.size);
         }
     }
 }

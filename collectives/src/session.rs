@@ -1,10 +1,11 @@
 //! A communicator as a front end issuing collectives sees it (the NCCL shim's `ncclComm_t`, the
 //! Python package's TorchComms backend): the default native algorithms, the point-to-point engine
-//! on the same resources, the choice of an algorithm for one call, and the order of calls that
-//! come on different streams. Both front ends map their calls onto [`CommSession::run`] and
-//! [`CommSession::run_p2p`], so a collective means the same thing whichever one issued it.
+//! (on the same resources on one host, through PortChannels across hosts), the choice of an
+//! algorithm for one call, and the order of calls that come on different streams. Both front ends
+//! map their calls onto [`CommSession::run`] and [`CommSession::run_p2p`], so a collective means
+//! the same thing whichever one issued it.
 
-use crate::p2p::{P2pEngine, P2pOp};
+use crate::p2p::{P2pEngine, P2pOp, PointToPoint, PortP2pEngine};
 use mscclpp_core::algorithm::{Algorithm, Collective, ExecuteArgs};
 use mscclpp_core::algorithm_collection::{
     AlgorithmCollection, AlgorithmCollectionBuilder, SelectionContext,
@@ -20,19 +21,20 @@ pub struct CommSession {
     gpu: Arc<dyn Gpu>,
     algorithms: AlgorithmCollection,
     /// Sends and receives, or why this communicator has none.
-    p2p: std::result::Result<P2pEngine, String>,
+    p2p: std::result::Result<PointToPoint, String>,
     /// Compiler architecture of the device, for the selector.
     arch: String,
     /// See [`CommSession::follow_previous`].
     stream_order: Mutex<StreamOrder>,
 }
 
-/// The stream of a session's last operation, and the event that orders the next one after it
-/// when it comes on another stream.
+/// The stream of a session's last operation, and the event recorded after it (the last one
+/// enqueued outside a capture) that orders the next one after it when it comes on another stream.
 #[derive(Default)]
 struct StreamOrder {
     last: Option<Stream>,
     event: Option<Event>,
+    recorded: bool,
 }
 
 impl StreamOrder {
@@ -46,9 +48,10 @@ impl StreamOrder {
 impl CommSession {
     /// Collective: builds the default algorithms for `communicator` (one scratch of
     /// [`DEFAULT_SCRATCH_BYTES`](crate::DEFAULT_SCRATCH_BYTES) lent to all of them) and a
-    /// point-to-point engine on the same resources (no allocation of its own, so a communicator
-    /// stays within its 32 MiB per rank). A communicator whose engine cannot be built still
-    /// runs collectives; its sends and receives fail with the reason.
+    /// point-to-point engine: on one host on the same resources (no allocation of its own, so a
+    /// communicator stays within its 32 MiB per rank), across hosts a [`PortP2pEngine`] (up to
+    /// 4 MiB of slots of its own beside the multi-host collection). A communicator whose engine
+    /// cannot be built still runs collectives; its sends and receives fail with the reason.
     pub fn new(communicator: Arc<Communicator>) -> Result<CommSession> {
         Self::with_more_algorithms(communicator, |_| Ok(()))
     }
@@ -68,9 +71,16 @@ impl CommSession {
             AlgorithmCollection::builder(),
         )?;
         more(&mut builder)?;
-        let p2p = match resources {
-            Some(r) => P2pEngine::with_resources(communicator.clone(), r),
-            None => P2pEngine::new(communicator.clone()),
+        let p2p = if communicator.topology().is_single_host() {
+            match resources {
+                Some(r) => P2pEngine::with_resources(communicator.clone(), r),
+                None => P2pEngine::new(communicator.clone()),
+            }
+            .map(PointToPoint::Mapped)
+        } else {
+            // Peers' memory is not mapped across hosts: the data goes through the proxy.
+            let config = mscclpp_core::port_channel::PortChannelConfig::default();
+            PortP2pEngine::new(communicator.clone(), config).map(PointToPoint::Port)
         }
         .map_err(|e| e.to_string());
         let gpu = communicator.gpu().clone();
@@ -94,7 +104,7 @@ impl CommSession {
     fn assemble(
         communicator: Arc<Communicator>,
         algorithms: AlgorithmCollection,
-        p2p: std::result::Result<P2pEngine, String>,
+        p2p: std::result::Result<PointToPoint, String>,
         arch: String,
     ) -> CommSession {
         CommSession {
@@ -193,7 +203,8 @@ impl CommSession {
     /// ([`follow_previous`](Self::follow_previous)).
     pub fn execute(&self, algorithm: &dyn Algorithm, args: &ExecuteArgs) -> Result<()> {
         self.follow_previous(args.stream)?;
-        algorithm.execute(args)
+        algorithm.execute(args)?;
+        self.enqueued_on(args.stream)
     }
 
     /// Runs one group of sends and receives on `stream`: every op of the group may be in flight
@@ -202,7 +213,8 @@ impl CommSession {
         let engine = self.engine()?;
         self.gpu.set_device(self.communicator.device())?;
         self.follow_previous(stream)?;
-        engine.run(ops, &stream)
+        engine.run(ops, &stream)?;
+        self.enqueued_on(stream)
     }
 
     /// [`run_p2p`](Self::run_p2p)'s host work, for a caller that must finish it on every rank of
@@ -213,7 +225,7 @@ impl CommSession {
         engine.prepare()
     }
 
-    fn engine(&self) -> Result<&P2pEngine> {
+    fn engine(&self) -> Result<&PointToPoint> {
         self.p2p
             .as_ref()
             .map_err(|why| Error::Unsupported(why.clone()))
@@ -239,42 +251,39 @@ impl CommSession {
     /// caller's current stream and an asynchronous one on a stream of its own, with nothing
     /// between the two, while the collection's algorithms share one scratch, call counter and
     /// semaphores (`CollectionResources`: its calls must be ordered on the device). When the
-    /// stream changes, the new one waits for what the previous one holds so far (an event
-    /// recorded there). Nothing is added while the stream stays the same, nor during CUDA-graph
-    /// capture (the capture orders its streams itself; an event from outside it may not be
-    /// waited on there).
+    /// stream changes, the new one waits for the event recorded after the previous operation
+    /// (`enqueued_on`). Nothing is added while the stream stays the same, nor
+    /// during CUDA-graph capture (the capture orders its streams itself; an event from outside it
+    /// may not be waited on there).
     pub fn follow_previous(&self, stream: Stream) -> Result<()> {
         let mut order = self.stream_order.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(previous) = order.switch_to(stream) else {
+        if order.switch_to(stream).is_none() || !order.recorded {
             return Ok(());
-        };
+        }
         self.gpu.set_device(self.communicator.device())?;
+        match order.event {
+            Some(event) if !self.gpu.is_capturing(stream)? => {
+                self.gpu.stream_wait_event(stream, event)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Records the session's event on `stream` after an operation enqueued there (not during a
+    /// capture), for [`follow_previous`](Self::follow_previous). After every operation, not when
+    /// the stream changes: by then the previous stream may have been destroyed, and a destroyed
+    /// stream must never reach the driver (it may crash there).
+    fn enqueued_on(&self, stream: Stream) -> Result<()> {
         if self.gpu.is_capturing(stream)? {
             return Ok(());
         }
+        let mut order = self.stream_order.lock().unwrap_or_else(|e| e.into_inner());
         let event = match order.event {
             Some(e) => e,
             None => *order.event.insert(self.gpu.create_event()?),
         };
-        // A stream the caller destroyed since takes no record (its work runs to its end
-        // unordered, as the driver's stream destruction lets it), and one being captured orders
-        // itself.
-        let recorded = self.gpu.is_capturing(previous).and_then(|capturing| {
-            (!capturing)
-                .then(|| self.gpu.record_event(event, previous))
-                .transpose()
-        });
-        match recorded {
-            Ok(Some(())) => self.gpu.stream_wait_event(stream, event)?,
-            Ok(None) => {}
-            Err(e) => tracing::debug!(
-                target: "mscclpp::algo",
-                "rank {}: the previous operation's stream {:#x} takes no event ({e}); not \
-                 ordered after it",
-                self.rank(),
-                previous.0
-            ),
-        }
+        self.gpu.record_event(event, stream)?;
+        order.recorded = true;
         Ok(())
     }
 }

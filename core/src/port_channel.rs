@@ -575,6 +575,8 @@ pub mod test_gpu {
         peer_access: Mutex<Vec<usize>>,
         no_peer_access: bool,
         capturing: AtomicBool,
+        /// SMs `properties` reports; `None`: it answers Unsupported (this GPU runs no kernels).
+        multiprocessors: Option<u32>,
     }
 
     impl HostGpu {
@@ -589,6 +591,12 @@ pub mod test_gpu {
         /// Whether enable_peer_access succeeds (else the devices cannot reach each other).
         pub fn with_peer_access(mut self, on: bool) -> Self {
             self.no_peer_access = !on;
+            self
+        }
+        /// `properties` describes a device of `sm` SMs (architecture `test`), for setups that size
+        /// grids without launching them.
+        pub fn with_multiprocessors(mut self, sm: u32) -> Self {
+            self.multiprocessors = Some(sm);
             self
         }
         pub fn stream_writes(&self) -> u64 {
@@ -677,7 +685,23 @@ pub mod test_gpu {
             Ok(0)
         }
         fn properties(&self, _device: usize) -> Result<DeviceProperties> {
-            no_kernels()
+            let Some(multiprocessors) = self.multiprocessors else {
+                return no_kernels();
+            };
+            Ok(DeviceProperties {
+                vendor: GpuVendor::Nvidia,
+                name: "host test GPU".into(),
+                arch: "test".into(),
+                compute_major: 0,
+                compute_minor: 0,
+                multiprocessors,
+                warp_size: 32,
+                total_memory: 0,
+                pci_bus_id: String::new(),
+                supports_vmm: false,
+                supports_multicast: false,
+                mps_client: false,
+            })
         }
         fn alloc(&self, size: usize, kind: MemoryKind) -> Result<Allocation> {
             Ok(Allocation {

@@ -151,7 +151,7 @@ impl CollectiveFile {
                 "alltoallv_device_counts",
                 "alltoall_packet",
             ],
-            CollectiveFile::P2p => &["p2p_group"],
+            CollectiveFile::P2p => &["p2p_group", "p2p_port_group"],
             CollectiveFile::Reduce => &["reduce_zero_copy"],
             CollectiveFile::EpIntranode => &["ep_notify", "ep_reset", "ep_dispatch", "ep_combine"],
         }

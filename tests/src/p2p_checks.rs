@@ -18,16 +18,62 @@
 //! and rings beyond two ranks); and size mismatches (see `MISMATCHES`, `MAPPED_MISMATCHES`),
 //! each on a fresh communicator, which must end with an error naming rank and peer on both ranks,
 //! the receive buffer untouched, and no hang.
+//!
+//! Across hosts ([`run_across_hosts`], `PortP2pEngine`): all-pairs groups (every rank to and from
+//! every rank, itself included) of sizes drawn per pair from [`ACROSS_HOST_SIZES`] (0 and 1 byte,
+//! odd sizes, up to 1 MiB + 3, many chunks beyond the slots), each group eager three times with
+//! fresh data and as a CUDA graph replayed twice on fresh data; three messages per peer and
+//! direction in one group; an 8 MiB + 5 ring; 20 repeated groups; and size mismatches between two
+//! ranks on different hosts (see `ACROSS_HOST_MISMATCHES`), on a fresh communicator: the receiver
+//! must name both ranks with its buffer untouched, and the sender's send must complete.
 
 use crate::byte_pattern::{self, message_key};
 use crate::host_cost::per_call_cost_settled;
 use crate::tally::{ran_to_end, Tally};
-use crate::{RankContext, GIB, MIB};
+use crate::{RankContext, SplitMix64, GIB, MIB};
 use mscclpp::core::gpu::{Allocation, Gpu, MemoryKind, Stream};
+use mscclpp::core::port_channel::{shared_queue_hazard, PortChannelConfig};
 use mscclpp::core::{Error, Result};
 use mscclpp_collectives::p2p::plan::{chunks, layout};
-use mscclpp_collectives::p2p::{P2pEngine, P2pKind, P2pOp, ZERO_COPY_MIN_BYTES};
+use mscclpp_collectives::p2p::port::PortLayout;
+use mscclpp_collectives::p2p::{P2pEngine, P2pKind, P2pOp, PortP2pEngine, ZERO_COPY_MIN_BYTES};
+use mscclpp_collectives::session::CommSession;
 use std::sync::Arc;
+
+/// What the group checks need of an engine: the one of mapped peers and the PortChannel one.
+pub trait Engine {
+    fn run(&self, ops: &[P2pOp], stream: &Stream) -> Result<()>;
+    fn check(&self) -> Result<()>;
+}
+
+impl Engine for P2pEngine {
+    fn run(&self, ops: &[P2pOp], stream: &Stream) -> Result<()> {
+        P2pEngine::run(self, ops, stream)
+    }
+    fn check(&self) -> Result<()> {
+        P2pEngine::check(self)
+    }
+}
+
+impl Engine for PortP2pEngine {
+    fn run(&self, ops: &[P2pOp], stream: &Stream) -> Result<()> {
+        PortP2pEngine::run(self, ops, stream)
+    }
+    fn check(&self) -> Result<()> {
+        PortP2pEngine::check(self)
+    }
+}
+
+/// A session's groups, as the NCCL shim and the Python package issue them (its engine sits beside
+/// the session's algorithms, which set up their own channels first).
+impl Engine for CommSession {
+    fn run(&self, ops: &[P2pOp], stream: &Stream) -> Result<()> {
+        self.run_p2p(ops, *stream)
+    }
+    fn check(&self) -> Result<()> {
+        self.async_error().map_or(Ok(()), Err)
+    }
+}
 
 const POISON: u8 = 0x5A;
 /// Poisoned bytes after every received message.
@@ -193,7 +239,7 @@ impl Drop for Group {
 /// Runs `msgs` once (eager, `repeats` times with fresh data) or captured once and replayed twice.
 fn check_group(
     ctx: &RankContext,
-    engine: &P2pEngine,
+    engine: &impl Engine,
     msgs: Vec<Msg>,
     key: u64,
     graph: bool,
@@ -206,7 +252,7 @@ fn check_group(
 /// [`check_group`] on buffers the caller holds.
 fn run_group(
     ctx: &RankContext,
-    engine: &P2pEngine,
+    engine: &impl Engine,
     g: &Group,
     key: u64,
     graph: bool,
@@ -525,6 +571,39 @@ fn zero_copy_before_mismatch(
     Ok(())
 }
 
+/// One row of checks: its name, this rank's group, whether as a graph, and how many eager calls.
+type Row = (String, Vec<Msg>, bool, u64);
+
+/// Runs `rows` in order ([`check_group`], keys from `seed` and the running `case` count); after a
+/// row that some rank did not complete, skips the rest on every rank. The outcome (the checks
+/// passed, or the failures) and whether the rows stopped.
+fn check_rows(
+    ctx: &RankContext,
+    engine: &impl Engine,
+    rows: Vec<Row>,
+    seed: u64,
+    case: &mut u64,
+) -> (Result<String>, bool) {
+    let mut stopped: Option<String> = None;
+    let mut tally = Tally::default();
+    for (name, msgs, graph, repeats) in rows {
+        *case += 1;
+        let what = format!("{name} {}", if graph { "graph" } else { "eager" });
+        if stopped.is_some() {
+            continue;
+        }
+        let key = seed ^ case.wrapping_mul(0x2545_f491_4f6c_dd1d);
+        let r = check_group(ctx, engine, msgs, key, graph, repeats);
+        let completed = ran_to_end(&r);
+        stopped = tally.record(ctx, &what, r, completed).err();
+    }
+    let n = ctx.size();
+    let outcome = tally.outcome(&stopped, |passed| {
+        format!("{passed} checks passed on {n} ranks, every byte")
+    });
+    (outcome, stopped.is_some())
+}
+
 /// Runs the point-to-point checks on this rank; returns (check name, outcome) in order. After a
 /// check that did not complete on some rank, the remaining ones are reported as not run.
 pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
@@ -541,10 +620,9 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
         "p2p engine device memory".into(),
         Ok(format!("{} bytes per rank", engine.device_bytes())),
     )];
-    let mut stopped: Option<String> = None;
     let mut case = 0u64;
     let pair_sizes = sizes(64 * MIB / n);
-    let mut rows: Vec<(String, Vec<Msg>, bool, u64)> = Vec::new();
+    let mut rows: Vec<Row> = Vec::new();
     for bytes in sizes(64 * MIB) {
         for graph in [false, true] {
             rows.push((format!("ring {bytes} B"), ring(rank, n, bytes), graph, 1));
@@ -584,25 +662,12 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
         false,
         20,
     ));
-    let mut tally = Tally::default();
-    for (name, msgs, graph, repeats) in rows {
-        case += 1;
-        let what = format!("{name} {}", if graph { "graph" } else { "eager" });
-        if stopped.is_some() {
-            continue;
-        }
-        let key = seed ^ case.wrapping_mul(0x2545_f491_4f6c_dd1d);
-        let r = check_group(ctx, &engine, msgs, key, graph, repeats);
-        let completed = ran_to_end(&r);
-        stopped = tally.record(ctx, &what, r, completed).err();
-    }
+    let (outcome, stopped) = check_rows(ctx, &engine, rows, seed, &mut case);
     out.push((
         "p2p groups (ring, all-pairs, uneven, order, repeats; eager and graph)".into(),
-        tally.outcome(&stopped, |passed| {
-            format!("{passed} checks passed on {n} ranks, every byte")
-        }),
+        outcome,
     ));
-    if stopped.is_some() {
+    if stopped {
         return out;
     }
     let r = P2pEngine::new(ctx.comm.clone())
@@ -676,6 +741,240 @@ pub fn run(ctx: &RankContext) -> Vec<(String, Result<String>)> {
     out
 }
 
+/// Message sizes of the groups across hosts, drawn per (sender, receiver) pair: nothing, one byte,
+/// odd sizes within a slot and across two, and several slots' worth (1 MiB + 3 is 17 chunks of
+/// 64 KiB at up to 15 ranks, beyond the four slots a lane has in flight, so its credits come back
+/// while it sends).
+pub const ACROSS_HOST_SIZES: [usize; 7] = [0, 1, 3, 4096 + 8, 65_537, 3 * 65_536 + 5, MIB + 3];
+
+/// (sent, received) of the mismatch checks across hosts: one chunk each; and a message of more
+/// chunks than the lane's slots against a smaller one, whose sender completes only once the
+/// receiver gives back the credits of the refused message.
+const ACROSS_HOST_MISMATCHES: [(usize, usize); 2] = [(100, 200), (MIB + 100, MIB)];
+
+/// An all-pairs group (every rank to and from every rank, itself included) whose pair `(s, d)`
+/// moves a size drawn from [`ACROSS_HOST_SIZES`] by `draw` (the same on every rank).
+fn random_all_pairs(rank: usize, n: usize, draw: u64) -> Vec<Msg> {
+    all_pairs(rank, n, |s, d| {
+        let mut r = SplitMix64(draw ^ ((s as u64) << 32 | d as u64));
+        ACROSS_HOST_SIZES[(r.next_u64() % ACROSS_HOST_SIZES.len() as u64) as usize]
+    })
+}
+
+/// The point-to-point checks of ranks on several hosts (`PortP2pEngine`, see the module docs) on
+/// this rank; returns (check name, outcome) in order. Under MPS with more ranks on a GPU than
+/// PortChannels take, the engine must refuse to start, naming the hazard: that is the one check.
+/// The engine runs on a fresh communicator, so a failure here (sticky on its communicator) leaves
+/// the suite's own healthy for the sections after.
+pub fn run_across_hosts(ctx: &RankContext) -> Vec<(String, Result<String>)> {
+    let (rank, n) = (ctx.rank(), ctx.size());
+    if n < 2 {
+        return vec![(
+            "p2p across hosts".into(),
+            Ok(format!("skipped: {n} rank(s)")),
+        )];
+    }
+    let hazard = match mscclpp::core::env::Env::get() {
+        Ok(env) => shared_queue_hazard(env, ctx.comm.mps_clients_per_gpu()),
+        Err(e) => return vec![("p2p across hosts: environment".into(), Err(e))],
+    };
+    let built = ctx
+        .fresh_communicator()
+        .and_then(|comm| PortP2pEngine::new(comm, PortChannelConfig::default()));
+    let engine = match (built, hazard) {
+        (Ok(e), None) => e,
+        (Err(e), None) => return vec![("p2p across hosts: setup".into(), Err(e))],
+        (Err(Error::Unsupported(why)), Some(_)) => {
+            return vec![("p2p across hosts: refused".into(), Ok(why))]
+        }
+        (other, Some(hazard)) => {
+            let got = other.map(|_| "an engine".to_string());
+            return vec![(
+                "p2p across hosts: refused".into(),
+                Err(Error::Internal(format!(
+                    "rank {rank}: built {got:?} despite the hazard ({hazard}); it must refuse"
+                ))),
+            )];
+        }
+    };
+    let seed = match ctx.shared_seed() {
+        Ok(s) => s,
+        Err(e) => return vec![("p2p across hosts: run seed".into(), Err(e))],
+    };
+    let layout = engine.layout();
+    let mut out: Vec<(String, Result<String>)> = vec![(
+        "p2p across hosts: engine device memory".into(),
+        Ok(format!(
+            "{} bytes per rank ({} B slots)",
+            engine.device_bytes(),
+            layout.slot_bytes
+        )),
+    )];
+    let mut rows: Vec<Row> = Vec::new();
+    for round in 0..3u64 {
+        let draw = seed ^ round.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        rows.push((
+            format!("random all-pairs #{round}"),
+            random_all_pairs(rank, n, draw),
+            false,
+            3,
+        ));
+        rows.push((
+            format!("random all-pairs #{round}"),
+            random_all_pairs(rank, n, draw),
+            true,
+            1,
+        ));
+    }
+    for graph in [false, true] {
+        rows.push((
+            "three sends to one peer (order)".into(),
+            ordered(rank, n),
+            graph,
+            1,
+        ));
+    }
+    rows.push((
+        format!("ring {} B", 8 * MIB + 5),
+        ring(rank, n, 8 * MIB + 5),
+        false,
+        1,
+    ));
+    rows.push((
+        "20 repeated groups".into(),
+        ring(rank, n, 4096 + 8),
+        false,
+        20,
+    ));
+    let mut case = 0u64;
+    let (outcome, stopped) = check_rows(ctx, &engine, rows, seed, &mut case);
+    out.push((
+        "p2p across hosts: groups (random all-pairs with self, order, ring, repeats; eager and \
+         graph)"
+            .into(),
+        outcome,
+    ));
+    drop(engine);
+    if stopped {
+        return out;
+    }
+    // The same groups through a session: its multi-host algorithms build their channels on the
+    // communicator before its engine does.
+    let session = ctx.fresh_communicator().and_then(CommSession::new);
+    match session {
+        Ok(session) => {
+            let rows = (0..2u64)
+                .flat_map(|round| {
+                    let draw = seed ^ (round + 7).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                    [false, true].map(|graph| {
+                        let name = format!("session all-pairs #{round}");
+                        (name, random_all_pairs(rank, n, draw), graph, 2)
+                    })
+                })
+                .collect();
+            let (outcome, stopped) = check_rows(ctx, &session, rows, seed, &mut case);
+            out.push((
+                "p2p across hosts through a CommSession (random all-pairs with self, eager and \
+                 graph)"
+                    .into(),
+                outcome,
+            ));
+            if stopped {
+                return out;
+            }
+        }
+        Err(e) => out.push((
+            "p2p across hosts through a CommSession: setup".into(),
+            Err(e),
+        )),
+    }
+    for sizes in ACROSS_HOST_MISMATCHES {
+        out.push((
+            format!(
+                "p2p across hosts: size mismatch ({} B sent, {} B received) -> the receiver names \
+                 both ranks, nothing written, the send completes",
+                sizes.0, sizes.1
+            ),
+            size_mismatch_across_hosts(ctx, sizes),
+        ));
+    }
+    out
+}
+
+/// Rank 0 sends `sent` bytes to the first rank on another host, which receives `received`, on a
+/// fresh communicator (the error is sticky): the receiver must report an error naming both ranks,
+/// with its buffer still poisoned, and the sender's send must complete without error (the
+/// receiver gives back the credits of the refused message). Other ranks only take part in
+/// building and tearing down.
+fn size_mismatch_across_hosts(
+    ctx: &RankContext,
+    (sent, received): (usize, usize),
+) -> Result<String> {
+    let (rank, n) = (ctx.rank(), ctx.size());
+    let topology = ctx.comm.topology();
+    let Some(receiver) = (1..n).find(|&r| !topology.same_host(0, r)) else {
+        return Ok(format!(
+            "skipped: every rank on the host of rank 0 ({topology})"
+        ));
+    };
+    let engine = PortP2pEngine::new(ctx.fresh_communicator()?, PortChannelConfig::default())?;
+    let slot = PortLayout::new(n)?.slot_bytes;
+    let msgs = match rank {
+        0 => tagged(vec![(P2pKind::Send, receiver, sent)]),
+        r if r == receiver => tagged(vec![(P2pKind::Recv, 0, received)]),
+        _ => Vec::new(),
+    };
+    let g = Group::new(&ctx.gpu, rank, msgs)?;
+    g.fill(0xBAD)?;
+    let stream = ctx.gpu.create_stream()?;
+    ctx.bootstrap.barrier()?;
+    let started = std::time::Instant::now();
+    let ran = engine
+        .run(&g.ops(), &stream)
+        .and_then(|()| ctx.gpu.synchronize_stream(stream));
+    let took = started.elapsed();
+    let _ = ctx.gpu.destroy_stream(stream);
+    let result = ran.and_then(|()| {
+        let report = engine.check();
+        match (rank, report) {
+            (0, Ok(())) => Ok(format!(
+                "rank 0: the send of {sent} B completed in {took:.1?} ({} chunks)",
+                chunks(sent, slot)
+            )),
+            (0, Err(e)) => Err(Error::Internal(format!(
+                "rank 0: the send of {sent} B to rank {receiver}, which receives {received} B, \
+                 must complete, but: {e}"
+            ))),
+            (r, Err(Error::InvalidArgument(m))) if r == receiver => {
+                if !(m.contains(&format!("rank {r}:")) && m.contains("rank 0")) {
+                    return Err(Error::Internal(format!(
+                        "rank {r}: the error does not name rank {r} and peer 0: {m}"
+                    )));
+                }
+                let mut got = vec![0u8; received + GUARD];
+                ctx.gpu.copy_from_device(&mut got, g.bufs[0].ptr)?;
+                match got.iter().position(|&b| b != POISON) {
+                    Some(at) => Err(Error::Internal(format!(
+                        "rank {r}: byte {at} of the receive buffer was written despite the \
+                         mismatch"
+                    ))),
+                    // `m` begins with "rank {r}:" already.
+                    None => Ok(format!("{m} ({took:.1?})")),
+                }
+            }
+            (r, other) if r == receiver => Err(Error::Internal(format!(
+                "rank {r}: expected a size-mismatch error naming ranks {r} and 0, got {other:?}"
+            ))),
+            _ => Ok("not involved".into()),
+        }
+    });
+    // Every rank reaches this point (no hang), then the communicator goes.
+    ctx.bootstrap.barrier()?;
+    drop(g);
+    drop(engine);
+    result
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -705,6 +1004,27 @@ mod tests {
             consistent(&(0..n).map(|r| ordered(r, n)).collect::<Vec<_>>());
             let g = all_pairs(0, n, uneven);
             assert_eq!(g.len(), 2 * n);
+        }
+    }
+
+    #[test]
+    fn random_groups_across_hosts_match_up_and_cover_every_size() {
+        for n in [2, 3, 4, 8] {
+            let groups: Vec<_> = (0..n).map(|r| random_all_pairs(r, n, 0x5eed)).collect();
+            consistent(&groups);
+        }
+        let drawn: std::collections::HashSet<usize> = (0..64u64)
+            .flat_map(|draw| random_all_pairs(0, 8, draw))
+            .map(|m| m.bytes)
+            .collect();
+        assert_eq!(drawn.len(), ACROSS_HOST_SIZES.len(), "{drawn:?}");
+        // The largest size needs more chunks than a lane has slots, at every world size.
+        let slots = mscclpp_kernels_cu::p2p::PORT_SLOTS as u64;
+        for n in 2..=mscclpp_kernels_cu::p2p::MAX_PORT_RANKS {
+            let slot = PortLayout::new(n).unwrap().slot_bytes;
+            assert!(chunks(MIB + 3, slot) > slots, "{n} ranks");
+            let (sent, received) = ACROSS_HOST_MISMATCHES[1];
+            assert!(chunks(sent, slot) > slots && chunks(received, slot) > slots);
         }
     }
 

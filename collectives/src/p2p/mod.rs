@@ -8,7 +8,11 @@
 //! - [`sendrecv`]: `default_sendrecv_p2p`, nccl-tests' shift exchange as an `Algorithm`;
 //! - `zero_copy`: messages from [`ZERO_COPY_MIN_BYTES`] on straight into the receiver's buffer once
 //!   its allocation is mapped by the sender (offered and answered on the bootstrap; only a group
-//!   being captured waits, a bounded time, for the answers).
+//!   being captured waits, a bounded time, for the answers);
+//! - [`port`]: [`PortP2pEngine`], the same groups where peers' memory is not mapped (ranks on
+//!   several hosts), through PortChannels (`p2p_port_group`).
+//!
+//! [`PointToPoint`] is whichever of the two engines a communicator has.
 //!
 //! The counters are the engine's, so its groups must not overlap on the device: a group on another
 //! stream than the engine's previous one waits for it (an event recorded after every group and
@@ -17,15 +21,19 @@
 //! at once, use two engines.
 
 pub mod plan;
+pub mod port;
 pub mod sendrecv;
 mod zero_copy;
 
+pub use port::PortP2pEngine;
 pub use zero_copy::ZERO_COPY_MIN_BYTES;
 
 use crate::geometry;
-use crate::resources::{param_ptr, CollectionResources, KernelTable, SharedScratch};
+use crate::resources::{
+    param_ptr, CollectionResources, HostMappedBuffer, KernelTable, SharedScratch,
+};
 use mscclpp_core::communicator::Communicator;
-use mscclpp_core::gpu::{DevicePtr, Event, Function, HostMapped, LaunchConfig, Stream};
+use mscclpp_core::gpu::{DevicePtr, Event, Function, Gpu, LaunchConfig, Stream};
 use mscclpp_core::{Error, Result};
 use mscclpp_kernels_cu::collectives::{CollectiveFile, PeerPtrs, MAX_RANKS};
 use mscclpp_kernels_cu::p2p::{
@@ -80,18 +88,12 @@ pub struct P2pEngine {
     local: DevicePtr,
     state: DevicePtr,
     layout: plan::Layout,
-    mismatch: HostMapped,
+    mismatch: HostMappedBuffer,
     zero_copy: zero_copy::ZeroCopy,
-    /// The stream of the last group launched outside a capture, and an event recorded after it.
-    order: Mutex<(Option<Stream>, Event)>,
+    order: GroupOrder,
     max_blocks: u32,
     comm: Arc<Communicator>,
 }
-
-// SAFETY: `mismatch` is pinned host memory owned by the engine until drop; the host only reads it
-// (volatile), the device writes it.
-unsafe impl Send for P2pEngine {}
-unsafe impl Sync for P2pEngine {}
 
 impl P2pEngine {
     /// Collective: every rank calls it once; allocates (one 2 MiB granule) and exchanges the region.
@@ -160,19 +162,10 @@ impl P2pEngine {
         let max_blocks = geometry::Residency::of(&comm)?
             .max_blocks(plan::MAX_BLOCK_THREADS)
             .min(COUNTER_SLOTS as u32);
-        let mismatch = comm
-            .gpu()
-            .alloc_host_mapped(std::mem::size_of::<P2pMismatch>())?;
+        let mismatch = HostMappedBuffer::zeroed(comm.gpu(), std::mem::size_of::<P2pMismatch>())?;
         let table = state + std::mem::offset_of!(P2pState, zc_table) as u64;
-        let built = zero_copy::ZeroCopy::new(comm.gpu().clone(), table)
-            .and_then(|z| Ok((z, comm.gpu().create_event()?)));
-        let (zero_copy, event) = match built {
-            Ok(b) => b,
-            Err(e) => {
-                let _ = comm.gpu().free_host_mapped(&mismatch);
-                return Err(e);
-            }
-        };
+        let zero_copy = zero_copy::ZeroCopy::new(comm.gpu().clone(), table)?;
+        let order = GroupOrder::new(comm.gpu().clone())?;
         Ok(P2pEngine {
             kernels: KernelTable::default(),
             memory,
@@ -182,7 +175,7 @@ impl P2pEngine {
             layout,
             mismatch,
             zero_copy,
-            order: Mutex::new((None, event)),
+            order,
             max_blocks,
             comm,
         })
@@ -229,11 +222,7 @@ impl P2pEngine {
 
     /// The first send/receive size mismatch the device saw on this rank, naming both ranks.
     pub fn mismatch(&self) -> Option<String> {
-        let record = self.mismatch.host_ptr as *const P2pMismatch;
-        // SAFETY: the record is live pinned memory of the right size; the device writes it before it
-        // raises the error word, and a torn read only garbles the message of an error already raised.
-        let m = unsafe { std::ptr::read_volatile(record) };
-        describe_mismatch(self.comm.rank(), &m)
+        read_mismatch(self.comm.rank(), &self.mismatch)
     }
 
     /// The engine's health, one host load or two, no sync: a size mismatch seen on the device
@@ -281,7 +270,7 @@ impl P2pEngine {
             regions: self.regions,
             local: self.local,
             state: self.state,
-            mismatch: self.mismatch.device_ptr,
+            mismatch: self.mismatch.device_ptr(),
             error_word: self.comm.error_word_device_ptr(),
             max_spin: 0,
             slot_bytes: self.layout.slot_bytes as u64,
@@ -319,22 +308,110 @@ impl P2pEngine {
         // SAFETY: `params` matches the kernel's one `P2pArgs` parameter (layout checked by the NVRTC
         // test's static_asserts); the op buffers are the caller's, checked non-null where they
         // carry bytes, and the region, counters and record are ours and live.
-        let launch =
-            |params: &mut [*mut std::ffi::c_void]| unsafe { gpu.launch(f, cfg, *stream, params) };
-        if gpu.is_capturing(*stream)? {
-            return launch(&mut params);
+        let launch = || unsafe { gpu.launch(f, cfg, *stream, &mut params) };
+        self.order
+            .launch(*stream, gpu.is_capturing(*stream)?, launch)
+    }
+}
+
+/// The order of one engine's groups on the device. The counters are the engine's, so its groups
+/// must not overlap: a group launched outside a capture on another stream than the engine's
+/// previous one waits for it (an event recorded after every such group, waited for on a stream
+/// change; no host block). A capture orders its work itself (events of other streams cannot join
+/// it).
+struct GroupOrder {
+    /// The stream of the last group launched outside a capture, and an event recorded after it.
+    last: Mutex<(Option<Stream>, Event)>,
+    gpu: Arc<dyn Gpu>,
+}
+
+impl GroupOrder {
+    fn new(gpu: Arc<dyn Gpu>) -> Result<GroupOrder> {
+        Ok(GroupOrder {
+            last: Mutex::new((None, gpu.create_event()?)),
+            gpu,
+        })
+    }
+
+    /// Runs `launch`, the launch of one group on `stream` (`capturing`: whether the stream is
+    /// being captured), after the engine's previous group.
+    fn launch(
+        &self,
+        stream: Stream,
+        capturing: bool,
+        launch: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        if capturing {
+            return launch();
         }
-        let mut order = self.order.lock().map_err(|_| {
-            Error::Internal("the p2p engine's stream order was poisoned by a panic".into())
+        let mut order = self.last.lock().map_err(|_| {
+            Error::Internal("a p2p engine's stream order was poisoned by a panic".into())
         })?;
         let (last, event) = &mut *order;
-        if last.is_some_and(|s| s != *stream) {
-            gpu.stream_wait_event(*stream, *event)?;
+        if last.is_some_and(|s| s != stream) {
+            self.gpu.stream_wait_event(stream, *event)?;
         }
-        launch(&mut params)?;
-        gpu.record_event(*event, *stream)?;
-        *last = Some(*stream);
+        launch()?;
+        self.gpu.record_event(*event, stream)?;
+        *last = Some(stream);
         Ok(())
+    }
+}
+
+impl Drop for GroupOrder {
+    fn drop(&mut self) {
+        if let Ok((_, event)) = self.last.get_mut().map(|o| *o) {
+            let _ = self.gpu.destroy_event(event);
+        }
+    }
+}
+
+/// The mismatch record `record` of `rank` as [`describe_mismatch`] words it.
+fn read_mismatch(rank: usize, record: &HostMappedBuffer) -> Option<String> {
+    // SAFETY: the record is live pinned memory of a P2pMismatch; the device writes it before it
+    // raises the error word, and a torn read only garbles the message of an error already raised.
+    let m = unsafe { std::ptr::read_volatile(record.host_ptr() as *const P2pMismatch) };
+    describe_mismatch(rank, &m)
+}
+
+/// A communicator's point-to-point engine: [`P2pEngine`] where every peer's memory is mapped (one
+/// host), [`PortP2pEngine`] where it is not (ranks on several hosts).
+pub enum PointToPoint {
+    Mapped(P2pEngine),
+    Port(PortP2pEngine),
+}
+
+impl PointToPoint {
+    /// Runs one group (the engine's `run`).
+    pub fn run(&self, ops: &[P2pOp], stream: &Stream) -> Result<()> {
+        match self {
+            PointToPoint::Mapped(e) => e.run(ops, stream),
+            PointToPoint::Port(e) => e.run(ops, stream),
+        }
+    }
+
+    /// The host work of `run` that must come before any rank of this process launches.
+    pub fn prepare(&self) -> Result<()> {
+        match self {
+            PointToPoint::Mapped(e) => e.prepare(),
+            PointToPoint::Port(e) => e.prepare(),
+        }
+    }
+
+    /// The engine's health, no sync: a size mismatch, a proxy error, the communicator's error.
+    pub fn check(&self) -> Result<()> {
+        match self {
+            PointToPoint::Mapped(e) => e.check(),
+            PointToPoint::Port(e) => e.check(),
+        }
+    }
+
+    /// The first send/receive size mismatch the device saw on this rank, naming both ranks.
+    pub fn mismatch(&self) -> Option<String> {
+        match self {
+            PointToPoint::Mapped(e) => e.mismatch(),
+            PointToPoint::Port(e) => e.mismatch(),
+        }
     }
 }
 
@@ -375,12 +452,6 @@ impl Drop for P2pEngine {
     fn drop(&mut self) {
         if let Memory::Borrowed(resources) = &self.memory {
             resources.release_p2p();
-        }
-        if let Ok((_, event)) = self.order.get_mut().map(|o| *o) {
-            let _ = self.comm.gpu().destroy_event(event);
-        }
-        if let Err(e) = self.comm.gpu().free_host_mapped(&self.mismatch) {
-            tracing::warn!(target: "mscclpp::coll", "freeing the p2p mismatch record failed: {e}");
         }
     }
 }

@@ -138,16 +138,9 @@ fn wanted_blocks(op: &P2pOpArgs, layout: &Layout) -> u32 {
     }
 }
 
-/// The kernel's ops for one group of `rank` of `nranks`, in the caller's order (self sends and
-/// receives paired into copies at the receive), with offsets and blocks filled in; the grid is the
-/// last op's `first_block + nblocks` (at most `max_blocks`). Errors name the rank and the op.
-pub fn plan(
-    rank: usize,
-    nranks: usize,
-    ops: &[P2pOp],
-    layout: &Layout,
-    max_blocks: u32,
-) -> Result<Vec<P2pOpArgs>> {
+/// Checks every op of a group of `rank` of `nranks` on its own: its peer is a rank, its size fits a
+/// post word, and it has a buffer if it carries bytes. Errors name the rank and the op.
+pub(crate) fn check_ops(rank: usize, nranks: usize, ops: &[P2pOp]) -> Result<()> {
     for (i, op) in ops.iter().enumerate() {
         let what = || format!("rank {rank}: op {i} ({} peer {})", op.kind, op.peer);
         if op.peer >= nranks {
@@ -172,23 +165,69 @@ pub fn plan(
             )));
         }
     }
-    let self_sends: Vec<&P2pOp> = ops
+    Ok(())
+}
+
+/// The sends of `rank`'s group to itself, in order: the k-th is the source of the group's k-th
+/// receive from itself ([`self_copy_source`]). Errors when the counts differ.
+pub(crate) fn self_sends(rank: usize, ops: &[P2pOp]) -> Result<Vec<&P2pOp>> {
+    let sends: Vec<&P2pOp> = ops
         .iter()
         .filter(|o| o.peer == rank && o.kind == P2pKind::Send)
         .collect();
-    let self_recvs = ops
+    let recvs = ops
         .iter()
         .filter(|o| o.peer == rank && o.kind == P2pKind::Recv)
         .count();
-    if self_sends.len() != self_recvs {
+    if sends.len() != recvs {
         return Err(Error::InvalidArgument(format!(
-            "rank {rank}: a group with {} sends to itself and {self_recvs} receives from itself \
+            "rank {rank}: a group with {} sends to itself and {recvs} receives from itself \
              (each self send needs its self receive in the same group)",
-            self_sends.len()
+            sends.len()
         )));
     }
+    Ok(sends)
+}
+
+/// The source of the copy that a receive of `rank` from itself becomes, `send` being its send
+/// (the next of [`self_sends`]); errors naming both sizes when they differ.
+pub(crate) fn self_copy_source(rank: usize, send: Option<&P2pOp>, recv: &P2pOp) -> Result<u64> {
+    let send =
+        send.ok_or_else(|| Error::Internal(format!("rank {rank}: self receive without its send")))?;
+    if send.bytes != recv.bytes {
+        return Err(Error::InvalidArgument(format!(
+            "rank {rank}: send/recv to itself with mismatched sizes: the send has {} \
+             bytes, the receive {}",
+            send.bytes, recv.bytes
+        )));
+    }
+    Ok(send.ptr)
+}
+
+/// Refuses a group of more than [`MAX_OPS`] ops after pairing those of `rank` to itself.
+pub(crate) fn check_op_count(rank: usize, ops: usize) -> Result<()> {
+    if ops > MAX_OPS {
+        return Err(Error::Unsupported(format!(
+            "rank {rank}: a group of {ops} sends and receives (after pairing those to itself); one \
+             group takes at most {MAX_OPS}"
+        )));
+    }
+    Ok(())
+}
+
+/// The kernel's ops for one group of `rank` of `nranks`, in the caller's order (self sends and
+/// receives paired into copies at the receive), with offsets and blocks filled in; the grid is the
+/// last op's `first_block + nblocks` (at most `max_blocks`). Errors name the rank and the op.
+pub fn plan(
+    rank: usize,
+    nranks: usize,
+    ops: &[P2pOp],
+    layout: &Layout,
+    max_blocks: u32,
+) -> Result<Vec<P2pOpArgs>> {
+    check_ops(rank, nranks, ops)?;
+    let mut self_pairs = self_sends(rank, ops)?.into_iter();
     let mut out = Vec::with_capacity(ops.len());
-    let mut self_pairs = self_sends.into_iter();
     // Per (peer, direction): ops and chunks so far in this group.
     let mut seen = vec![[(0u32, 0u64); 2]; nranks];
     for op in ops {
@@ -202,18 +241,8 @@ pub fn plan(
             if op.kind == P2pKind::Send {
                 continue;
             }
-            let send = self_pairs.next().ok_or_else(|| {
-                Error::Internal(format!("rank {rank}: self receive without its send"))
-            })?;
-            if send.bytes != op.bytes {
-                return Err(Error::InvalidArgument(format!(
-                    "rank {rank}: send/recv to itself with mismatched sizes: the send has {} \
-                     bytes, the receive {}",
-                    send.bytes, op.bytes
-                )));
-            }
             args.kind = KIND_COPY;
-            args.aux = send.ptr;
+            args.aux = self_copy_source(rank, self_pairs.next(), op)?;
         } else {
             let dir = match op.kind {
                 P2pKind::Send => 0,
@@ -238,13 +267,7 @@ pub fn plan(
                     .any(|o| o.kind == kind && o.peer == peer),
         );
     }
-    if out.len() > MAX_OPS {
-        return Err(Error::Unsupported(format!(
-            "rank {rank}: a group of {} sends and receives (after pairing those to itself); one \
-             group takes at most {MAX_OPS}",
-            out.len()
-        )));
-    }
+    check_op_count(rank, out.len())?;
     if out.len() > max_blocks as usize {
         return Err(Error::Unsupported(format!(
             "rank {rank}: a group of {} sends and receives needs one resident block each, and this \

@@ -51,9 +51,10 @@ struct PortChannelHandle {
   }
   MSCCLPP_DEVICE_INLINE void put(u64 offset, u64 bytes) const { put(offset, offset, bytes); }
 
-  // Increments the peer's semaphore after every transfer pushed before it has landed.
-  MSCCLPP_DEVICE_INLINE void signal() const {
-    fifo.push(ProxyTrigger::make(kTriggerFlag, dst_memory_id, 0, src_memory_id, 0, 0, semaphore_id));
+  // Increments the peer's semaphore after every transfer pushed before it has landed. Returns the
+  // trigger's position (for fifo.sync) or kFifoPushFailed.
+  MSCCLPP_DEVICE_INLINE u64 signal() const {
+    return fifo.push(ProxyTrigger::make(kTriggerFlag, dst_memory_id, 0, src_memory_id, 0, 0, semaphore_id));
   }
 
   MSCCLPP_DEVICE_INLINE void put_with_signal(u64 dst_offset, u64 src_offset, u64 bytes) const {

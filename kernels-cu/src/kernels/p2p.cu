@@ -1,5 +1,7 @@
 // mscclpp-rs point-to-point engine (collectives/src/p2p): one kernel runs one NCCL-style group of
-// sends and receives to many peers, on any (unregistered) buffers.
+// sends and receives to many peers, on any (unregistered) buffers. `p2p_group` runs where every
+// peer's memory is mapped (one host; described first); `p2p_port_group` moves the data through
+// PortChannels, across hosts (see "Across hosts" at its definition).
 //
 // Channels. Every ordered pair (sender s, receiver r) has a channel in r's engine region, which every
 // rank maps: `slots` slots of `slot_bytes` data each, plus a 16-byte header per slot (ready, bytes).
@@ -75,6 +77,8 @@
 // an earlier kernel, since the receive is its channel's only op in its group. For the same reason
 // one word per channel is enough: the receiver posts nothing more on the channel before the
 // sender, which read the word before it wrote anything, has delivered the message.
+
+#include "mscclpp/port_channel.cuh"
 
 using namespace mscclpp;
 using namespace mscclpp::coll;
@@ -193,9 +197,9 @@ MSCCLPP_DEVICE_INLINE u64 p2p_chunks(u64 bytes, u64 slot_bytes) {
   return bytes == 0 ? 1 : (bytes + slot_bytes - 1) / slot_bytes;
 }
 
-// Fills the mismatch record (first one wins) and raises the error word. One thread.
-MSCCLPP_DEVICE_INLINE void p2p_mismatch(const P2pArgs& a, bool is_send, u32 peer, u64 mine, u64 theirs) {
-  P2pMismatch* m = a.mismatch;
+// Fills the mismatch record `m` (first one wins) and raises the error word. One thread.
+MSCCLPP_DEVICE_INLINE void p2p_mismatch(P2pMismatch* m, u32* error_word, bool is_send, u32 peer, u64 mine,
+                                        u64 theirs) {
   if (m != nullptr && atomic_cas_relaxed_sys(&m->claimed, 0u, 1u) == 0u) {
     m->is_send = is_send ? 1u : 0u;
     m->peer = peer;
@@ -203,7 +207,7 @@ MSCCLPP_DEVICE_INLINE void p2p_mismatch(const P2pArgs& a, bool is_send, u32 peer
     m->theirs = theirs;
     fence_acq_rel_sys();
   }
-  record_error(a.error_word, kErrorCountMismatch);
+  record_error(error_word, kErrorCountMismatch);
 }
 
 // Thread 0 decides, the block follows.
@@ -337,7 +341,7 @@ MSCCLPP_DEVICE_INLINE void p2p_send(const P2pArgs& a, const P2pOpArgs& op, u32 j
         // The receiver may have posted before any chunk came: the header alone (the slot is ours)
         // lets it see the mismatch on its side too. Its check keeps it from copying the stale data.
         if (credit()) publish(slot, g);
-        p2p_mismatch(a, true, peer, op.bytes, p2p_post_bytes(atomic_load_acquire_sys(post)));
+        p2p_mismatch(a.mismatch, a.error_word, true, peer, op.bytes, p2p_post_bytes(atomic_load_acquire_sys(post)));
         ok = false;
       }
     }
@@ -359,7 +363,9 @@ MSCCLPP_DEVICE_INLINE void p2p_send(const P2pArgs& a, const P2pOpArgs& op, u32 j
     const u64 start = wall_clock_ns();
     while (!p2p_post_is(atomic_load_acquire_sys(post), msg) && wall_clock_ns() - start < kP2pPostGraceNs) {
     }
-    if (refused()) p2p_mismatch(a, true, peer, op.bytes, p2p_post_bytes(atomic_load_acquire_sys(post)));
+    if (refused()) {
+      p2p_mismatch(a.mismatch, a.error_word, true, peer, op.bytes, p2p_post_bytes(atomic_load_acquire_sys(post)));
+    }
   }
 }
 
@@ -429,7 +435,8 @@ MSCCLPP_DEVICE_INLINE void p2p_recv(const P2pArgs& a, const P2pOpArgs& op, u32 j
     if (threadIdx.x == 0) {
       const u64 word = atomic_load_relaxed_sys(&headers[slot].message);
       if (word != p2p_post(msg, op.bytes)) {
-        p2p_mismatch(a, false, peer, op.bytes, p2p_post_is(word, msg) ? p2p_post_bytes(word) : kP2pOtherSize);
+        const u64 theirs = p2p_post_is(word, msg) ? p2p_post_bytes(word) : kP2pOtherSize;
+        p2p_mismatch(a.mismatch, a.error_word, false, peer, op.bytes, theirs);
         ok = false;
       }
     }
@@ -507,4 +514,229 @@ extern "C" __global__ void __launch_bounds__(1024, 1) p2p_group(P2pArgs args) {
     }
   }
   p2p_finish(args, base);
+}
+
+// Across hosts (p2p_port_group; host side: collectives/src/p2p/port.rs). A peer on another host maps
+// none of this rank's memory, so every byte goes through PortChannels: a block pushes a trigger into
+// the FIFO, the host proxy moves the bytes (Ethernet, IB, or the copy engine towards a peer of this
+// host) and then signals the peer's semaphore. Memory of each rank, slots of `stride = 16 +
+// slot_bytes` bytes:
+//   inbound[src][s]  exchanged with every rank; kP2pPortSlots slots per source rank, written only by
+//                    that rank's puts;
+//   staging[dst][s]  private: the source of this rank's puts towards dst (a put reads registered
+//                    memory, and the caller's buffers are not registered);
+//   state            per peer, the messages and chunks sent and received so far.
+// A slot holds a P2pPortHeader (the message's p2p_post word and the chunk's sequence number over
+// the channel's life) and then up to slot_bytes of data, so one put carries both and one signal
+// tells that both landed. Per peer two channels: `data` (put with signal from staging[peer][s] into
+// the peer's inbound[rank][s]) and `credit` (signals only), each on a connection of its own: an IB
+// connection in write-with-immediate mode delivers its signals into one semaphore only.
+//
+// Lanes. A lane is every op of one (peer, direction) in the group, in the caller's order, and one
+// block runs one lane: a semaphore counts signals, not which chunk they were for, so the chunks of
+// one direction of a channel must go and be consumed in order, by one thread's waits; and the
+// block owns the lane's counters, read at its entry and written at its end. Lanes never wait for
+// one another inside the kernel, so any set of groups NCCL completes completes here (as long as the
+// grid is resident, which the host checks). Self ops are copies, one lane each.
+//
+// Protocol of chunk g of the channel (sender s, receiver r), slot g % kP2pPortSlots:
+//   s: from g = kP2pPortSlots on, thread 0 waits for one more credit: the k-th credit says chunk
+//      k - 1 was copied out of r's inbound, and that chunk had been read from s's staging by the
+//      proxy before it reached r, so chunk g - kP2pPortSlots frees the slot on both sides. The block
+//      copies the chunk into staging and thread 0 the header; after a barrier and a system fence
+//      thread 0 pushes the put with signal.
+//   r: thread 0 waits for one more data signal (signals arrive in the order of the puts, so the
+//      (g + 1)-th one means chunk g is in its slot) and checks the header: message seq, the message's
+//      byte count and the chunk seq must be its own. The block copies the data into the output,
+//      and after a barrier (every read of the slot done) thread 0 returns the credit.
+// A message of n bytes is p2p_chunks(n, slot_bytes) chunks, so a zero-byte message still matches
+// and every chunk carries the byte count: a receiver never copies a byte of a message of another
+// size. On a mismatch, where only the size differs, it first returns the credits the sender's
+// message still needs (at most kP2pPortDrainMax) and waits for its proxy to have sent them, so the
+// sender completes its send instead of waiting out the device timeout (its puts land in slots no
+// one reads any more); then it fills the P2pMismatch record and raises kErrorCountMismatch (its
+// communicator is finished: every later kernel returns at entry, and its proxy drops triggers). Waits are the semaphores' (spin_until: bounded, error word); a block that failed
+// one stops, and so does a block whose thread 0 found a mismatch (p2p_block_agrees).
+//
+// Graphs: the counters and the semaphores' `expected` words live in device memory and only the
+// kernel advances them, so replays stay in step with the peers, as p2p_group's counters do.
+
+// Slots of each (peer, direction), threads of each block, the largest world, and the most credits a
+// receiver returns for a mismatched message. Mirrored by mscclpp_kernels_cu::p2p::PORT_SLOTS,
+// PORT_THREADS, MAX_PORT_RANKS and PORT_DRAIN_MAX.
+constexpr u32 kP2pPortSlots = 4;
+constexpr u32 kP2pPortThreads = 512;
+constexpr u32 kP2pPortMaxRanks = 64;
+constexpr u64 kP2pPortDrainMax = 1ull << 16;
+
+struct P2pPortHeader {
+  u64 message;  // p2p_post(message seq, message bytes)
+  u64 chunk;    // the chunk's seq over the channel's life
+};
+constexpr u64 kP2pPortHeaderBytes = sizeof(P2pPortHeader);
+
+// One op of a lane. Mirrored by mscclpp_kernels_cu::p2p::P2pPortOp (32 bytes).
+struct P2pPortOp {
+  u64 ptr;  // send: source; recv and copy: destination
+  u64 aux;  // copy: source
+  u64 bytes;
+  u32 kind;  // kP2pSend, kP2pRecv, kP2pCopy
+  u32 peer;
+};
+
+// One lane: ops[first, first + count), all of `kind` with `peer`. Mirrored by
+// mscclpp_kernels_cu::p2p::P2pPortLane.
+struct P2pPortLane {
+  u32 first;
+  u32 count;
+  u32 kind;
+  u32 peer;
+};
+
+// Per peer rank: send messages, send chunks, receive messages, receive chunks (zero at creation).
+// Mirrored by mscclpp_kernels_cu::p2p::P2pPortState.
+struct P2pPortState {
+  u64 counters[kP2pPortMaxRanks][4];
+};
+
+// The one kernel argument; block b runs lanes[b]. Mirrored by mscclpp_kernels_cu::p2p::P2pPortArgs.
+struct P2pPortArgs {
+  const PortChannelHandle* channels;  // [rank][2]: data, credit (this rank's entries unused)
+  u8* inbound;
+  u8* staging;
+  P2pPortState* state;
+  P2pMismatch* mismatch;
+  u32* error_word;
+  u64 slot_bytes;  // a multiple of 16
+  u32 rank;
+  u32 nlanes;
+  P2pPortOp ops[kP2pMaxOps];
+  P2pPortLane lanes[kP2pMaxOps];
+};
+
+// Gives a sender whose `chunks`-chunk message was refused the credits it still needs to finish it.
+// At the message's first chunk g it holds min(g, kP2pPortSlots) unused credits (one came for each
+// earlier chunk, one went for each from kP2pPortSlots on) and the message needs one per chunk at or
+// after kP2pPortSlots: either way chunks - kP2pPortSlots more, if positive. Returns once the proxy
+// has handled them: the caller records the mismatch only then, since a proxy whose communicator
+// has failed drops every trigger. One thread.
+MSCCLPP_DEVICE_INLINE void p2p_port_drain(const PortChannelHandle& credit, u64 chunks) {
+  const u64 extra = chunks > kP2pPortSlots ? min(chunks - kP2pPortSlots, kP2pPortDrainMax) : 0;
+  u64 last = kFifoPushFailed;
+  for (u64 k = 0; k < extra; ++k) {
+    last = credit.signal();
+    if (last == kFifoPushFailed) return;
+  }
+  if (extra > 0) credit.fifo.sync(last);
+}
+
+MSCCLPP_DEVICE_INLINE void p2p_port_send(const P2pPortArgs& a, const P2pPortLane& lane) {
+  const PortChannelHandle& data = a.channels[2 * lane.peer];
+  const PortChannelHandle& credit = a.channels[2 * lane.peer + 1];
+  const u64 stride = kP2pPortHeaderBytes + a.slot_bytes;
+  const u64 staging = static_cast<u64>(lane.peer) * kP2pPortSlots * stride;
+  const u64 remote = static_cast<u64>(a.rank) * kP2pPortSlots * stride;
+  // Every thread reads the counters before its first barrier; thread 0 writes them after its last.
+  u64* counters = a.state->counters[lane.peer];
+  u64 msg = counters[0], g = counters[1];
+  bool ok = true;  // thread 0's: its waits and pushes so far succeeded
+  for (u32 i = 0; i < lane.count; ++i, ++msg) {
+    const P2pPortOp& op = a.ops[lane.first + i];
+    const u8* src = reinterpret_cast<const u8*>(op.ptr);
+    const u64 nchunks = p2p_chunks(op.bytes, a.slot_bytes);
+    for (u64 c = 0; c < nchunks; ++c, ++g) {
+      const u64 at = (g % kP2pPortSlots) * stride;  // the slot's offset among the peer's
+      if (threadIdx.x == 0 && ok && g >= kP2pPortSlots) ok = credit.wait();
+      if (!p2p_block_agrees(ok)) return;
+      const u64 begin = c * a.slot_bytes;
+      const u64 n = min(a.slot_bytes, op.bytes - min(begin, op.bytes));
+      u8* chunk = a.staging + staging + at;
+      copy(chunk + kP2pPortHeaderBytes, src + begin, n, threadIdx.x, blockDim.x);
+      if (threadIdx.x == 0) {
+        P2pPortHeader* h = reinterpret_cast<P2pPortHeader*>(chunk);
+        h->message = p2p_post(msg, op.bytes);
+        h->chunk = g;
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        // The block's writes (seen by thread 0 through the barrier) reach memory before the
+        // proxy, which reads the trigger from host memory, reads the slot.
+        fence_acq_rel_sys();
+        ok = data.push_transfer(remote + at, staging + at, kP2pPortHeaderBytes + n, kTriggerFlag) !=
+             kFifoPushFailed;
+      }
+    }
+  }
+  if (threadIdx.x == 0) {
+    counters[0] = msg;
+    counters[1] = g;
+  }
+}
+
+MSCCLPP_DEVICE_INLINE void p2p_port_recv(const P2pPortArgs& a, const P2pPortLane& lane) {
+  const PortChannelHandle& data = a.channels[2 * lane.peer];
+  const PortChannelHandle& credit = a.channels[2 * lane.peer + 1];
+  const u64 stride = kP2pPortHeaderBytes + a.slot_bytes;
+  const u8* inbound = a.inbound + static_cast<u64>(lane.peer) * kP2pPortSlots * stride;
+  // As in p2p_port_send: read by every thread before its first barrier, written by thread 0 last.
+  u64* counters = a.state->counters[lane.peer] + 2;
+  u64 msg = counters[0], g = counters[1];
+  for (u32 i = 0; i < lane.count; ++i, ++msg) {
+    const P2pPortOp& op = a.ops[lane.first + i];
+    u8* dst = reinterpret_cast<u8*>(op.ptr);
+    const u64 nchunks = p2p_chunks(op.bytes, a.slot_bytes);
+    for (u64 c = 0; c < nchunks; ++c, ++g) {
+      const u8* chunk = inbound + (g % kP2pPortSlots) * stride;
+      bool ok = true;
+      if (threadIdx.x == 0) {
+        ok = data.wait();
+        if (ok) {
+          // The proxy wrote the slot with DMA: system-scope loads (the wait's acquire orders them
+          // after the signal) see the new header, not a line of the slot's previous chunk.
+          const P2pPortHeader* h = reinterpret_cast<const P2pPortHeader*>(chunk);
+          const u64 word = atomic_load_relaxed_sys(&h->message);
+          const u64 seq = atomic_load_relaxed_sys(&h->chunk);
+          if (word != p2p_post(msg, op.bytes) || seq != g) {
+            const bool size_only = p2p_post_is(word, msg) && seq == g;
+            const u64 theirs = size_only ? p2p_post_bytes(word) : kP2pOtherSize;
+            if (size_only) p2p_port_drain(credit, p2p_chunks(theirs, a.slot_bytes));
+            p2p_mismatch(a.mismatch, a.error_word, false, lane.peer, op.bytes, theirs);
+            ok = false;
+          }
+        }
+      }
+      // Thread 0 alone saw the header: no thread writes a byte of a chunk it refused.
+      if (!p2p_block_agrees(ok)) return;
+      const u64 begin = c * a.slot_bytes;
+      copy(dst + begin, chunk + kP2pPortHeaderBytes, min(a.slot_bytes, op.bytes - min(begin, op.bytes)),
+           threadIdx.x, blockDim.x);
+      // Every thread's reads of the slot are done before the credit lets the sender overwrite it.
+      __syncthreads();
+      if (threadIdx.x == 0) credit.signal();
+    }
+  }
+  if (threadIdx.x == 0) {
+    counters[0] = msg;
+    counters[1] = g;
+  }
+}
+
+// At most kP2pPortThreads threads, and at least two blocks an SM (64 registers a thread), as the
+// host counts residency (geometry::Residency): several lanes, and under MPS several ranks' grids,
+// share an SM.
+extern "C" __global__ void __launch_bounds__(kP2pPortThreads, 2) p2p_port_group(P2pPortArgs args) {
+  wait_prior_grids();
+  if (block_aborted(args.error_word)) return;
+  const P2pPortLane& lane = args.lanes[blockIdx.x];
+  if (lane.kind == kP2pSend) {
+    p2p_port_send(args, lane);
+  } else if (lane.kind == kP2pRecv) {
+    p2p_port_recv(args, lane);
+  } else {
+    for (u32 i = 0; i < lane.count; ++i) {
+      const P2pPortOp& op = args.ops[lane.first + i];
+      copy(reinterpret_cast<u8*>(op.ptr), reinterpret_cast<const u8*>(op.aux), op.bytes, threadIdx.x,
+           blockDim.x);
+    }
+  }
 }

@@ -13,7 +13,8 @@
 //! fixtures at this world size and the builder's), `resources`: device memory per rank, which fails
 //! above 32 MiB, and set-up times), `divergent_buffers` (the zero-copy algorithms on buffers every
 //! rank places and frees differently, `mscclpp_tests::divergent_buffers`), `multi_host` (ranks on
-//! several hosts: the matrix of every
+//! several hosts: the send/recv checks through PortChannels, `p2p_checks::run_across_hosts`, which
+//! `p2p` selects alone there, and the matrix of every
 //! algorithm of the multi-host collection, `default_allreduce_hierarchical`, the flat
 //! `port_allreduce`, `default_allgather_via_allreduce`, `default_broadcast_via_allreduce`,
 //! `default_reducescatter_via_allreduce`; the algorithm names select one),
@@ -202,8 +203,13 @@ fn run() -> Result<i32> {
             suite.record(&name, result);
         }
     }
-    // The point-to-point engine over every rank.
-    if wants(P2P) {
+    // The point-to-point engine over every rank; across hosts the PortChannel one, which the
+    // `multi_host` section runs too.
+    if multi_host && (wants(P2P) || wants(MULTI_HOST)) {
+        for (name, result) in mscclpp_tests::p2p_checks::run_across_hosts(&suite.ctx) {
+            suite.record(&name, result);
+        }
+    } else if wants(P2P) {
         for (name, result) in mscclpp_tests::p2p_checks::run(&suite.ctx) {
             suite.record(&name, result);
         }
@@ -456,10 +462,12 @@ const REDUCE: &str = "reduce";
 /// `--only` section of ranks on several hosts: [`multi_host_matrices`].
 const MULTI_HOST: &str = "multi_host";
 /// The sections that run when the ranks span hosts (the others map every peer's memory):
-/// `port_allreduce`'s own checks, and the multi-host collection's matrices (all, or one by name).
-/// `--only port_allreduce` runs both its own checks and its matrix in the multi-host collection.
-const CROSS_HOST_SECTIONS: [&str; 6] = [
+/// `port_allreduce`'s own checks, the send/recv checks through PortChannels, and the multi-host
+/// collection's matrices (all, or one by name). `--only port_allreduce` runs both its own checks
+/// and its matrix in the multi-host collection.
+const CROSS_HOST_SECTIONS: [&str; 7] = [
     mscclpp_collectives::port_allreduce::NAME,
+    P2P,
     MULTI_HOST,
     mscclpp_collectives::hierarchical::NAME,
     mscclpp::core::algorithm_collection::native_names::ALLGATHER_VIA_ALLREDUCE,
@@ -471,7 +479,7 @@ const CROSS_HOST_SECTIONS: [&str; 6] = [
 /// multi-host collection's algorithms (whose matrix [`multi_host_matrices`] runs).
 fn only_names_an_algorithm(only: &Option<Vec<String>>) -> bool {
     only.as_deref()
-        .is_some_and(|names| names.iter().any(|n| n != MULTI_HOST))
+        .is_some_and(|names| names.iter().any(|n| n != MULTI_HOST && n != P2P))
 }
 
 /// The names given to `--only`, if it was given.
