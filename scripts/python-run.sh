@@ -17,7 +17,8 @@
 # without the 4096 x 7168 case, EP_KERNELS=1 through the intranode kernels, EP_NUM_SMS=N their
 # grid), then the MoE example. ep-bench runs the EP benchmark (python -m mscclpp.ext.ep.bench;
 # EP_BENCH_ARGS are its options, e.g. "--num-tokens 512 --modes low-latency"), within
-# TORCHCOMMS_TIMEOUT seconds (default 300).
+# TORCHCOMMS_TIMEOUT seconds (default 300). HOSTS=h runs ep's check as h simulated hosts (the
+# internode mode; without MPS, which port channels refuse beyond 2 ranks a GPU).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 export NCCL_NVLS_ENABLE=0 MSCCLPP_FORCE_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -34,11 +35,16 @@ run() {
   torchrun --nproc_per_node="$nranks" --master_port="${PORT:-29521}" "$here/python/$1" "${@:2}"
 }
 # run within TORCHCOMMS_TIMEOUT seconds (default $1), so a hang cannot outlast one device command.
+# HOSTS=h splits the ranks into h simulated hosts (simulate-hosts.sh: MSCCLPP_HOSTID per rank).
 bounded() {
   local seconds="${TORCHCOMMS_TIMEOUT:-$1}"; shift
-  echo "== $1 on $nranks ranks (at most $seconds s)"
+  local program=("$here/python/$1")
+  if [ -n "${HOSTS:-}" ]; then
+    program=(--no-python "$here/simulate-hosts.sh" "$(dirname "$(command -v torchrun)")/python" "${program[@]}")
+  fi
+  echo "== $1 on $nranks ranks${HOSTS:+ as $HOSTS simulated hosts} (at most $seconds s)"
   timeout -k 10 "$seconds" torchrun --nproc_per_node="$nranks" --master_port="${PORT:-29521}" \
-    "$here/python/$1" "${@:2}"
+    "${program[@]}" "${@:2}"
 }
 # Every call native (no real NCCL behind the shim): a call the shim cannot serve fails.
 interpose() {

@@ -151,6 +151,16 @@ impl PyCommunicator {
         self.inner.topology().local_size(self.inner.rank())
     }
 
+    /// The ranks of each host (simulated hosts, MSCCLPP_HOSTID, count as hosts), hosts in the
+    /// order of their first rank.
+    #[getter]
+    fn host_ranks(&self) -> Vec<Vec<usize>> {
+        let topology = self.inner.topology();
+        (0..topology.nhosts())
+            .map(|h| topology.ranks_on_host(h).to_vec())
+            .collect()
+    }
+
     fn barrier(&self, py: Python<'_>) -> PyResult<()> {
         let boot = self.inner.bootstrap().clone();
         py.detach(|| boot.barrier()).map_err(to_py)

@@ -75,15 +75,22 @@ def run_case(buf, name, seed, num_tokens, num_topk, num_experts, hidden, route):
     x, idx, w = xs[r].to(dev), idxs[r].to(dev), ws[r].to(dev)
     f = []
 
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
+    per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
     for got, exp, what in zip((per_rank, per_expert, in_rank),
                               reference.layout(idxs[r], num_experts, R),
                               ("num_tokens_per_rank", "num_tokens_per_expert",
                                "is_token_in_rank")):
         same(f"layout {what}", got, exp, f)
+    hosts = buf.get_num_rdma_ranks()
+    if hosts > 1:
+        same("layout num_tokens_per_rdma_rank", per_host,
+             reference.tokens_per_host(reference.layout(idxs[r], num_experts, R)[2], hosts), f)
+    else:
+        same("layout num_tokens_per_rdma_rank", per_host, None, f)
     recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
-        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, expert_alignment=8)
+        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host,
+        is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
+        topk_weights=w, expert_alignment=8)
     mine = want[r]
     same("recv_x", recv_x, mine.recv_x, f)
     same("recv_topk_idx", recv_idx, mine.recv_topk_idx, f)
@@ -286,6 +293,8 @@ def main():
                              "for a dispatch; lower it where ranks share a GPU under MPS)")
     args = parser.parse_args()
     Buffer.use_kernels = args.kernels
+    # Across hosts (HOSTS=h in python-run.sh) the check runs the opt-in internode mode.
+    Buffer.allow_internode = True
     Buffer.set_num_sms(args.num_sms)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank % torch.cuda.device_count())
@@ -307,6 +316,9 @@ def main():
                                                  ll["num_experts"])
     buf = Buffer(dist.group.WORLD, num_nvl_bytes=max(hints), num_rdma_bytes=rdma,
                  low_latency_mode=True, explicitly_destroy=True)
+    if r == 0 and buf.get_num_rdma_ranks() > 1:
+        print(f"  across {buf.get_num_rdma_ranks()} hosts of {buf.get_num_nvl_ranks()} ranks",
+              flush=True)
     experts = 8 * R
     cases = [("random with holes", 100, 4, experts, 256, "holes"),
              ("every token to one rank", 64, 4, experts, 256, "one_rank"),

@@ -117,8 +117,9 @@ def test_config_defaults_tables_and_hints():
             assert hint % 128 == 0
             assert hint >= cfg.buffer_bytes(7168 * 2, r, 128, 128)
             assert cfg.get_rdma_buffer_size_hint(7168 * 2, r) == 0
-    with pytest.raises(NotImplementedError, match="internode"):
-        d.get_nvl_buffer_size_hint(7168 * 2, 16)
+    assert d.get_rdma_buffer_size_hint(7168 * 2, 16) == 0  # across hosts: no RDMA buffer
+    with pytest.raises(NotImplementedError, match="num_ranks=33: at most 32 ranks"):
+        d.get_nvl_buffer_size_hint(7168 * 2, 33)
     # The kernels' layout (kernels-cu/src/ep.rs pins the same number).
     assert Config(20, 6, 256).buffer_bytes(7168 * 2, 8, 8) == 295_930_624
     with pytest.raises(ValueError, match="num_ranks=3"):
@@ -208,8 +209,6 @@ def _deepep_buffer_init(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_late
 
 
 def test_what_is_not_implemented_says_so():
-    with pytest.raises(NotImplementedError, match="internode"):
-        Buffer.internode_dispatch(None)
     assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) % 128 == 0
     with pytest.raises(ValueError, match="num_experts=10 does not split into 4 ranks"):
         Buffer.get_low_latency_rdma_size_hint(128, 7168, 4, 10)
@@ -260,8 +259,9 @@ class SimBuffer(Buffer):
     """A Buffer of one simulated rank: the planning is Buffer's, the transport World's."""
 
     def __init__(self, world, rank, num_nvl_bytes=1 << 30, num_rdma_bytes=0,
-                 low_latency_mode=False):
+                 low_latency_mode=False, hosts=1):
         self.rank, self.group_size, self.group = rank, world.num_ranks, None
+        self._hosts = hosts
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode, self.explicitly_destroy = low_latency_mode, False
         self._device, self._stream, self._handles = torch.device("cpu"), None, {}
@@ -817,3 +817,60 @@ def test_capture_needs_num_worst_tokens_and_asserts_on_overflow():
     results = on_capturing_ranks(R, lambda b: rank(b, 1))
     assert all(isinstance(e, RuntimeError) and "more tokens arrived than the 1 rows" in str(e)
                for e in results)
+
+
+# ---- across hosts ----------------------------------------------------------------------------
+
+def test_hosts_must_be_equal_blocks_of_consecutive_ranks():
+    from mscclpp.ext.ep.config import host_blocks
+    assert host_blocks([[0, 1, 2, 3]], 4) == 1
+    assert host_blocks([[0, 1], [2, 3]], 4) == 2
+    assert host_blocks([[4, 5, 6, 7], [0, 1, 2, 3]], 8) == 2
+    for hosts, n, match in (([[0, 2], [1, 3]], 4, "consecutive"),
+                            ([[0, 1, 2], [3]], 4, "as many ranks"),
+                            ([list(range(9))], 9, "one NVLink domain holds at most 8"),
+                            ([list(range(9)), list(range(9, 18))], 18, "9 ranks a host"),
+                            ([[r] for r in range(33)], 33, "at most 32 ranks")):
+        with pytest.raises(NotImplementedError, match=match):
+            host_blocks(hosts, n)
+
+
+@pytest.mark.parametrize("num_ranks,hosts", [(4, 2), (8, 2), (8, 4)])
+def test_across_hosts_the_layout_counts_tokens_per_host(num_ranks, hosts):
+    E, K, H = 4 * num_ranks, 3, 64
+    xs, idxs, ws = routing(num_ranks * 77 + hosts, num_ranks, 23, K, E, H)
+    want = reference.dispatch(xs, idxs, ws, E)
+
+    def rank(buf):
+        r = buf.rank
+        assert (buf.get_num_rdma_ranks(), buf.get_num_nvl_ranks()) == (hosts, num_ranks // hosts)
+        per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], E)
+        recv_x = buf.internode_dispatch(
+            xs[r], num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host,
+            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idxs[r],
+            topk_weights=ws[r])[0]
+        return per_host, in_rank, recv_x
+
+    for r, (per_host, in_rank, recv_x) in enumerate(
+            raised(on_ranks(num_ranks, rank, hosts=hosts))):
+        assert torch.equal(per_host, reference.tokens_per_host(in_rank, hosts))
+        assert torch.equal(recv_x, want[r].recv_x)
+
+
+def test_a_wrong_num_tokens_per_rdma_rank_is_refused_on_every_rank():
+    E = 16
+    xs, idxs, ws = routing(5, 4, 12, 2, E, 64)
+
+    def rank(buf):
+        r = buf.rank
+        per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], E)
+        if r == 1:
+            per_host = per_host + 1
+        buf.dispatch(xs[r], num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host,
+                     is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                     topk_idx=idxs[r], topk_weights=ws[r])
+
+    for result in on_ranks(4, rank, hosts=2):
+        assert isinstance(result, ValueError), result
+        assert "num_tokens_per_rdma_rank disagrees with is_token_in_rank on rank(s) [1]" \
+            in str(result)

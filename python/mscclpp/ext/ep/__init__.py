@@ -2,7 +2,8 @@
 v1.2.1), so code written against `deep_ep` runs with its import changed:
 `from mscclpp.ext.ep import Buffer, Config, EventOverlap`. Needs torch.
 
-Implemented, for 1 to 8 ranks (ranks may share a GPU):
+Implemented, for 1 to 8 ranks on one host, or up to 32 across hosts in equal blocks of
+consecutive ranks (ranks may share a GPU):
 - the intranode normal mode: `get_dispatch_layout`, `dispatch` (bf16, or fp8 as DeepEP's
   `(tokens, scales)` pair; non-cached and cached through the handle; `expert_alignment`,
   `num_worst_tokens`; `previous_event`, `async_finish`, `allocate_on_comm_stream`), `combine`
@@ -14,9 +15,14 @@ Implemented, for 1 to 8 ranks (ranks may share a GPU):
   `get_next_low_latency_combine_buffer`, `out`), `get_low_latency_rdma_size_hint`,
   `clean_low_latency_buffer`;
 - `capture`, `destroy`, `get_local_buffer_tensor`.
-Not yet: the internode mode (more than 8 ranks, `num_tokens_per_rdma_rank`), which raises
-NotImplementedError naming it. How the data moves (point-to-point groups, or the intranode kernels
-with `Buffer.use_kernels = True`) is in `buffer`'s and `low_latency`'s docs.
+- across hosts, opt-in (`Buffer.allow_internode = True`) until it has passed on a GPU (DeepEP's
+  internode mode: `get_num_rdma_ranks` > 1, `num_tokens_per_rdma_rank` from
+  `get_dispatch_layout` and checked by `dispatch`, `internode_dispatch` and `internode_combine`
+  as `dispatch` and `combine`), every call above with the same semantics: the point-to-point
+  groups cross hosts through the runtime's PortChannel engine (Ethernet or IB), so a dead or
+  stalled peer is an error on every rank within the device wait timeout.
+How the data moves (point-to-point groups, or the intranode kernels with
+`Buffer.use_kernels = True`, one host only) is in `buffer`'s and `low_latency`'s docs.
 
 The spec (DeepEP's semantics; `reference` implements it in plain PyTorch, rank by rank)
 
@@ -24,7 +30,9 @@ Ranks r = 0..R-1; E experts, L = E / R per rank, expert e on rank e // L. Each r
 `x [T, H]` and `topk_idx [T, K]` (int64, -1 = no expert) with `topk_weights [T, K]` (f32).
 - Layout (local): `is_token_in_rank[t, r]` is true when any of token t's experts lives on r: a
   token goes to a rank once, however many of its experts live there. `num_tokens_per_rank[r]`
-  counts those tokens; `num_tokens_per_expert[e]` counts the (token, k) pairs choosing e.
+  counts those tokens; `num_tokens_per_expert[e]` counts the (token, k) pairs choosing e. Across
+  H hosts of k = R / H consecutive ranks, `num_tokens_per_rdma_rank[h]` counts the tokens with
+  an expert on host h (ranks h*k..h*k+k-1), once per host; within one host it is None.
 - Dispatch: rank `me` receives blocks by source rank ascending (0, 1, ..., R-1); block s holds the
   tokens of rank s with `is_token_in_rank[t, me]`, in increasing token index. For each received
   row: `recv_topk_idx[k]` is `topk_idx[k] - me * L` where that expert is local to `me`, else -1;

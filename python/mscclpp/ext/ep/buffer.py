@@ -45,7 +45,7 @@ import torch
 from ... import _mscclpp
 from ...comm import CommGroup
 from . import checks, low_latency
-from .config import check_intranode, recommended
+from .config import host_blocks, recommended
 from .utils import EventHandle, EventOverlap
 
 # What the layout and dispatch bring to a 6-tuple handle, by position (DeepEP's order).
@@ -75,8 +75,9 @@ class Buffer:
     their shapes (checked; their point-to-point path allocates what a call moves from PyTorch's
     allocator, so the bytes are not reserved up front). `num_qps_per_rank`,
     `allow_nvlink_for_low_latency_mode` and `allow_mnnvl` are accepted and unused, as in DeepEP
-    within one NVLink domain; groups of more than 8 ranks are refused (the internode mode is not
-    implemented).
+    within one NVLink domain. With `Buffer.allow_internode` a group may span hosts
+    (`config.host_blocks`: equal blocks of consecutive ranks, at most 8 a host, 32 in all); its
+    rows then cross hosts through the runtime's point-to-point engine over PortChannels.
     """
 
     num_sms: int = 20
@@ -84,6 +85,11 @@ class Buffer:
     # (see the module doc); True, the intranode kernels (kernels-cu/src/kernels/ep_intranode.cu:
     # counts and rings through every rank's NVLink buffer). Every rank must set the same.
     use_kernels: bool = False
+    # Groups across hosts (DeepEP's internode mode) for the Buffers made from now on: opt-in until
+    # it has passed on a GPU. On one H200 as 2 simulated hosts (2 x 2 and 2 x 4 ranks) every rank's
+    # first dispatch timed out in its first host read after the count exchange (an error on every
+    # rank, no wrong result), while the same groups from a plain script passed.
+    allow_internode: bool = False
 
     def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
                  num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False,
@@ -100,7 +106,6 @@ class Buffer:
             size = group.size()
         else:
             size = comm.Get_size()
-        check_intranode(size, "Buffer: the group's size")
         if not torch.cuda.is_available():
             raise RuntimeError("Buffer needs a CUDA device (torch.cuda.is_available() is False)")
         device = torch.cuda.current_device()
@@ -113,6 +118,19 @@ class Buffer:
         self.group = group if group is not None else comm
         self.rank = self._comm_group.my_rank
         self.group_size = self._comm_group.nranks
+        # DeepEP's NVLink and RDMA ranks: the hosts (simulated ones included), which the
+        # internode mode needs in equal blocks of consecutive ranks, as DeepEP numbers them.
+        self._hosts = host_blocks(self._comm_group.communicator.host_ranks, size)
+        if self._hosts > 1 and not Buffer.allow_internode:
+            raise NotImplementedError(
+                f"Buffer: this group spans {self._hosts} hosts; the internode mode is opt-in "
+                "until it has passed on a GPU (Buffer.allow_internode = True on every rank; see "
+                "docs/ep.md)")
+        if self._hosts > 1 and Buffer.use_kernels:
+            raise NotImplementedError(
+                "Buffer.use_kernels: the intranode kernels need every peer's memory mapped, "
+                f"and this group spans {self._hosts} hosts; use the point-to-point path "
+                "(Buffer.use_kernels = False), which crosses hosts")
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = bool(low_latency_mode)
@@ -216,11 +234,21 @@ class Buffer:
 
     # ---- the calls ---------------------------------------------------------------------------
 
+    def get_num_rdma_ranks(self):
+        """The hosts the group spans (DeepEP's RDMA ranks; 1 within one NVLink domain)."""
+        return self._hosts
+
+    def get_num_nvl_ranks(self):
+        """The ranks of each host (DeepEP's NVLink ranks)."""
+        return self.group_size // self._hosts
+
     def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False,
                             allocate_on_comm_stream=False):
         """Per rank and per expert how many tokens go there, and which token goes to which rank:
-        `(num_tokens_per_rank [R] int32, None, num_tokens_per_expert [E] int32,
-        is_token_in_rank [T, R] bool, event)`. `topk_idx` `[T, K]` int64, -1 for no expert."""
+        `(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank, num_tokens_per_expert [E]
+        int32, is_token_in_rank [T, R] bool, event)`. `topk_idx` `[T, K]` int64, -1 for no
+        expert. `num_tokens_per_rdma_rank` is None within one host, else `[hosts]` int32: the
+        tokens with an expert on each host, counted once per host."""
         self._enter("get_dispatch_layout", previous_event, async_finish, allocate_on_comm_stream,
                     graph_note=None)
         checks.tensor("topk_idx", topk_idx, torch.int64, 2)
@@ -231,8 +259,10 @@ class Buffer:
             if not self._capturing():  # the range check reads the values
                 checks.topk_range(topk_idx, num_experts)
             per_rank, per_expert, in_rank = _layout(topk_idx, num_experts, self.group_size)
-        event = self._finish(compute, [topk_idx], [per_rank, per_expert, in_rank], async_finish)
-        return per_rank, None, per_expert, in_rank, event
+            per_host = None if self._hosts == 1 else _per_host(in_rank, self._hosts)
+        outputs = [t for t in (per_rank, per_host, per_expert, in_rank) if t is not None]
+        event = self._finish(compute, [topk_idx], outputs, async_finish)
+        return per_rank, per_host, per_expert, in_rank, event
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
@@ -262,9 +292,11 @@ class Buffer:
                 self._on_device("x's scales", scales)
             checks.positive_int("expert_alignment", expert_alignment, 1)
             checks.positive_int("num_worst_tokens", num_worst_tokens, 0)
-            if num_tokens_per_rdma_rank is not None:
-                _not_in_phase_1("dispatch(num_tokens_per_rdma_rank=...): the internode mode")
             R, T = self.group_size, x.shape[0]
+            if num_tokens_per_rdma_rank is not None and handle is None and self._hosts > 1:
+                checks.tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, torch.int32,
+                              1, self._hosts)
+                self._on_device("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank)
             num_topk = num_experts = 0
             if handle is not None:
                 if topk_idx is not None or topk_weights is not None:
@@ -337,7 +369,8 @@ class Buffer:
                 result = (recv_x, None, None, None, None)
             else:
                 in_rank = is_token_in_rank
-                result, outputs = self._dispatch(x, scales, num_tokens_per_rank, in_rank,
+                per_host = num_tokens_per_rdma_rank if self._hosts > 1 else None
+                result, outputs = self._dispatch(x, scales, num_tokens_per_rank, per_host, in_rank,
                                                  num_tokens_per_expert, topk_idx, topk_weights,
                                                  expert_alignment, num_worst_tokens, config,
                                                  tokens_of if in_graph else None)
@@ -395,10 +428,13 @@ class Buffer:
         return combined, combined_w, event
 
     def internode_dispatch(self, *args, **kwargs):
-        _not_in_phase_1("internode_dispatch: the internode mode")
+        """DeepEP's internode dispatch, which its `dispatch` calls across hosts: here one data
+        path serves both, so this is `dispatch`."""
+        return self.dispatch(*args, **kwargs)
 
     def internode_combine(self, *args, **kwargs):
-        _not_in_phase_1("internode_combine: the internode mode")
+        """DeepEP's internode combine: `combine` (see `internode_dispatch`)."""
+        return self.combine(*args, **kwargs)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         """DeepEP zeroes the parts of its buffer its low-latency kernels count in; the
@@ -560,8 +596,9 @@ class Buffer:
 
     # ---- the work ----------------------------------------------------------------------------
 
-    def _dispatch(self, x, scales, num_tokens_per_rank, in_rank, num_tokens_per_expert, topk_idx,
-                  topk_weights, expert_alignment, num_worst_tokens, config, tokens_of=None):
+    def _dispatch(self, x, scales, num_tokens_per_rank, num_tokens_per_host, in_rank,
+                  num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                  num_worst_tokens, config, tokens_of=None):
         """A non-cached dispatch on the point-to-point path. With `tokens_of` (every rank's token
         count: the call is being captured, and num_worst_tokens > 0) nothing is read on the host:
         the blocks have fixed sizes (`_move_tokens_in_graph`)."""
@@ -571,23 +608,28 @@ class Buffer:
         in_graph = tokens_of is not None
         channel_prefix = _channel_prefix(in_rank, C)
         # What every rank needs of every other: its per-rank and per-expert counts, its channel
-        # prefix rows, and whether its num_tokens_per_rank agrees with its is_token_in_rank (so a
-        # caller's inconsistent pair is an error on every rank, not a size mismatch mid-transfer).
-        # In a graph the counts are the routing's own and nothing can be raised: the flag goes
-        # unread.
+        # prefix rows, and which of its num_tokens_per_rank (bit 0) and num_tokens_per_rdma_rank
+        # (bit 1) disagree with its is_token_in_rank (so a caller's inconsistent layout is an
+        # error on every rank, not a size mismatch mid-transfer). In a graph the counts are the
+        # routing's own and nothing can be raised: the flags go unread.
         per_rank = in_rank.sum(0, dtype=torch.int32)
-        disagrees = (per_rank != num_tokens_per_rank).any()
+        disagrees = (per_rank != num_tokens_per_rank).any().to(torch.int32)
+        if num_tokens_per_host is not None:
+            host_disagrees = (_per_host(in_rank, self._hosts) != num_tokens_per_host).any()
+            disagrees = disagrees | host_disagrees.to(torch.int32) * 2
         mine = torch.cat([per_rank if in_graph else num_tokens_per_rank, num_tokens_per_expert,
-                          channel_prefix.flatten(), disagrees.to(torch.int32).reshape(1)])
+                          channel_prefix.flatten(), disagrees.reshape(1)])
         table = torch.empty(R, mine.numel(), dtype=torch.int32, device=dev)
         self._exchange([[mine]] * R, [[table[p]] for p in range(R)])
         if not in_graph:
             table = table.cpu()
             self._session.check()
-            bad = [r for r in range(R) if table[r, -1]]
-            if bad:
-                raise ValueError(f"dispatch: num_tokens_per_rank disagrees with is_token_in_rank "
-                                 f"on rank(s) {bad} (pass both from the same get_dispatch_layout)")
+            for bit, name in ((1, "num_tokens_per_rank"), (2, "num_tokens_per_rdma_rank")):
+                bad = [r for r in range(R) if int(table[r, -1]) & bit]
+                if bad:
+                    raise ValueError(f"dispatch: {name} disagrees with is_token_in_rank on "
+                                     f"rank(s) {bad} (pass both from the same "
+                                     "get_dispatch_layout)")
         counts = table[:, :R]
         rank_prefix = counts.cumsum(0, dtype=torch.int32)
         per_expert = []
@@ -1042,6 +1084,13 @@ class _LowLatencyPlan(NamedTuple):
 
 def _arrived():
     """The receive hook of a low-latency call: the call's own work already received the data."""
+
+
+def _per_host(in_rank, hosts):
+    """Tokens with an expert on each host, once per host (`num_tokens_per_rdma_rank`): hosts are
+    equal blocks of consecutive ranks."""
+    T, R = in_rank.shape
+    return in_rank.view(T, hosts, R // hosts).any(2).sum(0, dtype=torch.int32)
 
 
 def _layout(topk_idx, num_experts, num_ranks):

@@ -10,8 +10,11 @@ receiver). `get_nvl_buffer_size_hint` is that size at the largest top-k and scal
 buffer sized by the hint fits every call of that config.
 """
 
-# The most ranks one NVLink domain holds in the intranode mode (DeepEP's NUM_MAX_NVL_PEERS).
+# The most ranks one NVLink domain holds (DeepEP's NUM_MAX_NVL_PEERS).
 MAX_NVL_PEERS = 8
+# The most ranks of a group across hosts: each rank sends to and receives from every rank in one
+# point-to-point group, of at most 64 operations (mscclpp_kernels_cu::p2p::MAX_OPS).
+MAX_RANKS = 32
 # The largest top-k and per-token scale counts the hint provisions for (DeepEP's assumptions).
 MAX_TOPK = 128
 MAX_SCALES = 128
@@ -76,14 +79,15 @@ class Config:
 
     def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
         """Bytes of NVLink buffer that every dispatch and combine of this config needs for tokens of
-        `hidden_bytes` among `num_ranks` ranks (at most 8: one NVLink domain)."""
-        check_intranode(num_ranks, "get_nvl_buffer_size_hint: num_ranks")
+        `hidden_bytes` among `num_ranks` ranks."""
+        check_ranks(num_ranks, "get_nvl_buffer_size_hint: num_ranks")
         return _align(self.buffer_bytes(hidden_bytes, num_ranks, MAX_TOPK, MAX_SCALES), 128)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
-        """0 within one NVLink domain (no RDMA buffer is used there); the internode mode, where it
-        would be sized, is not implemented."""
-        check_intranode(num_ranks, "get_rdma_buffer_size_hint: num_ranks")
+        """0: across hosts the rows go through the runtime's point-to-point engine, whose
+        staging slots are its own (collectives/src/p2p/port.rs), not through an RDMA buffer of
+        the Buffer's."""
+        check_ranks(num_ranks, "get_rdma_buffer_size_hint: num_ranks")
         return 0
 
     def buffer_bytes(self, hidden_bytes, num_ranks, num_topk, num_scales=0):
@@ -101,15 +105,39 @@ class Config:
             * slot
 
 
-def check_intranode(num_ranks, what):
-    """Refuses a rank count beyond one NVLink domain: the internode mode is not implemented."""
+def check_ranks(num_ranks, what):
+    """Refuses a rank count that is not a positive int or is beyond what a group takes."""
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
         raise ValueError(f"{what}={num_ranks!r} must be a positive int")
-    if num_ranks > MAX_NVL_PEERS:
+    if num_ranks > MAX_RANKS:
         raise NotImplementedError(
-            f"{what}={num_ranks}: more than {MAX_NVL_PEERS} ranks needs the internode mode "
-            "(RDMA through PortChannel), which mscclpp.ext.ep does not implement yet; "
-            f"the intranode mode takes 1 to {MAX_NVL_PEERS} ranks")
+            f"{what}={num_ranks}: at most {MAX_RANKS} ranks (each rank sends to and receives "
+            "from every rank in one point-to-point group of at most 64 operations)")
+
+
+def host_blocks(host_ranks, num_ranks):
+    """The number of hosts of a group whose hosts hold `host_ranks` (lists of ranks), checked: one
+    host of at most 8 ranks, or hosts of equal blocks of consecutive ranks (DeepEP's numbering:
+    rank r is NVLink rank r % k of RDMA rank r // k), at most `MAX_RANKS` ranks in all."""
+    check_ranks(num_ranks, "Buffer: the group's size")
+    hosts = len(host_ranks)
+    if hosts == 1:
+        if num_ranks > MAX_NVL_PEERS:
+            raise NotImplementedError(
+                f"Buffer: {num_ranks} ranks on one host: one NVLink domain holds at most "
+                f"{MAX_NVL_PEERS}")
+        return 1
+    k = num_ranks // hosts
+    blocks = [list(range(h * k, (h + 1) * k)) for h in range(hosts)]
+    if num_ranks % hosts or sorted(map(list, host_ranks)) != blocks:
+        raise NotImplementedError(
+            f"Buffer: the ranks on each host are {[list(r) for r in host_ranks]}: across hosts "
+            "each host must hold as many ranks as the others, consecutive ones (DeepEP's RDMA "
+            "rank r // k, NVLink rank r % k)")
+    if k > MAX_NVL_PEERS:
+        raise NotImplementedError(
+            f"Buffer: {k} ranks a host: one NVLink domain holds at most {MAX_NVL_PEERS}")
+    return hosts
 
 
 # DeepEP's recommended (nvl_send, nvl_recv, rdma_send, rdma_recv) by rank count, the same numbers,

@@ -29,6 +29,19 @@ def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
             torch.tensor(per_expert, dtype=torch.int32), is_token_in_rank)
 
 
+def tokens_per_host(is_token_in_rank: torch.Tensor, num_hosts: int):
+    """`num_tokens_per_rdma_rank [H]` int32 of one rank's layout across H hosts of R / H
+    consecutive ranks each: the tokens with any expert on each host, once per host."""
+    num_tokens, num_ranks = is_token_in_rank.shape
+    per_host = num_ranks // num_hosts
+    counts = [0] * num_hosts
+    for row in is_token_in_rank.tolist():
+        for h in range(num_hosts):
+            if any(row[h * per_host:(h + 1) * per_host]):
+                counts[h] += 1
+    return torch.tensor(counts, dtype=torch.int32)
+
+
 @dataclass
 class Received:
     """What one rank receives from a dispatch."""
