@@ -17,8 +17,9 @@ running counts, and more than `num_worst_tokens` arriving is a device-side asser
 DeepEP.
 
 The kernel path (`Buffer.use_kernels = True`; on one H200 it matched the reference bit for bit at 2
-and 4 ranks, the 4096 x 7168 case not yet): `ep_notify` exchanges the
-counts through every rank's NVLink buffer and the host reads them once per non-cached dispatch;
+ranks with fp8 and the 4096 x 7168 case, and at 8 under MPS on the quick cases): `ep_notify`
+exchanges the counts through every rank's NVLink buffer and the host reads them once per
+non-cached dispatch;
 `ep_dispatch` and `ep_combine` move the rows through rings in the receivers' buffers
 (kernels-cu/src/kernels/ep_intranode.cu); a cached dispatch and a combine read nothing on the host.
 The data path's refusals come from the runtime before anything is enqueued: a buffer too small
