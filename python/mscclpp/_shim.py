@@ -63,10 +63,21 @@ def _registry():
     return lib
 
 
+def last_error():
+    """The loaded shim's `ncclGetLastError` text (what its last failed call said), or None
+    without a shim. PyTorch's exception for a failed NCCL call names only the result code."""
+    lib = _loaded()
+    return None if lib is None else _last_error_of(lib)
+
+
+def _last_error_of(lib):
+    lib.ncclGetLastError.restype = ctypes.c_char_p
+    return lib.ncclGetLastError(None).decode(errors="replace")
+
+
 def _check(lib, code, what):
     if code != 0:
-        lib.ncclGetLastError.restype = ctypes.c_char_p
-        raise ValueError(f"{what}: {lib.ncclGetLastError(None).decode(errors='replace')}")
+        raise ValueError(f"{what}: {_last_error_of(lib)}")
 
 
 def share_plan(execution_plan):

@@ -116,3 +116,20 @@ def test_a_plan_the_shim_refuses_is_an_error_naming_why(tmp_path):
     result = _python(code, LD_PRELOAD=str(_shim.SHIM))
     assert result.returncode != 0
     assert "ValueError" in result.stderr and "the plan is refused" in result.stderr, result.stderr
+
+
+@needs_shim
+def test_last_error_reads_the_shims_reason(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"name": "half a plan"')
+    code = ("from types import SimpleNamespace\nfrom mscclpp import _shim\n"
+            "try:\n"
+            f"    _shim.share_plan(SimpleNamespace(path={str(bad)!r}))\n"
+            "except ValueError:\n"
+            "    pass\n"
+            "print('last error:', _shim.last_error())\n")
+    result = _python(code, LD_PRELOAD=str(_shim.SHIM))
+    assert result.returncode == 0, result.stderr
+    assert "last error:" in result.stdout and "the plan is refused" in result.stdout, result.stdout
+    without = _python("from mscclpp import _shim\nprint(_shim.last_error())\n")
+    assert without.returncode == 0 and without.stdout.strip() == "None", without.stderr
