@@ -4,7 +4,7 @@
 # multicast off; MPS=1 runs them under an MPS server, each rank held to its share of the SMs when
 # ranks outnumber GPUs (mps.sh), as gpu-run.sh does. The wheel must be installed first, e.g.
 #   pip install --no-deps --target /tmp/site .gpu/*.whl   (then PYTHONPATH=/tmp/site is used)
-# Usage: [NRANKS=4] [MPS=1] bash .gpu/python-run.sh [check|default|dsl|dslc|dslshim|interpose|tuning|native|torchcomms|torchcomms-train|ep|ep-bench|all]
+# Usage: [NRANKS=4] [MPS=1] bash .gpu/python-run.sh [check|default|dsl|dslc|dslshim|interpose|tuning|native|torchcomms|torchcomms-train|ep|ep-bench|hostread|all]
 # dsl runs the execution-plan example on the plans gpu-stage.sh put in .gpu/plans and
 # .gpu/builder-plans; dslc compiles our DSL programs (python/examples/dsl) and runs their plans;
 # interpose the DSL guide's NCCL-interposition flow (a DSL plan and a selector registered in
@@ -19,6 +19,9 @@
 # EP_BENCH_ARGS are its options, e.g. "--num-tokens 512 --modes low-latency"), within
 # TORCHCOMMS_TIMEOUT seconds (default 300). HOSTS=h runs ep's check as h simulated hosts (the
 # internode mode; without MPS, which port channels refuse beyond 2 ranks a GPU).
+# hostread reads a send/recv group's result on the host at once, in each of four ways
+# (tests/p2p_host_read_check.py), each within 90 s; with HOSTS=h across simulated hosts, where a
+# lower MSCCLPP_DEVICE_WAIT_TIMEOUT (e.g. 15) makes a stall an error sooner.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 export NCCL_NVLS_ENABLE=0 MSCCLPP_FORCE_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -62,6 +65,13 @@ case "${1:-all}" in
     echo "== tests/gpu_dsl_shim_check.py on $nranks ranks, the shim preloaded"
     env -u MSCCLPP_NCCL_LIB_PATH LD_PRELOAD="$here/lib/libmscclpp_nccl.so" torchrun \
       --nproc_per_node="$nranks" --master_port="${PORT:-29521}" "$here/python/tests/gpu_dsl_shim_check.py" ;;
+  hostread)
+    # Every way is run and reported; any failure fails the mode.
+    status=0
+    for how in pinned event device pageable; do
+      bounded 90 tests/p2p_host_read_check.py --read "$how" || { echo "== --read $how FAILED"; status=1; }
+    done
+    exit "$status" ;;
   tuning) run examples/customized_comm_with_tuning.py ;;
   native) run examples/customized_allgather.py ;;
   torchcomms) bounded 540 tests/torchcomms_gpu_check.py ${TORCHCOMMS_QUICK:+--quick} ;;
@@ -97,5 +107,5 @@ case "${1:-all}" in
     run examples/customized_allgather.py
     bounded 540 tests/torchcomms_gpu_check.py ${TORCHCOMMS_QUICK:+--quick}
     ;;
-  *) echo "usage: $0 [check|default|dsl|dslc|dslshim|interpose|tuning|native|torchcomms|torchcomms-train|ep|ep-bench|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [check|default|dsl|dslc|dslshim|interpose|tuning|native|torchcomms|torchcomms-train|ep|ep-bench|hostread|all]" >&2; exit 2 ;;
 esac

@@ -66,6 +66,21 @@ def _not_masked(what):
         "timeout); make a new Buffer over the survivors instead")
 
 
+def _to_host(t):
+    """`t` on the host once the current stream's work before it is done, copied through pinned
+    memory and a stream wait rather than `t.cpu()`: while a thread waits in a pageable copy
+    queued behind a kernel, the driver holds back other threads' work (an H200 showed kernel
+    launches blocked), and across hosts a point-to-point group's kernel waits for the proxy's
+    work. A pageable read of a group's result right after it stalled until the device timeout
+    (tests/p2p_host_read_check.py, docs/pending-gpu-checks.md)."""
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return host
+
+
 class Buffer:
     """The expert-parallel communication buffer of one rank of `group` (DeepEP's `Buffer`).
 
@@ -362,7 +377,7 @@ class Buffer:
                     to_me = _counts_of(rank_prefix)[:, self.rank]
                     moved = self._move_tokens_in_graph(parts, in_rank, to_me, rows, tokens_of)[0]
                 else:
-                    counts = _counts_of(rank_prefix.cpu())
+                    counts = _counts_of(_to_host(rank_prefix))
                     self._session.check()
                     moved = self._move_tokens(parts, in_rank, counts, rows)
                 recv_x = moved[0] if scales is None else _with_scales(*moved, scales)
@@ -623,7 +638,7 @@ class Buffer:
         table = torch.empty(R, mine.numel(), dtype=torch.int32, device=dev)
         self._exchange([[mine]] * R, [[table[p]] for p in range(R)])
         if not in_graph:
-            table = table.cpu()
+            table = _to_host(table)
             self._session.check()
             for bit, name in ((1, "num_tokens_per_rank"), (2, "num_tokens_per_rdma_rank")):
                 bad = [r for r in range(R) if int(table[r, -1]) & bit]
@@ -738,7 +753,7 @@ class Buffer:
         parts = [x] if topk_weights is None else [x, topk_weights]
         rows_out = _row_bytes(parts)
         if tokens_of is None:
-            counts = _counts_of(rank_prefix.cpu())
+            counts = _counts_of(_to_host(rank_prefix))
             self._session.check()
             # The rows this rank received from each peer go back to it; each peer's rows for
             # this rank's tokens come back in the send layout (blocks by destination, in order).
@@ -821,7 +836,7 @@ class Buffer:
                          recv_expert_counts=counts, experts_per_rank=L,
                          expert_alignment=expert_alignment)
             # This rank's counts, and every rank's total (the prefix matrix's last row).
-            host = torch.cat([counts, rank_prefix[-1]]).cpu()
+            host = _to_host(torch.cat([counts, rank_prefix[-1]]))
             self._ep.check()
             received = host[L + 1:]
             if num_worst_tokens and int(received.max()) > num_worst_tokens:
