@@ -72,7 +72,7 @@ def _to_host(t):
     queued behind a kernel, the driver holds back other threads' work (an H200 showed kernel
     launches blocked), and across hosts a point-to-point group's kernel waits for the proxy's
     work. A pageable read of a group's result right after it stalled until the device timeout
-    (tests/p2p_host_read_check.py, docs/pending-gpu-checks.md)."""
+    (python/tests/p2p_host_read_check.py, docs/pending-gpu-checks.md)."""
     if not t.is_cuda:
         return t
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
