@@ -1,0 +1,184 @@
+// Which CUDA calls of one thread stall while another thread of the same process waits in a
+// pageable device-to-host copy queued behind a kernel? The proxy and the Ethernet receiver make
+// such calls while a send/recv group's kernel waits for them, and a user's `tensor.cpu()` of the
+// group's result is such a copy (docs/pending-gpu-checks.md, the host-read row).
+//
+// Each case: thread A launches a kernel that spins until a device flag is set (or about 2 s
+// pass), then copies 4 bytes of its result into pageable memory on the same stream. Thread B,
+// 0.3 s later, makes the case's calls on a non-blocking stream of its own, then sets the flag
+// with a pinned host-to-device copy. "in time" means B's calls went through while A waited;
+// "STALLED" that they waited for the kernel's limit. The last case repeats the first with A's
+// copy into pinned memory, as the control. The `ipc` cases copy to or write into memory that a
+// child process exported (cudaIpcGetMemHandle), as the proxy does towards a peer on its host.
+//
+// On a GPU machine: nvcc -O2 -o /tmp/stall-probe scripts/driver-stall-probe.cu -lcuda
+//                   /tmp/stall-probe
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#define CHECK(x)                                                                  \
+  do {                                                                            \
+    cudaError_t e_ = (x);                                                         \
+    if (e_ != cudaSuccess) {                                                      \
+      std::printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(2);                                                               \
+    }                                                                             \
+  } while (0)
+
+__global__ void spin(volatile int* flag, long long limit, int* out) {
+  long long t0 = clock64();
+  while (*flag == 0 && clock64() - t0 < limit) {
+  }
+  *out = *flag;
+}
+
+__global__ void store_one(int* where) { *where = 1; }
+
+static double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+struct Probe {
+  int* flag;        // what the spinning kernel polls
+  int* out;         // what A copies to the host
+  int* dsrc;        // a device word holding 1
+  int* one;         // a pinned host word holding 1
+  int* pinned_in;   // pinned, for B's device-to-host copy
+  char* dbig;       // 16 MiB of device memory
+  int* ipc;         // the child's exported memory, mapped here
+  cudaStream_t a, b;
+  cudaEvent_t event;
+};
+
+// B's calls for `name` (before the flag is set by a pinned copy).
+static void calls(const Probe& p, const std::string& name) {
+  if (name == "h2d") {
+    // nothing more: the flag's pinned host-to-device copy alone
+  } else if (name == "d2h") {
+    CHECK(cudaMemcpyAsync(p.pinned_in, p.dsrc, 4, cudaMemcpyDeviceToHost, p.b));
+    CHECK(cudaStreamSynchronize(p.b));
+  } else if (name == "d2h-4MiB") {
+    CHECK(cudaMemcpyAsync(p.pinned_in, p.dbig, 4 << 20, cudaMemcpyDeviceToHost, p.b));
+    CHECK(cudaStreamSynchronize(p.b));
+  } else if (name == "d2d") {
+    CHECK(cudaMemcpyAsync(p.dbig, p.dbig + (8 << 20), 4 << 20, cudaMemcpyDeviceToDevice, p.b));
+    CHECK(cudaStreamSynchronize(p.b));
+  } else if (name == "ipc-d2d") {
+    CHECK(cudaMemcpyAsync(p.ipc, p.dsrc, 4, cudaMemcpyDeviceToDevice, p.b));
+    CHECK(cudaStreamSynchronize(p.b));
+  } else if (name == "ipc-d2d-4MiB") {
+    CHECK(cudaMemcpyAsync(p.ipc, p.dbig, 4 << 20, cudaMemcpyDeviceToDevice, p.b));
+    CHECK(cudaStreamSynchronize(p.b));
+  } else if (name == "ipc-write-value") {
+    CUresult r = cuStreamWriteValue32(reinterpret_cast<CUstream>(p.b),
+                                      reinterpret_cast<CUdeviceptr>(p.ipc), 1, 0);
+    if (r != CUDA_SUCCESS) std::printf("cuStreamWriteValue32: error %d\n", static_cast<int>(r));
+    CHECK(cudaStreamSynchronize(p.b));
+  } else if (name == "write-value") {
+    CUresult r = cuStreamWriteValue32(reinterpret_cast<CUstream>(p.b),
+                                      reinterpret_cast<CUdeviceptr>(p.dsrc), 1, 0);
+    if (r != CUDA_SUCCESS) std::printf("cuStreamWriteValue32: error %d\n", static_cast<int>(r));
+    CHECK(cudaStreamSynchronize(p.b));
+  } else if (name == "event") {
+    CHECK(cudaEventRecord(p.event, p.b));
+    while (cudaEventQuery(p.event) == cudaErrorNotReady) {
+    }
+  } else if (name == "memset") {
+    CHECK(cudaMemsetAsync(p.dbig, 0, 4 << 20, p.b));
+    CHECK(cudaStreamSynchronize(p.b));
+  } else if (name == "launch") {
+    store_one<<<1, 1, 0, p.b>>>(reinterpret_cast<int*>(p.dbig));
+    CHECK(cudaStreamSynchronize(p.b));
+  } else {
+    std::printf("unknown case %s\n", name.c_str());
+    std::exit(2);
+  }
+}
+
+static void run(const Probe& p, const std::string& name, bool pageable) {
+  CHECK(cudaMemset(p.flag, 0, 4));
+  CHECK(cudaDeviceSynchronize());
+  std::vector<int> host_page(1, -1);
+  int* host = pageable ? host_page.data() : p.pinned_in;
+  *host = -1;
+  double start = now();
+  spin<<<1, 1, 0, p.a>>>(p.flag, 4000000000LL, p.out);
+  double b_took = 0;
+  std::thread b([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    double s = now();
+    calls(p, name);
+    CHECK(cudaMemcpyAsync(p.flag, p.one, 4, cudaMemcpyHostToDevice, p.b));
+    CHECK(cudaStreamSynchronize(p.b));
+    b_took = now() - s;
+  });
+  CHECK(cudaMemcpyAsync(host, p.out, 4, cudaMemcpyDeviceToHost, p.a));
+  CHECK(cudaStreamSynchronize(p.a));
+  double a_took = now() - start;
+  b.join();
+  std::printf("%-16s A's %s copy back after %.3f s, B's calls took %.3f s: %s\n", name.c_str(),
+              pageable ? "pageable" : "pinned", a_took, b_took,
+              *host == 1 ? "in time" : "STALLED");
+  std::fflush(stdout);
+}
+
+int main() {
+  // The child exports 4 MiB of device memory through a pipe before the parent touches CUDA
+  // (a process must not fork after CUDA is initialised).
+  int handle_pipe[2], done_pipe[2];
+  if (pipe(handle_pipe) != 0 || pipe(done_pipe) != 0) return 2;
+  pid_t child = fork();
+  if (child == 0) {
+    close(handle_pipe[0]);
+    close(done_pipe[1]);
+    void* mem;
+    CHECK(cudaSetDevice(0));
+    CHECK(cudaMalloc(&mem, 4 << 20));
+    cudaIpcMemHandle_t h;
+    CHECK(cudaIpcGetMemHandle(&h, mem));
+    if (write(handle_pipe[1], &h, sizeof h) != static_cast<ssize_t>(sizeof h)) return 2;
+    char c;
+    if (read(done_pipe[0], &c, 1) != 1) return 2;
+    return 0;
+  }
+  // Without the child's ends open here, a child that fails ends the reads with an error.
+  close(handle_pipe[1]);
+  close(done_pipe[0]);
+  cudaIpcMemHandle_t h;
+  if (read(handle_pipe[0], &h, sizeof h) != static_cast<ssize_t>(sizeof h)) return 2;
+  Probe p{};
+  CHECK(cudaSetDevice(0));
+  CHECK(cudaMalloc(&p.flag, 4));
+  CHECK(cudaMalloc(&p.out, 4));
+  CHECK(cudaMalloc(&p.dsrc, 4));
+  CHECK(cudaMalloc(&p.dbig, 16 << 20));
+  CHECK(cudaHostAlloc(&p.one, 4, cudaHostAllocDefault));
+  CHECK(cudaHostAlloc(&p.pinned_in, 4 << 20, cudaHostAllocDefault));
+  *p.one = 1;
+  CHECK(cudaMemcpy(p.dsrc, p.one, 4, cudaMemcpyHostToDevice));
+  void* ipc;
+  CHECK(cudaIpcOpenMemHandle(&ipc, h, cudaIpcMemLazyEnablePeerAccess));
+  p.ipc = static_cast<int*>(ipc);
+  CHECK(cudaStreamCreateWithFlags(&p.a, cudaStreamNonBlocking));
+  CHECK(cudaStreamCreateWithFlags(&p.b, cudaStreamNonBlocking));
+  CHECK(cudaEventCreateWithFlags(&p.event, cudaEventDisableTiming));
+  for (const char* name : {"h2d", "d2h", "d2h-4MiB", "d2d", "ipc-d2d", "ipc-d2d-4MiB",
+                           "ipc-write-value", "write-value", "event", "memset", "launch"}) {
+    run(p, name, true);
+  }
+  run(p, "h2d", false);
+  CHECK(cudaIpcCloseMemHandle(ipc));
+  if (write(done_pipe[1], "x", 1) != 1) return 2;
+  waitpid(child, nullptr, 0);
+  return 0;
+}
