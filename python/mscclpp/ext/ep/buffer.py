@@ -38,6 +38,7 @@ shapes, so they read nothing on the host and may be captured in a CUDA graph (`l
 
 import json
 import math
+import time
 import weakref
 from typing import NamedTuple
 
@@ -67,17 +68,22 @@ def _not_masked(what):
 
 
 def _to_host(t):
-    """`t` on the host once the current stream's work before it is done, copied through pinned
-    memory and a stream wait rather than `t.cpu()`: while a thread waits in a pageable copy
-    queued behind a kernel, the driver holds back other threads' work (an H200 showed kernel
-    launches blocked), and across hosts a point-to-point group's kernel waits for the proxy's
-    work. A pageable read of a group's result right after it stalled until the device timeout
-    (python/tests/p2p_host_read_check.py, docs/pending-gpu-checks.md)."""
+    """`t` on the host once the current stream's work before it is done: a non-blocking copy into
+    pinned memory and an event polled, so that no thread of this process waits inside the driver
+    while a point-to-point group may still need the proxy's work. A pageable `t.cpu()` right
+    after a group across hosts stalled it until the device timeout (while a thread waits in a
+    pageable copy behind a kernel, the driver holds back other threads' work:
+    python/tests/p2p_host_read_check.py, docs/pending-gpu-checks.md), and the EP check across
+    hosts passed only with the host polling after its groups."""
     if not t.is_cuda:
         return t
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
-    torch.cuda.current_stream(t.device).synchronize()
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(t.device))
+    while not done.query():
+        # Yields the GIL and the CPU without a sleep's tens of microseconds.
+        time.sleep(0)
     return host
 
 
