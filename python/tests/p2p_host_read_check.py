@@ -15,6 +15,7 @@ docs/pending-gpu-checks.md).
 Run: torchrun --nproc_per_node=N p2p_host_read_check.py --read pageable|pinned|event|device"""
 
 import argparse
+import os
 import sys
 import time
 
@@ -55,7 +56,8 @@ def main():
         return
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(rank % torch.cuda.device_count())
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local_rank % torch.cuda.device_count())
     group = CommGroup(torch_group=dist.group.WORLD, device=torch.cuda.current_device())
     session = _mscclpp.CommSession(group.communicator)
     stream = torch.cuda.Stream()
