@@ -67,23 +67,28 @@ def _not_masked(what):
         "timeout); make a new Buffer over the survivors instead")
 
 
-def _to_host(t):
+def _to_host(t, check):
     """`t` on the host once the current stream's work before it is done: a non-blocking copy into
     pinned memory and an event polled, so that no thread of this process waits inside the driver
     while a point-to-point group may still need the proxy's work. A pageable `t.cpu()` right
     after a group across hosts stalled it until the device timeout (while a thread waits in a
     pageable copy behind a kernel, the driver holds back other threads' work:
     python/tests/p2p_host_read_check.py, docs/pending-gpu-checks.md), and the EP check across
-    hosts passed only with the host polling after its groups."""
+    hosts passed only with the host polling after its groups. `check` (the session's or the
+    kernels' error check) runs while polling and after: a kernel's waits end at the device wait
+    timeout with the communicator's error, which it raises."""
     if not t.is_cuda:
+        check()
         return t
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     done = torch.cuda.Event()
     done.record(torch.cuda.current_stream(t.device))
     while not done.query():
+        check()
         # Yields the GIL and the CPU without a sleep's tens of microseconds.
         time.sleep(0)
+    check()
     return host
 
 
@@ -383,8 +388,7 @@ class Buffer:
                     to_me = _counts_of(rank_prefix)[:, self.rank]
                     moved = self._move_tokens_in_graph(parts, in_rank, to_me, rows, tokens_of)[0]
                 else:
-                    counts = _counts_of(_to_host(rank_prefix))
-                    self._session.check()
+                    counts = _counts_of(_to_host(rank_prefix, self._session.check))
                     moved = self._move_tokens(parts, in_rank, counts, rows)
                 recv_x = moved[0] if scales is None else _with_scales(*moved, scales)
                 outputs = [recv_x] if scales is None else list(recv_x)
@@ -644,8 +648,7 @@ class Buffer:
         table = torch.empty(R, mine.numel(), dtype=torch.int32, device=dev)
         self._exchange([[mine]] * R, [[table[p]] for p in range(R)])
         if not in_graph:
-            table = _to_host(table)
-            self._session.check()
+            table = _to_host(table, self._session.check)
             for bit, name in ((1, "num_tokens_per_rank"), (2, "num_tokens_per_rdma_rank")):
                 bad = [r for r in range(R) if int(table[r, -1]) & bit]
                 if bad:
@@ -759,8 +762,7 @@ class Buffer:
         parts = [x] if topk_weights is None else [x, topk_weights]
         rows_out = _row_bytes(parts)
         if tokens_of is None:
-            counts = _counts_of(_to_host(rank_prefix))
-            self._session.check()
+            counts = _counts_of(_to_host(rank_prefix, self._session.check))
             # The rows this rank received from each peer go back to it; each peer's rows for
             # this rank's tokens come back in the send layout (blocks by destination, in order).
             n_to = [int(c) for c in counts[me]]
@@ -842,8 +844,7 @@ class Buffer:
                          recv_expert_counts=counts, experts_per_rank=L,
                          expert_alignment=expert_alignment)
             # This rank's counts, and every rank's total (the prefix matrix's last row).
-            host = _to_host(torch.cat([counts, rank_prefix[-1]]))
-            self._ep.check()
+            host = _to_host(torch.cat([counts, rank_prefix[-1]]), self._ep.check)
             received = host[L + 1:]
             if num_worst_tokens and int(received.max()) > num_worst_tokens:
                 over = {r: int(received[r]) for r in range(R) if received[r] > num_worst_tokens}
