@@ -78,7 +78,8 @@ impl CommSession {
             }
             .map(PointToPoint::Mapped)
         } else {
-            // Peers' memory is not mapped across hosts: the data goes through the proxy.
+            // Peers' memory is mapped only within a host: across hosts the data goes through
+            // the proxy.
             let config = mscclpp_core::port_channel::PortChannelConfig::default();
             PortP2pEngine::new(communicator.clone(), config).map(PointToPoint::Port)
         }
