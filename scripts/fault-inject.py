@@ -36,6 +36,11 @@ Workloads (the bench's options; each run is a long loop the signal lands in):
   plan    an execution plan through the GPU interpreter: the builder's Simple all-reduce for the
           world's rank count (.gpu/builder-plans), 4 MiB, eager: its threadblock runs as many
           replicas that meet on arrival stamps, and its data ops run fused
+  ep      mscclpp.ext.ep dispatch and combine through the point-to-point groups, every result
+          checked (--ep-program, python/tests/ep_fault_loop.py; the wheel on PYTHONPATH): the
+          signal lands mid-dispatch, while a host thread polls for the group's counts
+  ep-hosts        as ep, the ranks split into two simulated hosts (the internode mode: the
+                  port engine's proxy towards the other half, the kernel's copies within one)
 
 Configurations are every combination of --ranks, --signals, --workloads and --mps (or the --config
 list). Several worlds run at once on the GPU, each with its own bootstrap port, victim and logs, as
@@ -94,6 +99,7 @@ import sys
 import tempfile
 import time
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 NVLS_OFF = {
     "NCCL_NVLS_ENABLE": "0",
     "MSCCLPP_FORCE_DISABLE_NVLS": "1",
@@ -101,7 +107,10 @@ NVLS_OFF = {
     "NVSHMEM_DISABLE_NVLS": "1",
 }
 SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
-WORKLOADS = ("eager", "small", "graph", "port", "hosts", "sendrecv", "sendrecv-graph", "plan")
+WORKLOADS = ("eager", "small", "graph", "port", "hosts", "sendrecv", "sendrecv-graph", "plan", "ep",
+             "ep-hosts")
+# Workloads whose ranks split into two simulated hosts (MSCCLPP_HOSTID), and so run PortChannels.
+TWO_HOSTS = ("port", "hosts", "ep-hosts")
 # core/src/port_channel.rs's MPS_PORT_RANKS_PER_GPU.
 MPS_PORT_RANKS_PER_GPU = 2
 # Bootstrap roots listen on MASTER_PORT + 1; ports cycle below Linux's ephemeral range (32768 up),
@@ -118,6 +127,10 @@ RUNNING = set()
 # SIGTERM received (a device call's time limit).
 TERMINATED = []
 
+# The EP workloads' program: staged beside this script (.gpu/python/tests), or the repository's.
+EP_PROGRAM = next((p for p in (os.path.join(HERE, "python", "tests", "ep_fault_loop.py"),
+                               os.path.join(HERE, "..", "python", "tests", "ep_fault_loop.py"))
+                   if os.path.exists(p)), "python/tests/ep_fault_loop.py")
 LOOP_STOPPED = "the timed loop stopped"
 # The bench's line when it stopped before its timed batches (warm-up, graph capture, the graph's
 # first replay): the signal landed before the loop on that rank.
@@ -163,13 +176,22 @@ def workload_args(name, size, nranks, short=False):
         return common + ["-b", "4M", "-e", "4M", "--plan",
                          f".gpu/builder-plans/builder_allreduce_simple_{nranks}gpu.json",
                          "--algo", f"allreduce_simple_{nranks}rank", "-n", "5" if short else "1000000"]
+    if name in ("ep", "ep-hosts"):
+        return ["--iterations", "5" if short else "1000000"]
     raise SystemExit(f"unknown workload {name!r} ({', '.join(WORKLOADS)})")
+
+
+def workload_command(a, name, nranks, short=False):
+    """The command line of one rank: the bench with the workload's arguments, or the EP loop."""
+    if name in ("ep", "ep-hosts"):
+        return [sys.executable, a.ep_program] + workload_args(name, a.size, nranks, short)
+    return [a.bench] + workload_args(name, a.size, nranks, short)
 
 
 def rank_env(workload, rank, nranks):
     """Per-rank variables beyond the launcher's: the port and hosts workloads' simulated host."""
     env = {"RANK": str(rank), "LOCAL_RANK": str(rank)}
-    if workload in ("port", "hosts"):
+    if workload in TWO_HOSTS:
         env["MSCCLPP_HOSTID"] = f"sim-host-{rank * 2 // nranks}"
     return env
 
@@ -325,7 +347,7 @@ class World:
         if a.bench_args:
             args = [a.bench] + a.bench_args.split()
         else:
-            args = [a.bench] + workload_args(workload, a.size, nranks, short=warm_up is not None)
+            args = workload_command(a, workload, nranks, short=warm_up is not None)
         self.procs = []
         self.paths = [os.path.join(rundir, f"{tag}.rank{r}.log") for r in range(nranks)]
         self.started = time.monotonic()
@@ -471,10 +493,10 @@ class World:
         verdicts = []
         for r in self.survivors:
             text = self.texts[r]
-            # The bench's last word: "mscclpp-bench (rank R): error: ...".
+            # The program's last word: "mscclpp-bench (rank R): error: ..." (or ep_fault_loop's).
             errors = [line for line in text.splitlines() if ": error:" in line]
             last = errors[-1] if errors else (text.strip().splitlines() or [""])[-1]
-            last = re.sub(r"^mscclpp-bench \(rank \d+\): error: ", "", last)
+            last = re.sub(r"^\S+ \(rank \d+\): error: ", "", last)
             t = self.ended.get(r)
             # Seconds from the signal to the moment the timed loop stopped, and to the end of
             # the bench's teardown: the rest of the exit time is the process's own exit.
@@ -878,6 +900,9 @@ def parse_configs(a):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bench", default=".gpu/bin/mscclpp-bench")
+    p.add_argument("--ep-program", default=EP_PROGRAM, help="the ep workloads' program (default: "
+                   "python/tests/ep_fault_loop.py beside this script, as gpu-stage.sh copies it, "
+                   "or in the repository)")
     p.add_argument("--ranks", default="2", help="comma list of rank counts (default 2)")
     p.add_argument("--signals", default="KILL,STOP", help="KILL, STOP (comma list)")
     p.add_argument("--workloads", default="eager,graph", help=f"{', '.join(WORKLOADS)} (comma list)")
@@ -936,7 +961,7 @@ def main():
     # Under MPS with more than 2 ranks a GPU, port_allreduce refuses to start (its proxy's copies
     # can queue behind the kernels that wait for them: port_channel::shared_queue_hazard), so
     # there is no PortChannel traffic to fail in; the suite checks that refusal.
-    refused = [c for c in configs if c[3] and c[2] in ("port", "hosts")
+    refused = [c for c in configs if c[3] and c[2] in TWO_HOSTS
                and -(-c[0] // ngpu) > MPS_PORT_RANKS_PER_GPU]
     for c in refused:
         print(f"{config_name(c)}: not run: port_allreduce refuses more than "

@@ -874,3 +874,54 @@ def test_a_wrong_num_tokens_per_rdma_rank_is_refused_on_every_rank():
         assert isinstance(result, ValueError), result
         assert "num_tokens_per_rdma_rank disagrees with is_token_in_rank on rank(s) [1]" \
             in str(result)
+
+
+# ---- the fault-injection workload's iteration (python/tests/ep_fault_loop.py) -----------------
+
+def _fault_loop():
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ep_fault_loop.py")
+    spec = importlib.util.spec_from_file_location("ep_fault_loop", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("num_ranks,hosts", [(2, 1), (4, 1), (4, 2)])
+def test_the_fault_loops_iteration_checks_every_element(num_ranks, hosts):
+    loop = _fault_loop()
+
+    def rank(buf):
+        gen = torch.Generator().manual_seed(5 + buf.rank)
+        for _ in range(3):
+            loop.iteration(buf, gen, 24, 32, 4 * num_ranks, 4, torch.device("cpu"))
+        return True
+
+    assert raised(on_ranks(num_ranks, rank, hosts=hosts)) == [True] * num_ranks
+
+
+class CorruptingSimBuffer(SimBuffer):
+    """In rank 1's combine (its second group of rows) the lowest bit of every received row's first
+    byte flips: its first element changes, and the loop's check must see it."""
+
+    def _exchange(self, sends, recvs):
+        super()._exchange(sends, recvs)
+        got = [t for per_peer in recvs for t in per_peer if t.numel()]
+        if got and all(t.dtype == torch.uint8 for t in got):
+            self._row_groups = getattr(self, "_row_groups", 0) + 1
+            if self.rank == 1 and self._row_groups == 2:
+                for t in got:
+                    t[:, 0] ^= 1
+
+
+def test_the_fault_loops_iteration_names_a_wrong_result():
+    loop = _fault_loop()
+
+    def rank(buf):
+        gen = torch.Generator().manual_seed(9 + buf.rank)
+        loop.iteration(buf, gen, 24, 32, 8, 4, torch.device("cpu"))
+
+    results = on_ranks(2, rank, buffer_class=CorruptingSimBuffer)
+    wrong = [r for r in results if isinstance(r, RuntimeError)]
+    assert wrong and all("differs from x times the ranks reached" in str(e) for e in wrong), results
