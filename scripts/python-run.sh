@@ -21,7 +21,8 @@
 # internode mode; without MPS, which port channels refuse beyond 2 ranks a GPU).
 # hostread reads a send/recv group's result on the host at once, in each of four ways
 # (tests/p2p_host_read_check.py), each within 90 s; with HOSTS=h across simulated hosts, where a
-# lower MSCCLPP_DEVICE_WAIT_TIMEOUT (e.g. 15) makes a stall an error sooner.
+# lower MSCCLPP_DEVICE_WAIT_TIMEOUT (e.g. 15) makes a stall an error sooner; HOSTREAD_OP=allreduce
+# reads an all-reduce's result instead (HOSTS=2 on 3 ranks: the flat port_allreduce).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 export NCCL_NVLS_ENABLE=0 MSCCLPP_FORCE_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -69,7 +70,8 @@ case "${1:-all}" in
     # Every way is run and reported; any failure fails the mode.
     status=0
     for how in pinned event device pageable; do
-      bounded 90 tests/p2p_host_read_check.py --read "$how" || { echo "== --read $how FAILED"; status=1; }
+      bounded 90 tests/p2p_host_read_check.py --read "$how" --op "${HOSTREAD_OP:-sendrecv}" \
+        || { echo "== --read $how FAILED"; status=1; }
     done
     exit "$status" ;;
   tuning) run examples/customized_comm_with_tuning.py ;;

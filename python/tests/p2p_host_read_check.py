@@ -2,7 +2,10 @@
 one GPU; with `HOSTS=h` in python-run.sh, as h simulated hosts, where the groups go through the
 PortChannel engine across hosts). Each iteration queues one group (every rank sends a tensor of
 its own to every rank, itself included, into one row of a table) on a side stream, then reads
-the table on the host the way `--read` names, with no wait in between:
+the table on the host the way `--read` names, with no wait in between. With `--op allreduce` the
+iteration is an int32 sum all-reduce of every rank's tensor through the session's selector
+instead: across hosts of uneven rank counts (`HOSTS=2` on 3 ranks) it is the flat
+`port_allreduce`, whose proxy also copies between the ranks of one host. The reads:
 - `pageable`: `table.cpu()` on the group's stream (what most code does);
 - `pinned`: a non-blocking copy into pinned memory, then a wait for the stream;
 - `event`: an event recorded after the group and polled, then `table.cpu()`;
@@ -12,7 +15,8 @@ group fails, or stops short of the device wait timeout, fails with the runtime's
 On 2026-12-04 (one H200, 2 simulated hosts of 2 ranks) `pageable` timed out in the first group
 on every rank, and the other three passed; at 2 hosts of 1 rank all four passed (see
 docs/pending-gpu-checks.md).
-Run: torchrun --nproc_per_node=N p2p_host_read_check.py --read pageable|pinned|event|device"""
+Run: torchrun --nproc_per_node=N p2p_host_read_check.py --read pageable|pinned|event|device
+[--op sendrecv|allreduce]"""
 
 import argparse
 import os
@@ -50,6 +54,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--read", choices=READS, required=True)
     parser.add_argument("--iterations", type=int, default=6)
+    parser.add_argument("--op", choices=("sendrecv", "allreduce"), default="sendrecv")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("skip p2p_host_read_check: no CUDA device here", flush=True)
@@ -64,27 +69,35 @@ def main():
     for it in range(args.iterations):
         # Odd sizes, a different one each iteration.
         n = 1000 + 37 * it
+        if args.op == "allreduce":
+            want = torch.full((n,), sum(p * 1000 + it for p in range(world)), dtype=torch.int32)
+        else:
+            want = torch.tensor([[p * 1000 + it] * n for p in range(world)], dtype=torch.int32)
         with torch.cuda.stream(stream):
             mine = torch.full((n,), rank * 1000 + it, dtype=torch.int32, device="cuda")
-            table = torch.full((world, n), -1, dtype=torch.int32, device="cuda")
-            ops = []
-            for p in range(world):
-                ops.append(("send", p, mine.data_ptr(), mine.nbytes))
-                ops.append(("recv", p, table[p].data_ptr(), table[p].nbytes))
+            out = torch.full(want.shape, -1, dtype=torch.int32, device="cuda")
             start = time.monotonic()
-            session.p2p(ops, stream.cuda_stream)
-            host = read(args.read, table, stream)
+            if args.op == "allreduce":
+                session.run("allreduce", mine.data_ptr(), out.data_ptr(), mine.nbytes, out.nbytes,
+                            "int32", stream=stream.cuda_stream)
+            else:
+                ops = []
+                for p in range(world):
+                    ops.append(("send", p, mine.data_ptr(), mine.nbytes))
+                    ops.append(("recv", p, out[p].data_ptr(), out[p].nbytes))
+                session.p2p(ops, stream.cuda_stream)
+            host = read(args.read, out, stream)
         session.check()
-        want = torch.tensor([[p * 1000 + it] * n for p in range(world)], dtype=torch.int32)
         wrong = int((host != want).sum())
-        print(f"rank {rank}: {args.read} read, group {it} of {n} int32 a peer: "
+        print(f"rank {rank}: {args.read} read, {args.op} {it} of {n} int32 a peer: "
               f"{'ok' if wrong == 0 else f'{wrong} elements WRONG'} in "
               f"{time.monotonic() - start:.3f} s", flush=True)
         if wrong:
             sys.exit(1)
     dist.barrier()
     if rank == 0:
-        print(f"PASS p2p_host_read_check --read {args.read} on {world} ranks", flush=True)
+        print(f"PASS p2p_host_read_check --read {args.read} --op {args.op} on {world} ranks",
+              flush=True)
 
 
 if __name__ == "__main__":
