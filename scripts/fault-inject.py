@@ -41,6 +41,8 @@ Workloads (the bench's options; each run is a long loop the signal lands in):
           signal lands mid-dispatch, while a host thread polls for the group's counts
   ep-hosts        as ep, the ranks split into two simulated hosts (the internode mode: the
                   port engine's proxy towards the other half, the kernel's copies within one)
+  ep-ll           as ep in the low-latency mode (nothing read on the host: the failure shows in
+                  the next call's check)
 
 Configurations are every combination of --ranks, --signals, --workloads and --mps (or the --config
 list). Several worlds run at once on the GPU, each with its own bootstrap port, victim and logs, as
@@ -107,8 +109,9 @@ NVLS_OFF = {
     "NVSHMEM_DISABLE_NVLS": "1",
 }
 SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
-WORKLOADS = ("eager", "small", "graph", "port", "hosts", "sendrecv", "sendrecv-graph", "plan", "ep",
-             "ep-hosts")
+EP_WORKLOADS = ("ep", "ep-hosts", "ep-ll")
+WORKLOADS = ("eager", "small", "graph", "port", "hosts", "sendrecv", "sendrecv-graph", "plan") + \
+    EP_WORKLOADS
 # Workloads whose ranks split into two simulated hosts (MSCCLPP_HOSTID), and so run PortChannels.
 TWO_HOSTS = ("port", "hosts", "ep-hosts")
 # core/src/port_channel.rs's MPS_PORT_RANKS_PER_GPU.
@@ -176,14 +179,15 @@ def workload_args(name, size, nranks, short=False):
         return common + ["-b", "4M", "-e", "4M", "--plan",
                          f".gpu/builder-plans/builder_allreduce_simple_{nranks}gpu.json",
                          "--algo", f"allreduce_simple_{nranks}rank", "-n", "5" if short else "1000000"]
-    if name in ("ep", "ep-hosts"):
-        return ["--iterations", "5" if short else "1000000"]
+    if name in EP_WORKLOADS:
+        mode = ["--low-latency"] if name == "ep-ll" else []
+        return mode + ["--iterations", "5" if short else "1000000"]
     raise SystemExit(f"unknown workload {name!r} ({', '.join(WORKLOADS)})")
 
 
 def workload_command(a, name, nranks, short=False):
     """The command line of one rank: the bench with the workload's arguments, or the EP loop."""
-    if name in ("ep", "ep-hosts"):
+    if name in EP_WORKLOADS:
         return [sys.executable, a.ep_program] + workload_args(name, a.size, nranks, short)
     return [a.bench] + workload_args(name, a.size, nranks, short)
 
@@ -900,7 +904,7 @@ def parse_configs(a):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bench", default=".gpu/bin/mscclpp-bench")
-    p.add_argument("--ep-program", default=EP_PROGRAM, help="the ep workloads' program (default: "
+    p.add_argument("--ep-program", default=EP_PROGRAM, help="the EP workloads' program (default: "
                    "python/tests/ep_fault_loop.py beside this script, as gpu-stage.sh copies it, "
                    "or in the repository)")
     p.add_argument("--ranks", default="2", help="comma list of rank counts (default 2)")

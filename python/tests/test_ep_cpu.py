@@ -888,17 +888,20 @@ def _fault_loop():
     return module
 
 
-@pytest.mark.parametrize("num_ranks,hosts", [(2, 1), (4, 1), (4, 2)])
-def test_the_fault_loops_iteration_checks_every_element(num_ranks, hosts):
+@pytest.mark.parametrize("num_ranks,hosts,low_latency", [
+    (2, 1, False), (4, 1, False), (4, 2, False), (2, 1, True), (4, 2, True)])
+def test_the_fault_loops_iteration_checks_every_element(num_ranks, hosts, low_latency):
     loop = _fault_loop()
+    tokens, hidden, experts = 24, 128, 4 * num_ranks
+    extra = ll_buffer(num_ranks, tokens, hidden, experts) if low_latency else {}
 
     def rank(buf):
         gen = torch.Generator().manual_seed(5 + buf.rank)
         for _ in range(3):
-            loop.iteration(buf, gen, 24, 32, 4 * num_ranks, 4, torch.device("cpu"))
+            loop.iteration(buf, gen, tokens, hidden, experts, 4, torch.device("cpu"), low_latency)
         return True
 
-    assert raised(on_ranks(num_ranks, rank, hosts=hosts)) == [True] * num_ranks
+    assert raised(on_ranks(num_ranks, rank, hosts=hosts, **extra)) == [True] * num_ranks
 
 
 class CorruptingSimBuffer(SimBuffer):
