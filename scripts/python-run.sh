@@ -23,6 +23,9 @@
 # (tests/p2p_host_read_check.py), each within 90 s; with HOSTS=h across simulated hosts, where a
 # lower MSCCLPP_DEVICE_WAIT_TIMEOUT (e.g. 15) makes a stall an error sooner; HOSTREAD_OP=allreduce
 # reads an all-reduce's result instead (HOSTS=2 on 3 ranks: the flat port_allreduce).
+# STACKS_AFTER=S (ep, hostread, torchcomms): S seconds into each bounded run, the native stacks of
+# every thread of its first and last rank (one a host with HOSTS=2) go to OUT/stacks-<program>-<pid>.txt,
+# through cuda-gdb (the lent machines have no gdb), to see where a rank waits when a run stalls.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 export NCCL_NVLS_ENABLE=0 MSCCLPP_FORCE_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -47,8 +50,29 @@ bounded() {
     program=(--no-python "$here/simulate-hosts.sh" "$(dirname "$(command -v torchrun)")/python" "${program[@]}")
   fi
   echo "== $1 on $nranks ranks${HOSTS:+ as $HOSTS simulated hosts} (at most $seconds s)"
+  local watcher=""
+  if [ -n "${STACKS_AFTER:-}" ]; then
+    stacks_of "$(basename "$1")" & watcher=$!
+  fi
+  local status=0
   timeout -k 10 "$seconds" torchrun --nproc_per_node="$nranks" --master_port="${PORT:-29521}" \
-    "${program[@]}" "${@:2}"
+    "${program[@]}" "${@:2}" || status=$?
+  if [ -n "$watcher" ]; then kill "$watcher" 2>/dev/null || true; wait "$watcher" 2>/dev/null || true; fi
+  return "$status"
+}
+# STACKS_AFTER seconds in, the stacks of the first and the last rank process running $1 (by pid,
+# which follows the local rank; torchrun's own process names the program too and is left out).
+stacks_of() {
+  sleep "$STACKS_AFTER"
+  local pid ranks
+  ranks=$(pgrep -f -- "$1" | while read -r pid; do
+    grep -q torchrun "/proc/$pid/cmdline" 2>/dev/null || echo "$pid"
+  done)
+  for pid in $(sed -n '1p;$p' <<<"$ranks" | sort -u); do
+    echo "== native stacks of pid $pid ($1), ${STACKS_AFTER} s in"
+    timeout 90 cuda-gdb -p "$pid" -batch -ex 'thread apply all bt' >"${OUT:-/tmp}/stacks-$1-$pid.txt" 2>&1 ||
+      echo "== cuda-gdb on pid $pid: exit $? (see stacks-$1-$pid.txt)"
+  done
 }
 # Every call native (no real NCCL behind the shim): a call the shim cannot serve fails.
 interpose() {
