@@ -25,7 +25,8 @@
 # reads an all-reduce's result instead (HOSTS=2 on 3 ranks: the flat port_allreduce).
 # STACKS_AFTER=S (ep, hostread, torchcomms): S seconds into each bounded run, the native stacks of
 # every thread of its first and last rank (one a host with HOSTS=2) go to OUT/stacks-<program>-<pid>.txt,
-# through cuda-gdb (the lent machines have no gdb), to see where a rank waits when a run stalls.
+# through cuda-gdb (the lent machines have no gdb), to see where a rank waits when a run stalls
+# (cuda-gdb stops the rank while it reads it, so its peers may time out on it: for stalls only).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 export NCCL_NVLS_ENABLE=0 MSCCLPP_FORCE_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
