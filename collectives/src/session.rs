@@ -78,8 +78,7 @@ impl CommSession {
             }
             .map(PointToPoint::Mapped)
         } else {
-            // Peers' memory is mapped only within a host: across hosts the data goes through
-            // the proxy.
+            // Peers' memory is not mapped across hosts: the data goes through the proxy.
             let config = mscclpp_core::port_channel::PortChannelConfig::default();
             PortP2pEngine::new(communicator.clone(), config).map(PointToPoint::Port)
         }

@@ -308,19 +308,7 @@ pub struct Communicator {
 impl Communicator {
     /// Creates the communicator on `device` (collective: every rank calls it).
     pub fn new(bootstrap: Arc<dyn Bootstrap>, gpu: Arc<dyn Gpu>, device: usize) -> Result<Self> {
-        Self::build(bootstrap, gpu, device, None, None)
-    }
-
-    /// [`new`](Self::new) with this rank's host identity given instead of read from
-    /// `MSCCLPP_HOSTID` (a process-wide variable): ranks that run as threads of one process pose
-    /// as several hosts, as tests of the multi-host paths need.
-    pub fn new_on_host(
-        bootstrap: Arc<dyn Bootstrap>,
-        gpu: Arc<dyn Gpu>,
-        device: usize,
-        host_id: &str,
-    ) -> Result<Self> {
-        Self::build(bootstrap, gpu, device, None, Some(host_id.to_string()))
+        Self::build(bootstrap, gpu, device, None)
     }
 
     /// Collective over this communicator (every rank calls it, in the same order relative to its
@@ -340,20 +328,17 @@ impl Communicator {
             self.gpu.clone(),
             self.device,
             Some(self.health.clone()),
-            Some(self.host_id.clone()),
         )?;
         comm.is_split = true;
         Ok(comm)
     }
 
-    /// [`new`](Self::new), or [`split`](Self::split) with the parent's health and host; `host_id`
-    /// replaces [`host_identity`] where given.
+    /// [`new`](Self::new), or [`split`](Self::split) with the parent's health.
     fn build(
         bootstrap: Arc<dyn Bootstrap>,
         gpu: Arc<dyn Gpu>,
         device: usize,
         parent_health: Option<Arc<Health>>,
-        host_id: Option<String>,
     ) -> Result<Self> {
         gpu.set_device(device)?;
         // From now on this process has threads of ours that must stop at its exit.
@@ -361,10 +346,7 @@ impl Communicator {
         let size = bootstrap.size();
         // Who shares a host decides what can be mapped (MSCCLPP_HOSTID can split one machine).
         // Where each rank runs: who shares a host, and who shares this process's device.
-        let host_id = match host_id {
-            Some(id) => id,
-            None => host_identity(Env::get()?),
-        };
+        let host_id = host_identity(Env::get()?);
         let me = Placement {
             host: host_id.clone(),
             pid: std::process::id(),

@@ -180,22 +180,14 @@ pub struct P2pPortState {
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct P2pPortArgs {
-    /// Device array of `PortChannelHandle`s, two per rank: data, credit (used for ranks on other
-    /// hosts only).
+    /// Device array of `PortChannelHandle`s, two per rank: data, credit.
     pub channels: u64,
-    /// Device array of one address per rank: its inbound slots as mapped here; 0 for this rank and
-    /// for ranks on other hosts.
-    pub mapped: u64,
     pub inbound: u64,
     pub staging: u64,
     pub state: u64,
     pub mismatch: u64,
     pub error_word: u64,
-    /// Spin bound of the waits on peers of this host (0: the device default).
-    pub max_spin: u64,
     pub slot_bytes: u64,
-    /// Offset in the inbound memory of the credit words, one per rank.
-    pub credits_offset: u64,
     pub rank: u32,
     pub nlanes: u32,
     pub ops: [P2pPortOp; MAX_OPS],
@@ -223,8 +215,8 @@ pub fn layout_asserts() -> String {
     fields!(P2pPortOp: ptr, aux, bytes, kind, peer);
     fields!(P2pPortLane: first, count, kind, peer);
     fields!(P2pPortState: counters);
-    fields!(P2pPortArgs: channels, mapped, inbound, staging, state, mismatch, error_word, max_spin,
-        slot_bytes, credits_offset, rank, nlanes, ops, lanes);
+    fields!(P2pPortArgs: channels, inbound, staging, state, mismatch, error_word, slot_bytes, rank,
+        nlanes, ops, lanes);
     for (ty, size) in [
         ("P2pOpArgs", size_of::<P2pOpArgs>()),
         ("P2pState", size_of::<P2pState>()),
@@ -291,13 +283,13 @@ mod tests {
         assert_eq!(size_of::<P2pPortOp>(), 32);
         assert_eq!(size_of::<P2pPortLane>(), 16);
         assert_eq!(size_of::<P2pPortState>(), 32 * MAX_PORT_RANKS);
-        assert_eq!(offset_of!(P2pPortArgs, ops), 88);
-        assert_eq!(offset_of!(P2pPortArgs, lanes), 88 + 32 * MAX_OPS);
+        assert_eq!(offset_of!(P2pPortArgs, ops), 64);
+        assert_eq!(offset_of!(P2pPortArgs, lanes), 64 + 32 * MAX_OPS);
         // Kernel parameters are limited to 4 KiB.
-        assert_eq!(size_of::<P2pPortArgs>(), 88 + 48 * MAX_OPS);
+        assert_eq!(size_of::<P2pPortArgs>(), 64 + 48 * MAX_OPS);
         assert!(size_of::<P2pPortArgs>() <= 4096);
         let asserts = layout_asserts();
-        assert!(asserts.contains("offsetof(P2pPortArgs, nlanes) == 84"));
+        assert!(asserts.contains("offsetof(P2pPortArgs, nlanes) == 60"));
         assert!(asserts.contains("static_assert(sizeof(P2pPortHeader) == 16"));
         assert!(asserts.contains("static_assert(kP2pPortDrainMax == 65536ull"));
     }

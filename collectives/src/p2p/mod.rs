@@ -9,8 +9,8 @@
 //! - `zero_copy`: messages from [`ZERO_COPY_MIN_BYTES`] on straight into the receiver's buffer once
 //!   its allocation is mapped by the sender (offered and answered on the bootstrap; only a group
 //!   being captured waits, a bounded time, for the answers);
-//! - [`port`]: [`PortP2pEngine`], the same groups on ranks of several hosts (`p2p_port_group`):
-//!   through PortChannels towards other hosts, by the kernel's own copies within the host.
+//! - [`port`]: [`PortP2pEngine`], the same groups where peers' memory is not mapped (ranks on
+//!   several hosts), through PortChannels (`p2p_port_group`).
 //!
 //! [`PointToPoint`] is whichever of the two engines a communicator has.
 //!
@@ -375,7 +375,7 @@ fn read_mismatch(rank: usize, record: &HostMappedBuffer) -> Option<String> {
 }
 
 /// A communicator's point-to-point engine: [`P2pEngine`] where every peer's memory is mapped (one
-/// host), [`PortP2pEngine`] where only the peers of each host are (ranks on several hosts).
+/// host), [`PortP2pEngine`] where it is not (ranks on several hosts).
 pub enum PointToPoint {
     Mapped(P2pEngine),
     Port(PortP2pEngine),

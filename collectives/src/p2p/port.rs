@@ -1,37 +1,32 @@
-//! [`PortP2pEngine`]: NCCL-style groups of sends and receives on ranks of several hosts, whose
-//! memory is mapped only within each host. The kernel (`p2p_port_group` in
-//! kernels-cu/src/kernels/p2p.cu, "Across hosts", where the protocol is described) moves each chunk
-//! into the peer's inbound slots, and the receiver copies it out and returns a credit. Towards a
-//! peer on another host the kernel stages the chunk and asks this process's proxy to put it there
-//! (PortChannels); towards a peer on this host it writes the peer's slots itself, so no host thread
-//! takes part (a host thread blocked in the driver can stall the proxy's copies; p2p.cu, "Peers on
-//! this host"). The same calls as [`P2pEngine`](super::P2pEngine): one kernel
+//! [`PortP2pEngine`]: NCCL-style groups of sends and receives where peers' memory is not mapped
+//! (ranks on several hosts), through PortChannels: the kernel (`p2p_port_group` in
+//! kernels-cu/src/kernels/p2p.cu, "Across hosts", where the protocol is described) stages each
+//! chunk and asks this process's proxy to put it into the peer's inbound slots, and the receiver
+//! copies it out and returns a credit. The same calls as [`P2pEngine`](super::P2pEngine): one kernel
 //! per group on the caller's stream, no host synchronisation and no allocation per call, legal
 //! under CUDA-graph capture; the k-th send from a rank to a peer matches the peer's k-th receive
 //! from it, within a group and across groups.
 //!
 //! # Setup (collective: every rank builds its engine at the same point of its communicator setup)
-//! - Inbound slots and a credit word per rank ([`SharedScratch`], exchanged: mapped here for a
-//!   peer on this host; on another host a peer's address is the one in its owner's process, which
-//!   the transports name) with the device counters and the table of mapped peers' slots behind
-//!   them, and staging slots of the same size with the channel handles behind them
-//!   ([`PortLayout`]: [`PORT_SLOTS`] slots per peer and direction, within [`PORT_BUDGET`] for
-//!   both): two allocations, as every allocation takes whole 2 MiB granules. And a host-mapped
-//!   mismatch record.
-//! - A [`PortChannelService`]: per peer on another host, in rank order, two connections (IB or
-//!   Ethernet: [`proxy_connections`]), one for the data channel and one for the credit channel, a
-//!   semaphore on each, and the channels (dst = the peer's inbound slots, src = the staging slots).
-//!   Two connections because an IB connection in write-with-immediate mode delivers its signals
-//!   into one semaphore only. Then the proxy starts.
+//! - Inbound slots ([`SharedScratch`], exchanged: on another host a peer's address is the one in
+//!   its owner's process, which the transports name) with the device counters behind them, and
+//!   staging slots of the same size with the channel handles behind them ([`PortLayout`]:
+//!   [`PORT_SLOTS`] slots per peer and direction, within [`PORT_BUDGET`] for both): two
+//!   allocations, as every allocation takes whole 2 MiB granules. And a host-mapped mismatch
+//!   record.
+//! - A [`PortChannelService`]: per peer in rank order two connections (CudaIpc on this host, IB
+//!   or Ethernet to another: [`proxy_connections`]), one for the data channel and one for the
+//!   credit channel, a semaphore on each, and the channels (dst = the peer's inbound slots, src =
+//!   the staging slots). Two connections because an IB connection in write-with-immediate mode
+//!   delivers its signals into one semaphore only. Then the proxy starts.
 //!
 //! Refuses to start under [`shared_queue_hazard`] (its kernel waits for the proxy's copies, which
 //! would queue behind it), and on more than [`MAX_PORT_RANKS`] ranks.
 //!
 //! # Groups in flight
-//! A group with a peer on another host needs this process's proxy (and Ethernet receiver), which
-//! make CUDA calls of their own: an eager caller that queues groups without bound fills the
-//! driver's launch queue and stalls them, as for `port_allreduce` (its module docs, "Segments in
-//! flight"). So outside a
+//! Every group needs this process's proxy (and Ethernet receiver), which make CUDA calls of their
+//! own: an eager caller that queues groups without bound fills the driver's launch queue and
+//! stalls them, as for `port_allreduce` (its module docs, "Segments in flight"). So outside a
 //! capture, and where no other rank runs in this process, at most three marks' worth of groups
 //! are queued (`port_allreduce::Marks`).
 
@@ -45,7 +40,6 @@ use mscclpp_core::device::PortChannelHandle;
 use mscclpp_core::env::Env;
 use mscclpp_core::gpu::{DevicePtr, Function, LaunchConfig, Stream};
 use mscclpp_core::port_channel::{shared_queue_hazard, PortChannelConfig, PortChannelService};
-use mscclpp_core::topology::Topology;
 use mscclpp_core::transport::MemoryRegion;
 use mscclpp_core::{Error, Result};
 use mscclpp_kernels_cu::collectives::CollectiveFile;
@@ -53,7 +47,6 @@ use mscclpp_kernels_cu::p2p::{
     P2pMismatch, P2pPortArgs, P2pPortLane, P2pPortOp, P2pPortState, KIND_COPY, KIND_RECV,
     KIND_SEND, MAX_OPS, MAX_PORT_RANKS, PORT_HEADER_BYTES, PORT_SLOTS, PORT_THREADS,
 };
-use std::mem::size_of;
 use std::sync::{Arc, Mutex};
 
 /// The kernel's entry point.
@@ -89,10 +82,9 @@ impl PortLayout {
                 "{WHAT} on {nranks} ranks: the PortChannel engine takes 1..={MAX_PORT_RANKS} ranks"
             )));
         }
-        // Each allocation's slots leave room in its granule for what follows them at the largest
-        // world: the credit words, counters and mapped table; the channel handles.
-        let tail = (size_of::<P2pPortState>() + 2 * words_bytes(MAX_PORT_RANKS))
-            .max(channels_bytes(MAX_PORT_RANKS));
+        // Each allocation's slots leave room in its granule for what follows them (the larger
+        // of the counters and the channel handles at the largest world).
+        let tail = std::mem::size_of::<P2pPortState>().max(channels_bytes(MAX_PORT_RANKS));
         let stride = (PORT_BUDGET / 2 - tail) / (nranks * PORT_SLOTS);
         let slot_bytes = ((stride - PORT_HEADER_BYTES) / MIN_SLOT_BYTES * MIN_SLOT_BYTES)
             .clamp(MIN_SLOT_BYTES, MAX_SLOT_BYTES);
@@ -113,43 +105,11 @@ impl PortLayout {
     pub fn slot_offset(&self, rank: usize, slot: usize) -> u64 {
         ((rank * PORT_SLOTS + slot) * self.stride()) as u64
     }
-
-    /// Offset in the inbound memory of the credit words, one per rank, after the slots: a rank's
-    /// word is written by that rank, where it is on this host.
-    pub fn credits_offset(&self) -> usize {
-        self.region_bytes()
-    }
-
-    /// Bytes of the inbound memory that peers map: the slots and the credit words.
-    pub fn shared_bytes(&self) -> usize {
-        self.credits_offset() + words_bytes(self.nranks)
-    }
 }
 
 /// Bytes of the channel handles on `nranks` ranks: a data and a credit channel per rank.
 fn channels_bytes(nranks: usize) -> usize {
-    2 * nranks * size_of::<PortChannelHandle>()
-}
-
-/// Bytes of one 64-bit word per rank (the credit words, the mapped table).
-fn words_bytes(nranks: usize) -> usize {
-    nranks * size_of::<u64>()
-}
-
-/// Every rank's inbound memory as mapped here, by rank, where it is on this host: `ptrs` are the
-/// exchanged addresses ([`SharedScratch::rank_ptrs`]), which for other hosts are no address here.
-/// 0 for `rank` itself (its lanes are copies) and for ranks on other hosts.
-fn mapped_peers(topology: &Topology, rank: usize, ptrs: &[DevicePtr]) -> Vec<u64> {
-    ptrs.iter()
-        .enumerate()
-        .map(|(p, &ptr)| {
-            if p != rank && topology.same_host(rank, p) {
-                ptr
-            } else {
-                0
-            }
-        })
-        .collect()
+    2 * nranks * std::mem::size_of::<PortChannelHandle>()
 }
 
 /// One group as the kernel runs it: the ops lane by lane, and the lanes (one block each).
@@ -224,8 +184,7 @@ pub struct PortP2pEngine {
     service: Mutex<PortChannelService>,
     /// The staging slots, then the channel handles.
     staging: DeviceBuffer,
-    /// The inbound slots and credit words (mapped by peers), then the counters (`P2pPortState`)
-    /// and the mapped table ([`mapped_peers`]).
+    /// The inbound slots, then the counters (`P2pPortState`).
     inbound: SharedScratch,
     mismatch: HostMappedBuffer,
     kernels: KernelTable,
@@ -233,8 +192,6 @@ pub struct PortP2pEngine {
     order: GroupOrder,
     layout: PortLayout,
     max_blocks: u32,
-    /// Spin bound of the kernel's waits on peers of this host, as the channels' (`config`).
-    max_spin: u64,
     comm: Arc<Communicator>,
 }
 
@@ -252,38 +209,25 @@ impl PortP2pEngine {
         gpu.set_device(comm.device())?;
         let max_blocks = Residency::of(&comm)?.max_blocks(PORT_THREADS);
         let bytes = layout.region_bytes();
-        // Zeroed memory is a state with nothing sent, received or credited yet.
-        let inbound = SharedScratch::with_private_tail(
-            &comm,
-            layout.shared_bytes(),
-            size_of::<P2pPortState>() + words_bytes(nranks),
-        )?;
+        // Zeroed memory is a state with nothing sent or received yet.
+        let inbound =
+            SharedScratch::with_private_tail(&comm, bytes, std::mem::size_of::<P2pPortState>())?;
         let staging = DeviceBuffer::zeroed(&gpu, bytes + channels_bytes(nranks))?;
-        let mismatch = HostMappedBuffer::zeroed(&gpu, size_of::<P2pMismatch>())?;
-        let inbound_ptrs = inbound.rank_ptrs();
-        let mapped = mapped_peers(comm.topology(), rank, &inbound_ptrs);
-        let table: Vec<u8> = mapped.iter().flat_map(|p| p.to_le_bytes()).collect();
-        gpu.copy_to_device(
-            inbound.local_ptr() + (layout.shared_bytes() + size_of::<P2pPortState>()) as u64,
-            &table,
-        )?;
-        let mut service = PortChannelService::new(&comm, config.clone())?;
+        let mismatch = HostMappedBuffer::zeroed(&gpu, std::mem::size_of::<P2pMismatch>())?;
+        let mut service = PortChannelService::new(&comm, config)?;
         let src = service.add_memory_region(MemoryRegion {
             addr: staging.ptr(),
             size: bytes as u64,
             key: 0,
         })?;
-        // Collective with the peers on other hosts (every rank calls it, with its own list).
-        let far: Vec<usize> = (0..nranks)
-            .filter(|&p| p != rank && mapped[p] == 0)
-            .collect();
+        let peers: Vec<usize> = (0..nranks).filter(|&p| p != rank).collect();
         let buffers = [(inbound.local_ptr(), bytes), (staging.ptr(), bytes)];
-        let data = proxy_connections(&comm, &far, &buffers)?;
-        let credit = proxy_connections(&comm, &far, &buffers)?;
-        // Indexed by rank, data and credit channel; the entries of this rank and of the ranks on
-        // this host stay zero.
+        let data = proxy_connections(&comm, &peers, &buffers)?;
+        let credit = proxy_connections(&comm, &peers, &buffers)?;
+        let inbound_ptrs = inbound.rank_ptrs();
+        // Indexed by rank, data and credit channel; this rank's entries stay zero.
         let mut handles = vec![PortChannelHandle::default(); 2 * nranks];
-        for ((&peer, data), credit) in far.iter().zip(data).zip(credit) {
+        for ((&peer, data), credit) in peers.iter().zip(data).zip(credit) {
             let addr = *inbound_ptrs.get(peer).ok_or_else(|| {
                 Error::Internal(format!("{WHAT}: no inbound slots of rank {peer}"))
             })?;
@@ -313,7 +257,6 @@ impl PortP2pEngine {
             order,
             layout,
             max_blocks,
-            max_spin: config.max_spin,
             comm,
         })
     }
@@ -322,16 +265,12 @@ impl PortP2pEngine {
         self.layout
     }
 
-    /// Bytes of device memory the engine uses on this rank: inbound and staging slots, credit
-    /// words, counters, mapped table, channel handles (in two allocations, each rounded up to whole
-    /// 2 MiB granules).
+    /// Bytes of device memory the engine uses on this rank: inbound and staging slots, counters,
+    /// channel handles (in two allocations, each rounded up to whole 2 MiB granules).
     pub fn device_bytes(&self) -> usize {
-        let n = self.layout.nranks;
-        self.layout.shared_bytes()
-            + size_of::<P2pPortState>()
-            + words_bytes(n)
-            + self.layout.region_bytes()
-            + channels_bytes(n)
+        2 * self.layout.region_bytes()
+            + std::mem::size_of::<P2pPortState>()
+            + channels_bytes(self.layout.nranks)
     }
 
     /// The device address of the channel handles.
@@ -341,12 +280,7 @@ impl PortP2pEngine {
 
     /// The device address of the counters.
     fn state(&self) -> DevicePtr {
-        self.inbound.local_ptr() + self.layout.shared_bytes() as u64
-    }
-
-    /// The device address of the mapped table ([`mapped_peers`]).
-    fn mapped(&self) -> DevicePtr {
-        self.state() + size_of::<P2pPortState>() as u64
+        self.inbound.local_ptr() + self.layout.region_bytes() as u64
     }
 
     /// The first send/receive size mismatch the device saw on this rank, naming both ranks.
@@ -408,15 +342,12 @@ impl PortP2pEngine {
         }
         let mut kargs = P2pPortArgs {
             channels: self.channels(),
-            mapped: self.mapped(),
             inbound: self.inbound.local_ptr(),
             staging: self.staging.ptr(),
             state: self.state(),
             mismatch: self.mismatch.device_ptr(),
             error_word: self.comm.error_word_device_ptr(),
-            max_spin: self.max_spin,
             slot_bytes: self.layout.slot_bytes as u64,
-            credits_offset: self.layout.credits_offset() as u64,
             rank: rank as u32,
             nlanes,
             ops: [P2pPortOp::default(); MAX_OPS],
@@ -457,26 +388,21 @@ mod tests {
     use super::*;
     use mscclpp_core::gpu::plain_allocation_bytes;
     use rstest::rstest;
+    use std::mem::size_of;
 
-    /// Four thread ranks on the host test GPU, posing as two hosts of two, build their engines (the
-    /// collective setup: slots and credit words exchanged, two Ethernet connections, semaphores
-    /// and channels per peer on the other host, the proxy started) and tear them down. The channel
-    /// table has a data and a credit channel per peer on the other host, each with its own
-    /// semaphore and both into the peer's inbound slots, and nothing for the rank itself or its
-    /// peer on this host; the mapped table has that peer's inbound slots only. On a GPU of one SM,
-    /// a group of more lanes than its resident blocks is refused before launch.
+    /// Three thread ranks on the host test GPU build their engines (the collective setup: slots
+    /// exchanged, two connections, semaphores and channels per peer, the proxy started) and tear
+    /// them down; the channel table has a data and a credit channel per peer, each with its own
+    /// semaphore and both into the peer's inbound slots, and nothing for the rank itself. On a
+    /// GPU of one SM, a group of more lanes than its resident blocks is refused before launch.
     #[test]
-    fn engines_build_and_tear_down_on_loopback_ranks_of_two_hosts() {
+    fn engines_build_and_tear_down_on_loopback_ranks() {
         use mscclpp_core::bootstrap::on_loopback_ranks;
-        use mscclpp_core::gpu::Gpu;
         use mscclpp_core::port_channel::test_gpu::HostGpu;
-        let n = 4;
-        let host = |rank: usize| rank / 2;
+        let n = 3;
         let tables = on_loopback_ranks(n, std::time::Duration::from_secs(30), move |rank, boot| {
             let gpu = Arc::new(HostGpu::new().with_multiprocessors(1));
-            let id = format!("host-{}", host(rank));
-            let comm = Communicator::new_on_host(boot, gpu.clone(), 0, &id).expect("communicator");
-            let comm = Arc::new(comm);
+            let comm = Arc::new(Communicator::new(boot, gpu.clone(), 0).expect("communicator"));
             let engine =
                 PortP2pEngine::new(comm, PortChannelConfig::default()).expect("the engine");
             engine.check().expect("a healthy engine");
@@ -501,8 +427,9 @@ mod tests {
                     .contains(&format!("{} (peer, direction) lanes", 2 * n - 1)),
                 "{e}"
             );
-            let size = size_of::<PortChannelHandle>();
+            let size = std::mem::size_of::<PortChannelHandle>();
             let mut raw = vec![0u8; 2 * n * size];
+            use mscclpp_core::gpu::Gpu;
             gpu.copy_from_device(&mut raw, engine.channels())
                 .expect("the channel table");
             let handles: Vec<PortChannelHandle> = raw
@@ -512,31 +439,19 @@ mod tests {
                     std::ptr::read_unaligned(c.as_ptr() as *const PortChannelHandle)
                 })
                 .collect();
-            let mut raw = vec![0u8; words_bytes(n)];
-            gpu.copy_from_device(&mut raw, engine.mapped())
-                .expect("the mapped table");
-            let mapped: Vec<u64> = raw
-                .chunks(8)
-                .map(|w| u64::from_le_bytes(w.try_into().unwrap()))
-                .collect();
-            (rank, handles, mapped, engine.inbound.local_ptr())
+            (rank, handles)
         });
-        let inbound: Vec<DevicePtr> = tables.iter().map(|t| t.3).collect();
-        for (rank, handles, mapped, _) in tables {
+        for (rank, handles) in tables {
             for peer in 0..n {
                 let (data, credit) = (handles[2 * peer], handles[2 * peer + 1]);
-                if peer == rank || host(peer) == host(rank) {
+                if peer == rank {
                     assert_eq!(
                         (data, credit),
                         Default::default(),
-                        "rank {rank}'s entries for {peer}"
+                        "rank {rank}'s own entries"
                     );
-                    // In-process ranks map each other's memory at its own address.
-                    let want = if peer == rank { 0 } else { inbound[peer] };
-                    assert_eq!(mapped[peer], want, "rank {rank}, peer {peer}");
                     continue;
                 }
-                assert_eq!(mapped[peer], 0, "rank {rank}, peer {peer} on another host");
                 assert_ne!(
                     data.semaphore_id, credit.semaphore_id,
                     "rank {rank}, peer {peer}"
@@ -715,10 +630,8 @@ mod tests {
             // A put's last byte must fit a trigger's 32-bit offset field.
             assert!(l.region_bytes() as u64 - 1 <= u32::MAX as u64);
             // The two allocations, in whole granules, within the budget too.
-            let inbound = l.shared_bytes() + size_of::<P2pPortState>() + words_bytes(n);
-            let granules = plain_allocation_bytes(inbound)
+            let granules = plain_allocation_bytes(l.region_bytes() + size_of::<P2pPortState>())
                 + plain_allocation_bytes(l.region_bytes() + channels_bytes(n));
-            assert_eq!(l.credits_offset() % 8, 0, "{n} ranks: credit words aligned");
             assert!(granules <= PORT_BUDGET, "{n} ranks: {granules} bytes");
         }
         for n in [0, MAX_PORT_RANKS + 1] {

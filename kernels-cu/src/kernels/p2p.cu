@@ -517,24 +517,20 @@ extern "C" __global__ void __launch_bounds__(1024, 1) p2p_group(P2pArgs args) {
 }
 
 // Across hosts (p2p_port_group; host side: collectives/src/p2p/port.rs). A peer on another host maps
-// none of this rank's memory, so every byte towards it goes through PortChannels: a block pushes a
-// trigger into the FIFO, the host proxy moves the bytes (Ethernet or IB) and then signals the peer's
-// semaphore. A peer on this host maps this rank's inbound slots and credit words (and this rank its),
-// so its lanes move the bytes themselves ("Peers on this host" below). Memory of each rank, slots of
-// `stride = 16 + slot_bytes` bytes:
+// none of this rank's memory, so every byte goes through PortChannels: a block pushes a trigger into
+// the FIFO, the host proxy moves the bytes (Ethernet, IB, or the copy engine towards a peer of this
+// host) and then signals the peer's semaphore. Memory of each rank, slots of `stride = 16 +
+// slot_bytes` bytes:
 //   inbound[src][s]  exchanged with every rank; kP2pPortSlots slots per source rank, written only by
-//                    that rank (its proxy's puts, or its own blocks on this host);
-//   credits[dst]     exchanged, after the inbound slots: the chunks of this rank's channel towards
-//                    dst that dst has copied out, written only by dst, where dst is on this host;
+//                    that rank's puts;
 //   staging[dst][s]  private: the source of this rank's puts towards dst (a put reads registered
 //                    memory, and the caller's buffers are not registered);
 //   state            per peer, the messages and chunks sent and received so far.
 // A slot holds a P2pPortHeader (the message's p2p_post word and the chunk's sequence number over
-// the channel's life, plus one, so a zeroed slot holds no chunk) and then up to slot_bytes of data,
-// so one put carries both and one signal tells that both landed. Per peer on another host two
-// channels: `data` (put with signal from staging[peer][s] into the peer's inbound[rank][s]) and
-// `credit` (signals only), each on a connection of its own: an IB connection in
-// write-with-immediate mode delivers its signals into one semaphore only.
+// the channel's life) and then up to slot_bytes of data, so one put carries both and one signal
+// tells that both landed. Per peer two channels: `data` (put with signal from staging[peer][s] into
+// the peer's inbound[rank][s]) and `credit` (signals only), each on a connection of its own: an IB
+// connection in write-with-immediate mode delivers its signals into one semaphore only.
 //
 // Lanes. A lane is every op of one (peer, direction) in the group, in the caller's order, and one
 // block runs one lane: a semaphore counts signals, not which chunk they were for, so the chunks of
@@ -556,24 +552,14 @@ extern "C" __global__ void __launch_bounds__(1024, 1) p2p_group(P2pArgs args) {
 // A message of n bytes is p2p_chunks(n, slot_bytes) chunks, so a zero-byte message still matches
 // and every chunk carries the byte count: a receiver never copies a byte of a message of another
 // size. On a mismatch, where only the size differs, it first returns the credits the sender's
-// message still needs and, across hosts, waits for its proxy to have sent them (at most
-// kP2pPortDrainMax), so the sender completes its send instead of waiting out the device timeout
-// (its chunks land in slots no one reads any more); then it fills the P2pMismatch record and raises
-// kErrorCountMismatch (its communicator is finished: every later kernel returns at entry, and its
-// proxy drops triggers). Waits are bounded (spin_until: error word, wait budget); a block that
-// failed one stops, and so does a block whose thread 0 found a mismatch (p2p_block_agrees).
+// message still needs (at most kP2pPortDrainMax) and waits for its proxy to have sent them, so the
+// sender completes its send instead of waiting out the device timeout (its puts land in slots no
+// one reads any more); then it fills the P2pMismatch record and raises kErrorCountMismatch (its
+// communicator is finished: every later kernel returns at entry, and its proxy drops triggers). Waits are the semaphores' (spin_until: bounded, error word); a block that failed
+// one stops, and so does a block whose thread 0 found a mismatch (p2p_block_agrees).
 //
-// Peers on this host. The same chunks, slots and headers, without the proxy: s's block copies the
-// chunk straight into r's inbound slot, and after a barrier thread 0 stores the header, its chunk
-// word last with release semantics; r's thread 0 waits until that word reaches g + 1, checks the
-// header as above, and after the block's copy out stores g + 1 into s's credits[r] (release). s
-// waits for credits[r] + kP2pPortSlots > g before it writes chunk g. No driver call of the host is
-// on this path: a host thread blocked in the driver (a pageable device-to-host copy queued behind
-// this kernel, PyTorch's `tensor.cpu()`) stalls the proxy's copies towards this host's peers, and
-// the kernel would then wait out its timeout for them.
-//
-// Graphs: the counters, the credit words and the semaphores' `expected` words live in device memory
-// and only kernels advance them, so replays stay in step with the peers, as p2p_group's counters do.
+// Graphs: the counters and the semaphores' `expected` words live in device memory and only the
+// kernel advances them, so replays stay in step with the peers, as p2p_group's counters do.
 
 // Slots of each (peer, direction), threads of each block, the largest world, and the most credits a
 // receiver returns for a mismatched message. Mirrored by mscclpp_kernels_cu::p2p::PORT_SLOTS,
@@ -585,7 +571,7 @@ constexpr u64 kP2pPortDrainMax = 1ull << 16;
 
 struct P2pPortHeader {
   u64 message;  // p2p_post(message seq, message bytes)
-  u64 chunk;    // the chunk's seq over the channel's life, plus one (0: no chunk yet)
+  u64 chunk;    // the chunk's seq over the channel's life
 };
 constexpr u64 kP2pPortHeaderBytes = sizeof(P2pPortHeader);
 
@@ -615,28 +601,25 @@ struct P2pPortState {
 
 // The one kernel argument; block b runs lanes[b]. Mirrored by mscclpp_kernels_cu::p2p::P2pPortArgs.
 struct P2pPortArgs {
-  const PortChannelHandle* channels;  // [rank][2]: data, credit (used for ranks on other hosts only)
-  const u64* mapped;  // [rank]: that rank's inbound as mapped here; 0 for this rank and other hosts
+  const PortChannelHandle* channels;  // [rank][2]: data, credit (this rank's entries unused)
   u8* inbound;
   u8* staging;
   P2pPortState* state;
   P2pMismatch* mismatch;
   u32* error_word;
-  u64 max_spin;        // the spin bound of the waits on peers of this host (0: the default)
-  u64 slot_bytes;      // a multiple of 16
-  u64 credits_offset;  // inbound offset of the credit words, [rank] each
+  u64 slot_bytes;  // a multiple of 16
   u32 rank;
   u32 nlanes;
   P2pPortOp ops[kP2pMaxOps];
   P2pPortLane lanes[kP2pMaxOps];
 };
 
-// Gives a sender on another host whose `chunks`-chunk message was refused the credits it still
-// needs to finish it. At the message's first chunk g it holds min(g, kP2pPortSlots) unused credits
-// (one came for each earlier chunk, one went for each from kP2pPortSlots on) and the message needs
-// one per chunk at or after kP2pPortSlots: either way chunks - kP2pPortSlots more, if positive.
-// Returns once the proxy has handled them: the caller records the mismatch only then, since a proxy
-// whose communicator has failed drops every trigger. One thread.
+// Gives a sender whose `chunks`-chunk message was refused the credits it still needs to finish it.
+// At the message's first chunk g it holds min(g, kP2pPortSlots) unused credits (one came for each
+// earlier chunk, one went for each from kP2pPortSlots on) and the message needs one per chunk at or
+// after kP2pPortSlots: either way chunks - kP2pPortSlots more, if positive. Returns once the proxy
+// has handled them: the caller records the mismatch only then, since a proxy whose communicator
+// has failed drops every trigger. One thread.
 MSCCLPP_DEVICE_INLINE void p2p_port_drain(const PortChannelHandle& credit, u64 chunks) {
   const u64 extra = chunks > kP2pPortSlots ? min(chunks - kP2pPortSlots, kP2pPortDrainMax) : 0;
   u64 last = kFifoPushFailed;
@@ -647,41 +630,12 @@ MSCCLPP_DEVICE_INLINE void p2p_port_drain(const PortChannelHandle& credit, u64 c
   if (extra > 0) credit.fifo.sync(last);
 }
 
-// Thread 0 of a receive, once chunk g of its `msg`-th message (of `bytes`) is in slot `h`: whether
-// the slot holds that chunk. If not, it fills the mismatch record and returns false; where only the
-// size differs, `drain(chunks)` first gives the sender the credits for its message's `chunks`.
-template <typename Drain>
-MSCCLPP_DEVICE_INLINE bool p2p_port_header_ok(const P2pPortArgs& a, u32 peer, const P2pPortHeader* h, u64 msg,
-                                              u64 bytes, u64 g, Drain drain) {
-  // Another rank's blocks or its proxy's DMA wrote the slot: system-scope loads, ordered after the
-  // caller's acquire, see the new header, not a line of the slot's previous chunk.
-  const u64 word = atomic_load_relaxed_sys(&h->message);
-  const u64 seq = atomic_load_relaxed_sys(&h->chunk);
-  if (word == p2p_post(msg, bytes) && seq == g + 1) return true;
-  const bool size_only = p2p_post_is(word, msg) && seq == g + 1;
-  const u64 theirs = size_only ? p2p_post_bytes(word) : kP2pOtherSize;
-  if (size_only) drain(p2p_chunks(theirs, a.slot_bytes));
-  p2p_mismatch(a.mismatch, a.error_word, false, peer, bytes, theirs);
-  return false;
-}
-
-// Bytes of chunk `c` (of slot_bytes each) of a message of `bytes`.
-MSCCLPP_DEVICE_INLINE u64 p2p_port_chunk_bytes(const P2pPortArgs& a, u64 bytes, u64 c) {
-  const u64 begin = c * a.slot_bytes;
-  return min(a.slot_bytes, bytes - min(begin, bytes));
-}
-
-// A lane's sends: through the proxy towards a peer on another host, into the peer's slots (mapped
-// here) towards one on this host.
 MSCCLPP_DEVICE_INLINE void p2p_port_send(const P2pPortArgs& a, const P2pPortLane& lane) {
   const PortChannelHandle& data = a.channels[2 * lane.peer];
   const PortChannelHandle& credit = a.channels[2 * lane.peer + 1];
   const u64 stride = kP2pPortHeaderBytes + a.slot_bytes;
   const u64 staging = static_cast<u64>(lane.peer) * kP2pPortSlots * stride;
   const u64 remote = static_cast<u64>(a.rank) * kP2pPortSlots * stride;
-  // On this host: the peer's slots of this rank, and the credit word the peer returns into.
-  u8* mapped = a.mapped[lane.peer] != 0 ? reinterpret_cast<u8*>(a.mapped[lane.peer]) + remote : nullptr;
-  const u64* credits = reinterpret_cast<const u64*>(a.inbound + a.credits_offset) + lane.peer;
   // Every thread reads the counters before its first barrier; thread 0 writes them after its last.
   u64* counters = a.state->counters[lane.peer];
   u64 msg = counters[0], g = counters[1];
@@ -692,33 +646,24 @@ MSCCLPP_DEVICE_INLINE void p2p_port_send(const P2pPortArgs& a, const P2pPortLane
     const u64 nchunks = p2p_chunks(op.bytes, a.slot_bytes);
     for (u64 c = 0; c < nchunks; ++c, ++g) {
       const u64 at = (g % kP2pPortSlots) * stride;  // the slot's offset among the peer's
-      if (threadIdx.x == 0 && ok && g >= kP2pPortSlots) {
-        ok = mapped != nullptr ? spin_until([&] { return atomic_load_acquire_sys(credits) + kP2pPortSlots > g; },
-                                            a.max_spin, a.error_word, kErrorSemaphoreWaitTimeout)
-                               : credit.wait();
-      }
+      if (threadIdx.x == 0 && ok && g >= kP2pPortSlots) ok = credit.wait();
       if (!p2p_block_agrees(ok)) return;
-      const u64 n = p2p_port_chunk_bytes(a, op.bytes, c);
-      u8* chunk = mapped != nullptr ? mapped + at : a.staging + staging + at;
-      copy(chunk + kP2pPortHeaderBytes, src + c * a.slot_bytes, n, threadIdx.x, blockDim.x);
-      // Every thread's share is written before thread 0 publishes the chunk.
-      __syncthreads();
+      const u64 begin = c * a.slot_bytes;
+      const u64 n = min(a.slot_bytes, op.bytes - min(begin, op.bytes));
+      u8* chunk = a.staging + staging + at;
+      copy(chunk + kP2pPortHeaderBytes, src + begin, n, threadIdx.x, blockDim.x);
       if (threadIdx.x == 0) {
         P2pPortHeader* h = reinterpret_cast<P2pPortHeader*>(chunk);
-        if (mapped != nullptr) {
-          // The release orders the block's writes (seen by thread 0 through the barrier) and the
-          // message word before the chunk word the receiver waits for.
-          atomic_store_relaxed_sys(&h->message, p2p_post(msg, op.bytes));
-          atomic_store_release_sys(&h->chunk, g + 1);
-        } else {
-          h->message = p2p_post(msg, op.bytes);
-          h->chunk = g + 1;
-          // The slot reaches memory before the proxy, which reads the trigger from host memory,
-          // reads it.
-          fence_acq_rel_sys();
-          ok = data.push_transfer(remote + at, staging + at, kP2pPortHeaderBytes + n, kTriggerFlag) !=
-               kFifoPushFailed;
-        }
+        h->message = p2p_post(msg, op.bytes);
+        h->chunk = g;
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        // The block's writes (seen by thread 0 through the barrier) reach memory before the
+        // proxy, which reads the trigger from host memory, reads the slot.
+        fence_acq_rel_sys();
+        ok = data.push_transfer(remote + at, staging + at, kP2pPortHeaderBytes + n, kTriggerFlag) !=
+             kFifoPushFailed;
       }
     }
   }
@@ -728,16 +673,11 @@ MSCCLPP_DEVICE_INLINE void p2p_port_send(const P2pPortArgs& a, const P2pPortLane
   }
 }
 
-// A lane's receives: a data signal from the proxy announces a chunk from a peer on another host; a
-// peer on this host stores the chunk word itself, and gets its credit back in its own memory.
 MSCCLPP_DEVICE_INLINE void p2p_port_recv(const P2pPortArgs& a, const P2pPortLane& lane) {
   const PortChannelHandle& data = a.channels[2 * lane.peer];
   const PortChannelHandle& credit = a.channels[2 * lane.peer + 1];
   const u64 stride = kP2pPortHeaderBytes + a.slot_bytes;
   const u8* inbound = a.inbound + static_cast<u64>(lane.peer) * kP2pPortSlots * stride;
-  // On this host: this rank's credit word in the peer's memory.
-  u64* credit_word =
-      a.mapped[lane.peer] != 0 ? reinterpret_cast<u64*>(a.mapped[lane.peer] + a.credits_offset) + a.rank : nullptr;
   // As in p2p_port_send: read by every thread before its first barrier, written by thread 0 last.
   u64* counters = a.state->counters[lane.peer] + 2;
   u64 msg = counters[0], g = counters[1];
@@ -747,34 +687,32 @@ MSCCLPP_DEVICE_INLINE void p2p_port_recv(const P2pPortArgs& a, const P2pPortLane
     const u64 nchunks = p2p_chunks(op.bytes, a.slot_bytes);
     for (u64 c = 0; c < nchunks; ++c, ++g) {
       const u8* chunk = inbound + (g % kP2pPortSlots) * stride;
-      const P2pPortHeader* h = reinterpret_cast<const P2pPortHeader*>(chunk);
       bool ok = true;
       if (threadIdx.x == 0) {
-        if (credit_word != nullptr) {
-          ok = spin_until([&] { return atomic_load_acquire_sys(&h->chunk) > g; }, a.max_spin, a.error_word,
-                          kErrorSemaphoreWaitTimeout) &&
-               // A refused message gets credit for all its chunks: the sender finishes it.
-               p2p_port_header_ok(a, lane.peer, h, msg, op.bytes, g,
-                                  [&](u64 chunks) { atomic_store_release_sys(credit_word, g + chunks); });
-        } else {
-          // Signals arrive in the order of the puts: the wait's acquire orders the header's loads.
-          ok = data.wait() && p2p_port_header_ok(a, lane.peer, h, msg, op.bytes, g,
-                                                 [&](u64 chunks) { p2p_port_drain(credit, chunks); });
+        ok = data.wait();
+        if (ok) {
+          // The proxy wrote the slot with DMA: system-scope loads (the wait's acquire orders them
+          // after the signal) see the new header, not a line of the slot's previous chunk.
+          const P2pPortHeader* h = reinterpret_cast<const P2pPortHeader*>(chunk);
+          const u64 word = atomic_load_relaxed_sys(&h->message);
+          const u64 seq = atomic_load_relaxed_sys(&h->chunk);
+          if (word != p2p_post(msg, op.bytes) || seq != g) {
+            const bool size_only = p2p_post_is(word, msg) && seq == g;
+            const u64 theirs = size_only ? p2p_post_bytes(word) : kP2pOtherSize;
+            if (size_only) p2p_port_drain(credit, p2p_chunks(theirs, a.slot_bytes));
+            p2p_mismatch(a.mismatch, a.error_word, false, lane.peer, op.bytes, theirs);
+            ok = false;
+          }
         }
       }
       // Thread 0 alone saw the header: no thread writes a byte of a chunk it refused.
       if (!p2p_block_agrees(ok)) return;
-      copy(dst + c * a.slot_bytes, chunk + kP2pPortHeaderBytes, p2p_port_chunk_bytes(a, op.bytes, c), threadIdx.x,
-           blockDim.x);
+      const u64 begin = c * a.slot_bytes;
+      copy(dst + begin, chunk + kP2pPortHeaderBytes, min(a.slot_bytes, op.bytes - min(begin, op.bytes)),
+           threadIdx.x, blockDim.x);
       // Every thread's reads of the slot are done before the credit lets the sender overwrite it.
       __syncthreads();
-      if (threadIdx.x == 0) {
-        if (credit_word != nullptr) {
-          atomic_store_release_sys(credit_word, g + 1);
-        } else {
-          credit.signal();
-        }
-      }
+      if (threadIdx.x == 0) credit.signal();
     }
   }
   if (threadIdx.x == 0) {
