@@ -10,11 +10,15 @@
 // "STALLED" that they waited for the kernel's limit. The last case repeats the first with A's
 // copy into pinned memory, as the control. The `ipc` cases copy to or write into memory that a
 // child process exported (cudaIpcGetMemHandle), as the proxy does towards a peer on its host.
+// The creation cases (a stream, an event, pinned or registered host memory, device memory, a
+// peer's mapping) are what a transport thread would make if it set up a resource on first use.
+// They leak their resource: a free may synchronise the device, which is not what they ask.
 //
 // On a GPU machine: nvcc -O2 -o /tmp/stall-probe scripts/driver-stall-probe.cu -lcuda
 //                   /tmp/stall-probe
 #include <cuda.h>
 #include <cuda_runtime.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -58,6 +62,7 @@ struct Probe {
   int* ipc;         // the child's exported memory, mapped here
   cudaStream_t a, b;
   cudaEvent_t event;
+  cudaIpcMemHandle_t late_handle;  // the child's second export, opened by the ipc-open case
 };
 
 // B's calls for `name` (before the flag is set by a pinned copy).
@@ -96,6 +101,26 @@ static void calls(const Probe& p, const std::string& name) {
   } else if (name == "memset") {
     CHECK(cudaMemsetAsync(p.dbig, 0, 4 << 20, p.b));
     CHECK(cudaStreamSynchronize(p.b));
+  } else if (name == "stream-create") {
+    cudaStream_t s;
+    CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  } else if (name == "event-create") {
+    cudaEvent_t e;
+    CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  } else if (name == "host-alloc") {
+    void* h;
+    CHECK(cudaHostAlloc(&h, 1 << 20, cudaHostAllocMapped | cudaHostAllocPortable));
+  } else if (name == "host-register") {
+    // What our alloc_host_mapped does: pages of our own, registered with the driver.
+    void* h = mmap(nullptr, 1 << 20, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (h == MAP_FAILED) std::exit(2);
+    CHECK(cudaHostRegister(h, 1 << 20, cudaHostRegisterMapped | cudaHostRegisterPortable));
+  } else if (name == "malloc") {
+    void* d;
+    CHECK(cudaMalloc(&d, 1 << 20));
+  } else if (name == "ipc-open") {
+    void* d;
+    CHECK(cudaIpcOpenMemHandle(&d, p.late_handle, cudaIpcMemLazyEnablePeerAccess));
   } else if (name == "launch") {
     store_one<<<1, 1, 0, p.b>>>(reinterpret_cast<int*>(p.dbig));
     CHECK(cudaStreamSynchronize(p.b));
@@ -141,12 +166,14 @@ int main() {
   if (child == 0) {
     close(handle_pipe[0]);
     close(done_pipe[1]);
-    void* mem;
+    void* mem[2];
+    cudaIpcMemHandle_t h[2];
     CHECK(cudaSetDevice(0));
-    CHECK(cudaMalloc(&mem, 4 << 20));
-    cudaIpcMemHandle_t h;
-    CHECK(cudaIpcGetMemHandle(&h, mem));
-    if (write(handle_pipe[1], &h, sizeof h) != static_cast<ssize_t>(sizeof h)) return 2;
+    for (int i = 0; i < 2; i++) {
+      CHECK(cudaMalloc(&mem[i], 4 << 20));
+      CHECK(cudaIpcGetMemHandle(&h[i], mem[i]));
+    }
+    if (write(handle_pipe[1], h, sizeof h) != static_cast<ssize_t>(sizeof h)) return 2;
     char c;
     if (read(done_pipe[0], &c, 1) != 1) return 2;
     return 0;
@@ -154,9 +181,10 @@ int main() {
   // Without the child's ends open here, a child that fails ends the reads with an error.
   close(handle_pipe[1]);
   close(done_pipe[0]);
-  cudaIpcMemHandle_t h;
-  if (read(handle_pipe[0], &h, sizeof h) != static_cast<ssize_t>(sizeof h)) return 2;
+  cudaIpcMemHandle_t h[2];
+  if (read(handle_pipe[0], h, sizeof h) != static_cast<ssize_t>(sizeof h)) return 2;
   Probe p{};
+  p.late_handle = h[1];
   CHECK(cudaSetDevice(0));
   CHECK(cudaMalloc(&p.flag, 4));
   CHECK(cudaMalloc(&p.out, 4));
@@ -167,13 +195,15 @@ int main() {
   *p.one = 1;
   CHECK(cudaMemcpy(p.dsrc, p.one, 4, cudaMemcpyHostToDevice));
   void* ipc;
-  CHECK(cudaIpcOpenMemHandle(&ipc, h, cudaIpcMemLazyEnablePeerAccess));
+  CHECK(cudaIpcOpenMemHandle(&ipc, h[0], cudaIpcMemLazyEnablePeerAccess));
   p.ipc = static_cast<int*>(ipc);
   CHECK(cudaStreamCreateWithFlags(&p.a, cudaStreamNonBlocking));
   CHECK(cudaStreamCreateWithFlags(&p.b, cudaStreamNonBlocking));
   CHECK(cudaEventCreateWithFlags(&p.event, cudaEventDisableTiming));
   for (const char* name : {"h2d", "d2h", "d2h-4MiB", "d2d", "ipc-d2d", "ipc-d2d-4MiB",
-                           "ipc-write-value", "write-value", "event", "memset", "launch"}) {
+                           "ipc-write-value", "write-value", "event", "memset", "stream-create",
+                           "event-create", "host-alloc", "host-register", "malloc", "ipc-open",
+                           "launch"}) {
     run(p, name, true);
   }
   run(p, "h2d", false);

@@ -22,11 +22,13 @@
 # hostread reads a send/recv group's result on the host at once, in each of four ways
 # (tests/p2p_host_read_check.py), each within 90 s; with HOSTS=h across simulated hosts, where a
 # lower MSCCLPP_DEVICE_WAIT_TIMEOUT (e.g. 15) makes a stall an error sooner; HOSTREAD_OP=allreduce
-# reads an all-reduce's result instead (HOSTS=2 on 3 ranks: the flat port_allreduce).
+# reads an all-reduce's result instead (HOSTS=2 on 3 ranks: the flat port_allreduce), and
+# HOSTREAD_READS="pageable" runs only the ways it names.
 # STACKS_AFTER=S (ep, hostread, torchcomms): S seconds into each bounded run, the native stacks of
 # every thread of its first and last rank (one a host with HOSTS=2) go to OUT/stacks-<program>-<pid>.txt,
 # through cuda-gdb (the lent machines have no gdb), to see where a rank waits when a run stalls
-# (cuda-gdb stops the rank while it reads it, so its peers may time out on it: for stalls only).
+# (cuda-gdb stops the rank while it reads it, so its peers may time out on it, and its detach once
+# killed the rank with SIGSEGV, 2026-12-07: for stalls only).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 export NCCL_NVLS_ENABLE=0 MSCCLPP_FORCE_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -94,7 +96,7 @@ case "${1:-all}" in
   hostread)
     # Every way is run and reported; any failure fails the mode.
     status=0
-    for how in pinned event device pageable; do
+    for how in ${HOSTREAD_READS:-pinned event device pageable}; do
       bounded 90 tests/p2p_host_read_check.py --read "$how" --op "${HOSTREAD_OP:-sendrecv}" \
         || { echo "== --read $how FAILED"; status=1; }
     done

@@ -13,8 +13,9 @@ instead: across hosts of uneven rank counts (`HOSTS=2` on 3 ranks) it is the fla
 Every element is checked exactly (int32, a value per source rank and iteration). A rank whose
 group fails, or stops short of the device wait timeout, fails with the runtime's error.
 On 2026-12-04 (one H200, 2 simulated hosts of 2 ranks) `pageable` timed out in the first group
-on every rank, and the other three passed; at 2 hosts of 1 rank all four passed (see
-docs/pending-gpu-checks.md).
+on every rank: the Ethernet resolver made its stream and pinned buffer on its first copy, which
+waited behind this thread's pageable copy. They are made at connect time now, and `pageable`
+passes (one H100, 2026-12-07; docs/troubleshooting.md).
 Run: torchrun --nproc_per_node=N p2p_host_read_check.py --read pageable|pinned|event|device
 [--op sendrecv|allreduce]"""
 

@@ -102,7 +102,8 @@ pub fn agree_plan(bootstrap: &dyn Bootstrap, plan: TransportPlan) -> Result<Tran
 
 /// Collective: the connection towards each of `peers` (in that order), of the kind `plan` gives
 /// (agreed with [`agree_plan`]). `resolver` serves the memory Ethernet peers write into and that
-/// writes read from (register every buffer and semaphore word they may name before any traffic);
+/// writes read from (register every buffer and semaphore word they may name before any traffic;
+/// it is prepared here, [`MemoryResolver::prepare`]);
 /// `ib` opens the IB connections, registering `ib.memory` with the HCA.
 pub fn connect_peers(
     comm: &Communicator,
@@ -129,6 +130,9 @@ pub fn connect_peers(
     };
     let ethernet = of_kind(|k| k == TransportKind::Ethernet);
     let ib_peers = of_kind(|k| matches!(k, TransportKind::Ib(_)));
+    if !ethernet.is_empty() || !ib_peers.is_empty() {
+        resolver.prepare()?;
+    }
     let mut ib_links = connect_ib(comm, plan, &ib_peers, resolver.clone(), ib)?;
     let mut eth: Vec<(usize, Arc<dyn Transport>)> = connect_ethernet(comm, &ethernet, resolver)?
         .into_iter()

@@ -24,6 +24,11 @@
 //!   for the kernel that waits for ours. Seen with the EP buffer across simulated hosts, where
 //!   every rank hung in `.cpu()` after its first exchange. So the bytes go through a pinned
 //!   bounce buffer of the resolver's.
+//!
+//! The bounce buffer and its stream are made by [`MemoryResolver::prepare`], which the connection
+//! setup calls, not by the first copy: the first copy runs on a transport thread while a send/recv
+//! group's kernel already waits for it, and a stream or pinned allocation made then can wait
+//! behind the same pageable copy (a user's `.cpu()` of the group's result right after it).
 
 use crate::error::{Error, Result};
 use crate::gpu::{DevicePtr, Gpu, HostMapped, Stream};
@@ -36,7 +41,8 @@ pub struct DeviceMemoryResolver {
     gpu: Arc<dyn Gpu>,
     device: usize,
     ranges: RwLock<Vec<(DevicePtr, u64)>>,
-    /// The copies' stream and pinned bounce buffer (see the module docs), made on the first copy.
+    /// The copies' stream and pinned bounce buffer (see the module docs), made by `prepare` (or
+    /// by the first copy, where no setup called it).
     bounce: Mutex<Option<Bounce>>,
 }
 
@@ -180,6 +186,11 @@ impl MemoryResolver for DeviceMemoryResolver {
         }
         self.copy_in(dst, &value.to_le_bytes())
     }
+
+    fn prepare(&self) -> Result<()> {
+        self.gpu.set_device(self.device)?;
+        self.with_bounce(|_| Ok(()))
+    }
 }
 
 /// Bytes of a resolver's pinned bounce buffer: a larger write goes through it in pieces.
@@ -215,6 +226,9 @@ mod tests {
         let r = DeviceMemoryResolver::new(gpu.clone(), 0);
         assert!(r.register(0, 8).is_err());
         r.register(buf.ptr, 64).unwrap();
+        // The setup makes the bounce buffer; copies only use it.
+        r.prepare().unwrap();
+        assert!(r.bounce.lock().unwrap().is_some());
         // A peer names a part of the range (one word of a slab, one slot of a scratch).
         let word = MemoryRegion {
             addr: buf.ptr + 32,

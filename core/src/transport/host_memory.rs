@@ -24,6 +24,12 @@ pub trait MemoryResolver: Send + Sync {
     /// Stores `value` into the 8-byte aligned word at `region + offset` with release ordering, so
     /// a reader that acquires it sees every earlier `write`.
     fn store_release(&self, region: &MemoryRegion, offset: u64, value: u64) -> Result<()>;
+
+    /// Makes what the copies need before any traffic (the connection setup calls it), so that no
+    /// transport thread creates it while a kernel waits for its copies. Nothing by default.
+    fn prepare(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Host memory regions registered for transports, looked up by key.

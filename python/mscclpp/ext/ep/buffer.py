@@ -82,14 +82,20 @@ def _to_host(t, check):
         return t
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
+    _poll(torch.cuda.current_stream(t.device), check)
+    return host
+
+
+def _poll(stream, check):
+    """Returns once `stream`'s work so far is done, polling an event (no thread of this process
+    waits inside the driver) and running `check` while it polls and after."""
     done = torch.cuda.Event()
-    done.record(torch.cuda.current_stream(t.device))
+    done.record(stream)
     while not done.query():
         check()
         # Yields the GIL and the CPU without a sleep's tens of microseconds.
         time.sleep(0)
     check()
-    return host
 
 
 class Buffer:
@@ -974,6 +980,15 @@ class Buffer:
                         ops.append((kind, p, t.data_ptr(), t.numel() * t.element_size()))
         if ops:
             self._session.p2p(ops, self._stream.cuda_stream)
+            # Across hosts the group waits for the proxy and the Ethernet receiver, whose CUDA
+            # calls take the context's lock. Under lazy module loading (CUDA_MODULE_LOADING=LAZY,
+            # PyTorch's default) a kernel's first launch holds that lock while it waits for the
+            # device to drain, so a first-time torch kernel launched while the group runs would
+            # wait for the group, and the group for it, until the device wait timeout (seen on
+            # one H100 at 2 simulated hosts x 2, 2026-12-07). So the host waits for the group
+            # here. A graph's replay launches nothing for the first time: no wait is captured.
+            if self._hosts > 1 and not self._capturing():
+                _poll(self._stream, self._session.check)
 
     # ---- bookkeeping -------------------------------------------------------------------------
 
