@@ -40,8 +40,9 @@ pub use mscclpp_rocm::RocmGpu;
 
 use mscclpp_core::env::BackendChoice;
 use mscclpp_core::gpu::{
-    Allocation, DeviceProperties, DevicePtr, Event, Function, Graph, HostMapped, ImportedMemory,
-    IpcMemHandle, LaunchConfig, MemoryKind, Module, MulticastExport, MulticastHandle, Stream,
+    Allocation, CaptureMode, DeviceProperties, DevicePtr, Event, Function, Graph, HostMapped,
+    ImportedMemory, IpcMemHandle, LaunchConfig, MemoryKind, Module, MulticastExport,
+    MulticastHandle, Stream,
 };
 use std::ffi::c_void;
 
@@ -210,6 +211,9 @@ impl Gpu for GpuBackend {
     }
     fn is_capturing(&self, stream: Stream) -> Result<bool> {
         dispatch!(self, g => g.is_capturing(stream))
+    }
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode> {
+        dispatch!(self, g => g.exchange_capture_mode(mode))
     }
     fn begin_capture(&self, stream: Stream) -> Result<()> {
         dispatch!(self, g => g.begin_capture(stream))
@@ -402,6 +406,40 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The methods a block of Rust source defines at the first indentation level, from its
+    /// first line starting with `head` to the next closing brace at column 0.
+    fn methods_of(source: &str, head: &str) -> Vec<String> {
+        let block = source
+            .lines()
+            .skip_while(|l| !l.starts_with(head))
+            .take_while(|l| *l != "}");
+        block
+            .filter_map(|l| {
+                let l = l.strip_prefix("    ")?;
+                let l = l.strip_prefix("unsafe ").unwrap_or(l);
+                let name = l.strip_prefix("fn ")?.split(['(', '<']).next()?;
+                Some(name.to_string())
+            })
+            .collect()
+    }
+
+    /// Every method of the `Gpu` trait is forwarded (a missing one would silently fall back to
+    /// the trait's default for every backend).
+    #[test]
+    fn gpu_backend_forwards_every_method() {
+        let trait_methods = methods_of(include_str!("../core/src/gpu.rs"), "pub trait Gpu");
+        let forwarded = methods_of(include_str!("lib.rs"), "impl Gpu for GpuBackend");
+        assert!(trait_methods.len() > 40, "{trait_methods:?}");
+        let missing: Vec<_> = trait_methods
+            .iter()
+            .filter(|m| !forwarded.contains(m))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "GpuBackend does not forward {missing:?}"
+        );
     }
 
     #[test]

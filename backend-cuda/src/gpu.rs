@@ -28,7 +28,7 @@ use crate::KernelCache;
 use cudarc::driver::sys;
 use mscclpp_core::env::Env;
 use mscclpp_core::gpu::{
-    plain_allocation_bytes, Allocation, DevicePtr, Event, Function, Graph, HostMapped,
+    plain_allocation_bytes, Allocation, CaptureMode, DevicePtr, Event, Function, Graph, HostMapped,
     ImportedMemory, IpcMemHandle, LaunchConfig, MemoryKind, Module, MulticastExport,
     MulticastHandle, Stream,
 };
@@ -1354,6 +1354,22 @@ impl Gpu for CudaGpu {
         // SAFETY: writes one status.
         unsafe { cu!(cuStreamIsCapturing(cu_stream(stream), &mut status)) }?;
         Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode> {
+        use sys::CUstreamCaptureMode::*;
+        let mut m = match mode {
+            CaptureMode::Global => CU_STREAM_CAPTURE_MODE_GLOBAL,
+            CaptureMode::ThreadLocal => CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            CaptureMode::Relaxed => CU_STREAM_CAPTURE_MODE_RELAXED,
+        };
+        // SAFETY: reads and writes one mode of the calling thread's (no context needed).
+        unsafe { cu!(cuThreadExchangeStreamCaptureMode(&mut m)) }?;
+        Ok(match m {
+            CU_STREAM_CAPTURE_MODE_GLOBAL => CaptureMode::Global,
+            CU_STREAM_CAPTURE_MODE_THREAD_LOCAL => CaptureMode::ThreadLocal,
+            CU_STREAM_CAPTURE_MODE_RELAXED => CaptureMode::Relaxed,
+        })
     }
 
     // NVLink multicast: the implementations are in the NVLS section below, each gated first.

@@ -18,8 +18,9 @@ use crate::sys::*;
 use crate::KernelCache;
 use mscclpp_core::env::Env;
 use mscclpp_core::gpu::{
-    plain_allocation_bytes, Allocation, DeviceProperties, DevicePtr, Event, Function, Gpu,
-    GpuVendor, HostMapped, ImportedMemory, IpcMemHandle, LaunchConfig, MemoryKind, Module, Stream,
+    plain_allocation_bytes, Allocation, CaptureMode, DeviceProperties, DevicePtr, Event, Function,
+    Gpu, GpuVendor, HostMapped, ImportedMemory, IpcMemHandle, LaunchConfig, MemoryKind, Module,
+    Stream,
 };
 use mscclpp_core::log::target;
 use mscclpp_core::{Error, Result};
@@ -711,6 +712,27 @@ impl Gpu for RocmGpu {
         // 1 = active, 2 = invalidated: both mean the stream is inside a capture sequence, where
         // host synchronisation is not allowed.
         Ok(status != 0)
+    }
+
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode> {
+        // hipStreamCaptureMode: 0 global, 1 thread-local, 2 relaxed.
+        let mut m: c_int = match mode {
+            CaptureMode::Global => 0,
+            CaptureMode::ThreadLocal => 1,
+            CaptureMode::Relaxed => 2,
+        };
+        // SAFETY: reads and writes one mode of the calling thread's.
+        self.check("hipThreadExchangeStreamCaptureMode", unsafe {
+            (self.api.thread_exchange_stream_capture_mode)(&mut m)
+        })?;
+        match m {
+            0 => Ok(CaptureMode::Global),
+            1 => Ok(CaptureMode::ThreadLocal),
+            2 => Ok(CaptureMode::Relaxed),
+            other => Err(Error::Internal(format!(
+                "hipThreadExchangeStreamCaptureMode gave back mode {other}, which HIP does not define"
+            ))),
+        }
     }
 }
 

@@ -135,6 +135,7 @@ hip_api! {
     stream_destroy = "hipStreamDestroy": fn(HipStream) -> HipError;
     stream_query = "hipStreamQuery": fn(HipStream) -> HipError;
     stream_is_capturing = "hipStreamIsCapturing": fn(HipStream, *mut c_int) -> HipError;
+    thread_exchange_stream_capture_mode = "hipThreadExchangeStreamCaptureMode": fn(*mut c_int) -> HipError;
     device_synchronize = "hipDeviceSynchronize": fn() -> HipError;
     event_create = "hipEventCreate": fn(*mut HipEvent) -> HipError;
     event_destroy = "hipEventDestroy": fn(HipEvent) -> HipError;

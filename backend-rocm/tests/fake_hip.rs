@@ -2,7 +2,7 @@
 //! compiler): loader probing, the IPC handle cache, and every HIP error turned into ours with the
 //! call's name, all on a machine without ROCm or an AMD GPU.
 
-use mscclpp_core::gpu::{Gpu, IpcMemHandle, MemoryKind, Stream};
+use mscclpp_core::gpu::{CaptureMode, Gpu, IpcMemHandle, MemoryKind, Stream};
 use mscclpp_core::Error;
 use mscclpp_rocm::RocmGpu;
 use std::ffi::{c_char, c_int, CString};
@@ -278,6 +278,11 @@ fn every_failing_call_becomes_an_error_naming_it() {
             "hipStreamIsCapturing",
             "hipStreamIsCapturing",
             Box::new(|g| g.is_capturing(stream).map(drop)),
+        ),
+        (
+            "hipThreadExchangeStreamCaptureMode",
+            "hipThreadExchangeStreamCaptureMode",
+            Box::new(|g| g.exchange_capture_mode(CaptureMode::Relaxed).map(drop)),
         ),
         (
             "hipEventCreate",

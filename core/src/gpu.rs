@@ -62,6 +62,28 @@ pub struct Graph {
     pub graph: u64,
 }
 
+/// How the driver treats a thread's calls that may synchronise (stream and event waits, some
+/// allocations) while a graph is being captured (cudaStreamCaptureMode / hipStreamCaptureMode,
+/// in their order). `Global`, every thread's default, refuses such a call while any thread of the
+/// process captures in `Global` mode (PyTorch's default), and the refusal invalidates that
+/// capture; `ThreadLocal` refuses it only during the thread's own captures; `Relaxed` never.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CaptureMode {
+    Global,
+    ThreadLocal,
+    Relaxed,
+}
+
+/// Runs `f` with the calling thread in [`CaptureMode::Relaxed`], then gives the thread its mode
+/// back. For the runtime's copies and waits on streams of its own, which no capture contains,
+/// made from threads that may be a caller's (a transport's staging step).
+pub fn relaxed_capture<T>(gpu: &dyn Gpu, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let before = gpu.exchange_capture_mode(CaptureMode::Relaxed)?;
+    let out = f();
+    gpu.exchange_capture_mode(before)?;
+    out
+}
+
 /// A loaded module (CUmodule / hipModule_t).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Module(pub u64);
@@ -447,6 +469,15 @@ pub trait Gpu: Send + Sync {
     /// to avoid host synchronisation during capture.
     fn is_capturing(&self, _stream: Stream) -> Result<bool> {
         Ok(false)
+    }
+
+    /// Sets the calling thread's [`CaptureMode`] and returns the one it had. The runtime's own
+    /// threads (the proxy, the transports' receivers) work in `Relaxed`: their waits are for
+    /// streams of their own, and in the default `Global` mode one made while the caller's thread
+    /// captures a graph (in PyTorch's default mode) would invalidate that capture. A backend
+    /// without capture has nothing to set: every thread is as if relaxed.
+    fn exchange_capture_mode(&self, _mode: CaptureMode) -> Result<CaptureMode> {
+        Ok(CaptureMode::Relaxed)
     }
 
     // -----------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ use crate::device::{D2DSemaphoreHandle, FifoHandle, H2DSemaphoreHandle, PortChan
 use crate::env::Env;
 use crate::error::{Error, Result};
 use crate::fifo::{Fifo, FifoRaw, HostFifoPusher, ProxyTrigger};
-use crate::gpu::{Allocation, DevicePtr, Gpu, HostMapped, MemoryKind};
+use crate::gpu::{Allocation, CaptureMode, DevicePtr, Gpu, HostMapped, MemoryKind};
 use crate::host_semaphore::{Host2DeviceSemaphore, SemaphoreSignaller};
 use crate::proxy::{Proxy, ProxyAction, ProxyHandler, ProxyStats, TransportProxyHandler};
 use crate::transport::{MemoryRegion, Transport, TransportKind};
@@ -236,8 +236,8 @@ impl Drop for DeviceFifo {
     }
 }
 
-/// The default handler bound to the service's device: GPU backends select devices per thread, and
-/// the proxy thread starts on device 0.
+/// The default handler bound to the service's device (GPU backends select devices per thread, and
+/// the proxy thread starts on device 0), its thread in relaxed capture mode.
 struct DeviceBoundHandler {
     gpu: Arc<dyn Gpu>,
     device: usize,
@@ -249,6 +249,10 @@ impl ProxyHandler for DeviceBoundHandler {
     fn handle(&mut self, trigger: ProxyTrigger) -> Result<ProxyAction> {
         if !self.bound {
             self.gpu.set_device(self.device)?;
+            // The proxy's copies and flushes are on its own streams: in the default mode a
+            // flush made while the caller's thread captures a graph would invalidate the
+            // capture (`CaptureMode`).
+            self.gpu.exchange_capture_mode(CaptureMode::Relaxed)?;
             self.bound = true;
         }
         self.inner.handle(trigger)
@@ -563,6 +567,12 @@ pub mod test_gpu {
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     use std::sync::Mutex;
 
+    thread_local! {
+        /// The calling thread's capture mode, as the driver keeps it (global until exchanged).
+        static THREAD_CAPTURE_MODE: std::cell::Cell<CaptureMode> =
+            const { std::cell::Cell::new(CaptureMode::Global) };
+    }
+
     #[derive(Debug, Default)]
     pub struct HostGpu {
         /// Live allocations by address: their layout and buffer id.
@@ -575,6 +585,8 @@ pub mod test_gpu {
         peer_access: Mutex<Vec<usize>>,
         no_peer_access: bool,
         capturing: AtomicBool,
+        /// Another thread captures a graph in global mode (`capture_globally_elsewhere`).
+        global_capture_elsewhere: AtomicBool,
         /// SMs `properties` reports; `None`: it answers Unsupported (this GPU runs no kernels).
         multiprocessors: Option<u32>,
     }
@@ -609,6 +621,23 @@ pub mod test_gpu {
         /// While held, events never complete (a copy that hangs).
         pub fn hold_events(&self, hold: bool) {
             self.hold_events.store(hold, Ordering::Relaxed);
+        }
+        /// While on, another thread of the process is taken to capture a graph in
+        /// `CaptureMode::Global`: as the driver does, a wait (for a stream, an event or the
+        /// device) from a thread in global mode is refused.
+        pub fn capture_globally_elsewhere(&self, on: bool) {
+            self.global_capture_elsewhere.store(on, Ordering::Relaxed);
+        }
+        fn wait_allowed(&self, call: &str) -> Result<()> {
+            if self.global_capture_elsewhere.load(Ordering::Relaxed)
+                && THREAD_CAPTURE_MODE.get() == CaptureMode::Global
+            {
+                return Err(Error::Internal(format!(
+                    "test GPU: {call} from a thread in global capture mode while a global \
+                     capture is in progress (the driver invalidates that capture)"
+                )));
+            }
+            Ok(())
         }
         fn raw_alloc(&self, size: usize) -> Result<u64> {
             let layout = Layout::from_size_align(size.max(1), 4096)
@@ -756,10 +785,10 @@ pub mod test_gpu {
             Ok(())
         }
         fn synchronize_stream(&self, _: Stream) -> Result<()> {
-            Ok(())
+            self.wait_allowed("synchronize_stream")
         }
         fn synchronize_device(&self) -> Result<()> {
-            Ok(())
+            self.wait_allowed("synchronize_device")
         }
         fn create_event(&self) -> Result<Event> {
             Ok(Event(self.handle()))
@@ -774,6 +803,7 @@ pub mod test_gpu {
             Ok(0.0)
         }
         fn query_event(&self, _: Event) -> Result<bool> {
+            self.wait_allowed("query_event")?;
             Ok(!self.hold_events.load(Ordering::Relaxed))
         }
         fn stream_write_u64(&self, _: Stream, addr: DevicePtr, value: u64) -> Result<()> {
@@ -838,6 +868,9 @@ pub mod test_gpu {
         }
         fn is_capturing(&self, _: Stream) -> Result<bool> {
             Ok(self.capturing.load(Ordering::Relaxed))
+        }
+        fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode> {
+            Ok(THREAD_CAPTURE_MODE.replace(mode))
         }
         fn enable_peer_access(&self, peer: usize) -> Result<()> {
             if self.no_peer_access {
@@ -1369,6 +1402,29 @@ mod tests {
         );
     }
 
+    /// The loopback's channel: puts from `a` into `b`, signals into the first word of `words`
+    /// (the second is the expected counter).
+    fn a_to_b(
+        gpu: &Arc<HostGpu>,
+        svc: &mut PortChannelService,
+        a: &Allocation,
+        b: &Allocation,
+        words: &Allocation,
+    ) -> PortChannelHandle {
+        let dyn_gpu: Arc<dyn Gpu> = gpu.clone();
+        let conn: Arc<dyn Transport> = Arc::new(CudaIpcTransport::new(dyn_gpu, 0, 0).unwrap());
+        let src = svc.add_memory_region(region(a)).unwrap();
+        let dst = svc.add_memory_region(region(b)).unwrap();
+        let sem_words = D2DSemaphoreHandle {
+            inbound: words.ptr,
+            expected: words.ptr + 8,
+            remote_inbound: words.ptr,
+            ..Default::default()
+        };
+        let sem = svc.add_semaphore_words(&sem_words, conn).unwrap();
+        svc.port_channel(sem, dst, src).unwrap()
+    }
+
     /// Dropping a running service drains what was pushed, and a service that never started
     /// frees its FIFO too.
     #[rstest]
@@ -1383,18 +1439,7 @@ mod tests {
             words,
             error_word,
         } = loopback(Fifo::DEFAULT_DEPTH);
-        let dyn_gpu: Arc<dyn Gpu> = gpu.clone();
-        let conn: Arc<dyn Transport> = Arc::new(CudaIpcTransport::new(dyn_gpu, 0, 0).unwrap());
-        let src = svc.add_memory_region(region(&a)).unwrap();
-        let dst = svc.add_memory_region(region(&b)).unwrap();
-        let sem_words = D2DSemaphoreHandle {
-            inbound: words.ptr,
-            expected: words.ptr + 8,
-            remote_inbound: words.ptr,
-            ..Default::default()
-        };
-        let sem = svc.add_semaphore_words(&sem_words, conn).unwrap();
-        let chan = svc.port_channel(sem, dst, src).unwrap();
+        let chan = a_to_b(&gpu, &mut svc, &a, &b, &words);
         if start {
             svc.start().unwrap();
             let pusher = svc.host_pusher();
@@ -1413,6 +1458,41 @@ mod tests {
         }
         gpu.free_host_mapped(&error_word).unwrap();
         assert_eq!(gpu.live_allocations(), 0);
+    }
+
+    /// While the caller's thread captures a graph in global mode (PyTorch's default), the proxy's
+    /// puts, signals and flushes still complete: its thread works in relaxed mode, where the
+    /// driver would refuse its waits and invalidate the capture.
+    #[test]
+    fn the_proxy_serves_while_another_thread_captures_globally() {
+        let mut lb = loopback(Fifo::DEFAULT_DEPTH);
+        let (gpu, a, b) = (lb.gpu.clone(), lb.a.clone(), lb.b.clone());
+        let chan = a_to_b(&gpu, &mut lb.svc, &a, &b, &lb.words);
+        lb.svc.start().unwrap();
+        let data: Vec<u8> = (0..=255).collect();
+        gpu.copy_to_device(a.ptr, &data).unwrap();
+        gpu.capture_globally_elsewhere(true);
+        let this_thread = gpu.synchronize_stream(crate::gpu::Stream::DEFAULT);
+        assert!(this_thread.is_err(), "the test's thread is in global mode");
+        let pusher = lb.svc.host_pusher();
+        let put = trigger(&chan, TriggerType::DATA | TriggerType::FLAG, 0, 64);
+        pusher.push(put, T).unwrap();
+        let pos = pusher
+            .push(trigger(&chan, TriggerType::SYNC, 0, 0), T)
+            .unwrap();
+        pusher.sync(pos, T).unwrap();
+        lb.svc.check().expect("the proxy's flush in relaxed mode");
+        let mut got = vec![0u8; 64];
+        gpu.copy_from_device(&mut got, b.ptr).unwrap();
+        assert_eq!(got, data[..64]);
+        assert_eq!(lb.svc.stop().unwrap().errors, 0);
+        gpu.capture_globally_elsewhere(false);
+        drop(lb.svc);
+        drop(pusher);
+        for alloc in [&a, &b, &lb.words] {
+            gpu.free(alloc).unwrap();
+        }
+        gpu.free_host_mapped(&lb.error_word).unwrap();
     }
 
     #[test]

@@ -190,6 +190,11 @@ hipError_t hipStreamIsCapturing(void *s, int *status) {
   *status = 0;
   return kSuccess;
 }
+hipError_t hipThreadExchangeStreamCaptureMode(int *mode) {
+  FAIL_IF_ASKED("hipThreadExchangeStreamCaptureMode");
+  *mode = 0;
+  return kSuccess;
+}
 hipError_t hipDeviceSynchronize(void) { FAIL_IF_ASKED("hipDeviceSynchronize"); return kSuccess; }
 hipError_t hipEventCreate(void **e) {
   FAIL_IF_ASKED("hipEventCreate");

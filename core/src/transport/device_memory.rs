@@ -25,13 +25,18 @@
 //!   every rank hung in `.cpu()` after its first exchange. So the bytes go through a pinned
 //!   bounce buffer of the resolver's.
 //!
+//! The copies are made in relaxed capture mode ([`CaptureMode`](crate::gpu::CaptureMode)):
+//! their waits are for the resolver's own stream, and in the default mode a wait made while the
+//! caller's thread captures a graph in PyTorch's default mode invalidates that capture. Peers that
+//! finished capturing first and replay at once send rows to a rank still capturing.
+//!
 //! The bounce buffer and its stream are made by [`MemoryResolver::prepare`], which the connection
 //! setup calls, not by the first copy: the first copy runs on a transport thread while a send/recv
 //! group's kernel already waits for it, and a stream or pinned allocation made then can wait
 //! behind the same pageable copy (a user's `.cpu()` of the group's result right after it).
 
 use crate::error::{Error, Result};
-use crate::gpu::{DevicePtr, Gpu, HostMapped, Stream};
+use crate::gpu::{relaxed_capture, DevicePtr, Gpu, HostMapped, Stream};
 use crate::transport::host_memory::MemoryResolver;
 use crate::transport::MemoryRegion;
 use std::sync::{Arc, Mutex, RwLock};
@@ -65,9 +70,13 @@ impl DeviceMemoryResolver {
         }
     }
 
-    /// Runs `f` with the stream and bounce buffer, made on first use. The caller has bound the
-    /// device ([`Self::resolve`]).
+    /// Runs `f` with the stream and bounce buffer, made on first use, in relaxed capture mode
+    /// (see the module docs). The caller has bound the device ([`Self::resolve`]).
     fn with_bounce(&self, f: impl FnOnce(&Bounce) -> Result<()>) -> Result<()> {
+        relaxed_capture(&*self.gpu, || self.with_bounce_relaxed(f))
+    }
+
+    fn with_bounce_relaxed(&self, f: impl FnOnce(&Bounce) -> Result<()>) -> Result<()> {
         let mut bounce = self
             .bounce
             .lock()
@@ -258,6 +267,37 @@ mod tests {
         let e = r.write(&beyond, 0, &[0; 8]).unwrap_err();
         assert!(e.to_string().contains("not registered here"), "{e}");
         assert!(r.store_release(&slot, 4, 1).is_err());
+        gpu.free(&buf).unwrap();
+    }
+
+    /// While the caller's thread captures a graph in global mode, a transport thread's copies
+    /// still complete (their waits are made in relaxed mode), and the copying thread's own mode
+    /// is given back after each.
+    #[test]
+    fn copies_complete_beside_a_global_capture() {
+        let host = Arc::new(HostGpu::default());
+        let gpu: Arc<dyn Gpu> = host.clone();
+        let buf = gpu.alloc(64, MemoryKind::Plain).unwrap();
+        let r = DeviceMemoryResolver::new(gpu.clone(), 0);
+        r.register(buf.ptr, 64).unwrap();
+        r.prepare().unwrap();
+        host.capture_globally_elsewhere(true);
+        let slot = MemoryRegion {
+            addr: buf.ptr,
+            size: 64,
+            key: 0,
+        };
+        r.write(&slot, 0, &[7; 16]).unwrap();
+        r.store_release(&slot, 16, 9).unwrap();
+        let mut out = [0u8; 24];
+        r.read(&slot, 0, &mut out).unwrap();
+        assert_eq!(out[..16], [7; 16]);
+        assert_eq!(u64::from_le_bytes(out[16..].try_into().unwrap()), 9);
+        assert!(
+            gpu.synchronize_stream(Stream::DEFAULT).is_err(),
+            "the thread's global mode is back"
+        );
+        host.capture_globally_elsewhere(false);
         gpu.free(&buf).unwrap();
     }
 }

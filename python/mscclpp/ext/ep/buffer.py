@@ -984,9 +984,9 @@ class Buffer:
             # calls take the context's lock. Under lazy module loading (CUDA_MODULE_LOADING=LAZY,
             # PyTorch's default) a kernel's first launch holds that lock while it waits for the
             # device to drain, so a first-time torch kernel launched while the group runs would
-            # wait for the group, and the group for it, until the device wait timeout (seen on
-            # one H100 at 2 simulated hosts x 2, 2026-12-07). So the host waits for the group
-            # here. A graph's replay launches nothing for the first time: no wait is captured.
+            # wait for the group, and the group for it, until the device wait timeout. So the
+            # host waits for the group here. A graph's replay launches nothing for the first
+            # time: no wait is captured.
             if self._hosts > 1 and not self._capturing():
                 _poll(self._stream, self._session.check)
 
