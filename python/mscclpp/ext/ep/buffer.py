@@ -119,9 +119,7 @@ class Buffer:
     # counts and rings through every rank's NVLink buffer). Every rank must set the same.
     use_kernels: bool = False
     # Groups across hosts (DeepEP's internode mode) for the Buffers made from now on: opt-in until
-    # it has passed on a GPU. On one H200 as 2 simulated hosts (2 x 2 and 2 x 4 ranks) every rank's
-    # first dispatch timed out in its first host read after the count exchange (an error on every
-    # rank, no wrong result), while the same groups from a plain script passed.
+    # every case of the GPU check has passed across hosts (docs/ep.md, "Across hosts").
     allow_internode: bool = False
 
     def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
