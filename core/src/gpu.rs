@@ -80,8 +80,11 @@ pub enum CaptureMode {
 pub fn relaxed_capture<T>(gpu: &dyn Gpu, f: impl FnOnce() -> Result<T>) -> Result<T> {
     let before = gpu.exchange_capture_mode(CaptureMode::Relaxed)?;
     let out = f();
-    gpu.exchange_capture_mode(before)?;
-    out
+    let restored = gpu.exchange_capture_mode(before);
+    // `f`'s own error first: it is what the caller's call failed of.
+    let value = out?;
+    restored?;
+    Ok(value)
 }
 
 /// A loaded module (CUmodule / hipModule_t).
