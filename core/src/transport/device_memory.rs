@@ -73,28 +73,25 @@ impl DeviceMemoryResolver {
     /// Runs `f` with the stream and bounce buffer, made on first use, in relaxed capture mode
     /// (see the module docs). The caller has bound the device ([`Self::resolve`]).
     fn with_bounce(&self, f: impl FnOnce(&Bounce) -> Result<()>) -> Result<()> {
-        relaxed_capture(&*self.gpu, || self.with_bounce_relaxed(f))
-    }
-
-    fn with_bounce_relaxed(&self, f: impl FnOnce(&Bounce) -> Result<()>) -> Result<()> {
-        let mut bounce = self
-            .bounce
-            .lock()
-            .map_err(|_| Error::Internal("device memory resolver bounce lock poisoned".into()))?;
-        let b = match &*bounce {
-            Some(b) => b,
-            None => {
-                let stream = self.gpu.create_stream()?;
-                match self.gpu.alloc_host_mapped(BOUNCE_BYTES) {
-                    Ok(buffer) => bounce.insert(Bounce { stream, buffer }),
-                    Err(e) => {
-                        let _ = self.gpu.destroy_stream(stream);
-                        return Err(e);
+        relaxed_capture(&*self.gpu, || {
+            let mut bounce = self.bounce.lock().map_err(|_| {
+                Error::Internal("device memory resolver bounce lock poisoned".into())
+            })?;
+            let b = match &*bounce {
+                Some(b) => b,
+                None => {
+                    let stream = self.gpu.create_stream()?;
+                    match self.gpu.alloc_host_mapped(BOUNCE_BYTES) {
+                        Ok(buffer) => bounce.insert(Bounce { stream, buffer }),
+                        Err(e) => {
+                            let _ = self.gpu.destroy_stream(stream);
+                            return Err(e);
+                        }
                     }
                 }
-            }
-        };
-        f(b)
+            };
+            f(b)
+        })
     }
 
     /// Copies `data` to device address `dst` through the bounce buffer.
