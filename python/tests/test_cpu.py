@@ -88,6 +88,17 @@ def test_an_invalid_variable_is_an_error_naming_it():
     assert out.returncode != 0 and "MSCCLPP_BOOTSTRAP_TIMEOUT" in out.stderr
 
 
+@pytest.mark.parametrize("given, expected", [(None, "32"), ("1", "1"), ("8", "8")])
+def test_import_gives_cuda_its_most_hardware_queues_unless_the_user_chose(given, expected):
+    # A fresh process: the default must be in place when the import returns, before any CUDA call.
+    code = "import os, mscclpp; print(os.environ['CUDA_DEVICE_MAX_CONNECTIONS'])"
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    if given is not None:
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = given
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == expected, out.stderr
+
+
 def test_tuning_table_yaml_round_trip(tmp_path):
     table = mscclpp.TuningTable()
     path = tmp_path / "t.yaml"
