@@ -65,5 +65,5 @@ if [ -f .gpu-kcache.tgz ]; then cp .gpu-kcache.tgz .gpu/kcache.tgz; fi
 bash scripts/build-wheel.sh --profile release "${wheel_aot[@]}" --aot-hip none -o .gpu >/dev/null
 mkdir -p .gpu/python && cp -r python/examples python/tests .gpu/python/
 find .gpu/python -name __pycache__ -prune -exec rm -rf {} +
-cp scripts/python-run.sh scripts/cold-start.py .gpu/
+cp scripts/python-run.sh scripts/cold-start.py scripts/stall-stacks.sh .gpu/
 ls -la .gpu/bin
