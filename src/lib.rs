@@ -34,6 +34,8 @@ pub use mscclpp_ib as ib;
 pub use mscclpp_noib as noib;
 
 #[cfg(feature = "cuda")]
+pub use mscclpp_cuda::driver::default_hardware_queues;
+#[cfg(feature = "cuda")]
 pub use mscclpp_cuda::CudaGpu;
 #[cfg(feature = "rocm")]
 pub use mscclpp_rocm::RocmGpu;

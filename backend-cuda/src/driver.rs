@@ -19,6 +19,7 @@ pub const LIBCUDA: &str = "libcuda.so.1";
 pub fn probe_libcuda() -> Result<()> {
     static PROBE: OnceLock<std::result::Result<(), String>> = OnceLock::new();
     let outcome = PROBE.get_or_init(|| {
+        default_hardware_queues();
         // SAFETY: loading the driver runs its initialisers, which have no preconditions.
         match unsafe { libloading::Library::new(LIBCUDA) } {
             // Keep it loaded for the life of the process: cudarc resolves symbols from it later and
@@ -36,6 +37,48 @@ pub fn probe_libcuda() -> Result<()> {
             backend: "cuda".into(),
             reason: format!("{LIBCUDA} could not be loaded: {dlerror}"),
         })
+}
+
+/// CUDA's own variable for the hardware queues a process's streams share (8 when unset).
+pub const HARDWARE_QUEUES_VAR: &str = "CUDA_DEVICE_MAX_CONNECTIONS";
+
+/// The value [`default_hardware_queues`] gives: CUDA's most.
+pub const DEFAULT_HARDWARE_QUEUES: &str = "32";
+
+/// Sets `CUDA_DEVICE_MAX_CONNECTIONS=32` when it is unset and libcuda is not loaded in this
+/// process yet; returns whether it did.
+///
+/// CUDA spreads a process's streams over that many hardware queues in creation order. A copy of
+/// the Ethernet receiver's (or of the proxy's) whose stream shares a queue with a kernel waiting
+/// for that copy waits behind the kernel until the device wait timeout: at 2 simulated hosts x 4
+/// ranks on one H100 every run stalled with 8 queues and none with 32 (docs/troubleshooting.md).
+/// With 32, two streams share a queue only 32 creations apart.
+///
+/// CUDA reads the variable when it makes a context, so it is set only while libcuda is not loaded
+/// (then no context of the process exists). A user's own value stays (1 is refused where it would
+/// hang, [`mscclpp_core::port_channel::shared_queue_hazard`]). Writing the environment races with
+/// C code of other threads reading it; this runs before the process's first CUDA work, from the
+/// NCCL shim's load-time initialiser or from the first backend constructor.
+pub fn default_hardware_queues() -> bool {
+    let set = std::env::var_os(HARDWARE_QUEUES_VAR).is_none() && !libcuda_loaded();
+    if set {
+        std::env::set_var(HARDWARE_QUEUES_VAR, DEFAULT_HARDWARE_QUEUES);
+    }
+    set
+}
+
+/// Whether libcuda is loaded in this process already (by us, a CUDA runtime or another library).
+fn libcuda_loaded() -> bool {
+    let name = std::ffi::CString::new(LIBCUDA).expect("no NUL in the soname");
+    // SAFETY: RTLD_NOLOAD never loads anything; it only looks the library up, matching its
+    // soname, and the reference it gives back is dropped at once.
+    let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOLOAD | libc::RTLD_LAZY) };
+    if handle.is_null() {
+        return false;
+    }
+    // SAFETY: drops the reference the lookup above took.
+    unsafe { libc::dlclose(handle) };
+    true
 }
 
 /// The names in `symbols` that libcuda does not export. cudarc panics on its first call of a

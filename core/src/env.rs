@@ -52,7 +52,7 @@
 //! | `MSCCLPP_PROGRAMMATIC_LAUNCH` | `programmatic_launch` | bool; native collective kernels may launch while the stream's previous kernel finishes (CUDA programmatic dependent launch, sm_90+) | true |
 //! | `MSCCLPP_EAGER_GRAPH_LAUNCH` | `eager_graph_launch` | bool; outside stream capture, native collective kernels launch through a cached one-kernel CUDA graph, whose launch costs the calling thread about half of cuLaunchKernel's (the programmatic overlap does not apply then) | true |
 //! | `NCCL_NVLS_ENABLE` | `nccl_nvls_enable` | bool; `0` also disables NVLS here | unset |
-//! | `CUDA_DEVICE_MAX_CONNECTIONS` | `cuda_device_max_connections` | CUDA's own: hardware queues the process's streams share; read to refuse PortChannel patterns that hang on one queue ([`crate::port_channel::shared_queue_hazard`]) | unset (CUDA: 8); `import mscclpp` sets 32 when unset (docs/troubleshooting.md) |
+//! | `CUDA_DEVICE_MAX_CONNECTIONS` | `cuda_device_max_connections` | CUDA's own: hardware queues the process's streams share; read to refuse PortChannel patterns that hang on one queue ([`crate::port_channel::shared_queue_hazard`]) | unset (CUDA: 8); set to 32 when unset by `import mscclpp`, by the NCCL shim when loaded and by the CUDA backend before any CUDA library is loaded (docs/troubleshooting.md) |
 //! | `MSCCLPP_MASTER_ADDR` | `master_addr` | host name or IP | unset |
 //! | `MSCCLPP_MASTER_PORT` | `master_port` | 1-65535 | unset |
 //! | `MSCCLPP_GPU_BACKEND` | `gpu_backend` | `cuda rocm auto` | unset (= auto) |

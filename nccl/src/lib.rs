@@ -37,6 +37,7 @@ pub mod handles;
 pub mod lifecycle;
 pub mod memory;
 pub mod ops;
+pub mod preload;
 pub mod registry;
 pub mod watchdog;
 

@@ -38,7 +38,7 @@ fn every_nccl_2_28_export_has_c_linkage_and_a_declaration() {
         names.len()
     );
     let header = std::fs::read_to_string(Path::new(CRATE).join("include/nccl.h")).expect("nccl.h");
-    // SAFETY: loading our own library; its initialisers do nothing.
+    // SAFETY: loading our own library; its one initialiser only sets a CUDA variable (preload.rs).
     let lib = unsafe { libloading::Library::new(shim_path()) }.expect("load the shim");
     let mut missing = Vec::new();
     for name in &names {
@@ -112,4 +112,25 @@ fn which_cc() -> Result<String, ()> {
         Ok(o) if o.status.success() => Ok(cc),
         _ => Err(()),
     }
+}
+
+/// Under `LD_PRELOAD` the shim gives the program CUDA's most hardware queues before its `main`
+/// unless the user chose a number (src/preload.rs): a shell started that way sees 32, or its own.
+#[test]
+fn preloading_gives_32_hardware_queues_unless_set() {
+    let queues_seen = |given: Option<&str>| {
+        let mut sh = Command::new("sh");
+        sh.args(["-c", "echo ${CUDA_DEVICE_MAX_CONNECTIONS:-unset}"])
+            .env("LD_PRELOAD", shim_path())
+            .env_remove("CUDA_DEVICE_MAX_CONNECTIONS");
+        if let Some(v) = given {
+            sh.env("CUDA_DEVICE_MAX_CONNECTIONS", v);
+        }
+        let out = sh.output().expect("run sh");
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap().trim().to_string()
+    };
+    assert_eq!(queues_seen(None), "32");
+    assert_eq!(queues_seen(Some("8")), "8");
+    assert_eq!(queues_seen(Some("1")), "1");
 }

@@ -12,7 +12,8 @@ import os
 # timeout: across simulated hosts at 2 x 4 ranks on one H100 this stalled every run with 8 queues
 # and none with 32 (docs/troubleshooting.md). 32 is CUDA's most: two streams then share a queue
 # only 32 creations apart. It counts only if set before the process's CUDA context exists (before
-# PyTorch's first CUDA call); a user's own value stays (1 is refused where it would hang).
+# PyTorch's first CUDA call); a user's own value stays (1 is refused where it would hang). The NCCL
+# shim and the Rust CUDA backend give the same default (mscclpp_cuda::driver).
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 from . import ext, language, utils

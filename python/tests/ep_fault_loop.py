@@ -81,7 +81,6 @@ def main():
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank % torch.cuda.device_count())
     dev = torch.device("cuda", torch.cuda.current_device())
-    Buffer.allow_internode = True
     # gloo: the group only bootstraps the Buffer, and NCCL refuses ranks sharing a GPU.
     dist.init_process_group("gloo")
     R, r = dist.get_world_size(), dist.get_rank()

@@ -293,8 +293,6 @@ def main():
                              "for a dispatch; lower it where ranks share a GPU under MPS)")
     args = parser.parse_args()
     Buffer.use_kernels = args.kernels
-    # Across hosts (HOSTS=h in python-run.sh) the check runs the opt-in internode mode.
-    Buffer.allow_internode = True
     Buffer.set_num_sms(args.num_sms)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank % torch.cuda.device_count())

@@ -15,12 +15,12 @@ consecutive ranks (ranks may share a GPU):
   `get_next_low_latency_combine_buffer`, `out`), `get_low_latency_rdma_size_hint`,
   `clean_low_latency_buffer`;
 - `capture`, `destroy`, `get_local_buffer_tensor`.
-- across hosts, opt-in (`Buffer.allow_internode = True`) until it has passed on a GPU (DeepEP's
-  internode mode: `get_num_rdma_ranks` > 1, `num_tokens_per_rdma_rank` from
-  `get_dispatch_layout` and checked by `dispatch`, `internode_dispatch` and `internode_combine`
-  as `dispatch` and `combine`), every call above with the same semantics: the point-to-point
-  groups cross hosts through the runtime's PortChannel engine (Ethernet or IB), so a dead or
-  stalled peer is an error on every rank within the device wait timeout.
+- across hosts (DeepEP's internode mode, on unless `Buffer.allow_internode = False`:
+  `get_num_rdma_ranks` > 1, `num_tokens_per_rdma_rank` from `get_dispatch_layout` and checked
+  by `dispatch`, `internode_dispatch` and `internode_combine` as `dispatch` and `combine`), every
+  call above with the same semantics: the point-to-point groups cross hosts through the
+  runtime's PortChannel engine (Ethernet or IB), so a dead or stalled peer is an error on every
+  rank within the device wait timeout.
 How the data moves (point-to-point groups, or the intranode kernels with
 `Buffer.use_kernels = True`, one host only) is in `buffer`'s and `low_latency`'s docs.
 

@@ -108,7 +108,7 @@ class Buffer:
     their shapes (checked; their point-to-point path allocates what a call moves from PyTorch's
     allocator, so the bytes are not reserved up front). `num_qps_per_rank`,
     `allow_nvlink_for_low_latency_mode` and `allow_mnnvl` are accepted and unused, as in DeepEP
-    within one NVLink domain. With `Buffer.allow_internode` a group may span hosts
+    within one NVLink domain. A group may span hosts (unless `Buffer.allow_internode` is False)
     (`config.host_blocks`: equal blocks of consecutive ranks, at most 8 a host, 32 in all); its
     rows then cross hosts through the runtime's point-to-point engine over PortChannels.
     """
@@ -118,9 +118,9 @@ class Buffer:
     # (see the module doc); True, the intranode kernels (kernels-cu/src/kernels/ep_intranode.cu:
     # counts and rings through every rank's NVLink buffer). Every rank must set the same.
     use_kernels: bool = False
-    # Groups across hosts (DeepEP's internode mode) for the Buffers made from now on: opt-in until
-    # every case of the GPU check has passed across hosts (docs/ep.md, "Across hosts").
-    allow_internode: bool = False
+    # Groups across hosts (DeepEP's internode mode) for the Buffers made from now on; False
+    # refuses them, for a program that wants its groups kept inside a host (docs/ep.md).
+    allow_internode: bool = True
 
     def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
                  num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False,
@@ -154,9 +154,8 @@ class Buffer:
         self._hosts = host_blocks(self._comm_group.communicator.host_ranks, size)
         if self._hosts > 1 and not Buffer.allow_internode:
             raise NotImplementedError(
-                f"Buffer: this group spans {self._hosts} hosts; the internode mode is opt-in "
-                "until it has passed on a GPU (Buffer.allow_internode = True on every rank; see "
-                "docs/ep.md)")
+                f"Buffer: this group spans {self._hosts} hosts and Buffer.allow_internode is "
+                "False (set it True on every rank for the internode mode; see docs/ep.md)")
         if self._hosts > 1 and Buffer.use_kernels:
             raise NotImplementedError(
                 "Buffer.use_kernels: the intranode kernels need every peer's memory mapped, "
