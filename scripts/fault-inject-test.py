@@ -8,7 +8,8 @@ MSCCLPP_DEVICE_WAIT_TIMEOUT seconds ("stalled") and tells the others, and every 
 bench's timestamped "the timed loop stopped" and "torn down" warnings and its error line, and exits
 1. FAKE_MODE makes it misbehave: `early` (rank 1 fails before any signal), `hang` (survivors never exit),
 `noloop` (no "timed loop stopped" line), `setup` (the bench's set-up line
-instead: the signal landed in the graph capture), `fault` (a context fault logged before the error)."""
+instead: the signal landed in the graph capture), `fault` (a context fault logged before the error),
+`slowexit` (every rank exits 2.5 s after its error)."""
 
 import json
 import os
@@ -43,6 +44,8 @@ def fail(msg):
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")
         print(f"{stamp}Z  WARN mscclpp::bench: torn down (rank {rank}), exiting on the error", flush=True)
     print(f"mscclpp-bench (rank {rank}): error: communicator aborted: rank {rank}: {msg}", flush=True)
+    if mode == "slowexit":
+        time.sleep(2.5)  # an exit that outlasts --hang-after (a slow context teardown, say)
     sys.exit(1)
 
 if rank == 0:
@@ -187,8 +190,20 @@ def main():
         if mode == "hang":
             with open(os.path.join(tmp, mode, "fault-inject", "failures.log")) as f:
                 log = f.read()
-            check("hung; its threads at the kill:" in log and "thread " in log,
+            check("still running 2 s after the signal (it was killed at the world's end); its "
+                  "threads then:" in log and "thread " in log,
                   "a hung survivor's threads are in failures.log", r)
+
+    # A survivor that exits after --hang-after while the stopped victim runs again is timed (a
+    # slow exit), not counted as a hang, and its threads at --hang-after are in the log.
+    r, rows, _, _ = run(tmp, "slowexit", ["--runs", "1", "--config", "2:STOP:eager:0",
+                                          "--hang-after", "2"], {"FAKE_MODE": "slowexit"})
+    row = rows["2 ranks STOP eager no MPS"]
+    with open(os.path.join(tmp, "slowexit", "fault-inject", "failures.log")) as f:
+        log = f.read()
+    check(r.returncode == 1 and any(k.startswith("took ") for k in row["reasons"])
+          and "still running 2 s after the signal (it exited 3." in log,
+          f"a slow exit is timed, not a hang ({row['reasons']})", r)
 
     # PortChannel traffic under MPS at more than 2 ranks a GPU is refused by the library: not run.
     r, _, _, _ = run(tmp, "mpsport", ["--runs", "1", "--config", "4:KILL:port:1"])

@@ -12,8 +12,9 @@ its timed loop stopped on the failure (so the signal landed in the loop, not in 
 whose log says its set-up stopped instead names the step, and --settle was too short), and no
 survivor's log, nor a continued stopped victim's, shows a fault of its CUDA context. A run in which
 any rank ended, or a survivor's timed loop stopped, before the signal fails too (a false timeout
-under load is a failure, not a skipped run). Survivors still running --hang-after seconds after the signal are killed and the run
-fails. The liveness timeout (MSCCLPP_LIVENESS_TIMEOUT) follows MSCCLPP_DEVICE_WAIT_TIMEOUT unless
+under load is a failure, not a skipped run). After a KILL, survivors still running --hang-after
+seconds after the signal are killed and the run fails; after a STOP the victim is continued then,
+and survivors still running --timeout + --slack seconds later are killed. The liveness timeout (MSCCLPP_LIVENESS_TIMEOUT) follows MSCCLPP_DEVICE_WAIT_TIMEOUT unless
 the environment sets it.
 
 Ranks are started directly with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
@@ -64,9 +65,11 @@ its world's share, 100 x GPUs / ranks): every native kernel needs its whole grid
 waits for its peers. Each phase first runs one short job per rank count and workload without a
 signal (smallest worlds first: they compile the kernels into the cache that the rest read), then
 the timed runs, then checks that a new process can still create a CUDA context (the "GPU usable
-after" column: a killed MPS client that took the server down shows here). A survivor that hangs
-(still running --hang-after seconds after the signal) gets its threads' names, states and kernel
-wait channels (/proc) written into its log before it is killed.
+after" column: a killed MPS client that took the server down shows here). A survivor still
+running --hang-after seconds after the signal gets its threads' names, states, kernel wait
+channels and kernel stacks (/proc, the stacks where readable) at that moment written into its log,
+with the time it exited, if it did (a slow exit, say in the driver's context teardown, is not a
+hang and shows where it spends the time).
 
 --budget S bounds the whole command (warm-up, MPS start and stop, the probe included): a world is
 started only if it should end in time by the mean duration of its configuration's finished runs;
@@ -366,6 +369,7 @@ class World:
         self.reader, self.read_upto, self.header_at = open(self.paths[0], "rb"), 0, None
         self.sent = self.sent_wall = self.continued = self.load = None
         self.ended, self.early, self.not_running = {}, [], None
+        self.late_dumps = {}
         self.victim_end = "-"
         self.result = None
 
@@ -418,11 +422,18 @@ class World:
             if now - self.header_at >= a.settle:
                 self._send(now)
             return False
-        if self.state == "signalled":
+        if self.state in ("signalled", "continued"):
+            # Survivors are timed until the world is reaped: one that exits while a stopped
+            # victim runs again is slow, not hung.
             for r in self.survivors:
                 if r not in self.ended and self.procs[r].poll() is not None:
                     self.ended[r] = now - self.sent
+        if self.state == "signalled":
             if len(self.ended) == len(self.survivors) or now - self.sent > a.hang_after:
+                # Where a survivor still running waits, seen at this moment: by the world's end
+                # it may have exited (or, once the victim runs again, moved on).
+                self.late_dumps = {r: thread_dump(self.procs[r].pid) for r in self.survivors
+                                   if r not in self.ended and self.procs[r].poll() is None}
                 if self.cfg[1] == "KILL":
                     self.victim_end = "killed by the signal"
                     return self._finish()
@@ -436,19 +447,19 @@ class World:
             return False
         if self.state == "continued":
             waited = now - self.continued
-            if self.procs[self.victim].poll() is not None:
+            if self.victim_end == "-" and self.procs[self.victim].poll() is not None:
                 self.victim_end = f"continued, exited by itself in {waited:.2f} s"
-                return self._finish()
             if waited > a.timeout + a.slack:
-                self.victim_end = f"continued, still running after {a.timeout + a.slack} s: SIGKILLed"
+                if self.victim_end == "-":
+                    self.victim_end = (f"continued, still running after {a.timeout + a.slack} s: "
+                                       "SIGKILLed")
+                return self._finish()
+            if self.victim_end != "-" and len(self.ended) == len(self.survivors):
                 return self._finish()
             return False
         return self.state == "done"
 
     def _finish(self):
-        # A survivor still running here hangs: where its threads wait goes into its log.
-        dumps = {r: thread_dump(self.procs[r].pid) for r in self.survivors
-                 if self.sent is not None and r not in self.ended and self.procs[r].poll() is None}
         for p in self.procs:
             if p.poll() is None:
                 p.kill()  # a stopped process dies too
@@ -460,8 +471,12 @@ class World:
         for path in self.paths:
             with open(path, "rb") as log:
                 texts.append(ANSI.sub("", log.read().decode("utf-8", "replace")))
-        for r, dump in dumps.items():
-            texts[r] += f"\n[fault-inject] rank {r} hung; its threads at the kill:\n{dump}\n"
+        for r, dump in self.late_dumps.items():
+            t = self.ended.get(r)
+            end = (f"it exited {t:.2f} s after the signal" if t is not None
+                   else "it was killed at the world's end")
+            texts[r] += (f"\n[fault-inject] rank {r} still running {self.a.hang_after:.0f} s after "
+                         f"the signal ({end}); its threads then:\n{dump}\n")
         self.texts = texts
         self.result = self._verdicts() if self.warm_up is None else self._warm_up_result()
         self.state = "done"
@@ -542,8 +557,9 @@ class World:
 
 
 def thread_dump(pid):
-    """Each thread of `pid`: its name, state and the kernel function it sleeps in (from /proc, so
-    no debugger is needed on the GPU machine), to see where a hung survivor waits."""
+    """Each thread of `pid`: its name, state, the kernel function it sleeps in and, where readable,
+    its kernel stack (from /proc, so no debugger is needed on the GPU machine), to see where a
+    survivor that has not exited waits."""
     lines = []
     try:
         for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
@@ -558,6 +574,14 @@ def thread_dump(pid):
             except OSError:
                 continue
             lines.append(f"  thread {tid} {comm!r}: state {state}, waiting in {wchan}")
+            try:
+                # Root only: the kernel functions under the wait (the driver's, in an exit).
+                with open(f"{base}/stack") as f:
+                    frames = [l.split()[-1] for l in f.read().splitlines() if l.strip()]
+                if frames:
+                    lines.append(f"    kernel stack: {' <- '.join(frames[:8])}")
+            except OSError:
+                pass
     except OSError as e:
         lines.append(f"  (no thread list: {e})")
     return "\n".join(lines)

@@ -4,7 +4,7 @@
 # multicast off; MPS=1 runs them under an MPS server, each rank held to its share of the SMs when
 # ranks outnumber GPUs (mps.sh), as gpu-run.sh does. The wheel must be installed first, e.g.
 #   pip install --no-deps --target /tmp/site .gpu/*.whl   (then PYTHONPATH=/tmp/site is used)
-# Usage: [NRANKS=4] [MPS=1] bash .gpu/python-run.sh [check|default|dsl|dslc|dslshim|interpose|tuning|native|torchcomms|torchcomms-train|ep|ep-bench|hostread|all]
+# Usage: [NRANKS=4] [MPS=1] bash .gpu/python-run.sh [check|default|dsl|dslc|dslshim|interpose|tuning|native|torchcomms|torchcomms-train|ep|ep-deepep|ep-bench|hostread|all]
 # dsl runs the execution-plan example on the plans gpu-stage.sh put in .gpu/plans and
 # .gpu/builder-plans; dslc compiles our DSL programs (python/examples/dsl) and runs their plans;
 # interpose the DSL guide's NCCL-interposition flow (a DSL plan and a selector registered in
@@ -15,7 +15,9 @@
 # .gpu/lib/libmscclpp_nccl.so preloaded, then compares them bit for bit.
 # ep runs mscclpp.ext.ep's check against its reference (EP_SEED=S to repeat a seed, EP_QUICK=1
 # without the 4096 x 7168 case, EP_KERNELS=1 through the intranode kernels, EP_NUM_SMS=N their
-# grid), then the MoE example. ep-bench runs the EP benchmark (python -m mscclpp.ext.ep.bench;
+# grid), then the MoE example. ep-deepep compares it with DeepEP itself on the same inputs
+# (tests/ep_deepep_oracle.py: deep_ep, built by hand, on PYTHONPATH; EP_SEED, EP_QUICK and
+# EP_KERNELS as for ep). ep-bench runs the EP benchmark (python -m mscclpp.ext.ep.bench;
 # EP_BENCH_ARGS are its options, e.g. "--num-tokens 512 --modes low-latency"), within
 # TORCHCOMMS_TIMEOUT seconds (default 300). HOSTS=h runs ep's check as h simulated hosts (the
 # internode mode; without MPS, which port channels refuse beyond 2 ranks a GPU).
@@ -109,6 +111,11 @@ case "${1:-all}" in
       ${EP_KERNELS:+--kernels} ${EP_NUM_SMS:+--num-sms "$EP_NUM_SMS"}
     bounded 120 examples/moe_ep.py
     ;;
+  ep-deepep)
+    # deep_ep (built by hand, never committed) must be importable, e.g. through PYTHONPATH.
+    bounded 420 tests/ep_deepep_oracle.py ${EP_SEED:+--seed "$EP_SEED"} ${EP_QUICK:+--quick} \
+      ${EP_KERNELS:+--kernels}
+    ;;
   ep-bench)
     echo "== python -m mscclpp.ext.ep.bench on $nranks ranks"
     # shellcheck disable=SC2086 # EP_BENCH_ARGS is a list of options
@@ -136,5 +143,5 @@ case "${1:-all}" in
     run examples/customized_allgather.py
     bounded 540 tests/torchcomms_gpu_check.py ${TORCHCOMMS_QUICK:+--quick}
     ;;
-  *) echo "usage: $0 [check|default|dsl|dslc|dslshim|interpose|tuning|native|torchcomms|torchcomms-train|ep|ep-bench|hostread|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [check|default|dsl|dslc|dslshim|interpose|tuning|native|torchcomms|torchcomms-train|ep|ep-deepep|ep-bench|hostread|all]" >&2; exit 2 ;;
 esac

@@ -96,9 +96,10 @@ impl EpBuffer {
     }
 
     /// The error a kernel of this communicator left (a wait that gave up, an inconsistent
-    /// handle), or an abort.
-    pub fn async_error(&self) -> Option<Error> {
-        self.comm.async_error()
+    /// handle), or an abort, prefixed with `op`; a wait that gave up names the peers that no
+    /// longer answer ([`Communicator::check`]).
+    pub fn check(&self, op: &str) -> Result<()> {
+        self.comm.check(op)
     }
 
     /// Enqueues `kernel` on `stream`. `args` carries the call's tensors and shape (the fields a

@@ -246,6 +246,20 @@ impl CommSession {
         .or_else(|| self.communicator.async_error())
     }
 
+    /// [`async_error`](Self::async_error) as a result, prefixed with `op`, with the cause of a
+    /// device wait that gave up named: the first time, the communicator asks the peers over the
+    /// bootstrap who is alive and names those that do not answer ([`Communicator::check`];
+    /// up to half a second). A stopped peer otherwise shows only as "a semaphore wait timed out"
+    /// on the ranks whose kernels timed out before the heartbeat blamed it.
+    pub fn check(&self, op: &str) -> Result<()> {
+        if let Ok(engine) = &self.p2p {
+            if let Some(mismatch) = engine.mismatch() {
+                return Err(Error::InvalidArgument(mismatch));
+            }
+        }
+        self.communicator.check(op)
+    }
+
     /// Orders an operation about to be enqueued on `stream` after this session's previous one,
     /// as NCCL does whatever streams they come on: PyTorch issues a synchronous collective on the
     /// caller's current stream and an asynchronous one on a stream of its own, with nothing

@@ -95,9 +95,11 @@ impl PyEpBuffer {
             .map_err(to_py)
     }
 
-    /// Raises the error a kernel of this communicator left, if any.
-    fn check(&self) -> PyResult<()> {
-        self.inner.async_error().map_or(Ok(()), |e| Err(to_py(e)))
+    /// Raises the error a kernel of this communicator left, if any, naming the peers that no
+    /// longer answer after a wait that gave up (a liveness ping of up to half a second, once).
+    fn check(&self, py: Python<'_>) -> PyResult<()> {
+        let inner = &self.inner;
+        py.detach(|| inner.check("the EP kernels")).map_err(to_py)
     }
 }
 

@@ -188,9 +188,13 @@ impl PySession {
         self.inner.p2p_unavailable().map(str::to_string)
     }
 
-    /// Raises the error left on this session, if any, as the runtime's exception for it.
-    fn check(&self) -> PyResult<()> {
-        self.inner.async_error().map_or(Ok(()), |e| Err(to_py(e)))
+    /// Raises the error left on this session, if any, as the runtime's exception for it; after
+    /// a device wait that gave up it names the peers that no longer answer (a liveness ping of
+    /// up to half a second, once).
+    fn check(&self, py: Python<'_>) -> PyResult<()> {
+        let session = &self.inner;
+        py.detach(|| session.check("this session's work"))
+            .map_err(to_py)
     }
 }
 

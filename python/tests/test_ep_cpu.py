@@ -189,6 +189,13 @@ def test_the_signatures_are_deepeps():
     assert list(inspect.signature(Buffer.combine).parameters) == [
         "self", "x", "handle", "topk_weights", "bias", "config", "previous_event", "async_finish",
         "allocate_on_comm_stream"]
+    # DeepEP's dispatch calls its internode dispatch positionally, without num_worst_tokens.
+    assert list(inspect.signature(Buffer.internode_dispatch).parameters) == [
+        p for p in dispatch if p != "num_worst_tokens"]
+    assert list(inspect.signature(Buffer.internode_combine).parameters) == list(
+        inspect.signature(Buffer.combine).parameters)
+    # DeepEP's own tests ask it before they test fp8.
+    assert Buffer.is_sm90_compiled() is True
     assert list(inspect.signature(Buffer.low_latency_dispatch).parameters) == [
         "self", "x", "topk_idx", "num_max_dispatch_tokens_per_rank", "num_experts",
         "cumulative_local_expert_recv_stats", "dispatch_wait_recv_cost_stats", "use_fp8",
@@ -845,10 +852,10 @@ def test_across_hosts_the_layout_counts_tokens_per_host(num_ranks, hosts):
         r = buf.rank
         assert (buf.get_num_rdma_ranks(), buf.get_num_nvl_ranks()) == (hosts, num_ranks // hosts)
         per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], E)
-        recv_x = buf.internode_dispatch(
-            xs[r], num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_host,
-            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idxs[r],
-            topk_weights=ws[r])[0]
+        # Positionally, in DeepEP's order (its `dispatch` calls it so): handle, the four
+        # layout tensors, topk_idx, topk_weights, expert_alignment, then config.
+        recv_x = buf.internode_dispatch(xs[r], None, per_rank, per_host, in_rank, per_expert,
+                                        idxs[r], ws[r], 1, buf.get_dispatch_config(num_ranks))[0]
         return per_host, in_rank, recv_x
 
     for r, (per_host, in_rank, recv_x) in enumerate(

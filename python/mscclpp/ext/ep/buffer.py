@@ -187,6 +187,12 @@ class Buffer:
     # ---- configuration -----------------------------------------------------------------------
 
     @staticmethod
+    def is_sm90_compiled():
+        """DeepEP's test of its build for the fp8 and Hopper paths. Ours compiles its kernels for
+        the device at run time and moves fp8 rows on every architecture: always True."""
+        return True
+
+    @staticmethod
     def set_num_sms(new_num_sms):
         """The SMs the high-throughput kernels use (even: each channel is a sender and a receiver
         block); the configs made after this call use it."""
@@ -456,14 +462,22 @@ class Buffer:
         event = self._finish(compute, inputs, [combined, combined_w], async_finish)
         return combined, combined_w, event
 
-    def internode_dispatch(self, *args, **kwargs):
+    def internode_dispatch(self, x, handle=None, num_tokens_per_rank=None,
+                           num_tokens_per_rdma_rank=None, is_token_in_rank=None,
+                           num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                           expert_alignment=1, config=None, previous_event=None,
+                           async_finish=False, allocate_on_comm_stream=False):
         """DeepEP's internode dispatch, which its `dispatch` calls across hosts: here one data
-        path serves both, so this is `dispatch`."""
-        return self.dispatch(*args, **kwargs)
+        path serves both, so this is `dispatch`. Its parameters are DeepEP's, in DeepEP's order
+        (no `num_worst_tokens`, which DeepEP's internode mode refuses), so positional calls
+        written for DeepEP mean the same here."""
+        return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                             is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                             expert_alignment, 0, config, previous_event, async_finish,
+                             allocate_on_comm_stream)
 
-    def internode_combine(self, *args, **kwargs):
-        """DeepEP's internode combine: `combine` (see `internode_dispatch`)."""
-        return self.combine(*args, **kwargs)
+    # DeepEP's internode combine, with combine's parameters in DeepEP too: `combine` itself.
+    internode_combine = combine
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         """DeepEP zeroes the parts of its buffer its low-latency kernels count in; the
