@@ -617,6 +617,8 @@ impl Communicator {
     /// the communicator's error, prefixed with `op`. The first time it finds a device wait timed
     /// out for no known reason, it asks the peers over the bootstrap who is alive (up to
     /// `LIVENESS_PING_TIMEOUT`) and names the ranks that do not answer: a stopped or hung peer.
+    /// It then aborts the job blaming the first of them ([`Bootstrap::abort_job`]), so every
+    /// rank's error names that peer, not this rank once it has left on this error.
     pub fn check(&self, op: &str) -> Result<()> {
         let Some(mut error) = self.health.error() else {
             return Ok(());
@@ -625,22 +627,29 @@ impl Communicator {
             && self.health.reason.lock().is_ok_and(|r| r.is_none())
         {
             let silent = self.bootstrap.unresponsive_peers(LIVENESS_PING_TIMEOUT);
-            self.health.set_reason(&if silent.is_empty() {
-                "every peer answers over the bootstrap (a peer's kernel did not run or did not \
-                 reach this wait)"
-                    .to_string()
+            if silent.is_empty() {
+                self.health.set_reason(
+                    "every peer answers over the bootstrap (a peer's kernel did not run or did \
+                     not reach this wait)",
+                );
             } else {
                 // A sub-communicator's ranks are its group's: name the job's.
                 let ranks: Vec<String> = silent
                     .iter()
                     .map(|&r| format!("rank {}", self.bootstrap.job_rank(r)))
                     .collect();
-                format!(
-                    "{} did not answer a liveness ping within {:?} (stopped, hung or dead)",
+                let reason = format!(
+                    "{} did not answer a liveness ping within {:?} (stopped, hung or dead) after \
+                     a device wait of rank {} timed out",
                     ranks.join(", "),
-                    LIVENESS_PING_TIMEOUT
-                )
-            });
+                    LIVENESS_PING_TIMEOUT,
+                    self.bootstrap.job_rank(self.rank())
+                );
+                self.health.set_reason(&reason);
+                // The peers learn the cause too: a rank that leaves on this error would otherwise
+                // be what their own errors name ("rank R died").
+                self.bootstrap.abort_job(silent[0], &reason);
+            }
             error = self.health.error().unwrap_or(error);
         }
         Err(match error {
@@ -1057,6 +1066,99 @@ mod tests {
             }
             assert!(matches!(comm.async_error(), Some(Error::Aborted(_))));
         });
+    }
+
+    /// A job's TCP bootstrap whose liveness pings, on this rank, find `silent` unresponsive: as
+    /// if those ranks were stopped (in-process ranks always answer).
+    struct SilentPeers {
+        inner: Arc<dyn Bootstrap>,
+        silent: Vec<usize>,
+    }
+
+    impl Bootstrap for SilentPeers {
+        fn rank(&self) -> usize {
+            self.inner.rank()
+        }
+        fn size(&self) -> usize {
+            self.inner.size()
+        }
+        fn send(&self, peer: usize, tag: u64, data: &[u8]) -> Result<()> {
+            self.inner.send(peer, tag, data)
+        }
+        fn recv(&self, peer: usize, tag: u64) -> Result<Vec<u8>> {
+            self.inner.recv(peer, tag)
+        }
+        fn try_recv(&self, peer: usize, tag: u64) -> Result<Option<Vec<u8>>> {
+            self.inner.try_recv(peer, tag)
+        }
+        fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+            self.inner.all_gather(data)
+        }
+        fn barrier(&self) -> Result<()> {
+            self.inner.barrier()
+        }
+        fn broadcast(&self, root: usize, data: &[u8]) -> Result<Vec<u8>> {
+            self.inner.broadcast(root, data)
+        }
+        fn watch_failures(&self, listener: Weak<dyn FailureListener>) {
+            self.inner.watch_failures(listener)
+        }
+        fn unresponsive_peers(&self, _within: Duration) -> Vec<usize> {
+            self.silent.clone()
+        }
+        fn interrupt(&self, reason: &str) {
+            self.inner.interrupt(reason)
+        }
+        fn abort_job(&self, rank: usize, reason: &str) {
+            self.inner.abort_job(rank, reason)
+        }
+    }
+
+    #[test]
+    fn a_device_timeout_names_a_silent_peer_on_every_rank() {
+        // Rank 0's device wait gives up and rank 2 does not answer its pings: rank 0's error
+        // names rank 2, and so do rank 1's and rank 2's, through the job's abort, though their
+        // own waits did not time out.
+        let gpu: Arc<dyn Gpu> = Arc::new(HostGpu::new());
+        let all_checked = Arc::new(std::sync::Barrier::new(3));
+        let errors = on_loopback_ranks(3, Duration::from_secs(10), move |rank, boot| {
+            let silent = if rank == 0 { vec![2] } else { Vec::new() };
+            let boot: Arc<dyn Bootstrap> = Arc::new(SilentPeers {
+                inner: boot,
+                silent,
+            });
+            let comm = Communicator::new(boot, gpu.clone(), 0).expect("communicator");
+            if rank == 0 {
+                comm.health.code().store(
+                    crate::device::DEVICE_ERROR_SEMAPHORE_WAIT_TIMEOUT,
+                    Ordering::Release,
+                );
+            }
+            let start = Instant::now();
+            let error = loop {
+                match comm.check("dispatch") {
+                    Err(e) => break e.to_string(),
+                    Ok(()) if start.elapsed() > Duration::from_secs(5) => {
+                        break format!("rank {rank}: no error within 5 s")
+                    }
+                    Ok(()) => std::thread::sleep(Duration::from_millis(10)),
+                }
+            };
+            // Every rank keeps its bootstrap until all have checked: rank 0's leaving would be
+            // a death for the others to report instead.
+            all_checked.wait();
+            error
+        });
+        let named = "rank 2 did not answer a liveness ping within 500ms (stopped, hung or dead) \
+                     after a device wait of rank 0 timed out";
+        assert!(
+            errors[0].contains("a semaphore wait timed out"),
+            "{}",
+            errors[0]
+        );
+        for e in &errors {
+            assert!(e.contains(named), "{e}");
+        }
     }
 
     #[test]

@@ -90,6 +90,16 @@ pub trait Bootstrap: Send + Sync {
         let _ = reason;
     }
 
+    /// Fails the whole job, blaming `rank` (a rank of this bootstrap) with `reason`: this rank's
+    /// failure listeners hear it at once, the peers' when the flood reaches them, and every later
+    /// wait fails naming it; the first failure of a job wins. For a cause found outside the
+    /// bootstrap, such as a peer that does not answer after a device wait gave up, so that every
+    /// rank reports that peer rather than the rank that noticed first and left. Never blocks.
+    /// The default does nothing (a bootstrap without liveness links: tests' in-process mocks).
+    fn abort_job(&self, rank: usize, reason: &str) {
+        let _ = (rank, reason);
+    }
+
     /// `rank`'s rank in the whole job, which errors name: a sub-bootstrap's ranks are its group's
     /// (`SubBootstrap`), so "rank 1" of a cross-host group would be a different process than the
     /// job's rank 1. The default: the same rank (a bootstrap of the whole job).

@@ -249,6 +249,12 @@ impl Bootstrap for SubBootstrap {
             .filter_map(|r| self.link.members.iter().position(|&m| m == r))
             .collect()
     }
+    /// The parent's job fails: the group's `rank` is blamed by its rank there.
+    fn abort_job(&self, rank: usize, reason: &str) {
+        if let Some(&member) = self.link.members.get(rank) {
+            self.link.parent.abort_job(member, reason);
+        }
+    }
 }
 
 #[cfg(test)]

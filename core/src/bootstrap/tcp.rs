@@ -1074,6 +1074,9 @@ impl Bootstrap for TcpBootstrap {
     fn interrupt(&self, reason: &str) {
         self.inner.mailbox.interrupt(reason);
     }
+    fn abort_job(&self, rank: usize, reason: &str) {
+        self.inner.abort_job(rank, reason.to_string());
+    }
 }
 
 impl Drop for TcpBootstrap {
