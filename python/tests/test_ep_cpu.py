@@ -324,7 +324,7 @@ def raised(results):
 
 @pytest.mark.parametrize("num_ranks,num_tokens,case", [
     (2, 50, "random"), (4, 33, "random"), (8, 20, "random"), (4, 1, "random"),
-    (4, 0, "random"), (4, 40, "one_rank"), (4, 40, "empty_rank")])
+    (4, 0, "random"), (4, 40, "one_rank"), (4, 40, "empty_rank"), (4, 33, "user_defaults")])
 def test_buffer_matches_the_reference(num_ranks, num_tokens, case):
     E, K, H = 8 * num_ranks, 4, 64
     xs, idxs, ws = routing(num_ranks * 1000 + num_tokens, num_ranks, num_tokens, K, E, H)
@@ -337,6 +337,15 @@ def test_buffer_matches_the_reference(num_ranks, num_tokens, case):
     routes = [reference.layout(i, E, num_ranks)[2] for i in idxs]
 
     def rank(buf):
+        if case != "user_defaults":
+            return calls(buf)
+        # DeepEP's tests set torch's default device and float type (to "cuda" and bf16): no
+        # tensor of ours may follow them. The meta device stands in for "cuda" (its mode is
+        # thread-local, so each rank's thread enters it).
+        with torch.device("meta"):
+            return calls(buf)
+
+    def calls(buf):
         r = buf.rank
         per_rank, rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], E)
         assert rdma is None
@@ -349,7 +358,13 @@ def test_buffer_matches_the_reference(num_ranks, num_tokens, case):
         return (per_rank, per_expert, in_rank), (recv_x, recv_idx, recv_w, counts, handle), \
             cached, combined
 
-    got = raised(on_ranks(num_ranks, rank))
+    default_dtype = torch.get_default_dtype()
+    if case == "user_defaults":
+        torch.set_default_dtype(torch.bfloat16)
+    try:
+        got = raised(on_ranks(num_ranks, rank))
+    finally:
+        torch.set_default_dtype(default_dtype)
     for r in range(num_ranks):
         layout, (recv_x, recv_idx, recv_w, counts, handle), cached, combined = got[r]
         for a, b in zip(layout, reference.layout(idxs[r], E, num_ranks)):

@@ -80,7 +80,9 @@ def _to_host(t, check):
     if not t.is_cuda:
         check()
         return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    # device="cpu": under torch.set_default_device("cuda") (DeepEP's own tests set it) a
+    # factory without a device would make a CUDA tensor, which cannot be pinned.
+    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
     host.copy_(t, non_blocking=True)
     _poll(torch.cuda.current_stream(t.device), check)
     return host
@@ -247,7 +249,7 @@ class Buffer:
         if not 0 <= offset <= self.num_nvl_bytes:
             raise ValueError(f"get_local_buffer_tensor: offset={offset} is outside the "
                              f"{self.num_nvl_bytes}-byte buffer")
-        element = torch.empty((), dtype=dtype).element_size()
+        element = torch.empty((), dtype=dtype, device="cpu").element_size()
         count = (self.num_nvl_bytes - offset) // element
         tensor = self._nvl[offset:offset + count * element].view(dtype)
         if size is None:
