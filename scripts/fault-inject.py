@@ -14,8 +14,8 @@ survivor's log, nor a continued stopped victim's, shows a fault of its CUDA cont
 any rank ended, or a survivor's timed loop stopped, before the signal fails too (a false timeout
 under load is a failure, not a skipped run). After a KILL, survivors still running --hang-after
 seconds after the signal are killed and the run fails; after a STOP the victim is continued then,
-and survivors still running --timeout + --slack seconds later are killed. The liveness timeout (MSCCLPP_LIVENESS_TIMEOUT) follows MSCCLPP_DEVICE_WAIT_TIMEOUT unless
-the environment sets it.
+and survivors still running --timeout + --slack seconds later are killed. The liveness timeout
+(MSCCLPP_LIVENESS_TIMEOUT) follows MSCCLPP_DEVICE_WAIT_TIMEOUT unless the environment sets it.
 
 Ranks are started directly with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 MASTER_PORT), not under torchrun: torchrun's agent tears the job down itself when one worker dies,
