@@ -14,8 +14,19 @@
 // peer's mapping) are what a transport thread would make if it set up a resource on first use.
 // They leak their resource: a free may synchronise the device, which is not what they ask.
 //
+// The `queues` mode asks what a transport thread can do while a kernel waits on a hardware queue
+// its copies would share: CUDA spreads a context's streams over CUDA_DEVICE_MAX_CONNECTIONS
+// queues in creation order, and work queued behind a waiting kernel on the same queue waits for
+// it (the Ethernet receiver's stall, docs/troubleshooting.md). It first finds which of the 2N
+// streams made after A's share A's queue (B's flag copy on each), then tries ways to set the
+// flag that no queue can hold up: a stream of a second context on the same device, into
+// device memory of the VMM (reachable from every context) and into cudaMalloc memory; and a CPU
+// store into a mapped pinned word that the kernel polls (no CUDA call at all). Run it with the
+// variable at 8 (CUDA's default) and again under MPS.
+//
 // On a GPU machine: nvcc -O2 -o /tmp/stall-probe scripts/driver-stall-probe.cu -lcuda
 //                   /tmp/stall-probe
+//                   CUDA_DEVICE_MAX_CONNECTIONS=8 /tmp/stall-probe queues
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <sys/mman.h>
@@ -130,34 +141,170 @@ static void calls(const Probe& p, const std::string& name) {
   }
 }
 
+// A's kernel on stream `a` spins on `flag` (or for about 2 s), then A copies its result into
+// `result` (`how`: pageable or pinned); 0.3 s in, thread B runs `set`, which sets the flag its
+// own way. Prints whether A got the flag back in time, or only after the kernel's limit.
+template <class Set>
+static bool race(const std::string& name, cudaStream_t a, int* flag, int* out, int* result,
+                 const char* how, Set set) {
+  *result = -1;
+  double start = now();
+  spin<<<1, 1, 0, a>>>(flag, 4000000000LL, out);
+  double b_took = 0;
+  std::thread b([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    double s = now();
+    set();
+    b_took = now() - s;
+  });
+  CHECK(cudaMemcpyAsync(result, out, 4, cudaMemcpyDeviceToHost, a));
+  CHECK(cudaStreamSynchronize(a));
+  double a_took = now() - start;
+  b.join();
+  bool in_time = *result == 1;
+  std::printf("%-32s A's %s copy back after %.3f s, B's calls took %.3f s: %s\n", name.c_str(),
+              how, a_took, b_took, in_time ? "in time" : "STALLED");
+  std::fflush(stdout);
+  return in_time;
+}
+
 static void run(const Probe& p, const std::string& name, bool pageable) {
   CHECK(cudaMemset(p.flag, 0, 4));
   CHECK(cudaDeviceSynchronize());
   std::vector<int> host_page(1, -1);
   int* host = pageable ? host_page.data() : p.pinned_in;
-  *host = -1;
-  double start = now();
-  spin<<<1, 1, 0, p.a>>>(p.flag, 4000000000LL, p.out);
-  double b_took = 0;
-  std::thread b([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    double s = now();
+  race(name, p.a, p.flag, p.out, host, pageable ? "pageable" : "pinned", [&] {
     calls(p, name);
     CHECK(cudaMemcpyAsync(p.flag, p.one, 4, cudaMemcpyHostToDevice, p.b));
     CHECK(cudaStreamSynchronize(p.b));
-    b_took = now() - s;
   });
-  CHECK(cudaMemcpyAsync(host, p.out, 4, cudaMemcpyDeviceToHost, p.a));
-  CHECK(cudaStreamSynchronize(p.a));
-  double a_took = now() - start;
-  b.join();
-  std::printf("%-16s A's %s copy back after %.3f s, B's calls took %.3f s: %s\n", name.c_str(),
-              pageable ? "pageable" : "pinned", a_took, b_took,
-              *host == 1 ? "in time" : "STALLED");
-  std::fflush(stdout);
 }
 
-int main() {
+#define CU_CHECK(x)                                                       \
+  do {                                                                    \
+    CUresult r_ = (x);                                                    \
+    if (r_ != CUDA_SUCCESS) {                                             \
+      const char* s_ = nullptr;                                           \
+      cuGetErrorString(r_, &s_);                                          \
+      std::printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, s_ ? s_ : "?"); \
+      std::exit(2);                                                       \
+    }                                                                     \
+  } while (0)
+
+// One int of device memory through the VMM (as our CUDA backend allocates), readable and
+// writable by device 0 from any context of this process.
+static int* vmm_word() {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = 0;
+  size_t granularity = 0;
+  CU_CHECK(cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+  CUmemGenericAllocationHandle handle;
+  CU_CHECK(cuMemCreate(&handle, granularity, &prop, 0));
+  CUdeviceptr at = 0;
+  CU_CHECK(cuMemAddressReserve(&at, granularity, 0, 0, 0));
+  CU_CHECK(cuMemMap(at, granularity, 0, handle, 0));
+  CUmemAccessDesc access{};
+  access.location = prop.location;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  CU_CHECK(cuMemSetAccess(at, granularity, &access, 1));
+  return reinterpret_cast<int*>(at);
+}
+
+static int queue_cases() {
+  const char* set = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  int queues = set ? std::atoi(set) : 8;
+  std::printf("CUDA_DEVICE_MAX_CONNECTIONS %s (%d queues)\n", set ? set : "unset", queues);
+  CHECK(cudaSetDevice(0));
+  CHECK(cudaFree(nullptr));
+  int *flag, *out, *one, *result, *mapped_flag, *mapped_flag_dev;
+  CHECK(cudaMalloc(&flag, 4));
+  CHECK(cudaMalloc(&out, 4));
+  // Portable: pinned for the second context's copies too.
+  CHECK(cudaHostAlloc(&one, 4, cudaHostAllocPortable));
+  CHECK(cudaHostAlloc(&result, 4, cudaHostAllocPortable));
+  CHECK(cudaHostAlloc(&mapped_flag, 4, cudaHostAllocMapped | cudaHostAllocPortable));
+  CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&mapped_flag_dev), mapped_flag, 0));
+  *one = 1;
+  int* vmm_flag = vmm_word();
+  cudaStream_t a;
+  CHECK(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking));
+  std::vector<cudaStream_t> after(2 * queues);
+  for (auto& s : after) CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+
+  auto reset = [&](int* device_flag) {
+    CHECK(cudaMemset(device_flag, 0, 4));
+    CHECK(cudaDeviceSynchronize());
+  };
+  int shared = -1;
+  for (int i = 0; i < static_cast<int>(after.size()); i++) {
+    reset(flag);
+    bool in_time = race("h2d on stream " + std::to_string(i + 1) + " after A's", a, flag, out,
+                        result, "pinned", [&] {
+                          CHECK(cudaMemcpyAsync(flag, one, 4, cudaMemcpyHostToDevice, after[i]));
+                          CHECK(cudaStreamSynchronize(after[i]));
+                        });
+    if (!in_time && shared < 0) shared = i;
+  }
+  std::printf("first stream sharing A's queue: %s\n",
+              shared < 0 ? "none" : std::to_string(shared + 1).c_str());
+
+  // A second context on the same device: its streams are queues of its own.
+  CUdevice dev;
+  CU_CHECK(cuDeviceGet(&dev, 0));
+  CUcontext primary, second = nullptr;
+  CU_CHECK(cuCtxGetCurrent(&primary));
+#if CUDA_VERSION >= 13000
+  CUresult made = cuCtxCreate(&second, nullptr, 0, dev);
+#else
+  CUresult made = cuCtxCreate(&second, 0, dev);
+#endif
+  CUstream second_stream = nullptr;
+  if (made == CUDA_SUCCESS) made = cuStreamCreate(&second_stream, CU_STREAM_NON_BLOCKING);
+  CU_CHECK(cuCtxSetCurrent(primary));
+  if (made != CUDA_SUCCESS) {
+    const char* text = nullptr;
+    cuGetErrorString(made, &text);
+    std::printf("second context: %s (its cases skipped)\n", text ? text : "?");
+  }
+  for (int* target : {vmm_flag, flag}) {
+    if (made != CUDA_SUCCESS) break;
+    reset(target);
+    const char* what = target == vmm_flag ? "vmm" : "cudaMalloc";
+    race(std::string("second context h2d, ") + what, a, target, out, result, "pinned", [&] {
+      CU_CHECK(cuCtxSetCurrent(second));
+      CUresult r = cuMemcpyHtoDAsync(reinterpret_cast<CUdeviceptr>(target), one, 4, second_stream);
+      if (r == CUDA_SUCCESS) r = cuStreamSynchronize(second_stream);
+      if (r != CUDA_SUCCESS) {
+        const char* text = nullptr;
+        cuGetErrorString(r, &text);
+        std::printf("  second context copy into %s memory: %s\n", what, text ? text : "?");
+        // The kernel still waits: let it go, from the primary context.
+        CU_CHECK(cuCtxSetCurrent(primary));
+        CHECK(cudaMemcpy(target, one, 4, cudaMemcpyHostToDevice));
+      }
+    });
+  }
+  CU_CHECK(cuCtxSetCurrent(primary));
+  // No CUDA call: a store into mapped pinned memory the kernel polls.
+  *mapped_flag = 0;
+  race("cpu store into mapped pinned", a, mapped_flag_dev, out, result, "pinned", [&] {
+    *reinterpret_cast<volatile int*>(mapped_flag) = 1;
+  });
+  // The control last: the flag's copy on the shared stream again.
+  if (shared >= 0) {
+    reset(flag);
+    race("h2d on the shared stream again", a, flag, out, result, "pinned", [&] {
+      CHECK(cudaMemcpyAsync(flag, one, 4, cudaMemcpyHostToDevice, after[shared]));
+      CHECK(cudaStreamSynchronize(after[shared]));
+    });
+  }
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "queues") return queue_cases();
   // The child exports 4 MiB of device memory through a pipe before the parent touches CUDA
   // (a process must not fork after CUDA is initialised).
   int handle_pipe[2], done_pipe[2];

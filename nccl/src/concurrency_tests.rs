@@ -18,16 +18,16 @@ use std::time::{Duration, Instant};
 
 /// A handle as a plain number, so threads can share it.
 #[derive(Clone, Copy)]
-struct H(usize);
+pub(crate) struct H(usize);
 
 impl H {
-    fn get(self) -> Handle {
+    pub(crate) fn get(self) -> Handle {
         self.0 as Handle
     }
 }
 
 /// `n` ranks of one job over one host test GPU, each registered as a ready handle.
-fn host_comms(n: usize) -> Vec<H> {
+pub(crate) fn host_comms(n: usize) -> Vec<H> {
     let id = new_job_id().expect("job id");
     let gpu: Arc<dyn Gpu> = Arc::new(HostGpu::new());
     let joins: Vec<_> = (0..n)

@@ -42,4 +42,6 @@ pub mod registry;
 pub mod watchdog;
 
 #[cfg(test)]
+mod argument_tests;
+#[cfg(test)]
 mod concurrency_tests;
